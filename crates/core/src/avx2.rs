@@ -1,0 +1,239 @@
+//! AVX2 + FMA + F16C dot products. Each function is the SIMD twin of a `*_scalar` function in
+//! `quant.rs` with the same signature and is tested against it. They must only be called after
+//! `simd::level()` has confirmed the CPU features (see `matmul.rs`).
+//!
+//! One weight row is dotted with N activation rows at once: the weight block is loaded and its
+//! nibbles unpacked once, then reused for every token, which is what makes prefill (N = 4)
+//! cheaper per token than decode (N = 1).
+
+#![allow(clippy::missing_safety_doc)]
+
+use std::arch::x86_64::*;
+
+use crate::quant::{BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType};
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum(v: __m256) -> f32 {
+    let lo = _mm256_castps256_ps128(v);
+    let hi = _mm256_extractf128_ps(v, 1);
+    let s = _mm_add_ps(lo, hi);
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn half(bits: u16) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+/// 16 bytes of packed nibbles to 32 unsigned bytes in ggml's element order (low nibbles first).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn unpack_nibbles(qs: &[u8; 16]) -> __m256i {
+    let q = _mm_loadu_si128(qs.as_ptr() as *const __m128i);
+    let mask = _mm_set1_epi8(0x0F);
+    let lo = _mm_and_si128(q, mask);
+    let hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+    _mm256_set_m128i(hi, lo)
+}
+
+/// Integer dot of 32 unsigned weight bytes (< 128) with 32 signed activation bytes, as 8 f32 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_u8_i8(w: __m256i, a: &[i8; 32]) -> __m256 {
+    let av = _mm256_loadu_si256(a.as_ptr() as *const __m256i);
+    let p16 = _mm256_maddubs_epi16(w, av);
+    _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q4_0<const N: usize>(w: &[BlockQ4_0], a: [&[BlockQ8Act]; N]) -> [f32; N] {
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut offset = [0.0f32; N];
+    for (i, b) in w.iter().enumerate() {
+        let d = half(b.d);
+        let wq = unpack_nibbles(&b.qs);
+        for j in 0..N {
+            let ab = a[j].get_unchecked(i);
+            acc[j] = _mm256_fmadd_ps(dot_u8_i8(wq, &ab.qs), _mm256_set1_ps(d * ab.d), acc[j]);
+            // Q4_0 stores q + 8: remove 8 * sum(a) once per block.
+            offset[j] -= 8.0 * d * ab.s;
+        }
+    }
+    let mut out = [0.0f32; N];
+    for j in 0..N {
+        out[j] = hsum(acc[j]) + offset[j];
+    }
+    out
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q4_1<const N: usize>(w: &[BlockQ4_1], a: [&[BlockQ8Act]; N]) -> [f32; N] {
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut mins = [0.0f32; N];
+    for (i, b) in w.iter().enumerate() {
+        let d = half(b.d);
+        let m = half(b.m);
+        let wq = unpack_nibbles(&b.qs);
+        for j in 0..N {
+            let ab = a[j].get_unchecked(i);
+            acc[j] = _mm256_fmadd_ps(dot_u8_i8(wq, &ab.qs), _mm256_set1_ps(d * ab.d), acc[j]);
+            mins[j] += m * ab.s;
+        }
+    }
+    let mut out = [0.0f32; N];
+    for j in 0..N {
+        out[j] = hsum(acc[j]) + mins[j];
+    }
+    out
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q8_0<const N: usize>(w: &[BlockQ8_0], a: [&[BlockQ8Act]; N]) -> [f32; N] {
+    let mut acc = [_mm256_setzero_ps(); N];
+    let ones = _mm256_set1_epi16(1);
+    for (i, b) in w.iter().enumerate() {
+        let d = half(b.d);
+        let wq = _mm256_loadu_si256(b.qs.as_ptr() as *const __m256i);
+        // maddubs needs an unsigned operand: |w| times a with w's sign moved onto a.
+        let w_abs = _mm256_sign_epi8(wq, wq);
+        for j in 0..N {
+            let ab = a[j].get_unchecked(i);
+            let av = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
+            let a_signed = _mm256_sign_epi8(av, wq);
+            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, a_signed), ones);
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * ab.d), acc[j]);
+        }
+    }
+    let mut out = [0.0f32; N];
+    for j in 0..N {
+        out[j] = hsum(acc[j]);
+    }
+    out
+}
+
+/// Loads 8 weights of a float type as f32 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load8(dtype: DType, w: *const u8, k: usize) -> __m256 {
+    match dtype {
+        DType::F32 => _mm256_loadu_ps((w as *const f32).add(k)),
+        DType::F16 => _mm256_cvtph_ps(_mm_loadu_si128((w as *const u16).add(k) as *const __m128i)),
+        // bf16 is the top half of an f32: widen and shift left by 16.
+        _ => {
+            let h = _mm_loadu_si128((w as *const u16).add(k) as *const __m128i);
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_float<const N: usize>(dtype: DType, w: &[u8], a: [&[f32]; N]) -> [f32; N] {
+    let n = a[0].len();
+    debug_assert_eq!(w.len(), dtype.row_bytes(n));
+    let mut acc = [_mm256_setzero_ps(); N];
+    let wp = w.as_ptr();
+    let n8 = n / 8 * 8;
+    let mut k = 0;
+    while k < n8 {
+        let wv = load8(dtype, wp, k);
+        for j in 0..N {
+            acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(a[j].as_ptr().add(k)), acc[j]);
+        }
+        k += 8;
+    }
+    let mut out = [0.0f32; N];
+    for j in 0..N {
+        out[j] = hsum(acc[j]);
+    }
+    if n8 < n {
+        let mut tail = vec![0.0f32; n - n8];
+        let eb = dtype.block_bytes();
+        crate::quant::dequantize_row(dtype, &w[n8 * eb..], &mut tail);
+        for j in 0..N {
+            out[j] += tail.iter().zip(&a[j][n8..]).map(|(x, y)| x * y).sum::<f32>();
+        }
+    }
+    out
+}
+
+/// SIMD twin of `quantize_act`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn quantize_act(x: &[f32], out: &mut [BlockQ8Act]) {
+    let sign_mask = _mm256_set1_ps(-0.0);
+    for (blk, o) in x.chunks_exact(32).zip(out.iter_mut()) {
+        let p = blk.as_ptr();
+        let v = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))];
+        let mut m = _mm256_andnot_ps(sign_mask, v[0]);
+        for vi in &v[1..] {
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign_mask, *vi));
+        }
+        let m4 = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
+        let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        let m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        let amax = _mm_cvtss_f32(m4);
+        let d = amax / 127.0;
+        let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+        // Round half away from zero, like `f32::round` in the scalar twin.
+        let mut q = [_mm256_setzero_si256(); 4];
+        for k in 0..4 {
+            let s = _mm256_mul_ps(v[k], id);
+            let half_signed = _mm256_or_ps(_mm256_and_ps(s, sign_mask), _mm256_set1_ps(0.5));
+            q[k] = _mm256_cvttps_epi32(_mm256_add_ps(s, half_signed));
+        }
+        let sum_v = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        let s4 = _mm_add_epi32(_mm256_castsi256_si128(sum_v), _mm256_extracti128_si256(sum_v, 1));
+        let s4 = _mm_hadd_epi32(s4, s4);
+        let s4 = _mm_hadd_epi32(s4, s4);
+        let sum = _mm_cvtsi128_si32(s4);
+        // Pack 32 x i32 to 32 x i8; packs interleave 128-bit lanes, the permute restores order.
+        let p16a = _mm256_packs_epi32(q[0], q[1]);
+        let p16b = _mm256_packs_epi32(q[2], q[3]);
+        let p8 = _mm256_packs_epi16(p16a, p16b);
+        let p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(o.qs.as_mut_ptr() as *mut __m256i, p8);
+        o.d = d;
+        o.s = d * sum as f32;
+    }
+}
+
+/// f32 dot product (attention scores).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let mut acc0 = _mm256_setzero_ps();
+    let mut acc1 = _mm256_setzero_ps();
+    let mut k = 0;
+    while k + 16 <= n {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(k)), _mm256_loadu_ps(pb.add(k)), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(k + 8)), _mm256_loadu_ps(pb.add(k + 8)), acc1);
+        k += 16;
+    }
+    let mut s = hsum(_mm256_add_ps(acc0, acc1));
+    while k < n {
+        s += a[k] * b[k];
+        k += 1;
+    }
+    s
+}
+
+/// y += alpha * x (attention's weighted sum of values).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn axpy_f32(alpha: f32, x: &[f32], y: &mut [f32]) {
+    let n = x.len().min(y.len());
+    let (px, py) = (x.as_ptr(), y.as_mut_ptr());
+    let va = _mm256_set1_ps(alpha);
+    let mut k = 0;
+    while k + 8 <= n {
+        _mm256_storeu_ps(py.add(k), _mm256_fmadd_ps(va, _mm256_loadu_ps(px.add(k)), _mm256_loadu_ps(py.add(k))));
+        k += 8;
+    }
+    while k < n {
+        y[k] += alpha * x[k];
+        k += 1;
+    }
+}

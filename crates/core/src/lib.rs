@@ -1,0 +1,20 @@
+//! powerinfer-core: the engine without Python. GGUF loading (`gguf`), tensor formats and
+//! reference kernels (`quant`), SIMD kernels (`avx2`), threaded matrix products (`matmul`),
+//! LLaMA-family models (`model`), the forward pass and KV cache (`session`) and sampling
+//! (`sampler`).
+
+pub mod error;
+pub mod gguf;
+pub mod matmul;
+pub mod model;
+pub mod quant;
+pub mod sampler;
+pub mod session;
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx2;
+
+pub use error::{Error, Result};
+pub use model::{Config, Model};
+pub use sampler::{Sampler, SamplingParams};
+pub use session::Session;

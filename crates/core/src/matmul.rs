@@ -1,0 +1,360 @@
+//! Matrix products of file-format weights with activations: the one place that picks the SIMD
+//! level and splits work across rayon threads. Kernels (`quant.rs`, `avx2.rs`) take slices and
+//! know nothing about threads, so the pool can change without touching them.
+//!
+//! `y = x @ W^T` with W stored row-major as (rows, cols) in its file format and x as (n, cols).
+//! Decode is n = 1 (matrix-vector); prefill multiplies all prompt tokens at once, four tokens per
+//! weight-row pass so each unpacked weight block is reused.
+
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+use crate::quant::{self, cast_blocks, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SimdLevel {
+    Scalar,
+    Avx2,
+}
+
+/// Best instruction set on this CPU, decided once. `POWERINFER_SIMD=scalar` forces the reference
+/// kernels (for checking results and measuring what SIMD buys).
+pub fn simd_level() -> SimdLevel {
+    static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        if std::env::var("POWERINFER_SIMD").map(|v| v == "scalar").unwrap_or(false) {
+            return SimdLevel::Scalar;
+        }
+        detect()
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detect() -> SimdLevel {
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+        SimdLevel::Avx2
+    } else {
+        SimdLevel::Scalar
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn detect() -> SimdLevel {
+    SimdLevel::Scalar
+}
+
+/// A weight matrix in its file format: `rows` rows of `cols` elements, row-major.
+#[derive(Clone, Copy)]
+pub struct QMatrix<'a> {
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+    pub data: &'a [u8],
+}
+
+impl<'a> QMatrix<'a> {
+    pub fn row_bytes(&self) -> usize {
+        self.dtype.row_bytes(self.cols)
+    }
+
+    pub fn row(&self, r: usize) -> &'a [u8] {
+        let rb = self.row_bytes();
+        &self.data[r * rb..(r + 1) * rb]
+    }
+
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        quant::dequantize_row(self.dtype, self.row(r), &mut out[..self.cols]);
+    }
+}
+
+/// A batch of activation rows (n, cols) held both as f32 (for float weights) and as int8 blocks
+/// (for quantized weights). Reused across calls to avoid per-token allocation.
+#[derive(Default)]
+pub struct Activations {
+    pub n: usize,
+    pub cols: usize,
+    pub f32s: Vec<f32>,
+    pub q8: Vec<BlockQ8Act>,
+}
+
+impl Activations {
+    /// Loads `x` (n, cols) and quantizes it; `cols` must be a multiple of 32 when quantized
+    /// weights will read it (the model loader guarantees that).
+    pub fn set(&mut self, x: &[f32], n: usize, cols: usize) {
+        assert_eq!(x.len(), n * cols);
+        self.n = n;
+        self.cols = cols;
+        self.f32s.clear();
+        self.f32s.extend_from_slice(x);
+        if cols % QK == 0 {
+            let nb = cols / QK;
+            self.q8.resize(n * nb, BlockQ8Act::default());
+            let level = simd_level();
+            self.q8.par_chunks_mut(nb * 16).zip(x.par_chunks(cols * 16)).for_each(|(q, xs)| match level {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
+                SimdLevel::Avx2 => unsafe { crate::avx2::quantize_act(xs, q) },
+                _ => quant::quantize_act(xs, q),
+            });
+        } else {
+            self.q8.clear();
+        }
+    }
+
+    fn f32_row(&self, t: usize) -> &[f32] {
+        &self.f32s[t * self.cols..(t + 1) * self.cols]
+    }
+
+    fn q8_row(&self, t: usize) -> &[BlockQ8Act] {
+        let nb = self.cols / QK;
+        &self.q8[t * nb..(t + 1) * nb]
+    }
+}
+
+/// Dot of weight row `r` with N activation rows, at the given SIMD level.
+#[inline]
+fn dot_row<const N: usize>(w: &QMatrix, r: usize, x: &Activations, t: [usize; N], level: SimdLevel) -> [f32; N] {
+    let bytes = w.row(r);
+    match w.dtype {
+        DType::F32 | DType::F16 | DType::BF16 => {
+            let a = t.map(|ti| x.f32_row(ti));
+            match level {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
+                SimdLevel::Avx2 => unsafe { crate::avx2::dot_float(w.dtype, bytes, a) },
+                _ => quant::dot_float_scalar(w.dtype, bytes, a),
+            }
+        }
+        DType::Q4_0 => {
+            let (b, a) = (cast_blocks::<BlockQ4_0>(bytes), t.map(|ti| x.q8_row(ti)));
+            match level {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: as above.
+                SimdLevel::Avx2 => unsafe { crate::avx2::dot_q4_0(b, a) },
+                _ => quant::dot_q4_0_scalar(b, a),
+            }
+        }
+        DType::Q4_1 => {
+            let (b, a) = (cast_blocks::<BlockQ4_1>(bytes), t.map(|ti| x.q8_row(ti)));
+            match level {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: as above.
+                SimdLevel::Avx2 => unsafe { crate::avx2::dot_q4_1(b, a) },
+                _ => quant::dot_q4_1_scalar(b, a),
+            }
+        }
+        DType::Q8_0 => {
+            let (b, a) = (cast_blocks::<BlockQ8_0>(bytes), t.map(|ti| x.q8_row(ti)));
+            match level {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: as above.
+                SimdLevel::Avx2 => unsafe { crate::avx2::dot_q8_0(b, a) },
+                _ => quant::dot_q8_0_scalar(b, a),
+            }
+        }
+    }
+}
+
+/// f32 dot product at the best SIMD level.
+pub fn vec_dot(a: &[f32], b: &[f32]) -> f32 {
+    match simd_level() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
+        SimdLevel::Avx2 => unsafe { crate::avx2::dot_f32(a, b) },
+        _ => a.iter().zip(b).map(|(x, y)| x * y).sum(),
+    }
+}
+
+/// y += alpha * x at the best SIMD level.
+pub fn vec_axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
+    match simd_level() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        SimdLevel::Avx2 => unsafe { crate::avx2::axpy_f32(alpha, x, y) },
+        _ => y.iter_mut().zip(x).for_each(|(yi, xi)| *yi += alpha * xi),
+    }
+}
+
+/// Raw output pointer shared by tasks that write disjoint elements.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: every task writes a disjoint set of (token, row) cells; see `matmul_many`.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+/// Several products that share one input, in one parallel pass (e.g. q, k and v):
+/// `outs[i]` (n, mats[i].rows) = x (n, cols) @ mats[i]^T. One pass means one fork/join for all.
+pub fn matmul_many(mats: &[QMatrix], x: &Activations, outs: &mut [&mut [f32]]) {
+    assert_eq!(mats.len(), outs.len());
+    let n = x.n;
+    for (m, o) in mats.iter().zip(outs.iter()) {
+        assert_eq!(m.cols, x.cols, "matmul: weight has {} columns, input has {}", m.cols, x.cols);
+        assert_eq!(o.len(), n * m.rows, "matmul: output buffer has the wrong size");
+        if m.dtype.is_quantized() {
+            assert_eq!(x.q8.len(), n * x.cols / QK);
+        }
+    }
+    let threads = rayon::current_num_threads().max(1);
+    let total_rows: usize = mats.iter().map(|m| m.rows).sum();
+    // Enough chunks for load balance, few enough that per-task overhead stays small.
+    let target_chunks = threads * if n == 1 { 8 } else { 16 };
+    let chunk = (total_rows.div_ceil(target_chunks)).clamp(4, 4096).next_multiple_of(4);
+    let mut tasks: Vec<(usize, usize, usize)> = Vec::new(); // (matrix, row start, row end)
+    for (i, m) in mats.iter().enumerate() {
+        let mut r = 0;
+        while r < m.rows {
+            let e = (r + chunk).min(m.rows);
+            tasks.push((i, r, e));
+            r = e;
+        }
+    }
+    let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr())).collect();
+    let level = simd_level();
+    tasks.par_iter().for_each(|&(i, r0, r1)| {
+        let w = &mats[i];
+        let out = ptrs[i];
+        let rows = w.rows;
+        // SAFETY: this task alone writes rows r0..r1 of matrix i, for every token; the
+        // buffer length n * rows was asserted above.
+        let put = |t: usize, r: usize, v: f32| unsafe { *out.0.add(t * rows + r) = v };
+        let mut t = 0;
+        while t + 4 <= n {
+            for r in r0..r1 {
+                let v = dot_row(w, r, x, [t, t + 1, t + 2, t + 3], level);
+                for (k, vk) in v.into_iter().enumerate() {
+                    put(t + k, r, vk);
+                }
+            }
+            t += 4;
+        }
+        while t < n {
+            for r in r0..r1 {
+                put(t, r, dot_row(w, r, x, [t], level)[0]);
+            }
+            t += 1;
+        }
+    });
+}
+
+pub fn matmul(w: &QMatrix, x: &Activations, out: &mut [f32]) {
+    matmul_many(std::slice::from_ref(w), x, &mut [out]);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{dequantize_row, quantize_row};
+
+    fn random_vec(n: usize, seed: u64) -> Vec<f32> {
+        let mut rng = crate::sampler::Rng::new(seed);
+        (0..n).map(|_| rng.next_f32() * 2.0 - 1.0).collect()
+    }
+
+    const ALL: [DType; 6] = [DType::F32, DType::F16, DType::BF16, DType::Q4_0, DType::Q4_1, DType::Q8_0];
+
+    /// Every SIMD dot must agree with its scalar twin on random data (same quantized inputs, so
+    /// only float summation order differs).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_dots_match_scalar() {
+        if detect() != SimdLevel::Avx2 {
+            eprintln!("skipping: no AVX2 on this CPU");
+            return;
+        }
+        for cols in [32, 64, 96, 576, 1536] {
+            let x_f = random_vec(cols * 4, cols as u64);
+            let mut x = Activations::default();
+            x.set(&x_f, 4, cols);
+            for dtype in ALL {
+                let w_f = random_vec(cols * 3, 7 + cols as u64);
+                let data: Vec<u8> = w_f.chunks(cols).flat_map(|r| quantize_row(dtype, r)).collect();
+                let w = QMatrix { dtype, rows: 3, cols, data: &data };
+                for r in 0..3 {
+                    let s1 = dot_row(&w, r, &x, [0], SimdLevel::Scalar);
+                    let v1 = dot_row(&w, r, &x, [0], SimdLevel::Avx2);
+                    let s4 = dot_row(&w, r, &x, [0, 1, 2, 3], SimdLevel::Scalar);
+                    let v4 = dot_row(&w, r, &x, [0, 1, 2, 3], SimdLevel::Avx2);
+                    let tol = 1e-4 * (cols as f32).sqrt();
+                    assert!((s1[0] - v1[0]).abs() <= tol, "{dtype:?} cols {cols}: {} vs {}", s1[0], v1[0]);
+                    for k in 0..4 {
+                        assert!((s4[k] - v4[k]).abs() <= tol, "{dtype:?} x4 cols {cols} k {k}");
+                        assert!((s4[k] - dot_row(&w, r, &x, [k], SimdLevel::Scalar)[0]).abs() <= 1e-5);
+                    }
+                }
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_activation_quantization_matches_scalar() {
+        if detect() != SimdLevel::Avx2 {
+            return;
+        }
+        let mut x = random_vec(32 * 50, 11);
+        x[5] = 0.0;
+        x[32..64].iter_mut().for_each(|v| *v = 0.0); // an all-zero block
+        let mut a = vec![BlockQ8Act::default(); 50];
+        let mut b = vec![BlockQ8Act::default(); 50];
+        quant::quantize_act(&x, &mut a);
+        unsafe { crate::avx2::quantize_act(&x, &mut b) };
+        for (p, q) in a.iter().zip(&b) {
+            assert_eq!(p.d, q.d);
+            for (u, v) in p.qs.iter().zip(q.qs.iter()) {
+                // Ties may round differently in the last bit of the product; never more than 1.
+                assert!((*u as i32 - *v as i32).abs() <= 1);
+            }
+            let s: i32 = q.qs.iter().map(|&v| v as i32).sum();
+            assert!((q.s - q.d * s as f32).abs() <= 1e-5 * q.d.max(1.0) * 32.0);
+        }
+    }
+
+    #[test]
+    fn vector_kernels_match_scalar() {
+        let a = random_vec(77, 31);
+        let b = random_vec(77, 32);
+        let exact: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+        assert!((vec_dot(&a, &b) - exact).abs() < 1e-5);
+        let mut y1 = b.clone();
+        vec_axpy(0.7, &a, &mut y1);
+        for k in 0..77 {
+            assert!((y1[k] - (b[k] + 0.7 * a[k])).abs() < 1e-6);
+        }
+    }
+
+    /// Parallel matmul (any n, any thread split) equals a float64 product of the dequantized
+    /// weights with the activations, within the int8 activation rounding.
+    #[test]
+    fn matmul_matches_float64_reference() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        for dtype in ALL {
+            for n in [1, 3, 4, 9] {
+                let (rows, cols) = (37, 96);
+                let w_f = random_vec(rows * cols, 21);
+                let data: Vec<u8> = w_f.chunks(cols).flat_map(|r| quantize_row(dtype, r)).collect();
+                let w = QMatrix { dtype, rows, cols, data: &data };
+                let x_f = random_vec(n * cols, 22 + n as u64);
+                let mut x = Activations::default();
+                x.set(&x_f, n, cols);
+                let mut out = vec![0.0; n * rows];
+                pool.install(|| matmul(&w, &x, &mut out));
+                let mut wr = vec![0.0; cols];
+                for r in 0..rows {
+                    dequantize_row(dtype, w.row(r), &mut wr);
+                    for t in 0..n {
+                        let xr = &x_f[t * cols..(t + 1) * cols];
+                        let exact: f64 = wr.iter().zip(xr).map(|(a, b)| *a as f64 * *b as f64).sum();
+                        let tol = if dtype.is_quantized() {
+                            wr.iter().map(|v| v.abs() as f64).sum::<f64>() / 127.0 * 0.5 + 1e-4
+                        } else {
+                            1e-4
+                        };
+                        let got = out[t * rows + r] as f64;
+                        assert!((got - exact).abs() <= tol, "{dtype:?} n={n} r={r} t={t}: {got} vs {exact}");
+                    }
+                }
+            }
+        }
+    }
+}

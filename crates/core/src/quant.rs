@@ -1,0 +1,423 @@
+//! Tensor formats: ggml type ids, quant block layouts (bit-exact with ggml), quantize/dequantize,
+//! and the scalar reference dot products that every SIMD kernel is tested against.
+//!
+//! Weights keep their file format; activations are quantized per 32-element block to `BlockQ8Act`
+//! (int8 with an f32 scale and the scaled block sum) so quantized weights can use integer dot
+//! products, as llama.cpp does with its q8_0/q8_1 activation blocks.
+
+use half::{bf16, f16};
+
+pub const QK: usize = 32;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+    Q4_0,
+    Q4_1,
+    Q8_0,
+}
+
+impl DType {
+    pub fn from_id(id: u32) -> Option<DType> {
+        Some(match id {
+            0 => DType::F32,
+            1 => DType::F16,
+            2 => DType::Q4_0,
+            3 => DType::Q4_1,
+            8 => DType::Q8_0,
+            30 => DType::BF16,
+            _ => return None,
+        })
+    }
+
+    pub fn id(self) -> u32 {
+        match self {
+            DType::F32 => 0,
+            DType::F16 => 1,
+            DType::Q4_0 => 2,
+            DType::Q4_1 => 3,
+            DType::Q8_0 => 8,
+            DType::BF16 => 30,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "F32",
+            DType::F16 => "F16",
+            DType::BF16 => "BF16",
+            DType::Q4_0 => "Q4_0",
+            DType::Q4_1 => "Q4_1",
+            DType::Q8_0 => "Q8_0",
+        }
+    }
+
+    /// Elements per block.
+    pub fn block_len(self) -> usize {
+        match self {
+            DType::F32 | DType::F16 | DType::BF16 => 1,
+            _ => QK,
+        }
+    }
+
+    pub fn block_bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            DType::Q4_0 => std::mem::size_of::<BlockQ4_0>(),
+            DType::Q4_1 => std::mem::size_of::<BlockQ4_1>(),
+            DType::Q8_0 => std::mem::size_of::<BlockQ8_0>(),
+        }
+    }
+
+    pub fn row_bytes(self, n: usize) -> usize {
+        n / self.block_len() * self.block_bytes()
+    }
+
+    /// Quantized weight types take int8 activations; float types take f32 activations.
+    pub fn is_quantized(self) -> bool {
+        matches!(self, DType::Q4_0 | DType::Q4_1 | DType::Q8_0)
+    }
+}
+
+/// Name of any ggml type id, including ones we cannot compute with (for error messages and `info`).
+pub fn type_name(id: u32) -> String {
+    const NAMES: [&str; 40] = [
+        "F32", "F16", "Q4_0", "Q4_1", "Q4_2", "Q4_3", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "Q2_K", "Q3_K", "Q4_K",
+        "Q5_K", "Q6_K", "Q8_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS",
+        "I8", "I16", "I32", "I64", "F64", "IQ1_M", "BF16", "Q4_0_4_4", "Q4_0_4_8", "Q4_0_8_8", "TQ1_0", "TQ2_0",
+        "IQ4_NL_4_4", "IQ4_NL_4_8", "IQ4_NL_8_8", "MXFP4",
+    ];
+    NAMES.get(id as usize).map(|s| s.to_string()).unwrap_or_else(|| format!("type#{id}"))
+}
+
+/// ggml block_q4_0: 32 weights = d * (q - 8), q in 0..16. Element j<16 is the low nibble of
+/// qs[j], element j>=16 the high nibble of qs[j-16].
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct BlockQ4_0 {
+    pub d: u16, // f16
+    pub qs: [u8; QK / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ4_0>() == 18);
+
+/// ggml block_q4_1: 32 weights = d * q + m, q in 0..16, same nibble order as Q4_0.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct BlockQ4_1 {
+    pub d: u16, // f16
+    pub m: u16, // f16
+    pub qs: [u8; QK / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ4_1>() == 20);
+
+/// ggml block_q8_0: 32 weights = d * q, q in -127..=127.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct BlockQ8_0 {
+    pub d: u16, // f16
+    pub qs: [i8; QK],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ8_0>() == 34);
+
+/// Activation block: 32 values = d * q, plus s = d * sum(q), which lets Q4_0's offset (-8) and
+/// Q4_1's minimum be applied once per block instead of per element. Scales are f32 (ggml's
+/// q8_1 uses f16), so the activation side adds no rounding beyond the int8 step.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct BlockQ8Act {
+    pub d: f32,
+    pub s: f32,
+    pub qs: [i8; QK],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ8Act>() == 40);
+
+impl Default for BlockQ8Act {
+    fn default() -> Self {
+        BlockQ8Act { d: 0.0, s: 0.0, qs: [0; QK] }
+    }
+}
+
+#[inline]
+pub fn f16_to_f32(bits: u16) -> f32 {
+    f16::from_bits(bits).to_f32()
+}
+
+#[inline]
+pub fn f32_to_f16(v: f32) -> u16 {
+    f16::from_f32(v).to_bits()
+}
+
+/// Reinterprets raw tensor bytes as blocks. The GGUF reader guarantees the length is a whole
+/// number of blocks; alignment is checked here because the cast needs it.
+pub fn cast_blocks<T>(bytes: &[u8]) -> &[T] {
+    let size = std::mem::size_of::<T>();
+    assert!(bytes.len() % size == 0, "byte length is not a whole number of blocks");
+    assert!(bytes.as_ptr() as usize % std::mem::align_of::<T>() == 0, "misaligned block data");
+    // SAFETY: length and alignment checked above; every T here is plain old data (integers).
+    unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / size) }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dequantization (any supported type to f32)
+
+/// Decodes one row of `n` elements of type `dtype` from `bytes` into `out[..n]`.
+pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {
+    let n = out.len();
+    match dtype {
+        DType::F32 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes(c.try_into().unwrap());
+            }
+        }
+        DType::F16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f16_to_f32(u16::from_le_bytes([c[0], c[1]]));
+            }
+        }
+        DType::BF16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32();
+            }
+        }
+        DType::Q4_0 => {
+            for (b, o) in cast_blocks::<BlockQ4_0>(&bytes[..dtype.row_bytes(n)]).iter().zip(out.chunks_exact_mut(QK)) {
+                let d = f16_to_f32(b.d);
+                for j in 0..QK / 2 {
+                    o[j] = ((b.qs[j] & 0x0F) as i32 - 8) as f32 * d;
+                    o[j + QK / 2] = ((b.qs[j] >> 4) as i32 - 8) as f32 * d;
+                }
+            }
+        }
+        DType::Q4_1 => {
+            for (b, o) in cast_blocks::<BlockQ4_1>(&bytes[..dtype.row_bytes(n)]).iter().zip(out.chunks_exact_mut(QK)) {
+                let (d, m) = (f16_to_f32(b.d), f16_to_f32(b.m));
+                for j in 0..QK / 2 {
+                    o[j] = (b.qs[j] & 0x0F) as f32 * d + m;
+                    o[j + QK / 2] = (b.qs[j] >> 4) as f32 * d + m;
+                }
+            }
+        }
+        DType::Q8_0 => {
+            for (b, o) in cast_blocks::<BlockQ8_0>(&bytes[..dtype.row_bytes(n)]).iter().zip(out.chunks_exact_mut(QK)) {
+                let d = f16_to_f32(b.d);
+                for j in 0..QK {
+                    o[j] = b.qs[j] as f32 * d;
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Quantization (f32 to a weight type), following ggml's reference quantizers bit for bit so
+// files we write read the same in llama.cpp.
+
+pub fn quantize_row(dtype: DType, x: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(dtype.row_bytes(x.len()));
+    match dtype {
+        DType::F32 => x.iter().for_each(|v| out.extend(v.to_le_bytes())),
+        DType::F16 => x.iter().for_each(|v| out.extend(f32_to_f16(*v).to_le_bytes())),
+        DType::BF16 => x.iter().for_each(|v| out.extend(bf16::from_f32(*v).to_bits().to_le_bytes())),
+        DType::Q4_0 => {
+            for blk in x.chunks_exact(QK) {
+                let max = blk.iter().copied().fold(0.0f32, |m, v| if v.abs() > m.abs() { v } else { m });
+                let d = max / -8.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                out.extend(f32_to_f16(d).to_le_bytes());
+                for j in 0..QK / 2 {
+                    let q0 = ((blk[j] * id + 8.5) as i8).min(15) as u8;
+                    let q1 = ((blk[j + QK / 2] * id + 8.5) as i8).min(15) as u8;
+                    out.push(q0 | (q1 << 4));
+                }
+            }
+        }
+        DType::Q4_1 => {
+            for blk in x.chunks_exact(QK) {
+                let min = blk.iter().copied().fold(f32::INFINITY, f32::min);
+                let max = blk.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let d = (max - min) / 15.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                out.extend(f32_to_f16(d).to_le_bytes());
+                out.extend(f32_to_f16(min).to_le_bytes());
+                for j in 0..QK / 2 {
+                    let q0 = (((blk[j] - min) * id + 0.5) as i8).min(15) as u8;
+                    let q1 = (((blk[j + QK / 2] - min) * id + 0.5) as i8).min(15) as u8;
+                    out.push(q0 | (q1 << 4));
+                }
+            }
+        }
+        DType::Q8_0 => {
+            for blk in x.chunks_exact(QK) {
+                let amax = blk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                let d = amax / 127.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                out.extend(f32_to_f16(d).to_le_bytes());
+                for &v in blk {
+                    out.push((v * id).round() as i8 as u8);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Quantizes activations `x` (length a multiple of 32) into int8 blocks.
+pub fn quantize_act(x: &[f32], out: &mut [BlockQ8Act]) {
+    for (blk, o) in x.chunks_exact(QK).zip(out.iter_mut()) {
+        let amax = blk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, &v) in o.qs.iter_mut().zip(blk) {
+            *q = (v * id).round() as i8;
+            sum += *q as i32;
+        }
+        o.d = d;
+        o.s = d * sum as f32;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scalar reference dot products: one weight row against N activation rows at once (N tokens).
+
+pub fn dot_q4_0_scalar<const N: usize>(w: &[BlockQ4_0], a: [&[BlockQ8Act]; N]) -> [f32; N] {
+    let mut out = [0.0f32; N];
+    for (j, aj) in a.iter().enumerate() {
+        let mut sum = 0.0f32;
+        for (b, ab) in w.iter().zip(aj.iter()) {
+            let mut isum = 0i32;
+            for k in 0..QK / 2 {
+                isum += (b.qs[k] & 0x0F) as i32 * ab.qs[k] as i32;
+                isum += (b.qs[k] >> 4) as i32 * ab.qs[k + QK / 2] as i32;
+            }
+            let d = f16_to_f32(b.d);
+            // sum((q - 8) * a) = sum(q * a) - 8 * sum(a)
+            sum += d * (ab.d * isum as f32) - 8.0 * d * ab.s;
+        }
+        out[j] = sum;
+    }
+    out
+}
+
+pub fn dot_q4_1_scalar<const N: usize>(w: &[BlockQ4_1], a: [&[BlockQ8Act]; N]) -> [f32; N] {
+    let mut out = [0.0f32; N];
+    for (j, aj) in a.iter().enumerate() {
+        let mut sum = 0.0f32;
+        for (b, ab) in w.iter().zip(aj.iter()) {
+            let mut isum = 0i32;
+            for k in 0..QK / 2 {
+                isum += (b.qs[k] & 0x0F) as i32 * ab.qs[k] as i32;
+                isum += (b.qs[k] >> 4) as i32 * ab.qs[k + QK / 2] as i32;
+            }
+            sum += f16_to_f32(b.d) * ab.d * isum as f32 + f16_to_f32(b.m) * ab.s;
+        }
+        out[j] = sum;
+    }
+    out
+}
+
+pub fn dot_q8_0_scalar<const N: usize>(w: &[BlockQ8_0], a: [&[BlockQ8Act]; N]) -> [f32; N] {
+    let mut out = [0.0f32; N];
+    for (j, aj) in a.iter().enumerate() {
+        let mut sum = 0.0f32;
+        for (b, ab) in w.iter().zip(aj.iter()) {
+            let isum: i32 = b.qs.iter().zip(ab.qs.iter()).map(|(&x, &y)| x as i32 * y as i32).sum();
+            sum += f16_to_f32(b.d) * ab.d * isum as f32;
+        }
+        out[j] = sum;
+    }
+    out
+}
+
+/// Float weight rows (F32/F16/BF16 as raw little-endian bytes) against f32 activations.
+pub fn dot_float_scalar<const N: usize>(dtype: DType, w: &[u8], a: [&[f32]; N]) -> [f32; N] {
+    let mut out = [0.0f32; N];
+    let n = a[0].len();
+    let mut row = vec![0.0f32; n];
+    dequantize_row(dtype, w, &mut row);
+    for (j, aj) in a.iter().enumerate() {
+        out[j] = row.iter().zip(aj.iter()).map(|(x, y)| x * y).sum();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn random_vec(n: usize, seed: u64) -> Vec<f32> {
+        let mut rng = crate::sampler::Rng::new(seed);
+        (0..n).map(|_| rng.next_f32() * 2.0 - 1.0).collect()
+    }
+
+    #[test]
+    fn quantize_dequantize_round_trip_within_step() {
+        let x = random_vec(32 * 64, 1);
+        for (dtype, tol) in [
+            (DType::F32, 0.0),
+            (DType::F16, 1e-3),
+            (DType::BF16, 8e-3),
+            (DType::Q8_0, 1.0 / 127.0 * 0.51 + 1e-3),
+            (DType::Q4_1, 2.0 / 15.0 * 0.51 + 2e-3),
+            // The side opposite the largest value clamps at q = 15: up to one full step.
+            (DType::Q4_0, 1.0 / 8.0 + 2e-3),
+        ] {
+            let q = quantize_row(dtype, &x);
+            assert_eq!(q.len(), dtype.row_bytes(x.len()));
+            let mut y = vec![0.0; x.len()];
+            dequantize_row(dtype, &q, &mut y);
+            let max_err = x.iter().zip(&y).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+            assert!(max_err <= tol, "{dtype:?}: max error {max_err} > {tol}");
+        }
+    }
+
+    #[test]
+    fn quantize_matches_ggml_reference_values() {
+        // Q4_0 of 0..32 scaled: max |x| is the last element (31), d = -31/8, and it maps to q=0.
+        let x: Vec<f32> = (0..32).map(|i| i as f32).collect();
+        let q = quantize_row(DType::Q4_0, &x);
+        assert_eq!(f16_to_f32(u16::from_le_bytes([q[0], q[1]])), f16::from_f32(-31.0 / 8.0).to_f32());
+        assert_eq!(q[2 + 15] >> 4, 0); // element 31
+        assert_eq!(q[2] & 0x0F, 8); // element 0
+    }
+
+    #[test]
+    fn activation_round_trip() {
+        let x = random_vec(32 * 8, 2);
+        let mut blocks = vec![BlockQ8Act::default(); 8];
+        quantize_act(&x, &mut blocks);
+        for (b, xb) in blocks.iter().zip(x.chunks(32)) {
+            let s: i32 = b.qs.iter().map(|&q| q as i32).sum();
+            assert!((b.s - b.d * s as f32).abs() < 1e-6);
+            for (q, v) in b.qs.iter().zip(xb) {
+                assert!((*q as f32 * b.d - v).abs() <= b.d * 0.5 + 1e-6);
+            }
+        }
+    }
+
+    #[test]
+    fn scalar_quantized_dot_matches_float_dot() {
+        let n = 32 * 20;
+        let w = random_vec(n, 3);
+        let a = random_vec(n, 4);
+        let mut ab = vec![BlockQ8Act::default(); n / 32];
+        quantize_act(&a, &mut ab);
+        for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+            let q = quantize_row(dtype, &w);
+            let mut wd = vec![0.0; n];
+            dequantize_row(dtype, &q, &mut wd);
+            let exact: f64 = wd.iter().zip(&a).map(|(x, y)| *x as f64 * *y as f64).sum();
+            let got = match dtype {
+                DType::Q4_0 => dot_q4_0_scalar(cast_blocks(&q), [&ab])[0],
+                DType::Q4_1 => dot_q4_1_scalar(cast_blocks(&q), [&ab])[0],
+                _ => dot_q8_0_scalar(cast_blocks(&q), [&ab])[0],
+            };
+            // Only the activation's int8 rounding separates the two: bounded by sum |w| * d_a / 2.
+            let bound: f64 = wd.iter().map(|v| v.abs() as f64).sum::<f64>() * (1.0 / 127.0) * 0.5 + 1e-4;
+            assert!((got as f64 - exact).abs() < bound, "{dtype:?}: {got} vs {exact}");
+        }
+    }
+}
