@@ -1,3 +1,330 @@
+//! Python bindings (`powerinfer_rs._core`): thin wrappers over powerinfer-core. Every heavy call
+//! releases the GIL; every error becomes a Python exception, and a panic in the core is caught
+//! here and raised as RuntimeError rather than crossing into Python as PanicException.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
+use powerinfer_core::gguf::{GgufFile as CoreGguf, Magic, Value};
+use powerinfer_core::{Error, Model, Sampler, SamplingParams, Session};
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyFileNotFoundError, PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+create_exception!(_core, GGUFError, PyValueError, "The file is not a well-formed GGUF file.");
+create_exception!(_core, ModelError, PyValueError, "The GGUF file does not hold a model this engine can run.");
+create_exception!(_core, ContextLengthError, PyValueError, "The tokens do not fit in the context window.");
+create_exception!(_core, CudaUnavailableError, PyException, "No usable CUDA driver or device.");
+
+fn to_py(e: Error) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        Error::FileNotFound(_) => PyFileNotFoundError::new_err(msg),
+        Error::Io { .. } => PyOSError::new_err(msg),
+        Error::Format(_) => GGUFError::new_err(msg),
+        Error::UnsupportedType { .. } | Error::UnknownArchitecture(_) | Error::Model(_) => ModelError::new_err(msg),
+        Error::ContextOverflow { .. } => ContextLengthError::new_err(msg),
+        Error::InvalidArgument(_) => PyValueError::new_err(msg),
+    }
+}
+
+/// Runs `f` without the GIL and turns a panic into RuntimeError.
+fn compute<T: Send>(py: Python<'_>, f: impl FnOnce() -> Result<T, Error> + Send) -> PyResult<T> {
+    py.detach(|| catch_unwind(AssertUnwindSafe(f)))
+        .map_err(|p| {
+            let what = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            PyRuntimeError::new_err(format!("internal error in powerinfer-rs core: {what}"))
+        })?
+        .map_err(to_py)
+}
+
+fn value_to_py<'py>(py: Python<'py>, v: &Value) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match v {
+        Value::U8(x) => x.into_pyobject(py)?.into_any(),
+        Value::I8(x) => x.into_pyobject(py)?.into_any(),
+        Value::U16(x) => x.into_pyobject(py)?.into_any(),
+        Value::I16(x) => x.into_pyobject(py)?.into_any(),
+        Value::U32(x) => x.into_pyobject(py)?.into_any(),
+        Value::I32(x) => x.into_pyobject(py)?.into_any(),
+        Value::U64(x) => x.into_pyobject(py)?.into_any(),
+        Value::I64(x) => x.into_pyobject(py)?.into_any(),
+        Value::F32(x) => x.into_pyobject(py)?.into_any(),
+        Value::F64(x) => x.into_pyobject(py)?.into_any(),
+        Value::Bool(x) => x.into_pyobject(py)?.to_owned().into_any(),
+        Value::Str(s) => s.into_pyobject(py)?.into_any(),
+        Value::Array(items) => {
+            let list = PyList::empty(py);
+            for it in items {
+                list.append(value_to_py(py, it)?)?;
+            }
+            list.into_any()
+        }
+    })
+}
+
+fn metadata_dict<'py>(py: Python<'py>, f: &CoreGguf) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for (k, v) in &f.metadata {
+        d.set_item(k, value_to_py(py, v)?)?;
+    }
+    Ok(d)
+}
+
+fn tensor_list<'py>(py: Python<'py>, f: &CoreGguf) -> PyResult<Bound<'py, PyList>> {
+    let list = PyList::empty(py);
+    for t in &f.tensors {
+        let d = PyDict::new(py);
+        d.set_item("name", &t.name)?;
+        d.set_item("type", t.type_name())?;
+        d.set_item("shape", t.shape())?;
+        d.set_item("offset", f.data_offset + t.offset)?;
+        d.set_item("n_bytes", t.n_bytes)?;
+        list.append(d)?;
+    }
+    Ok(list)
+}
+
+fn magic_name(m: Magic) -> &'static str {
+    match m {
+        Magic::Gguf => "GGUF",
+        Magic::Powerinfer => "PWRI",
+    }
+}
+
+/// A GGUF file opened for inspection only (works for any architecture or tensor type).
+#[pyclass(frozen, module = "powerinfer_rs._core")]
+struct GgufFile {
+    inner: CoreGguf,
+}
+
+#[pymethods]
+impl GgufFile {
+    #[new]
+    fn new(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
+        Ok(GgufFile { inner: compute(py, || CoreGguf::open(&path))? })
+    }
+    #[getter]
+    fn magic(&self) -> &'static str {
+        magic_name(self.inner.magic)
+    }
+    #[getter]
+    fn version(&self) -> u32 {
+        self.inner.version
+    }
+    #[getter]
+    fn file_size(&self) -> u64 {
+        self.inner.file_size()
+    }
+    fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        metadata_dict(py, &self.inner)
+    }
+    fn tensors<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        tensor_list(py, &self.inner)
+    }
+}
+
+/// A loaded model: immutable, shared by any number of sessions and threads.
+#[pyclass(frozen, name = "Model", module = "powerinfer_rs._core")]
+struct PyModel {
+    inner: Arc<Model>,
+}
+
+#[pymethods]
+impl PyModel {
+    #[new]
+    #[pyo3(signature = (path, threads = 0))]
+    fn new(py: Python<'_>, path: PathBuf, threads: usize) -> PyResult<Self> {
+        let model = compute(py, || Model::load(&path, threads))?;
+        Ok(PyModel { inner: Arc::new(model) })
+    }
+
+    #[getter]
+    fn n_threads(&self) -> usize {
+        self.inner.n_threads()
+    }
+
+    #[getter]
+    fn magic(&self) -> &'static str {
+        magic_name(self.inner.file.magic)
+    }
+
+    /// Hyper-parameters as a dict.
+    fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = &self.inner.config;
+        let d = PyDict::new(py);
+        d.set_item("architecture", &c.architecture)?;
+        d.set_item("n_vocab", c.n_vocab)?;
+        d.set_item("n_embd", c.n_embd)?;
+        d.set_item("n_layer", c.n_layer)?;
+        d.set_item("n_ff", c.n_ff)?;
+        d.set_item("n_head", c.n_head)?;
+        d.set_item("n_head_kv", c.n_head_kv)?;
+        d.set_item("head_dim", c.head_dim)?;
+        d.set_item("n_ctx_train", c.n_ctx_train)?;
+        d.set_item("rope_dim", c.rope_dim)?;
+        d.set_item("rope_base", c.rope_base)?;
+        d.set_item("rope_style", format!("{:?}", c.rope_style).to_lowercase())?;
+        d.set_item("rms_eps", c.rms_eps)?;
+        d.set_item("ffn_activation", c.ffn_activation.name())?;
+        d.set_item("tied_output", c.tied_output)?;
+        Ok(d)
+    }
+
+    fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        metadata_dict(py, &self.inner.file)
+    }
+
+    fn tensors<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        tensor_list(py, &self.inner.file)
+    }
+}
+
+/// Sampling settings plus the seeded random generator.
+#[pyclass(name = "Sampler", module = "powerinfer_rs._core")]
+struct PySampler {
+    inner: Mutex<Sampler>,
+}
+
+#[pymethods]
+impl PySampler {
+    #[new]
+    #[pyo3(signature = (temperature = 0.0, top_k = 40, top_p = 0.95, min_p = 0.05, repeat_penalty = 1.0, repeat_last_n = 64, seed = 0))]
+    fn new(
+        temperature: f32,
+        top_k: usize,
+        top_p: f32,
+        min_p: f32,
+        repeat_penalty: f32,
+        repeat_last_n: usize,
+        seed: u64,
+    ) -> PyResult<Self> {
+        let params = SamplingParams { temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n };
+        Ok(PySampler { inner: Mutex::new(Sampler::new(params, seed).map_err(to_py)?) })
+    }
+
+    /// Picks a token from `logits` given the `recent` token history.
+    fn sample(&self, logits: PyReadonlyArray1<'_, f32>, recent: Vec<u32>) -> PyResult<u32> {
+        let mut l = logits.as_slice()?.to_vec();
+        if l.is_empty() {
+            return Err(PyValueError::new_err("logits are empty"));
+        }
+        Ok(lock(&self.inner)?.sample(&mut l, &recent))
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> PyResult<std::sync::MutexGuard<'_, T>> {
+    m.lock().map_err(|_| PyRuntimeError::new_err("object is unusable after an earlier internal error"))
+}
+
+/// One conversation: KV cache, position and token history.
+#[pyclass(name = "Session", module = "powerinfer_rs._core")]
+struct PySession {
+    inner: Mutex<Session>,
+    n_vocab: usize,
+}
+
+#[pymethods]
+impl PySession {
+    #[new]
+    fn new(model: &PyModel, n_ctx: usize) -> PyResult<Self> {
+        let s = Session::new(Arc::clone(&model.inner), n_ctx).map_err(to_py)?;
+        Ok(PySession { inner: Mutex::new(s), n_vocab: model.inner.config.n_vocab })
+    }
+
+    #[getter]
+    fn n_ctx(&self) -> PyResult<usize> {
+        Ok(lock(&self.inner)?.n_ctx)
+    }
+
+    #[getter]
+    fn pos(&self) -> PyResult<usize> {
+        Ok(lock(&self.inner)?.pos())
+    }
+
+    #[getter]
+    fn tokens(&self) -> PyResult<Vec<u32>> {
+        Ok(lock(&self.inner)?.tokens.clone())
+    }
+
+    /// Keeps only the first `n` tokens (to reuse a shared prompt prefix, or to reset with 0).
+    fn truncate(&self, n: usize) -> PyResult<()> {
+        lock(&self.inner)?.truncate(n);
+        Ok(())
+    }
+
+    /// Evaluates `tokens`; returns logits of shape (len(tokens), n_vocab) when `all_logits`,
+    /// else the last token's logits (n_vocab,).
+    #[pyo3(signature = (tokens, all_logits = false))]
+    fn eval<'py>(&self, py: Python<'py>, tokens: Vec<u32>, all_logits: bool) -> PyResult<Bound<'py, PyAny>> {
+        let n = tokens.len();
+        let logits = compute(py, || lock_core(&self.inner)?.eval(&tokens, all_logits))?;
+        let arr = PyArray1::from_vec(py, logits);
+        if all_logits {
+            Ok(arr.reshape([n, self.n_vocab])?.into_any())
+        } else {
+            Ok(arr.into_any())
+        }
+    }
+
+    /// Evaluates `tokens` and samples the next token in one call (no logits cross into Python).
+    fn eval_and_sample(&self, py: Python<'_>, tokens: Vec<u32>, sampler: &PySampler) -> PyResult<u32> {
+        compute(py, || {
+            let mut session = lock_core(&self.inner)?;
+            let mut logits = session.eval(&tokens, false)?;
+            let mut sampler = sampler.inner.lock().map_err(|_| Error::InvalidArgument("sampler is unusable".into()))?;
+            Ok(sampler.sample(&mut logits, &session.tokens))
+        })
+    }
+}
+
+fn lock_core<T>(m: &Mutex<T>) -> Result<std::sync::MutexGuard<'_, T>, Error> {
+    m.lock().map_err(|_| Error::InvalidArgument("session is unusable after an earlier internal error".into()))
+}
+
+/// Which SIMD kernels this CPU runs ("avx2" or "scalar").
+#[pyfunction]
+fn simd_level() -> &'static str {
+    match powerinfer_core::matmul::simd_level() {
+        powerinfer_core::matmul::SimdLevel::Avx2 => "avx2",
+        powerinfer_core::matmul::SimdLevel::Scalar => "scalar",
+    }
+}
+
+/// Lists CUDA devices; raises CudaUnavailableError when there is no driver or no device.
+#[pyfunction]
+fn cuda_devices<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+    let devices = powerinfer_cuda::probe().map_err(|e| CudaUnavailableError::new_err(e.to_string()))?;
+    let list = PyList::empty(py);
+    for d in devices {
+        let item = PyDict::new(py);
+        item.set_item("ordinal", d.ordinal)?;
+        item.set_item("name", d.name)?;
+        item.set_item("total_memory", d.total_memory)?;
+        item.set_item("compute_capability", d.compute_capability)?;
+        list.append(item)?;
+    }
+    Ok(list)
+}
+
 #[pymodule]
-fn _core(_m: &Bound<'_, PyModule>) -> PyResult<()> { Ok(()) }
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<GgufFile>()?;
+    m.add_class::<PyModel>()?;
+    m.add_class::<PySession>()?;
+    m.add_class::<PySampler>()?;
+    m.add_function(wrap_pyfunction!(simd_level, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_devices, m)?)?;
+    let py = m.py();
+    m.add("GGUFError", py.get_type::<GGUFError>())?;
+    m.add("ModelError", py.get_type::<ModelError>())?;
+    m.add("ContextLengthError", py.get_type::<ContextLengthError>())?;
+    m.add("CudaUnavailableError", py.get_type::<CudaUnavailableError>())?;
+    Ok(())
+}

