@@ -1,0 +1,180 @@
+"""Bad input gives a Python exception that names the problem; never a crash."""
+
+import struct
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+import powerinfer_rs
+from powerinfer_rs import ContextLengthError, Engine, GGUFError, ModelError
+from powerinfer_rs import _core
+
+from synth import write_model
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("m") / "m.gguf")
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    return Engine.load(model_path, threads=2, n_ctx=32)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        Engine.load(tmp_path / "nope.gguf")
+
+
+def test_directory_instead_of_file(tmp_path):
+    with pytest.raises(GGUFError, match="directory"):
+        Engine.load(tmp_path)
+
+
+def test_not_a_gguf(tmp_path):
+    p = tmp_path / "x.gguf"
+    p.write_text("hello, I am a text file and not a model\n" * 10)
+    with pytest.raises(GGUFError, match="not a GGUF file"):
+        Engine.load(p)
+
+
+def test_empty_file(tmp_path):
+    p = tmp_path / "x.gguf"
+    p.write_bytes(b"")
+    with pytest.raises(GGUFError, match="too short"):
+        Engine.load(p)
+
+
+def test_truncated_header(tmp_path, model_path):
+    data = open(model_path, "rb").read()
+    p = tmp_path / "t.gguf"
+    for cut in (10, 30, 200, 2000):
+        p.write_bytes(data[:cut])
+        with pytest.raises(GGUFError, match="truncated|past the end"):
+            Engine.load(p)
+
+
+def test_tensor_data_past_end_of_file(tmp_path, model_path):
+    data = open(model_path, "rb").read()
+    p = tmp_path / "t.gguf"
+    p.write_bytes(data[: len(data) - 100])
+    with pytest.raises(GGUFError, match="runs past the end of the file"):
+        Engine.load(p)
+
+
+def test_corrupt_lengths(tmp_path, model_path):
+    data = bytearray(open(model_path, "rb").read())
+    # First metadata key length lives right after the 24-byte preamble: make it absurd.
+    data[24:32] = struct.pack("<Q", 2**62)
+    p = tmp_path / "c.gguf"
+    p.write_bytes(bytes(data))
+    with pytest.raises(GGUFError, match="out of range"):
+        Engine.load(p)
+
+
+def test_unsupported_version(tmp_path, model_path):
+    data = bytearray(open(model_path, "rb").read())
+    data[4:8] = struct.pack("<I", 1)
+    p = tmp_path / "v.gguf"
+    p.write_bytes(bytes(data))
+    with pytest.raises(GGUFError, match="version 1"):
+        Engine.load(p)
+
+
+def test_unsupported_tensor_type(tmp_path):
+    p = write_model(tmp_path / "q5.gguf", dtype=Q.Q5_0)
+    with pytest.raises(ModelError, match=r"Q5_0.*not supported"):
+        Engine.load(p)
+    # Inspection still works for files the engine cannot run.
+    info = powerinfer_rs.GgufFile(p)
+    assert {t["type"] for t in info.tensors()} >= {"Q5_0"}
+
+
+def test_unknown_architecture(tmp_path):
+    p = write_model(tmp_path / "a.gguf", arch="gptj")
+    with pytest.raises(ModelError, match="unknown architecture 'gptj'"):
+        Engine.load(p)
+
+
+def test_missing_required_tensor(tmp_path):
+    p = write_model(tmp_path / "m.gguf", skip=("blk.1.ffn_up.weight",))
+    with pytest.raises(ModelError, match=r"blk\.1\.ffn_up\.weight is missing"):
+        Engine.load(p)
+
+
+def test_bad_activation_key(tmp_path):
+    p = write_model(tmp_path / "m.gguf", activation="gelu")
+    with pytest.raises(ModelError, match="ffn_activation"):
+        Engine.load(p)
+
+
+def test_prompt_longer_than_context(engine):
+    with pytest.raises(ContextLengthError, match="40 tokens.*32"):
+        engine.generate(list(range(5, 45)))
+    with pytest.raises(ContextLengthError):
+        engine.logits(list(range(5, 45)))
+    # ContextLengthError is a ValueError, so generic handlers catch it.
+    assert issubclass(ContextLengthError, ValueError)
+
+
+def test_session_overflow_from_rust(model_path):
+    s = _core.Session(_core.Model(model_path, 1), 8)
+    s.eval([1, 2, 3, 4, 5])
+    with pytest.raises(ContextLengthError, match="9 tokens needed but the context holds 8"):
+        s.eval([1, 2, 3, 4])
+    assert s.pos == 5  # the failed call changed nothing
+
+
+def test_generation_stops_at_full_context(engine):
+    out = engine.generate(list(range(5, 30)), max_tokens=100)
+    assert isinstance(out, str)
+    s = engine.last_stats
+    assert s["prompt_tokens"] + s["generated_tokens"] <= engine.n_ctx + 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"top_k": -3}, "top_k"),
+        ({"repeat_penalty": 0.0}, "repeat_penalty"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"seed": -5}, "seed"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_invalid_sampling_values(engine, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        engine.generate("the", **kwargs)
+
+
+def test_invalid_token_ids(engine, model_path):
+    with pytest.raises(ValueError, match="out of range"):
+        engine.logits([1, 10**6])
+    with pytest.raises(OverflowError):
+        engine.logits([-1])
+    with pytest.raises(ValueError, match="empty"):
+        engine.logits([])
+    with pytest.raises(ValueError, match="out of range"):
+        engine.detokenize([10**6])
+
+
+def test_invalid_load_arguments(model_path):
+    with pytest.raises(ValueError, match="threads"):
+        Engine.load(model_path, threads=0)
+    with pytest.raises(ValueError, match="n_ctx"):
+        Engine.load(model_path, n_ctx=0)
+
+
+def test_sampler_rejects_bad_values_from_rust():
+    with pytest.raises(ValueError, match="top_p"):
+        _core.Sampler(top_p=2.0)
+    s = _core.Sampler()
+    with pytest.raises(ValueError, match="empty"):
+        s.sample(np.zeros(0, dtype=np.float32), [])

