@@ -170,6 +170,10 @@ def test_invalid_load_arguments(model_path):
         Engine.load(model_path, threads=0)
     with pytest.raises(ValueError, match="n_ctx"):
         Engine.load(model_path, n_ctx=0)
+    with pytest.raises(ValueError, match="kv_type"):
+        Engine.load(model_path, kv_type="q8")
+    with pytest.raises(ValueError, match="KV cache type"):
+        _core.Session(_core.Model(model_path, 1), 8, "bf16")
 
 
 def test_sampler_rejects_bad_values_from_rust():

@@ -40,7 +40,8 @@ def test_logits_match_float64_reference(tmp_path, case):
     path = write_model(
         tmp_path / "m.gguf", arch=arch, activation=act, dtype=dtype, tied=tied, bias=bias, n_head=n_head, n_head_kv=n_kv
     )
-    engine = Engine.load(path, threads=2)
+    # An f32 KV cache keeps the comparison exact; the f16 cache is checked separately below.
+    engine = Engine.load(path, threads=2, kv_type="f32")
     expected_act = {"relu": "reglu", None: "dreglu" if arch == "bamboo" else "swiglu"}[act]
     assert engine.config["ffn_activation"] == expected_act
     assert engine.config["rope_style"] == ("neox" if arch == "qwen2" else "normal")
@@ -75,8 +76,8 @@ def test_incremental_decode_equals_batched_prefill(tmp_path, dtype):
     path = write_model(tmp_path / "m.gguf", dtype=dtype, n_layer=3)
     model = _core.Model(path, 2)
     ids = list(range(3, 40))
-    batched = _core.Session(model, 64).eval(ids, all_logits=True)
-    s = _core.Session(model, 64)
+    batched = _core.Session(model, 64, "f32").eval(ids, all_logits=True)
+    s = _core.Session(model, 64, "f32")
     first = s.eval(ids[:10], all_logits=True)
     steps = [s.eval([t]) for t in ids[10:]]
     inc = np.vstack([first, np.stack(steps)])
@@ -95,7 +96,7 @@ def test_thread_count_does_not_change_results_beyond_rounding(tmp_path):
 def test_powerinfer_magic_llama_is_relu_gated(tmp_path):
     """A `PWRI` llama file is a ReLU model (ReluLLaMA/ProSparse), as PowerInfer reads it."""
     path = write_model(tmp_path / "m.gguf", magic=b"PWRI")
-    engine = Engine.load(path)
+    engine = Engine.load(path, kv_type="f32")
     assert engine.config["ffn_activation"] == "reglu"
     w, meta = read_weights_pwri(path)
     ids = [5, 9, 77, 200, 13]
@@ -112,3 +113,17 @@ def read_weights_pwri(path):
     with open(copy, "r+b") as f:
         f.write(b"GGUF")
     return read_weights(copy)
+
+
+def test_f16_kv_cache_stays_close_to_f32(tmp_path):
+    """The default f16 KV cache rounds keys and values to 11 significant bits (relative step
+    about 5e-4 per value, compounding over layers)."""
+    path = write_model(tmp_path / "m.gguf", n_layer=3)
+    ids = list(range(3, 60))
+    exact = Engine.load(path, kv_type="f32").logits(ids)
+    half = Engine.load(path).logits(ids)
+    rel = np.linalg.norm(half - exact) / np.linalg.norm(exact)
+    assert 0 < rel < 5e-3, rel
+    w, meta = read_weights(path)
+    ref = forward(w, meta, ids)
+    assert np.linalg.norm(half - ref) / np.linalg.norm(ref) < 5e-3

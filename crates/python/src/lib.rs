@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
+use powerinfer_core::attention::KvType;
 use powerinfer_core::gguf::{GgufFile as CoreGguf, Magic, Value};
 use powerinfer_core::{Error, Model, Sampler, SamplingParams, Session};
 use pyo3::create_exception;
@@ -233,8 +234,10 @@ struct PySession {
 #[pymethods]
 impl PySession {
     #[new]
-    fn new(model: &PyModel, n_ctx: usize) -> PyResult<Self> {
-        let s = Session::new(Arc::clone(&model.inner), n_ctx).map_err(to_py)?;
+    #[pyo3(signature = (model, n_ctx, kv_type = "f16"))]
+    fn new(model: &PyModel, n_ctx: usize, kv_type: &str) -> PyResult<Self> {
+        let kv_type = KvType::parse(kv_type).map_err(to_py)?;
+        let s = Session::new(Arc::clone(&model.inner), n_ctx, kv_type).map_err(to_py)?;
         Ok(PySession { inner: Mutex::new(s), n_vocab: model.inner.config.n_vocab })
     }
 
