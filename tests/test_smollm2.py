@@ -51,16 +51,18 @@ def weights():
     return read_weights(SMOLLM)
 
 
-def test_logits_match_numpy_reference_64_tokens(engine, weights):
-    w, meta = weights
-    text = (
+TEXT_64 = (
         "Python is a programming language that lets you work quickly and integrate systems more "
         "effectively. It has a simple syntax, a large standard library, and a friendly community of "
         "developers who write packages for science, the web, and automation. The interpreter and "
         "the extensive standard library are freely available in source or binary form for all major "
         "platforms, and can be freely distributed."
-    )
-    ids = engine.tokenize(text)[:64]
+)
+
+
+def test_logits_match_numpy_reference_64_tokens(engine, weights):
+    w, meta = weights
+    ids = engine.tokenize(TEXT_64)[:64]
     assert len(ids) == 64
     got = engine.logits(ids).astype(np.float64)
 
@@ -143,3 +145,21 @@ def test_perplexity_of_english_beats_shuffled_text(engine):
     ppl_shuffled = engine.perplexity(shuffled, ctx=256)
     assert 1.0 < ppl < 40.0, ppl
     assert ppl_shuffled > 3 * ppl, (ppl, ppl_shuffled)
+
+
+@pytest.mark.llamacpp
+def test_logits_as_close_to_reference_as_llama_cpp(engine, weights):
+    """llama.cpp also rounds activations to int8 for integer dot products: its logits and ours
+    should sit at about the same distance from the float64 reference."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    ids = engine.tokenize(TEXT_64)[:64]
+    llm = llama_cpp.Llama(model_path=SMOLLM, n_ctx=128, n_batch=64, logits_all=True, n_threads=2, verbose=False)
+    llm.eval(ids)
+    theirs = np.array(llm.scores[: len(ids)], dtype=np.float64)
+    ours = engine.logits(ids).astype(np.float64)
+    w, meta = weights
+    ref = forward(w, meta, ids)
+    rel = lambda a: np.linalg.norm(a - ref) / np.linalg.norm(ref)
+    print(f"distance to float64 reference: ours {rel(ours):.2e}, llama.cpp {rel(theirs):.2e}; "
+          f"ours vs llama.cpp {np.linalg.norm(ours - theirs) / np.linalg.norm(theirs):.2e}")
+    assert rel(ours) < 1.5 * rel(theirs)
