@@ -112,48 +112,57 @@ impl Activations {
     }
 }
 
-/// Dot of weight row `r` with N activation rows, at the given SIMD level.
-#[inline]
-fn dot_row<const N: usize>(w: &QMatrix, r: usize, x: &Activations, t: [usize; N], level: SimdLevel) -> [f32; N] {
-    let bytes = w.row(r);
+/// Weight rows r0..r1 against N activation rows at the given SIMD level; `put(r, values)`
+/// receives each row's N dot products. Type and level are resolved once per call, and the
+/// weight bytes are reinterpreted as blocks once, so the per-row cost is the kernel alone.
+fn dot_rows<const N: usize>(
+    w: &QMatrix,
+    rows: std::ops::Range<usize>,
+    x: &Activations,
+    t: [usize; N],
+    level: SimdLevel,
+    mut put: impl FnMut(usize, [f32; N]),
+) {
+    let rb = w.row_bytes();
+    let bytes = &w.data[rows.start * rb..rows.end * rb];
+    macro_rules! quantized {
+        ($block:ty, $simd:path, $scalar:path) => {{
+            let a = t.map(|ti| x.q8_row(ti));
+            let blocks = cast_blocks::<$block>(bytes);
+            for (k, row) in blocks.chunks_exact(w.cols / QK).enumerate() {
+                put(rows.start + k, match level {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
+                    SimdLevel::Avx2 => unsafe { $simd(row, a) },
+                    _ => $scalar(row, a),
+                });
+            }
+        }};
+    }
     match w.dtype {
         DType::F32 | DType::F16 | DType::BF16 => {
             let a = t.map(|ti| x.f32_row(ti));
-            match level {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
-                SimdLevel::Avx2 => unsafe { crate::avx2::dot_float(w.dtype, bytes, a) },
-                _ => quant::dot_float_scalar(w.dtype, bytes, a),
+            for (k, row) in bytes.chunks_exact(rb).enumerate() {
+                put(rows.start + k, match level {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: as above.
+                    SimdLevel::Avx2 => unsafe { crate::avx2::dot_float(w.dtype, row, a) },
+                    _ => quant::dot_float_scalar(w.dtype, row, a),
+                });
             }
         }
-        DType::Q4_0 => {
-            let (b, a) = (cast_blocks::<BlockQ4_0>(bytes), t.map(|ti| x.q8_row(ti)));
-            match level {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: as above.
-                SimdLevel::Avx2 => unsafe { crate::avx2::dot_q4_0(b, a) },
-                _ => quant::dot_q4_0_scalar(b, a),
-            }
-        }
-        DType::Q4_1 => {
-            let (b, a) = (cast_blocks::<BlockQ4_1>(bytes), t.map(|ti| x.q8_row(ti)));
-            match level {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: as above.
-                SimdLevel::Avx2 => unsafe { crate::avx2::dot_q4_1(b, a) },
-                _ => quant::dot_q4_1_scalar(b, a),
-            }
-        }
-        DType::Q8_0 => {
-            let (b, a) = (cast_blocks::<BlockQ8_0>(bytes), t.map(|ti| x.q8_row(ti)));
-            match level {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: as above.
-                SimdLevel::Avx2 => unsafe { crate::avx2::dot_q8_0(b, a) },
-                _ => quant::dot_q8_0_scalar(b, a),
-            }
-        }
+        DType::Q4_0 => quantized!(BlockQ4_0, crate::avx2::dot_q4_0, quant::dot_q4_0_scalar),
+        DType::Q4_1 => quantized!(BlockQ4_1, crate::avx2::dot_q4_1, quant::dot_q4_1_scalar),
+        DType::Q8_0 => quantized!(BlockQ8_0, crate::avx2::dot_q8_0, quant::dot_q8_0_scalar),
     }
+}
+
+/// One row's dot products (tests).
+#[cfg(test)]
+fn dot_row<const N: usize>(w: &QMatrix, r: usize, x: &Activations, t: [usize; N], level: SimdLevel) -> [f32; N] {
+    let mut out = [0.0; N];
+    dot_rows(w, r..r + 1, x, t, level, |_, v| out = v);
+    out
 }
 
 /// Raw output pointer shared by tasks that write disjoint elements.
@@ -200,18 +209,15 @@ pub fn matmul_many(mats: &[QMatrix], x: &Activations, outs: &mut [&mut [f32]]) {
         let put = |t: usize, r: usize, v: f32| unsafe { *out.0.add(t * rows + r) = v };
         let mut t = 0;
         while t + 4 <= n {
-            for r in r0..r1 {
-                let v = dot_row(w, r, x, [t, t + 1, t + 2, t + 3], level);
+            dot_rows(w, r0..r1, x, [t, t + 1, t + 2, t + 3], level, |r, v| {
                 for (k, vk) in v.into_iter().enumerate() {
                     put(t + k, r, vk);
                 }
-            }
+            });
             t += 4;
         }
         while t < n {
-            for r in r0..r1 {
-                put(t, r, dot_row(w, r, x, [t], level)[0]);
-            }
+            dot_rows(w, r0..r1, x, [t], level, |r, v| put(t, r, v[0]));
             t += 1;
         }
     });
