@@ -163,3 +163,29 @@ def test_logits_as_close_to_reference_as_llama_cpp(engine, weights):
     print(f"distance to float64 reference: ours {rel(ours):.2e}, llama.cpp {rel(theirs):.2e}; "
           f"ours vs llama.cpp {np.linalg.norm(ours - theirs) / np.linalg.norm(theirs):.2e}")
     assert rel(ours) < 1.5 * rel(theirs)
+
+
+@pytest.mark.llamacpp
+@pytest.mark.skipif(not os.path.isdir(DOCS), reason="apt-get install python3.11-doc")
+def test_perplexity_matches_llama_cpp(engine):
+    """Same windows, same scored tokens, llama.cpp's logits: the two perplexities agree."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    text = open(os.path.join(DOCS, "tutorial", "introduction.rst.txt"), encoding="utf-8").read()
+    ctx = 256
+    ids = engine.tokenize(text)
+    llm = llama_cpp.Llama(model_path=SMOLLM, n_ctx=ctx, n_batch=ctx, logits_all=True, n_threads=2, verbose=False)
+    nll, count = 0.0, 0
+    for c in range(len(ids) // ctx):
+        chunk = ids[c * ctx : (c + 1) * ctx]
+        llm.reset()
+        llm.eval(chunk)
+        logits = np.array(llm.scores[:ctx], dtype=np.float64)[ctx // 2 : ctx - 1]
+        targets = np.array(chunk[ctx // 2 + 1 : ctx])
+        m = logits.max(axis=1, keepdims=True)
+        logz = np.log(np.exp(logits - m).sum(axis=1)) + m[:, 0]
+        nll += float((logz - logits[np.arange(len(targets)), targets]).sum())
+        count += len(targets)
+    theirs = float(np.exp(nll / count))
+    ours = engine.perplexity(text, ctx=ctx)
+    print(f"perplexity: powerinfer-rs {ours:.4f}, llama.cpp {theirs:.4f}")
+    assert abs(ours - theirs) / theirs < 0.01
