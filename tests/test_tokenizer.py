@@ -146,3 +146,19 @@ def test_spm_vocabulary():
     ids = tok.encode("hé", add_bos=False)
     assert [pieces[i] for i in ids] == ["▁", "h", "<0xC3>", "<0xA9>"]
     assert tok.decode(ids) == "hé"
+
+
+def test_tokenizer_json_beside_the_model_wins(tmp_path):
+    """A tokenizer.json next to the GGUF is used instead of the GGUF vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = write_model(tmp_path / "m.gguf")
+    tokens, _, _ = tiny_vocab()
+    from_gguf = Engine.load(path).tokenize("the then")
+    # Same vocabulary, no merges: every byte stays its own token.
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    beside = Engine.load(path).tokenize("the then")
+    assert len(beside) == len("the then") and len(from_gguf) < len(beside)
+    assert Engine.load(path).detokenize(beside) == "the then"
