@@ -9,7 +9,9 @@ from gguf import GGUFWriter
 from gguf.quants import quantize
 
 
-def _byte_chars() -> list[str]:
+def byte_chars() -> list[str]:
+    """GPT-2's printable character for each byte value (written here, not imported from the
+    engine, so the tests' reference tokenizer stays independent of it)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
     n = 0
@@ -25,7 +27,7 @@ def _byte_chars() -> list[str]:
 def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
     """<|endoftext|>, <|im_start|>, <|im_end|>, the 256 byte tokens, and a few merged tokens."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    chars = _byte_chars()
+    chars = byte_chars()
     sp = chars[ord(" ")]
     merges = [f"{sp} t", "h e", f"{sp}t he", "i n", "a n"]
     merged = [f"{sp}t", "he", f"{sp}the", "in", "an"]

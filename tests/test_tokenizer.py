@@ -6,7 +6,7 @@ import pytest
 from powerinfer_rs import Engine, default_model_path
 from powerinfer_rs.tokenizer import GGUFTokenizer
 
-from synth import tiny_vocab, write_model
+from synth import byte_chars, tiny_vocab, write_model
 
 GPT2_RE = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
 
@@ -26,24 +26,12 @@ TRICKY = [
 ]
 
 
-def _byte_table():
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
 def reference_bpe(text, tokens, merges, digits_alone):
     """Byte-level BPE written from the GPT-2 algorithm: pre-split, map bytes to characters,
     repeatedly merge the adjacent pair with the best (lowest) merge rank."""
     vocab = {t: i for i, t in enumerate(tokens)}
     ranks = {tuple(m.split(" ", 1)): i for i, m in enumerate(merges)}
-    table = _byte_table()
+    table = dict(enumerate(byte_chars()))
     segments = regex.split(r"(\p{N})", text) if digits_alone else [text]
     ids = []
     for seg in segments:
