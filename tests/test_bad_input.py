@@ -119,6 +119,13 @@ def test_prompt_longer_than_context(engine):
     assert issubclass(ContextLengthError, ValueError)
 
 
+def test_context_too_large_to_allocate(model_path):
+    with pytest.raises(ValueError, match="cannot allocate|too large"):
+        _core.Session(_core.Model(model_path, 1), 2**50)
+    with pytest.raises(ValueError, match="too large"):
+        _core.Session(_core.Model(model_path, 1), 2**63)
+
+
 def test_session_overflow_from_rust(model_path):
     s = _core.Session(_core.Model(model_path, 1), 8)
     s.eval([1, 2, 3, 4, 5])

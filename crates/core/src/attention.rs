@@ -38,13 +38,34 @@ pub enum KvView<'a> {
     F16(&'a [u16]),
 }
 
-impl KvBuf {
-    /// Zeroed allocations are mapped lazily by the OS: an unused context costs nothing.
-    pub fn new(kind: KvType, n: usize) -> KvBuf {
-        match kind {
-            KvType::F32 => KvBuf::F32(vec![0.0; n]),
-            KvType::F16 => KvBuf::F16(vec![0; n]),
+/// A zero-filled vector, or an error when the memory cannot be had (a plain `vec!` would abort
+/// the process). Zeroed allocations are mapped lazily by the OS: an unused context costs nothing.
+fn zeroed<T: Copy>(n: usize) -> Result<Vec<T>> {
+    let too_big = || Error::InvalidArgument(format!(
+        "cannot allocate a KV cache of {n} elements ({:.1} GiB): use a smaller context",
+        n as f64 * std::mem::size_of::<T>() as f64 / (1u64 << 30) as f64
+    ));
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<T>(n).map_err(|_| too_big())?;
+    // SAFETY: the layout has non-zero size; T is f32 or u16, for which all-zero bytes are a valid
+    // value; the pointer is handed to Vec with the same layout (length = capacity = n).
+    unsafe {
+        let ptr = std::alloc::alloc_zeroed(layout) as *mut T;
+        if ptr.is_null() {
+            return Err(too_big());
         }
+        Ok(Vec::from_raw_parts(ptr, n, n))
+    }
+}
+
+impl KvBuf {
+    pub fn new(kind: KvType, n: usize) -> Result<KvBuf> {
+        Ok(match kind {
+            KvType::F32 => KvBuf::F32(zeroed(n)?),
+            KvType::F16 => KvBuf::F16(zeroed(n)?),
+        })
     }
 
     /// Stores `src` at element `start`.
@@ -172,7 +193,7 @@ mod tests {
                 for n in [1, 3, 4, 37] {
                     let (stride, offset) = (hd * 3, hd);
                     let vals: Vec<f32> = (0..n * stride).map(|_| rng.next_f32() - 0.5).collect();
-                    let mut buf = KvBuf::new(kind, n * stride);
+                    let mut buf = KvBuf::new(kind, n * stride).unwrap();
                     buf.write(0, &vals);
                     let cache = buf.view(n * stride);
                     let q: Vec<f32> = (0..hd).map(|_| rng.next_f32() - 0.5).collect();
@@ -207,7 +228,7 @@ mod tests {
     #[test]
     fn f16_store_rounds_like_the_scalar_twin() {
         let vals: Vec<f32> = (0..100).map(|i| (i as f32 - 50.0) * 0.37 + 1e-3).collect();
-        let mut buf = KvBuf::new(KvType::F16, 100);
+        let mut buf = KvBuf::new(KvType::F16, 100).unwrap();
         buf.write(0, &vals);
         let KvBuf::F16(bits) = &buf else { unreachable!() };
         for (b, v) in bits.iter().zip(&vals) {

@@ -82,14 +82,17 @@ impl Session {
         if n_ctx == 0 {
             return Err(Error::InvalidArgument("n_ctx must be > 0".into()));
         }
-        let cache = || (0..c.n_layer).map(|_| KvBuf::new(kv_type, n_ctx * c.kv_dim())).collect::<Vec<_>>();
+        let per_layer = n_ctx
+            .checked_mul(c.kv_dim())
+            .ok_or_else(|| Error::InvalidArgument(format!("n_ctx {n_ctx} is too large")))?;
+        let cache = || (0..c.n_layer).map(|_| KvBuf::new(kv_type, per_layer)).collect::<Result<Vec<_>>>();
         let rope_inv_freq =
             (0..c.rope_dim / 2).map(|i| c.rope_base.powf(-2.0 * i as f32 / c.rope_dim as f32)).collect();
         Ok(Session {
             n_ctx,
             tokens: Vec::new(),
-            k_cache: cache(),
-            v_cache: cache(),
+            k_cache: cache()?,
+            v_cache: cache()?,
             rope_inv_freq,
             s: Scratch::default(),
             model,
