@@ -28,6 +28,7 @@ CASES = [
     ("qwen2-neox-swiglu-bias-f32", "qwen2", None, Q.F32, True, True, (4, 1)),
     ("llama-reglu-f32", "llama", "relu", Q.F32, False, False, (4, 2)),
     ("bamboo-dreglu-f32", "bamboo", None, Q.F32, False, False, (4, 2)),
+    ("mistral-swiglu-bf16", "mistral", None, Q.BF16, False, False, (4, 2)),
     ("llama-reglu-q8_0", "llama", "relu", Q.Q8_0, False, False, (4, 2)),
     ("bamboo-dreglu-q4_0", "bamboo", None, Q.Q4_0, False, False, (4, 2)),
     ("qwen2-neox-swiglu-q4_1", "qwen2", None, Q.Q4_1, False, True, (4, 2)),
@@ -52,7 +53,7 @@ def test_logits_match_float64_reference(tmp_path, case):
     assert got.shape == (23, engine.n_vocab) and got.dtype == np.float32
 
     w, meta = read_weights(path)
-    quantized = dtype not in (Q.F32, Q.F16)
+    quantized = dtype not in (Q.F32, Q.F16, Q.BF16)
     ref = forward(w, meta, ids, int8_activations=quantized)
     rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
     tol = QUANT_TOL if quantized else FLOAT_TOL
