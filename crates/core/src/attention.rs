@@ -1,6 +1,6 @@
-//! The KV cache and attention of one query head over it: scores, softmax, weighted sum of values.
-//! One call covers every cached position, so the SIMD loops run long and the per-position cost is
-//! a handful of instructions (a call per position would cost more than the arithmetic).
+//! The KV cache and attention over it: scores, softmax, weighted sum of values, for the group of
+//! query heads that share one KV head (GQA), so each cached key and value is read and converted
+//! once per group. One call covers every cached position, so the SIMD loops run long.
 //!
 //! The cache stores f16 by default (half the memory traffic of f32, as llama.cpp does) or f32
 //! (bit-for-bit the values the projections produced).
@@ -133,47 +133,93 @@ pub fn weighted_sum_scalar(weights: &[f32], cache: KvView, stride: usize, offset
     }
 }
 
-/// Causal attention of one head: `q` against the first `scores.len()` cached positions of
-/// `k` and `v`. `scores` is scratch of that length; the result goes to `out` (head_dim).
+/// Scalar twin of `avx2::attn_scores_group`: scores[h * n + j] for the heads in `qs` (g x hd).
+pub fn group_scores_scalar(qs: &[f32], hd: usize, cache: KvView, stride: usize, offset: usize, scale: f32, n: usize, scores: &mut [f32]) {
+    for (h, q) in qs.chunks_exact(hd).enumerate() {
+        scores_scalar(q, cache, stride, offset, scale, &mut scores[h * n..(h + 1) * n]);
+    }
+}
+
+/// Scalar twin of `avx2::attn_weighted_sum_group`.
+pub fn group_weighted_sum_scalar(weights: &[f32], n: usize, cache: KvView, stride: usize, offset: usize, out: &mut [f32], hd: usize) {
+    for (h, o) in out.chunks_exact_mut(hd).enumerate() {
+        weighted_sum_scalar(&weights[h * n..(h + 1) * n], cache, stride, offset, o);
+    }
+}
+
+/// Causal attention of the query heads that share one KV head (GQA): `qs` holds them back to
+/// back (g x hd), `out` receives theirs likewise. `scores` is scratch (resized here). Each cached
+/// key and value is read once for the whole group.
 #[allow(clippy::too_many_arguments)]
-pub fn attend(q: &[f32], k: KvView, v: KvView, stride: usize, offset: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
-    let hd = q.len();
-    assert_eq!(out.len(), hd);
-    let needed = if scores.is_empty() { 0 } else { (scores.len() - 1) * stride + offset + hd };
+pub fn attend_group(
+    qs: &[f32],
+    hd: usize,
+    k: KvView,
+    v: KvView,
+    n: usize,
+    stride: usize,
+    offset: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let g = qs.len() / hd;
+    assert!(g >= 1 && qs.len() == g * hd && out.len() == g * hd);
+    let needed = if n == 0 { 0 } else { (n - 1) * stride + offset + hd };
     assert!(needed <= k.len() && needed <= v.len(), "attention reads past the KV cache");
-    let fast = simd_level() == SimdLevel::Avx2 && hd % 8 == 0;
+    scores.resize(g * n, 0.0);
+    let fast = simd_level() == SimdLevel::Avx2 && hd % 16 == 0 && (1..=8).contains(&g);
+
+    #[cfg(target_arch = "x86_64")]
+    macro_rules! each_group_size {
+        ($kernel:ident, $f16:literal, $($args:expr),*) => {
+            match g {
+                1 => crate::avx2::$kernel::<$f16, 1>($($args),*),
+                2 => crate::avx2::$kernel::<$f16, 2>($($args),*),
+                3 => crate::avx2::$kernel::<$f16, 3>($($args),*),
+                4 => crate::avx2::$kernel::<$f16, 4>($($args),*),
+                5 => crate::avx2::$kernel::<$f16, 5>($($args),*),
+                6 => crate::avx2::$kernel::<$f16, 6>($($args),*),
+                7 => crate::avx2::$kernel::<$f16, 7>($($args),*),
+                _ => crate::avx2::$kernel::<$f16, 8>($($args),*),
+            }
+        };
+    }
+
     if fast {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: Avx2 implies avx2+fma+f16c; the head size is a multiple of 8 and the bounds
-        // the kernel reads were asserted above.
+        // SAFETY: Avx2 implies avx2+fma+f16c; hd is a multiple of 16, 1 <= g <= 8, and the
+        // bounds the kernel reads were asserted above.
         unsafe {
             match k {
-                KvView::F32(_) => crate::avx2::attn_scores::<false>(q, k.as_ptr(), stride, offset, scale, scores),
-                KvView::F16(_) => crate::avx2::attn_scores::<true>(q, k.as_ptr(), stride, offset, scale, scores),
+                KvView::F32(_) => each_group_size!(attn_scores_group, false, qs, k.as_ptr(), stride, offset, scale, n, scores),
+                KvView::F16(_) => each_group_size!(attn_scores_group, true, qs, k.as_ptr(), stride, offset, scale, n, scores),
             }
         }
     } else {
-        scores_scalar(q, k, stride, offset, scale, scores);
+        group_scores_scalar(qs, hd, k, stride, offset, scale, n, scores);
     }
-    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
+    for row in scores.chunks_exact_mut(n) {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0;
+        for s in row.iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        let inv = 1.0 / sum;
+        row.iter_mut().for_each(|s| *s *= inv);
     }
-    let inv = 1.0 / sum;
-    scores.iter_mut().for_each(|s| *s *= inv);
     if fast {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         unsafe {
             match v {
-                KvView::F32(_) => crate::avx2::attn_weighted_sum::<false>(scores, v.as_ptr(), stride, offset, out),
-                KvView::F16(_) => crate::avx2::attn_weighted_sum::<true>(scores, v.as_ptr(), stride, offset, out),
+                KvView::F32(_) => each_group_size!(attn_weighted_sum_group, false, scores, v.as_ptr(), stride, offset, n, out),
+                KvView::F16(_) => each_group_size!(attn_weighted_sum_group, true, scores, v.as_ptr(), stride, offset, n, out),
             }
         }
     } else {
-        weighted_sum_scalar(scores, v, stride, offset, out);
+        group_weighted_sum_scalar(scores, n, v, stride, offset, out, hd);
     }
 }
 
@@ -181,44 +227,44 @@ pub fn attend(q: &[f32], k: KvView, v: KvView, stride: usize, offset: usize, sca
 mod tests {
     use super::*;
 
-    #[cfg(target_arch = "x86_64")]
+    /// Plain per-head attention from the scalar pieces: the reference for the grouped path.
+    fn attend_one(q: &[f32], k: KvView, v: KvView, n: usize, stride: usize, offset: usize, scale: f32) -> Vec<f32> {
+        let mut scores = vec![0.0; n];
+        scores_scalar(q, k, stride, offset, scale, &mut scores);
+        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let e: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
+        let sum: f32 = e.iter().sum();
+        let w: Vec<f32> = e.iter().map(|x| x / sum).collect();
+        let mut out = vec![0.0; q.len()];
+        weighted_sum_scalar(&w, v, stride, offset, &mut out);
+        out
+    }
+
+    /// The grouped (GQA) path, SIMD where the CPU has it, equals plain per-head attention for
+    /// every group size, both cache types, and head sizes that take the SIMD path or not.
     #[test]
-    fn avx2_attention_kernels_match_scalar() {
-        if simd_level() != SimdLevel::Avx2 {
-            return;
-        }
-        let mut rng = crate::sampler::Rng::new(5);
+    fn grouped_attention_equals_per_head_attention() {
+        let mut rng = crate::sampler::Rng::new(9);
         for kind in [KvType::F32, KvType::F16] {
-            for hd in [8, 24, 64, 128, 80] {
-                for n in [1, 3, 4, 37] {
-                    let (stride, offset) = (hd * 3, hd);
+            for (g, hd) in [(1, 64), (3, 64), (4, 32), (8, 16), (2, 24), (9, 16)] {
+                for n in [1, 5, 33] {
+                    let n_kv = 2;
+                    let stride = n_kv * hd;
                     let vals: Vec<f32> = (0..n * stride).map(|_| rng.next_f32() - 0.5).collect();
-                    let mut buf = KvBuf::new(kind, n * stride).unwrap();
-                    buf.write(0, &vals);
-                    let cache = buf.view(n * stride);
-                    let q: Vec<f32> = (0..hd).map(|_| rng.next_f32() - 0.5).collect();
-                    let (mut a, mut b) = (vec![0.0; n], vec![0.0; n]);
-                    scores_scalar(&q, cache, stride, offset, 0.3, &mut a);
-                    let p = cache.as_ptr();
-                    unsafe {
-                        match kind {
-                            KvType::F32 => crate::avx2::attn_scores::<false>(&q, p, stride, offset, 0.3, &mut b),
-                            KvType::F16 => crate::avx2::attn_scores::<true>(&q, p, stride, offset, 0.3, &mut b),
+                    let mut kb = KvBuf::new(kind, n * stride).unwrap();
+                    kb.write(0, &vals);
+                    let vals2: Vec<f32> = (0..n * stride).map(|_| rng.next_f32() - 0.5).collect();
+                    let mut vb = KvBuf::new(kind, n * stride).unwrap();
+                    vb.write(0, &vals2);
+                    let qs: Vec<f32> = (0..g * hd).map(|_| rng.next_f32() - 0.5).collect();
+                    let (k, v) = (kb.view(n * stride), vb.view(n * stride));
+                    let mut out = vec![0.0; g * hd];
+                    attend_group(&qs, hd, k, v, n, stride, hd, 0.2, &mut Vec::new(), &mut out);
+                    for h in 0..g {
+                        let one = attend_one(&qs[h * hd..(h + 1) * hd], k, v, n, stride, hd, 0.2);
+                        for (x, y) in one.iter().zip(&out[h * hd..(h + 1) * hd]) {
+                            assert!((x - y).abs() < 1e-5, "{kind:?} g={g} hd={hd} n={n}: {x} vs {y}");
                         }
-                    }
-                    for (x, y) in a.iter().zip(&b) {
-                        assert!((x - y).abs() < 1e-5, "{kind:?} hd {hd}: {x} vs {y}");
-                    }
-                    let (mut o1, mut o2) = (vec![0.0; hd], vec![1.0; hd]);
-                    weighted_sum_scalar(&a, cache, stride, offset, &mut o1);
-                    unsafe {
-                        match kind {
-                            KvType::F32 => crate::avx2::attn_weighted_sum::<false>(&a, p, stride, offset, &mut o2),
-                            KvType::F16 => crate::avx2::attn_weighted_sum::<true>(&a, p, stride, offset, &mut o2),
-                        }
-                    }
-                    for (x, y) in o1.iter().zip(&o2) {
-                        assert!((x - y).abs() < 1e-5, "{kind:?} hd {hd}: {x} vs {y}");
                     }
                 }
             }
@@ -237,14 +283,13 @@ mod tests {
     }
 
     #[test]
-    fn attend_is_softmax_weighted_values() {
+    fn attention_is_softmax_weighted_values() {
         // Two positions, one dimension pair: hand-computed softmax.
         let q = [1.0f32, 0.0];
         let k = [0.0f32, 0.0, 2.0, 0.0];
         let v = [1.0f32, 0.0, 0.0, 1.0];
-        let mut scores = [0.0; 2];
         let mut out = [0.0; 2];
-        attend(&q, KvView::F32(&k), KvView::F32(&v), 2, 0, 1.0, &mut scores, &mut out);
+        attend_group(&q, 2, KvView::F32(&k), KvView::F32(&v), 2, 2, 0, 1.0, &mut Vec::new(), &mut out);
         let (e0, e1) = (1.0f32, 2.0f32.exp());
         assert!((out[0] - e0 / (e0 + e1)).abs() < 1e-6);
         assert!((out[1] - e1 / (e0 + e1)).abs() < 1e-6);

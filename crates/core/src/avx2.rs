@@ -224,77 +224,6 @@ unsafe fn load8_kv<const F16: bool>(base: *const u8, idx: usize) -> __m256 {
     }
 }
 
-/// Sums of four vectors in one go: [hsum(a), hsum(b), hsum(c), hsum(d)].
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
-    let ab = _mm256_hadd_ps(a, b);
-    let cd = _mm256_hadd_ps(c, d);
-    let abcd = _mm256_hadd_ps(ab, cd);
-    _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1))
-}
-
-/// scores[j] = scale * dot(q, row j) for the first `scores.len()` rows of a cache whose rows are
-/// `stride` elements apart, the head starting at element `offset` of each row. Four rows per
-/// step share one horizontal reduction. Twin of `attention::scores_scalar`.
-///
-/// Safety: the cache behind `cache` must hold `(scores.len() - 1) * stride + offset + q.len()`
-/// elements, and `q.len()` must be a multiple of 8.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn attn_scores<const F16: bool>(q: &[f32], cache: *const u8, stride: usize, offset: usize, scale: f32, scores: &mut [f32]) {
-    let hd = q.len();
-    let qp = q.as_ptr();
-    let n = scores.len();
-    let mut j = 0;
-    while j + 4 <= n {
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut d = 0;
-        while d < hd {
-            let qv = _mm256_loadu_ps(qp.add(d));
-            for (r, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(qv, load8_kv::<F16>(cache, (j + r) * stride + offset + d), *a);
-            }
-            d += 8;
-        }
-        let sums = _mm_mul_ps(hsum4(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(scale));
-        _mm_storeu_ps(scores.as_mut_ptr().add(j), sums);
-        j += 4;
-    }
-    while j < n {
-        let mut acc = _mm256_setzero_ps();
-        let mut d = 0;
-        while d < hd {
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(d)), load8_kv::<F16>(cache, j * stride + offset + d), acc);
-            d += 8;
-        }
-        scores[j] = hsum(acc) * scale;
-        j += 1;
-    }
-}
-
-/// out = sum_j weights[j] * row j, over cache rows laid out as in `attn_scores`.
-/// Twin of `attention::weighted_sum_scalar`. Safety: as for `attn_scores`, with `out.len()`.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn attn_weighted_sum<const F16: bool>(weights: &[f32], cache: *const u8, stride: usize, offset: usize, out: &mut [f32]) {
-    let hd = out.len();
-    // 32 output dims per pass stay in four registers while all positions stream by.
-    let mut d0 = 0;
-    while d0 < hd {
-        let width = (hd - d0).min(32);
-        let mut acc = [_mm256_setzero_ps(); 4];
-        for (j, &w) in weights.iter().enumerate() {
-            let wv = _mm256_set1_ps(w);
-            for (c, a) in acc.iter_mut().enumerate().take(width / 8) {
-                *a = _mm256_fmadd_ps(wv, load8_kv::<F16>(cache, j * stride + offset + d0 + c * 8), *a);
-            }
-        }
-        for (c, a) in acc.iter().enumerate().take(width / 8) {
-            _mm256_storeu_ps(out.as_mut_ptr().add(d0 + c * 8), *a);
-        }
-        d0 += width;
-    }
-}
-
 /// f32 to f16 bits (round to nearest even), 8 at a time. Twin of `quant::f32_to_f16`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn f32_to_f16_row(src: &[f32], dst: &mut [u16]) {
@@ -307,5 +236,74 @@ pub unsafe fn f32_to_f16_row(src: &[f32], dst: &mut [u16]) {
     }
     for i in k..n {
         dst[i] = crate::quant::f32_to_f16(src[i]);
+    }
+}
+
+/// Scores of the G query heads that share one KV head: `qs` holds them back to back (G x hd),
+/// and `scores[h * n + j]` = scale * dot(q_h, row j) for rows 0..n. Each cache row is loaded
+/// (and converted from f16) once for all G heads. Twin of `attention::group_scores_scalar`.
+///
+/// Safety: the cache must hold `(n - 1) * stride + offset + hd` elements, hd a multiple of 8,
+/// `qs.len() == G * hd` and `scores.len() == G * n`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn attn_scores_group<const F16: bool, const G: usize>(
+    qs: &[f32],
+    cache: *const u8,
+    stride: usize,
+    offset: usize,
+    scale: f32,
+    n: usize,
+    scores: &mut [f32],
+) {
+    let hd = qs.len() / G;
+    let qp = qs.as_ptr();
+    for j in 0..n {
+        let mut acc = [_mm256_setzero_ps(); G];
+        let mut d = 0;
+        while d < hd {
+            let k = load8_kv::<F16>(cache, j * stride + offset + d);
+            for (h, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(h * hd + d)), k, *a);
+            }
+            d += 8;
+        }
+        for (h, a) in acc.iter().enumerate() {
+            *scores.get_unchecked_mut(h * n + j) = hsum(*a) * scale;
+        }
+    }
+}
+
+/// `out[h]` (hd each, back to back) = sum_j weights[h * n + j] * row j, for the G heads sharing
+/// one KV head; each value row is loaded once for all of them, 16 dims per pass.
+/// Twin of `attention::group_weighted_sum_scalar`. Safety: as for `attn_scores_group`, with
+/// hd a multiple of 16 and `out.len() == G * hd`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn attn_weighted_sum_group<const F16: bool, const G: usize>(
+    weights: &[f32],
+    cache: *const u8,
+    stride: usize,
+    offset: usize,
+    n: usize,
+    out: &mut [f32],
+) {
+    let hd = out.len() / G;
+    let wp = weights.as_ptr();
+    let mut d0 = 0;
+    while d0 < hd {
+        let mut acc = [[_mm256_setzero_ps(); 2]; G];
+        for j in 0..n {
+            let base = j * stride + offset + d0;
+            let v = [load8_kv::<F16>(cache, base), load8_kv::<F16>(cache, base + 8)];
+            for (h, a) in acc.iter_mut().enumerate() {
+                let w = _mm256_broadcast_ss(&*wp.add(h * n + j));
+                a[0] = _mm256_fmadd_ps(w, v[0], a[0]);
+                a[1] = _mm256_fmadd_ps(w, v[1], a[1]);
+            }
+        }
+        for (h, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(out.as_mut_ptr().add(h * hd + d0), a[0]);
+            _mm256_storeu_ps(out.as_mut_ptr().add(h * hd + d0 + 8), a[1]);
+        }
+        d0 += 16;
     }
 }

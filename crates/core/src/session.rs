@@ -10,7 +10,7 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::attention::{attend, KvBuf, KvType};
+use crate::attention::{attend_group, KvBuf, KvType};
 use crate::matmul::{matmul, matmul_many, Activations};
 use crate::model::{FfnActivation, Model, RopeStyle};
 
@@ -182,19 +182,19 @@ impl Session {
             self.k_cache[l].write(pos0 * kv_dim, &s.k);
             self.v_cache[l].write(pos0 * kv_dim, &s.v);
 
-            // multihead attention, causal: token t attends to positions 0..=pos0+t;
-            // query head h reads kv head h / (n_head / n_head_kv) (GQA)
+            // multihead attention, causal: token t attends to positions 0..=pos0+t; the
+            // n_head / n_head_kv query heads that share a kv head are computed together (GQA)
             let (kc, vc) = (&self.k_cache[l], &self.v_cache[l]);
             let group = c.n_head / c.n_head_kv;
             let scale = 1.0 / (hd as f32).sqrt();
             let q = &s.q;
-            s.att.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (idx, out)| {
-                let (t, h) = (idx / c.n_head, idx % c.n_head);
-                let q_h = &q[t * q_dim + h * hd..t * q_dim + (h + 1) * hd];
+            s.att.par_chunks_mut(group * hd).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (idx, out)| {
+                let (t, g) = (idx / c.n_head_kv, idx % c.n_head_kv);
+                // the query heads of kv head g are contiguous: g * group .. (g + 1) * group
+                let qs = &q[t * q_dim + g * group * hd..t * q_dim + (g + 1) * group * hd];
                 let len = pos0 + t + 1;
-                scores.resize(len, 0.0);
                 let rows = len * kv_dim;
-                attend(q_h, kc.view(rows), vc.view(rows), kv_dim, (h / group) * hd, scale, scores, out);
+                attend_group(qs, hd, kc.view(rows), vc.view(rows), len, kv_dim, g * hd, scale, scores, out);
             });
 
             // output projection, then residual
