@@ -1,6 +1,5 @@
 """The real SmolLM2-135M-Instruct GGUF (Q4_1 weights, Q8_0 tied embeddings)."""
 
-import glob
 import os
 import threading
 

@@ -134,6 +134,7 @@ pub fn weighted_sum_scalar(weights: &[f32], cache: KvView, stride: usize, offset
 }
 
 /// Scalar twin of `avx2::attn_scores_group`: scores[h * n + j] for the heads in `qs` (g x hd).
+#[allow(clippy::too_many_arguments)]
 pub fn group_scores_scalar(qs: &[f32], hd: usize, cache: KvView, stride: usize, offset: usize, scale: f32, n: usize, scores: &mut [f32]) {
     for (h, q) in qs.chunks_exact(hd).enumerate() {
         scores_scalar(q, cache, stride, offset, scale, &mut scores[h * n..(h + 1) * n]);
