@@ -307,3 +307,76 @@ pub unsafe fn attn_weighted_sum_group<const F16: bool, const G: usize>(
         d0 += 16;
     }
 }
+
+/// 32 signed bytes to four vectors of 8 f32 lanes, in element order.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn i8x32_to_f32x4(q: __m256i) -> [__m256; 4] {
+    let lo = _mm256_castsi256_si128(q);
+    let hi = _mm256_extracti128_si256(q, 1);
+    [
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))),
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)),
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))),
+    ]
+}
+
+/// y[0..32] += scale * w + offset, for one block of 32 decoded weights.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpy_block(y: *mut f32, w: [__m256; 4], scale: __m256, offset: Option<__m256>) {
+    for (k, wk) in w.into_iter().enumerate() {
+        let p = y.add(8 * k);
+        let mut v = _mm256_fmadd_ps(wk, scale, _mm256_loadu_ps(p));
+        if let Some(o) = offset {
+            v = _mm256_add_ps(v, o);
+        }
+        _mm256_storeu_ps(p, v);
+    }
+}
+
+/// SIMD twin of `quant::axpy_scalar`: y += a * row.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn axpy(dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
+    let n = y.len();
+    debug_assert_eq!(row.len(), dtype.row_bytes(n));
+    let yp = y.as_mut_ptr();
+    let av = _mm256_set1_ps(a);
+    match dtype {
+        DType::F32 | DType::F16 | DType::BF16 => {
+            let n8 = n / 8 * 8;
+            let mut k = 0;
+            while k < n8 {
+                let p = yp.add(k);
+                _mm256_storeu_ps(p, _mm256_fmadd_ps(load8(dtype, row.as_ptr(), k), av, _mm256_loadu_ps(p)));
+                k += 8;
+            }
+            if n8 < n {
+                let eb = dtype.block_bytes();
+                crate::quant::axpy_scalar(dtype, &row[n8 * eb..], a, &mut y[n8..]);
+            }
+        }
+        DType::Q4_0 => {
+            let eight = _mm256_set1_epi8(8);
+            for (i, b) in crate::quant::cast_blocks::<BlockQ4_0>(row).iter().enumerate() {
+                let q = _mm256_sub_epi8(unpack_nibbles(&b.qs), eight);
+                axpy_block(yp.add(32 * i), i8x32_to_f32x4(q), _mm256_mul_ps(av, splat_f16(b.d)), None);
+            }
+        }
+        DType::Q4_1 => {
+            for (i, b) in crate::quant::cast_blocks::<BlockQ4_1>(row).iter().enumerate() {
+                // nibbles are < 16, so the signed widening is exact
+                let w = i8x32_to_f32x4(unpack_nibbles(&b.qs));
+                let offset = _mm256_mul_ps(av, splat_f16(b.m));
+                axpy_block(yp.add(32 * i), w, _mm256_mul_ps(av, splat_f16(b.d)), Some(offset));
+            }
+        }
+        DType::Q8_0 => {
+            for (i, b) in crate::quant::cast_blocks::<BlockQ8_0>(row).iter().enumerate() {
+                let q = _mm256_loadu_si256(b.qs.as_ptr() as *const __m256i);
+                axpy_block(yp.add(32 * i), i8x32_to_f32x4(q), _mm256_mul_ps(av, splat_f16(b.d)), None);
+            }
+        }
+    }
+}

@@ -11,6 +11,7 @@ pub mod model;
 pub mod quant;
 pub mod sampler;
 pub mod session;
+pub mod sparse;
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;

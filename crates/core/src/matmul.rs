@@ -115,7 +115,7 @@ impl Activations {
 /// Weight rows r0..r1 against N activation rows at the given SIMD level; `put(r, values)`
 /// receives each row's N dot products. Type and level are resolved once per call, and the
 /// weight bytes are reinterpreted as blocks once, so the per-row cost is the kernel alone.
-fn dot_rows<const N: usize>(
+pub(crate) fn dot_rows<const N: usize>(
     w: &QMatrix,
     rows: std::ops::Range<usize>,
     x: &Activations,

@@ -20,6 +20,10 @@ pub enum FfnActivation {
     ReGlu,
     /// `relu(gate) * relu(up)` (Bamboo)
     DReGlu,
+    /// `relu(up)`, no gate (OPT, ReluFalcon)
+    Relu,
+    /// `gelu(up)`, no gate (original Falcon; dense only, GELU is never exactly zero)
+    Gelu,
 }
 
 impl FfnActivation {
@@ -28,24 +32,75 @@ impl FfnActivation {
             FfnActivation::SwiGlu => "swiglu",
             FfnActivation::ReGlu => "reglu",
             FfnActivation::DReGlu => "dreglu",
+            FfnActivation::Relu => "relu",
+            FfnActivation::Gelu => "gelu",
         }
     }
 
+    pub fn has_gate(self) -> bool {
+        !matches!(self, FfnActivation::Relu | FfnActivation::Gelu)
+    }
+
+    /// The activation of one neuron from its gate and up pre-activations (`g` is ignored
+    /// without a gate).
+    #[inline]
+    pub fn apply(self, g: f32, u: f32) -> f32 {
+        match self {
+            FfnActivation::SwiGlu => silu(g) * u,
+            FfnActivation::ReGlu => g.max(0.0) * u,
+            FfnActivation::DReGlu => g.max(0.0) * u.max(0.0),
+            FfnActivation::Relu => u.max(0.0),
+            FfnActivation::Gelu => gelu(u),
+        }
+    }
+
+    /// The gate side alone, `act(gate)` (`act(up)` without a gate, called with the up value): threshold mode ranks
+    /// neurons by its magnitude, and a zero here means the neuron contributes nothing.
+    #[inline]
+    pub fn gate_part(self, g: f32) -> f32 {
+        match self {
+            FfnActivation::SwiGlu => silu(g),
+            FfnActivation::Gelu => gelu(g),
+            _ => g.max(0.0),
+        }
+    }
+}
+
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// GELU, tanh approximation (ggml's `ggml_gelu`).
+#[inline]
+pub fn gelu(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + 0.044715 * x * x)).tanh())
+}
+
+impl FfnActivation {
     /// `{arch}.ffn_activation` when the file says ("silu"/"swiglu", "relu"/"reglu",
     /// "drelu"/"dreglu"); otherwise what the architecture implies: Bamboo is dReLU, and a `llama`
     /// file with PowerInfer's `PWRI` magic is ReLU-gated (ReluLLaMA, ProSparse), exactly as
     /// PowerInfer reads such files; every other file is SwiGLU.
     fn from_file(file: &GgufFile, arch: &str) -> Result<FfnActivation> {
         let key = format!("{arch}.ffn_activation");
+        // Falcon and OPT have no gate: their FFN is act(up).
+        let gateless = matches!(arch, "falcon" | "opt");
         if let Some(v) = file.get(&key) {
-            return match v.as_str() {
-                Some("silu" | "swiglu") => Ok(FfnActivation::SwiGlu),
-                Some("relu" | "reglu") => Ok(FfnActivation::ReGlu),
-                Some("drelu" | "dreglu") => Ok(FfnActivation::DReGlu),
-                _ => Err(Error::Model(format!("{key} = {v:?} is not one of silu, relu, drelu"))),
+            return match (v.as_str(), gateless) {
+                (Some("silu" | "swiglu"), false) => Ok(FfnActivation::SwiGlu),
+                (Some("relu" | "reglu"), false) => Ok(FfnActivation::ReGlu),
+                (Some("drelu" | "dreglu"), false) => Ok(FfnActivation::DReGlu),
+                (Some("relu"), true) => Ok(FfnActivation::Relu),
+                (Some("gelu"), true) => Ok(FfnActivation::Gelu),
+                _ => Err(Error::Model(format!("{key} = {v:?} is not an activation {arch} supports"))),
             };
         }
         Ok(match (arch, file.magic) {
+            // OPT is ReLU by design; Falcon is GELU unless it is a PowerInfer (ReluFalcon) file
+            ("opt", _) | ("falcon", Magic::Powerinfer) => FfnActivation::Relu,
+            ("falcon", _) => FfnActivation::Gelu,
             ("bamboo", _) => FfnActivation::DReGlu,
             ("llama", Magic::Powerinfer) => FfnActivation::ReGlu,
             _ => FfnActivation::SwiGlu,

@@ -344,6 +344,24 @@ pub fn dot_float_scalar<const N: usize>(dtype: DType, w: &[u8], a: [&[f32]; N]) 
     out
 }
 
+// ---------------------------------------------------------------------------------------------
+// Scalar reference axpy: y += a * row, the column-sparse half of the FFN (one neuron's row of
+// `down_t` scaled by its activation). `row` holds `y.len()` elements of type `dtype`.
+
+pub fn axpy_scalar(dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
+    let mut w = [0.0f32; QK];
+    let (bl, bb) = (dtype.block_len(), dtype.block_bytes());
+    // Decode a few blocks at a time (QK elements) so float and quantized types share the loop.
+    let step = QK / bl * bb;
+    for (yc, wc) in y.chunks_mut(QK).zip(row.chunks(step)) {
+        let w = &mut w[..yc.len()];
+        dequantize_row(dtype, wc, w);
+        for (yi, wi) in yc.iter_mut().zip(w.iter()) {
+            *yi += a * wi;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -12,7 +12,7 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use crate::attention::{attend_group, KvBuf, KvType};
 use crate::matmul::{matmul, matmul_many, Activations};
-use crate::model::{FfnActivation, Model, RopeStyle};
+use crate::model::{Model, RopeStyle};
 
 pub struct Session {
     pub model: Arc<Model>,
@@ -70,10 +70,6 @@ fn rope(x: &mut [f32], head_dim: usize, rope_dim: usize, style: RopeStyle, cos: 
             }
         }
     }
-}
-
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
 }
 
 impl Session {
@@ -213,11 +209,7 @@ impl Session {
             let act = c.ffn_activation;
             s.gate.par_chunks_mut(4096).zip(s.up.par_chunks(4096)).for_each(|(g, u)| {
                 for (gi, &ui) in g.iter_mut().zip(u) {
-                    *gi = match act {
-                        FfnActivation::SwiGlu => silu(*gi) * ui,
-                        FfnActivation::ReGlu => gi.max(0.0) * ui,
-                        FfnActivation::DReGlu => gi.max(0.0) * ui.max(0.0),
-                    };
+                    *gi = act.apply(*gi, ui);
                 }
             });
 

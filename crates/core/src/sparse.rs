@@ -1,0 +1,350 @@
+//! Neuron-aware FFN operators: compute only the FFN neurons that a predictor (or a threshold)
+//! selected. Gate and up are row-sparse (a skipped neuron's rows are never read); the down
+//! projection is column-sparse, an axpy of each computed neuron's row of `down_t` (the
+//! neuron-major, transposed down matrix) scaled by its activation.
+//!
+//! Decode (one token) runs fused: per chunk of selected neurons, gate -> activation -> up -> axpy
+//! into that chunk's own accumulator, with rayon stealing chunks between threads; the
+//! accumulators are then summed in chunk order. No two threads ever write the same memory, and
+//! the chunking depends only on the selection and the thread count, so results are identical
+//! from run to run for a fixed thread count. (PowerInfer's CPU axpy adds partial sums into the
+//! shared output unsynchronised, a data race.)
+//!
+//! Prefill (many tokens) uses `down_t_matmul`: each task owns a range of output columns for all
+//! tokens, so it needs no reduction at all.
+
+use rayon::prelude::*;
+
+use crate::matmul::{dot_rows, simd_level, Activations, QMatrix, SimdLevel};
+use crate::model::FfnActivation;
+use crate::quant::{self, DType};
+
+/// One FFN block as the sparse operators read it.
+#[derive(Clone, Copy)]
+pub struct FfnMats<'a> {
+    pub gate: Option<QMatrix<'a>>,  // (n_ff, n_embd); None for gateless FFNs (Falcon, OPT)
+    pub up: QMatrix<'a>,            // (n_ff, n_embd)
+    pub up_bias: Option<&'a [f32]>, // (n_ff), OPT
+    pub down_t: QMatrix<'a>,        // (n_ff, n_embd): row j is the output vector of neuron j
+    pub act: FfnActivation,
+}
+
+/// Reusable buffers of the sparse operators (one set per session).
+#[derive(Default)]
+pub struct SparseScratch {
+    acc: Vec<f32>, // (n_chunks, n_embd) per-chunk partial sums of the down projection
+    ht: Vec<f32>,  // (n_ff, n_tokens) activations transposed, for `down_t_matmul`
+    nz: Vec<u32>,  // neurons with a nonzero activation for some token
+}
+
+/// Fewest neurons per chunk: below this the per-task cost outweighs the balance it buys.
+const MIN_CHUNK: usize = 16;
+/// Chunks per thread, so that a thread that finishes early can steal work.
+const CHUNKS_PER_THREAD: usize = 4;
+/// Output columns per task in the reduction.
+const REDUCE_COLS: usize = 512;
+
+/// y += a * row, at the given SIMD level.
+#[inline]
+pub fn axpy(level: SimdLevel, dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
+        SimdLevel::Avx2 => unsafe { crate::avx2::axpy(dtype, row, a, y) },
+        _ => quant::axpy_scalar(dtype, row, a, y),
+    }
+}
+
+fn f32_bytes(x: &[f32]) -> &[u8] {
+    // SAFETY: any f32 is four valid bytes; the length is scaled accordingly.
+    unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u8, std::mem::size_of_val(x)) }
+}
+
+/// Dot product of row `r` of `w` with token 0 of `x`.
+#[inline]
+fn dot1(w: &QMatrix, r: usize, x: &Activations, level: SimdLevel) -> f32 {
+    let mut v = 0.0;
+    dot_rows(w, r..r + 1, x, [0], level, |_, d| v = d[0]);
+    v
+}
+
+/// One token's FFN over the selected neurons only: out (n_embd) = sum over j in `neurons` of
+/// act(gate_j . x, up_j . x) * down_t[j]. `x` holds the one normed input token. `gate_values`
+/// (n_ff) are the gate pre-activations when the caller already computed them densely
+/// (threshold mode). Returns how many neurons reached the down projection (a neuron whose
+/// activation is exactly zero is dropped after its gate or up dot, never axpy'd).
+pub fn sparse_ffn(
+    m: &FfnMats,
+    x: &Activations,
+    neurons: &[u32],
+    gate_values: Option<&[f32]>,
+    out: &mut [f32],
+    scratch: &mut SparseScratch,
+) -> usize {
+    let n_embd = m.down_t.cols;
+    assert_eq!(x.n, 1, "sparse_ffn takes one token");
+    assert_eq!(out.len(), n_embd);
+    assert_eq!(m.up.rows, m.down_t.rows);
+    debug_assert!(neurons.iter().all(|&j| (j as usize) < m.up.rows));
+    let threads = rayon::current_num_threads().max(1);
+    let n_chunks = neurons.len().div_ceil(MIN_CHUNK).clamp(1, threads * CHUNKS_PER_THREAD);
+    scratch.acc.resize(n_chunks * n_embd, 0.0);
+    let level = simd_level();
+    // ReLU-type gates: a non-positive gate makes the neuron zero, so up is not even read.
+    let gate_decides = matches!(m.act, FfnActivation::ReGlu | FfnActivation::DReGlu);
+
+    let used: usize = scratch.acc.par_chunks_mut(n_embd).enumerate().map(|(k, acc)| {
+        acc.fill(0.0);
+        let chunk = &neurons[neurons.len() * k / n_chunks..neurons.len() * (k + 1) / n_chunks];
+        let mut used = 0;
+        for &j in chunk {
+            let j = j as usize;
+            // gate -> activation
+            let g = match (gate_values, &m.gate) {
+                (Some(gv), _) => gv[j],
+                (None, Some(gw)) => dot1(gw, j, x, level),
+                (None, None) => 0.0,
+            };
+            if gate_decides && g <= 0.0 {
+                continue;
+            }
+            // up
+            let mut u = dot1(&m.up, j, x, level);
+            if let Some(b) = m.up_bias {
+                u += b[j];
+            }
+            let h = m.act.apply(g, u);
+            if h == 0.0 {
+                continue;
+            }
+            // axpy of the neuron's down_t row into this chunk's accumulator
+            axpy(level, m.down_t.dtype, m.down_t.row(j), h, acc);
+            used += 1;
+        }
+        used
+    }).sum();
+
+    // Sum the chunk accumulators in chunk order.
+    let acc = &scratch.acc;
+    out.par_chunks_mut(REDUCE_COLS).enumerate().for_each(|(c, o)| {
+        let c0 = c * REDUCE_COLS;
+        o.copy_from_slice(&acc[c0..c0 + o.len()]);
+        for k in 1..n_chunks {
+            let part = &acc[k * n_embd + c0..k * n_embd + c0 + o.len()];
+            o.iter_mut().zip(part).for_each(|(a, b)| *a += b);
+        }
+    });
+    used
+}
+
+/// Raw output pointer shared by tasks that write disjoint column ranges.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: each task writes only its own columns (see `down_t_matmul`).
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// The pointer `offset` elements in (a method, so closures capture the whole Send wrapper).
+    fn at(self, offset: usize) -> *mut f32 {
+        self.0.wrapping_add(offset)
+    }
+}
+
+/// The down projection of a batch from the neuron-major matrix: out (n, n_embd) =
+/// h (n, n_ff) @ down_t (n_ff, n_embd). Neurons that are zero for every token are skipped; each
+/// task owns a range of output columns for all tokens, dequantizing each needed slice of
+/// `down_t` once and reusing it for every token.
+pub fn down_t_matmul(down_t: &QMatrix, h: &[f32], n: usize, out: &mut [f32], scratch: &mut SparseScratch) {
+    let (n_ff, n_embd) = (down_t.rows, down_t.cols);
+    assert_eq!(h.len(), n * n_ff);
+    assert_eq!(out.len(), n * n_embd);
+    // h transposed to (n_ff, n): one neuron's values for all tokens are contiguous.
+    scratch.ht.resize(n_ff * n, 0.0);
+    scratch.nz.clear();
+    for j in 0..n_ff {
+        let mut any = false;
+        for t in 0..n {
+            let v = h[t * n_ff + j];
+            scratch.ht[j * n + t] = v;
+            any |= v != 0.0;
+        }
+        if any {
+            scratch.nz.push(j as u32);
+        }
+    }
+    out.fill(0.0);
+    let threads = rayon::current_num_threads().max(1);
+    let unit = down_t.dtype.block_len().max(32);
+    let width = (n_embd.div_ceil(threads * CHUNKS_PER_THREAD)).next_multiple_of(unit).min(n_embd.next_multiple_of(unit));
+    let n_tasks = n_embd.div_ceil(width);
+    let (ht, nz) = (&scratch.ht, &scratch.nz);
+    let level = simd_level();
+    let optr = OutPtr(out.as_mut_ptr());
+    (0..n_tasks).into_par_iter().for_each(|task| {
+        let c0 = task * width;
+        let c1 = (c0 + width).min(n_embd);
+        let mut w = vec![0.0f32; c1 - c0];
+        let (b0, b1) = (down_t.dtype.row_bytes(c0), down_t.dtype.row_bytes(c1));
+        for &j in nz.iter() {
+            let j = j as usize;
+            quant::dequantize_row(down_t.dtype, &down_t.row(j)[b0..b1], &mut w);
+            for (t, &hv) in ht[j * n..(j + 1) * n].iter().enumerate() {
+                if hv != 0.0 {
+                    // SAFETY: this task alone writes columns c0..c1 of every token's row, and
+                    // out.len() == n * n_embd was asserted above.
+                    let y = unsafe { std::slice::from_raw_parts_mut(optr.at(t * n_embd + c0), c1 - c0) };
+                    axpy(level, DType::F32, f32_bytes(&w), hv, y);
+                }
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::matmul::matmul_many;
+    use crate::quant::{dequantize_row, quantize_row};
+
+    fn random_vec(n: usize, seed: u64) -> Vec<f32> {
+        let mut rng = crate::sampler::Rng::new(seed);
+        (0..n).map(|_| rng.next_f32() * 2.0 - 1.0).collect()
+    }
+
+    const ALL: [DType; 6] = [DType::F32, DType::F16, DType::BF16, DType::Q4_0, DType::Q4_1, DType::Q8_0];
+
+    fn matrix(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        random_vec(rows * cols, seed).chunks(cols).flat_map(|r| quantize_row(dtype, r)).collect()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_axpy_matches_scalar() {
+        if simd_level() != SimdLevel::Avx2 {
+            eprintln!("skipping: no AVX2 on this CPU");
+            return;
+        }
+        for dtype in ALL {
+            for n in [32, 64, 96, 576, 4096] {
+                let row = quantize_row(dtype, &random_vec(n, n as u64));
+                let y0 = random_vec(n, 99);
+                let (mut ys, mut yv) = (y0.clone(), y0.clone());
+                quant::axpy_scalar(dtype, &row, 0.37, &mut ys);
+                unsafe { crate::avx2::axpy(dtype, &row, 0.37, &mut yv) };
+                for i in 0..n {
+                    assert!((ys[i] - yv[i]).abs() <= 1e-6, "{dtype:?} n={n} i={i}: {} vs {}", ys[i], yv[i]);
+                }
+            }
+        }
+        // float rows whose length is not a multiple of 8 use the scalar tail
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let row = quantize_row(dtype, &random_vec(13, 5));
+            let (mut ys, mut yv) = (vec![1.0; 13], vec![1.0; 13]);
+            quant::axpy_scalar(dtype, &row, -2.0, &mut ys);
+            unsafe { crate::avx2::axpy(dtype, &row, -2.0, &mut yv) };
+            assert_eq!(ys, yv);
+        }
+    }
+
+    /// The fused sparse FFN equals the dense operator (dense gate/up products, the activation,
+    /// the selection mask, then a float64 down projection) for every weight type, activation,
+    /// selection density and thread count, and gives bit-identical results when repeated.
+    #[test]
+    fn sparse_ffn_matches_dense_operator() {
+        let (n_ff, n_embd) = (200, 96);
+        let acts = [FfnActivation::SwiGlu, FfnActivation::ReGlu, FfnActivation::DReGlu, FfnActivation::Relu];
+        for threads in [1, 3] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            for dtype in ALL {
+                let (gd, ud, dd) = (matrix(dtype, n_ff, n_embd, 1), matrix(dtype, n_ff, n_embd, 2), matrix(dtype, n_ff, n_embd, 3));
+                let gate = QMatrix { dtype, rows: n_ff, cols: n_embd, data: &gd };
+                let up = QMatrix { dtype, rows: n_ff, cols: n_embd, data: &ud };
+                let down_t = QMatrix { dtype, rows: n_ff, cols: n_embd, data: &dd };
+                let bias = random_vec(n_ff, 4);
+                let mut x = Activations::default();
+                x.set(&random_vec(n_embd, 5), 1, n_embd);
+                let (mut g, mut u) = (vec![0.0; n_ff], vec![0.0; n_ff]);
+                pool.install(|| matmul_many(&[gate, up], &x, &mut [&mut g, &mut u]));
+                for act in acts {
+                    let m = FfnMats {
+                        gate: act.has_gate().then_some(gate),
+                        up,
+                        up_bias: (act == FfnActivation::Relu).then_some(&bias[..]),
+                        down_t,
+                        act,
+                    };
+                    for density in [0.0, 0.1, 0.5, 1.0] {
+                        let mut rng = crate::sampler::Rng::new(7);
+                        let neurons: Vec<u32> = (0..n_ff as u32).filter(|_| rng.next_f32() < density).collect();
+                        // dense reference over the selection
+                        let mut want = vec![0.0f64; n_embd];
+                        let mut row = vec![0.0f32; n_embd];
+                        for &j in &neurons {
+                            let j = j as usize;
+                            let uj = if m.up_bias.is_some() { u[j] + bias[j] } else { u[j] };
+                            let h = act.apply(g[j], uj) as f64;
+                            dequantize_row(dtype, down_t.row(j), &mut row);
+                            want.iter_mut().zip(&row).for_each(|(w, r)| *w += h * *r as f64);
+                        }
+                        let mut scratch = SparseScratch::default();
+                        let mut got = vec![0.0f32; n_embd];
+                        let mut again = vec![0.0f32; n_embd];
+                        pool.install(|| {
+                            sparse_ffn(&m, &x, &neurons, None, &mut got, &mut scratch);
+                            sparse_ffn(&m, &x, &neurons, None, &mut again, &mut scratch);
+                        });
+                        assert_eq!(got, again, "not deterministic: {dtype:?} {act:?}");
+                        let scale = want.iter().map(|v| v.abs()).fold(1e-3, f64::max);
+                        for i in 0..n_embd {
+                            let err = (got[i] as f64 - want[i]).abs() / scale;
+                            assert!(err < 1e-5, "{dtype:?} {act:?} density {density} t{threads} [{i}]: {} vs {}", got[i], want[i]);
+                        }
+                        // precomputed gate values give the same result
+                        if act.has_gate() {
+                            let mut pre = vec![0.0f32; n_embd];
+                            pool.install(|| sparse_ffn(&m, &x, &neurons, Some(&g), &mut pre, &mut scratch));
+                            assert_eq!(pre, got);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The batched column-split down projection equals a float64 product.
+    #[test]
+    fn down_t_matmul_matches_float64() {
+        let (n_ff, n_embd) = (70, 160);
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        for dtype in ALL {
+            let dd = matrix(dtype, n_ff, n_embd, 11);
+            let down_t = QMatrix { dtype, rows: n_ff, cols: n_embd, data: &dd };
+            for n in [1, 5] {
+                let mut h = random_vec(n * n_ff, 12);
+                // a sparse pattern: some neurons zero for all tokens, some for a few
+                for (i, v) in h.iter_mut().enumerate() {
+                    if (i % n_ff) % 3 == 0 || i % 7 == 0 {
+                        *v = 0.0;
+                    }
+                }
+                let mut out = vec![f32::NAN; n * n_embd];
+                let mut scratch = SparseScratch::default();
+                pool.install(|| down_t_matmul(&down_t, &h, n, &mut out, &mut scratch));
+                let mut row = vec![0.0f32; n_embd];
+                let mut want = vec![0.0f64; n * n_embd];
+                for j in 0..n_ff {
+                    dequantize_row(dtype, down_t.row(j), &mut row);
+                    for t in 0..n {
+                        for c in 0..n_embd {
+                            want[t * n_embd + c] += h[t * n_ff + j] as f64 * row[c] as f64;
+                        }
+                    }
+                }
+                for i in 0..n * n_embd {
+                    assert!((out[i] as f64 - want[i]).abs() < 1e-4, "{dtype:?} n={n} [{i}]: {} vs {}", out[i], want[i]);
+                }
+            }
+        }
+    }
+}
