@@ -23,7 +23,7 @@ pub enum Error {
     #[error("tensor '{tensor}' has type {dtype}, which is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0)")]
     UnsupportedType { tensor: String, dtype: String },
 
-    #[error("unknown architecture '{0}' (supported: llama, mistral, bamboo, qwen2)")]
+    #[error("unknown architecture '{0}' (supported: llama, mistral, bamboo, qwen2, falcon, opt)")]
     UnknownArchitecture(String),
 
     /// A tensor or metadata key the architecture needs is absent or has the wrong shape.

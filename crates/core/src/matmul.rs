@@ -63,6 +63,12 @@ impl<'a> QMatrix<'a> {
         &self.data[r * rb..(r + 1) * rb]
     }
 
+    /// Rows r0..r1 as a matrix of their own (a view, no copy).
+    pub fn rows_range(&self, r0: usize, r1: usize) -> QMatrix<'a> {
+        let rb = self.row_bytes();
+        QMatrix { dtype: self.dtype, rows: r1 - r0, cols: self.cols, data: &self.data[r0 * rb..r1 * rb] }
+    }
+
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         quant::dequantize_row(self.dtype, self.row(r), &mut out[..self.cols]);
     }

@@ -2,10 +2,19 @@
 //! the memory map (`Weights`), and the immutable `Model` that owns both plus the thread pool.
 //! A `Model` is shared across threads through `Arc`; everything mutable lives in `Session`.
 //!
-//! Architectures: `llama` and `mistral` (RoPE normal), `qwen2` (RoPE NeoX, q/k/v biases), and
-//! `bamboo` (dReLU FFN). The FFN activation comes from metadata (see `FfnActivation::from_file`).
+//! Architectures: `llama` and `mistral` (RoPE normal), `qwen2` (RoPE NeoX, q/k/v biases),
+//! `bamboo` (dReLU FFN), `falcon` (LayerNorm, fused QKV, parallel attention and FFN, no gate) and
+//! `opt` (LayerNorm, biases everywhere, learned positions, no gate). The FFN activation comes
+//! from metadata (see `FfnActivation::from_file`).
+//!
+//! PowerInfer files (`PWRI` magic) carry the down projection transposed (`ffn_down_t`, one row
+//! per neuron) and a predictor per layer (`fc1`, `fc2`). Plain files get a neuron-major copy of
+//! `ffn_down` built once, on first use by a sparse mode (`Model::down_t`).
 
 use std::path::Path;
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::gguf::{GgufFile, Magic, TensorInfo};
@@ -114,11 +123,28 @@ pub enum RopeStyle {
     Normal,
     /// Rotates (x[i], x[i + d/2]); GPT-NeoX style, ggml rope mode 2.
     NeoX,
+    /// No rotary embedding (OPT: learned absolute positions).
+    None,
 }
+
+/// The shape of the transformer block, which picks the forward pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// Pre-RMSNorm, attention then FFN: llama, mistral, qwen2, bamboo.
+    Llama,
+    /// LayerNorm; attention and FFN both read the normed layer input and add to it in parallel.
+    Falcon,
+    /// Pre-LayerNorm with biases, learned positions (offset 2), tied output.
+    Opt,
+}
+
+/// OPT's learned position table starts at row 2 (rows 0 and 1 were padding in training).
+pub const OPT_POSITION_OFFSET: usize = 2;
 
 #[derive(Debug, Clone)]
 pub struct Config {
     pub architecture: String,
+    pub family: Family,
     pub n_vocab: usize,
     pub n_embd: usize,
     pub n_layer: usize,
@@ -130,9 +156,14 @@ pub struct Config {
     pub rope_dim: usize,
     pub rope_base: f32,
     pub rope_style: RopeStyle,
-    pub rms_eps: f32,
+    /// RMSNorm or LayerNorm epsilon, whichever the family uses.
+    pub norm_eps: f32,
     pub ffn_activation: FfnActivation,
     pub tied_output: bool,
+    /// `PWRI` magic: a PowerInfer file.
+    pub powerinfer: bool,
+    /// Predictor cut-off from `powerinfer.sparse_threshold` (0.0 when absent).
+    pub sparse_threshold: f32,
 }
 
 impl Config {
@@ -144,27 +175,52 @@ impl Config {
     }
 }
 
+/// Per-layer predictor of which FFN neurons fire: `logits = fc2 @ relu(fc1 @ x)`, neuron j
+/// predicted active iff `logits[j] >= threshold`. No biases.
+#[derive(Clone, Copy)]
+pub struct Predictor<'a> {
+    pub fc1: QMatrix<'a>, // (hidden, n_embd); hidden differs per layer
+    pub fc2: QMatrix<'a>, // (n_ff, hidden)
+}
+
 /// Per-layer weights. Shapes are row-major (rows, cols); a matrix maps cols -> rows.
 pub struct LayerWeights<'a> {
-    pub attn_norm: Vec<f32>,      // (n_embd)
-    pub wq: QMatrix<'a>,          // (n_head * head_dim, n_embd)
-    pub wk: QMatrix<'a>,          // (n_head_kv * head_dim, n_embd)
-    pub wv: QMatrix<'a>,          // (n_head_kv * head_dim, n_embd)
-    pub bq: Option<Vec<f32>>,     // (n_head * head_dim), qwen2
-    pub bk: Option<Vec<f32>>,     // (n_head_kv * head_dim)
-    pub bv: Option<Vec<f32>>,     // (n_head_kv * head_dim)
-    pub wo: QMatrix<'a>,          // (n_embd, n_head * head_dim)
-    pub ffn_norm: Vec<f32>,       // (n_embd)
-    pub ffn_gate: QMatrix<'a>,    // (n_ff, n_embd)
-    pub ffn_up: QMatrix<'a>,      // (n_ff, n_embd)
-    pub ffn_down: QMatrix<'a>,    // (n_embd, n_ff)
+    pub attn_norm: Vec<f32>,            // (n_embd)
+    pub attn_norm_b: Option<Vec<f32>>,  // (n_embd), LayerNorm families
+    pub attn_norm_2: Option<Vec<f32>>,  // (n_embd), Falcon-40B: separate norm for attention
+    pub attn_norm_2_b: Option<Vec<f32>>,
+    pub wq: QMatrix<'a>,                // (n_head * head_dim, n_embd)
+    pub wk: QMatrix<'a>,                // (n_head_kv * head_dim, n_embd)
+    pub wv: QMatrix<'a>,                // (n_head_kv * head_dim, n_embd)
+    pub bq: Option<Vec<f32>>,           // (n_head * head_dim), qwen2, opt
+    pub bk: Option<Vec<f32>>,           // (n_head_kv * head_dim)
+    pub bv: Option<Vec<f32>>,           // (n_head_kv * head_dim)
+    pub wo: QMatrix<'a>,                // (n_embd, n_head * head_dim)
+    pub bo: Option<Vec<f32>>,           // (n_embd), opt
+    pub ffn_norm: Option<Vec<f32>>,     // (n_embd); Falcon has none (the FFN reads attn_norm's output)
+    pub ffn_norm_b: Option<Vec<f32>>,   // (n_embd), opt
+    pub ffn_gate: Option<QMatrix<'a>>,  // (n_ff, n_embd); none for Falcon and OPT
+    pub ffn_up: QMatrix<'a>,            // (n_ff, n_embd)
+    pub ffn_up_b: Option<Vec<f32>>,     // (n_ff), opt
+    pub ffn_down: Option<QMatrix<'a>>,  // (n_embd, n_ff), plain files
+    pub ffn_down_t: Option<QMatrix<'a>>, // (n_ff, n_embd), PowerInfer files: row j = neuron j's output
+    pub ffn_down_b: Option<Vec<f32>>,   // (n_embd), opt
+    pub predictor: Option<Predictor<'a>>,
 }
 
 pub struct Weights<'a> {
-    pub token_embd: QMatrix<'a>,  // (n_vocab, n_embd)
+    pub token_embd: QMatrix<'a>,            // (n_vocab, n_embd)
+    pub position_embd: Option<QMatrix<'a>>, // (n_ctx_train + 2, n_embd), opt
     pub layers: Vec<LayerWeights<'a>>,
-    pub output_norm: Vec<f32>,    // (n_embd)
-    pub output: QMatrix<'a>,      // (n_vocab, n_embd); token_embd when tied
+    pub output_norm: Vec<f32>,              // (n_embd)
+    pub output_norm_b: Option<Vec<f32>>,    // (n_embd), LayerNorm families
+    pub output: QMatrix<'a>,                // (n_vocab, n_embd); token_embd when tied
+}
+
+/// Neuron-major down projections built from `ffn_down` for files that lack `ffn_down_t`.
+struct BuiltDownT {
+    dtype: DType,
+    layers: Vec<Option<Vec<u16>>>, // u16 storage keeps the f16 block scales aligned
 }
 
 pub struct Model {
@@ -173,6 +229,7 @@ pub struct Model {
     // never moves (it is a kernel mapping, not inline data), so the borrow stays valid.
     pub weights: Weights<'static>,
     pub file: GgufFile,
+    built_down_t: OnceLock<BuiltDownT>,
     pool: rayon::ThreadPool,
 }
 
@@ -206,9 +263,11 @@ impl Config {
             Some(v) => v.as_str().ok_or_else(|| Error::Model("general.architecture is not a string".into()))?.to_string(),
             None => return Err(Error::Model("required metadata key general.architecture is missing".into())),
         };
-        let rope_style = match arch.as_str() {
-            "llama" | "mistral" | "bamboo" => RopeStyle::Normal,
-            "qwen2" => RopeStyle::NeoX,
+        let (family, rope_style) = match arch.as_str() {
+            "llama" | "mistral" | "bamboo" => (Family::Llama, RopeStyle::Normal),
+            "qwen2" => (Family::Llama, RopeStyle::NeoX),
+            "falcon" => (Family::Falcon, RopeStyle::NeoX),
+            "opt" => (Family::Opt, RopeStyle::None),
             _ => return Err(Error::UnknownArchitecture(arch)),
         };
         let k = |name: &str| format!("{arch}.{name}");
@@ -228,15 +287,29 @@ impl Config {
             None if n_embd % n_head == 0 => n_embd / n_head,
             None => return Err(Error::Model(format!("embedding length {n_embd} is not divisible by {n_head} heads"))),
         };
-        let rope_dim = meta_usize(file, &k("rope.dimension_count"))?.unwrap_or(head_dim);
+        let rope_dim = match rope_style {
+            RopeStyle::None => 0,
+            _ => meta_usize(file, &k("rope.dimension_count"))?.unwrap_or(head_dim),
+        };
         if rope_dim > head_dim || rope_dim % 2 != 0 || head_dim % 2 != 0 {
             return Err(Error::Model(format!("rope dimension {rope_dim} does not fit head size {head_dim}")));
         }
+        let norm_eps = match family {
+            Family::Llama => meta_f32(file, &k("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5),
+            _ => meta_f32(file, &k("attention.layer_norm_epsilon"))?.unwrap_or(1e-5),
+        };
         let embd = file
             .tensor("token_embd.weight")
             .ok_or_else(|| Error::Model("required tensor token_embd.weight is missing".into()))?;
         let n_vocab = embd.shape()[0] as usize;
+        let powerinfer = file.magic == Magic::Powerinfer;
+        let n_ctx_train = match (family, file.tensor("position_embd.weight")) {
+            // the learned table bounds the context, whatever the metadata says
+            (Family::Opt, Some(t)) => (t.shape()[0] as usize).saturating_sub(OPT_POSITION_OFFSET),
+            _ => meta_usize(file, &k("context_length"))?.unwrap_or(2048),
+        };
         Ok(Config {
+            family,
             n_vocab,
             n_embd,
             n_layer,
@@ -244,13 +317,15 @@ impl Config {
             n_head,
             n_head_kv,
             head_dim,
-            n_ctx_train: meta_usize(file, &k("context_length"))?.unwrap_or(2048),
+            n_ctx_train,
             rope_dim,
             rope_base: meta_f32(file, &k("rope.freq_base"))?.unwrap_or(10000.0),
             rope_style,
-            rms_eps: meta_f32(file, &k("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5),
+            norm_eps,
             ffn_activation: FfnActivation::from_file(file, &arch)?,
             tied_output: file.tensor("output.weight").is_none(),
+            powerinfer,
+            sparse_threshold: meta_f32(file, "powerinfer.sparse_threshold")?.unwrap_or(0.0),
             architecture: arch,
         })
     }
@@ -295,32 +370,125 @@ fn required_vector(file: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>> {
     vector(file, name, n)?.ok_or_else(|| Error::Model(format!("required tensor {name} is missing")))
 }
 
+fn missing(name: &str) -> Error {
+    Error::Model(format!("required tensor {name} is missing"))
+}
+
+fn optional_matrix<'a>(file: &'a GgufFile, name: &str, rows: usize, cols: usize) -> Result<Option<QMatrix<'a>>> {
+    if file.tensor(name).is_none() {
+        return Ok(None);
+    }
+    matrix(file, name, rows, cols).map(Some)
+}
+
+/// A layer's predictor, if the file has one; its hidden size comes from `fc1`.
+fn predictor<'a>(file: &'a GgufFile, i: usize, c: &Config) -> Result<Option<Predictor<'a>>> {
+    let (n1, n2) = (format!("blk.{i}.fc1.weight"), format!("blk.{i}.fc2.weight"));
+    let (t1, t2) = match (file.tensor(&n1), file.tensor(&n2)) {
+        (None, None) => return Ok(None),
+        (Some(t1), Some(t2)) => (t1, t2),
+        _ => return Err(Error::Model(format!("layer {i} has only one of {n1} and {n2}; a predictor needs both"))),
+    };
+    let (s1, s2) = (t1.shape(), t2.shape());
+    let hidden = if s1.len() == 2 { s1[0] as usize } else { 0 };
+    if s1.len() != 2 || s1[1] != c.n_embd as u64 || hidden == 0 {
+        return Err(Error::Model(format!(
+            "predictor {n1} has shape {s1:?}, expected [hidden, {}] to read the layer's {}-wide input",
+            c.n_embd, c.n_embd
+        )));
+    }
+    if s2 != [c.n_ff as u64, hidden as u64] {
+        return Err(Error::Model(format!(
+            "predictor {n2} has shape {s2:?}, expected [{}, {hidden}] ({} FFN neurons, hidden size {hidden} from {n1})",
+            c.n_ff, c.n_ff
+        )));
+    }
+    Ok(Some(Predictor { fc1: matrix(file, &n1, hidden, c.n_embd)?, fc2: matrix(file, &n2, c.n_ff, hidden)? }))
+}
+
 impl Weights<'_> {
     fn load<'a>(file: &'a GgufFile, c: &Config) -> Result<Weights<'a>> {
         let token_embd = matrix(file, "token_embd.weight", c.n_vocab, c.n_embd)?;
         let mut layers = Vec::with_capacity(c.n_layer);
         for i in 0..c.n_layer {
             let n = |s: &str| format!("blk.{i}.{s}");
+            // attention projections: separate, or Falcon's fused [q; k; v] rows
+            let (wq, wk, wv) = match c.family {
+                Family::Falcon => {
+                    let qkv = matrix(file, &n("attn_qkv.weight"), c.q_dim() + 2 * c.kv_dim(), c.n_embd)?;
+                    let (q, kv) = (c.q_dim(), c.kv_dim());
+                    (qkv.rows_range(0, q), qkv.rows_range(q, q + kv), qkv.rows_range(q + kv, q + 2 * kv))
+                }
+                _ => (
+                    matrix(file, &n("attn_q.weight"), c.q_dim(), c.n_embd)?,
+                    matrix(file, &n("attn_k.weight"), c.kv_dim(), c.n_embd)?,
+                    matrix(file, &n("attn_v.weight"), c.kv_dim(), c.n_embd)?,
+                ),
+            };
+            // down projection: neuron-major in PowerInfer files, plain otherwise
+            let ffn_down_t = optional_matrix(file, &n("ffn_down_t.weight"), c.n_ff, c.n_embd)?;
+            let ffn_down = optional_matrix(file, &n("ffn_down.weight"), c.n_embd, c.n_ff)?;
+            if ffn_down_t.is_none() && ffn_down.is_none() {
+                return Err(if c.powerinfer {
+                    Error::Model(format!(
+                        "PowerInfer (PWRI) file has no {}: its down projection must be stored transposed",
+                        n("ffn_down_t.weight")
+                    ))
+                } else {
+                    missing(&n("ffn_down.weight"))
+                });
+            }
+            let ffn_down_b = match vector(file, &n("ffn_down_t.bias"), c.n_embd)? {
+                Some(b) => Some(b),
+                None => vector(file, &n("ffn_down.bias"), c.n_embd)?,
+            };
+            let ffn_gate = if c.ffn_activation.has_gate() {
+                Some(matrix(file, &n("ffn_gate.weight"), c.n_ff, c.n_embd)?)
+            } else {
+                None
+            };
+            let ffn_norm = match c.family {
+                Family::Falcon => None,
+                _ => Some(required_vector(file, &n("ffn_norm.weight"), c.n_embd)?),
+            };
             layers.push(LayerWeights {
                 attn_norm: required_vector(file, &n("attn_norm.weight"), c.n_embd)?,
-                wq: matrix(file, &n("attn_q.weight"), c.q_dim(), c.n_embd)?,
-                wk: matrix(file, &n("attn_k.weight"), c.kv_dim(), c.n_embd)?,
-                wv: matrix(file, &n("attn_v.weight"), c.kv_dim(), c.n_embd)?,
+                attn_norm_b: vector(file, &n("attn_norm.bias"), c.n_embd)?,
+                attn_norm_2: vector(file, &n("attn_norm_2.weight"), c.n_embd)?,
+                attn_norm_2_b: vector(file, &n("attn_norm_2.bias"), c.n_embd)?,
+                wq,
+                wk,
+                wv,
                 bq: vector(file, &n("attn_q.bias"), c.q_dim())?,
                 bk: vector(file, &n("attn_k.bias"), c.kv_dim())?,
                 bv: vector(file, &n("attn_v.bias"), c.kv_dim())?,
                 wo: matrix(file, &n("attn_output.weight"), c.n_embd, c.q_dim())?,
-                ffn_norm: required_vector(file, &n("ffn_norm.weight"), c.n_embd)?,
-                ffn_gate: matrix(file, &n("ffn_gate.weight"), c.n_ff, c.n_embd)?,
+                bo: vector(file, &n("attn_output.bias"), c.n_embd)?,
+                ffn_norm,
+                ffn_norm_b: vector(file, &n("ffn_norm.bias"), c.n_embd)?,
+                ffn_gate,
                 ffn_up: matrix(file, &n("ffn_up.weight"), c.n_ff, c.n_embd)?,
-                ffn_down: matrix(file, &n("ffn_down.weight"), c.n_embd, c.n_ff)?,
+                ffn_up_b: vector(file, &n("ffn_up.bias"), c.n_ff)?,
+                ffn_down,
+                ffn_down_t,
+                ffn_down_b,
+                predictor: predictor(file, i, c)?,
             });
         }
         let output = if c.tied_output { token_embd } else { matrix(file, "output.weight", c.n_vocab, c.n_embd)? };
+        let position_embd = match c.family {
+            Family::Opt => {
+                let t = file.tensor("position_embd.weight").ok_or_else(|| missing("position_embd.weight"))?;
+                Some(matrix(file, "position_embd.weight", t.shape()[0] as usize, c.n_embd)?)
+            }
+            _ => None,
+        };
         Ok(Weights {
             token_embd,
+            position_embd,
             layers,
             output_norm: required_vector(file, "output_norm.weight", c.n_embd)?,
+            output_norm_b: vector(file, "output_norm.bias", c.n_embd)?,
             output,
         })
     }
@@ -342,7 +510,66 @@ impl Model {
             .thread_name(|i| format!("powerinfer-{i}"))
             .build()
             .map_err(|e| Error::InvalidArgument(format!("cannot start {threads} threads: {e}")))?;
-        Ok(Model { config, weights, file, pool })
+        Ok(Model { config, weights, file, built_down_t: OnceLock::new(), pool })
+    }
+
+    /// True when every layer has a predictor.
+    pub fn has_predictors(&self) -> bool {
+        self.weights.layers.iter().all(|l| l.predictor.is_some())
+    }
+
+    /// Layer `l`'s neuron-major down projection (n_ff, n_embd): the file's `ffn_down_t`, or a
+    /// transposed copy of `ffn_down` built for all layers on the first call. The copy keeps
+    /// float types as they are (F32, or F16 for F16/BF16) and stores quantized sources as Q8_0,
+    /// whose rounding is far below the source's 4-bit steps; it costs one pass over the weights.
+    pub fn down_t(&self, l: usize) -> QMatrix<'_> {
+        if let Some(m) = self.weights.layers[l].ffn_down_t {
+            return m;
+        }
+        let built = self.built_down_t.get_or_init(|| self.build_down_t());
+        let data = built.layers[l].as_deref().expect("built for every layer without ffn_down_t");
+        // SAFETY: u16 to bytes, same memory, twice the length.
+        let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, data.len() * 2) };
+        QMatrix { dtype: built.dtype, rows: self.config.n_ff, cols: self.config.n_embd, data: bytes }
+    }
+
+    fn build_down_t(&self) -> BuiltDownT {
+        let c = &self.config;
+        let source = self.weights.layers.iter().find_map(|l| l.ffn_down).map(|m| m.dtype);
+        let dtype = match source {
+            Some(DType::F32) => DType::F32,
+            Some(DType::F16 | DType::BF16) => DType::F16,
+            _ => DType::Q8_0,
+        };
+        // Q8_0 rows need whole blocks; the loader only accepts quantized files whose widths
+        // are multiples of 32, but a float file could have any width.
+        let dtype = if dtype == DType::Q8_0 && c.n_embd % quant::QK != 0 { DType::F32 } else { dtype };
+        let row_bytes = dtype.row_bytes(c.n_embd);
+        let layers = self.install(|| {
+            self.weights
+                .layers
+                .iter()
+                .map(|lw| {
+                    let down = match (lw.ffn_down_t, lw.ffn_down) {
+                        (None, Some(d)) => d,
+                        _ => return None,
+                    };
+                    // dequantize ffn_down (n_embd, n_ff) row by row, then write each column as a row
+                    let mut dense = vec![0.0f32; c.n_embd * c.n_ff];
+                    dense.par_chunks_mut(c.n_ff).enumerate().for_each(|(r, out)| down.dequantize_row(r, out));
+                    let mut out = vec![0u16; c.n_ff * row_bytes / 2];
+                    // SAFETY: u16 storage viewed as bytes for the row writer.
+                    let out_bytes =
+                        unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, out.len() * 2) };
+                    out_bytes.par_chunks_mut(row_bytes).enumerate().for_each(|(j, row)| {
+                        let column: Vec<f32> = (0..c.n_embd).map(|i| dense[i * c.n_ff + j]).collect();
+                        row.copy_from_slice(&quant::quantize_row(dtype, &column));
+                    });
+                    Some(out)
+                })
+                .collect()
+        });
+        BuiltDownT { dtype, layers }
     }
 
     pub fn n_threads(&self) -> usize {

@@ -2,17 +2,126 @@
 //! and the scratch buffers of the forward pass. Sessions are independent, so several can run on
 //! one shared `Model` from different threads.
 //!
-//! `eval` runs the LLaMA-family forward pass over a batch of tokens (the whole prompt at once in
-//! prefill, one token per call in decode) and returns logits.
+//! `eval` runs the forward pass over a batch of tokens (the whole prompt at once in prefill, one
+//! token per call in decode) and returns logits. The FFN runs dense, or sparse (`Sparsity`): a
+//! per-layer predictor or a per-layer magnitude threshold picks the neurons, and decode computes
+//! only those (`sparse::sparse_ffn`). Prefill computes gate and up for the whole batch and zeroes
+//! the neurons left out, so a prompt gives the same result evaluated at once or token by token.
 
 use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::error::{Error, Result};
 use crate::attention::{attend_group, KvBuf, KvType};
+use crate::error::{Error, Result};
 use crate::matmul::{matmul, matmul_many, Activations};
-use crate::model::{Model, RopeStyle};
+use crate::model::{Family, LayerWeights, Model, RopeStyle, OPT_POSITION_OFFSET};
+use crate::sparse::{down_t_matmul, sparse_ffn, FfnMats, SparseScratch};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SparsityMode {
+    /// Every FFN neuron is computed.
+    Dense,
+    /// The layer's predictor picks the neurons: `fc2 @ relu(fc1 @ x) >= predictor_threshold`.
+    Predictor,
+    /// The gate is computed densely; neurons with `|act(gate)| <= layer_thresholds[l]` are skipped.
+    Threshold,
+}
+
+impl SparsityMode {
+    pub fn parse(s: &str) -> Result<SparsityMode> {
+        match s {
+            "dense" => Ok(SparsityMode::Dense),
+            "predictor" => Ok(SparsityMode::Predictor),
+            "threshold" => Ok(SparsityMode::Threshold),
+            _ => Err(Error::InvalidArgument(format!("sparsity must be 'dense', 'predictor' or 'threshold', got '{s}'"))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SparsityMode::Dense => "dense",
+            SparsityMode::Predictor => "predictor",
+            SparsityMode::Threshold => "threshold",
+        }
+    }
+}
+
+/// How a session computes its FFNs.
+#[derive(Debug, Clone)]
+pub struct Sparsity {
+    pub mode: SparsityMode,
+    /// Predictor mode: neuron j is computed iff its predictor logit is >= this.
+    pub predictor_threshold: f32,
+    /// Threshold mode: per layer, the |act(gate)| a neuron must exceed to be computed.
+    pub layer_thresholds: Vec<f32>,
+    /// Predictor mode: also compute the true activations (a dense pass) to measure recall.
+    pub track_recall: bool,
+}
+
+impl Sparsity {
+    pub fn dense() -> Sparsity {
+        Sparsity { mode: SparsityMode::Dense, predictor_threshold: 0.0, layer_thresholds: Vec::new(), track_recall: false }
+    }
+}
+
+/// FFN counters since the last `take_stats`, over every evaluated token and layer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FfnStats {
+    /// (token, layer, neuron) triples evaluated.
+    pub neurons: u64,
+    /// Of those, left out by the predictor or the threshold.
+    pub skipped: u64,
+    /// With recall tracking: neurons whose true (dense) activation is nonzero.
+    pub truly_active: u64,
+    /// Of the truly active, those the predictor selected.
+    pub truly_active_selected: u64,
+}
+
+/// Log-spaced histogram of |act(gate)| values for one layer, for threshold calibration.
+#[derive(Clone)]
+struct MagnitudeHistogram {
+    zeros: u64,
+    bins: Vec<u64>,
+}
+
+impl MagnitudeHistogram {
+    const LOG2_MIN: f32 = -40.0;
+    const PER_OCTAVE: f32 = 64.0;
+    const OCTAVES: usize = 60;
+
+    fn new() -> Self {
+        MagnitudeHistogram { zeros: 0, bins: vec![0; Self::OCTAVES * Self::PER_OCTAVE as usize] }
+    }
+
+    fn add(&mut self, v: f32) {
+        let a = v.abs();
+        if a == 0.0 || !a.is_finite() {
+            self.zeros += 1;
+            return;
+        }
+        let i = ((a.log2() - Self::LOG2_MIN) * Self::PER_OCTAVE).max(0.0) as usize;
+        let last = self.bins.len() - 1;
+        self.bins[i.min(last)] += 1;
+    }
+
+    /// The smallest bin edge with at least `fraction` of the values at or below it.
+    fn quantile(&self, fraction: f64) -> f32 {
+        let total = self.zeros + self.bins.iter().sum::<u64>();
+        let target = (fraction * total as f64).ceil() as u64;
+        if target <= self.zeros {
+            return 0.0;
+        }
+        let mut seen = self.zeros;
+        for (i, &c) in self.bins.iter().enumerate() {
+            seen += c;
+            if seen >= target {
+                return ((i + 1) as f32 / Self::PER_OCTAVE + Self::LOG2_MIN).exp2();
+            }
+        }
+        f32::MAX
+    }
+}
 
 pub struct Session {
     pub model: Arc<Model>,
@@ -22,23 +131,35 @@ pub struct Session {
     k_cache: Vec<KvBuf>,     // per layer (n_ctx, n_head_kv * head_dim)
     v_cache: Vec<KvBuf>,     // per layer (n_ctx, n_head_kv * head_dim)
     rope_inv_freq: Vec<f32>, // (rope_dim / 2)
+    sparsity: Sparsity,
+    stats: FfnStats,
+    /// Per-layer |act(gate)| histograms while calibrating thresholds.
+    calibration: Option<Vec<MagnitudeHistogram>>,
     s: Scratch,
 }
 
 /// Activation buffers, resized per batch and reused across calls.
 #[derive(Default)]
 struct Scratch {
-    x: Vec<f32>,      // (n, n_embd) residual stream
-    xb: Vec<f32>,     // (n, n_embd) normed input / projection output
-    q: Vec<f32>,      // (n, q_dim)
-    k: Vec<f32>,      // (n, kv_dim)
-    v: Vec<f32>,      // (n, kv_dim)
-    att: Vec<f32>,    // (n, q_dim) attention output
-    gate: Vec<f32>,   // (n, n_ff)
-    up: Vec<f32>,     // (n, n_ff)
+    x: Vec<f32>,        // (n, n_embd) residual stream
+    xb: Vec<f32>,       // (n, n_embd) normed input of attention or FFN
+    q: Vec<f32>,        // (n, q_dim)
+    k: Vec<f32>,        // (n, kv_dim)
+    v: Vec<f32>,        // (n, kv_dim)
+    att: Vec<f32>,      // (n, q_dim) attention output before the projection
+    attn_out: Vec<f32>, // (n, n_embd) attention block output
+    ffn_out: Vec<f32>,  // (n, n_embd) FFN block output
+    gate: Vec<f32>,     // (n, n_ff) gate values, then activations
+    up: Vec<f32>,       // (n, n_ff)
+    keep: Vec<bool>,    // (n, n_ff) neurons selected by the predictor or threshold
+    neurons: Vec<u32>,  // selected neuron indices of one token
+    pred_hidden: Vec<f32>, // (n, predictor hidden)
+    pred_logits: Vec<f32>, // (n, n_ff)
     acts: Activations,
-    cos: Vec<f32>,    // (n, rope_dim / 2)
-    sin: Vec<f32>,    // (n, rope_dim / 2)
+    pred_acts: Activations,
+    sparse: SparseScratch,
+    cos: Vec<f32>,      // (n, rope_dim / 2)
+    sin: Vec<f32>,      // (n, rope_dim / 2)
 }
 
 fn rmsnorm(out: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
@@ -52,17 +173,51 @@ fn rmsnorm(out: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
     }
 }
 
+fn layernorm(out: &mut [f32], x: &[f32], w: &[f32], b: Option<&[f32]>, eps: f32) {
+    let n = w.len();
+    for (o, xr) in out.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
+        let mean = xr.iter().sum::<f32>() / n as f32;
+        let var = xr.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n as f32;
+        let scale = 1.0 / (var + eps).sqrt();
+        for (i, (oi, xi)) in o.iter_mut().zip(xr).enumerate() {
+            *oi = (xi - mean) * scale * w[i] + b.map_or(0.0, |b| b[i]);
+        }
+    }
+}
+
+/// The family's normalization: RMSNorm for LLaMA-style models, LayerNorm (with bias) otherwise.
+fn norm(family: Family, out: &mut [f32], x: &[f32], w: &[f32], b: Option<&[f32]>, eps: f32) {
+    match family {
+        Family::Llama => rmsnorm(out, x, w, eps),
+        Family::Falcon | Family::Opt => layernorm(out, x, w, b, eps),
+    }
+}
+
+/// Adds `bias` to every row of `x`.
+fn add_bias(x: &mut [f32], bias: Option<&[f32]>) {
+    if let Some(b) = bias {
+        x.chunks_exact_mut(b.len()).for_each(|r| r.iter_mut().zip(b).for_each(|(v, bi)| *v += bi));
+    }
+}
+
+fn add_into(x: &mut [f32], d: &[f32]) {
+    x.iter_mut().zip(d).for_each(|(x, d)| *x += d);
+}
+
 /// Rotates each head of `x` (n, n_heads * head_dim) by its token's angles.
 fn rope(x: &mut [f32], head_dim: usize, rope_dim: usize, style: RopeStyle, cos: &[f32], sin: &[f32]) {
     let half = rope_dim / 2;
+    if half == 0 || style == RopeStyle::None {
+        return;
+    }
     let row_len = x.len() / (cos.len() / half);
     for (t, row) in x.chunks_exact_mut(row_len).enumerate() {
         let (c, s) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
         for head in row.chunks_exact_mut(head_dim) {
             for i in 0..half {
                 let (a, b) = match style {
-                    RopeStyle::Normal => (2 * i, 2 * i + 1),
                     RopeStyle::NeoX => (i, i + half),
+                    _ => (2 * i, 2 * i + 1),
                 };
                 let (x0, x1) = (head[a], head[b]);
                 head[a] = x0 * c[i] - x1 * s[i];
@@ -78,6 +233,12 @@ impl Session {
         if n_ctx == 0 {
             return Err(Error::InvalidArgument("n_ctx must be > 0".into()));
         }
+        if c.family == Family::Opt && n_ctx > c.n_ctx_train {
+            return Err(Error::InvalidArgument(format!(
+                "n_ctx {n_ctx} is larger than the {} positions OPT's learned position table covers",
+                c.n_ctx_train
+            )));
+        }
         let per_layer = n_ctx
             .checked_mul(c.kv_dim())
             .ok_or_else(|| Error::InvalidArgument(format!("n_ctx {n_ctx} is too large")))?;
@@ -90,6 +251,9 @@ impl Session {
             k_cache: cache()?,
             v_cache: cache()?,
             rope_inv_freq,
+            sparsity: Sparsity::dense(),
+            stats: FfnStats::default(),
+            calibration: None,
             s: Scratch::default(),
             model,
         })
@@ -102,6 +266,89 @@ impl Session {
     /// Forgets everything after the first `n` tokens (the cache beyond is simply overwritten).
     pub fn truncate(&mut self, n: usize) {
         self.tokens.truncate(n);
+    }
+
+    pub fn sparsity(&self) -> &Sparsity {
+        &self.sparsity
+    }
+
+    /// Chooses how the FFNs are computed from now on. Predictor mode needs a predictor in every
+    /// layer; threshold mode one finite threshold per layer. A sparse mode on a file without
+    /// `ffn_down_t` builds the neuron-major down projection now (once per model).
+    pub fn set_sparsity(&mut self, sp: Sparsity) -> Result<()> {
+        let model = Arc::clone(&self.model);
+        let c = &model.config;
+        if !sp.predictor_threshold.is_finite() {
+            return Err(Error::InvalidArgument(format!("predictor threshold must be finite, got {}", sp.predictor_threshold)));
+        }
+        match sp.mode {
+            SparsityMode::Dense => {}
+            SparsityMode::Predictor => {
+                if let Some(l) = model.weights.layers.iter().position(|l| l.predictor.is_none()) {
+                    return Err(Error::InvalidArgument(format!(
+                        "predictor mode needs a predictor in every layer, but layer {l} has no blk.{l}.fc1/fc2 \
+                         (use sparsity='threshold' or 'dense')"
+                    )));
+                }
+            }
+            SparsityMode::Threshold => {
+                if sp.layer_thresholds.len() != c.n_layer {
+                    return Err(Error::InvalidArgument(format!(
+                        "threshold mode needs {} layer thresholds, got {}",
+                        c.n_layer,
+                        sp.layer_thresholds.len()
+                    )));
+                }
+                if let Some((l, t)) = sp.layer_thresholds.iter().enumerate().find(|(_, t)| !t.is_finite()) {
+                    return Err(Error::InvalidArgument(format!("layer {l} threshold must be finite, got {t}")));
+                }
+            }
+        }
+        if sp.mode != SparsityMode::Dense {
+            (0..c.n_layer).for_each(|l| {
+                model.down_t(l);
+            });
+        }
+        self.sparsity = sp;
+        Ok(())
+    }
+
+    /// Returns the FFN counters gathered since the last call and resets them.
+    pub fn take_stats(&mut self) -> FfnStats {
+        std::mem::take(&mut self.stats)
+    }
+
+    /// Runs `tokens` densely (in windows of at most `window` tokens, each from an empty context)
+    /// and returns, for each target sparsity in `targets`, the per-layer |act(gate)| thresholds
+    /// under which that fraction of the neurons fall. The session is left empty and dense.
+    pub fn calibrate(&mut self, tokens: &[u32], window: usize, targets: &[f64]) -> Result<Vec<Vec<f32>>> {
+        if tokens.len() < 2 || window < 2 {
+            return Err(Error::InvalidArgument("calibration needs at least 2 tokens and a window of 2".into()));
+        }
+        if let Some(t) = targets.iter().find(|t| !(0.0..1.0).contains(*t)) {
+            return Err(Error::InvalidArgument(format!("target sparsity must be in [0, 1), got {t}")));
+        }
+        let saved = std::mem::replace(&mut self.sparsity, Sparsity::dense());
+        self.calibration = Some(vec![MagnitudeHistogram::new(); self.model.config.n_layer]);
+        let window = window.min(self.n_ctx);
+        let mut result = Ok(());
+        for chunk in tokens.chunks(window) {
+            self.truncate(0);
+            // a one-token tail would take the decode path, which never materializes the gate
+            if chunk.len() < 2 {
+                break;
+            }
+            if let Err(e) = self.eval(chunk, false) {
+                result = Err(e);
+                break;
+            }
+        }
+        self.truncate(0);
+        self.sparsity = saved;
+        let hists = self.calibration.take().unwrap_or_default();
+        self.stats = FfnStats::default();
+        result?;
+        Ok(targets.iter().map(|&t| hists.iter().map(|h| h.quantile(t)).collect()).collect())
     }
 
     /// Evaluates `tokens` at the next positions and returns logits: (n, n_vocab) when
@@ -129,103 +376,271 @@ impl Session {
         let (c, w) = (&model.config, &model.weights);
         let n = tokens.len();
         let pos0 = self.pos();
-        let (dim, q_dim, kv_dim, hd) = (c.n_embd, c.q_dim(), c.kv_dim(), c.head_dim);
-        let s = &mut self.s;
-        s.x.resize(n * dim, 0.0);
-        s.xb.resize(n * dim, 0.0);
-        s.q.resize(n * q_dim, 0.0);
-        s.k.resize(n * kv_dim, 0.0);
-        s.v.resize(n * kv_dim, 0.0);
-        s.att.resize(n * q_dim, 0.0);
-        s.gate.resize(n * c.n_ff, 0.0);
-        s.up.resize(n * c.n_ff, 0.0);
+        let dim = c.n_embd;
+        {
+            let s = &mut self.s;
+            for buf in [&mut s.x, &mut s.xb, &mut s.attn_out, &mut s.ffn_out] {
+                buf.resize(n * dim, 0.0);
+            }
+            s.q.resize(n * c.q_dim(), 0.0);
+            s.k.resize(n * c.kv_dim(), 0.0);
+            s.v.resize(n * c.kv_dim(), 0.0);
+            s.att.resize(n * c.q_dim(), 0.0);
 
-        // token embeddings: x[t] = token_embd[tokens[t]]
-        for (t, &tok) in tokens.iter().enumerate() {
-            w.token_embd.dequantize_row(tok as usize, &mut s.x[t * dim..(t + 1) * dim]);
-        }
+            // token embeddings: x[t] = token_embd[tokens[t]] (+ position_embd[pos + 2] for OPT)
+            for (t, &tok) in tokens.iter().enumerate() {
+                let xt = &mut s.x[t * dim..(t + 1) * dim];
+                w.token_embd.dequantize_row(tok as usize, xt);
+                if let Some(pe) = &w.position_embd {
+                    let mut p = vec![0.0; dim];
+                    pe.dequantize_row(pos0 + t + OPT_POSITION_OFFSET, &mut p);
+                    add_into(xt, &p);
+                }
+            }
 
-        // RoPE angles for positions pos0..pos0+n, shared by every layer
-        let half = c.rope_dim / 2;
-        s.cos.resize(n * half, 0.0);
-        s.sin.resize(n * half, 0.0);
-        for t in 0..n {
-            for (i, f) in self.rope_inv_freq.iter().enumerate() {
-                let angle = (pos0 + t) as f32 * f;
-                s.cos[t * half + i] = angle.cos();
-                s.sin[t * half + i] = angle.sin();
+            // RoPE angles for positions pos0..pos0+n, shared by every layer
+            let half = c.rope_dim / 2;
+            s.cos.resize(n * half, 0.0);
+            s.sin.resize(n * half, 0.0);
+            for t in 0..n {
+                for (i, f) in self.rope_inv_freq.iter().enumerate() {
+                    let angle = (pos0 + t) as f32 * f;
+                    s.cos[t * half + i] = angle.cos();
+                    s.sin[t * half + i] = angle.sin();
+                }
             }
         }
 
         for (l, lw) in w.layers.iter().enumerate() {
-            // attention rmsnorm
-            rmsnorm(&mut s.xb, &s.x, &lw.attn_norm, c.rms_eps);
+            match c.family {
+                Family::Llama | Family::Opt => {
+                    // attention norm, attention, residual
+                    norm(c.family, &mut self.s.xb, &self.s.x, &lw.attn_norm, lw.attn_norm_b.as_deref(), c.norm_eps);
+                    self.attention(l, lw, n, pos0);
+                    add_into(&mut self.s.x, &self.s.attn_out);
 
-            // qkv matmuls for these positions: q (n, q_dim), k and v (n, kv_dim)
-            s.acts.set(&s.xb, n, dim);
-            matmul_many(&[lw.wq, lw.wk, lw.wv], &s.acts, &mut [&mut s.q, &mut s.k, &mut s.v]);
-            for (buf, bias) in [(&mut s.q, &lw.bq), (&mut s.k, &lw.bk), (&mut s.v, &lw.bv)] {
-                if let Some(b) = bias {
-                    buf.chunks_exact_mut(b.len()).for_each(|r| r.iter_mut().zip(b).for_each(|(x, bi)| *x += bi));
+                    // ffn norm, ffn (the predictor reads the residual x), residual
+                    let ffn_norm = lw.ffn_norm.as_deref().expect("sequential blocks have an FFN norm");
+                    norm(c.family, &mut self.s.xb, &self.s.x, ffn_norm, lw.ffn_norm_b.as_deref(), c.norm_eps);
+                    self.ffn(l, lw, n);
+                    add_into(&mut self.s.x, &self.s.ffn_out);
+                }
+                Family::Falcon => {
+                    // attention reads attn_norm_2(x) when the layer has it (Falcon-40B), else attn_norm(x)
+                    let s = &mut self.s;
+                    match &lw.attn_norm_2 {
+                        Some(w2) => layernorm(&mut s.xb, &s.x, w2, lw.attn_norm_2_b.as_deref(), c.norm_eps),
+                        None => layernorm(&mut s.xb, &s.x, &lw.attn_norm, lw.attn_norm_b.as_deref(), c.norm_eps),
+                    }
+                    self.attention(l, lw, n, pos0);
+
+                    // the FFN reads attn_norm(x); its predictor reads the layer input x itself
+                    let s = &mut self.s;
+                    if lw.attn_norm_2.is_some() {
+                        layernorm(&mut s.xb, &s.x, &lw.attn_norm, lw.attn_norm_b.as_deref(), c.norm_eps);
+                    }
+                    self.ffn(l, lw, n);
+
+                    // parallel residual: x += attention + ffn
+                    let s = &mut self.s;
+                    add_into(&mut s.x, &s.attn_out);
+                    add_into(&mut s.x, &s.ffn_out);
                 }
             }
-
-            // RoPE on q and k
-            rope(&mut s.q, hd, c.rope_dim, c.rope_style, &s.cos, &s.sin);
-            rope(&mut s.k, hd, c.rope_dim, c.rope_style, &s.cos, &s.sin);
-
-            // store k and v in the cache at positions pos0..pos0+n
-            self.k_cache[l].write(pos0 * kv_dim, &s.k);
-            self.v_cache[l].write(pos0 * kv_dim, &s.v);
-
-            // multihead attention, causal: token t attends to positions 0..=pos0+t; the
-            // n_head / n_head_kv query heads that share a kv head are computed together (GQA)
-            let (kc, vc) = (&self.k_cache[l], &self.v_cache[l]);
-            let group = c.n_head / c.n_head_kv;
-            let scale = 1.0 / (hd as f32).sqrt();
-            let q = &s.q;
-            s.att.par_chunks_mut(group * hd).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (idx, out)| {
-                let (t, g) = (idx / c.n_head_kv, idx % c.n_head_kv);
-                // the query heads of kv head g are contiguous: g * group .. (g + 1) * group
-                let qs = &q[t * q_dim + g * group * hd..t * q_dim + (g + 1) * group * hd];
-                let len = pos0 + t + 1;
-                let rows = len * kv_dim;
-                attend_group(qs, hd, kc.view(rows), vc.view(rows), len, kv_dim, g * hd, scale, scores, out);
-            });
-
-            // output projection, then residual
-            s.acts.set(&s.att, n, q_dim);
-            matmul(&lw.wo, &s.acts, &mut s.xb);
-            s.x.iter_mut().zip(&s.xb).for_each(|(x, d)| *x += d);
-
-            // ffn rmsnorm
-            rmsnorm(&mut s.xb, &s.x, &lw.ffn_norm, c.rms_eps);
-
-            // gate and up: (n, n_ff) each
-            s.acts.set(&s.xb, n, dim);
-            matmul_many(&[lw.ffn_gate, lw.ffn_up], &s.acts, &mut [&mut s.gate, &mut s.up]);
-
-            // activation: gate <- act(gate) * up (or relu(up))
-            let act = c.ffn_activation;
-            s.gate.par_chunks_mut(4096).zip(s.up.par_chunks(4096)).for_each(|(g, u)| {
-                for (gi, &ui) in g.iter_mut().zip(u) {
-                    *gi = act.apply(*gi, ui);
-                }
-            });
-
-            // down projection, then residual
-            s.acts.set(&s.gate, n, c.n_ff);
-            matmul(&lw.ffn_down, &s.acts, &mut s.xb);
-            s.x.iter_mut().zip(&s.xb).for_each(|(x, d)| *x += d);
         }
 
-        // final rmsnorm and classifier, for every token or only the last
+        // final norm and classifier, for every token or only the last
+        let s = &mut self.s;
         let rows = if all_logits { 0..n } else { n - 1..n };
         let m = rows.len();
-        rmsnorm(&mut s.xb[..m * dim], &s.x[rows.start * dim..rows.end * dim], &w.output_norm, c.rms_eps);
+        let xr = &s.x[rows.start * dim..rows.end * dim];
+        norm(c.family, &mut s.xb[..m * dim], xr, &w.output_norm, w.output_norm_b.as_deref(), c.norm_eps);
         s.acts.set(&s.xb[..m * dim], m, dim);
         let mut logits = vec![0.0f32; m * c.n_vocab];
         matmul(&w.output, &s.acts, &mut logits);
         logits
+    }
+
+    /// Attention block of layer `l`: reads s.xb (n, n_embd), writes s.attn_out (n, n_embd).
+    fn attention(&mut self, l: usize, lw: &LayerWeights, n: usize, pos0: usize) {
+        let c = &self.model.config;
+        let (q_dim, kv_dim, hd) = (c.q_dim(), c.kv_dim(), c.head_dim);
+        let s = &mut self.s;
+
+        // qkv matmuls for these positions: q (n, q_dim), k and v (n, kv_dim), plus biases
+        s.acts.set(&s.xb, n, c.n_embd);
+        matmul_many(&[lw.wq, lw.wk, lw.wv], &s.acts, &mut [&mut s.q, &mut s.k, &mut s.v]);
+        add_bias(&mut s.q, lw.bq.as_deref());
+        add_bias(&mut s.k, lw.bk.as_deref());
+        add_bias(&mut s.v, lw.bv.as_deref());
+
+        // RoPE on q and k
+        rope(&mut s.q, hd, c.rope_dim, c.rope_style, &s.cos, &s.sin);
+        rope(&mut s.k, hd, c.rope_dim, c.rope_style, &s.cos, &s.sin);
+
+        // store k and v in the cache at positions pos0..pos0+n
+        self.k_cache[l].write(pos0 * kv_dim, &s.k);
+        self.v_cache[l].write(pos0 * kv_dim, &s.v);
+
+        // multihead attention, causal: token t attends to positions 0..=pos0+t; the
+        // n_head / n_head_kv query heads that share a kv head are computed together (GQA)
+        let (kc, vc) = (&self.k_cache[l], &self.v_cache[l]);
+        let group = c.n_head / c.n_head_kv;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let q = &s.q;
+        s.att.par_chunks_mut(group * hd).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (idx, out)| {
+            let (t, g) = (idx / c.n_head_kv, idx % c.n_head_kv);
+            // the query heads of kv head g are contiguous: g * group .. (g + 1) * group
+            let qs = &q[t * q_dim + g * group * hd..t * q_dim + (g + 1) * group * hd];
+            let len = pos0 + t + 1;
+            let rows = len * kv_dim;
+            attend_group(qs, hd, kc.view(rows), vc.view(rows), len, kv_dim, g * hd, scale, scores, out);
+        });
+
+        // output projection (+ bias)
+        s.acts.set(&s.att, n, q_dim);
+        matmul(&lw.wo, &s.acts, &mut s.attn_out);
+        add_bias(&mut s.attn_out, lw.bo.as_deref());
+    }
+
+    /// FFN block of layer `l`: reads the normed input s.xb (n, n_embd) and, for the predictor,
+    /// the residual stream s.x; writes s.ffn_out (n, n_embd).
+    fn ffn(&mut self, l: usize, lw: &LayerWeights, n: usize) {
+        let model = &*self.model;
+        let c = &model.config;
+        let (dim, n_ff, act) = (c.n_embd, c.n_ff, c.ffn_activation);
+        let sp = &self.sparsity;
+        let s = &mut self.s;
+        s.acts.set(&s.xb, n, dim);
+        s.gate.resize(n * n_ff, 0.0);
+        s.up.resize(n * n_ff, 0.0);
+        let mode = sp.mode;
+
+        // which neurons each token keeps: s.keep (n, n_ff)
+        let mut gate_ready = false; // s.gate holds gate pre-activations (up + bias when gateless)
+        match mode {
+            SparsityMode::Dense => {}
+            SparsityMode::Predictor => {
+                // predictor: logits (n, n_ff) = fc2 @ relu(fc1 @ x); keep where logits >= threshold
+                let p = lw.predictor.as_ref().expect("checked by set_sparsity");
+                s.pred_acts.set(&s.x, n, dim);
+                s.pred_hidden.resize(n * p.fc1.rows, 0.0);
+                matmul(&p.fc1, &s.pred_acts, &mut s.pred_hidden);
+                s.pred_hidden.iter_mut().for_each(|v| *v = v.max(0.0));
+                s.pred_acts.set(&s.pred_hidden, n, p.fc1.rows);
+                s.pred_logits.resize(n * n_ff, 0.0);
+                matmul(&p.fc2, &s.pred_acts, &mut s.pred_logits);
+                let thr = sp.predictor_threshold;
+                s.keep.clear();
+                s.keep.extend(s.pred_logits.iter().map(|&v| v >= thr));
+            }
+            SparsityMode::Threshold => {
+                // the gate (up for gateless FFNs) densely; keep where |act(gate)| > threshold
+                Self::gate_values(lw, &s.acts, &mut s.gate);
+                gate_ready = true;
+                let thr = sp.layer_thresholds[l];
+                s.keep.clear();
+                s.keep.extend(s.gate.iter().map(|&g| act.gate_part(g).abs() > thr));
+            }
+        }
+        let selected = if mode == SparsityMode::Dense { n * n_ff } else { s.keep.iter().filter(|&&k| k).count() };
+        self.stats.neurons += (n * n_ff) as u64;
+        self.stats.skipped += (n * n_ff - selected) as u64;
+        let track_recall = sp.track_recall && mode == SparsityMode::Predictor;
+
+        if n == 1 && (mode != SparsityMode::Dense || lw.ffn_down.is_none()) && self.calibration.is_none() {
+            // decode: fused sparse operator over the selected neurons only
+            s.neurons.clear();
+            match mode {
+                SparsityMode::Dense => s.neurons.extend(0..n_ff as u32),
+                _ => s.neurons.extend((0..n_ff as u32).filter(|&j| s.keep[j as usize])),
+            }
+            let mats = FfnMats {
+                gate: lw.ffn_gate,
+                up: lw.ffn_up,
+                up_bias: lw.ffn_up_b.as_deref(),
+                down_t: model.down_t(l),
+                act,
+            };
+            let precomputed = (gate_ready && act.has_gate()).then_some(&s.gate[..]);
+            sparse_ffn(&mats, &s.acts, &s.neurons, precomputed, &mut s.ffn_out, &mut s.sparse);
+            if track_recall {
+                // the true activations, densely
+                Self::gate_and_up(lw, &s.acts, &mut s.gate, &mut s.up, false);
+                Self::activate(lw, act, &mut s.gate, &s.up);
+                Self::count_recall(&mut self.stats, &s.gate, &s.keep);
+            }
+        } else {
+            // batch: gate and up densely, the activation, zero what was left out, then down
+            Self::gate_and_up(lw, &s.acts, &mut s.gate, &mut s.up, gate_ready);
+            if let Some(hists) = &mut self.calibration {
+                s.gate.iter().for_each(|&g| hists[l].add(act.gate_part(g)));
+            }
+            Self::activate(lw, act, &mut s.gate, &s.up);
+            if track_recall {
+                Self::count_recall(&mut self.stats, &s.gate, &s.keep);
+            }
+            if mode != SparsityMode::Dense {
+                s.gate.iter_mut().zip(&s.keep).for_each(|(h, &k)| {
+                    if !k {
+                        *h = 0.0
+                    }
+                });
+            }
+            match &lw.ffn_down {
+                Some(down) => {
+                    s.acts.set(&s.gate, n, n_ff);
+                    matmul(down, &s.acts, &mut s.ffn_out);
+                }
+                None => down_t_matmul(&model.down_t(l), &s.gate, n, &mut s.ffn_out, &mut s.sparse),
+            }
+        }
+        add_bias(&mut s.ffn_out, lw.ffn_down_b.as_deref());
+    }
+
+    /// Gate pre-activations (n, n_ff); for gateless FFNs the up pre-activations plus bias.
+    fn gate_values(lw: &LayerWeights, x: &Activations, gate: &mut [f32]) {
+        match &lw.ffn_gate {
+            Some(g) => matmul(g, x, gate),
+            None => {
+                matmul(&lw.ffn_up, x, gate);
+                add_bias(gate, lw.ffn_up_b.as_deref());
+            }
+        }
+    }
+
+    /// Gate and up pre-activations (n, n_ff) each, in one pass over both matrices; gateless
+    /// FFNs put up + bias in `gate` and leave `up` alone. With `gate_ready` the gate (or the
+    /// gateless up) is already in place and only up is computed.
+    fn gate_and_up(lw: &LayerWeights, x: &Activations, gate: &mut [f32], up: &mut [f32], gate_ready: bool) {
+        match (&lw.ffn_gate, gate_ready) {
+            (Some(g), false) => matmul_many(&[*g, lw.ffn_up], x, &mut [gate, &mut *up]),
+            (Some(_), true) => matmul(&lw.ffn_up, x, up),
+            (None, false) => Self::gate_values(lw, x, gate),
+            (None, true) => {}
+        }
+        if lw.ffn_gate.is_some() {
+            add_bias(up, lw.ffn_up_b.as_deref());
+        }
+    }
+
+    /// gate <- act(gate, up) in place (gateless: gate <- act(gate)).
+    fn activate(lw: &LayerWeights, act: crate::model::FfnActivation, gate: &mut [f32], up: &[f32]) {
+        if lw.ffn_gate.is_some() {
+            gate.par_chunks_mut(4096).zip(up.par_chunks(4096)).for_each(|(g, u)| {
+                g.iter_mut().zip(u).for_each(|(gi, &ui)| *gi = act.apply(*gi, ui));
+            });
+        } else {
+            gate.iter_mut().for_each(|g| *g = act.apply(0.0, *g));
+        }
+    }
+
+    fn count_recall(stats: &mut FfnStats, h: &[f32], keep: &[bool]) {
+        for (&v, &k) in h.iter().zip(keep) {
+            if v != 0.0 {
+                stats.truly_active += 1;
+                stats.truly_active_selected += k as u64;
+            }
+        }
     }
 }

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
 use powerinfer_core::attention::KvType;
 use powerinfer_core::gguf::{GgufFile as CoreGguf, Magic, Value};
+use powerinfer_core::session::{Sparsity, SparsityMode};
 use powerinfer_core::{Error, Model, Sampler, SamplingParams, Session};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyFileNotFoundError, PyOSError, PyRuntimeError, PyValueError};
@@ -172,9 +173,17 @@ impl PyModel {
         d.set_item("rope_dim", c.rope_dim)?;
         d.set_item("rope_base", c.rope_base)?;
         d.set_item("rope_style", format!("{:?}", c.rope_style).to_lowercase())?;
-        d.set_item("rms_eps", c.rms_eps)?;
+        d.set_item("norm_eps", c.norm_eps)?;
+        d.set_item("family", format!("{:?}", c.family).to_lowercase())?;
         d.set_item("ffn_activation", c.ffn_activation.name())?;
         d.set_item("tied_output", c.tied_output)?;
+        d.set_item("powerinfer", c.powerinfer)?;
+        d.set_item("sparse_threshold", c.sparse_threshold)?;
+        d.set_item("has_predictors", self.inner.has_predictors())?;
+        let hidden: Vec<Option<usize>> =
+            self.inner.weights.layers.iter().map(|l| l.predictor.map(|p| p.fc1.rows)).collect();
+        d.set_item("predictor_hidden", hidden)?;
+        d.set_item("has_down_t", self.inner.weights.layers.iter().all(|l| l.ffn_down_t.is_some()))?;
         Ok(d)
     }
 
@@ -274,6 +283,48 @@ impl PySession {
         } else {
             Ok(arr.into_any())
         }
+    }
+
+    /// Chooses how the FFNs are computed: `mode` is "dense", "predictor" or "threshold";
+    /// `predictor_threshold` is the predictor logit cut-off; `layer_thresholds` (one per layer)
+    /// the |act(gate)| cut-offs of threshold mode; `track_recall` adds a dense pass in
+    /// predictor mode to measure recall.
+    #[pyo3(signature = (mode, predictor_threshold = 0.0, layer_thresholds = None, track_recall = false))]
+    fn set_sparsity(
+        &self,
+        py: Python<'_>,
+        mode: &str,
+        predictor_threshold: f32,
+        layer_thresholds: Option<Vec<f32>>,
+        track_recall: bool,
+    ) -> PyResult<()> {
+        let mode = SparsityMode::parse(mode).map_err(to_py)?;
+        let sp = Sparsity { mode, predictor_threshold, layer_thresholds: layer_thresholds.unwrap_or_default(), track_recall };
+        compute(py, || lock_core(&self.inner)?.set_sparsity(sp))
+    }
+
+    /// The sparsity mode in use.
+    #[getter]
+    fn sparsity(&self) -> PyResult<&'static str> {
+        Ok(lock(&self.inner)?.sparsity().mode.name())
+    }
+
+    /// FFN counters since the last call (then reset): neurons, skipped, truly_active,
+    /// truly_active_selected.
+    fn take_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let st = lock(&self.inner)?.take_stats();
+        let d = PyDict::new(py);
+        d.set_item("neurons", st.neurons)?;
+        d.set_item("skipped", st.skipped)?;
+        d.set_item("truly_active", st.truly_active)?;
+        d.set_item("truly_active_selected", st.truly_active_selected)?;
+        Ok(d)
+    }
+
+    /// Runs `tokens` densely in windows and returns, per target sparsity, the per-layer
+    /// |act(gate)| thresholds that skip that fraction of neurons. Leaves the session empty.
+    fn calibrate(&self, py: Python<'_>, tokens: Vec<u32>, window: usize, targets: Vec<f64>) -> PyResult<Vec<Vec<f32>>> {
+        compute(py, || lock_core(&self.inner)?.calibrate(&tokens, window, &targets))
     }
 
     /// Evaluates `tokens` and samples the next token in one call (no logits cross into Python).
