@@ -15,6 +15,25 @@ QUANTIZED = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizat
 def read_weights(path: str) -> tuple[dict, dict]:
     """All tensors as float64 arrays (row-major shapes) plus the metadata values; the set of
     quantized tensor names is in meta["_quantized"]."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == b"PWRI":
+        # the gguf package only reads the GGUF magic: read a copy that carries it
+        import os
+        import shutil
+        import tempfile
+
+        fd, tmp = tempfile.mkstemp(suffix=".gguf")
+        os.close(fd)
+        shutil.copyfile(path, tmp)
+        with open(tmp, "r+b") as f:
+            f.write(b"GGUF")
+        try:
+            w, meta = read_weights(tmp)
+        finally:
+            os.unlink(tmp)
+        meta["_magic"] = magic
+        return w, meta
     r = GGUFReader(path)
     meta = {}
     for k, f in r.fields.items():
@@ -23,6 +42,8 @@ def read_weights(path: str) -> tuple[dict, dict]:
         except Exception:
             pass
     w = {}
+    with open(path, "rb") as f:
+        meta["_magic"] = f.read(4)
     meta["_quantized"] = set()
     for t in r.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
@@ -69,9 +90,20 @@ def q8_round(x: np.ndarray) -> np.ndarray:
     return (q * d).reshape(x.shape)
 
 
+def layernorm(x, g, b, eps):
+    mu = x.mean(axis=-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(axis=-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * g + (b if b is not None else 0)
+
+
 def forward(w: dict, meta: dict, tokens, activation: str | None = None, int8_activations: bool = False) -> np.ndarray:
     """Logits (len(tokens), n_vocab) in float64. With `int8_activations`, inputs of quantized
-    weight matrices are rounded to int8 blocks first (what the engine's integer kernels do)."""
+    weight matrices are rounded to int8 blocks first (what the engine's integer kernels do).
+
+    Families: llama/mistral/qwen2/bamboo (RMSNorm, sequential), falcon (LayerNorm, fused QKV,
+    attention and FFN in parallel on the normed layer input, attn_norm_2 for the attention when
+    present, NeoX RoPE) and opt (LayerNorm with biases, learned positions offset by 2, no RoPE).
+    A PowerInfer `ffn_down_t` (neuron-major) is used as down = down_t^T."""
     arch = meta["general.architecture"]
     m = lambda k, d=None: meta.get(f"{arch}.{k}", d)
     n_embd, n_layer, n_head = m("embedding_length"), m("block_count"), m("attention.head_count")
@@ -79,30 +111,53 @@ def forward(w: dict, meta: dict, tokens, activation: str | None = None, int8_act
     hd = n_embd // n_head
     rope_dim = m("rope.dimension_count", hd)
     base = m("rope.freq_base", 10000.0)
-    eps = m("attention.layer_norm_rms_epsilon", 1e-5)
-    neox = arch == "qwen2"
+    layer_norm = arch in ("falcon", "opt")
+    eps = m("attention.layer_norm_epsilon", 1e-5) if layer_norm else m("attention.layer_norm_rms_epsilon", 1e-5)
+    neox = arch in ("qwen2", "falcon")
+    powerinfer = meta.get("_magic") == b"PWRI"
     if activation is None:
-        activation = m("ffn_activation") or ("drelu" if arch == "bamboo" else "silu")
+        activation = m("ffn_activation")
+    if activation is None:
+        if arch in ("opt", "falcon"):
+            activation = "relu" if (arch == "opt" or powerinfer) else "gelu"
+        elif arch == "bamboo":
+            activation = "drelu"
+        elif arch == "llama" and powerinfer:
+            activation = "relu"
+        else:
+            activation = "silu"
+    gateless = arch in ("opt", "falcon")
 
     def mm(x, name):
         if int8_activations and name in meta["_quantized"]:
             x = q8_round(x)
         return x @ w[name].T
 
+    def norm(x, name):
+        if layer_norm:
+            return layernorm(x, w[name + ".weight"], w.get(name + ".bias"), eps)
+        return rmsnorm(x, w[name + ".weight"], eps)
+
     tokens = np.asarray(tokens)
     n = len(tokens)
     pos = np.arange(n)
     x = w["token_embd.weight"][tokens]
+    if arch == "opt":
+        x = x + w["position_embd.weight"][pos + 2]
     mask = np.triu(np.full((n, n), -np.inf), k=1)
-    for l in range(n_layer):
-        p = f"blk.{l}."
-        h = rmsnorm(x, w[p + "attn_norm.weight"], eps)
-        q = mm(h, p + "attn_q.weight") + w.get(p + "attn_q.bias", 0)
-        k = mm(h, p + "attn_k.weight") + w.get(p + "attn_k.bias", 0)
-        v = mm(h, p + "attn_v.weight") + w.get(p + "attn_v.bias", 0)
-        q = rope(q, pos, n_head, hd, rope_dim, base, neox).reshape(n, n_head, hd)
-        k = rope(k, pos, n_kv, hd, rope_dim, base, neox).reshape(n, n_kv, hd)
-        v = v.reshape(n, n_kv, hd)
+
+    def attention(h, p):
+        if arch == "falcon":
+            qkv = mm(h, p + "attn_qkv.weight")
+            q, k, v = qkv[:, : n_head * hd], qkv[:, n_head * hd : (n_head + n_kv) * hd], qkv[:, (n_head + n_kv) * hd :]
+        else:
+            q = mm(h, p + "attn_q.weight") + w.get(p + "attn_q.bias", 0)
+            k = mm(h, p + "attn_k.weight") + w.get(p + "attn_k.bias", 0)
+            v = mm(h, p + "attn_v.weight") + w.get(p + "attn_v.bias", 0)
+        if arch != "opt":
+            q = rope(q, pos, n_head, hd, rope_dim, base, neox)
+            k = rope(k, pos, n_kv, hd, rope_dim, base, neox)
+        q, k, v = q.reshape(n, n_head, hd), k.reshape(n, n_kv, hd), v.reshape(n, n_kv, hd)
         out = np.zeros((n, n_head, hd))
         for hh in range(n_head):
             g = hh // (n_head // n_kv)
@@ -110,16 +165,35 @@ def forward(w: dict, meta: dict, tokens, activation: str | None = None, int8_act
             s = np.exp(s - s.max(axis=1, keepdims=True))
             s /= s.sum(axis=1, keepdims=True)
             out[:, hh, :] = s @ v[:, g, :]
-        x = x + mm(out.reshape(n, n_head * hd), p + "attn_output.weight")
-        h = rmsnorm(x, w[p + "ffn_norm.weight"], eps)
-        gate = mm(h, p + "ffn_gate.weight")
-        up = mm(h, p + "ffn_up.weight")
-        if activation in ("silu", "swiglu"):
-            a = gate / (1 + np.exp(-gate)) * up
-        elif activation in ("relu", "reglu"):
-            a = np.maximum(gate, 0) * up
+        return mm(out.reshape(n, n_head * hd), p + "attn_output.weight") + w.get(p + "attn_output.bias", 0)
+
+    def ffn(h, p):
+        up = mm(h, p + "ffn_up.weight") + w.get(p + "ffn_up.bias", 0)
+        if gateless:
+            a = np.maximum(up, 0) if activation == "relu" else 0.5 * up * (1 + np.tanh(0.7978845608 * up * (1 + 0.044715 * up * up)))
         else:
-            a = np.maximum(gate, 0) * np.maximum(up, 0)
-        x = x + mm(a, p + "ffn_down.weight")
-    x = rmsnorm(x, w["output_norm.weight"], eps)
+            gate = mm(h, p + "ffn_gate.weight")
+            if activation in ("silu", "swiglu"):
+                a = gate / (1 + np.exp(-gate)) * up
+            elif activation in ("relu", "reglu"):
+                a = np.maximum(gate, 0) * up
+            else:
+                a = np.maximum(gate, 0) * np.maximum(up, 0)
+        if p + "ffn_down_t.weight" in w:
+            # the neuron-major product reads the activations in f32, never rounded to int8
+            out = a @ w[p + "ffn_down_t.weight"] + w.get(p + "ffn_down_t.bias", 0)
+        else:
+            out = mm(a, p + "ffn_down.weight") + w.get(p + "ffn_down.bias", 0)
+        return out
+
+    for l in range(n_layer):
+        p = f"blk.{l}."
+        if arch == "falcon":
+            h = norm(x, p + "attn_norm")
+            ha = norm(x, p + "attn_norm_2") if p + "attn_norm_2.weight" in w else h
+            x = x + attention(ha, p) + ffn(h, p)
+        else:
+            x = x + attention(norm(x, p + "attn_norm"), p)
+            x = x + ffn(norm(x, p + "ffn_norm"), p)
+    x = norm(x, "output_norm")
     return mm(x, "output.weight" if "output.weight" in w else "token_embd.weight")

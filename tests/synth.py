@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
-from gguf.quants import quantize
+from gguf.quants import dequantize, quantize
 
 
 def byte_chars() -> list[str]:
@@ -124,4 +124,175 @@ def write_model(
     if magic is not None:
         with open(path, "r+b") as f:
             f.write(magic)
+    return str(path)
+
+
+def _stored(a: np.ndarray, dtype: Q) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes or array to write, float64 values the file will hold)."""
+    if dtype == Q.F32:
+        return a, a.astype(np.float64)
+    if dtype == Q.F16:
+        h = a.astype(np.float16)
+        return h, h.astype(np.float64)
+    q = quantize(a, dtype)
+    return q, dequantize(q, dtype).astype(np.float64).reshape(a.shape)
+
+
+def write_powerinfer_model(
+    path,
+    arch: str = "llama",
+    n_embd: int = 64,
+    n_layer: int = 2,
+    n_ff: int = 96,
+    n_head: int = 4,
+    n_head_kv: int | None = None,
+    dtype: Q = Q.F16,
+    predictor: str | None = "exact",
+    predictor_dtype: Q = Q.F16,
+    threshold: float | None = -0.1,
+    attn_norm_2: bool = False,
+    ffn_bias: bool = False,
+    n_ctx: int = 256,
+    seed: int = 0,
+    skip: tuple[str, ...] = (),
+    fc2_rows: int | None = None,
+    magic: bytes = b"PWRI",
+) -> str:
+    """A tiny model in PowerInfer's layout (what its converter writes): `PWRI` magic,
+    `blk.N.ffn_down_t.weight` (n_ff rows, one per neuron) instead of `ffn_down`, and predictors
+    `blk.N.fc1.weight` (H, n_embd) / `blk.N.fc2.weight` (n_ff, H), F16.
+
+    Architectures: llama (ReGLU), bamboo (dReLU), falcon (fused QKV, parallel block, optional
+    attn_norm_2, no gate), opt (LayerNorm and biases, learned positions, tied output, no gate).
+
+    predictor="exact" builds a predictor whose logit for neuron j is exactly the sign-deciding
+    part of the neuron's pre-activation, written as a function of the predictor's input x: the
+    norm before the FFN only rescales (RMSNorm) or centres and rescales (LayerNorm without bias),
+    so sign(row_j . norm(x)) = sign(v_j . x) with v_j = row_j * w (minus its mean for LayerNorm).
+    With fc1 = [V; -V] and fc2 = [I, -I], fc2 @ relu(fc1 @ x) = V x. With a slightly negative
+    threshold it selects every truly active neuron. "negated" flips the sign (it misses nearly
+    every active neuron), "random" draws Gaussian weights (H = 64)."""
+    rng = np.random.default_rng(seed)
+    tokens, types, merges = tiny_vocab()
+    n_vocab = len(tokens)
+    n_head_kv = n_head_kv or n_head
+    hd = n_embd // n_head
+    gateless = arch in ("falcon", "opt")
+    layer_norm = arch in ("falcon", "opt")
+
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(n_layer)
+    w.add_context_length(n_ctx)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    if layer_norm:
+        w.add_layer_norm_eps(1e-5)
+    else:
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_rope_dimension_count(hd)
+    if threshold is not None:
+        w.add_float32("powerinfer.sparse_threshold", threshold)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+
+    def mat(name, rows, cols, scale, t=None):
+        vals, stored = _stored((rng.standard_normal((rows, cols)) * scale).astype(np.float32), t or dtype)
+        if name not in skip:
+            if (t or dtype) in (Q.F32, Q.F16):
+                w.add_tensor(name, vals)
+            else:
+                w.add_tensor(name, vals, raw_dtype=t or dtype)
+        return stored
+
+    def vec(name, n, around=1.0, spread=0.1):
+        v = (around + spread * rng.standard_normal(n)).astype(np.float32)
+        if name not in skip:
+            w.add_tensor(name, v)
+        return v.astype(np.float64)
+
+    def predictor_tensors(p, v):
+        if predictor is None:
+            return
+        if predictor == "random":
+            h = 64
+            fc1 = rng.standard_normal((h, n_embd)) * 0.3
+            fc2 = rng.standard_normal((n_ff, h)) * 0.3
+        else:
+            sign = -1.0 if predictor == "negated" else 1.0
+            fc1 = np.concatenate([v, -v]) * sign
+            fc2 = np.concatenate([np.eye(n_ff), -np.eye(n_ff)], axis=1)
+        if fc2_rows is not None:
+            fc2 = fc2[:fc2_rows]
+        for name, a in ((p + "fc1.weight", fc1), (p + "fc2.weight", fc2)):
+            if name in skip:
+                continue
+            vals, _ = _stored(a.astype(np.float32), predictor_dtype)
+            if predictor_dtype in (Q.F32, Q.F16):
+                w.add_tensor(name, vals)
+            else:
+                w.add_tensor(name, vals, raw_dtype=predictor_dtype)
+
+    mat("token_embd.weight", n_vocab, n_embd, 1.0)
+    if arch == "opt":
+        mat("position_embd.weight", n_ctx + 2, n_embd, 0.5)
+    for l in range(n_layer):
+        p = f"blk.{l}."
+        norm_w = vec(p + "attn_norm.weight", n_embd)
+        if layer_norm:
+            # the FFN of falcon reads attn_norm: its bias must be zero for the exact predictor
+            vec(p + "attn_norm.bias", n_embd, 0.0, 0.0 if arch == "falcon" and predictor == "exact" else 0.1)
+        if attn_norm_2:
+            vec(p + "attn_norm_2.weight", n_embd)
+            vec(p + "attn_norm_2.bias", n_embd, 0.0, 0.1)
+        if arch == "falcon":
+            mat(p + "attn_qkv.weight", (n_head + 2 * n_head_kv) * hd, n_embd, 0.3)
+        else:
+            mat(p + "attn_q.weight", n_head * hd, n_embd, 0.3)
+            mat(p + "attn_k.weight", n_head_kv * hd, n_embd, 0.3)
+            mat(p + "attn_v.weight", n_head_kv * hd, n_embd, 0.3)
+        if arch == "opt":
+            vec(p + "attn_q.bias", n_head * hd, 0.0, 0.2)
+            vec(p + "attn_k.bias", n_head_kv * hd, 0.0, 0.2)
+            vec(p + "attn_v.bias", n_head_kv * hd, 0.0, 0.2)
+        mat(p + "attn_output.weight", n_embd, n_head * hd, 0.15)
+        if arch == "opt":
+            vec(p + "attn_output.bias", n_embd, 0.0, 0.1)
+        if arch != "falcon":
+            norm_w = vec(p + "ffn_norm.weight", n_embd)
+            if arch == "opt":
+                vec(p + "ffn_norm.bias", n_embd, 0.0, 0.1 if ffn_bias else 0.0)
+        if not gateless:
+            rows = mat(p + "ffn_gate.weight", n_ff, n_embd, 0.2)
+        up = mat(p + "ffn_up.weight", n_ff, n_embd, 0.2)
+        if gateless:
+            rows = up
+        if arch == "opt":
+            vec(p + "ffn_up.bias", n_ff, 0.0, 0.1 if ffn_bias else 0.0)
+        mat(p + "ffn_down_t.weight", n_ff, n_embd, 0.15)
+        if arch == "opt":
+            vec(p + "ffn_down_t.bias", n_embd, 0.0, 0.1)
+        v = rows * norm_w[None, :]
+        if layer_norm:
+            v = v - v.mean(axis=1, keepdims=True)
+        predictor_tensors(p, v)
+    vec("output_norm.weight", n_embd)
+    if layer_norm:
+        vec("output_norm.bias", n_embd, 0.0, 0.1)
+    if arch != "opt":
+        mat("output.weight", n_vocab, n_embd, 0.3)
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with open(path, "r+b") as f:
+        f.write(magic)
     return str(path)

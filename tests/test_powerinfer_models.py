@@ -1,0 +1,255 @@
+"""PowerInfer model files (PWRI magic, neuron-major ffn_down_t, per-layer predictors) of every
+sparse architecture, written by the tests in PowerInfer's layout: dense logits against the
+independent float64 reference, and sparse (predictor) logits against dense ones, in prefill and
+in token-by-token decode (which runs the fused sparse operator)."""
+
+import math
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from powerinfer_rs import Engine, ModelError
+from powerinfer_rs import _core
+
+from reference import forward, read_weights
+from synth import write_model, write_powerinfer_model
+
+FLOAT_TOL = 2e-4
+QUANT_TOL = 1e-4
+# Sparse vs dense: the exact predictor selects every neuron whose gate is positive, up to its
+# slightly negative threshold; a neuron it could still miss has a gate within rounding of zero,
+# so its contribution (proportional to the gate) is within rounding too.
+SPARSE_TOL = 1e-4
+
+CASES = [
+    # id, arch, dtype, extra writer options
+    ("llama-reglu-f16", "llama", Q.F16, {}),
+    ("llama-reglu-q4_0", "llama", Q.Q4_0, {}),
+    ("llama-reglu-q8_0", "llama", Q.Q8_0, {}),
+    ("bamboo-dreglu-q4_1", "bamboo", Q.Q4_1, {}),
+    ("bamboo-dreglu-f32-gqa", "bamboo", Q.F32, {"n_head_kv": 2}),
+    ("falcon-relu-f16-mqa", "falcon", Q.F16, {"n_head_kv": 1}),
+    ("falcon40b-relu-q4_0-norm2", "falcon", Q.Q4_0, {"n_head_kv": 2, "attn_norm_2": True}),
+    ("opt-relu-f16", "opt", Q.F16, {}),
+    ("opt-relu-q8_0", "opt", Q.Q8_0, {}),
+]
+
+
+def rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def decode_logits(engine, ids):
+    """Logits of each position, evaluating one token per call (the decode path)."""
+    session = engine._session()
+    out = np.stack([session.eval([t]) for t in ids])
+    return out, session.take_stats()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_sparse_equals_dense_equals_reference(tmp_path, case):
+    _, arch, dtype, opts = case
+    path = write_powerinfer_model(tmp_path / "m.gguf", arch=arch, dtype=dtype, **opts)
+    engine = Engine.load(path, threads=2, kv_type="f32")
+    cfg = engine.config
+    assert cfg["powerinfer"] and cfg["has_predictors"] and cfg["has_down_t"]
+    assert cfg["ffn_activation"] == {"bamboo": "dreglu", "llama": "reglu"}.get(arch, "relu")
+    assert engine.sparsity == "predictor"  # the default when the file has predictors
+    assert engine.sparse_threshold == pytest.approx(-0.1)
+
+    ids = np.random.default_rng(1).integers(0, engine.n_vocab, size=19).tolist()
+    w, meta = read_weights(path)
+    quantized = dtype not in (Q.F32, Q.F16)
+    ref = forward(w, meta, ids, int8_activations=quantized)
+    tol = QUANT_TOL if quantized else FLOAT_TOL
+
+    engine.set_sparsity("dense")
+    dense = engine.logits(ids)
+    assert engine.last_stats["ffn_sparsity"] == 0.0
+    assert rel(dense, ref) < tol
+    dense_decode, _ = decode_logits(engine, ids)
+    assert rel(dense_decode, ref) < tol
+
+    engine.set_sparsity("predictor", predictor_recall=True)
+    sparse = engine.logits(ids)
+    assert rel(sparse, dense) < SPARSE_TOL
+    assert engine.last_stats["predictor_recall"] > 0.99
+    sparse_decode, st = decode_logits(engine, ids)
+    assert rel(sparse_decode, dense) < SPARSE_TOL
+    assert rel(sparse_decode, ref) < tol + SPARSE_TOL
+    # the predictor really skipped neurons (random ReLU weights: about half are inactive)
+    assert 0.3 < st["skipped"] / st["neurons"] < 0.7
+    assert st["truly_active_selected"] / st["truly_active"] > 0.99
+
+
+def test_predictor_recall_measures_misses(tmp_path):
+    """A predictor with its sign flipped selects only inactive neurons: recall near 0, and the
+    logits differ from dense."""
+    path = write_powerinfer_model(tmp_path / "m.gguf", predictor="negated", threshold=0.0)
+    engine = Engine.load(path, threads=2, predictor_recall=True)
+    ids = list(range(3, 30))
+    out = engine.generate(ids, max_tokens=8)
+    assert isinstance(out, str)
+    assert engine.last_stats["predictor_recall"] < 0.05
+    sparse = engine.logits(ids)
+    engine.set_sparsity("dense")
+    assert rel(sparse, engine.logits(ids)) > 0.05
+
+
+def test_threshold_from_file_and_override(tmp_path, monkeypatch):
+    path = write_powerinfer_model(tmp_path / "m.gguf", predictor="random", threshold=0.0)
+    ids = list(range(3, 30))
+    base = Engine.load(path, threads=2)
+    base.logits(ids)
+    mid = base.last_stats["ffn_sparsity"]
+    assert 0.05 < mid < 0.95
+    # a high cut-off skips (nearly) everything; a very low one nothing
+    high = Engine.load(path, threads=2, sparse_threshold=1e6)
+    high.logits(ids)
+    assert high.last_stats["ffn_sparsity"] == 1.0
+    low = Engine.load(path, threads=2, sparse_threshold=-1e6)
+    low.logits(ids)
+    assert low.last_stats["ffn_sparsity"] == 0.0
+    # PowerInfer's environment variable, when no argument is given
+    monkeypatch.setenv("LLAMA_SPARSE_PRED_THRESHOLD", "1e6")
+    env = Engine.load(path, threads=2)
+    assert env.sparse_threshold == 1e6
+    monkeypatch.setenv("LLAMA_SPARSE_PRED_THRESHOLD", "lots")
+    with pytest.raises(ValueError, match="LLAMA_SPARSE_PRED_THRESHOLD"):
+        Engine.load(path, threads=2)
+
+
+def test_opt_biases_match_reference(tmp_path):
+    """OPT with nonzero FFN norm and up biases (the predictor is then only approximate): dense
+    logits still match the reference exactly; predictor mode runs and skips neurons."""
+    path = write_powerinfer_model(tmp_path / "m.gguf", arch="opt", dtype=Q.F32, ffn_bias=True)
+    engine = Engine.load(path, threads=2, kv_type="f32", sparsity="dense")
+    ids = list(range(5, 40))
+    w, meta = read_weights(path)
+    assert rel(engine.logits(ids), forward(w, meta, ids)) < FLOAT_TOL
+    assert engine.config["n_ctx_train"] == 256  # the learned position table's rows minus 2
+    engine.set_sparsity("predictor")
+    engine.logits(ids)
+    assert engine.last_stats["ffn_sparsity"] > 0.2
+
+
+def test_opt_context_is_bounded_by_position_table(tmp_path):
+    path = write_powerinfer_model(tmp_path / "m.gguf", arch="opt", n_ctx=64)
+    with pytest.raises(ValueError, match="position"):
+        _core.Session(_core.Model(path, 1), 65)
+    engine = Engine.load(path, threads=1)
+    assert engine.n_ctx == 64
+
+
+@pytest.mark.parametrize("dtype", [Q.F16, Q.Q4_0, Q.Q8_0], ids=["f16", "q4_0", "q8_0"])
+def test_quantized_predictors(tmp_path, dtype):
+    """Predictor weights in F16 or quantized (PowerInfer's quantized files use Q4_0)."""
+    path = write_powerinfer_model(tmp_path / "m.gguf", dtype=Q.Q4_0, predictor_dtype=dtype, threshold=-0.1)
+    engine = Engine.load(path, threads=2, predictor_recall=True)
+    ids = list(range(3, 30))
+    sparse = engine.logits(ids)
+    assert engine.last_stats["predictor_recall"] > 0.97
+    engine.set_sparsity("dense")
+    # a 4-bit predictor is coarser: it misses a few more weakly active neurons
+    assert rel(sparse, engine.logits(ids)) < (2e-2 if dtype == Q.Q4_0 else 5e-3)
+
+
+# ----- threshold mode (models without predictors)
+
+
+def test_threshold_mode_calibrates_and_caches(tmp_path):
+    path = write_model(tmp_path / "m.gguf", dtype=Q.F32)
+    text = "the quick brown fox jumps over the lazy dog and then " * 20
+    engine = Engine.load(path, threads=2, sparsity="threshold", target_sparsity=0.5, calibration_text=text)
+    assert engine.sparsity == "threshold" and len(engine.layer_thresholds) == engine.n_layer
+    cache = tmp_path / "m.gguf.thresholds.json"
+    assert cache.exists()
+    # on the calibration text itself the measured sparsity is the target
+    ids = engine.tokenize(text)[:200]
+    engine.logits(ids)
+    assert engine.last_stats["ffn_sparsity"] == pytest.approx(0.5, abs=0.05)
+    # decode computes the same thing as prefill
+    prefill = engine.logits(ids[:30])
+    decode, _ = decode_logits(engine, ids[:30])
+    assert rel(decode, prefill) < 1e-4
+
+    # the second load reads the cache: prove it by planting different thresholds there
+    import json
+
+    data = json.loads(cache.read_text())
+    for e in data["entries"]:
+        e["thresholds"] = [123.0] * engine.n_layer
+    cache.write_text(json.dumps(data))
+    again = Engine.load(path, threads=2, sparsity="threshold", target_sparsity=0.5, calibration_text=text)
+    assert again.layer_thresholds == [123.0] * engine.n_layer
+    again.logits(ids[:20])
+    assert again.last_stats["ffn_sparsity"] > 0.99
+
+
+def test_threshold_mode_at_zero_target_equals_dense(tmp_path):
+    path = write_model(tmp_path / "m.gguf", dtype=Q.F32)
+    ids = list(range(3, 40))
+    dense = Engine.load(path, threads=2, kv_type="f32")
+    sparse = Engine.load(path, threads=2, kv_type="f32", sparsity="threshold", target_sparsity=0.0)
+    assert rel(sparse.logits(ids), dense.logits(ids)) < 1e-6
+    assert sparse.last_stats["ffn_sparsity"] < 1e-3
+
+
+def test_threshold_sparsity_grows_with_target(tmp_path):
+    path = write_model(tmp_path / "m.gguf", dtype=Q.Q8_0)
+    ids = list(range(3, 60))
+    measured = []
+    for target in (0.3, 0.7):
+        e = Engine.load(path, threads=2, sparsity="threshold", target_sparsity=target)
+        e.logits(ids)
+        measured.append(e.last_stats["ffn_sparsity"])
+    assert measured[0] < measured[1]
+
+
+# ----- bad input
+
+
+def test_pwri_file_without_down_t(tmp_path):
+    path = write_powerinfer_model(tmp_path / "m.gguf", skip=("blk.1.ffn_down_t.weight",))
+    with pytest.raises(ModelError, match=r"PWRI.*blk\.1\.ffn_down_t\.weight"):
+        Engine.load(path)
+
+
+def test_predictor_shape_mismatch(tmp_path):
+    path = write_powerinfer_model(tmp_path / "m.gguf", fc2_rows=80)
+    with pytest.raises(ModelError, match=r"predictor blk\.0\.fc2\.weight has shape \[80, 192\], expected \[96, 192\]"):
+        Engine.load(path)
+
+
+def test_predictor_half_missing(tmp_path):
+    path = write_powerinfer_model(tmp_path / "m.gguf", skip=("blk.0.fc2.weight",))
+    with pytest.raises(ModelError, match="only one of"):
+        Engine.load(path)
+
+
+def test_bad_sparsity_arguments(tmp_path):
+    plain = write_model(tmp_path / "plain.gguf")
+    pw = write_powerinfer_model(tmp_path / "pw.gguf")
+    with pytest.raises(ValueError, match="needs a model with predictors"):
+        Engine.load(plain, sparsity="predictor")
+    with pytest.raises(ValueError, match="sparsity must be"):
+        Engine.load(pw, sparsity="sparse")
+    for bad in (1.0, -0.1, float("nan"), "half", True):
+        with pytest.raises(ValueError, match="target_sparsity"):
+            Engine.load(plain, sparsity="threshold", target_sparsity=bad)
+    for bad in (float("nan"), float("inf"), "0.5"):
+        with pytest.raises(ValueError, match="sparse_threshold"):
+            Engine.load(pw, sparse_threshold=bad)
+    with pytest.raises(ValueError, match="calibration text"):
+        Engine.load(plain, sparsity="threshold", calibration_text="   ")
+    # the core checks too
+    s = _core.Session(_core.Model(pw, 1), 16)
+    with pytest.raises(ValueError, match="finite"):
+        s.set_sparsity("predictor", predictor_threshold=math.nan)
+    with pytest.raises(ValueError, match="layer 1 threshold must be finite"):
+        s.set_sparsity("threshold", layer_thresholds=[0.1, math.inf])
+    with pytest.raises(ValueError, match="needs 2 layer thresholds"):
+        s.set_sparsity("threshold", layer_thresholds=[0.1])
+    with pytest.raises(ValueError, match="target sparsity"):
+        s.calibrate(list(range(3, 20)), 8, [1.5])
