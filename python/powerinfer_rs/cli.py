@@ -22,6 +22,41 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context window in tokens (default: min(trained, 4096))")
     p.add_argument("--kv-type", choices=["f16", "f32"], default="f16", help="KV cache storage (default f16)")
+    p.add_argument(
+        "--sparsity",
+        choices=["dense", "predictor", "threshold"],
+        default=None,
+        help="FFN mode (default: predictor when the model has predictors, else dense)",
+    )
+    p.add_argument("--target-sparsity", type=float, default=0.5, help="threshold mode: fraction of FFN neurons to skip (default 0.5)")
+    p.add_argument("--sparse-threshold", type=float, default=None, help="predictor mode: logit cut-off (default: from the file)")
+    p.add_argument("--calibration-file", default=None, help="threshold mode: calibrate on this text (default: built-in English sample)")
+    p.add_argument("--predictor-recall", action="store_true", help="predictor mode: also measure recall (costs a dense pass)")
+
+
+def _sparsity_args(a: argparse.Namespace) -> dict:
+    text = None
+    if a.calibration_file:
+        with open(a.calibration_file, encoding="utf-8", errors="replace") as fh:
+            text = fh.read()
+    return dict(
+        sparsity=a.sparsity,
+        target_sparsity=a.target_sparsity,
+        sparse_threshold=a.sparse_threshold,
+        calibration_text=text,
+        predictor_recall=a.predictor_recall,
+    )
+
+
+def _sparsity_line(engine, s: dict) -> str:
+    line = f"sparsity: {engine.sparsity}"
+    if engine.sparsity == "threshold":
+        line += f" (target {engine.target_sparsity:.2f})"
+    if "ffn_sparsity" in s:
+        line += f", FFN neurons skipped {s['ffn_sparsity']:.1%}"
+    if "predictor_recall" in s:
+        line += f", predictor recall {s['predictor_recall']:.1%}"
+    return line
 
 
 def cmd_run(a: argparse.Namespace) -> int:
@@ -33,7 +68,9 @@ def cmd_run(a: argparse.Namespace) -> int:
             print("error: give a prompt with -p/--prompt", file=sys.stderr)
             return 2
         prompt = sys.stdin.read()
-    engine = Engine.load(_model_path(a.model), threads=a.threads, n_ctx=a.ctx_size, kv_type=a.kv_type)
+    engine = Engine.load(
+        _model_path(a.model), threads=a.threads, n_ctx=a.ctx_size, kv_type=a.kv_type, **_sparsity_args(a)
+    )
     kwargs = dict(
         max_tokens=a.n_predict,
         temperature=a.temp,
@@ -60,6 +97,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         f"generated: {s['generated_tokens']} tokens, {s['decode_tps']:.2f} tok/s | threads: {engine.n_threads}",
         file=sys.stderr,
     )
+    print(_sparsity_line(engine, s), file=sys.stderr)
     return 0
 
 
@@ -99,7 +137,13 @@ def cmd_perplexity(a: argparse.Namespace) -> int:
     for path in a.file:
         with open(path, encoding="utf-8", errors="replace") as fh:
             texts.append(fh.read())
-    engine = Engine.load(_model_path(a.model), threads=a.threads, n_ctx=max(a.ctx, a.ctx_size or 0), kv_type=a.kv_type)
+    engine = Engine.load(
+        _model_path(a.model),
+        threads=a.threads,
+        n_ctx=max(a.ctx, a.ctx_size or 0),
+        kv_type=a.kv_type,
+        **_sparsity_args(a),
+    )
 
     def progress(done: int, total: int, ppl: float) -> None:
         print(f"[{done}/{total}] ppl {ppl:.4f}", file=sys.stderr)
@@ -108,6 +152,7 @@ def cmd_perplexity(a: argparse.Namespace) -> int:
 
     nll, count = engine._perplexity_sums("\n\n".join(texts), a.ctx, max_chunks=a.chunks, progress=progress)
     print(f"perplexity: {math.exp(nll / count):.4f} over {count} scored tokens (ctx {a.ctx})")
+    print(_sparsity_line(engine, engine.last_stats), file=sys.stderr)
     return 0
 
 
