@@ -322,6 +322,24 @@ unsafe fn i8x32_to_f32x4(q: __m256i) -> [__m256; 4] {
     ]
 }
 
+/// 16 bytes of packed nibbles to four vectors of 8 f32 lanes in element order, minus `sub`
+/// (8 for Q4_0, 0 for Q4_1). Works on the two 128-bit halves directly: building one 256-bit
+/// register first and splitting it again costs two extra shuffles per block.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibbles_to_f32x4(qs: &[u8; 16], sub: __m128i) -> [__m256; 4] {
+    let q = _mm_loadu_si128(qs.as_ptr() as *const __m128i);
+    let mask = _mm_set1_epi8(0x0F);
+    let lo = _mm_sub_epi8(_mm_and_si128(q, mask), sub);
+    let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), mask), sub);
+    [
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))),
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)),
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))),
+    ]
+}
+
 /// y[0..32] += scale * w + offset, for one block of 32 decoded weights.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -358,25 +376,109 @@ pub unsafe fn axpy(dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
             }
         }
         DType::Q4_0 => {
-            let eight = _mm256_set1_epi8(8);
+            let eight = _mm_set1_epi8(8);
             for (i, b) in crate::quant::cast_blocks::<BlockQ4_0>(row).iter().enumerate() {
-                let q = _mm256_sub_epi8(unpack_nibbles(&b.qs), eight);
-                axpy_block(yp.add(32 * i), i8x32_to_f32x4(q), _mm256_mul_ps(av, splat_f16(b.d)), None);
+                axpy_block(yp.add(32 * i), nibbles_to_f32x4(&b.qs, eight), _mm256_mul_ps(av, splat_f16(b.d)), None);
             }
         }
         DType::Q4_1 => {
             for (i, b) in crate::quant::cast_blocks::<BlockQ4_1>(row).iter().enumerate() {
-                // nibbles are < 16, so the signed widening is exact
-                let w = i8x32_to_f32x4(unpack_nibbles(&b.qs));
+                let w = nibbles_to_f32x4(&b.qs, _mm_setzero_si128());
                 let offset = _mm256_mul_ps(av, splat_f16(b.m));
                 axpy_block(yp.add(32 * i), w, _mm256_mul_ps(av, splat_f16(b.d)), Some(offset));
             }
         }
         DType::Q8_0 => {
             for (i, b) in crate::quant::cast_blocks::<BlockQ8_0>(row).iter().enumerate() {
-                let q = _mm256_loadu_si256(b.qs.as_ptr() as *const __m256i);
-                axpy_block(yp.add(32 * i), i8x32_to_f32x4(q), _mm256_mul_ps(av, splat_f16(b.d)), None);
+                axpy_block(yp.add(32 * i), i8x32_to_f32x4(_mm256_loadu_si256(b.qs.as_ptr() as *const __m256i)), _mm256_mul_ps(av, splat_f16(b.d)), None);
             }
         }
+    }
+}
+
+/// y += sum over r of a[r] * rows[r]: R neurons' down_t rows at once, so each block of y is
+/// loaded and stored once per R rows instead of once per row. SIMD twin of R calls of
+/// `quant::axpy_scalar`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn axpy_rows<const R: usize>(dtype: DType, rows: [&[u8]; R], a: [f32; R], y: &mut [f32]) {
+    let n = y.len();
+    let yp = y.as_mut_ptr();
+    let av = a.map(|v| _mm256_set1_ps(v));
+    macro_rules! quantized {
+        ($block:ty, |$b:ident| $decode:expr, $offset:expr) => {{
+            let blocks = rows.map(|r| crate::quant::cast_blocks::<$block>(r));
+            for i in 0..n / 32 {
+                let p = yp.add(32 * i);
+                let mut acc = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))];
+                let mut off = _mm256_setzero_ps();
+                for r in 0..R {
+                    let $b = blocks[r].get_unchecked(i);
+                    let w = $decode;
+                    let s = _mm256_mul_ps(av[r], splat_f16($b.d));
+                    for k in 0..4 {
+                        acc[k] = _mm256_fmadd_ps(w[k], s, acc[k]);
+                    }
+                    if $offset {
+                        off = _mm256_fmadd_ps(av[r], splat_f16(offset_bits($b)), off);
+                    }
+                }
+                for k in 0..4 {
+                    let v = if $offset { _mm256_add_ps(acc[k], off) } else { acc[k] };
+                    _mm256_storeu_ps(p.add(8 * k), v);
+                }
+            }
+        }};
+    }
+    #[inline(always)]
+    fn offset_bits<T: HasMin>(b: &T) -> u16 {
+        b.min_bits()
+    }
+    match dtype {
+        DType::F32 | DType::F16 | DType::BF16 => {
+            let n8 = n / 8 * 8;
+            let mut k = 0;
+            while k < n8 {
+                let p = yp.add(k);
+                let mut acc = _mm256_loadu_ps(p);
+                for r in 0..R {
+                    acc = _mm256_fmadd_ps(load8(dtype, rows[r].as_ptr(), k), av[r], acc);
+                }
+                _mm256_storeu_ps(p, acc);
+                k += 8;
+            }
+            if n8 < n {
+                let eb = dtype.block_bytes();
+                for r in 0..R {
+                    crate::quant::axpy_scalar(dtype, &rows[r][n8 * eb..], a[r], &mut y[n8..]);
+                }
+            }
+        }
+        DType::Q4_0 => {
+            let eight = _mm_set1_epi8(8);
+            quantized!(BlockQ4_0, |b| nibbles_to_f32x4(&b.qs, eight), false)
+        }
+        DType::Q4_1 => quantized!(BlockQ4_1, |b| nibbles_to_f32x4(&b.qs, _mm_setzero_si128()), true),
+        DType::Q8_0 => quantized!(BlockQ8_0, |b| i8x32_to_f32x4(_mm256_loadu_si256(b.qs.as_ptr() as *const __m256i)), false),
+    }
+}
+
+/// The f16 minimum of a block type that has one (Q4_1); zero for the others, whose decode
+/// never reads it.
+trait HasMin {
+    fn min_bits(&self) -> u16;
+}
+impl HasMin for BlockQ4_0 {
+    fn min_bits(&self) -> u16 {
+        0
+    }
+}
+impl HasMin for BlockQ4_1 {
+    fn min_bits(&self) -> u16 {
+        self.m
+    }
+}
+impl HasMin for BlockQ8_0 {
+    fn min_bits(&self) -> u16 {
+        0
     }
 }

@@ -55,17 +55,62 @@ pub fn axpy(level: SimdLevel, dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
     }
 }
 
+/// y += sum over r of a[r] * rows[r], four rows per pass over y.
+#[inline]
+pub fn axpy4(level: SimdLevel, dtype: DType, rows: [&[u8]; 4], a: [f32; 4], y: &mut [f32]) {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
+        SimdLevel::Avx2 => unsafe { crate::avx2::axpy_rows::<4>(dtype, rows, a, y) },
+        _ => {
+            for (r, ar) in rows.iter().zip(a) {
+                quant::axpy_scalar(dtype, r, ar, y);
+            }
+        }
+    }
+}
+
 fn f32_bytes(x: &[f32]) -> &[u8] {
     // SAFETY: any f32 is four valid bytes; the length is scaled accordingly.
     unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u8, std::mem::size_of_val(x)) }
 }
 
-/// Dot product of row `r` of `w` with token 0 of `x`.
+/// Asks the CPU to start loading `bytes` into cache. The neurons a predictor selects are
+/// scattered, so the hardware prefetchers cannot guess the next row; fetching the next neuron's
+/// rows while the current one computes keeps the memory bus busy.
 #[inline]
-fn dot1(w: &QMatrix, r: usize, x: &Activations, level: SimdLevel) -> f32 {
-    let mut v = 0.0;
-    dot_rows(w, r..r + 1, x, [0], level, |_, d| v = d[0]);
-    v
+fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        for off in (0..bytes.len()).step_by(64) {
+            // SAFETY: prefetching is a hint that never faults; the address is inside the slice.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().add(off) as *const i8) };
+        }
+    }
+}
+
+/// Neurons per group in `sparse_ffn`'s passes.
+const GROUP: usize = 64;
+
+/// Dots of the rows `sel` (sorted) of `w` with token 0 of `x` into `out[..sel.len()]`. Runs of
+/// consecutive rows go to the kernel as one range (a plain stream the hardware prefetches);
+/// before each jump the next run's first rows are prefetched by hand.
+fn dot_selected(w: &QMatrix, sel: &[u32], x: &Activations, level: SimdLevel, out: &mut [f32]) {
+    let mut i = 0;
+    while i < sel.len() {
+        let start = sel[i] as usize;
+        let mut end = i + 1;
+        while end < sel.len() && sel[end] as usize == start + (end - i) {
+            end += 1;
+        }
+        if let Some(&next) = sel.get(end) {
+            prefetch(w.row(next as usize));
+        }
+        let base = i;
+        dot_rows(w, start..start + (end - i), x, [0], level, |r, d| out[base + r - start] = d[0]);
+        i = end;
+    }
 }
 
 /// One token's FFN over the selected neurons only: out (n_embd) = sum over j in `neurons` of
@@ -97,29 +142,54 @@ pub fn sparse_ffn(
         acc.fill(0.0);
         let chunk = &neurons[neurons.len() * k / n_chunks..neurons.len() * (k + 1) / n_chunks];
         let mut used = 0;
-        for &j in chunk {
-            let j = j as usize;
-            // gate -> activation
-            let g = match (gate_values, &m.gate) {
-                (Some(gv), _) => gv[j],
-                (None, Some(gw)) => dot1(gw, j, x, level),
-                (None, None) => 0.0,
-            };
-            if gate_decides && g <= 0.0 {
-                continue;
+        // Per group of neurons, three passes that each stream one matrix: gate dots, up dots
+        // for the neurons still alive, then axpys four rows at a time. Consecutive neurons
+        // are dotted as one run of rows.
+        let mut vals = [0.0f32; GROUP]; // gate values, then activations
+        let mut alive = [0u32; GROUP];
+        for group in chunk.chunks(GROUP) {
+            // gate -> activation side
+            let mut n_alive = 0;
+            match (gate_values, &m.gate) {
+                (Some(gv), _) => group.iter().enumerate().for_each(|(i, &j)| vals[i] = gv[j as usize]),
+                (None, Some(gw)) => dot_selected(gw, group, x, level, &mut vals),
+                (None, None) => {}
             }
-            // up
-            let mut u = dot1(&m.up, j, x, level);
-            if let Some(b) = m.up_bias {
-                u += b[j];
+            for (i, &j) in group.iter().enumerate() {
+                if !(gate_decides && vals[i] <= 0.0) {
+                    vals[n_alive] = vals[i];
+                    alive[n_alive] = j;
+                    n_alive += 1;
+                }
             }
-            let h = m.act.apply(g, u);
-            if h == 0.0 {
-                continue;
+            // up, then the activation
+            let mut ups = [0.0f32; GROUP];
+            dot_selected(&m.up, &alive[..n_alive], x, level, &mut ups);
+            let mut n_active = 0;
+            for i in 0..n_alive {
+                let j = alive[i] as usize;
+                let u = ups[i] + m.up_bias.map_or(0.0, |b| b[j]);
+                let h = m.act.apply(vals[i], u);
+                if h != 0.0 {
+                    vals[n_active] = h;
+                    alive[n_active] = j as u32;
+                    n_active += 1;
+                }
             }
-            // axpy of the neuron's down_t row into this chunk's accumulator
-            axpy(level, m.down_t.dtype, m.down_t.row(j), h, acc);
-            used += 1;
+            // axpy of each active neuron's down_t row into this chunk's accumulator
+            let mut i = 0;
+            while i + 4 <= n_active {
+                for k in i + 4..(i + 8).min(n_active) {
+                    prefetch(m.down_t.row(alive[k] as usize));
+                }
+                let rows = [0, 1, 2, 3].map(|k| m.down_t.row(alive[i + k] as usize));
+                axpy4(level, m.down_t.dtype, rows, [vals[i], vals[i + 1], vals[i + 2], vals[i + 3]], acc);
+                i += 4;
+            }
+            for k in i..n_active {
+                axpy(level, m.down_t.dtype, m.down_t.row(alive[k] as usize), vals[k], acc);
+            }
+            used += n_active;
         }
         used
     }).sum();
@@ -234,6 +304,23 @@ mod tests {
                 unsafe { crate::avx2::axpy(dtype, &row, 0.37, &mut yv) };
                 for i in 0..n {
                     assert!((ys[i] - yv[i]).abs() <= 1e-6, "{dtype:?} n={n} i={i}: {} vs {}", ys[i], yv[i]);
+                }
+            }
+        }
+        // four rows at once
+        for dtype in ALL {
+            for n in [32, 96, 4096] {
+                let rows: Vec<Vec<u8>> = (0..4).map(|r| quantize_row(dtype, &random_vec(n, 40 + r))).collect();
+                let a = [0.5, -1.25, 2.0, 0.125];
+                let y0 = random_vec(n, 98);
+                let (mut ys, mut yv) = (y0.clone(), y0.clone());
+                for r in 0..4 {
+                    quant::axpy_scalar(dtype, &rows[r], a[r], &mut ys);
+                }
+                let rr = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
+                unsafe { crate::avx2::axpy_rows::<4>(dtype, rr, a, &mut yv) };
+                for i in 0..n {
+                    assert!((ys[i] - yv[i]).abs() <= 1e-5, "x4 {dtype:?} n={n} i={i}: {} vs {}", ys[i], yv[i]);
                 }
             }
         }
