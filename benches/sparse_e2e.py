@@ -38,13 +38,12 @@ def write_synthetic(path: str, n_layer: int, seed: int = 0) -> None:
     ndtri = np.vectorize(statistics.NormalDist().inv_cdf)  # inverse normal CDF
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-    from synth import tiny_vocab
+    from synth import add_tiny_tokenizer, tiny_vocab
 
     rng = np.random.default_rng(seed)
     n_embd, n_ff, n_head, r, c = 4096, 11008, 32, 255, 4.0
     hd = n_embd // n_head
-    tokens, types, merges = tiny_vocab()
-    n_vocab = len(tokens)
+    n_vocab = len(tiny_vocab()[0])
     # orthonormal basis of the subspace, orthogonal to dimension 0
     basis = np.linalg.qr(rng.standard_normal((n_embd - 1, r)))[0].T  # (r, n_embd - 1)
     B = np.zeros((r, n_embd), np.float32)
@@ -60,13 +59,7 @@ def write_synthetic(path: str, n_layer: int, seed: int = 0) -> None:
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(hd)
     w.add_float32("powerinfer.sparse_threshold", 0.0)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(2)
+    add_tiny_tokenizer(w)
 
     def q4(name, a):
         w.add_tensor(name, quantize(np.ascontiguousarray(a, dtype=np.float32), Q.Q4_0), raw_dtype=Q.Q4_0)

@@ -36,6 +36,19 @@ def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
+def add_tiny_tokenizer(w: GGUFWriter) -> None:
+    """The `tiny_vocab` tokenizer keys: gpt2 BPE, BOS 0, EOS 2 (<|im_end|>), no BOS added."""
+    tokens, types, merges = tiny_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+
+
 def write_model(
     path,
     arch: str = "llama",
@@ -56,8 +69,7 @@ def write_model(
     magic: bytes | None = None,
 ) -> str:
     rng = np.random.default_rng(seed)
-    tokens, types, merges = tiny_vocab()
-    n_vocab = len(tokens)
+    n_vocab = len(tiny_vocab()[0])
     hd = n_embd // n_head
 
     w = GGUFWriter(str(path), arch)
@@ -72,14 +84,7 @@ def write_model(
     w.add_rope_dimension_count(hd)
     if activation is not None:
         w.add_string(f"{arch}.ffn_activation", activation)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
+    add_tiny_tokenizer(w)
 
     def mat(name, rows, cols, scale):
         if name in skip:
@@ -173,8 +178,7 @@ def write_powerinfer_model(
     threshold it selects every truly active neuron. "negated" flips the sign (it misses nearly
     every active neuron), "random" draws Gaussian weights (H = 64)."""
     rng = np.random.default_rng(seed)
-    tokens, types, merges = tiny_vocab()
-    n_vocab = len(tokens)
+    n_vocab = len(tiny_vocab()[0])
     n_head_kv = n_head_kv or n_head
     hd = n_embd // n_head
     gateless = arch in ("falcon", "opt")
@@ -194,14 +198,7 @@ def write_powerinfer_model(
         w.add_rope_dimension_count(hd)
     if threshold is not None:
         w.add_float32("powerinfer.sparse_threshold", threshold)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
+    add_tiny_tokenizer(w)
 
     def mat(name, rows, cols, scale, t=None):
         vals, stored = _stored((rng.standard_normal((rows, cols)) * scale).astype(np.float32), t or dtype)

@@ -312,8 +312,13 @@ pub unsafe fn attn_weighted_sum_group<const F16: bool, const G: usize>(
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn i8x32_to_f32x4(q: __m256i) -> [__m256; 4] {
-    let lo = _mm256_castsi256_si128(q);
-    let hi = _mm256_extracti128_si256(q, 1);
+    halves_to_f32x4(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1))
+}
+
+/// Elements 0..16 (`lo`) and 16..32 (`hi`) as signed bytes to four vectors of 8 f32 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn halves_to_f32x4(lo: __m128i, hi: __m128i) -> [__m256; 4] {
     [
         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),
         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))),
@@ -332,12 +337,7 @@ unsafe fn nibbles_to_f32x4(qs: &[u8; 16], sub: __m128i) -> [__m256; 4] {
     let mask = _mm_set1_epi8(0x0F);
     let lo = _mm_sub_epi8(_mm_and_si128(q, mask), sub);
     let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), mask), sub);
-    [
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))),
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)),
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))),
-    ]
+    halves_to_f32x4(lo, hi)
 }
 
 /// y[0..32] += scale * w + offset, for one block of 32 decoded weights.

@@ -363,7 +363,7 @@ pub fn axpy_scalar(dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     pub(crate) fn random_vec(n: usize, seed: u64) -> Vec<f32> {

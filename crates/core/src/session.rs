@@ -392,9 +392,9 @@ impl Session {
                 let xt = &mut s.x[t * dim..(t + 1) * dim];
                 w.token_embd.dequantize_row(tok as usize, xt);
                 if let Some(pe) = &w.position_embd {
-                    let mut p = vec![0.0; dim];
-                    pe.dequantize_row(pos0 + t + OPT_POSITION_OFFSET, &mut p);
-                    add_into(xt, &p);
+                    let p = &mut s.xb[t * dim..(t + 1) * dim]; // free until the first norm
+                    pe.dequantize_row(pos0 + t + OPT_POSITION_OFFSET, p);
+                    add_into(xt, p);
                 }
             }
 

@@ -275,12 +275,8 @@ pub fn down_t_matmul(down_t: &QMatrix, h: &[f32], n: usize, out: &mut [f32], scr
 mod tests {
     use super::*;
     use crate::matmul::matmul_many;
+    use crate::quant::tests::random_vec;
     use crate::quant::{dequantize_row, quantize_row};
-
-    fn random_vec(n: usize, seed: u64) -> Vec<f32> {
-        let mut rng = crate::sampler::Rng::new(seed);
-        (0..n).map(|_| rng.next_f32() * 2.0 - 1.0).collect()
-    }
 
     const ALL: [DType; 6] = [DType::F32, DType::F16, DType::BF16, DType::Q4_0, DType::Q4_1, DType::Q8_0];
 
