@@ -20,6 +20,8 @@ from .models import default_model_path
 from .tokenizer import GGUFTokenizer, StreamDecoder
 
 DEFAULT_N_CTX = 4096
+# per-layer predictor cut-offs written by `powerinfer-rs convert` (PowerInfer itself has one, global)
+PREDICTOR_THRESHOLDS_KEY = "powerinfer_rs.predictor_thresholds"
 
 
 def _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed):
@@ -70,6 +72,7 @@ class Engine:
         self.sparse_threshold = float(self.config["sparse_threshold"])
         self.target_sparsity: float | None = None
         self.layer_thresholds: list[float] | None = None
+        self.predictor_layer_thresholds: list[float] | None = None
         self.predictor_recall = False
 
     @classmethod
@@ -97,7 +100,10 @@ class Engine:
         are skipped, calibrated for `target_sparsity` on `calibration_text` or a built-in English
         sample, once, and cached beside the model). `sparse_threshold` overrides the predictor
         cut-off from the file (`powerinfer.sparse_threshold`, or the environment variable
-        LLAMA_SPARSE_PRED_THRESHOLD as PowerInfer reads it). `predictor_recall` also runs the FFN
+        LLAMA_SPARSE_PRED_THRESHOLD as PowerInfer reads it); files written by
+        `powerinfer-rs convert` also carry one trained cut-off per layer
+        (`powerinfer_rs.predictor_thresholds`), used unless one of those overrides is given.
+        `predictor_recall` also runs the FFN
         densely to report in `last_stats` how many truly active neurons the predictor caught."""
         if path is None:
             path = default_model_path()
@@ -140,6 +146,7 @@ class Engine:
                 "sparsity='predictor' needs a model with predictors (blk.N.fc1/fc2, as in PowerInfer GGUF files); "
                 "this one has none: use sparsity='threshold' or 'dense'"
             )
+        per_layer = None
         if sparse_threshold is None:
             env = os.environ.get("LLAMA_SPARSE_PRED_THRESHOLD")
             if env is not None:
@@ -149,6 +156,7 @@ class Engine:
                     raise ValueError(f"LLAMA_SPARSE_PRED_THRESHOLD={env!r} is not a number") from None
             else:
                 sparse_threshold = float(self.config["sparse_threshold"])
+                per_layer = self._file_predictor_thresholds()
         if isinstance(sparse_threshold, bool) or not isinstance(sparse_threshold, (int, float)) or not math.isfinite(sparse_threshold):
             raise ValueError(f"sparse_threshold must be a finite number, got {sparse_threshold!r}")
         if not isinstance(predictor_recall, bool):
@@ -168,6 +176,7 @@ class Engine:
         self.sparse_threshold = float(sparse_threshold)
         self.target_sparsity = float(target_sparsity) if sparsity == "threshold" else None
         self.layer_thresholds = thresholds
+        self.predictor_layer_thresholds = per_layer if sparsity == "predictor" else None
         self.predictor_recall = predictor_recall and sparsity == "predictor"
         # applying the mode once checks it and builds any neuron-major weights up front
         self._session(1)
@@ -175,8 +184,25 @@ class Engine:
     def _session(self, n_ctx: int | None = None) -> "_core.Session":
         """A new session in this engine's FFN mode."""
         session = _core.Session(self._model, n_ctx or self.n_ctx, self.kv_type)
-        session.set_sparsity(self.sparsity, self.sparse_threshold, self.layer_thresholds, self.predictor_recall)
+        session.set_sparsity(
+            self.sparsity,
+            self.sparse_threshold,
+            self.layer_thresholds,
+            self.predictor_recall,
+            self.predictor_layer_thresholds,
+        )
         return session
+
+    def _file_predictor_thresholds(self) -> list[float] | None:
+        """The per-layer predictor cut-offs a converted file carries, if any."""
+        values = self._model.metadata().get(PREDICTOR_THRESHOLDS_KEY)
+        if values is None:
+            return None
+        if not isinstance(values, list) or len(values) != self.config["n_layer"]:
+            raise _core.ModelError(
+                f"{PREDICTOR_THRESHOLDS_KEY} must list one number per layer ({self.config['n_layer']})"
+            )
+        return [float(v) for v in values]
 
     @staticmethod
     def _ffn_stats(session: "_core.Session", into: dict, totals: dict | None = None) -> None:

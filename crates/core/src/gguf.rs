@@ -345,7 +345,14 @@ pub fn parse_header(buf: &[u8]) -> Result<Header> {
                 }
                 n_elements / dt.block_len() as u64 * dt.block_bytes() as u64
             }
-            None => 0,
+            // plain element types the engine does not compute with but index files use
+            None => match type_id {
+                24 => n_elements,     // I8
+                25 => n_elements * 2, // I16
+                26 => n_elements * 4, // I32
+                27 | 28 => n_elements * 8, // I64, F64
+                _ => 0,
+            },
         };
         if offset % alignment != 0 {
             return Err(Error::Format(format!("tensor '{name}': offset {offset} is not aligned to {alignment}")));

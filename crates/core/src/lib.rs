@@ -6,6 +6,7 @@
 pub mod attention;
 pub mod error;
 pub mod gguf;
+pub mod gpu_index;
 pub mod matmul;
 pub mod model;
 pub mod quant;

@@ -15,7 +15,7 @@ use rayon::prelude::*;
 use crate::attention::{attend_group, KvBuf, KvType};
 use crate::error::{Error, Result};
 use crate::matmul::{matmul, matmul_many, Activations};
-use crate::model::{Family, LayerWeights, Model, RopeStyle, OPT_POSITION_OFFSET};
+use crate::model::{Family, FfnActivation, LayerWeights, Model, RopeStyle, OPT_POSITION_OFFSET};
 use crate::sparse::{down_t_matmul, sparse_ffn, FfnMats, SparseScratch};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,6 +53,9 @@ pub struct Sparsity {
     pub mode: SparsityMode,
     /// Predictor mode: neuron j is computed iff its predictor logit is >= this.
     pub predictor_threshold: f32,
+    /// Predictor mode: one cut-off per layer (as trained per layer by the offline toolchain);
+    /// when not empty it replaces `predictor_threshold`.
+    pub predictor_layer_thresholds: Vec<f32>,
     /// Threshold mode: per layer, the |act(gate)| a neuron must exceed to be computed.
     pub layer_thresholds: Vec<f32>,
     /// Predictor mode: also compute the true activations (a dense pass) to measure recall.
@@ -61,7 +64,13 @@ pub struct Sparsity {
 
 impl Sparsity {
     pub fn dense() -> Sparsity {
-        Sparsity { mode: SparsityMode::Dense, predictor_threshold: 0.0, layer_thresholds: Vec::new(), track_recall: false }
+        Sparsity {
+            mode: SparsityMode::Dense,
+            predictor_threshold: 0.0,
+            predictor_layer_thresholds: Vec::new(),
+            layer_thresholds: Vec::new(),
+            track_recall: false,
+        }
     }
 }
 
@@ -135,7 +144,24 @@ pub struct Session {
     stats: FfnStats,
     /// Per-layer |act(gate)| histograms while calibrating thresholds.
     calibration: Option<Vec<MagnitudeHistogram>>,
+    /// What the profiler records while capturing.
+    capture: Option<Capture>,
     s: Scratch,
+}
+
+/// Per-layer FFN records of every token evaluated while capturing, for the offline profiler and
+/// predictor training.
+#[derive(Debug, Clone, Default)]
+pub struct Capture {
+    /// Tokens recorded.
+    pub n_tokens: usize,
+    /// Per layer (n_tokens, n_embd): the predictor's input (the residual stream entering the FFN;
+    /// for Falcon the layer input).
+    pub inputs: Vec<Vec<f32>>,
+    /// Per layer (n_tokens, n_ff): how strongly each neuron fires. For ReLU-family activations
+    /// |act(gate, up)|, zero exactly when the neuron does not fire; for SwiGLU and GELU, which
+    /// never give exact zeros, |act(gate)|, the value threshold mode compares.
+    pub scores: Vec<Vec<f32>>,
 }
 
 /// Activation buffers, resized per batch and reused across calls.
@@ -254,6 +280,7 @@ impl Session {
             sparsity: Sparsity::dense(),
             stats: FfnStats::default(),
             calibration: None,
+            capture: None,
             s: Scratch::default(),
             model,
         })
@@ -290,6 +317,17 @@ impl Session {
                          (use sparsity='threshold' or 'dense')"
                     )));
                 }
+                let per_layer = &sp.predictor_layer_thresholds;
+                if !per_layer.is_empty() && per_layer.len() != c.n_layer {
+                    return Err(Error::InvalidArgument(format!(
+                        "predictor mode needs {} per-layer thresholds (or none), got {}",
+                        c.n_layer,
+                        per_layer.len()
+                    )));
+                }
+                if let Some((l, t)) = per_layer.iter().enumerate().find(|(_, t)| !t.is_finite()) {
+                    return Err(Error::InvalidArgument(format!("layer {l} predictor threshold must be finite, got {t}")));
+                }
             }
             SparsityMode::Threshold => {
                 if sp.layer_thresholds.len() != c.n_layer {
@@ -311,6 +349,23 @@ impl Session {
         }
         self.sparsity = sp;
         Ok(())
+    }
+
+    /// Starts (or stops, discarding what was recorded) recording FFN inputs and neuron scores
+    /// for every evaluated token; see `Capture`. While recording, every FFN is computed densely
+    /// on the batch path, whatever the sparsity mode.
+    pub fn set_capture(&mut self, on: bool) {
+        let n_layer = self.model.config.n_layer;
+        self.capture = on.then(|| Capture { n_tokens: 0, inputs: vec![Vec::new(); n_layer], scores: vec![Vec::new(); n_layer] });
+    }
+
+    /// Returns what was recorded since capturing started or since the last call, and keeps
+    /// recording. None when not capturing.
+    pub fn take_capture(&mut self) -> Option<Capture> {
+        let n_layer = self.model.config.n_layer;
+        self.capture.as_mut().map(|c| {
+            std::mem::replace(c, Capture { n_tokens: 0, inputs: vec![Vec::new(); n_layer], scores: vec![Vec::new(); n_layer] })
+        })
     }
 
     /// Returns the FFN counters gathered since the last call and resets them.
@@ -530,7 +585,7 @@ impl Session {
                 s.pred_acts.set(&s.pred_hidden, n, p.fc1.rows);
                 s.pred_logits.resize(n * n_ff, 0.0);
                 matmul(&p.fc2, &s.pred_acts, &mut s.pred_logits);
-                let thr = sp.predictor_threshold;
+                let thr = sp.predictor_layer_thresholds.get(l).copied().unwrap_or(sp.predictor_threshold);
                 s.keep.clear();
                 s.keep.extend(s.pred_logits.iter().map(|&v| v >= thr));
             }
@@ -548,7 +603,8 @@ impl Session {
         self.stats.skipped += (n * n_ff - selected) as u64;
         let track_recall = sp.track_recall && mode == SparsityMode::Predictor;
 
-        if n == 1 && (mode != SparsityMode::Dense || lw.ffn_down.is_none()) && self.calibration.is_none() {
+        let recording = self.calibration.is_some() || self.capture.is_some();
+        if n == 1 && (mode != SparsityMode::Dense || lw.ffn_down.is_none()) && !recording {
             // decode: fused sparse operator over the selected neurons only
             s.neurons.clear();
             match mode {
@@ -576,7 +632,22 @@ impl Session {
             if let Some(hists) = &mut self.calibration {
                 s.gate.iter().for_each(|&g| hists[l].add(act.gate_part(g)));
             }
+            let fires_exactly = matches!(act, FfnActivation::ReGlu | FfnActivation::DReGlu | FfnActivation::Relu);
+            if let Some(cap) = &mut self.capture {
+                cap.inputs[l].extend_from_slice(&s.x[..n * dim]);
+                if !fires_exactly {
+                    cap.scores[l].extend(s.gate.iter().map(|&g| act.gate_part(g).abs()));
+                }
+            }
             Self::activate(lw, act, &mut s.gate, &s.up);
+            if let Some(cap) = &mut self.capture {
+                if fires_exactly {
+                    cap.scores[l].extend(s.gate.iter().map(|h| h.abs()));
+                }
+                if l + 1 == c.n_layer {
+                    cap.n_tokens += n;
+                }
+            }
             if track_recall {
                 Self::count_recall(&mut self.stats, &s.gate, &s.keep);
             }

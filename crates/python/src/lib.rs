@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
 use powerinfer_core::attention::KvType;
 use powerinfer_core::gguf::{GgufFile as CoreGguf, Magic, Value};
+use powerinfer_core::gpu_index::GpuIndex;
 use powerinfer_core::session::{Sparsity, SparsityMode};
 use powerinfer_core::{Error, Model, Sampler, SamplingParams, Session};
 use pyo3::create_exception;
@@ -238,6 +239,8 @@ fn lock<T>(m: &Mutex<T>) -> PyResult<std::sync::MutexGuard<'_, T>> {
 struct PySession {
     inner: Mutex<Session>,
     n_vocab: usize,
+    n_embd: usize,
+    n_ff: usize,
 }
 
 #[pymethods]
@@ -247,7 +250,8 @@ impl PySession {
     fn new(model: &PyModel, n_ctx: usize, kv_type: &str) -> PyResult<Self> {
         let kv_type = KvType::parse(kv_type).map_err(to_py)?;
         let s = Session::new(Arc::clone(&model.inner), n_ctx, kv_type).map_err(to_py)?;
-        Ok(PySession { inner: Mutex::new(s), n_vocab: model.inner.config.n_vocab })
+        let c = &model.inner.config;
+        Ok(PySession { inner: Mutex::new(s), n_vocab: c.n_vocab, n_embd: c.n_embd, n_ff: c.n_ff })
     }
 
     #[getter]
@@ -286,10 +290,10 @@ impl PySession {
     }
 
     /// Chooses how the FFNs are computed: `mode` is "dense", "predictor" or "threshold";
-    /// `predictor_threshold` is the predictor logit cut-off; `layer_thresholds` (one per layer)
-    /// the |act(gate)| cut-offs of threshold mode; `track_recall` adds a dense pass in
-    /// predictor mode to measure recall.
-    #[pyo3(signature = (mode, predictor_threshold = 0.0, layer_thresholds = None, track_recall = false))]
+    /// `predictor_threshold` is the predictor logit cut-off (`predictor_layer_thresholds`, one
+    /// per layer, replaces it); `layer_thresholds` (one per layer) the |act(gate)| cut-offs of
+    /// threshold mode; `track_recall` adds a dense pass in predictor mode to measure recall.
+    #[pyo3(signature = (mode, predictor_threshold = 0.0, layer_thresholds = None, track_recall = false, predictor_layer_thresholds = None))]
     fn set_sparsity(
         &self,
         py: Python<'_>,
@@ -297,9 +301,16 @@ impl PySession {
         predictor_threshold: f32,
         layer_thresholds: Option<Vec<f32>>,
         track_recall: bool,
+        predictor_layer_thresholds: Option<Vec<f32>>,
     ) -> PyResult<()> {
         let mode = SparsityMode::parse(mode).map_err(to_py)?;
-        let sp = Sparsity { mode, predictor_threshold, layer_thresholds: layer_thresholds.unwrap_or_default(), track_recall };
+        let sp = Sparsity {
+            mode,
+            predictor_threshold,
+            predictor_layer_thresholds: predictor_layer_thresholds.unwrap_or_default(),
+            layer_thresholds: layer_thresholds.unwrap_or_default(),
+            track_recall,
+        };
         compute(py, || lock_core(&self.inner)?.set_sparsity(sp))
     }
 
@@ -327,6 +338,30 @@ impl PySession {
         compute(py, || lock_core(&self.inner)?.calibrate(&tokens, window, &targets))
     }
 
+    /// Starts (True) or stops (False) recording, for every evaluated token, each layer's FFN
+    /// input and neuron scores (see `take_capture`). Recording computes every FFN densely.
+    fn set_capture(&self, on: bool) -> PyResult<()> {
+        lock(&self.inner)?.set_capture(on);
+        Ok(())
+    }
+
+    /// What was recorded since the last call: `(inputs, scores)`, float32 arrays of shape
+    /// (n_layer, n_tokens, n_embd) and (n_layer, n_tokens, n_ff). `inputs` is what the layer's
+    /// predictor reads; `scores` is |act(gate, up)| for ReLU-family FFNs (zero exactly when the
+    /// neuron does not fire) and |act(gate)| for SwiGLU/GELU. Raises when not recording.
+    fn take_capture<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+        let cap = lock(&self.inner)?
+            .take_capture()
+            .ok_or_else(|| PyValueError::new_err("the session is not capturing; call set_capture(True) first"))?;
+        let n_layer = cap.inputs.len();
+        let n = cap.n_tokens;
+        let stack = |parts: Vec<Vec<f32>>, width: usize| -> PyResult<Bound<'py, PyAny>> {
+            let flat: Vec<f32> = parts.into_iter().flatten().collect();
+            Ok(PyArray1::from_vec(py, flat).reshape([n_layer, n, width])?.into_any())
+        };
+        Ok((stack(cap.inputs, self.n_embd)?, stack(cap.scores, self.n_ff)?))
+    }
+
     /// Evaluates `tokens` and samples the next token in one call (no logits cross into Python).
     fn eval_and_sample(&self, py: Python<'_>, tokens: Vec<u32>, sampler: &PySampler) -> PyResult<u32> {
         compute(py, || {
@@ -343,6 +378,24 @@ fn lock_core<T>(m: &Mutex<T>) -> Result<std::sync::MutexGuard<'_, T>, Error> {
 }
 
 /// Which SIMD kernels this CPU runs ("avx2" or "scalar").
+/// Reads a `.generated.gpuidx` hot/cold split: a dict with `vram_capacity` (bytes) and, per
+/// layer, `gpu_idx` (int32 0/1 mask) and `gpu_bucket` (int32 ascending GPU neuron indices).
+#[pyfunction]
+fn read_gpu_index<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> {
+    let index = compute(py, || GpuIndex::read(&path))?;
+    let d = PyDict::new(py);
+    d.set_item("vram_capacity", index.vram_capacity)?;
+    let masks = PyList::empty(py);
+    let buckets = PyList::empty(py);
+    for l in &index.layers {
+        masks.append(PyArray1::from_vec(py, l.on_gpu.iter().map(|&b| b as i32).collect::<Vec<i32>>()))?;
+        buckets.append(PyArray1::from_vec(py, l.gpu_bucket.iter().map(|&b| b as i32).collect::<Vec<i32>>()))?;
+    }
+    d.set_item("gpu_idx", masks)?;
+    d.set_item("gpu_bucket", buckets)?;
+    Ok(d)
+}
+
 #[pyfunction]
 fn simd_level() -> &'static str {
     match powerinfer_core::matmul::simd_level() {
@@ -374,6 +427,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySession>()?;
     m.add_class::<PySampler>()?;
     m.add_function(wrap_pyfunction!(simd_level, m)?)?;
+    m.add_function(wrap_pyfunction!(read_gpu_index, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_devices, m)?)?;
     let py = m.py();
     m.add("GGUFError", py.get_type::<GGUFError>())?;
