@@ -1,0 +1,16 @@
+"""The offline toolchain, in the order a user runs it:
+
+    profile  -> per-neuron activation counts and the predictor training set (`.profile.npz`)
+    train    -> per-layer predictors `fc2 @ relu(fc1 @ x)` and their cut-offs (`.predictors.npz`)
+    convert  -> a PowerInfer GGUF (magic PWRI, `ffn_down_t`, `fc1`/`fc2`) from a plain GGUF or a
+                Hugging Face safetensors folder plus the trained predictors
+    place    -> the hot/cold split under a VRAM budget, solved as an integer program with HiGHS,
+                written as `<model>.generated.gpuidx`
+
+Each step is a function here and a `powerinfer-rs` subcommand.
+"""
+
+from .place import place, read_gpu_index, write_gpu_index
+from .profile import load_profile, profile
+
+__all__ = ["profile", "load_profile", "place", "read_gpu_index", "write_gpu_index"]

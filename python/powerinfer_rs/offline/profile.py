@@ -1,0 +1,237 @@
+"""Activation profiler: runs the engine densely over text and records, per layer, how often each
+FFN neuron fires, and optionally the predictor training set (each token's FFN input and which
+neurons fired), into one `.npz` file that `train` and `place` read. It also draws the sorted
+activation frequencies of every layer (log scale), the picture of the power law.
+
+"Fires" follows the model: for ReLU-family FFNs (ReLU, ReGLU, dReLU) a neuron fires when its
+activation is nonzero; SwiGLU and GELU never give exact zeros, so there a neuron fires when
+threshold mode would keep it at `target_sparsity`: |act(gate)| above the layer's quantile,
+calibrated on the first tokens of the same text.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+EXACT_ZERO_ACTIVATIONS = ("reglu", "dreglu", "relu")
+PROFILE_VERSION = 1
+
+
+def read_corpus(paths: list[str] | str, max_chars: int | None = None) -> str:
+    """The text of `paths` (files, or folders searched for *.txt/*.rst/*.md files in sorted
+    order) joined by blank lines, stopping once `max_chars` characters are read."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files.extend(sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in (".txt", ".rst", ".md")))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"corpus path {str(p)!r} does not exist")
+    if not files:
+        raise ValueError(f"no text files found in {[str(p) for p in paths]}")
+    parts, total = [], 0
+    for f in files:
+        text = f.read_text(encoding="utf-8", errors="replace")
+        parts.append(text)
+        total += len(text)
+        if max_chars is not None and total >= max_chars:
+            break
+    text = "\n\n".join(parts)
+    return text[:max_chars] if max_chars is not None else text
+
+
+def profile(
+    model: str | None,
+    corpus: list[str] | str,
+    tokens: int = 50_000,
+    output: str | None = None,
+    train_tokens: int = 0,
+    target_sparsity: float = 0.5,
+    window: int = 256,
+    threads: int | None = None,
+    plot: str | bool | None = True,
+    progress: bool = True,
+) -> dict:
+    """Profiles `model` on up to `tokens` tokens of `corpus`, keeping the FFN inputs and labels
+    of the first `train_tokens` of them for predictor training. Writes `output` (default
+    `<model>.profile.npz`) and, unless `plot` is False, a PNG (default `<output>.png`).
+    Returns the profile as a dict (see `load_profile`)."""
+    from ..engine import Engine
+    from ..models import default_model_path
+
+    if model is None:
+        model = default_model_path()
+    for name, v in (("tokens", tokens), ("window", window)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 2:
+            raise ValueError(f"{name} must be an int >= 2, got {v!r}")
+    if not isinstance(train_tokens, int) or isinstance(train_tokens, bool) or train_tokens < 0:
+        raise ValueError(f"train_tokens must be an int >= 0, got {train_tokens!r}")
+    if not (isinstance(target_sparsity, (int, float)) and 0.0 <= target_sparsity < 1.0):
+        raise ValueError(f"target_sparsity must be in [0, 1), got {target_sparsity!r}")
+    engine = Engine.load(model, threads=threads, n_ctx=window, sparsity="dense")
+    cfg = engine.config
+    n_layer, n_embd, n_ff = cfg["n_layer"], cfg["n_embd"], cfg["n_ff"]
+    activation = cfg["ffn_activation"]
+
+    # about 3 characters per token is a generous bound for English and code
+    text = read_corpus(corpus, max_chars=tokens * 6)
+    ids = engine.tokenizer.encode(text)[:tokens]
+    if len(ids) < 2:
+        raise ValueError("the corpus gives fewer than 2 tokens")
+    train_tokens = min(train_tokens, len(ids))
+
+    session = engine._session(window)
+    if activation in EXACT_ZERO_ACTIVATIONS:
+        thresholds = np.zeros(n_layer, dtype=np.float32)
+    else:
+        calib = ids[: max(2, min(len(ids), 16 * window))]
+        thresholds = np.array(session.calibrate(calib, window, [float(target_sparsity)])[0], dtype=np.float32)
+
+    counts = np.zeros((n_layer, n_ff), dtype=np.int64)
+    train_x = np.zeros((n_layer, train_tokens, n_embd), dtype=np.float16)
+    train_labels = np.zeros((n_layer, train_tokens, (n_ff + 7) // 8), dtype=np.uint8)
+    seen = 0
+    bar = _progress(len(ids), progress)
+    session.set_capture(True)
+    try:
+        for start in range(0, len(ids), window):
+            chunk = ids[start:start + window]
+            if len(chunk) < 2:
+                break
+            session.truncate(0)
+            session.eval(chunk)
+            inputs, scores = session.take_capture()
+            fired = scores > thresholds[:, None, None]  # (n_layer, n, n_ff)
+            counts += fired.sum(axis=1)
+            keep = min(len(chunk), train_tokens - seen) if seen < train_tokens else 0
+            if keep > 0:
+                train_x[:, seen:seen + keep] = inputs[:, :keep]
+                train_labels[:, seen:seen + keep] = np.packbits(fired[:, :keep], axis=-1)
+            seen += len(chunk)
+            bar.update(len(chunk))
+    finally:
+        session.set_capture(False)
+        bar.close()
+
+    result = {
+        "version": PROFILE_VERSION,
+        "model": os.path.basename(engine.path),
+        "architecture": cfg["architecture"],
+        "activation": activation,
+        "n_tokens": seen,
+        "n_ff": n_ff,
+        "n_embd": n_embd,
+        "target_sparsity": float(target_sparsity) if activation not in EXACT_ZERO_ACTIVATIONS else float("nan"),
+        "thresholds": thresholds,
+        "counts": counts,
+        "train_x": train_x[:, : min(train_tokens, seen)],
+        "train_labels": train_labels[:, : min(train_tokens, seen)],
+    }
+    output = output or engine.path + ".profile.npz"
+    save_profile(output, result)
+    result["path"] = output
+    if plot:
+        result["plot"] = plot_frequencies(result, plot if isinstance(plot, str) else output + ".png")
+    return result
+
+
+def _progress(total: int, enabled: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is optional: count silently without it
+        enabled = False
+    if not enabled:
+        class _Silent:
+            def update(self, n: int) -> None: ...
+            def close(self) -> None: ...
+        return _Silent()
+    return tqdm(total=total, unit="tok", desc="profiling", smoothing=0.1)
+
+
+def save_profile(path: str, p: dict) -> None:
+    arrays = {k: np.asarray(v) for k, v in p.items() if k not in ("path", "plot")}
+    with open(path, "wb") as fh:
+        np.savez(fh, **arrays)
+
+
+def load_profile(path: str) -> dict:
+    """A profile written by `profile`: counts (n_layer, n_ff) of firings over n_tokens tokens,
+    the per-layer thresholds that define firing, and train_x (n_layer, N, n_embd) float16 /
+    train_labels (n_layer, N, n_ff/8) packed bits for predictor training."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"profile {path!r} not found (write one with `powerinfer-rs profile`)")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            p = {k: z[k] for k in z.files}
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"{path!r} is not a readable profile: {e}") from None
+    missing = {"version", "counts", "n_tokens", "thresholds", "train_x", "train_labels", "n_ff"} - set(p)
+    if missing:
+        raise ValueError(f"{path!r} is not a profile written by powerinfer-rs (missing {sorted(missing)})")
+    for k in ("version", "n_tokens", "n_ff", "n_embd"):
+        p[k] = int(p[k])
+    for k in ("model", "architecture", "activation"):
+        p[k] = str(p[k])
+    p["target_sparsity"] = float(p["target_sparsity"])
+    if p["version"] != PROFILE_VERSION:
+        raise ValueError(f"{path!r} has profile version {p['version']}, this powerinfer-rs reads {PROFILE_VERSION}")
+    return p
+
+
+def plot_frequencies(p: dict, path: str) -> str:
+    """Sorted activation frequency per layer on a log scale (left) and the share of all
+    activations that the most frequent neurons carry (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = np.asarray(p["counts"], dtype=np.float64)
+    n_layer, n_ff = counts.shape
+    freq = counts / max(p["n_tokens"], 1)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    cmap = plt.get_cmap("viridis")
+    rank = np.arange(1, n_ff + 1) / n_ff
+    for l in range(n_layer):
+        f = np.sort(freq[l])[::-1]
+        color = cmap(l / max(n_layer - 1, 1))
+        a.plot(rank, np.maximum(f, 1.0 / max(p["n_tokens"], 1) / 2), color=color, lw=0.9)
+        total = f.sum()
+        if total > 0:
+            b.plot(rank, np.cumsum(f) / total, color=color, lw=0.9)
+    a.set_yscale("log")
+    a.set_xlabel("neuron rank (fraction of the layer, most frequent first)")
+    a.set_ylabel("activation frequency")
+    a.set_title(f"{p.get('model', '')}: sorted FFN activation frequency per layer")
+    b.plot([0, 1], [0, 1], color="grey", ls="--", lw=0.8)
+    b.set_xlabel("fraction of neurons (most frequent first)")
+    b.set_ylabel("share of all activations")
+    b.set_title(f"{p['n_tokens']} tokens; colour = layer (dark first)")
+    sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(0, n_layer - 1))
+    fig.colorbar(sm, ax=b, label="layer")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def layer_stats(p: dict) -> list[dict]:
+    """Per layer: mean sparsity (share of neurons not firing per token) and skew (share of
+    activations carried by the most frequent 10% of neurons)."""
+    out = []
+    counts = np.asarray(p["counts"], dtype=np.float64)
+    for c in counts:
+        total = c.sum()
+        top = np.sort(c)[::-1][: max(1, math.ceil(0.1 * len(c)))]
+        out.append({
+            "sparsity": 1.0 - total / (len(c) * max(p["n_tokens"], 1)),
+            "skew": float(top.sum() / total) if total > 0 else 0.0,
+        })
+    return out
