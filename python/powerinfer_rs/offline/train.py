@@ -1,0 +1,279 @@
+"""Predictor training: one small MLP per layer, `logits = fc2 @ relu(fc1 @ x)` with no biases
+(PowerInfer's layout), trained with numpy on the profile's training set.
+
+- Loss: binary cross-entropy on sigmoid(logits), positives weighted by the layer's ratio of
+  non-firing to firing neurons (capped), AdamW, mini-batches, cosine learning-rate decay.
+- Inputs are scaled per feature by their RMS while training; the scale is folded into fc1
+  afterwards, so the stored predictor reads the raw residual stream.
+- Hidden size per layer: starts from a base size (n_embd / 4 rounded to a power of two), halved
+  for skewed layers (where the most frequent 10% of neurons carry most activations, which a
+  small predictor learns), then doubled while the predictor's efficiency (predicted sparsity at
+  the recall target, divided by the true sparsity) stays under `efficiency_target`.
+- Cut-off per layer: the largest logit threshold that still keeps `recall_target` of the firing
+  neurons on held-out tokens, i.e. the most sparsity that recall allows.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .profile import layer_stats, load_profile
+
+
+@dataclass
+class LayerResult:
+    layer: int
+    hidden: int
+    threshold: float
+    recall: float
+    precision: float
+    predicted_sparsity: float
+    true_sparsity: float
+    tried: list[int]
+    seconds: float
+
+
+def _pow2(x: float) -> int:
+    return 1 << max(0, int(round(math.log2(max(x, 1.0)))))
+
+
+def initial_hidden(n_embd: int, skew: float, min_hidden: int, max_hidden: int) -> int:
+    base = _pow2(n_embd / 4)
+    if skew > 0.8:
+        base //= 4
+    elif skew > 0.5:
+        base //= 2
+    return int(min(max(base, min_hidden), max_hidden))
+
+
+def fit_layer(
+    x: np.ndarray,
+    y: np.ndarray,
+    hidden: int,
+    epochs: int = 8,
+    batch: int = 256,
+    lr: float = 2e-3,
+    weight_decay: float = 1e-4,
+    seed: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Trains fc1 (hidden, d) and fc2 (n_ff, hidden) on inputs x (N, d) and 0/1 labels y
+    (N, n_ff), float32. Returns the weights for raw (unscaled) inputs."""
+    rng = np.random.default_rng(seed)
+    n, d = x.shape
+    n_ff = y.shape[1]
+    scale = np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=0)).astype(np.float32) + 1e-6
+    xs = x / scale
+    p = float(y.mean())
+    pos_weight = np.float32(min((1.0 - p) / max(p, 1e-6), 50.0)) if 0 < p < 1 else np.float32(1.0)
+
+    w1 = (rng.standard_normal((hidden, d)) * math.sqrt(2.0 / d)).astype(np.float32)
+    w2 = (rng.standard_normal((n_ff, hidden)) * math.sqrt(1.0 / hidden)).astype(np.float32)
+    params = [w1, w2]
+    m = [np.zeros_like(w) for w in params]
+    v = [np.zeros_like(w) for w in params]
+    beta1, beta2, eps = 0.9, 0.999, 1e-8
+    steps_per_epoch = max(1, n // batch)
+    total = epochs * steps_per_epoch
+    step = 0
+    for _ in range(epochs):
+        perm = rng.permutation(n)
+        for b in range(steps_per_epoch):
+            idx = perm[b * batch:(b + 1) * batch]
+            xb, yb = xs[idx], y[idx]
+            # forward: z (B, H) -> a = relu(z) -> logits (B, n_ff)
+            z = xb @ w1.T
+            a = np.maximum(z, 0)
+            logits = a @ w2.T
+            prob = 1.0 / (1.0 + np.exp(-np.clip(logits, -30, 30)))
+            # d loss / d logits for -[w y log s + (1 - y) log(1 - s)], averaged
+            g = (prob * (pos_weight * yb + 1.0 - yb) - pos_weight * yb) / np.float32(len(idx) * n_ff)
+            gw2 = g.T @ a
+            ga = g @ w2
+            ga *= z > 0
+            gw1 = ga.T @ xb
+            step += 1
+            rate = lr * 0.5 * (1.0 + math.cos(math.pi * step / total))
+            for w, gw, mw, vw in zip(params, (gw1, gw2), m, v):
+                mw *= beta1
+                mw += (1 - beta1) * gw
+                vw *= beta2
+                vw += (1 - beta2) * gw * gw
+                mhat = mw / (1 - beta1**step)
+                vhat = vw / (1 - beta2**step)
+                w -= rate * (mhat / (np.sqrt(vhat) + eps) + weight_decay * w)
+    return (w1 / scale).astype(np.float32), w2
+
+
+def predictor_logits(x: np.ndarray, fc1: np.ndarray, fc2: np.ndarray) -> np.ndarray:
+    return np.maximum(x @ fc1.T, 0) @ fc2.T
+
+
+def evaluate(logits: np.ndarray, y: np.ndarray, recall_target: float) -> dict:
+    """The cut-off keeping `recall_target` of the firing neurons, and what it gives."""
+    pos = logits[y > 0.5]
+    if len(pos) == 0:
+        threshold = float(np.max(logits)) + 1.0
+    else:
+        # largest t with mean(pos >= t) >= recall_target
+        k = int(math.floor((1.0 - recall_target) * len(pos)))
+        threshold = float(np.partition(pos, k)[k])
+    pred = logits >= threshold
+    tp = float((pred & (y > 0.5)).sum())
+    return {
+        "threshold": threshold,
+        "recall": tp / max(len(pos), 1),
+        "precision": tp / max(float(pred.sum()), 1.0),
+        "predicted_sparsity": 1.0 - float(pred.mean()),
+        "true_sparsity": 1.0 - float(y.mean()),
+    }
+
+
+def train(
+    profile: str | dict,
+    output: str | None = None,
+    recall_target: float = 0.95,
+    efficiency_target: float = 0.8,
+    hidden: int | None = None,
+    min_hidden: int = 32,
+    max_hidden: int = 1024,
+    epochs: int = 8,
+    batch: int = 256,
+    lr: float = 2e-3,
+    val_fraction: float = 0.1,
+    seed: int = 0,
+    layers: list[int] | None = None,
+    progress: bool = True,
+    report: str | None = None,
+) -> dict:
+    """Trains every layer's predictor from a profile and writes them (default
+    `<profile>.predictors.npz`) with the per-layer table (default `<output>.txt`). `hidden` fixes
+    the hidden size instead of searching. Returns {'fc1': [...], 'fc2': [...], 'thresholds',
+    'layers': [LayerResult...], 'path', 'report'}."""
+    p = load_profile(profile) if isinstance(profile, str) else profile
+    if not (0.0 < recall_target <= 1.0):
+        raise ValueError(f"recall_target must be in (0, 1], got {recall_target!r}")
+    if not (0.0 < val_fraction < 0.5):
+        raise ValueError(f"val_fraction must be in (0, 0.5), got {val_fraction!r}")
+    if hidden is not None and (not isinstance(hidden, int) or hidden < 1):
+        raise ValueError(f"hidden must be a positive int, got {hidden!r}")
+    if min_hidden < 1 or max_hidden < min_hidden:
+        raise ValueError(f"need 1 <= min_hidden <= max_hidden, got {min_hidden}, {max_hidden}")
+    tx, tl = p["train_x"], p["train_labels"]
+    n_layer, n, n_embd = tx.shape
+    n_ff = int(p["n_ff"])
+    n_val = max(1, int(round(val_fraction * n)))
+    if n - n_val < batch // 4 or n < 16:
+        raise ValueError(
+            f"the profile holds {n} training tokens; predictor training needs a few thousand "
+            "(profile with --train-tokens)"
+        )
+    stats = layer_stats(p)
+    which = list(range(n_layer)) if layers is None else list(layers)
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(n)
+    val_idx, train_idx = perm[:n_val], perm[n_val:]
+
+    fc1s: list[np.ndarray] = []
+    fc2s: list[np.ndarray] = []
+    results: list[LayerResult] = []
+    bar = _bar(len(which), progress)
+    for l in which:
+        t0 = time.perf_counter()
+        x = tx[l].astype(np.float32)
+        y = np.unpackbits(tl[l], axis=-1, count=n_ff).astype(np.float32)
+        h = hidden or initial_hidden(n_embd, stats[l]["skew"], min_hidden, max_hidden)
+        tried: list[int] = []
+        best = None
+        while True:
+            tried.append(h)
+            fc1, fc2 = fit_layer(x[train_idx], y[train_idx], h, epochs, batch, lr, seed=seed + l)
+            ev = evaluate(predictor_logits(x[val_idx], fc1, fc2), y[val_idx], recall_target)
+            efficiency = ev["predicted_sparsity"] / max(ev["true_sparsity"], 1e-9)
+            if best is None or ev["predicted_sparsity"] > best[2]["predicted_sparsity"]:
+                best = (fc1, fc2, ev, h)
+            if hidden is not None or efficiency >= efficiency_target or h * 2 > max_hidden:
+                break
+            h *= 2
+        fc1, fc2, ev, h = best
+        fc1s.append(fc1)
+        fc2s.append(fc2)
+        results.append(LayerResult(l, h, ev["threshold"], ev["recall"], ev["precision"], ev["predicted_sparsity"],
+                                   ev["true_sparsity"], tried, time.perf_counter() - t0))
+        bar.update(1)
+    bar.close()
+
+    table = format_table(results, p, recall_target)
+    out = {
+        "fc1": fc1s,
+        "fc2": fc2s,
+        "thresholds": np.array([r.threshold for r in results], dtype=np.float32),
+        "layers": results,
+        "table": table,
+    }
+    if layers is None:
+        output = output or (p.get("path") or "predictors") .removesuffix(".profile.npz") + ".predictors.npz"
+        save_predictors(output, out)
+        report = report or output + ".txt"
+        with open(report, "w") as fh:
+            fh.write(table + "\n")
+        out["path"], out["report"] = output, report
+    return out
+
+
+def format_table(results: list[LayerResult], p: dict, recall_target: float) -> str:
+    lines = [
+        f"predictors for {p.get('model', '?')}: {p['train_x'].shape[1]} training tokens, recall target {recall_target:.2f}"
+        + (f", labels = threshold rule at sparsity {p['target_sparsity']:.2f}" if not math.isnan(p["target_sparsity"]) else ""),
+        "layer  hidden  threshold  recall  precision  pred_sparsity  true_sparsity  tried",
+    ]
+    for r in results:
+        lines.append(
+            f"{r.layer:5d}  {r.hidden:6d}  {r.threshold:9.3f}  {r.recall:6.3f}  {r.precision:9.3f}  "
+            f"{r.predicted_sparsity:13.3f}  {r.true_sparsity:13.3f}  {','.join(map(str, r.tried))}"
+        )
+    if results:
+        lines.append(
+            f"mean         {'':9s}  {np.mean([r.recall for r in results]):6.3f}  "
+            f"{np.mean([r.precision for r in results]):9.3f}  {np.mean([r.predicted_sparsity for r in results]):13.3f}  "
+            f"{np.mean([r.true_sparsity for r in results]):13.3f}"
+        )
+    return "\n".join(lines)
+
+
+def save_predictors(path: str, out: dict) -> None:
+    arrays = {"thresholds": out["thresholds"], "n_layer": np.array(len(out["fc1"]))}
+    for l, (a, b) in enumerate(zip(out["fc1"], out["fc2"])):
+        arrays[f"fc1_{l}"] = a
+        arrays[f"fc2_{l}"] = b
+    with open(path, "wb") as fh:
+        np.savez(fh, **arrays)
+
+
+def load_predictors(path: str) -> dict:
+    """{'fc1': [(H_l, n_embd)], 'fc2': [(n_ff, H_l)], 'thresholds': (n_layer,)} float32."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            n = int(z["n_layer"])
+            return {
+                "fc1": [z[f"fc1_{l}"].astype(np.float32) for l in range(n)],
+                "fc2": [z[f"fc2_{l}"].astype(np.float32) for l in range(n)],
+                "thresholds": z["thresholds"].astype(np.float32),
+            }
+    except FileNotFoundError:
+        raise FileNotFoundError(f"predictors {path!r} not found (train them with `powerinfer-rs train-predictors`)") from None
+    except (KeyError, ValueError, OSError, EOFError) as e:
+        raise ValueError(f"{path!r} is not a predictor file written by powerinfer-rs: {e}") from None
+
+
+def _bar(total: int, enabled: bool):
+    from .profile import _progress
+
+    bar = _progress(total, enabled)
+    if hasattr(bar, "set_description"):
+        bar.set_description("training predictors")
+        bar.unit = "layer"
+    return bar
