@@ -10,7 +10,19 @@
 Each step is a function here and a `powerinfer-rs` subcommand.
 """
 
-from .place import place, read_gpu_index, write_gpu_index
-from .profile import load_profile, profile
+from .conversion import convert
+from .placement import parse_bytes, place, read_gpu_index, write_gpu_index
+from .profiling import load_profile, profile
+from .training import load_predictors, train
 
-__all__ = ["profile", "load_profile", "place", "read_gpu_index", "write_gpu_index"]
+__all__ = [
+    "profile",
+    "load_profile",
+    "train",
+    "load_predictors",
+    "convert",
+    "place",
+    "parse_bytes",
+    "read_gpu_index",
+    "write_gpu_index",
+]

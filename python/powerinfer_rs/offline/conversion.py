@@ -83,7 +83,7 @@ def convert(
     """Converts `source` (GGUF file or safetensors folder) with `predictors` (a file written by
     `train`, or its dict) into a PowerInfer GGUF at `output` (default `<source>.powerinfer.gguf`).
     Returns the output path."""
-    from .train import load_predictors
+    from .training import load_predictors
 
     pred = load_predictors(predictors) if isinstance(predictors, (str, os.PathLike)) else predictors
     if outtype is not None:

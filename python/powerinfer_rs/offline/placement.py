@@ -159,8 +159,9 @@ def greedy(inst: Instance) -> Solution:
     fill(np.ones(n_layer, dtype=bool))
     short = np.array([not _meets_minimum(inst, l, counts[l]) for l in range(n_layer)])
     if short.any():
+        # empty the short layers; refill only layers that already meet their minimum (or have none)
         counts[short] = 0
-        fill(~short)
+        fill((counts > 0) | (inst.min_neurons <= 0))
     return _finish(inst, counts, "greedy", time.perf_counter() - t0, "greedy")
 
 
@@ -478,7 +479,7 @@ def place(
     """Solves the placement for `model` with the activation counts of `profile` (written by
     `profile`) and writes the split (default `<model>.generated.gpuidx`). Bandwidths in
     bytes/s (the CPU one measured when not given), sync latency in seconds."""
-    from .profile import load_profile
+    from .profiling import load_profile
 
     budget = parse_bytes(vram_budget)
     if budget <= 0:

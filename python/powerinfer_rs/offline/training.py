@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .profile import layer_stats, load_profile
+from .profiling import layer_stats, load_profile
 
 
 @dataclass
@@ -270,7 +270,7 @@ def load_predictors(path: str) -> dict:
 
 
 def _bar(total: int, enabled: bool):
-    from .profile import _progress
+    from .profiling import _progress
 
     bar = _progress(total, enabled)
     if hasattr(bar, "set_description"):

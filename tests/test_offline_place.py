@@ -1,0 +1,200 @@
+"""Placement: the HiGHS integer program against the greedy top-K and against brute force, the
+per-layer minimum, budget parsing and the `.gpuidx` file format."""
+
+import itertools
+import shutil
+
+import numpy as np
+import pytest
+
+pytest.importorskip("highspy")
+gguf = pytest.importorskip("gguf")
+
+from powerinfer_rs import _core  # noqa: E402
+from powerinfer_rs.offline import placement as pl  # noqa: E402
+
+
+def _instance(rng, n_layer, n_ff, group, budget_groups, min_neurons=None, bytes_per_neuron=None):
+    freq = [rng.pareto(1.5, n_ff) + rng.random(n_ff) * 1e-3 for _ in range(n_layer)]
+    nb = np.full(n_layer, 100.0) if bytes_per_neuron is None else np.asarray(bytes_per_neuron, dtype=float)
+    mins = np.zeros(n_layer, dtype=int) if min_neurons is None else np.asarray(min_neurons)
+    return pl.Instance(freq, nb, int(budget_groups * group * nb.min()), mins, group)
+
+
+def _brute_force(inst):
+    """Best objective over every per-layer prefix count that fits and meets C_l."""
+    best = -1.0
+    choices = [range(len(v) + 1) for v in inst.group_value]
+    for counts in itertools.product(*choices):
+        used = sum(b * s[:k].sum() for b, s, k in zip(inst.neuron_bytes, inst.group_size, counts))
+        if used > inst.budget:
+            continue
+        if any(k and s[:k].sum() < c for s, k, c in zip(inst.group_size, counts, inst.min_neurons)):
+            continue
+        best = max(best, sum(v[:k].sum() for v, k in zip(inst.group_value, counts)))
+    return best
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ilp_equals_greedy_top_k_without_minimum(seed):
+    rng = np.random.default_rng(seed)
+    inst = _instance(rng, n_layer=6, n_ff=512, group=64, budget_groups=17)
+    g = pl.greedy(inst)
+    s = pl.solve(inst, time_limit=30, mip_gap=0.0, warm_start=False)
+    assert s.method == "ilp"
+    # the global top-K groups by frequency (all groups cost the same)
+    values = sorted(((v, l, i) for l, gv in enumerate(inst.group_value) for i, v in enumerate(gv)), reverse=True)[:17]
+    expected = np.zeros(6, dtype=int)
+    for _, l, _ in values:
+        expected[l] += 1
+    np.testing.assert_array_equal(g.groups_on_gpu, expected)
+    np.testing.assert_array_equal(s.groups_on_gpu, expected)
+    for a, b in zip(g.gpu_neurons, s.gpu_neurons):
+        np.testing.assert_array_equal(a, b)
+    assert s.objective == pytest.approx(g.objective)
+
+
+def test_minimum_per_layer_known_optimum():
+    # layer 0: one very hot group, then cold ones; layer 1: three warm groups. Three groups fit.
+    # Greedy takes 10 + 5 + 5 and must drop layer 0 (C_0 = 2 groups) -> 15; the optimum is
+    # layer 0's two groups (10 + 1) plus one of layer 1 (5) = 16.
+    g = 4
+    f0 = np.concatenate([np.full(g, 10 / g), np.full(g, 1 / g), np.full(2 * g, 0.1 / g)])
+    f1 = np.concatenate([np.full(g, 5 / g), np.full(g, 5 / g) - 1e-6, np.full(g, 5 / g) - 2e-6, np.full(g, 0.01)])
+    inst = pl.Instance([f0, f1], [1.0, 1.0], budget=3 * g, min_neurons=[2 * g, 0], group=g)
+    greedy = pl.greedy(inst)
+    assert greedy.objective == pytest.approx(15, abs=1e-4)
+    s = pl.solve(inst, time_limit=30, mip_gap=0.0)
+    assert s.objective == pytest.approx(16, abs=1e-4)
+    assert list(s.groups_on_gpu) == [2, 1]
+    assert [len(n) for n in s.gpu_neurons] == [2 * g, g]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ilp_matches_brute_force_with_minimums(seed):
+    rng = np.random.default_rng(100 + seed)
+    n_layer, n_ff, group = 3, 40, 8
+    nb = rng.choice([60.0, 100.0, 140.0], n_layer)
+    mins = rng.choice([0, 16, 24, 40], n_layer)
+    inst = _instance(rng, n_layer, n_ff, group, budget_groups=int(rng.integers(2, 9)), min_neurons=mins, bytes_per_neuron=nb)
+    s = pl.solve(inst, time_limit=30, mip_gap=0.0)
+    assert s.objective == pytest.approx(_brute_force(inst), rel=1e-9, abs=1e-9)
+    for l, n in enumerate(s.gpu_neurons):
+        assert len(n) == 0 or len(n) >= mins[l]
+    used = sum(len(n) * b for n, b in zip(s.gpu_neurons, nb))
+    assert used <= inst.budget
+    # the greedy fallback is always feasible too
+    gr = pl.greedy(inst)
+    assert all(len(n) == 0 or len(n) >= mins[l] for l, n in enumerate(gr.gpu_neurons))
+    assert gr.objective <= s.objective + 1e-9
+
+
+def test_gpu_neurons_are_the_most_frequent():
+    rng = np.random.default_rng(7)
+    inst = _instance(rng, 2, 256, 64, budget_groups=3)
+    s = pl.solve(inst, mip_gap=0.0)
+    for f, chosen in zip(inst.freq, s.gpu_neurons):
+        if len(chosen):
+            rest = np.setdiff1d(np.arange(len(f)), chosen)
+            assert f[chosen].min() >= f[rest].max()
+
+
+def test_min_gpu_neurons_formula():
+    # 1 MB neurons, CPU 50 GB/s, GPU 1000 GB/s, 20 us sync: C = ceil(20e-6 / (2e-5 - 1e-6)) = 2
+    assert pl.min_gpu_neurons(1e6, 50e9, 1000e9, 20e-6, 1000) == 2
+    # GPU not faster: never worth it
+    assert pl.min_gpu_neurons(1e6, 50e9, 40e9, 20e-6, 1000) == 1001
+    # small neurons need many of them to pay for one sync
+    assert pl.min_gpu_neurons(1e3, 50e9, 1000e9, 20e-6, 4096) == int(np.ceil(20e-6 / (1e3 / 50e9 - 1e3 / 1000e9)))
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [("8GiB", 8 << 30), ("8000MB", 8_000_000_000), ("512MiB", 512 << 20), ("1.5G", int(1.5 * (1 << 30))), ("123456", 123456), (4096, 4096)],
+)
+def test_parse_bytes(text, expected):
+    assert pl.parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["8 parsecs", "", "GiB", "-5", float("nan"), True])
+def test_parse_bytes_rejects(bad):
+    with pytest.raises(ValueError):
+        pl.parse_bytes(bad)
+
+
+def test_gpu_index_round_trip_and_layout(tmp_path):
+    n_ff = 96
+    neurons = [np.array([0, 5, 7, 95]), np.array([], dtype=int), np.arange(n_ff)]
+    path = str(tmp_path / "m.gguf.generated.gpuidx")
+    pl.write_gpu_index(path, neurons, n_ff, vram_capacity=3 << 30)
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+    assert head[:4] == b"PWRI" and int.from_bytes(head[4:], "little") == 3
+
+    back = _core.read_gpu_index(path)
+    assert back["vram_capacity"] == 3 << 30
+    assert len(back["gpu_idx"]) == 3
+    for n, mask, bucket in zip(neurons, back["gpu_idx"], back["gpu_bucket"]):
+        expected = np.zeros(n_ff, dtype=np.int32)
+        expected[n] = 1
+        np.testing.assert_array_equal(mask, expected)
+        np.testing.assert_array_equal(bucket, np.sort(n).astype(np.int32))
+        assert mask.dtype == np.int32 and bucket.dtype == np.int32
+
+    # PowerInfer's order and types, read independently with the gguf package
+    plain = tmp_path / "plain.gguf"
+    shutil.copy(path, plain)
+    with open(plain, "r+b") as fh:
+        fh.write(b"GGUF")
+    r = gguf.GGUFReader(str(plain))
+    names = [t.name for t in r.tensors]
+    assert names == [f"blk.{i}.{k}" for i in range(3) for k in ("gpu_idx", "gpu_bucket")]
+    assert all(t.tensor_type == gguf.GGMLQuantizationType.I32 for t in r.tensors)
+    assert r.fields["general.architecture"].contents() == "generic.gpu_index"
+    assert r.fields["split.vram_capacity"].types[0] == gguf.GGUFValueType.UINT64
+    assert r.fields["generic.gpu_index.block_count"].contents() == 3
+
+
+def test_gpu_index_reader_rejects_inconsistent_files(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "bad.gpuidx"), "generic.gpu_index")
+    mask = np.array([1, 0, 1, 0], dtype=np.int32)
+    w.add_tensor("blk.0.gpu_idx", mask, raw_dtype=gguf.GGMLQuantizationType.I32)
+    w.add_tensor("blk.0.gpu_bucket", np.array([0, 3], dtype=np.int32), raw_dtype=gguf.GGMLQuantizationType.I32)
+    w.add_uint64("split.vram_capacity", 1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(_core.ModelError, match="gpu_bucket"):
+        _core.read_gpu_index(str(tmp_path / "bad.gpuidx"))
+
+    w = gguf.GGUFWriter(str(tmp_path / "model.gguf"), "llama")
+    w.add_tensor("x", np.zeros(4, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(_core.ModelError, match="not a GPU index"):
+        _core.read_gpu_index(str(tmp_path / "model.gguf"))
+    with pytest.raises(FileNotFoundError):
+        _core.read_gpu_index(str(tmp_path / "missing.gpuidx"))
+
+
+def test_plan_places_dense_first_and_rejects_tiny_budgets():
+    mb = pl.ModelBytes(
+        n_layer=2, n_ff=128, neuron_bytes=np.array([1000.0, 1000.0]), layer_dense_bytes=np.array([50_000.0, 50_000.0]),
+        output_bytes=20_000, kv_cache_bytes=10_000,
+    )
+    freq = [np.linspace(1, 0, 128), np.linspace(0.5, 0, 128)]
+    # everything dense fits, then the KV cache, then 64 neurons
+    p = pl.plan(mb, freq, 50_000 * 2 + 20_000 + 10_000 + 64_000, 50e9, 1000e9, 0.0, group=64)
+    assert p.dense_layers_on_gpu == 2 and p.output_on_gpu and p.kv_cache_on_gpu
+    assert sum(len(n) for n in p.solution.gpu_neurons) == 64
+    # not every dense tensor fits: the FFN split still uses what is left
+    p = pl.plan(mb, freq, 50_000 + 45_000, 50e9, 1000e9, 0.0, group=32)
+    assert p.dense_layers_on_gpu == 1 and not p.output_on_gpu and not p.kv_cache_on_gpu
+    assert sum(len(n) for n in p.solution.gpu_neurons) == 32
+    with pytest.raises(ValueError, match="too small for anything"):
+        pl.plan(mb, freq, 1000, 50e9, 1000e9, 0.0, group=64)
+    with pytest.raises(ValueError, match="layers"):
+        pl.plan(mb, freq[:1], 10**9, 50e9, 1000e9, 0.0)
