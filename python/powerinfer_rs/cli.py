@@ -1,4 +1,5 @@
-"""The `powerinfer-rs` command: run, info, perplexity."""
+"""The `powerinfer-rs` command: run, info, perplexity, and the offline toolchain (profile,
+train-predictors, convert, place)."""
 
 from __future__ import annotations
 
@@ -156,6 +157,91 @@ def cmd_perplexity(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(a: argparse.Namespace) -> int:
+    from .offline import profile
+
+    p = profile(
+        _model_path(a.model) if a.model or not a.model_pos else a.model_pos,
+        a.corpus,
+        tokens=a.tokens,
+        output=a.output,
+        train_tokens=a.train_tokens,
+        target_sparsity=a.target_sparsity,
+        window=a.window,
+        threads=a.threads,
+        plot=False if a.no_plot else (a.plot or True),
+        progress=not a.quiet,
+    )
+    from .offline.profiling import layer_stats
+
+    stats = layer_stats(p)
+    print(f"profiled {p['n_tokens']} tokens ({p['activation']}); training set {p['train_x'].shape[1]} tokens")
+    print("layer  sparsity  top10%_share")
+    for l, st in enumerate(stats):
+        print(f"{l:5d}  {st['sparsity']:8.3f}  {st['skew']:12.3f}")
+    print(f"wrote {p['path']}" + (f" and {p['plot']}" if "plot" in p else ""))
+    return 0
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    from .offline import train
+
+    r = train(
+        a.profile,
+        output=a.output,
+        recall_target=a.recall,
+        efficiency_target=a.efficiency,
+        hidden=a.hidden,
+        min_hidden=a.min_hidden,
+        max_hidden=a.max_hidden,
+        epochs=a.epochs,
+        batch=a.batch,
+        lr=a.lr,
+        seed=a.seed,
+        progress=not a.quiet,
+        report=a.report,
+    )
+    print(r["table"])
+    print(f"wrote {r['path']} and {r['report']}")
+    return 0
+
+
+def cmd_convert(a: argparse.Namespace) -> int:
+    from .offline import convert
+
+    out = convert(
+        a.source,
+        a.predictors,
+        output=a.output,
+        outtype=a.outtype,
+        predictor_type=a.predictor_type,
+        sparse_threshold=a.sparse_threshold,
+        down_type=a.down_type,
+    )
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_place(a: argparse.Namespace) -> int:
+    from .offline import place
+
+    p = place(
+        _model_path(a.model) if a.model or not a.model_pos else a.model_pos,
+        a.profile,
+        a.vram_budget,
+        output=a.output,
+        cpu_bandwidth=a.cpu_bandwidth,
+        gpu_bandwidth=a.gpu_bandwidth,
+        sync_latency=a.sync_latency,
+        group=a.group,
+        time_limit=a.time_limit,
+        n_ctx=a.ctx_size,
+    )
+    print(p.summary())
+    print(f"wrote {p.path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="powerinfer-rs", description="Fast local LLM inference (GGUF models).")
     sub = p.add_subparsers(dest="command", required=True)
@@ -188,6 +274,62 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--ctx", type=int, default=512, help="window size (default 512)")
     q.add_argument("--chunks", type=int, default=None, help="score at most this many windows")
     q.set_defaults(func=cmd_perplexity)
+
+    pr = sub.add_parser("profile", help="count FFN neuron activations over text; save the predictor training set")
+    pr.add_argument("model_pos", nargs="?", metavar="MODEL")
+    pr.add_argument("-m", "--model", default=None, help="GGUF model (default: SmolLM2-135M-Instruct)")
+    pr.add_argument("--corpus", nargs="+", required=True, help="text files or folders (*.txt, *.rst, *.md)")
+    pr.add_argument("--tokens", type=int, default=50_000, help="tokens to profile (default 50000)")
+    pr.add_argument("--train-tokens", type=int, default=0, help="also keep FFN inputs and labels of this many tokens for training")
+    pr.add_argument("--target-sparsity", type=float, default=0.5, help="SwiGLU/GELU models: a neuron fires when threshold mode at this sparsity keeps it")
+    pr.add_argument("--window", type=int, default=256, help="tokens per evaluation window (default 256)")
+    pr.add_argument("-t", "--threads", type=int, default=None)
+    pr.add_argument("-o", "--output", default=None, help="profile file (default <model>.profile.npz)")
+    pr.add_argument("--plot", default=None, help="PNG of the frequency distribution (default <output>.png)")
+    pr.add_argument("--no-plot", action="store_true")
+    pr.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    pr.set_defaults(func=cmd_profile)
+
+    tr = sub.add_parser("train-predictors", help="train per-layer activation predictors from a profile")
+    tr.add_argument("profile", help="profile written by `powerinfer-rs profile --train-tokens N`")
+    tr.add_argument("-o", "--output", default=None, help="predictor file (default <model>.predictors.npz)")
+    tr.add_argument("--report", default=None, help="per-layer table (default <output>.txt)")
+    tr.add_argument("--recall", type=float, default=0.95, help="recall each layer's cut-off keeps (default 0.95)")
+    tr.add_argument("--efficiency", type=float, default=0.8, help="grow the hidden size until predicted/true sparsity reaches this (default 0.8)")
+    tr.add_argument("--hidden", type=int, default=None, help="fixed hidden size (default: chosen per layer)")
+    tr.add_argument("--min-hidden", type=int, default=32)
+    tr.add_argument("--max-hidden", type=int, default=1024)
+    tr.add_argument("--epochs", type=int, default=8)
+    tr.add_argument("--batch", type=int, default=256)
+    tr.add_argument("--lr", type=float, default=2e-3)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("-q", "--quiet", action="store_true")
+    tr.set_defaults(func=cmd_train)
+
+    cv = sub.add_parser("convert", help="write a PowerInfer GGUF (PWRI) from a GGUF or safetensors folder plus predictors")
+    cv.add_argument("source", help="plain GGUF file, or a Hugging Face folder with config.json and *.safetensors")
+    cv.add_argument("predictors", help="predictor file written by train-predictors")
+    cv.add_argument("-o", "--output", default=None, help="output (default <source>.powerinfer.gguf)")
+    cv.add_argument("--outtype", choices=["f32", "f16", "q4_0", "q8_0"], default=None, help="convert weight matrices (default: keep the source types)")
+    cv.add_argument("--down-type", choices=["source", "f32", "f16", "q4_0", "q8_0"], default=None,
+                    help="type of ffn_down_t (default: the source's for float models, Q8_0 for quantized ones)")
+    cv.add_argument("--predictor-type", choices=["f32", "f16", "q4_0", "q8_0"], default="f16", help="predictor weights (default f16)")
+    cv.add_argument("--sparse-threshold", type=float, default=None, help="powerinfer.sparse_threshold (default: median of the trained cut-offs)")
+    cv.set_defaults(func=cmd_convert)
+
+    pl = sub.add_parser("place", help="split FFN neurons between GPU and CPU under a VRAM budget (HiGHS ILP)")
+    pl.add_argument("model_pos", nargs="?", metavar="MODEL")
+    pl.add_argument("-m", "--model", default=None)
+    pl.add_argument("--profile", required=True, help="profile written by `powerinfer-rs profile`")
+    pl.add_argument("--vram-budget", required=True, help="e.g. 8GiB, 8000MB or a byte count")
+    pl.add_argument("-o", "--output", default=None, help="split file (default <model>.generated.gpuidx)")
+    pl.add_argument("--cpu-bandwidth", type=float, default=None, help="bytes/s (default: measured)")
+    pl.add_argument("--gpu-bandwidth", type=float, default=1000e9, help="bytes/s (default 1e12)")
+    pl.add_argument("--sync-latency", type=float, default=20e-6, help="seconds per CPU-GPU synchronisation (default 20e-6)")
+    pl.add_argument("--group", type=int, default=64, help="neurons per ILP variable (default 64)")
+    pl.add_argument("--time-limit", type=float, default=10.0, help="HiGHS time limit in seconds; greedy on timeout (default 10)")
+    pl.add_argument("-c", "--ctx-size", type=int, default=None, help="context for the KV cache size (default min(trained, 4096))")
+    pl.set_defaults(func=cmd_place)
     return p
 
 

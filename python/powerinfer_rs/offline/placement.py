@@ -362,6 +362,7 @@ class Placement:
     solution: Solution
     hot_share: np.ndarray  # (n_layer,) share of the layer's activations its GPU neurons carry
     min_neurons: np.ndarray
+    path: str | None = None
 
     def summary(self) -> str:
         s = self.solution
@@ -494,5 +495,6 @@ def place(
     mb = model_bytes(model, n_ctx)
     cpu_bw = cpu_bandwidth if cpu_bandwidth is not None else measure_cpu_bandwidth()
     p = plan(mb, freq, budget, cpu_bw, gpu_bandwidth, sync_latency, group, time_limit)
-    write_gpu_index(output or gpu_index_path(model), p.solution.gpu_neurons, mb.n_ff, budget)
+    p.path = output or gpu_index_path(model)
+    write_gpu_index(p.path, p.solution.gpu_neurons, mb.n_ff, budget)
     return p
