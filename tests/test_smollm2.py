@@ -207,3 +207,31 @@ def test_threshold_mode_at_half_sparsity_keeps_perplexity_bounded(engine, tmp_pa
     ppl = sparse.perplexity(text, ctx=256)
     assert 0.4 < sparse.last_stats["ffn_sparsity"] < 0.6
     assert base < ppl < 1.5 * base, (base, ppl)
+
+
+@pytest.mark.skipif(not os.path.isdir(DOCS), reason="apt-get install python3.11-doc")
+def test_offline_pipeline_on_smollm2(tmp_path):
+    """profile -> train -> convert -> predictor mode on the real model, small sizes: the converted
+    model's dense perplexity matches the source's, the trainer meets its recall target on held-out
+    tokens, and predictor mode skips neurons with bounded perplexity. (The full-size run with the
+    numbers is benches/offline_smollm2.py.)"""
+    pytest.importorskip("highspy")
+    from powerinfer_rs import offline
+
+    prof = offline.profile(SMOLLM, os.path.join(DOCS, "library"), tokens=3000, train_tokens=3000,
+                           output=str(tmp_path / "p.npz"), plot=False, progress=False)
+    assert prof["counts"].shape == (30, 1536)
+    r = offline.train(prof, output=str(tmp_path / "pred.npz"), hidden=64, epochs=4, recall_target=0.9, progress=False)
+    assert all(abs(layer.recall - 0.9) < 0.05 for layer in r["layers"])
+    out = offline.convert(SMOLLM, str(tmp_path / "pred.npz"), output=str(tmp_path / "smol.pwri.gguf"))
+    text = open(os.path.join(DOCS, "tutorial", "introduction.rst.txt"), encoding="utf-8").read()[:6000]
+    ppl_src = Engine.load(SMOLLM, sparsity="dense").perplexity(text, ctx=256)
+    conv = Engine.load(out, sparsity="dense")
+    assert conv.config["has_predictors"] and conv.config["ffn_activation"] == "swiglu"
+    ppl_dense = conv.perplexity(text, ctx=256)
+    assert abs(ppl_dense / ppl_src - 1) < 0.02
+    sparse = Engine.load(out)
+    assert sparse.sparsity == "predictor"
+    ppl_sparse = sparse.perplexity(text, ctx=256)
+    assert sparse.last_stats["ffn_sparsity"] > 0.1
+    assert ppl_sparse < 2.0 * ppl_dense

@@ -194,6 +194,7 @@ def cmd_train(a: argparse.Namespace) -> int:
         hidden=a.hidden,
         min_hidden=a.min_hidden,
         max_hidden=a.max_hidden,
+        min_gain=a.min_gain,
         epochs=a.epochs,
         batch=a.batch,
         lr=a.lr,
@@ -294,11 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("profile", help="profile written by `powerinfer-rs profile --train-tokens N`")
     tr.add_argument("-o", "--output", default=None, help="predictor file (default <model>.predictors.npz)")
     tr.add_argument("--report", default=None, help="per-layer table (default <output>.txt)")
-    tr.add_argument("--recall", type=float, default=0.95, help="recall each layer's cut-off keeps (default 0.95)")
+    tr.add_argument("--recall", type=float, default=0.9, help="recall each layer's cut-off keeps (default 0.9)")
     tr.add_argument("--efficiency", type=float, default=0.8, help="grow the hidden size until predicted/true sparsity reaches this (default 0.8)")
     tr.add_argument("--hidden", type=int, default=None, help="fixed hidden size (default: chosen per layer)")
     tr.add_argument("--min-hidden", type=int, default=32)
-    tr.add_argument("--max-hidden", type=int, default=1024)
+    tr.add_argument("--max-hidden", type=int, default=None, help="default: largest power of two <= n_embd, at most 1024")
+    tr.add_argument("--min-gain", type=float, default=0.02, help="stop doubling the hidden size when predicted sparsity grows less (default 0.02)")
     tr.add_argument("--epochs", type=int, default=8)
     tr.add_argument("--batch", type=int, default=256)
     tr.add_argument("--lr", type=float, default=2e-3)

@@ -8,7 +8,10 @@
 - Hidden size per layer: starts from a base size (n_embd / 4 rounded to a power of two), halved
   for skewed layers (where the most frequent 10% of neurons carry most activations, which a
   small predictor learns), then doubled while the predictor's efficiency (predicted sparsity at
-  the recall target, divided by the true sparsity) stays under `efficiency_target`.
+  the recall target, divided by the true sparsity) stays under `efficiency_target` and the
+  last doubling still bought at least `min_gain` of predicted sparsity; never above
+  `max_hidden` (default: the largest power of two <= n_embd, at most 1024), since a predictor
+  as wide as the model's hidden size costs about what it saves.
 - Cut-off per layer: the largest logit threshold that still keeps `recall_target` of the firing
   neurons on held-out tokens, i.e. the most sparsity that recall allows.
 """
@@ -135,11 +138,12 @@ def evaluate(logits: np.ndarray, y: np.ndarray, recall_target: float) -> dict:
 def train(
     profile: str | dict,
     output: str | None = None,
-    recall_target: float = 0.95,
+    recall_target: float = 0.9,
     efficiency_target: float = 0.8,
     hidden: int | None = None,
     min_hidden: int = 32,
-    max_hidden: int = 1024,
+    max_hidden: int | None = None,
+    min_gain: float = 0.02,
     epochs: int = 8,
     batch: int = 256,
     lr: float = 2e-3,
@@ -160,10 +164,12 @@ def train(
         raise ValueError(f"val_fraction must be in (0, 0.5), got {val_fraction!r}")
     if hidden is not None and (not isinstance(hidden, int) or hidden < 1):
         raise ValueError(f"hidden must be a positive int, got {hidden!r}")
-    if min_hidden < 1 or max_hidden < min_hidden:
-        raise ValueError(f"need 1 <= min_hidden <= max_hidden, got {min_hidden}, {max_hidden}")
     tx, tl = p["train_x"], p["train_labels"]
     n_layer, n, n_embd = tx.shape
+    if max_hidden is None:
+        max_hidden = min(1024, 1 << int(math.floor(math.log2(max(n_embd, 1)))))
+    if min_hidden < 1 or max_hidden < min_hidden:
+        raise ValueError(f"need 1 <= min_hidden <= max_hidden, got {min_hidden}, {max_hidden}")
     n_ff = int(p["n_ff"])
     n_val = max(1, int(round(val_fraction * n)))
     if n - n_val < batch // 4 or n < 16:
@@ -193,9 +199,10 @@ def train(
             fc1, fc2 = fit_layer(x[train_idx], y[train_idx], h, epochs, batch, lr, seed=seed + l)
             ev = evaluate(predictor_logits(x[val_idx], fc1, fc2), y[val_idx], recall_target)
             efficiency = ev["predicted_sparsity"] / max(ev["true_sparsity"], 1e-9)
-            if best is None or ev["predicted_sparsity"] > best[2]["predicted_sparsity"]:
+            gain = ev["predicted_sparsity"] - (best[2]["predicted_sparsity"] if best else -1.0)
+            if best is None or gain > 0:
                 best = (fc1, fc2, ev, h)
-            if hidden is not None or efficiency >= efficiency_target or h * 2 > max_hidden:
+            if hidden is not None or efficiency >= efficiency_target or gain < min_gain or h * 2 > max_hidden:
                 break
             h *= 2
         fc1, fc2, ev, h = best
