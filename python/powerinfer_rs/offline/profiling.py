@@ -142,7 +142,7 @@ def profile(
     return result
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool, desc: str = "profiling", unit: str = "tok"):
     try:
         from tqdm import tqdm
     except ImportError:  # tqdm is optional: count silently without it
@@ -152,7 +152,7 @@ def _progress(total: int, enabled: bool):
             def update(self, n: int) -> None: ...
             def close(self) -> None: ...
         return _Silent()
-    return tqdm(total=total, unit="tok", desc="profiling", smoothing=0.1)
+    return tqdm(total=total, unit=unit, desc=desc, smoothing=0.1)
 
 
 def save_profile(path: str, p: dict) -> None:

@@ -279,8 +279,4 @@ def load_predictors(path: str) -> dict:
 def _bar(total: int, enabled: bool):
     from .profiling import _progress
 
-    bar = _progress(total, enabled)
-    if hasattr(bar, "set_description"):
-        bar.set_description("training predictors")
-        bar.unit = "layer"
-    return bar
+    return _progress(total, enabled, desc="training predictors", unit="layer")
