@@ -167,7 +167,7 @@ def train(
     tx, tl = p["train_x"], p["train_labels"]
     n_layer, n, n_embd = tx.shape
     if max_hidden is None:
-        max_hidden = min(1024, 1 << int(math.floor(math.log2(max(n_embd, 1)))))
+        max_hidden = max(min_hidden, min(1024, 1 << int(math.floor(math.log2(max(n_embd, 1))))))
     if min_hidden < 1 or max_hidden < min_hidden:
         raise ValueError(f"need 1 <= min_hidden <= max_hidden, got {min_hidden}, {max_hidden}")
     n_ff = int(p["n_ff"])
