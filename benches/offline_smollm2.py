@@ -28,6 +28,7 @@ import numpy as np
 from powerinfer_rs import Engine, offline
 from powerinfer_rs.models import default_model_path
 from powerinfer_rs.offline import training
+from powerinfer_rs.offline.profiling import captured_windows
 
 DOCS = "/usr/share/doc/python3.11/html/_sources"
 
@@ -36,17 +37,10 @@ def predictor_quality(engine: Engine, text_ids: list[int], prof: dict, preds: di
     """Recall and predicted sparsity over every layer and token of `text_ids`."""
     s = engine._session(window)
     s.set_sparsity("dense")
-    s.set_capture(True)
     tp = pos = kept = total = 0
     fc1 = [a.astype(np.float16).astype(np.float32) for a in preds["fc1"]]
     fc2 = [b.astype(np.float16).astype(np.float32) for b in preds["fc2"]]
-    for start in range(0, len(text_ids) - 1, window):
-        chunk = text_ids[start:start + window]
-        if len(chunk) < 2:
-            break
-        s.truncate(0)
-        s.eval(chunk)
-        x, scores = s.take_capture()
+    for _, x, scores in captured_windows(s, text_ids, window):
         for l in range(x.shape[0]):
             labels = scores[l] > prof["thresholds"][l]
             pred = training.predictor_logits(x[l], fc1[l], fc2[l]) >= preds["thresholds"][l]

@@ -99,25 +99,17 @@ def profile(
     train_labels = np.zeros((n_layer, train_tokens, (n_ff + 7) // 8), dtype=np.uint8)
     seen = 0
     bar = _progress(len(ids), progress)
-    session.set_capture(True)
     try:
-        for start in range(0, len(ids), window):
-            chunk = ids[start:start + window]
-            if len(chunk) < 2:
-                break
-            session.truncate(0)
-            session.eval(chunk)
-            inputs, scores = session.take_capture()
+        for n, inputs, scores in captured_windows(session, ids, window):
             fired = scores > thresholds[:, None, None]  # (n_layer, n, n_ff)
             counts += fired.sum(axis=1)
-            keep = min(len(chunk), train_tokens - seen) if seen < train_tokens else 0
+            keep = min(n, train_tokens - seen) if seen < train_tokens else 0
             if keep > 0:
                 train_x[:, seen:seen + keep] = inputs[:, :keep]
                 train_labels[:, seen:seen + keep] = np.packbits(fired[:, :keep], axis=-1)
-            seen += len(chunk)
-            bar.update(len(chunk))
+            seen += n
+            bar.update(n)
     finally:
-        session.set_capture(False)
         bar.close()
 
     result = {
@@ -140,6 +132,24 @@ def profile(
     if plot:
         result["plot"] = plot_frequencies(result, plot if isinstance(plot, str) else output + ".png")
     return result
+
+
+def captured_windows(session, ids: list[int], window: int):
+    """Evaluates `ids` densely in windows (each from an empty context; a one-token tail is
+    dropped) and yields (n_tokens, inputs, scores) per window, as `Session.take_capture` gives
+    them."""
+    session.set_capture(True)
+    try:
+        for start in range(0, len(ids), window):
+            chunk = ids[start:start + window]
+            if len(chunk) < 2:
+                break
+            session.truncate(0)
+            session.eval(chunk)
+            inputs, scores = session.take_capture()
+            yield len(chunk), inputs, scores
+    finally:
+        session.set_capture(False)
 
 
 def _progress(total: int, enabled: bool, desc: str = "profiling", unit: str = "tok"):

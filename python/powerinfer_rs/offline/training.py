@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .profiling import layer_stats, load_profile
+from .profiling import _progress, layer_stats, load_profile
 
 
 @dataclass
@@ -186,7 +186,7 @@ def train(
     fc1s: list[np.ndarray] = []
     fc2s: list[np.ndarray] = []
     results: list[LayerResult] = []
-    bar = _bar(len(which), progress)
+    bar = _progress(len(which), progress, desc="training predictors", unit="layer")
     for l in which:
         t0 = time.perf_counter()
         x = tx[l].astype(np.float32)
@@ -275,8 +275,3 @@ def load_predictors(path: str) -> dict:
     except (KeyError, ValueError, OSError, EOFError) as e:
         raise ValueError(f"{path!r} is not a predictor file written by powerinfer-rs: {e}") from None
 
-
-def _bar(total: int, enabled: bool):
-    from .profiling import _progress
-
-    return _progress(total, enabled, desc="training predictors", unit="layer")
