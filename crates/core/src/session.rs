@@ -452,56 +452,11 @@ impl Session {
                     add_into(xt, p);
                 }
             }
-
-            // RoPE angles for positions pos0..pos0+n, shared by every layer
-            let half = c.rope_dim / 2;
-            s.cos.resize(n * half, 0.0);
-            s.sin.resize(n * half, 0.0);
-            for t in 0..n {
-                for (i, f) in self.rope_inv_freq.iter().enumerate() {
-                    let angle = (pos0 + t) as f32 * f;
-                    s.cos[t * half + i] = angle.cos();
-                    s.sin[t * half + i] = angle.sin();
-                }
-            }
         }
+        self.prepare_positions(n, pos0);
 
         for (l, lw) in w.layers.iter().enumerate() {
-            match c.family {
-                Family::Llama | Family::Opt => {
-                    // attention norm, attention, residual
-                    norm(c.family, &mut self.s.xb, &self.s.x, &lw.attn_norm, lw.attn_norm_b.as_deref(), c.norm_eps);
-                    self.attention(l, lw, n, pos0);
-                    add_into(&mut self.s.x, &self.s.attn_out);
-
-                    // ffn norm, ffn (the predictor reads the residual x), residual
-                    let ffn_norm = lw.ffn_norm.as_deref().expect("sequential blocks have an FFN norm");
-                    norm(c.family, &mut self.s.xb, &self.s.x, ffn_norm, lw.ffn_norm_b.as_deref(), c.norm_eps);
-                    self.ffn(l, lw, n);
-                    add_into(&mut self.s.x, &self.s.ffn_out);
-                }
-                Family::Falcon => {
-                    // attention reads attn_norm_2(x) when the layer has it (Falcon-40B), else attn_norm(x)
-                    let s = &mut self.s;
-                    match &lw.attn_norm_2 {
-                        Some(w2) => layernorm(&mut s.xb, &s.x, w2, lw.attn_norm_2_b.as_deref(), c.norm_eps),
-                        None => layernorm(&mut s.xb, &s.x, &lw.attn_norm, lw.attn_norm_b.as_deref(), c.norm_eps),
-                    }
-                    self.attention(l, lw, n, pos0);
-
-                    // the FFN reads attn_norm(x); its predictor reads the layer input x itself
-                    let s = &mut self.s;
-                    if lw.attn_norm_2.is_some() {
-                        layernorm(&mut s.xb, &s.x, &lw.attn_norm, lw.attn_norm_b.as_deref(), c.norm_eps);
-                    }
-                    self.ffn(l, lw, n);
-
-                    // parallel residual: x += attention + ffn
-                    let s = &mut self.s;
-                    add_into(&mut s.x, &s.attn_out);
-                    add_into(&mut s.x, &s.ffn_out);
-                }
-            }
+            self.layer(l, lw, n, pos0);
         }
 
         // final norm and classifier, for every token or only the last
@@ -514,6 +469,106 @@ impl Session {
         let mut logits = vec![0.0f32; m * c.n_vocab];
         matmul(&w.output, &s.acts, &mut logits);
         logits
+    }
+
+    /// RoPE angles for positions pos0..pos0+n, shared by every layer: s.cos, s.sin (n, rope_dim / 2).
+    fn prepare_positions(&mut self, n: usize, pos0: usize) {
+        let half = self.model.config.rope_dim / 2;
+        let s = &mut self.s;
+        s.cos.resize(n * half, 0.0);
+        s.sin.resize(n * half, 0.0);
+        for t in 0..n {
+            for (i, f) in self.rope_inv_freq.iter().enumerate() {
+                let angle = (pos0 + t) as f32 * f;
+                s.cos[t * half + i] = angle.cos();
+                s.sin[t * half + i] = angle.sin();
+            }
+        }
+    }
+
+    /// The RoPE (cos, sin) pairs of one position, (rope_dim / 2) each, exactly as the CPU
+    /// forward uses them (the GPU executor uploads these rather than recomputing them).
+    pub fn rope_angles(&self, pos: usize) -> (Vec<f32>, Vec<f32>) {
+        let angle = |f: &f32| pos as f32 * f;
+        (self.rope_inv_freq.iter().map(|f| angle(f).cos()).collect(), self.rope_inv_freq.iter().map(|f| angle(f).sin()).collect())
+    }
+
+    /// Runs one token through layer `l` on the CPU at position `pos`, reading and updating the
+    /// residual `x` (n_embd), with this session's KV cache and sparsity. Executors that keep
+    /// some layers elsewhere (the GPU) call this for the layers left on the CPU; they keep the
+    /// token history themselves (see `record_tokens`).
+    pub fn cpu_layer(&mut self, l: usize, x: &mut [f32], pos: usize) {
+        let model = Arc::clone(&self.model);
+        let c = &model.config;
+        let dim = c.n_embd;
+        {
+            let s = &mut self.s;
+            for buf in [&mut s.x, &mut s.xb, &mut s.attn_out, &mut s.ffn_out] {
+                buf.resize(dim, 0.0);
+            }
+            s.q.resize(c.q_dim(), 0.0);
+            s.k.resize(c.kv_dim(), 0.0);
+            s.v.resize(c.kv_dim(), 0.0);
+            s.att.resize(c.q_dim(), 0.0);
+            s.x.copy_from_slice(x);
+        }
+        self.prepare_positions(1, pos);
+        model.install(|| self.layer(l, &model.weights.layers[l], 1, pos));
+        x.copy_from_slice(&self.s.x);
+    }
+
+    /// Appends tokens evaluated by an outside executor to the history (the next position).
+    pub fn record_tokens(&mut self, tokens: &[u32]) {
+        self.tokens.extend_from_slice(tokens);
+    }
+
+    /// Adds FFN counters gathered by an outside executor.
+    pub fn add_stats(&mut self, more: FfnStats) {
+        self.stats.neurons += more.neurons;
+        self.stats.skipped += more.skipped;
+        self.stats.truly_active += more.truly_active;
+        self.stats.truly_active_selected += more.truly_active_selected;
+    }
+
+    /// One transformer block over the batch in s.x (n, n_embd) at positions pos0..pos0+n.
+    fn layer(&mut self, l: usize, lw: &LayerWeights, n: usize, pos0: usize) {
+        let model = Arc::clone(&self.model);
+        let c = &model.config;
+        match c.family {
+            Family::Llama | Family::Opt => {
+                // attention norm, attention, residual
+                norm(c.family, &mut self.s.xb, &self.s.x, &lw.attn_norm, lw.attn_norm_b.as_deref(), c.norm_eps);
+                self.attention(l, lw, n, pos0);
+                add_into(&mut self.s.x, &self.s.attn_out);
+
+                // ffn norm, ffn (the predictor reads the residual x), residual
+                let ffn_norm = lw.ffn_norm.as_deref().expect("sequential blocks have an FFN norm");
+                norm(c.family, &mut self.s.xb, &self.s.x, ffn_norm, lw.ffn_norm_b.as_deref(), c.norm_eps);
+                self.ffn(l, lw, n);
+                add_into(&mut self.s.x, &self.s.ffn_out);
+            }
+            Family::Falcon => {
+                // attention reads attn_norm_2(x) when the layer has it (Falcon-40B), else attn_norm(x)
+                let s = &mut self.s;
+                match &lw.attn_norm_2 {
+                    Some(w2) => layernorm(&mut s.xb, &s.x, w2, lw.attn_norm_2_b.as_deref(), c.norm_eps),
+                    None => layernorm(&mut s.xb, &s.x, &lw.attn_norm, lw.attn_norm_b.as_deref(), c.norm_eps),
+                }
+                self.attention(l, lw, n, pos0);
+
+                // the FFN reads attn_norm(x); its predictor reads the layer input x itself
+                let s = &mut self.s;
+                if lw.attn_norm_2.is_some() {
+                    layernorm(&mut s.xb, &s.x, &lw.attn_norm, lw.attn_norm_b.as_deref(), c.norm_eps);
+                }
+                self.ffn(l, lw, n);
+
+                // parallel residual: x += attention + ffn
+                let s = &mut self.s;
+                add_into(&mut s.x, &s.attn_out);
+                add_into(&mut s.x, &s.ffn_out);
+            }
+        }
     }
 
     /// Attention block of layer `l`: reads s.xb (n, n_embd), writes s.attn_out (n, n_embd).
