@@ -35,6 +35,10 @@ pub enum Error {
 
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+
+    /// The GPU executor failed (driver error, out of device memory, unsupported layout).
+    #[error("GPU: {0}")]
+    Device(String),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -517,6 +517,19 @@ impl Session {
         x.copy_from_slice(&self.s.x);
     }
 
+    /// The final norm and classifier of one token's residual `x` (n_embd) on the CPU: logits (n_vocab).
+    pub fn cpu_logits(&mut self, x: &[f32]) -> Vec<f32> {
+        let model = Arc::clone(&self.model);
+        let (c, w) = (&model.config, &model.weights);
+        let s = &mut self.s;
+        s.xb.resize(c.n_embd, 0.0);
+        norm(c.family, &mut s.xb[..c.n_embd], x, &w.output_norm, w.output_norm_b.as_deref(), c.norm_eps);
+        s.acts.set(&s.xb[..c.n_embd], 1, c.n_embd);
+        let mut logits = vec![0.0f32; c.n_vocab];
+        model.install(|| matmul(&w.output, &s.acts, &mut logits));
+        logits
+    }
+
     /// Appends tokens evaluated by an outside executor to the history (the next position).
     pub fn record_tokens(&mut self, tokens: &[u32]) {
         self.tokens.extend_from_slice(tokens);

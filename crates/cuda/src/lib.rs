@@ -1,7 +1,12 @@
 //! CUDA backend of powerinfer-rs. The driver is loaded at run time through cudarc's dynamic
 //! loading, so this crate builds on machines without any CUDA toolkit and the engine runs on
-//! machines without a GPU. For now it only answers "is there a usable GPU?"; kernels for hot
-//! neurons build on this probe.
+//! machines without a GPU (`probe` says whether one is usable). `gpu` loads the kernels
+//! (committed PTX, compiled from `kernels/powerinfer.cu`), `hybrid` is the CPU+GPU executor,
+//! `twin` holds the scalar CPU twin of every kernel.
+
+pub mod gpu;
+pub mod hybrid;
+pub mod twin;
 
 use cudarc::driver::{result, sys};
 
@@ -13,6 +18,10 @@ pub enum CudaError {
     NoDevice(String),
     #[error("CUDA driver error: {0}")]
     Driver(String),
+    #[error("not supported on the GPU: {0}")]
+    Unsupported(String),
+    #[error("invalid GPU placement: {0}")]
+    Plan(String),
 }
 
 /// One visible CUDA device.

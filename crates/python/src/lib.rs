@@ -12,6 +12,9 @@ use powerinfer_core::gguf::{GgufFile as CoreGguf, Magic, Value};
 use powerinfer_core::gpu_index::GpuIndex;
 use powerinfer_core::session::{Sparsity, SparsityMode};
 use powerinfer_core::{Error, Model, Sampler, SamplingParams, Session};
+use powerinfer_cuda::gpu::Gpu;
+use powerinfer_cuda::hybrid::{GpuPlan, HybridModel, HybridSession};
+use powerinfer_cuda::CudaError;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyFileNotFoundError, PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -21,6 +24,15 @@ create_exception!(_core, GGUFError, PyValueError, "The file is not a well-formed
 create_exception!(_core, ModelError, PyValueError, "The GGUF file does not hold a model this engine can run.");
 create_exception!(_core, ContextLengthError, PyValueError, "The tokens do not fit in the context window.");
 create_exception!(_core, CudaUnavailableError, PyException, "No usable CUDA driver or device.");
+create_exception!(_core, GpuError, PyRuntimeError, "The GPU executor failed or cannot run this model or placement.");
+
+fn cuda_to_py(e: CudaError) -> PyErr {
+    match e {
+        CudaError::NoDriver | CudaError::NoDevice(_) => CudaUnavailableError::new_err(e.to_string()),
+        CudaError::Plan(_) => PyValueError::new_err(e.to_string()),
+        _ => GpuError::new_err(e.to_string()),
+    }
+}
 
 fn to_py(e: Error) -> PyErr {
     let msg = e.to_string();
@@ -31,6 +43,7 @@ fn to_py(e: Error) -> PyErr {
         Error::UnsupportedType { .. } | Error::UnknownArchitecture(_) | Error::Model(_) => ModelError::new_err(msg),
         Error::ContextOverflow { .. } => ContextLengthError::new_err(msg),
         Error::InvalidArgument(_) => PyValueError::new_err(msg),
+        Error::Device(_) => GpuError::new_err(msg),
     }
 }
 
@@ -234,10 +247,101 @@ fn lock<T>(m: &Mutex<T>) -> PyResult<std::sync::MutexGuard<'_, T>> {
     m.lock().map_err(|_| PyRuntimeError::new_err("object is unusable after an earlier internal error"))
 }
 
+/// A model placed on the GPU (hot neurons and dense tensors per a placement); sessions made
+/// with it run the hybrid CPU+GPU executor.
+#[pyclass(frozen, name = "GpuModel", module = "powerinfer_rs._core")]
+struct PyGpuModel {
+    inner: Arc<HybridModel>,
+}
+
+#[pymethods]
+impl PyGpuModel {
+    /// `dense_on_gpu` (n_layer bools): the layer's attention, norms and predictor go to the GPU
+    /// (a layer without them runs wholly on the CPU); `neuron_on_gpu` (n_layer lists of n_ff
+    /// bools): the neurons whose gate/up/down rows go to the GPU; `output_on_gpu`: the final
+    /// norm and classifier.
+    #[new]
+    #[pyo3(signature = (model, dense_on_gpu, neuron_on_gpu, output_on_gpu, device = 0))]
+    fn new(py: Python<'_>, model: &PyModel, dense_on_gpu: Vec<bool>, neuron_on_gpu: Vec<Vec<bool>>, output_on_gpu: bool, device: usize) -> PyResult<Self> {
+        let plan = GpuPlan { dense_on_gpu, neuron_on_gpu, output_on_gpu };
+        let m = Arc::clone(&model.inner);
+        let hm = py
+            .detach(|| catch_unwind(AssertUnwindSafe(|| Gpu::open(device).and_then(|gpu| HybridModel::new(m, gpu, &plan)))))
+            .map_err(|_| GpuError::new_err("internal error while placing the model on the GPU"))?
+            .map_err(cuda_to_py)?;
+        Ok(PyGpuModel { inner: Arc::new(hm) })
+    }
+
+    /// What went where: gpu_name, gpu_total_memory, weight_bytes, neuron_bytes, layers_on_gpu,
+    /// n_layer, hot_neurons, total_neurons, output_on_gpu.
+    #[getter]
+    fn report<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let r = &self.inner.report;
+        let d = PyDict::new(py);
+        d.set_item("gpu_name", &r.gpu_name)?;
+        d.set_item("gpu_total_memory", r.gpu_total_memory)?;
+        d.set_item("weight_bytes", r.weight_bytes)?;
+        d.set_item("neuron_bytes", r.neuron_bytes)?;
+        d.set_item("layers_on_gpu", r.layers_on_gpu)?;
+        d.set_item("n_layer", r.n_layer)?;
+        d.set_item("hot_neurons", r.hot_neurons)?;
+        d.set_item("total_neurons", r.total_neurons)?;
+        d.set_item("output_on_gpu", r.output_on_gpu)?;
+        Ok(d)
+    }
+}
+
+/// A session runs on the CPU, or on a `GpuModel` through the hybrid executor.
+enum Exec {
+    Cpu(Session),
+    Gpu(Box<HybridSession>),
+}
+
+impl Exec {
+    /// The CPU session: the whole executor, or the hybrid's (history, sparsity, CPU layers).
+    fn cpu(&mut self) -> &mut Session {
+        match self {
+            Exec::Cpu(s) => s,
+            Exec::Gpu(h) => &mut h.cpu,
+        }
+    }
+
+    fn cpu_ref(&self) -> &Session {
+        match self {
+            Exec::Cpu(s) => s,
+            Exec::Gpu(h) => &h.cpu,
+        }
+    }
+
+    fn cpu_only(&mut self, what: &str) -> Result<&mut Session, Error> {
+        match self {
+            Exec::Cpu(s) => Ok(s),
+            Exec::Gpu(_) => Err(Error::InvalidArgument(format!("{what} runs on CPU sessions only"))),
+        }
+    }
+
+    fn eval(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>, Error> {
+        match self {
+            Exec::Cpu(s) => s.eval(tokens, all_logits),
+            Exec::Gpu(h) => h.eval(tokens, all_logits),
+        }
+    }
+
+    fn set_sparsity(&mut self, sp: Sparsity) -> Result<(), Error> {
+        match self {
+            Exec::Cpu(s) => s.set_sparsity(sp),
+            Exec::Gpu(h) => h.set_sparsity(sp).map_err(|e| match e {
+                CudaError::Plan(m) => Error::InvalidArgument(m),
+                e => Error::InvalidArgument(e.to_string()),
+            }),
+        }
+    }
+}
+
 /// One conversation: KV cache, position and token history.
 #[pyclass(name = "Session", module = "powerinfer_rs._core")]
 struct PySession {
-    inner: Mutex<Session>,
+    inner: Mutex<Exec>,
     n_vocab: usize,
     n_embd: usize,
     n_ff: usize,
@@ -246,32 +350,73 @@ struct PySession {
 #[pymethods]
 impl PySession {
     #[new]
-    #[pyo3(signature = (model, n_ctx, kv_type = "f16"))]
-    fn new(model: &PyModel, n_ctx: usize, kv_type: &str) -> PyResult<Self> {
+    #[pyo3(signature = (model, n_ctx, kv_type = "f16", gpu = None))]
+    fn new(py: Python<'_>, model: &PyModel, n_ctx: usize, kv_type: &str, gpu: Option<&PyGpuModel>) -> PyResult<Self> {
         let kv_type = KvType::parse(kv_type).map_err(to_py)?;
-        let s = Session::new(Arc::clone(&model.inner), n_ctx, kv_type).map_err(to_py)?;
+        let exec = match gpu {
+            None => Exec::Cpu(Session::new(Arc::clone(&model.inner), n_ctx, kv_type).map_err(to_py)?),
+            Some(g) => {
+                if !Arc::ptr_eq(&g.inner.model, &model.inner) {
+                    return Err(PyValueError::new_err("the GpuModel was built from a different Model"));
+                }
+                if n_ctx == 0 {
+                    return Err(PyValueError::new_err("n_ctx must be > 0"));
+                }
+                let hm = Arc::clone(&g.inner);
+                let h = py
+                    .detach(|| catch_unwind(AssertUnwindSafe(|| HybridSession::new(hm, n_ctx, kv_type))))
+                    .map_err(|_| GpuError::new_err("internal error while creating the GPU session"))?
+                    .map_err(cuda_to_py)?;
+                Exec::Gpu(Box::new(h))
+            }
+        };
         let c = &model.inner.config;
-        Ok(PySession { inner: Mutex::new(s), n_vocab: c.n_vocab, n_embd: c.n_embd, n_ff: c.n_ff })
+        Ok(PySession { inner: Mutex::new(exec), n_vocab: c.n_vocab, n_embd: c.n_embd, n_ff: c.n_ff })
+    }
+
+    /// "cpu", or "cuda" for a session on a GpuModel.
+    #[getter]
+    fn device(&self) -> PyResult<&'static str> {
+        Ok(match &*lock(&self.inner)? {
+            Exec::Cpu(_) => "cpu",
+            Exec::Gpu(_) => "cuda",
+        })
+    }
+
+    /// GPU sessions: KV cache bytes held on the GPU, and the neurons computed on each side
+    /// since the last call (then reset): {"kv_bytes", "gpu_neurons", "cpu_neurons"}. None on the CPU.
+    fn take_split<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        match &mut *lock(&self.inner)? {
+            Exec::Cpu(_) => Ok(None),
+            Exec::Gpu(h) => {
+                let counts = h.take_counts();
+                let d = PyDict::new(py);
+                d.set_item("kv_bytes", h.kv_bytes())?;
+                d.set_item("gpu_neurons", counts.gpu_neurons)?;
+                d.set_item("cpu_neurons", counts.cpu_neurons)?;
+                Ok(Some(d))
+            }
+        }
     }
 
     #[getter]
     fn n_ctx(&self) -> PyResult<usize> {
-        Ok(lock(&self.inner)?.n_ctx)
+        Ok(lock(&self.inner)?.cpu_ref().n_ctx)
     }
 
     #[getter]
     fn pos(&self) -> PyResult<usize> {
-        Ok(lock(&self.inner)?.pos())
+        Ok(lock(&self.inner)?.cpu_ref().pos())
     }
 
     #[getter]
     fn tokens(&self) -> PyResult<Vec<u32>> {
-        Ok(lock(&self.inner)?.tokens.clone())
+        Ok(lock(&self.inner)?.cpu_ref().tokens.clone())
     }
 
     /// Keeps only the first `n` tokens (to reuse a shared prompt prefix, or to reset with 0).
     fn truncate(&self, n: usize) -> PyResult<()> {
-        lock(&self.inner)?.truncate(n);
+        lock(&self.inner)?.cpu().truncate(n);
         Ok(())
     }
 
@@ -317,13 +462,13 @@ impl PySession {
     /// The sparsity mode in use.
     #[getter]
     fn sparsity(&self) -> PyResult<&'static str> {
-        Ok(lock(&self.inner)?.sparsity().mode.name())
+        Ok(lock(&self.inner)?.cpu_ref().sparsity().mode.name())
     }
 
     /// FFN counters since the last call (then reset): neurons, skipped, truly_active,
     /// truly_active_selected.
     fn take_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let st = lock(&self.inner)?.take_stats();
+        let st = lock(&self.inner)?.cpu().take_stats();
         let d = PyDict::new(py);
         d.set_item("neurons", st.neurons)?;
         d.set_item("skipped", st.skipped)?;
@@ -335,13 +480,14 @@ impl PySession {
     /// Runs `tokens` densely in windows and returns, per target sparsity, the per-layer
     /// |act(gate)| thresholds that skip that fraction of neurons. Leaves the session empty.
     fn calibrate(&self, py: Python<'_>, tokens: Vec<u32>, window: usize, targets: Vec<f64>) -> PyResult<Vec<Vec<f32>>> {
-        compute(py, || lock_core(&self.inner)?.calibrate(&tokens, window, &targets))
+        compute(py, || lock_core(&self.inner)?.cpu_only("calibration")?.calibrate(&tokens, window, &targets))
     }
 
     /// Starts (True) or stops (False) recording, for every evaluated token, each layer's FFN
     /// input and neuron scores (see `take_capture`). Recording computes every FFN densely.
     fn set_capture(&self, on: bool) -> PyResult<()> {
-        lock(&self.inner)?.set_capture(on);
+        let mut exec = lock(&self.inner)?;
+        exec.cpu_only("capture").map_err(to_py)?.set_capture(on);
         Ok(())
     }
 
@@ -351,6 +497,7 @@ impl PySession {
     /// neuron does not fire) and |act(gate)| for SwiGLU/GELU. Raises when not recording.
     fn take_capture<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
         let cap = lock(&self.inner)?
+            .cpu()
             .take_capture()
             .ok_or_else(|| PyValueError::new_err("the session is not capturing; call set_capture(True) first"))?;
         let n_layer = cap.inputs.len();
@@ -368,7 +515,7 @@ impl PySession {
             let mut session = lock_core(&self.inner)?;
             let mut logits = session.eval(&tokens, false)?;
             let mut sampler = sampler.inner.lock().map_err(|_| Error::InvalidArgument("sampler is unusable".into()))?;
-            Ok(sampler.sample(&mut logits, &session.tokens))
+            Ok(sampler.sample(&mut logits, &session.cpu_ref().tokens))
         })
     }
 }
@@ -425,6 +572,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<GgufFile>()?;
     m.add_class::<PyModel>()?;
     m.add_class::<PySession>()?;
+    m.add_class::<PyGpuModel>()?;
     m.add_class::<PySampler>()?;
     m.add_function(wrap_pyfunction!(simd_level, m)?)?;
     m.add_function(wrap_pyfunction!(read_gpu_index, m)?)?;
@@ -434,5 +582,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ModelError", py.get_type::<ModelError>())?;
     m.add("ContextLengthError", py.get_type::<ContextLengthError>())?;
     m.add("CudaUnavailableError", py.get_type::<CudaUnavailableError>())?;
+    m.add("GpuError", py.get_type::<GpuError>())?;
     Ok(())
 }

@@ -1,0 +1,582 @@
+//! The hybrid executor: PowerInfer's split of each FFN between the GPU (hot neurons) and the
+//! CPU (cold neurons), one decode token at a time.
+//!
+//! `HybridModel` uploads what the placement put on the GPU, once: per layer the attention
+//! weights, norms and predictor, and the gate/up/down_t rows of the hot neurons, packed in
+//! `gpu_bucket` order (row i of the packed matrices is neuron bucket[i]). Layers whose dense
+//! part is not on the GPU run wholly on the CPU (this is also how a layer-offload baseline is
+//! expressed: all neurons of the first k layers on the GPU, nothing of the others).
+//!
+//! Per GPU layer and token:
+//!   GPU: rmsnorm, q/k/v, RoPE, KV store, attention, wo, residual; ffn norm; predictor
+//!   host <- GPU: the normed FFN input and the predictor logits (only if the layer has cold neurons)
+//!   GPU (queued, runs while the CPU works): hot rows -> h, h x down_t -> partial sums
+//!   CPU: the selected cold neurons, through the same sparse operator as CPU-only decoding
+//!   GPU: residual += partial sums + CPU part
+//! Weights never move during decoding; only activations (a few KB per layer) cross the bus.
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaSlice;
+use powerinfer_core::attention::KvType;
+use powerinfer_core::matmul::Activations;
+use powerinfer_core::model::{Family, Model, RopeStyle};
+use powerinfer_core::session::{FfnStats, Session, Sparsity, SparsityMode};
+use powerinfer_core::sparse::{sparse_ffn, FfnMats, SparseScratch};
+
+use crate::gpu::{DMat, Gpu, Result, ROWS_PER_CHUNK};
+use crate::CudaError;
+
+/// What goes to the GPU (from a `.gpuidx` placement, or a layer-offload split).
+#[derive(Debug, Clone)]
+pub struct GpuPlan {
+    /// Per layer: attention, norms and predictor on the GPU; otherwise the whole layer runs on
+    /// the CPU and its neuron mask is ignored.
+    pub dense_on_gpu: Vec<bool>,
+    /// Per layer, per neuron: its gate, up and down rows on the GPU.
+    pub neuron_on_gpu: Vec<Vec<bool>>,
+    /// Final norm and classifier on the GPU.
+    pub output_on_gpu: bool,
+}
+
+impl GpuPlan {
+    /// Everything on the GPU.
+    pub fn full(n_layer: usize, n_ff: usize) -> GpuPlan {
+        GpuPlan { dense_on_gpu: vec![true; n_layer], neuron_on_gpu: vec![vec![true; n_ff]; n_layer], output_on_gpu: true }
+    }
+
+    /// llama.cpp's `-ngl`: the first `k` layers wholly on the GPU, the others wholly on the CPU.
+    pub fn layer_offload(n_layer: usize, n_ff: usize, k: usize, output_on_gpu: bool) -> GpuPlan {
+        GpuPlan {
+            dense_on_gpu: (0..n_layer).map(|l| l < k).collect(),
+            neuron_on_gpu: (0..n_layer).map(|l| vec![l < k; n_ff]).collect(),
+            output_on_gpu,
+        }
+    }
+}
+
+/// The neurons of one layer split by a GPU mask: (hot = the GPU bucket, cold), both ascending.
+pub fn split_neurons(on_gpu: &[bool]) -> (Vec<u32>, Vec<u32>) {
+    let hot = (0..on_gpu.len() as u32).filter(|&j| on_gpu[j as usize]).collect();
+    let cold = (0..on_gpu.len() as u32).filter(|&j| !on_gpu[j as usize]).collect();
+    (hot, cold)
+}
+
+/// What went where, for `Engine` to report.
+#[derive(Debug, Clone, Default)]
+pub struct PlacementReport {
+    pub gpu_name: String,
+    pub gpu_total_memory: usize,
+    /// Weight bytes uploaded (dense tensors plus hot neuron rows).
+    pub weight_bytes: usize,
+    /// Of those, the hot neurons' gate/up/down rows.
+    pub neuron_bytes: usize,
+    pub layers_on_gpu: usize,
+    pub n_layer: usize,
+    pub hot_neurons: usize,
+    pub total_neurons: usize,
+    pub output_on_gpu: bool,
+}
+
+struct DenseGpu {
+    attn_norm: CudaSlice<f32>,
+    wq: DMat,
+    wk: DMat,
+    wv: DMat,
+    wo: DMat,
+    bq: Option<CudaSlice<f32>>,
+    bk: Option<CudaSlice<f32>>,
+    bv: Option<CudaSlice<f32>>,
+    bo: Option<CudaSlice<f32>>,
+    ffn_norm: CudaSlice<f32>,
+    predictor: Option<(DMat, DMat)>, // fc1 (hidden, n_embd), fc2 (n_ff, hidden)
+}
+
+struct HotGpu {
+    bucket: CudaSlice<i32>, // (n_hot) neuron ids of the packed rows
+    gate: Option<DMat>,     // (n_hot, n_embd)
+    up: DMat,               // (n_hot, n_embd)
+    down_t: DMat,           // (n_hot, n_embd)
+    up_bias: Option<CudaSlice<f32>>, // (n_ff)
+    down_bias: Option<CudaSlice<f32>>, // (n_embd)
+}
+
+struct GpuLayer {
+    dense: DenseGpu,
+    hot: Option<HotGpu>,
+    n_hot: usize,
+    /// Neurons computed on the CPU, ascending.
+    cold: Vec<u32>,
+}
+
+pub struct HybridModel {
+    pub model: Arc<Model>,
+    pub gpu: Gpu,
+    layers: Vec<Option<GpuLayer>>,
+    output: Option<(CudaSlice<f32>, DMat)>,
+    pub report: PlacementReport,
+}
+
+fn upload_opt(gpu: &Gpu, v: Option<&Vec<f32>>, bytes: &mut usize) -> Result<Option<CudaSlice<f32>>> {
+    v.map(|v| {
+        *bytes += v.len() * 4;
+        gpu.upload(v)
+    })
+    .transpose()
+}
+
+impl HybridModel {
+    pub fn new(model: Arc<Model>, gpu: Gpu, plan: &GpuPlan) -> Result<HybridModel> {
+        let c = &model.config;
+        if c.family != Family::Llama {
+            return Err(CudaError::Unsupported(format!("the GPU executor runs LLaMA-family models; {} runs on the CPU", c.architecture)));
+        }
+        if plan.dense_on_gpu.len() != c.n_layer || plan.neuron_on_gpu.len() != c.n_layer {
+            return Err(CudaError::Plan(format!("the placement has {} layers, the model {}", plan.neuron_on_gpu.len(), c.n_layer)));
+        }
+        if let Some((l, m)) = plan.neuron_on_gpu.iter().enumerate().find(|(_, m)| m.len() != c.n_ff) {
+            return Err(CudaError::Plan(format!("layer {l} of the placement has {} neurons, the model {}", m.len(), c.n_ff)));
+        }
+        let mut report = PlacementReport {
+            gpu_name: gpu.name.clone(),
+            gpu_total_memory: gpu.total_memory,
+            n_layer: c.n_layer,
+            total_neurons: c.n_layer * c.n_ff,
+            ..Default::default()
+        };
+        let mut layers = Vec::with_capacity(c.n_layer);
+        for (l, lw) in model.weights.layers.iter().enumerate() {
+            if !plan.dense_on_gpu[l] {
+                layers.push(None);
+                continue;
+            }
+            let mut bytes = 0;
+            let mut mat = |m, rows: Option<&[u32]>| -> Result<DMat> {
+                let d = gpu.upload_rows(m, rows)?;
+                bytes += d.bytes();
+                Ok(d)
+            };
+            let (wq, wk, wv, wo) = (mat(&lw.wq, None)?, mat(&lw.wk, None)?, mat(&lw.wv, None)?, mat(&lw.wo, None)?);
+            let predictor = match &lw.predictor {
+                Some(p) => Some((mat(&p.fc1, None)?, mat(&p.fc2, None)?)),
+                None => None,
+            };
+            let ffn_norm = lw.ffn_norm.as_ref().expect("LLaMA-family layers have an FFN norm");
+            let dense = DenseGpu {
+                attn_norm: gpu.upload(&lw.attn_norm)?,
+                ffn_norm: gpu.upload(ffn_norm)?,
+                wq,
+                wk,
+                wv,
+                wo,
+                bq: upload_opt(&gpu, lw.bq.as_ref(), &mut bytes)?,
+                bk: upload_opt(&gpu, lw.bk.as_ref(), &mut bytes)?,
+                bv: upload_opt(&gpu, lw.bv.as_ref(), &mut bytes)?,
+                bo: upload_opt(&gpu, lw.bo.as_ref(), &mut bytes)?,
+                predictor,
+            };
+            bytes += 2 * c.n_embd * 4;
+
+            let (hot_ids, cold) = split_neurons(&plan.neuron_on_gpu[l]);
+            let down_t = model.down_t(l);
+            let hot = if hot_ids.is_empty() {
+                None
+            } else {
+                let before = bytes;
+                let mut nmat = |m, rows: &[u32]| -> Result<DMat> {
+                    let d = gpu.upload_rows(m, Some(rows))?;
+                    bytes += d.bytes();
+                    Ok(d)
+                };
+                let gate = lw.ffn_gate.as_ref().map(|g| nmat(g, &hot_ids)).transpose()?;
+                let up = nmat(&lw.ffn_up, &hot_ids)?;
+                let down_t = nmat(&down_t, &hot_ids)?;
+                report.neuron_bytes += bytes - before;
+                let bucket: Vec<i32> = hot_ids.iter().map(|&j| j as i32).collect();
+                Some(HotGpu {
+                    bucket: gpu.upload(&bucket)?,
+                    gate,
+                    up,
+                    down_t,
+                    up_bias: upload_opt(&gpu, lw.ffn_up_b.as_ref(), &mut bytes)?,
+                    down_bias: upload_opt(&gpu, lw.ffn_down_b.as_ref(), &mut bytes)?,
+                })
+            };
+            report.weight_bytes += bytes;
+            report.layers_on_gpu += 1;
+            report.hot_neurons += hot_ids.len();
+            layers.push(Some(GpuLayer { dense, hot, n_hot: hot_ids.len(), cold }));
+        }
+        let output = if plan.output_on_gpu {
+            let w = gpu.upload_rows(&model.weights.output, None)?;
+            report.weight_bytes += w.bytes() + c.n_embd * 4;
+            Some((gpu.upload(&model.weights.output_norm)?, w))
+        } else {
+            None
+        };
+        report.output_on_gpu = output.is_some();
+        gpu.synchronize()?;
+        Ok(HybridModel { model, gpu, layers, output, report })
+    }
+}
+
+/// Neurons computed on each side since the last `take_counts`, where they were counted (the
+/// GPU's predictor selections are only seen on the host when a layer also has cold neurons).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SplitCounts {
+    pub gpu_neurons: u64,
+    pub cpu_neurons: u64,
+}
+
+/// One conversation on a `HybridModel`: the GPU KV cache and activation buffers, plus a CPU
+/// `Session` that holds the token history, the sparsity settings, the KV cache of CPU layers
+/// and runs those layers.
+pub struct HybridSession {
+    hm: Arc<HybridModel>,
+    pub cpu: Session,
+    n_ctx: usize,
+    kv_f16: bool,
+    k_cache: Vec<Option<CudaSlice<u8>>>,
+    v_cache: Vec<Option<CudaSlice<u8>>>,
+    // device activations
+    x: CudaSlice<f32>,        // (n_embd) residual
+    xb: CudaSlice<f32>,       // (n_embd) normed input
+    q: CudaSlice<f32>,        // (q_dim)
+    k: CudaSlice<f32>,        // (kv_dim)
+    v: CudaSlice<f32>,        // (kv_dim)
+    att: CudaSlice<f32>,      // (q_dim)
+    attn_out: CudaSlice<f32>, // (n_embd)
+    scores: CudaSlice<f32>,   // (n_head, n_ctx)
+    pred_hidden: CudaSlice<f32>, // (max predictor hidden)
+    pred_logits: CudaSlice<f32>, // (n_ff)
+    h: CudaSlice<f32>,        // (max n_hot)
+    partial: CudaSlice<f32>,  // (max chunks, n_embd)
+    cpu_part: CudaSlice<f32>, // (n_embd)
+    cos: CudaSlice<f32>,      // (rope_dim / 2)
+    sin: CudaSlice<f32>,
+    logits: CudaSlice<f32>,   // (n_vocab)
+    // host buffers
+    x_h: Vec<f32>,
+    xb_h: Vec<f32>,
+    pred_h: Vec<f32>,
+    cpu_out_h: Vec<f32>,
+    acts: Activations,
+    neurons: Vec<u32>,
+    scratch: SparseScratch,
+    counts: SplitCounts,
+}
+
+impl HybridSession {
+    pub fn new(hm: Arc<HybridModel>, n_ctx: usize, kv_type: KvType) -> Result<HybridSession> {
+        let cpu = Session::new(Arc::clone(&hm.model), n_ctx, kv_type).map_err(|e| CudaError::Plan(e.to_string()))?;
+        let c = &hm.model.config;
+        let g = &hm.gpu;
+        let kv_f16 = kv_type == KvType::F16;
+        let cache_bytes = n_ctx * c.kv_dim() * if kv_f16 { 2 } else { 4 };
+        let mut k_cache = Vec::new();
+        let mut v_cache = Vec::new();
+        for layer in &hm.layers {
+            k_cache.push(layer.as_ref().map(|_| g.zeros::<u8>(cache_bytes)).transpose()?);
+            v_cache.push(layer.as_ref().map(|_| g.zeros::<u8>(cache_bytes)).transpose()?);
+        }
+        let max_hidden = hm.layers.iter().flatten().filter_map(|l| l.dense.predictor.as_ref().map(|p| p.0.rows)).max().unwrap_or(1);
+        let max_hot = hm.layers.iter().flatten().map(|l| l.n_hot).max().unwrap_or(1);
+        let max_chunks = max_hot.div_ceil(ROWS_PER_CHUNK).max(1);
+        Ok(HybridSession {
+            x: g.zeros(c.n_embd)?,
+            xb: g.zeros(c.n_embd)?,
+            q: g.zeros(c.q_dim())?,
+            k: g.zeros(c.kv_dim())?,
+            v: g.zeros(c.kv_dim())?,
+            att: g.zeros(c.q_dim())?,
+            attn_out: g.zeros(c.n_embd)?,
+            scores: g.zeros(c.n_head * n_ctx)?,
+            pred_hidden: g.zeros(max_hidden)?,
+            pred_logits: g.zeros(c.n_ff)?,
+            h: g.zeros(max_hot)?,
+            partial: g.zeros(max_chunks * c.n_embd)?,
+            cpu_part: g.zeros(c.n_embd)?,
+            cos: g.zeros(c.rope_dim / 2)?,
+            sin: g.zeros(c.rope_dim / 2)?,
+            logits: g.zeros(c.n_vocab)?,
+            x_h: vec![0.0; c.n_embd],
+            xb_h: vec![0.0; c.n_embd],
+            pred_h: vec![0.0; c.n_ff],
+            cpu_out_h: vec![0.0; c.n_embd],
+            acts: Activations::default(),
+            neurons: Vec::new(),
+            scratch: SparseScratch::default(),
+            counts: SplitCounts::default(),
+            k_cache,
+            v_cache,
+            kv_f16,
+            n_ctx,
+            cpu,
+            hm,
+        })
+    }
+
+    /// KV cache bytes this session holds on the GPU.
+    pub fn kv_bytes(&self) -> usize {
+        self.k_cache.iter().chain(&self.v_cache).flatten().map(|b| b.len()).sum()
+    }
+
+    pub fn pos(&self) -> usize {
+        self.cpu.pos()
+    }
+
+    pub fn truncate(&mut self, n: usize) {
+        self.cpu.truncate(n);
+    }
+
+    /// Dense and predictor modes run on the GPU; threshold mode needs the dense gate of every
+    /// neuron and is CPU-only.
+    pub fn set_sparsity(&mut self, sp: Sparsity) -> Result<()> {
+        if sp.mode == SparsityMode::Threshold && self.hm.layers.iter().any(|l| l.is_some()) {
+            return Err(CudaError::Unsupported("threshold sparsity runs on the CPU only; use 'predictor' or 'dense' on the GPU".into()));
+        }
+        if sp.track_recall {
+            return Err(CudaError::Unsupported("recall tracking runs on the CPU only".into()));
+        }
+        self.cpu.set_sparsity(sp).map_err(|e| CudaError::Plan(e.to_string()))
+    }
+
+    pub fn take_counts(&mut self) -> SplitCounts {
+        std::mem::take(&mut self.counts)
+    }
+
+    /// Evaluates `tokens` one at a time (prompt tokens too) and returns the logits of every
+    /// token (n, n_vocab) when `all_logits`, else of the last.
+    pub fn eval(&mut self, tokens: &[u32], all_logits: bool) -> std::result::Result<Vec<f32>, powerinfer_core::Error> {
+        use powerinfer_core::Error;
+        let n_vocab = self.hm.model.config.n_vocab;
+        if tokens.is_empty() {
+            return Err(Error::InvalidArgument("no tokens to evaluate".into()));
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
+            return Err(Error::InvalidArgument(format!("token id {bad} is out of range (vocabulary has {n_vocab})")));
+        }
+        let needed = self.pos() + tokens.len();
+        if needed > self.n_ctx {
+            return Err(Error::ContextOverflow { needed, n_ctx: self.n_ctx });
+        }
+        let mut out = Vec::with_capacity(if all_logits { tokens.len() * n_vocab } else { n_vocab });
+        for (i, &tok) in tokens.iter().enumerate() {
+            let pos = self.pos();
+            let logits = self.step(tok, pos).map_err(|e| Error::Device(e.to_string()))?;
+            self.cpu.record_tokens(&[tok]);
+            if all_logits || i + 1 == tokens.len() {
+                out.extend_from_slice(&logits);
+            }
+        }
+        Ok(out)
+    }
+
+    /// One token at position `pos` through every layer; returns its logits.
+    fn step(&mut self, tok: u32, pos: usize) -> Result<Vec<f32>> {
+        let hm = Arc::clone(&self.hm);
+        let model = &*hm.model;
+        let c = &model.config;
+        let g = &hm.gpu;
+
+        // token embedding on the host; RoPE angles exactly as the CPU forward computes them
+        model.weights.token_embd.dequantize_row(tok as usize, &mut self.x_h);
+        let (cos, sin) = self.cpu.rope_angles(pos);
+        if c.rope_dim > 0 {
+            g.write(&cos, &mut self.cos)?;
+            g.write(&sin, &mut self.sin)?;
+        }
+        let mut on_gpu = false; // where the residual lives now
+
+        for l in 0..c.n_layer {
+            let Some(layer) = hm.layers[l].as_ref() else {
+                if on_gpu {
+                    g.read(&self.x, &mut self.x_h)?;
+                    on_gpu = false;
+                }
+                self.cpu.cpu_layer(l, &mut self.x_h, pos);
+                continue;
+            };
+            if !on_gpu {
+                g.write(&self.x_h, &mut self.x)?;
+                on_gpu = true;
+            }
+            self.gpu_layer(&hm, l, layer, pos)?;
+        }
+
+        let mut logits = vec![0.0f32; c.n_vocab];
+        match &hm.output {
+            Some((norm, w)) => {
+                if !on_gpu {
+                    g.write(&self.x_h, &mut self.x)?;
+                }
+                g.rmsnorm(&self.x, norm, &mut self.xb, c.n_embd, c.norm_eps)?;
+                g.matvec(w, &self.xb, None, &mut self.logits, false)?;
+                g.read(&self.logits, &mut logits)?;
+            }
+            None => {
+                if on_gpu {
+                    g.read(&self.x, &mut self.x_h)?;
+                }
+                logits = self.cpu.cpu_logits(&self.x_h);
+            }
+        }
+        Ok(logits)
+    }
+
+    fn gpu_layer(&mut self, hm: &HybridModel, l: usize, layer: &GpuLayer, pos: usize) -> Result<()> {
+        let model = &*hm.model;
+        let c = &model.config;
+        let g = &hm.gpu;
+        let d = &layer.dense;
+        let (kc, vc) = (self.k_cache[l].as_mut().expect("GPU layer"), self.v_cache[l].as_mut().expect("GPU layer"));
+
+        // attention: x += wo @ attention(rope(wq @ norm(x)), cache)
+        g.rmsnorm(&self.x, &d.attn_norm, &mut self.xb, c.n_embd, c.norm_eps)?;
+        g.matvec(&d.wq, &self.xb, d.bq.as_ref(), &mut self.q, false)?;
+        g.matvec(&d.wk, &self.xb, d.bk.as_ref(), &mut self.k, false)?;
+        g.matvec(&d.wv, &self.xb, d.bv.as_ref(), &mut self.v, false)?;
+        let neox = c.rope_style == RopeStyle::NeoX;
+        g.rope(&mut self.q, &self.cos, &self.sin, c.n_head, c.head_dim, c.rope_dim, neox)?;
+        g.rope(&mut self.k, &self.cos, &self.sin, c.n_head_kv, c.head_dim, c.rope_dim, neox)?;
+        g.kv_store(&self.k, &self.v, kc, vc, pos, c.kv_dim(), self.kv_f16)?;
+        g.attention(&self.q, kc, vc, &mut self.scores, &mut self.att, pos + 1, self.n_ctx, c.n_head, c.n_head_kv, c.head_dim, self.kv_f16)?;
+        g.matvec(&d.wo, &self.att, d.bo.as_ref(), &mut self.attn_out, false)?;
+        g.add_into(&mut self.x, &self.attn_out, None, c.n_embd)?;
+
+        // FFN input; the predictor reads the residual x
+        g.rmsnorm(&self.x, &d.ffn_norm, &mut self.xb, c.n_embd, c.norm_eps)?;
+        let sp = self.cpu.sparsity().clone();
+        let predicted = sp.mode == SparsityMode::Predictor;
+        let threshold = sp.predictor_layer_thresholds.get(l).copied().unwrap_or(sp.predictor_threshold);
+        if predicted {
+            let (fc1, fc2) = d.predictor.as_ref().ok_or_else(|| CudaError::Plan(format!("layer {l} has no predictor")))?;
+            g.matvec(fc1, &self.x, None, &mut self.pred_hidden, true)?;
+            g.matvec(fc2, &self.pred_hidden, None, &mut self.pred_logits, false)?;
+        }
+
+        // the CPU needs the FFN input (and the predictor's verdict) before the hot kernels are queued
+        let has_cold = !layer.cold.is_empty();
+        if has_cold {
+            g.read(&self.xb, &mut self.xb_h)?;
+            if predicted {
+                g.read(&self.pred_logits, &mut self.pred_h)?;
+            }
+        }
+
+        // GPU: hot neurons, queued; they run while the CPU computes the cold ones
+        let mut n_chunks = 0;
+        if let Some(hot) = &layer.hot {
+            let pred = predicted.then_some(&self.pred_logits);
+            g.ffn_hot(hot.gate.as_ref(), &hot.up, &hot.bucket, &self.xb, hot.up_bias.as_ref(), pred, threshold, c.ffn_activation, &mut self.h)?;
+            n_chunks = g.down_partial(&hot.down_t, &self.h, &mut self.partial)?;
+        }
+
+        // CPU: the selected cold neurons
+        let mut stats = FfnStats::default();
+        if has_cold {
+            self.neurons.clear();
+            if predicted {
+                let pred_h = &self.pred_h;
+                self.neurons.extend(layer.cold.iter().copied().filter(|&j| pred_h[j as usize] >= threshold));
+                let selected = self.pred_h.iter().filter(|&&v| v >= threshold).count();
+                stats.neurons = c.n_ff as u64;
+                stats.skipped = (c.n_ff - selected) as u64;
+                self.counts.cpu_neurons += self.neurons.len() as u64;
+                self.counts.gpu_neurons += (selected - self.neurons.len()) as u64;
+            } else {
+                self.neurons.extend_from_slice(&layer.cold);
+                stats.neurons = c.n_ff as u64;
+                self.counts.cpu_neurons += layer.cold.len() as u64;
+                self.counts.gpu_neurons += layer.n_hot as u64;
+            }
+            let lw = &model.weights.layers[l];
+            let mats = FfnMats { gate: lw.ffn_gate, up: lw.ffn_up, up_bias: lw.ffn_up_b.as_deref(), down_t: model.down_t(l), act: c.ffn_activation };
+            self.acts.set(&self.xb_h, 1, c.n_embd);
+            let (acts, neurons, out, scratch) = (&self.acts, &self.neurons, &mut self.cpu_out_h, &mut self.scratch);
+            if neurons.is_empty() {
+                out.iter_mut().for_each(|v| *v = 0.0);
+            } else {
+                model.install(|| sparse_ffn(&mats, acts, neurons, None, out, scratch));
+            }
+            g.write(&self.cpu_out_h, &mut self.cpu_part)?;
+        } else if !predicted {
+            stats.neurons = c.n_ff as u64;
+            self.counts.gpu_neurons += layer.n_hot as u64;
+        }
+        self.cpu.add_stats(stats);
+
+        // residual += hot partial sums + cold part (+ bias)
+        let down_bias = layer.hot.as_ref().and_then(|h| h.down_bias.as_ref());
+        g.ffn_merge(&mut self.x, &self.partial, n_chunks, has_cold.then_some(&self.cpu_part), down_bias, c.n_embd)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::twin;
+    use powerinfer_core::matmul::QMatrix;
+    use powerinfer_core::model::FfnActivation;
+    use powerinfer_core::quant::{quantize_row, DType};
+    use powerinfer_core::sampler::Rng;
+
+    fn random(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| (rng.next_f32() * 2.0 - 1.0) * scale).collect()
+    }
+
+    fn matrix(rng: &mut Rng, dtype: DType, rows: usize, cols: usize) -> Vec<u8> {
+        (0..rows).flat_map(|_| quantize_row(dtype, &random(rng, cols, 0.5))).collect()
+    }
+
+    /// The executor's split, computed on the CPU: the hot neurons through the GPU kernels'
+    /// twins and the cold ones through the CPU sparse operator, summed, equal the CPU operator
+    /// over every selected neuron. This is the merge the GPU does, minus the GPU.
+    #[test]
+    fn hot_plus_cold_equals_all() {
+        let mut rng = Rng::new(7);
+        let (n_embd, n_ff) = (64, 96);
+        for (dtype, act) in [(DType::F32, FfnActivation::ReGlu), (DType::Q8_0, FfnActivation::SwiGlu), (DType::Q4_0, FfnActivation::DReGlu)] {
+            let (g, u, d) = (matrix(&mut rng, dtype, n_ff, n_embd), matrix(&mut rng, dtype, n_ff, n_embd), matrix(&mut rng, DType::F32, n_ff, n_embd));
+            let gate = QMatrix { dtype, rows: n_ff, cols: n_embd, data: &g };
+            let up = QMatrix { dtype, rows: n_ff, cols: n_embd, data: &u };
+            let down_t = QMatrix { dtype: DType::F32, rows: n_ff, cols: n_embd, data: &d };
+            let x = random(&mut rng, n_embd, 1.0);
+            let logits = random(&mut rng, n_ff, 1.0);
+            let mask: Vec<bool> = (0..n_ff).map(|j| j % 3 != 1).collect();
+            let (hot, cold) = split_neurons(&mask);
+            assert_eq!(hot.len() + cold.len(), n_ff);
+            assert!(hot.iter().all(|&j| mask[j as usize]) && cold.iter().all(|&j| !mask[j as usize]));
+
+            let thr = 0.1;
+            let h = twin::ffn_hot(Some(&gate), &up, &hot, &x, None, Some((&logits, thr)), act);
+            let gpu_part = twin::down(&down_t, &hot, &h);
+            let mats = FfnMats { gate: Some(gate), up, up_bias: None, down_t, act };
+            let mut acts = Activations::default();
+            acts.set(&x, 1, n_embd);
+            let mut scratch = SparseScratch::default();
+            let cold_sel: Vec<u32> = cold.iter().copied().filter(|&j| logits[j as usize] >= thr).collect();
+            let mut cpu_part = vec![0.0; n_embd];
+            sparse_ffn(&mats, &acts, &cold_sel, None, &mut cpu_part, &mut scratch);
+            let all_sel: Vec<u32> = (0..n_ff as u32).filter(|&j| logits[j as usize] >= thr).collect();
+            let mut all = vec![0.0; n_embd];
+            sparse_ffn(&mats, &acts, &all_sel, None, &mut all, &mut scratch);
+            let merged: Vec<f32> = gpu_part.iter().zip(&cpu_part).map(|(a, b)| a + b).collect();
+            let norm = all.iter().map(|v| v * v).sum::<f32>().sqrt();
+            let err = merged.iter().zip(&all).map(|(a, b)| (a - b) * (a - b)).sum::<f32>().sqrt() / norm;
+            // the CPU operator quantizes activations to 8 bits for quantized weights
+            let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
+            assert!(err < tol, "{dtype:?}: relative error {err}");
+        }
+    }
+
+    #[test]
+    fn layer_offload_plan() {
+        let p = GpuPlan::layer_offload(4, 8, 3, false);
+        assert_eq!(p.dense_on_gpu, vec![true, true, true, false]);
+        assert!(p.neuron_on_gpu[2].iter().all(|&b| b) && p.neuron_on_gpu[3].iter().all(|&b| !b));
+        let f = GpuPlan::full(2, 5);
+        assert!(f.output_on_gpu && f.neuron_on_gpu.iter().flatten().all(|&b| b));
+    }
+}

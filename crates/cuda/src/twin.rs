@@ -1,0 +1,114 @@
+//! Scalar CPU twins of the GPU kernels: the same function, written plainly, accumulated in
+//! f64. The GPU tests compare every kernel with its twin on random inputs; the host-side tests
+//! use them to check the hot/cold split without a GPU.
+
+use powerinfer_core::matmul::QMatrix;
+use powerinfer_core::model::FfnActivation;
+use powerinfer_core::quant::dequantize_row;
+
+/// Row r of `m`, dequantized.
+pub fn row_f32(m: &QMatrix, r: usize) -> Vec<f32> {
+    let mut out = vec![0.0; m.cols];
+    dequantize_row(m.dtype, m.row(r), &mut out);
+    out
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f64 {
+    a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
+}
+
+/// `matvec_*`: y[r] = W[r] . x (+ bias[r]), relu'd when asked.
+pub fn matvec(w: &QMatrix, x: &[f32], bias: Option<&[f32]>, relu: bool) -> Vec<f32> {
+    (0..w.rows)
+        .map(|r| {
+            let v = (dot(&row_f32(w, r), x) + bias.map_or(0.0, |b| b[r] as f64)) as f32;
+            if relu {
+                v.max(0.0)
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+/// `ffn_hot_*` over neurons `bucket` of the full (n_ff-row) matrices: h[i] for neuron bucket[i],
+/// 0 where the predictor's logit is below the threshold.
+pub fn ffn_hot(
+    gate: Option<&QMatrix>,
+    up: &QMatrix,
+    bucket: &[u32],
+    x: &[f32],
+    up_bias: Option<&[f32]>,
+    pred: Option<(&[f32], f32)>,
+    act: FfnActivation,
+) -> Vec<f32> {
+    bucket
+        .iter()
+        .map(|&j| {
+            let j = j as usize;
+            if let Some((logits, thr)) = pred {
+                if !(logits[j] >= thr) {
+                    return 0.0;
+                }
+            }
+            let g = gate.map_or(0.0, |g| dot(&row_f32(g, j), x) as f32);
+            let u = (dot(&row_f32(up, j), x) + up_bias.map_or(0.0, |b| b[j] as f64)) as f32;
+            act.apply(g, u)
+        })
+        .collect()
+}
+
+/// `down_partial_*` summed by `ffn_merge`: out = sum_i h[i] * down_t[bucket[i]].
+pub fn down(down_t: &QMatrix, bucket: &[u32], h: &[f32]) -> Vec<f32> {
+    let mut out = vec![0.0f64; down_t.cols];
+    for (&j, &a) in bucket.iter().zip(h) {
+        if a != 0.0 {
+            for (o, v) in out.iter_mut().zip(row_f32(down_t, j as usize)) {
+                *o += a as f64 * v as f64;
+            }
+        }
+    }
+    out.into_iter().map(|v| v as f32).collect()
+}
+
+/// `rmsnorm`
+pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let ss = x.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / x.len() as f64;
+    let scale = 1.0 / (ss + eps as f64).sqrt();
+    x.iter().zip(w).map(|(&v, &wi)| (v as f64 * scale * wi as f64) as f32).collect()
+}
+
+/// `rope` on every head of x at one position.
+pub fn rope(x: &mut [f32], cos: &[f32], sin: &[f32], head_dim: usize, rope_dim: usize, neox: bool) {
+    let half = rope_dim / 2;
+    for head in x.chunks_exact_mut(head_dim) {
+        for i in 0..half {
+            let (a, b) = if neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
+            let (x0, x1) = (head[a] as f64, head[b] as f64);
+            let (c, s) = (cos[i] as f64, sin[i] as f64);
+            head[a] = (x0 * c - x1 * s) as f32;
+            head[b] = (x0 * s + x1 * c) as f32;
+        }
+    }
+}
+
+/// `attention`: one query (n_head * head_dim) over the first `len` positions of f32 caches
+/// (len, n_head_kv * head_dim).
+pub fn attention(q: &[f32], k: &[f32], v: &[f32], len: usize, n_head: usize, n_head_kv: usize, head_dim: usize) -> Vec<f32> {
+    let kv_dim = n_head_kv * head_dim;
+    let scale = 1.0 / (head_dim as f64).sqrt();
+    let mut out = vec![0.0f32; n_head * head_dim];
+    for h in 0..n_head {
+        let g = h / (n_head / n_head_kv);
+        let qh = &q[h * head_dim..(h + 1) * head_dim];
+        let scores: Vec<f64> = (0..len).map(|t| dot(qh, &k[t * kv_dim + g * head_dim..][..head_dim]) * scale).collect();
+        let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+        let sum: f64 = e.iter().sum();
+        for d in 0..head_dim {
+            let acc: f64 = (0..len).map(|t| e[t] * v[t * kv_dim + g * head_dim + d] as f64).sum();
+            out[h * head_dim + d] = (acc / sum) as f32;
+        }
+    }
+    out
+}

@@ -1,0 +1,200 @@
+//! Every GPU kernel against its scalar CPU twin (`twin.rs`) on fresh random inputs, with the
+//! outputs poisoned (NaN) before each launch so an unwritten element fails. Without a driver or
+//! GPU each test prints why and returns, unless POWERINFER_REQUIRE_GPU=1 (set by
+//! `scripts/gpu_suite.sh`), which turns a missing GPU into a failure.
+
+use powerinfer_core::matmul::QMatrix;
+use powerinfer_core::model::FfnActivation;
+use powerinfer_core::quant::{dequantize_row, quantize_row, DType};
+use powerinfer_core::sampler::Rng;
+use powerinfer_cuda::gpu::Gpu;
+use powerinfer_cuda::twin;
+
+fn gpu() -> Option<Gpu> {
+    match Gpu::open(0) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            assert!(std::env::var("POWERINFER_REQUIRE_GPU").as_deref() != Ok("1"), "POWERINFER_REQUIRE_GPU=1 but no GPU: {e}");
+            eprintln!("skipped, no GPU: {e}");
+            None
+        }
+    }
+}
+
+fn random(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| (rng.next_f32() * 2.0 - 1.0) * scale).collect()
+}
+
+fn matrix(rng: &mut Rng, dtype: DType, rows: usize, cols: usize) -> Vec<u8> {
+    (0..rows).flat_map(|_| quantize_row(dtype, &random(rng, cols, 0.5))).collect()
+}
+
+/// ||a - b|| / ||b||, and no NaN anywhere in a.
+fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    assert!(a.iter().all(|v| v.is_finite()), "unwritten or non-finite output");
+    let num: f64 = a.iter().zip(b).map(|(&x, &y)| (x as f64 - y as f64).powi(2)).sum();
+    let den: f64 = b.iter().map(|&y| (y as f64).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+fn poisoned(gpu: &Gpu, n: usize) -> cudarc::driver::CudaSlice<f32> {
+    gpu.upload(&vec![f32::NAN; n]).unwrap()
+}
+
+const TYPES: [DType; 5] = [DType::F32, DType::F16, DType::Q4_0, DType::Q4_1, DType::Q8_0];
+
+#[test]
+fn matvec_matches_twin() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new(1);
+    // 4100 rows: not a multiple of the 4 rows per block; 5120 and 96 columns: wide and narrow
+    for dtype in TYPES {
+        for (rows, cols) in [(4100, 5120), (37, 96)] {
+            let data = matrix(&mut rng, dtype, rows, cols);
+            let m = QMatrix { dtype, rows, cols, data: &data };
+            let x = random(&mut rng, cols, 1.0);
+            let bias = random(&mut rng, rows, 1.0);
+            let dm = g.upload_rows(&m, None).unwrap();
+            let dx = g.upload(&x).unwrap();
+            let db = g.upload(&bias).unwrap();
+            for relu in [false, true] {
+                let mut dy = poisoned(&g, rows);
+                g.matvec(&dm, &dx, Some(&db), &mut dy, relu).unwrap();
+                let mut y = vec![0.0; rows];
+                g.read(&dy, &mut y).unwrap();
+                let err = rel_err(&y, &twin::matvec(&m, &x, Some(&bias), relu));
+                assert!(err < 1e-5, "{dtype:?} {rows}x{cols} relu={relu}: {err}");
+            }
+        }
+    }
+}
+
+#[test]
+fn ffn_hot_and_down_match_twin() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new(2);
+    let (n_embd, n_ff) = (1024, 3000);
+    for dtype in TYPES {
+        for act in [FfnActivation::ReGlu, FfnActivation::SwiGlu, FfnActivation::DReGlu] {
+            let (gd, ud, dd) = (matrix(&mut rng, dtype, n_ff, n_embd), matrix(&mut rng, dtype, n_ff, n_embd), matrix(&mut rng, dtype, n_ff, n_embd));
+            let gate = QMatrix { dtype, rows: n_ff, cols: n_embd, data: &gd };
+            let up = QMatrix { dtype, rows: n_ff, cols: n_embd, data: &ud };
+            let down_t = QMatrix { dtype, rows: n_ff, cols: n_embd, data: &dd };
+            // a scattered hot set (the GPU bucket), 1 neuron in 3
+            let bucket: Vec<u32> = (0..n_ff as u32).filter(|j| (j * 7919) % 3 == 0).collect();
+            let x = random(&mut rng, n_embd, 1.0);
+            let logits = random(&mut rng, n_ff, 1.0);
+            let thr = 0.3; // about a third of the rows pass
+            let dgate = g.upload_rows(&gate, Some(&bucket)).unwrap();
+            let dup = g.upload_rows(&up, Some(&bucket)).unwrap();
+            let ddown = g.upload_rows(&down_t, Some(&bucket)).unwrap();
+            let dbucket = g.upload(&bucket.iter().map(|&j| j as i32).collect::<Vec<_>>()).unwrap();
+            let (dx, dlogits) = (g.upload(&x).unwrap(), g.upload(&logits).unwrap());
+            for pred in [true, false] {
+                let mut dh = poisoned(&g, bucket.len());
+                let p = pred.then_some(&dlogits);
+                g.ffn_hot(Some(&dgate), &dup, &dbucket, &dx, None, p, thr, act, &mut dh).unwrap();
+                let mut h = vec![0.0; bucket.len()];
+                g.read(&dh, &mut h).unwrap();
+                let want = twin::ffn_hot(Some(&gate), &up, &bucket, &x, None, pred.then_some((&logits[..], thr)), act);
+                assert!(rel_err(&h, &want) < 1e-5, "{dtype:?} {act:?} pred={pred}");
+                if pred {
+                    // early exit: rows the predictor rejects are exactly zero
+                    for (i, &j) in bucket.iter().enumerate() {
+                        if logits[j as usize] < thr {
+                            assert_eq!(h[i], 0.0);
+                        }
+                    }
+                }
+
+                // down: the partial sums merged into a residual, plus a CPU part and a bias
+                let base = random(&mut rng, n_embd, 1.0);
+                let cpu_part = random(&mut rng, n_embd, 1.0);
+                let bias = random(&mut rng, n_embd, 1.0);
+                let mut dx_res = g.upload(&base).unwrap();
+                let mut partial = poisoned(&g, bucket.len().div_ceil(powerinfer_cuda::gpu::ROWS_PER_CHUNK) * n_embd);
+                let chunks = g.down_partial(&ddown, &dh, &mut partial).unwrap();
+                let (dcpu, dbias) = (g.upload(&cpu_part).unwrap(), g.upload(&bias).unwrap());
+                g.ffn_merge(&mut dx_res, &partial, chunks, Some(&dcpu), Some(&dbias), n_embd).unwrap();
+                let mut got = vec![0.0; n_embd];
+                g.read(&dx_res, &mut got).unwrap();
+                let d = twin::down(&down_t, &bucket, &h);
+                let want: Vec<f32> = (0..n_embd).map(|c| base[c] + d[c] + cpu_part[c] + bias[c]).collect();
+                assert!(rel_err(&got, &want) < 1e-5, "down {dtype:?} {act:?} pred={pred}");
+            }
+        }
+    }
+}
+
+#[test]
+fn norm_rope_attention_match_twin() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new(3);
+    // rmsnorm
+    let n = 5120;
+    let (x, w) = (random(&mut rng, n, 2.0), random(&mut rng, n, 1.0));
+    let mut dout = poisoned(&g, n);
+    g.rmsnorm(&g.upload(&x).unwrap(), &g.upload(&w).unwrap(), &mut dout, n, 1e-5).unwrap();
+    let mut out = vec![0.0; n];
+    g.read(&dout, &mut out).unwrap();
+    assert!(rel_err(&out, &twin::rmsnorm(&x, &w, 1e-5)) < 1e-5);
+
+    // rope, both styles, partial rotary dimension
+    let (n_head, hd, rd) = (8, 128, 64);
+    for neox in [false, true] {
+        let q = random(&mut rng, n_head * hd, 1.0);
+        let angles: Vec<f32> = (0..rd / 2).map(|i| 37.0 * 10000f32.powf(-2.0 * i as f32 / rd as f32)).collect();
+        let (cos, sin): (Vec<f32>, Vec<f32>) = angles.iter().map(|a| (a.cos(), a.sin())).unzip();
+        let mut dq = g.upload(&q).unwrap();
+        g.rope(&mut dq, &g.upload(&cos).unwrap(), &g.upload(&sin).unwrap(), n_head, hd, rd, neox).unwrap();
+        let mut got = vec![0.0; q.len()];
+        g.read(&dq, &mut got).unwrap();
+        let mut want = q.clone();
+        twin::rope(&mut want, &cos, &sin, hd, rd, neox);
+        assert!(rel_err(&got, &want) < 1e-6, "rope neox={neox}");
+    }
+
+    // kv_store + attention (GQA 8 query heads on 2 kv heads), f32 and f16 caches
+    let (n_head, n_head_kv, hd, n_ctx) = (8, 2, 64, 300);
+    let kv_dim = n_head_kv * hd;
+    for f16 in [false, true] {
+        let elem = if f16 { 2 } else { 4 };
+        let mut kc = g.zeros::<u8>(n_ctx * kv_dim * elem).unwrap();
+        let mut vc = g.zeros::<u8>(n_ctx * kv_dim * elem).unwrap();
+        let (mut ks, mut vs) = (Vec::new(), Vec::new());
+        let len = 257;
+        for pos in 0..len {
+            let (k, v) = (random(&mut rng, kv_dim, 1.0), random(&mut rng, kv_dim, 1.0));
+            g.kv_store(&g.upload(&k).unwrap(), &g.upload(&v).unwrap(), &mut kc, &mut vc, pos, kv_dim, f16).unwrap();
+            // the twin sees what the cache holds: f16-rounded values for an f16 cache
+            let round = |x: Vec<f32>| -> Vec<f32> {
+                if !f16 {
+                    return x;
+                }
+                let mut out = vec![0.0; x.len()];
+                dequantize_row(DType::F16, &quantize_row(DType::F16, &x), &mut out);
+                out
+            };
+            ks.extend(round(k));
+            vs.extend(round(v));
+        }
+        let q = random(&mut rng, n_head * hd, 1.0);
+        let mut scores = poisoned(&g, n_head * n_ctx);
+        let mut dout = poisoned(&g, n_head * hd);
+        g.attention(&g.upload(&q).unwrap(), &kc, &vc, &mut scores, &mut dout, len, n_ctx, n_head, n_head_kv, hd, f16).unwrap();
+        let mut got = vec![0.0; n_head * hd];
+        g.read(&dout, &mut got).unwrap();
+        let want = twin::attention(&q, &ks, &vs, len, n_head, n_head_kv, hd);
+        assert!(rel_err(&got, &want) < 1e-5, "attention f16={f16}");
+    }
+}
+
+#[test]
+fn kv_store_past_the_cache_is_an_error() {
+    let Some(g) = gpu() else { return };
+    let mut kc = g.zeros::<u8>(4 * 8 * 4).unwrap();
+    let mut vc = g.zeros::<u8>(4 * 8 * 4).unwrap();
+    let k = g.upload(&[1.0f32; 8]).unwrap();
+    assert!(g.kv_store(&k, &k, &mut kc, &mut vc, 4, 8, false).is_err());
+}
