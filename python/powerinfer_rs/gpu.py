@@ -1,0 +1,150 @@
+"""Device selection and GPU placement for `Engine.load(device=..., vram_budget=...)`.
+
+What goes to the GPU, in the order PowerInfer fills VRAM: each layer's attention, norms and
+predictor (layer by layer, while they fit), the KV cache of those layers, the output layer if
+every layer fit, then the hot FFN neurons in the space left. The neuron split comes from
+
+1. `<model>.generated.gpuidx` (PowerInfer's file, written by `powerinfer-rs place`), when its
+   `split.vram_capacity` equals the budget;
+2. else a profile (`profile=` or `<model>.profile.npz`), solved with the placement ILP and
+   written to `<model>.generated.gpuidx`;
+3. else an even split: the same share of every layer's neurons (lowest indices first), with a
+   notice, since without activation counts nothing says which neurons are hot.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import _core
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def notice(msg: str) -> None:
+    print(f"powerinfer-rs: {msg}", file=sys.stderr)
+
+
+def cuda_available() -> tuple[bool, str]:
+    """(usable, why not)."""
+    try:
+        devices = _core.cuda_devices()
+    except _core.CudaUnavailableError as e:
+        return False, str(e)
+    return bool(devices), "no CUDA device"
+
+
+def gpu_unsupported_reason(cfg: dict, sparsity: str) -> str | None:
+    """Why this model or mode cannot use the GPU executor, or None."""
+    if cfg["architecture"] not in ("llama", "mistral", "qwen2", "bamboo"):
+        return f"the GPU executor runs LLaMA-family models; {cfg['architecture']} runs on the CPU"
+    if sparsity == "threshold":
+        return "threshold sparsity runs on the CPU only (use 'predictor' or 'dense' on the GPU)"
+    return None
+
+
+@dataclass
+class GpuPlacement:
+    """The split handed to `_core.GpuModel`, and where it came from."""
+
+    budget: int
+    dense_on_gpu: list[bool]
+    neuron_on_gpu: list[np.ndarray]
+    output_on_gpu: bool
+    source: str  # "gpuidx", "profile", "even", "all", "layers"
+    gpuidx_path: str | None = None
+    hot_share: list[float] | None = None  # per layer, from a profile: activations the GPU neurons carry
+    notes: list[str] = field(default_factory=list)
+
+
+def _dense_first(mb, budget: int, kv_bytes_per_layer: float) -> tuple[list[bool], bool, int]:
+    """Layers whose attention/norms/predictor (plus their KV cache) fit, in order; then the
+    output if every layer fit. Returns (dense_on_gpu, output_on_gpu, bytes left)."""
+    left = budget
+    dense = []
+    for l in range(mb.n_layer):
+        need = mb.layer_dense_bytes[l] + kv_bytes_per_layer
+        if len(dense) == l and need <= left:
+            left -= need
+            dense.append(True)
+        else:
+            dense.append(False)
+    output = all(dense) and mb.output_bytes <= left
+    if output:
+        left -= mb.output_bytes
+    return dense, output, int(left)
+
+
+def plan_gpu(
+    path: str,
+    budget: int,
+    n_ctx: int,
+    kv_type: str,
+    profile: str | None = None,
+    gpu_layers: int | None = None,
+) -> GpuPlacement:
+    """The GPU split for `path` under `budget` bytes (see the module doc). `gpu_layers` asks for
+    llama.cpp-style layer offload instead: the first `gpu_layers` layers wholly on the GPU."""
+    from .offline.placement import gpu_index_path, model_bytes, plan, write_gpu_index, measure_cpu_bandwidth
+
+    mb = model_bytes(path, n_ctx)
+    kv_per_layer = mb.kv_cache_bytes / mb.n_layer  # f16, as model_bytes counts it
+    if kv_type == "f32":
+        kv_per_layer *= 2
+    n_ff = mb.n_ff
+    if gpu_layers is not None:
+        if not isinstance(gpu_layers, int) or isinstance(gpu_layers, bool) or not (0 <= gpu_layers <= mb.n_layer):
+            raise ValueError(f"gpu_layers must be an int in [0, {mb.n_layer}], got {gpu_layers!r}")
+        dense = [l < gpu_layers for l in range(mb.n_layer)]
+        neurons = [np.full(n_ff, l < gpu_layers) for l in range(mb.n_layer)]
+        return GpuPlacement(budget, dense, neurons, gpu_layers == mb.n_layer, "layers")
+
+    dense, output, left = _dense_first(mb, budget, kv_per_layer)
+    if not any(dense):
+        raise ValueError(
+            f"VRAM budget of {budget} bytes does not hold layer 0's attention, norms and KV cache "
+            f"({int(mb.layer_dense_bytes[0] + kv_per_layer)} bytes); use a larger budget or device='cpu'"
+        )
+    ffn_total = float(np.sum(mb.neuron_bytes) * n_ff)
+    if left >= ffn_total:
+        return GpuPlacement(budget, dense, [np.full(n_ff, d) for d in dense], output, "all")
+
+    idx_path = gpu_index_path(path)
+    if os.path.exists(idx_path):
+        index = _core.read_gpu_index(idx_path)
+        if index["vram_capacity"] == budget and len(index["gpu_idx"]) == mb.n_layer:
+            masks = [np.asarray(m).astype(bool) for m in index["gpu_idx"]]
+            if any(len(m) != n_ff for m in masks):
+                raise _core.ModelError(f"{idx_path} does not match the model's {n_ff} neurons per layer")
+            return GpuPlacement(budget, dense, masks, output, "gpuidx", idx_path)
+
+    if profile is None and os.path.exists(path + ".profile.npz"):
+        profile = path + ".profile.npz"
+    if profile is not None:
+        from .offline.profiling import load_profile
+
+        prof = load_profile(profile)
+        freq = [np.asarray(c, dtype=np.float64) / max(prof["n_tokens"], 1) for c in prof["counts"]]
+        p = plan(mb, freq, budget, measure_cpu_bandwidth(), 1000e9, 20e-6)
+        masks = []
+        for g in p.solution.gpu_neurons:
+            m = np.zeros(n_ff, dtype=bool)
+            m[np.asarray(g, dtype=np.int64)] = True
+            masks.append(m)
+        write_gpu_index(idx_path, p.solution.gpu_neurons, n_ff, budget)
+        return GpuPlacement(budget, dense, masks, output, "profile", idx_path, [float(h) for h in p.hot_share])
+
+    # no counts: the same share of every GPU layer's neurons
+    per_layer_bytes = np.asarray(mb.neuron_bytes, dtype=np.float64)
+    gpu_layers_bytes = float(sum(b for b, d in zip(per_layer_bytes, dense) if d))
+    k = int(min(n_ff, left // max(gpu_layers_bytes, 1.0))) if gpu_layers_bytes else 0
+    masks = [np.arange(n_ff) < (k if d else 0) for d in dense]
+    note = (
+        f"no activation profile for {os.path.basename(path)}: {k} of {n_ff} neurons per layer go to the GPU, "
+        "chosen by index; run `powerinfer-rs profile` and `place` for a measured hot set"
+    )
+    return GpuPlacement(budget, dense, masks, output, "even", notes=[note])

@@ -1,0 +1,185 @@
+"""Device selection, GPU placement, and the hybrid CPU+GPU executor.
+
+Tests marked `gpu` need an NVIDIA driver and GPU and skip cleanly without; `scripts/gpu_suite.sh`
+runs them (and the Rust kernel tests, and the GPU benchmark) in one call on a GPU machine. The
+others check the host side everywhere: device fallback and errors, and the placement that
+decides what goes to the GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from powerinfer_rs import Engine, _core
+from powerinfer_rs.gpu import plan_gpu
+from powerinfer_rs.offline.placement import model_bytes, write_gpu_index
+from synth import write_model, write_powerinfer_model
+
+try:
+    HAVE_GPU = bool(_core.cuda_devices())
+except _core.CudaUnavailableError:
+    HAVE_GPU = False
+
+gpu = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(not HAVE_GPU, reason="needs an NVIDIA driver and GPU")
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="checks the no-GPU behaviour")
+def test_cuda_without_gpu_raises(tmp_path):
+    path = write_model(tmp_path / "m.gguf")
+    with pytest.raises(_core.CudaUnavailableError, match="device='cuda'"):
+        Engine.load(path, device="cuda")
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="checks the no-GPU behaviour")
+def test_auto_without_gpu_falls_back_with_one_notice(tmp_path, capsys):
+    path = write_model(tmp_path / "m.gguf")
+    e = Engine.load(path, device="auto", vram_budget="1GiB")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.device == "cpu" and e.gpu_report() is None
+    assert len(err) == 1 and "running on the CPU" in err[0]
+    cpu = Engine.load(path, device="cpu")
+    assert e.generate("the", max_tokens=6, seed=1) == cpu.generate("the", max_tokens=6, seed=1)
+
+
+def test_bad_device_arguments(tmp_path):
+    path = write_model(tmp_path / "m.gguf")
+    with pytest.raises(ValueError, match="device must be"):
+        Engine.load(path, device="gpu")
+    with pytest.raises(ValueError, match="cannot read the size"):
+        Engine.load(path, device="auto", vram_budget="plenty")
+    with pytest.raises(ValueError, match="vram_budget must be positive"):
+        Engine.load(path, device="auto", vram_budget=0)
+
+
+def _model(tmp_path, **kw):
+    return write_powerinfer_model(tmp_path / "pw.gguf", n_layer=4, n_ff=256, **kw)
+
+
+def test_plan_everything_fits(tmp_path):
+    path = _model(tmp_path)
+    p = plan_gpu(path, 1 << 30, 64, "f16")
+    assert p.source == "all" and all(p.dense_on_gpu) and p.output_on_gpu
+    assert all(m.all() for m in p.neuron_on_gpu)
+
+
+def test_plan_dense_first_then_an_even_split(tmp_path):
+    path = _model(tmp_path)
+    mb = model_bytes(path, 64)
+    kv = mb.kv_cache_bytes / mb.n_layer
+    dense = int(sum(mb.layer_dense_bytes + kv) + mb.output_bytes)
+    # room for the dense part and 100 neurons per layer
+    budget = dense + int(100 * float(np.sum(mb.neuron_bytes))) + 1
+    p = plan_gpu(path, budget, 64, "f16")
+    assert p.source == "even" and all(p.dense_on_gpu) and p.output_on_gpu
+    counts = [int(m.sum()) for m in p.neuron_on_gpu]
+    assert counts == [100] * 4, counts
+    assert p.notes and "no activation profile" in p.notes[0]
+    # bytes placed stay within the budget
+    used = dense + sum(c * b for c, b in zip(counts, mb.neuron_bytes))
+    assert used <= budget
+
+
+def test_plan_reads_a_matching_gpuidx_and_ignores_another_budget(tmp_path):
+    path = _model(tmp_path)
+    mb = model_bytes(path, 64)
+    budget = int(sum(mb.layer_dense_bytes) + mb.kv_cache_bytes + mb.output_bytes + 50 * float(np.sum(mb.neuron_bytes)))
+    rng = np.random.default_rng(0)
+    chosen = [np.sort(rng.choice(256, size=40, replace=False)) for _ in range(4)]
+    write_gpu_index(path + ".generated.gpuidx", chosen, 256, budget)
+    p = plan_gpu(path, budget, 64, "f16")
+    assert p.source == "gpuidx"
+    for m, c in zip(p.neuron_on_gpu, chosen):
+        assert np.array_equal(np.flatnonzero(m), c)
+    # another budget: the file does not apply
+    assert plan_gpu(path, budget + 4096, 64, "f16").source == "even"
+
+
+def test_plan_too_small_and_layer_offload(tmp_path):
+    path = _model(tmp_path)
+    with pytest.raises(ValueError, match="does not hold layer 0"):
+        plan_gpu(path, 1000, 64, "f16")
+    p = plan_gpu(path, 1 << 30, 64, "f16", gpu_layers=3)
+    assert p.source == "layers" and p.dense_on_gpu == [True, True, True, False] and not p.output_on_gpu
+    assert [bool(m.all()) for m in p.neuron_on_gpu] == [True, True, True, False]
+    assert not p.neuron_on_gpu[3].any()
+    with pytest.raises(ValueError, match="gpu_layers"):
+        plan_gpu(path, 1 << 30, 64, "f16", gpu_layers=5)
+
+
+# ----------------------------------------------------------------------------- on the GPU
+
+
+def _greedy(engine, prompt, n=24):
+    return engine.generate(prompt, max_tokens=n, temperature=0.0)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [Q.F16, Q.Q8_0, Q.F32])
+def test_hybrid_matches_cpu_on_a_relu_model(tmp_path, dtype):
+    """ReGLU model with predictors: full GPU, a hot/cold split, and layer offload all give the
+    CPU's greedy tokens and logits close to the CPU's."""
+    path = write_powerinfer_model(tmp_path / "pw.gguf", n_layer=4, n_ff=256, n_embd=128, n_head=4, dtype=dtype)
+    cpu = Engine.load(path, device="cpu", n_ctx=128)
+    want = _greedy(cpu, "the the")
+    ids = cpu.tokenize("in the an the", add_bos=False)
+    ref = cpu.logits(ids)
+    mb = model_bytes(path, 128)
+    dense = int(sum(mb.layer_dense_bytes) + mb.kv_cache_bytes + mb.output_bytes)
+    split = dense + int(100 * float(np.sum(mb.neuron_bytes)))
+    for kwargs in (dict(), dict(vram_budget=split), dict(gpu_layers=2)):
+        e = Engine.load(path, device="cuda", n_ctx=128, **kwargs)
+        assert e.device == "cuda"
+        r = e.gpu_report()
+        assert r["weight_bytes"] > 0
+        assert _greedy(e, "the the") == want, kwargs
+        got = e.logits(ids)
+        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert err < 2e-2, (kwargs, err)
+        if "vram_budget" in kwargs:
+            assert 0 < r["hot_neurons"] < r["total_neurons"]
+            assert 0 < e.last_stats.get("gpu_neuron_share", 0) < 1
+
+
+@gpu
+@needs_gpu
+def test_hybrid_matches_cpu_on_smollm2():
+    from powerinfer_rs.models import default_model_path
+
+    try:
+        path = default_model_path()
+    except Exception as e:  # pragma: no cover - the model package is a test dependency
+        pytest.skip(str(e))
+    cpu = Engine.load(path, device="cpu", n_ctx=256)
+    prompt = "The three primary colors are"
+    want = _greedy(cpu, prompt, 32)
+    full = Engine.load(path, device="cuda", n_ctx=256)
+    assert _greedy(full, prompt, 32) == want
+    # a budget that holds the dense part and about half the neurons: a real hot/cold split
+    mb = model_bytes(path, 256)
+    dense = int(sum(mb.layer_dense_bytes) + mb.kv_cache_bytes + mb.output_bytes)
+    half = dense + int(0.5 * mb.n_ff * float(np.sum(mb.neuron_bytes)))
+    hybrid = Engine.load(path, device="cuda", n_ctx=256, vram_budget=half)
+    r = hybrid.gpu_report()
+    assert 0.3 < r["hot_neuron_fraction"] < 0.7
+    assert _greedy(hybrid, prompt, 32) == want
+
+
+@gpu
+@needs_gpu
+def test_gpu_rejects_cpu_only_modes(tmp_path):
+    path = _model(tmp_path)
+    e = Engine.load(path, device="cuda", n_ctx=64)
+    with pytest.raises(ValueError, match="threshold sparsity runs on the CPU"):
+        e.set_sparsity("threshold", target_sparsity=0.5, calibration_text="the the an in " * 50)
+    with pytest.raises(_core.CudaUnavailableError):
+        _core.GpuModel(e._model, [True] * 4, [[True] * 256] * 4, True, device=99)
+    falcon = write_powerinfer_model(tmp_path / "f.gguf", arch="falcon", n_layer=2, n_ff=128)
+    with pytest.raises(_core.GpuError, match="LLaMA-family"):
+        Engine.load(falcon, device="cuda")
