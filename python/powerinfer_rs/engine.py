@@ -220,6 +220,8 @@ class Engine:
             sparsity = "predictor" if has_pred else "dense"
         if sparsity not in ("dense", "predictor", "threshold"):
             raise ValueError(f"sparsity must be 'dense', 'predictor' or 'threshold', got {sparsity!r}")
+        if sparsity == "threshold" and self._gpu_model is not None:
+            raise ValueError("threshold sparsity runs on the CPU only; load with device='cpu', or use 'predictor' or 'dense' on the GPU")
         if sparsity == "predictor" and not has_pred:
             raise ValueError(
                 "sparsity='predictor' needs a model with predictors (blk.N.fc1/fc2, as in PowerInfer GGUF files); "

@@ -75,7 +75,7 @@ def profile(
         raise ValueError(f"train_tokens must be an int >= 0, got {train_tokens!r}")
     if not (isinstance(target_sparsity, (int, float)) and 0.0 <= target_sparsity < 1.0):
         raise ValueError(f"target_sparsity must be in [0, 1), got {target_sparsity!r}")
-    engine = Engine.load(model, threads=threads, n_ctx=window, sparsity="dense")
+    engine = Engine.load(model, threads=threads, n_ctx=window, sparsity="dense", device="cpu")  # capture is CPU-only
     cfg = engine.config
     n_layer, n_embd, n_ff = cfg["n_layer"], cfg["n_embd"], cfg["n_ff"]
     activation = cfg["ffn_activation"]
