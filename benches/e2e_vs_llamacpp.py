@@ -114,7 +114,7 @@ def main() -> None:
 
     path = args.model or default_model_path()
     n_ctx = args.prompt_tokens + args.gen_tokens + 16
-    ids = Engine.load(path, threads=1).tokenize(prompt_text())[: args.prompt_tokens]
+    ids = Engine.load(path, threads=1, device="cpu").tokenize(prompt_text())[: args.prompt_tokens]
     if len(ids) < args.prompt_tokens:
         raise SystemExit(f"prompt text has only {len(ids)} tokens")
 

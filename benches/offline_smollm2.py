@@ -95,9 +95,9 @@ def main() -> None:
     preds = offline.load_predictors(pred_path)
     text = offline.profiling.read_corpus(os.path.join(DOCS, "tutorial"), max_chars=a.eval_chars)
 
-    dense_src = Engine.load(src, sparsity="dense")
-    dense_conv = Engine.load(out_path, sparsity="dense")
-    sparse_conv = Engine.load(out_path, sparsity="predictor")
+    dense_src = Engine.load(src, sparsity="dense", device="cpu")
+    dense_conv = Engine.load(out_path, sparsity="dense", device="cpu")
+    sparse_conv = Engine.load(out_path, sparsity="predictor", device="cpu")
     ids = dense_src.tokenizer.encode(text)
     recall, pred_sparsity = predictor_quality(dense_conv, ids, prof, preds, a.ctx)
 

@@ -128,9 +128,9 @@ def cmd_synthetic(a) -> None:
         write_synthetic(path, a.layers)
         print(f"wrote {path} ({os.path.getsize(path) / 2**20:.0f} MiB) in {time.time() - t:.0f} s")
     prompt = list(range(3, 35))
-    dense = Engine.load(path, threads=a.threads, n_ctx=512, sparsity="dense")
-    pred = Engine.load(path, threads=a.threads, n_ctx=512, sparsity="predictor")
-    check = Engine.load(path, threads=a.threads, n_ctx=512, sparsity="predictor", predictor_recall=True)
+    dense = Engine.load(path, threads=a.threads, n_ctx=512, sparsity="dense", device="cpu")
+    pred = Engine.load(path, threads=a.threads, n_ctx=512, sparsity="predictor", device="cpu")
+    check = Engine.load(path, threads=a.threads, n_ctx=512, sparsity="predictor", device="cpu", predictor_recall=True)
     check.generate(prompt, max_tokens=a.tokens)
     res = paired({"dense": dense, "predictor": pred}, prompt, a.tokens, a.repeats)
     ratios = [p / d for p, d in zip(res["predictor"], res["dense"])]
@@ -160,14 +160,14 @@ def cmd_smollm2(a) -> None:
           f"python3.11-doc tutorial text ({len(text)} chars), ctx {a.ctx}; {a.threads} threads")
     print("| target sparsity | measured FFN sparsity | perplexity | vs dense |")
     print("|---|---|---|---|")
-    dense = Engine.load(threads=a.threads, sparsity="dense")
+    dense = Engine.load(threads=a.threads, sparsity="dense", device="cpu")
     base = dense.perplexity(text, ctx=a.ctx)
     print(f"| dense | 0.0% | {base:.3f} | |")
     for target in (0.3, 0.5, 0.7):
-        e = Engine.load(threads=a.threads, sparsity="threshold", target_sparsity=target)
+        e = Engine.load(threads=a.threads, sparsity="threshold", device="cpu", target_sparsity=target)
         ppl = e.perplexity(text, ctx=a.ctx)
         print(f"| {target:.0%} | {e.last_stats['ffn_sparsity']:.1%} | {ppl:.3f} | {ppl / base - 1:+.1%} |")
-    sparse = Engine.load(threads=a.threads, sparsity="threshold", target_sparsity=0.5)
+    sparse = Engine.load(threads=a.threads, sparsity="threshold", device="cpu", target_sparsity=0.5)
     prompt = dense.tokenize(text[:2000])[:128]
     res = paired({"dense": dense, "threshold-0.5": sparse}, prompt, a.tokens, a.repeats)
     ratios = [s / d for s, d in zip(res["threshold-0.5"], res["dense"])]
