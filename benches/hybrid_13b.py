@@ -71,14 +71,16 @@ def write_model(path: str, n_layer: int, n_embd: int, n_ff: int, n_head: int, hi
 
     inv = NormalDist().inv_cdf
     probs = [firing_probabilities(rng, n_ff, mean, alpha) for _ in range(n_layer)]
-    tensors: list[tuple[str, callable]] = []
+    # (name, shape, maker): written one at a time, in this order
+    tensors: list[tuple[str, tuple[int, ...], callable]] = []
     emb = rng.standard_normal((n_vocab, n_embd)).astype(np.float32)
     emb[:, 0] = 4.0  # the constant component predictor hidden unit 0 reads
-    tensors.append(("token_embd.weight", lambda: emb.astype(np.float16)))
+    tensors.append(("token_embd.weight", (n_vocab, n_embd), lambda: emb.astype(np.float16)))
+    ones = lambda: np.ones(n_embd, dtype=np.float32)  # noqa: E731
     for l in range(n_layer):
         p = f"blk.{l}."
 
-        def fc1(l=l):
+        def fc1():
             a = (rng.standard_normal((hidden, n_embd)) / np.sqrt(n_embd)).astype(np.float32)
             a[0] = 0.0
             a[0, 0] = 0.25  # relu(x[0] / 4) = 1
@@ -89,36 +91,22 @@ def write_model(path: str, n_layer: int, n_embd: int, n_ff: int, n_head: int, hi
             noise[:, 0] = [inv(float(min(max(q, 1e-6), 1 - 1e-6))) for q in probs[l]]
             return noise.astype(np.float16)
 
-        ones = lambda: np.ones(n_embd, dtype=np.float32)  # noqa: E731
+        sq, ff = (n_embd, n_embd), (n_ff, n_embd)
         tensors += [
-            (p + "fc1.weight", fc1),
-            (p + "fc2.weight", fc2),
-            (p + "attn_norm.weight", ones),
-            (p + "attn_q.weight", lambda: big(n_embd, n_embd)),
-            (p + "attn_k.weight", lambda: big(n_embd, n_embd)),
-            (p + "attn_v.weight", lambda: big(n_embd, n_embd)),
-            (p + "attn_output.weight", lambda: big(n_embd, n_embd) * np.float16(0.1)),
-            (p + "ffn_norm.weight", ones),
-            (p + "ffn_gate.weight", lambda: big(n_ff, n_embd)),
-            (p + "ffn_up.weight", lambda: big(n_ff, n_embd)),
-            (p + "ffn_down_t.weight", lambda: big(n_ff, n_embd) * np.float16(0.1)),
+            (p + "fc1.weight", (hidden, n_embd), fc1),
+            (p + "fc2.weight", (n_ff, hidden), fc2),
+            (p + "attn_norm.weight", (n_embd,), ones),
+            (p + "attn_q.weight", sq, lambda: big(*sq)),
+            (p + "attn_k.weight", sq, lambda: big(*sq)),
+            (p + "attn_v.weight", sq, lambda: big(*sq)),
+            (p + "attn_output.weight", sq, lambda: big(*sq) * np.float16(0.1)),
+            (p + "ffn_norm.weight", (n_embd,), ones),
+            (p + "ffn_gate.weight", ff, lambda: big(*ff)),
+            (p + "ffn_up.weight", ff, lambda: big(*ff)),
+            (p + "ffn_down_t.weight", ff, lambda: big(*ff) * np.float16(0.1)),
         ]
-    tensors.append(("output_norm.weight", lambda: np.ones(n_embd, dtype=np.float32)))
-    tensors.append(("output.weight", lambda: big(n_vocab, n_embd)))
-
-    shapes = {
-        "token_embd.weight": (n_vocab, n_embd), "output.weight": (n_vocab, n_embd), "output_norm.weight": (n_embd,),
-    }
-    for l in range(n_layer):
-        p = f"blk.{l}."
-        shapes.update({
-            p + "fc1.weight": (hidden, n_embd), p + "fc2.weight": (n_ff, hidden),
-            p + "attn_norm.weight": (n_embd,), p + "ffn_norm.weight": (n_embd,),
-            p + "attn_q.weight": (n_embd, n_embd), p + "attn_k.weight": (n_embd, n_embd),
-            p + "attn_v.weight": (n_embd, n_embd), p + "attn_output.weight": (n_embd, n_embd),
-            p + "ffn_gate.weight": (n_ff, n_embd), p + "ffn_up.weight": (n_ff, n_embd),
-            p + "ffn_down_t.weight": (n_ff, n_embd),
-        })
+    tensors.append(("output_norm.weight", (n_embd,), ones))
+    tensors.append(("output.weight", (n_vocab, n_embd), lambda: big(n_vocab, n_embd)))
 
     w = GGUFWriter(path, "llama")
     w.add_block_count(n_layer)
@@ -132,14 +120,13 @@ def write_model(path: str, n_layer: int, n_embd: int, n_ff: int, n_head: int, hi
     w.add_float32("powerinfer.sparse_threshold", 0.0)
     w.add_string("llama.ffn_activation", "relu")
     add_tiny_tokenizer(w)
-    for name, _ in tensors:
-        shape = shapes[name]
+    for name, shape, _ in tensors:
         dt = np.float32 if len(shape) == 1 else np.float16
         w.add_tensor_info(name, shape, np.dtype(dt), int(np.prod(shape)) * np.dtype(dt).itemsize)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    for name, make in tensors:
+    for _, _, make in tensors:
         w.write_tensor_data(make())
     w.close()
     with open(path, "r+b") as fh:  # PowerInfer's magic: ffn_down_t and predictors, ReGLU

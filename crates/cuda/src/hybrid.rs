@@ -446,7 +446,7 @@ impl HybridSession {
 
         // FFN input; the predictor reads the residual x
         g.rmsnorm(&self.x, &d.ffn_norm, &mut self.xb, c.n_embd, c.norm_eps)?;
-        let sp = self.cpu.sparsity().clone();
+        let sp = self.cpu.sparsity();
         let predicted = sp.mode == SparsityMode::Predictor;
         let threshold = sp.predictor_layer_thresholds.get(l).copied().unwrap_or(sp.predictor_threshold);
         if predicted {
