@@ -1,5 +1,5 @@
-"""The `powerinfer-rs` command: run, info, perplexity, and the offline toolchain (profile,
-train-predictors, convert, place)."""
+"""The `powerinfer-rs` command: run, serve (OpenAI-compatible HTTP), info, perplexity, and the
+offline toolchain (profile, train-predictors, convert, place)."""
 
 from __future__ import annotations
 
@@ -267,6 +267,28 @@ def cmd_place(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    import logging
+    import os
+
+    from .engine import Engine
+    from .server import serve
+
+    if not 0 <= a.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535 (0 picks a free port), got {a.port}")
+    if a.parallel < 1:
+        raise ValueError(f"--parallel must be >= 1, got {a.parallel}")
+    api_key = a.api_key if a.api_key is not None else os.environ.get("POWERINFER_API_KEY") or None
+    if a.api_key is not None and not a.api_key:
+        raise ValueError("--api-key must not be empty")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    engine = Engine.load(
+        _model_path(a.model), threads=a.threads, n_ctx=a.ctx_size, kv_type=a.kv_type, **_sparsity_args(a)
+    )
+    serve(engine, host=a.host, port=a.port, model_id=a.alias, api_key=api_key, slots=a.parallel)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="powerinfer-rs", description="Fast local LLM inference (GGUF models).")
     sub = p.add_subparsers(dest="command", required=True)
@@ -286,6 +308,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     r.add_argument("--echo", action="store_true", help="print the prompt before the output")
     r.set_defaults(func=cmd_run)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models)")
+    _add_model(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sv.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: $POWERINFER_API_KEY, else none)")
+    sv.add_argument("-np", "--parallel", type=int, default=4, help="generations run at once, round-robin; later requests queue in order (default 4)")
+    sv.add_argument("-a", "--alias", default=None, help="model id clients use (default: the file name without .gguf)")
+    sv.set_defaults(func=cmd_serve)
 
     i = sub.add_parser("info", help="show a GGUF file's metadata and tensors")
     i.add_argument("model_pos", nargs="?", metavar="MODEL")

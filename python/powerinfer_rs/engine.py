@@ -11,7 +11,7 @@ import math
 import os
 import random
 import time
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -416,10 +416,11 @@ class Engine:
         repeat_last_n: int = 64,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
-    ) -> Iterator[str]:
+    ) -> "Generation":
         """Generates up to `max_tokens` tokens after `prompt`, yielding text pieces as they are
         ready. Greedy when temperature is 0. Stops at an end-of-generation token, at any of the
-        `stop` strings (not included in the output), or when the context is full."""
+        `stop` strings (not included in the output), or when the context is full. The returned
+        iterator also tells, once exhausted, why it stopped (`finish_reason`) and its `stats`."""
         _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
@@ -436,53 +437,7 @@ class Engine:
             repeat_last_n=repeat_last_n,
             seed=seed,
         )
-        return self._generate(ids, max_tokens, sampler, stops)
-
-    def _generate(self, ids: list[int], max_tokens: int, sampler, stops: list[str]) -> Iterator[str]:
-        session = self._session()
-        decoder = StreamDecoder(self.tokenizer)
-        stats = {"prompt_tokens": len(ids), "prefill_tps": 0.0, "prefill_s": 0.0, "generated_tokens": 0, "decode_tps": 0.0, "decode_s": 0.0}
-        self.last_stats = stats
-        if max_tokens == 0:
-            return
-        t0 = time.perf_counter()
-        token = session.eval_and_sample(ids, sampler)
-        stats["prefill_s"] = time.perf_counter() - t0
-        stats["prefill_tps"] = len(ids) / stats["prefill_s"]
-        # FFN counters cover decode only (prefill computes the whole batch anyway)
-        session.take_stats()
-        ffn_totals: dict = {}
-        # Decode speed counts only time inside the engine (not the caller's time between pieces),
-        # over the tokens evaluated one at a time after the prompt, as llama.cpp reports it.
-        decode_evals, decode_s = 0, 0.0
-        pending, generated, stopped = "", 0, False
-        while token not in self.tokenizer.end_of_generation:
-            generated += 1
-            stats["generated_tokens"] = generated
-            pending += decoder.push(token)
-            ready = len(pending)
-            if stops:
-                hits = [i for i in (pending.find(s) for s in stops) if i >= 0]
-                if hits:
-                    pending, stopped = pending[: min(hits)], True
-                    break
-                ready -= _held_back(pending, stops)
-            if ready:
-                yield pending[:ready]
-                pending = pending[ready:]
-            if generated >= max_tokens or session.pos >= self.n_ctx:
-                break
-            t = time.perf_counter()
-            token = session.eval_and_sample([token], sampler)
-            decode_s += time.perf_counter() - t
-            decode_evals += 1
-            stats["decode_s"] = decode_s
-            stats["decode_tps"] = decode_evals / decode_s
-            self._ffn_stats(session, stats, ffn_totals)
-        if not stopped:
-            pending += decoder.flush()
-        if pending:
-            yield pending
+        return Generation(self, ids, max_tokens, sampler, stops)
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> str:
         """Like `stream`, returning the whole text."""
@@ -511,7 +466,7 @@ class Engine:
             messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
         )
 
-    def chat(self, messages: Sequence[Mapping[str, str]], stream: bool = False, **kwargs) -> str | Iterator[str]:
+    def chat(self, messages: Sequence[Mapping[str, str]], stream: bool = False, **kwargs) -> "str | Generation":
         """Answers a conversation formatted with the model's own chat template."""
         text = self.apply_chat_template(messages)
         ids = self.tokenizer.encode(text, add_bos=False, special=True)
@@ -525,3 +480,122 @@ class Engine:
             f"n_embd={c['n_embd']}, vocab={c['n_vocab']}, n_ctx={self.n_ctx}, threads={self.n_threads}, "
             f"sparsity={self.sparsity}, device={self.device})"
         )
+
+
+class Generation:
+    """One generation: its own session, sampler and text decoder. Iterate it for text pieces, or
+    call `step()` to run exactly one evaluation (the prompt, then one token per call), which lets
+    a scheduler interleave several generations fairly. `finish_reason` is "stop" (end-of-generation
+    token or a stop string) or "length" (max_tokens reached or the context full) once `done`;
+    `stats` holds token counts and speeds; `close()` frees the session early."""
+
+    def __init__(self, engine: Engine, ids: list[int], max_tokens: int, sampler, stops: list[str]):
+        self.engine = engine
+        self.prompt_ids = ids
+        self.max_tokens = max_tokens
+        self.stops = stops
+        self.stats = {
+            "prompt_tokens": len(ids), "prefill_tps": 0.0, "prefill_s": 0.0,
+            "generated_tokens": 0, "decode_tps": 0.0, "decode_s": 0.0,
+        }
+        engine.last_stats = self.stats
+        self.finish_reason: str | None = None
+        # Prompts longer than this are evaluated in pieces of this many tokens, one per step(),
+        # so a scheduler interleaving generations is not held up by one long prompt.
+        self.prefill_chunk: int | None = None
+        self._sampler = sampler
+        self._session = None  # opened by the first step, so a queued generation holds no KV cache
+        self._prefilled = 0  # prompt tokens evaluated so far
+        self._decoder = StreamDecoder(engine.tokenizer)
+        self._pending = ""
+        self._token: int | None = None  # last sampled token, not yet evaluated
+        self._decode_evals = 0
+        self._ffn_totals: dict = {}
+        if max_tokens == 0:
+            self._finish("length")
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def _finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        self._session = None  # frees the KV cache now, not when the iterator is collected
+
+    @property
+    def holds_session(self) -> bool:
+        """Whether this generation currently owns a session (and its KV cache)."""
+        return self._session is not None
+
+    def close(self) -> None:
+        """Stops the generation and frees its session (a client went away)."""
+        if not self.done:
+            self._finish("cancelled")
+
+    def step(self) -> str:
+        """Runs one evaluation (the whole prompt first, then one token) and returns the text that
+        became final (may be empty: a token can end inside a UTF-8 character or a possible stop
+        string)."""
+        if self.done:
+            return ""
+        if self._session is None:
+            self._session = self.engine._session()
+        session, stats, tok = self._session, self.stats, self.engine.tokenizer
+        t = time.perf_counter()
+        if self._token is None:
+            ids, rest = self.prompt_ids[self._prefilled :], []
+            if self.prefill_chunk and len(ids) > self.prefill_chunk:
+                ids, rest = ids[: self.prefill_chunk], ids[self.prefill_chunk :]
+            if rest:
+                session.eval(ids)
+            else:
+                token = session.eval_and_sample(ids, self._sampler)
+            self._prefilled += len(ids)
+            stats["prefill_s"] += time.perf_counter() - t
+            stats["prefill_tps"] = self._prefilled / stats["prefill_s"]
+            # FFN counters cover decode only (prefill computes the whole batch anyway)
+            session.take_stats()
+            if rest:
+                return ""
+        else:
+            # Decode speed counts only time inside the engine (not the caller's time between
+            # pieces), over the tokens evaluated one at a time after the prompt, as llama.cpp does.
+            token = session.eval_and_sample([self._token], self._sampler)
+            self._decode_evals += 1
+            stats["decode_s"] += time.perf_counter() - t
+            stats["decode_tps"] = self._decode_evals / stats["decode_s"]
+            Engine._ffn_stats(session, stats, self._ffn_totals)
+        self._token = token
+        if token in tok.end_of_generation:
+            return self._end("stop")
+        stats["generated_tokens"] += 1
+        pending = self._pending + self._decoder.push(token)
+        ready = len(pending)
+        if self.stops:
+            hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+            if hits:
+                self._pending = ""
+                self._finish("stop")
+                return pending[: min(hits)]
+            ready -= _held_back(pending, self.stops)
+        self._pending = pending[ready:]
+        if stats["generated_tokens"] >= self.max_tokens or session.pos >= self.engine.n_ctx:
+            return pending[:ready] + self._end("length")
+        return pending[:ready]
+
+    def _end(self, reason: str) -> str:
+        """Finishes with `reason`, returning the text still held back."""
+        rest = self._pending + self._decoder.flush()
+        self._pending = ""
+        self._finish(reason)
+        return rest
+
+    def __iter__(self) -> "Generation":
+        return self
+
+    def __next__(self) -> str:
+        while not self.done:
+            piece = self.step()
+            if piece:
+                return piece
+        raise StopIteration
