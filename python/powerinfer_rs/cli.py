@@ -285,7 +285,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     engine = Engine.load(
         _model_path(a.model), threads=a.threads, n_ctx=a.ctx_size, kv_type=a.kv_type, **_sparsity_args(a)
     )
-    serve(engine, host=a.host, port=a.port, model_id=a.alias, api_key=api_key, slots=a.parallel)
+    serve(engine, host=a.host, port=a.port, model_id=a.alias, api_key=api_key, slots=a.parallel, batch=not a.no_batch)
     return 0
 
 
@@ -315,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: $POWERINFER_API_KEY, else none)")
     sv.add_argument("-np", "--parallel", type=int, default=4, help="generations run at once, round-robin; later requests queue in order (default 4)")
+    sv.add_argument("--no-batch", action="store_true", help="evaluate each client's next token separately instead of in one batch (for comparison)")
     sv.add_argument("-a", "--alias", default=None, help="model id clients use (default: the file name without .gguf)")
     sv.set_defaults(func=cmd_serve)
 

@@ -473,6 +473,43 @@ class Engine:
         it = self.stream(ids, **kwargs)
         return it if stream else "".join(it)
 
+    def step_many(self, generations: Sequence["Generation"], batch: bool = True) -> list["str | Exception"]:
+        """One `step()` of each generation (all of this engine), for a scheduler serving several
+        clients: those past their prompt share one batched evaluation on the CPU (the weights are
+        read once for all of them; each gets exactly the tokens it would get alone), the others
+        step one by one (all of them with `batch=False`). Returns each one's new text, or the
+        exception its step raised."""
+        out: list = [""] * len(generations)
+        use_batch = batch
+        batch = [i for i, g in enumerate(generations) if g.decoding]
+        if use_batch and len(batch) >= 2 and self._gpu_model is None:
+            gens = [generations[i] for i in batch]
+            t = time.perf_counter()
+            try:
+                tokens = _core.decode_batch([g._session for g in gens], [g._token for g in gens], [g._sampler for g in gens])
+            except Exception:
+                batch = []  # step them one by one below, so only a failing one fails
+            else:
+                seconds = time.perf_counter() - t
+                for i, g, token in zip(batch, gens, tokens):
+                    try:
+                        g._after_decode(seconds)
+                        out[i] = g._accept(token)
+                    except Exception as e:
+                        g.close()
+                        out[i] = e
+        else:
+            batch = []
+        done = set(batch)
+        for i, g in enumerate(generations):
+            if i not in done:
+                try:
+                    out[i] = g.step()
+                except Exception as e:
+                    g.close()
+                    out[i] = e
+        return out
+
     def __repr__(self) -> str:
         c = self.config
         return (
@@ -540,7 +577,7 @@ class Generation:
             return ""
         if self._session is None:
             self._session = self.engine._session()
-        session, stats, tok = self._session, self.stats, self.engine.tokenizer
+        session, stats = self._session, self.stats
         t = time.perf_counter()
         if self._token is None:
             ids, rest = self.prompt_ids[self._prefilled :], []
@@ -557,14 +594,30 @@ class Generation:
             session.take_stats()
             if rest:
                 return ""
-        else:
-            # Decode speed counts only time inside the engine (not the caller's time between
-            # pieces), over the tokens evaluated one at a time after the prompt, as llama.cpp does.
-            token = session.eval_and_sample([self._token], self._sampler)
-            self._decode_evals += 1
-            stats["decode_s"] += time.perf_counter() - t
-            stats["decode_tps"] = self._decode_evals / stats["decode_s"]
-            Engine._ffn_stats(session, stats, self._ffn_totals)
+            return self._accept(token)
+        token = session.eval_and_sample([self._token], self._sampler)
+        self._after_decode(time.perf_counter() - t)
+        return self._accept(token)
+
+    @property
+    def decoding(self) -> bool:
+        """Whether the prompt is in and the next step evaluates one token (batchable)."""
+        return not self.done and self._token is not None
+
+    def _after_decode(self, seconds: float) -> None:
+        """Bookkeeping after one decode evaluation that took `seconds`. Decode speed counts only
+        time inside the engine (not the caller's time between pieces), over the tokens
+        evaluated one at a time after the prompt, as llama.cpp reports it."""
+        stats = self.stats
+        self._decode_evals += 1
+        stats["decode_s"] += seconds
+        stats["decode_tps"] = self._decode_evals / stats["decode_s"]
+        Engine._ffn_stats(self._session, stats, self._ffn_totals)
+
+    def _accept(self, token: int) -> str:
+        """Takes the newly sampled `token`: end-of-generation, stop strings, limits; returns the
+        text that became final."""
+        stats, tok = self.stats, self.engine.tokenizer
         self._token = token
         if token in tok.end_of_generation:
             return self._end("stop")
@@ -579,7 +632,7 @@ class Generation:
                 return pending[: min(hits)]
             ready -= _held_back(pending, self.stops)
         self._pending = pending[ready:]
-        if stats["generated_tokens"] >= self.max_tokens or session.pos >= self.engine.n_ctx:
+        if stats["generated_tokens"] >= self.max_tokens or self._session.pos >= self.engine.n_ctx:
             return pending[:ready] + self._end("length")
         return pending[:ready]
 

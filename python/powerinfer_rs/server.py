@@ -3,8 +3,10 @@
 
 One Engine (one model) serves every request. Each request becomes a `Job` owning a `Generation`
 (its own session and KV cache). A single scheduler thread admits jobs first come, first served
-into a fixed number of slots and steps the active ones round-robin, one evaluation each, so all
-admitted clients advance at the same pace, a long answer never starves a short one, and the
+into a fixed number of slots and steps the active ones in rounds: in each round every active
+generation advances by one prompt piece or one token, and the tokens of all generations past their
+prompt are evaluated as one batch (the weights are read once per round, not once per client). So
+all admitted clients advance at the same pace, a long answer never starves a short one, and the
 compute threads work on one evaluation at a time instead of fighting over the cores. A waiting job
 holds no session; a finished or abandoned one (the client disconnected) gives its session back at
 once. The event loop never computes: it tokenizes in a worker thread and only moves text.
@@ -157,10 +159,13 @@ class Job:
 
 
 class Scheduler:
-    """Admits jobs first come, first served into `slots` and steps the active ones round-robin."""
+    """Admits jobs first come, first served into `slots` and steps the active ones round-robin
+    (`Engine.step_many`: one prompt piece or one token each, the tokens batched)."""
 
-    def __init__(self, slots: int):
+    def __init__(self, engine: Engine, slots: int, batch: bool = True):
+        self.engine = engine
         self.slots = slots
+        self.batch = batch
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: list[Job] = []
         self._cond = threading.Condition()
@@ -213,23 +218,21 @@ class Scheduler:
                 while self._waiting and len(self._active) < self.slots:
                     self._active.append(self._waiting.popleft())
                 round_ = list(self._active)
-            finished = []
-            for job in round_:
+            finished = [j for j in round_ if j.cancelled]
+            for job in finished:
+                job.generation.close()
+                job.emit("end", "cancelled")
+            live = [j for j in round_ if not j.cancelled]
+            # one step each; the generations past their prompt share one batched evaluation
+            results = self.engine.step_many([j.generation for j in live], batch=self.batch)
+            for job, result in zip(live, results):
                 gen = job.generation
-                if job.cancelled:
-                    gen.close()
-                    job.emit("end", "cancelled")
+                if isinstance(result, Exception):  # this request fails, the others go on
+                    job.emit("error", result)
                     finished.append(job)
                     continue
-                try:
-                    text = gen.step()
-                except Exception as e:  # the engine raised: this request fails, the others go on
-                    gen.close()
-                    job.emit("error", e)
-                    finished.append(job)
-                    continue
-                if text:
-                    job.emit("text", text)
+                if result:
+                    job.emit("text", result)
                 if gen.done:
                     job.emit("end", gen.finish_reason)
                     finished.append(job)
@@ -246,10 +249,11 @@ def _model_id(engine: Engine) -> str:
     return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
 
 
-def create_app(engine: Engine, model_id: str | None = None, api_key: str | None = None, slots: int = 4) -> FastAPI:
+def create_app(engine: Engine, model_id: str | None = None, api_key: str | None = None, slots: int = 4, batch: bool = True) -> FastAPI:
     """The FastAPI app serving `engine` as model `model_id` (default: the file name without
     .gguf). `api_key`: require `Authorization: Bearer <api_key>` on /v1/*. `slots`: generations
-    run at once (round-robin); later requests wait their turn in arrival order."""
+    run at once (round-robin); later requests wait their turn in arrival order. `batch=False`
+    evaluates each client's token separately (for comparison)."""
     if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
         raise ValueError(f"slots must be a positive int, got {slots!r}")
     if api_key is not None and not api_key:
@@ -261,7 +265,7 @@ def create_app(engine: Engine, model_id: str | None = None, api_key: str | None 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        state["scheduler"] = Scheduler(slots)
+        state["scheduler"] = Scheduler(engine, slots, batch)
         yield
         state["scheduler"].close()
 
@@ -661,14 +665,14 @@ class RequestLog:
 
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8080, model_id: str | None = None,
-          api_key: str | None = None, slots: int = 4, log_level: str = "info") -> None:
+          api_key: str | None = None, slots: int = 4, batch: bool = True, log_level: str = "info") -> None:
     """Serves `engine` until interrupted. Binds first, then prints the address it listens on
     (with the real port when `port` is 0)."""
     import socket
 
     import uvicorn
 
-    app = create_app(engine, model_id, api_key, slots)
+    app = create_app(engine, model_id, api_key, slots, batch)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -681,9 +685,9 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8080, model_id: s
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     log.info(
-        "serving %s (%s, n_ctx %d, %s, %s) at http://%s:%d/v1 with %d slot(s)%s",
+        "serving %s (%s, n_ctx %d, %s, %s) at http://%s:%d/v1 with %d slot(s)%s%s",
         model_id or _model_id(engine), engine.architecture, engine.n_ctx, f"sparsity {engine.sparsity}", f"device {engine.device}",
-        shown, bound, slots, ", API key required" if api_key else "",
+        shown, bound, slots, "" if batch else ", no batching", ", API key required" if api_key else "",
     )
     config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])

@@ -18,6 +18,9 @@ use crate::matmul::{matmul, matmul_many, Activations};
 use crate::model::{Family, FfnActivation, LayerWeights, Model, RopeStyle, OPT_POSITION_OFFSET};
 use crate::sparse::{down_t_matmul, sparse_ffn, FfnMats, SparseScratch};
 
+mod batch;
+pub use batch::decode_batch;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SparsityMode {
     /// Every FFN neuron is computed.

@@ -6,7 +6,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
+use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use powerinfer_core::attention::KvType;
 use powerinfer_core::gguf::{GgufFile as CoreGguf, Magic, Value};
 use powerinfer_core::gpu_index::GpuIndex;
@@ -520,6 +520,63 @@ impl PySession {
     }
 }
 
+/// The sessions of a batched call, each once.
+fn distinct_sessions<'a>(sessions: &'a [PyRef<'_, PySession>], n_tokens: usize) -> PyResult<Vec<&'a PySession>> {
+    if sessions.len() != n_tokens {
+        return Err(PyValueError::new_err(format!(
+            "batched decode needs one token per session, got {} tokens for {} sessions",
+            n_tokens,
+            sessions.len()
+        )));
+    }
+    let refs: Vec<&PySession> = sessions.iter().map(|r| &**r).collect();
+    for (i, a) in refs.iter().enumerate() {
+        if refs[..i].iter().any(|b| std::ptr::eq(*a, *b)) {
+            return Err(PyValueError::new_err(format!("session {i} appears twice in the batch")));
+        }
+    }
+    Ok(refs)
+}
+
+/// Locks every session, runs the batch, and hands each session and its logits row to `each`.
+fn run_batch<T>(refs: &[&PySession], tokens: &[u32], mut each: impl FnMut(&Session, Vec<f32>) -> Result<T, Error>) -> Result<Vec<T>, Error> {
+    let mut guards = refs.iter().map(|s| lock_core(&s.inner)).collect::<Result<Vec<_>, Error>>()?;
+    let mut cpu: Vec<&mut Session> = guards.iter_mut().map(|g| g.cpu_only("batched decode")).collect::<Result<_, Error>>()?;
+    let logits = powerinfer_core::session::decode_batch(&mut cpu, tokens)?;
+    cpu.iter().zip(logits).map(|(s, row)| each(s, row)).collect()
+}
+
+/// Evaluates the next token of several CPU sessions of one model as one batch (`tokens[i]` at the
+/// next position of `sessions[i]`) and returns their logits, float32 (len(sessions), n_vocab).
+/// Each row is exactly what a single-token `Session.eval` gives; the weights are read once.
+#[pyfunction]
+fn eval_batch<'py>(py: Python<'py>, sessions: Vec<PyRef<'py, PySession>>, tokens: Vec<u32>) -> PyResult<Bound<'py, PyArray2<f32>>> {
+    let refs = distinct_sessions(&sessions, tokens.len())?;
+    let rows = compute(py, || run_batch(&refs, &tokens, |_, row| Ok(row)))?;
+    let n_vocab = rows.first().map_or(0, |r| r.len());
+    let flat: Vec<f32> = rows.into_iter().flatten().collect();
+    Ok(PyArray1::from_vec(py, flat).reshape([sessions.len(), n_vocab])?)
+}
+
+/// Like `eval_batch`, then samples each session's next token with its own sampler (over its own
+/// history, as `Session.eval_and_sample` does) and returns the tokens in order.
+#[pyfunction]
+fn decode_batch(py: Python<'_>, sessions: Vec<PyRef<'_, PySession>>, tokens: Vec<u32>, samplers: Vec<PyRef<'_, PySampler>>) -> PyResult<Vec<u32>> {
+    let refs = distinct_sessions(&sessions, tokens.len())?;
+    if samplers.len() != sessions.len() {
+        return Err(PyValueError::new_err(format!("decode_batch needs one sampler per session, got {} for {}", samplers.len(), sessions.len())));
+    }
+    let samplers: Vec<&PySampler> = samplers.iter().map(|r| &**r).collect();
+    let mut k = 0;
+    compute(py, || {
+        run_batch(&refs, &tokens, |session, mut row| {
+            let mut sampler = samplers[k].inner.lock().map_err(|_| Error::InvalidArgument("sampler is unusable".into()))?;
+            k += 1;
+            Ok(sampler.sample(&mut row, &session.tokens))
+        })
+    })
+}
+
 fn lock_core<T>(m: &Mutex<T>) -> Result<std::sync::MutexGuard<'_, T>, Error> {
     m.lock().map_err(|_| Error::InvalidArgument("session is unusable after an earlier internal error".into()))
 }
@@ -575,6 +632,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyGpuModel>()?;
     m.add_class::<PySampler>()?;
     m.add_function(wrap_pyfunction!(simd_level, m)?)?;
+    m.add_function(wrap_pyfunction!(eval_batch, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_batch, m)?)?;
     m.add_function(wrap_pyfunction!(read_gpu_index, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_devices, m)?)?;
     let py = m.py();
