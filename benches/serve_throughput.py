@@ -1,0 +1,165 @@
+"""Throughput of concurrent generations, batched decode vs one evaluation per client, both sides in
+one run on the same machine, alternating, ratio of medians.
+
+    python benches/serve_throughput.py [--model PATH] [--clients 1 2 4 8] [--tokens 64] [--reps 3]
+
+1. Engine: `Engine.step_many` over N greedy generations, `batch=True` (the tokens of all
+   clients in one evaluation) vs `batch=False` (one evaluation per client): aggregate decode
+   tok/s and the ratio. The texts must be identical both ways (checked).
+2. HTTP: `powerinfer-rs serve --parallel N` with and without `--no-batch`, N concurrent
+   streaming chat requests through the `openai` client: aggregate tok/s (completion tokens over
+   wall time, prompts included) and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+PROMPTS = [
+    "The history of the Roman Empire",
+    "A recipe for bread:",
+    "def fibonacci(n):",
+    "The three laws of motion are",
+    "Once upon a time, in a small village,",
+    "The weather today is",
+    "Python is a programming language that",
+    "In 1969, the first humans",
+]
+QUESTIONS = [
+    "Tell me about the Roman Empire.",
+    "How do I bake bread?",
+    "Explain recursion.",
+    "What are Newton's laws?",
+    "Write a short story about a village.",
+    "What causes rain?",
+    "Why is Python popular?",
+    "Describe the Moon landing.",
+]
+
+
+def engine_side(engine, n: int, tokens: int, batch: bool) -> tuple[float, list[str]]:
+    gens = [engine.stream(PROMPTS[i % len(PROMPTS)], max_tokens=tokens, temperature=0) for i in range(n)]
+    # prompts first (not timed): every generation past its prompt
+    engine.step_many(gens, batch=False)
+    texts = [""] * n
+    decoded = 0
+    t = time.perf_counter()
+    while True:
+        live = [i for i, g in enumerate(gens) if not g.done]
+        if not live:
+            break
+        for i, r in zip(live, engine.step_many([gens[i] for i in live], batch=batch)):
+            if isinstance(r, Exception):
+                raise r
+            texts[i] += r
+        decoded += len(live)
+    return decoded / (time.perf_counter() - t), texts
+
+
+class Server:
+    def __init__(self, model: str, n: int, batch: bool, threads: int | None):
+        cmd = [sys.executable, "-m", "powerinfer_rs.cli", "serve", "-m", model, "--port", "0", "-c", "1024",
+               "--parallel", str(n), "--device", "cpu"] + ([] if batch else ["--no-batch"]) + (["-t", str(threads)] if threads else [])
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        while True:
+            line = self.proc.stderr.readline()
+            if not line:
+                raise RuntimeError("server exited")
+            m = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
+            if m:
+                self.url = m.group(1)
+                break
+        import threading
+
+        threading.Thread(target=lambda: [None for _ in self.proc.stderr], daemon=True).start()
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+async def http_side(url: str, n: int, tokens: int) -> float:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
+
+    async def one(q: str) -> int:
+        r = await client.chat.completions.create(
+            model=_MODEL_ID, messages=[{"role": "user", "content": q}],
+            max_tokens=tokens, temperature=0, stream=True, stream_options={"include_usage": True},
+        )
+        used = 0
+        async for c in r:
+            if c.usage is not None:
+                used = c.usage.completion_tokens
+        return used
+
+    async with client:
+        t = time.perf_counter()
+        counts = await asyncio.gather(*[one(QUESTIONS[i % len(QUESTIONS)]) for i in range(n)])
+        return sum(counts) / (time.perf_counter() - t)
+
+
+_MODEL_ID = ""
+
+
+def main() -> int:
+    global _MODEL_ID
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("--no-http", action="store_true", help="engine side only")
+    a = ap.parse_args()
+
+    import os
+
+    from powerinfer_rs import Engine, default_model_path
+
+    model = a.model or default_model_path()
+    _MODEL_ID = os.path.basename(model)[: -len(".gguf")] if model.endswith(".gguf") else os.path.basename(model)
+    engine = Engine.load(model, n_ctx=1024, threads=a.threads, device="cpu")
+    print(f"model {os.path.basename(model)}, threads {engine.n_threads}, {a.tokens} tokens per client, {a.reps} alternating reps, medians")
+    print("\nengine (Engine.step_many), aggregate decode tok/s")
+    print(f"{'clients':>8} {'one by one':>11} {'batched':>9} {'ratio':>7}")
+    for n in a.clients:
+        sep, bat = [], []
+        for _ in range(a.reps):
+            r1, t1 = engine_side(engine, n, a.tokens, batch=False)
+            r2, t2 = engine_side(engine, n, a.tokens, batch=True)
+            if t1 != t2:
+                raise SystemExit(f"batched texts differ from one-by-one texts with {n} clients")
+            sep.append(r1)
+            bat.append(r2)
+        s, b = statistics.median(sep), statistics.median(bat)
+        print(f"{n:>8} {s:>11.1f} {b:>9.1f} {b / s:>6.2f}x")
+
+    if a.no_http:
+        return 0
+    print("\nHTTP (powerinfer-rs serve, streaming chat, openai client), aggregate completion tok/s")
+    print(f"{'clients':>8} {'--no-batch':>11} {'batched':>9} {'ratio':>7}")
+    for n in a.clients:
+        servers = {b: Server(model, n, b, a.threads) for b in (False, True)}
+        try:
+            res = {False: [], True: []}
+            for _ in range(a.reps):
+                for b in (False, True):
+                    res[b].append(asyncio.run(http_side(servers[b].url, n, a.tokens)))
+        finally:
+            for s in servers.values():
+                s.stop()
+        s, b = statistics.median(res[False]), statistics.median(res[True])
+        print(f"{n:>8} {s:>11.1f} {b:>9.1f} {b / s:>6.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
