@@ -6,9 +6,11 @@ one run on the same machine, alternating, ratio of medians.
 1. Engine: `Engine.step_many` over N greedy generations, `batch=True` (the tokens of all
    clients in one evaluation) vs `batch=False` (one evaluation per client): aggregate decode
    tok/s and the ratio. The texts must be identical both ways (checked).
-2. HTTP: `powerinfer-rs serve --parallel N` with and without `--no-batch`, N concurrent
-   streaming chat requests through the `openai` client: aggregate tok/s (completion tokens over
-   wall time, prompts included) and the ratio.
+2. HTTP: `powerinfer-rs serve --parallel N` with and without `--no-batch`, and, when
+   llama-cpp-python with its server extra is installed, llama-cpp-python's OpenAI server
+   (`python -m llama_cpp.server`, llama.cpp underneath) on the same file with the same threads;
+   N concurrent streaming chat requests through the `openai` client: aggregate tok/s
+   (completion tokens over wall time, prompts included) and the ratios.
 """
 
 from __future__ import annotations
@@ -62,6 +64,40 @@ def engine_side(engine, n: int, tokens: int, batch: bool) -> tuple[float, list[s
     return decoded / (time.perf_counter() - t), texts
 
 
+class LlamaCppServer:
+    """llama-cpp-python's OpenAI-compatible server on a free port (one request at a time)."""
+
+    def __init__(self, model: str, model_id: str, threads: int):
+        import socket
+
+        import httpx
+
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", model, "--model_alias", model_id, "--host", "127.0.0.1",
+               "--port", str(port), "--n_ctx", "1024", "--n_threads", str(threads), "--n_threads_batch", str(threads),
+               # by default a new request interrupts the running one; here every request runs to its end
+               "--interrupt_requests", "False"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("llama_cpp.server exited")
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("llama_cpp.server did not start")
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
 class Server:
     def __init__(self, model: str, n: int, batch: bool, threads: int | None):
         cmd = [sys.executable, "-m", "powerinfer_rs.cli", "serve", "-m", model, "--port", "0", "-c", "1024",
@@ -94,11 +130,13 @@ async def http_side(url: str, n: int, tokens: int) -> float:
             model=_MODEL_ID, messages=[{"role": "user", "content": q}],
             max_tokens=tokens, temperature=0, stream=True, stream_options={"include_usage": True},
         )
-        used = 0
+        used, chunks = None, 0
         async for c in r:
             if c.usage is not None:
                 used = c.usage.completion_tokens
-        return used
+            if c.choices and c.choices[0].delta.content:
+                chunks += 1
+        return used if used is not None else chunks  # servers without include_usage: one token per chunk
 
     async with client:
         t = time.perf_counter()
@@ -144,20 +182,34 @@ def main() -> int:
 
     if a.no_http:
         return 0
-    print("\nHTTP (powerinfer-rs serve, streaming chat, openai client), aggregate completion tok/s")
-    print(f"{'clients':>8} {'--no-batch':>11} {'batched':>9} {'ratio':>7}")
+    try:
+        import llama_cpp.server.app  # noqa: F401
+
+        with_llamacpp = True
+    except ImportError:
+        with_llamacpp = False
+    print("\nHTTP (streaming chat through the openai client), aggregate completion tok/s")
+    head = f"{'clients':>8} {'--no-batch':>11} {'batched':>9} {'ratio':>7}"
+    if with_llamacpp:
+        head += f" {'llama-cpp-python':>17} {'batched/llama.cpp':>18}"
+    print(head)
     for n in a.clients:
-        servers = {b: Server(model, n, b, a.threads) for b in (False, True)}
+        servers = {"sep": Server(model, n, False, a.threads), "bat": Server(model, n, True, a.threads)}
+        if with_llamacpp:
+            servers["lcpp"] = LlamaCppServer(model, _MODEL_ID, engine.n_threads)
         try:
-            res = {False: [], True: []}
+            res = {k: [] for k in servers}
             for _ in range(a.reps):
-                for b in (False, True):
-                    res[b].append(asyncio.run(http_side(servers[b].url, n, a.tokens)))
+                for k, srv in servers.items():
+                    res[k].append(asyncio.run(http_side(srv.url, n, a.tokens)))
         finally:
-            for s in servers.values():
-                s.stop()
-        s, b = statistics.median(res[False]), statistics.median(res[True])
-        print(f"{n:>8} {s:>11.1f} {b:>9.1f} {b / s:>6.2f}x")
+            for srv in servers.values():
+                srv.stop()
+        med = {k: statistics.median(v) for k, v in res.items()}
+        line = f"{n:>8} {med['sep']:>11.1f} {med['bat']:>9.1f} {med['bat'] / med['sep']:>6.2f}x"
+        if with_llamacpp:
+            line += f" {med['lcpp']:>17.1f} {med['bat'] / med['lcpp']:>17.2f}x"
+        print(line)
     return 0
 
 
