@@ -81,6 +81,9 @@ def test_batched_decode_refuses_bad_batches(tmp_path):
         _core.eval_batch([a, _core.Session(other, 2)], [1, 2])
     with pytest.raises(ValueError, match="one sampler per session"):
         _core.decode_batch([a, b], [1, 2], [_core.Sampler()])
+    shared = _core.Sampler()
+    with pytest.raises(ValueError, match="twice"):
+        _core.decode_batch([a, b], [1, 2], [shared, shared])
     with pytest.raises(ValueError):
         _core.eval_batch([], [])
     _core.eval_batch([a, b], [1, 2])
@@ -132,3 +135,26 @@ def test_engine_step_many_gives_each_generation_its_own_text(tmp_path, monkeypat
     assert texts == want
     assert max(batch_sizes) == 4 and sum(batch_sizes) > 40  # the tokens really went in batches
     assert gens[1].finish_reason == "length" and late.finish_reason == "stop"
+
+
+def test_batches_over_the_same_sessions_in_any_order_do_not_deadlock(tmp_path):
+    import threading
+
+    model = _core.Model(write_model(tmp_path / "m.gguf"), 0)
+    a, b = _core.Session(model, 200), _core.Session(model, 200)
+    errors = []
+
+    def run(pair):
+        try:
+            for _ in range(60):
+                _core.eval_batch(pair, [1, 2])
+        except Exception as e:  # only a full context may stop it
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=([a, b],)), threading.Thread(target=run, args=([b, a],))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "deadlock"
+    assert all(isinstance(e, _core.ContextLengthError) for e in errors)

@@ -198,6 +198,25 @@ def test_validation_errors_have_openai_shape(tiny):
     assert r.status_code == 404 and r.json()["error"]["message"]
 
 
+def test_nulls_mean_defaults_and_odd_input_is_a_400(tiny, tiny_path):
+    headers = {"Authorization": "Bearer sekret"}
+    engine = Engine.load(tiny_path, n_ctx=N_CTX, device="cpu")
+    body = {"prompt": "the cat", "max_tokens": 6, "temperature": 0, "top_p": None, "n": None, "stream": None,
+            "presence_penalty": None, "frequency_penalty": None, "echo": None}
+    r = httpx.post(tiny.url + "/v1/completions", json=body, headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == engine.generate("the cat", max_tokens=6, temperature=0)
+    for body, param in [
+        ('{"prompt": "abc \\ud800"}', "prompt"),
+        ('{"prompt": "abc", "stop": ["\\udfff"]}', "stop"),
+        ('{"prompt": "abc", "top_k": 100000000000000000000000}', "top_k"),
+        ('{"prompt": "abc", "stop": [""]}', "stop"),
+    ]:
+        r = httpx.post(tiny.url + "/v1/completions", content=body, headers=dict(headers, **{"Content-Type": "application/json"}), timeout=30)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == param, (body, r.json())
+
+
 def test_prompt_past_the_context_gives_the_numbers(tiny, tiny_path):
     client = tiny.client(api_key="sekret")
     engine = Engine.load(tiny_path, n_ctx=N_CTX, device="cpu")

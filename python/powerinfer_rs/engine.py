@@ -484,11 +484,22 @@ class Engine:
         batch = [i for i, g in enumerate(generations) if g.decoding]
         if use_batch and len(batch) >= 2 and self._gpu_model is None:
             gens = [generations[i] for i in batch]
+            positions = [g._session.pos for g in gens]
             t = time.perf_counter()
             try:
                 tokens = _core.decode_batch([g._session for g in gens], [g._token for g in gens], [g._sampler for g in gens])
-            except Exception:
-                batch = []  # step them one by one below, so only a failing one fails
+            except Exception as e:
+                # a refused batch changes no session: step them one by one below, so only a
+                # failing one fails; a session that moved anyway cannot go on
+                for i, g, pos in zip(batch, gens, positions):
+                    try:
+                        moved = g._session.pos != pos
+                    except Exception:  # the session itself is unusable
+                        moved = True
+                    if moved:
+                        g.close()
+                        out[i] = e
+                batch = [i for i, g in zip(batch, gens) if g.done]
             else:
                 seconds = time.perf_counter() - t
                 for i, g, token in zip(batch, gens, tokens):

@@ -32,7 +32,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -67,8 +67,22 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Fields OpenAI's reference marks nullable: an explicit null means the default.
+_NULL_MEANS_DEFAULT = {
+    "temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+    "repeat_penalty", "echo", "max_tokens", "max_completion_tokens",
+}
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in _NULL_MEANS_DEFAULT)}
+        return data
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=0)
@@ -84,7 +98,7 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # llama.cpp server's extensions
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, le=2**31 - 1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repeat_penalty: float = Field(1.0, gt=0.0)
 
@@ -224,7 +238,13 @@ class Scheduler:
                 job.emit("end", "cancelled")
             live = [j for j in round_ if not j.cancelled]
             # one step each; the generations past their prompt share one batched evaluation
-            results = self.engine.step_many([j.generation for j in live], batch=self.batch)
+            try:
+                results = self.engine.step_many([j.generation for j in live], batch=self.batch)
+            except Exception as e:  # a fault outside any one generation: fail this round's jobs, keep serving
+                log.exception("scheduler round failed")
+                results = [e] * len(live)
+                for job in live:
+                    job.generation.close()
             for job, result in zip(live, results):
                 gen = job.generation
                 if isinstance(result, Exception):  # this request fails, the others go on
@@ -267,7 +287,7 @@ def create_app(engine: Engine, model_id: str | None = None, api_key: str | None 
     async def lifespan(app: FastAPI):
         state["scheduler"] = Scheduler(engine, slots, batch)
         yield
-        state["scheduler"].close()
+        await asyncio.to_thread(state["scheduler"].close)
 
     app = FastAPI(title="powerinfer-rs", version=__version__, lifespan=lifespan)
     app.add_middleware(RequestLog)
@@ -293,6 +313,11 @@ def create_app(engine: Engine, model_id: str | None = None, api_key: str | None 
                 f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body') or 'body'}: {err.get('msg')}" for err in errors
             )
         return await on_api_error(request, APIError(400, message, param=param))
+
+    @app.exception_handler(Exception)
+    async def on_fault(request: Request, e: Exception):
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        return await on_api_error(request, APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, e: StarletteHTTPException):
@@ -369,6 +394,8 @@ def create_app(engine: Engine, model_id: str | None = None, api_key: str | None 
         # without a limit, generation runs until an end token or a full context (the engine stops there)
         limit = n_ctx if max_tokens is None else max_tokens
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        for x in stop:
+            _check_text(x, "stop")
         try:
             gen = engine.stream(
                 prompt_ids,
@@ -381,8 +408,9 @@ def create_app(engine: Engine, model_id: str | None = None, api_key: str | None 
                 seed=None if body.seed is None else body.seed % 2**64,
                 stop=stop,
             )
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+        except (ValueError, OverflowError) as e:
+            first = str(e).split(" ", 1)[0]
+            raise APIError(400, str(e), param=first if first in type(body).model_fields else None) from None
         gen.prefill_chunk = PREFILL_CHUNK
         return gen
 
@@ -402,6 +430,7 @@ def create_app(engine: Engine, model_id: str | None = None, api_key: str | None 
                 raise APIError(400, f"one prompt per request is supported, got {len(prompt)}", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
+            _check_text(prompt, "prompt")
             return engine.tokenize(prompt), prompt
         ids = list(prompt)
         bad = [t for t in ids if not 0 <= t < engine.n_vocab]
@@ -424,6 +453,8 @@ def create_app(engine: Engine, model_id: str | None = None, api_key: str | None 
                 content = "".join(p.text for p in m.content)
             else:
                 content = m.content or ""
+            _check_text(content, f"messages.{i}.content")
+            _check_text(m.role, f"messages.{i}.role")
             messages.append({"role": m.role, "content": content})
         try:
             text = engine.apply_chat_template(messages)
@@ -450,15 +481,18 @@ def create_app(engine: Engine, model_id: str | None = None, api_key: str | None 
             return prepare(body, ids, body.max_tokens, explicit), text
 
         gen, prompt_text = await run_in_threadpool(setup)
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid, created_at, usage_field = f"cmpl-{uuid.uuid4().hex}", int(time.time()), _include_usage(body)
         echo = prompt_text if body.echo else ""
 
         def chunk(text: str, finish: str | None) -> dict:
-            return {
-                "id": rid, "object": "text_completion", "created": int(time.time()), "model": model_id,
+            c = {
+                "id": rid, "object": "text_completion", "created": created_at, "model": model_id,
                 "system_fingerprint": fingerprint,
                 "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}],
             }
+            if usage_field:  # streamed with include_usage: null until the last chunk
+                c["usage"] = None
+            return c
 
         if body.stream:
             first = [chunk(echo, None)] if echo else []
@@ -482,14 +516,17 @@ def create_app(engine: Engine, model_id: str | None = None, api_key: str | None 
             return prepare(body, chat_prompt(body), max_tokens, explicit)
 
         gen = await run_in_threadpool(setup)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid, created_at, usage_field = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), _include_usage(body)
 
         def chunk(delta: dict, finish: str | None) -> dict:
-            return {
-                "id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_id,
+            c = {
+                "id": rid, "object": "chat.completion.chunk", "created": created_at, "model": model_id,
                 "system_fingerprint": fingerprint,
                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
             }
+            if usage_field:  # null until the last chunk
+                c["usage"] = None
+            return c
 
         if body.stream:
             first = [chunk({"role": "assistant", "content": ""}, None)]
@@ -497,13 +534,21 @@ def create_app(engine: Engine, model_id: str | None = None, api_key: str | None 
                                lambda t: chunk({"content": t}, None), lambda r: chunk({}, r), first, _include_usage(body))
         text, reason = await _run_to_end(state["scheduler"], Job(gen, asyncio.get_running_loop()), request)
         return {
-            "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_id,
+            "id": rid, "object": "chat.completion", "created": created_at, "model": model_id,
             "system_fingerprint": fingerprint,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}],
             "usage": _usage(gen),
         }
 
     return app
+
+
+def _check_text(text: str, param: str) -> None:
+    """Refuses strings that are not valid Unicode (JSON allows lone surrogates like "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param} is not valid Unicode: {e.reason} at position {e.start}", param=param) from None
 
 
 def _include_usage(body: _Sampling) -> bool:

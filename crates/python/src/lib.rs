@@ -538,12 +538,19 @@ fn distinct_sessions<'a>(sessions: &'a [PyRef<'_, PySession>], n_tokens: usize) 
     Ok(refs)
 }
 
-/// Locks every session, runs the batch, and hands each session and its logits row to `each`.
-fn run_batch<T>(refs: &[&PySession], tokens: &[u32], mut each: impl FnMut(&Session, Vec<f32>) -> Result<T, Error>) -> Result<Vec<T>, Error> {
-    let mut guards = refs.iter().map(|s| lock_core(&s.inner)).collect::<Result<Vec<_>, Error>>()?;
+/// Locks every session (in address order, so two batches over the same sessions in different
+/// orders cannot deadlock), runs the batch, and hands each session and its logits row to `each`.
+fn run_batch<T>(refs: &[&PySession], tokens: &[u32], mut each: impl FnMut(usize, &Session, Vec<f32>) -> T) -> Result<Vec<T>, Error> {
+    let mut order: Vec<usize> = (0..refs.len()).collect();
+    order.sort_by_key(|&i| refs[i] as *const PySession as usize);
+    let mut slots: Vec<Option<std::sync::MutexGuard<'_, Exec>>> = (0..refs.len()).map(|_| None).collect();
+    for &i in &order {
+        slots[i] = Some(lock_core(&refs[i].inner)?);
+    }
+    let mut guards: Vec<_> = slots.into_iter().flatten().collect();
     let mut cpu: Vec<&mut Session> = guards.iter_mut().map(|g| g.cpu_only("batched decode")).collect::<Result<_, Error>>()?;
     let logits = powerinfer_core::session::decode_batch(&mut cpu, tokens)?;
-    cpu.iter().zip(logits).map(|(s, row)| each(s, row)).collect()
+    Ok(cpu.iter().zip(logits).enumerate().map(|(i, (s, row))| each(i, s, row)).collect())
 }
 
 /// Evaluates the next token of several CPU sessions of one model as one batch (`tokens[i]` at the
@@ -552,7 +559,7 @@ fn run_batch<T>(refs: &[&PySession], tokens: &[u32], mut each: impl FnMut(&Sessi
 #[pyfunction]
 fn eval_batch<'py>(py: Python<'py>, sessions: Vec<PyRef<'py, PySession>>, tokens: Vec<u32>) -> PyResult<Bound<'py, PyArray2<f32>>> {
     let refs = distinct_sessions(&sessions, tokens.len())?;
-    let rows = compute(py, || run_batch(&refs, &tokens, |_, row| Ok(row)))?;
+    let rows = compute(py, || run_batch(&refs, &tokens, |_, _, row| row))?;
     let n_vocab = rows.first().map_or(0, |r| r.len());
     let flat: Vec<f32> = rows.into_iter().flatten().collect();
     Ok(PyArray1::from_vec(py, flat).reshape([sessions.len(), n_vocab])?)
@@ -567,13 +574,18 @@ fn decode_batch(py: Python<'_>, sessions: Vec<PyRef<'_, PySession>>, tokens: Vec
         return Err(PyValueError::new_err(format!("decode_batch needs one sampler per session, got {} for {}", samplers.len(), sessions.len())));
     }
     let samplers: Vec<&PySampler> = samplers.iter().map(|r| &**r).collect();
-    let mut k = 0;
+    for (i, a) in samplers.iter().enumerate() {
+        if samplers[..i].iter().any(|b| std::ptr::eq(*a, *b)) {
+            return Err(PyValueError::new_err(format!("sampler {i} appears twice in the batch; each session needs its own")));
+        }
+    }
     compute(py, || {
-        run_batch(&refs, &tokens, |session, mut row| {
-            let mut sampler = samplers[k].inner.lock().map_err(|_| Error::InvalidArgument("sampler is unusable".into()))?;
-            k += 1;
-            Ok(sampler.sample(&mut row, &session.tokens))
-        })
+        // every sampler first, so nothing can fail between the evaluation and the sampling
+        let mut locked = samplers
+            .iter()
+            .map(|s| s.inner.lock().map_err(|_| Error::InvalidArgument("sampler is unusable".into())))
+            .collect::<Result<Vec<_>, Error>>()?;
+        run_batch(&refs, &tokens, |i, session, mut row| locked[i].sample(&mut row, &session.tokens))
     })
 }
 
