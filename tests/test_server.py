@@ -417,3 +417,64 @@ def test_a_non_streaming_client_that_leaves_cancels_its_generation(smol):
     assert "finish=cancelled" in line and "client disconnected" in line, line
     assert int(re.search(r"completion=(\d+) tok", line).group(1)) < 200, line
     assert wait_until(lambda: smol.health()["sessions"] == 0)
+
+
+@pytest.mark.smollm
+@needs_smollm
+def test_slots_queue_and_no_starvation(smol, smol_engine):
+    """Three long streams hold three of the four slots: a short request still gets the fourth and
+    finishes while they run. With all four slots held, a fifth request waits in the queue (and
+    holds no session); when its client leaves, it leaves the queue without having run."""
+    long_body = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 300, "temperature": 0, "stream": True}
+    before = len(smol.request_lines("/v1/completions"))
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as c:
+            stop = asyncio.Event()
+            ended = []
+
+            async def long_stream():
+                async with c.stream("POST", smol.url + "/v1/completions", json=long_body) as r:
+                    async for line in r.aiter_lines():
+                        if stop.is_set():
+                            return
+                        if line == "data: [DONE]":
+                            ended.append(True)
+                            return
+
+            async def health():
+                return (await c.get(smol.url + "/health")).json()
+
+            async def until(cond):
+                for _ in range(600):
+                    if cond(await health()):
+                        return True
+                    await asyncio.sleep(0.05)
+                return False
+
+            longs = [asyncio.create_task(long_stream()) for _ in range(3)]
+            assert await until(lambda h: h["slots_busy"] == 3)
+            r = await c.post(smol.url + "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200
+            short_text = r.json()["choices"][0]["text"]
+            assert not ended, "a long stream finished before the short request"
+
+            longs.append(asyncio.create_task(long_stream()))
+            assert await until(lambda h: h["slots_busy"] == 4)
+            async with c.stream("POST", smol.url + "/v1/completions", json=long_body) as queued:
+                assert queued.status_code == 200
+                assert await until(lambda h: h["queued"] == 1 and h["sessions"] == 4)
+            assert await until(lambda h: h["queued"] == 0)
+            stop.set()
+            await asyncio.gather(*longs)
+            assert not ended
+            assert await until(lambda h: h["slots_busy"] == 0 and h["sessions"] == 0)
+            return short_text
+
+    short_text = asyncio.run(main())
+    assert short_text == smol_engine.generate("The capital of France is", max_tokens=4, temperature=0)
+    assert wait_until(lambda: len(smol.request_lines("/v1/completions")) == before + 6)
+    lines = smol.request_lines("/v1/completions")[before:]
+    cancelled = [l for l in lines if "finish=cancelled" in l]
+    assert len(cancelled) == 5
+    assert sum("completion=0 tok" in l for l in cancelled) == 1  # the queued one never ran
