@@ -246,12 +246,29 @@ def test_one_log_line_per_request(tiny):
     ok = [l for l in tiny.request_lines("/v1/completions")[before:] if " 200 " in l]
     assert len(ok) == 2
     for l in ok:
-        assert re.search(r"prompt=\d+ tok \([\d.]+ tok/s\) completion=5 tok \([\d.]+ tok/s\) finish=length", l), l
+        assert re.search(r"prompt=\d+ tok \((\d+ cached, )?[\d.]+ tok/s\) completion=5 tok \([\d.]+ tok/s\) finish=length", l), l
     assert " 400 " in tiny.request_lines("/v1/completions")[before + 2]
 
 
+def test_a_repeated_prompt_reuses_the_cached_session(tiny, tiny_path):
+    client = tiny.client(api_key="sekret")
+    engine = Engine.load(tiny_path, n_ctx=N_CTX, device="cpu")
+    prompt = "in an hour the cat sat on the mat and then"
+    n = len(engine.tokenize(prompt))
+    want = engine.generate(prompt, max_tokens=10, temperature=0)
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0)
+    second = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0)
+    assert first.choices[0].text == second.choices[0].text == want
+    assert second.usage.prompt_tokens_details.cached_tokens == n - 1  # all but the last prompt token
+    longer = prompt + first.choices[0].text + " and"
+    third = client.completions.create(model="tiny", prompt=longer, max_tokens=10, temperature=0)
+    assert third.choices[0].text == engine.generate(longer, max_tokens=10, temperature=0)
+    assert third.usage.prompt_tokens_details.cached_tokens >= n
+    assert 0 < tiny.health()["cached_sessions"] <= 2
+
+
 def test_serve_rejects_bad_arguments(tiny_path):
-    for args, msg in [(["--port", "70000"], "--port"), (["--parallel", "0"], "--parallel")]:
+    for args, msg in [(["--port", "70000"], "--port"), (["--parallel", "0"], "--parallel"), (["--prompt-cache", "-1"], "--prompt-cache")]:
         r = subprocess.run([sys.executable, "-m", "powerinfer_rs.cli", "serve", "-m", tiny_path, *args],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode != 0 and msg in r.stderr and "Traceback" not in r.stderr
@@ -313,6 +330,19 @@ def test_chat_and_streaming_chat(smol, smol_engine):
     parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "}, {"type": "text", "text": "of France?"}]}]
     r2 = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=parts, max_tokens=20, temperature=0)
     assert r2.choices[0].message.content == smol_engine.chat([{"role": "user", "content": QUESTIONS[0]}], max_tokens=20, temperature=0)
+
+
+@pytest.mark.smollm
+@needs_smollm
+def test_the_next_chat_turn_reuses_the_previous_one(smol, smol_engine):
+    client = smol.client()
+    turn1 = [{"role": "user", "content": "Name a large city in Italy."}]
+    r1 = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=turn1, max_tokens=24, temperature=0)
+    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "And one in Spain?"}]
+    r2 = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=turn2, max_tokens=24, temperature=0)
+    assert r2.choices[0].message.content == smol_engine.chat(turn2, max_tokens=24, temperature=0)
+    assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens  # the whole first turn was reused
 
 
 @pytest.mark.smollm

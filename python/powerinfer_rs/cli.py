@@ -278,6 +278,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in 0..65535 (0 picks a free port), got {a.port}")
     if a.parallel < 1:
         raise ValueError(f"--parallel must be >= 1, got {a.parallel}")
+    if a.prompt_cache is not None and a.prompt_cache < 0:
+        raise ValueError(f"--prompt-cache must be >= 0, got {a.prompt_cache}")
     api_key = a.api_key if a.api_key is not None else os.environ.get("POWERINFER_API_KEY") or None
     if a.api_key is not None and not a.api_key:
         raise ValueError("--api-key must not be empty")
@@ -285,7 +287,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     engine = Engine.load(
         _model_path(a.model), threads=a.threads, n_ctx=a.ctx_size, kv_type=a.kv_type, **_sparsity_args(a)
     )
-    serve(engine, host=a.host, port=a.port, model_id=a.alias, api_key=api_key, slots=a.parallel, batch=not a.no_batch)
+    serve(engine, host=a.host, port=a.port, model_id=a.alias, api_key=api_key, slots=a.parallel, batch=not a.no_batch,
+          prompt_cache=a.prompt_cache)
     return 0
 
 
@@ -316,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: $POWERINFER_API_KEY, else none)")
     sv.add_argument("-np", "--parallel", type=int, default=4, help="generations run at once, round-robin; later requests queue in order (default 4)")
     sv.add_argument("--no-batch", action="store_true", help="evaluate each client's next token separately instead of in one batch (for comparison)")
+    sv.add_argument("--prompt-cache", type=int, default=None, metavar="N",
+                    help="finished sessions kept so a prompt with the same beginning (next chat turn) is not evaluated again (default: --parallel; 0: off)")
     sv.add_argument("-a", "--alias", default=None, help="model id clients use (default: the file name without .gguf)")
     sv.set_defaults(func=cmd_serve)
 

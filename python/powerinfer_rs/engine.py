@@ -535,7 +535,13 @@ class Generation:
     call `step()` to run exactly one evaluation (the prompt, then one token per call), which lets
     a scheduler interleave several generations fairly. `finish_reason` is "stop" (end-of-generation
     token or a stop string) or "length" (max_tokens reached or the context full) once `done`;
-    `stats` holds token counts and speeds; `close()` frees the session early."""
+    `stats` holds token counts and speeds; `close()` frees the session early.
+
+    A scheduler serving many requests can hand a generation the finished session of an earlier
+    one (`reuse_session`): the prompt tokens it already holds are not evaluated again (the
+    result is the same, since every position's keys and values depend only on the tokens before
+    it), and with `keep_session` set, a generation that ends normally leaves its session in
+    `finished_session` for the next one instead of freeing it."""
 
     def __init__(self, engine: Engine, ids: list[int], max_tokens: int, sampler, stops: list[str]):
         self.engine = engine
@@ -543,7 +549,7 @@ class Generation:
         self.max_tokens = max_tokens
         self.stops = stops
         self.stats = {
-            "prompt_tokens": len(ids), "prefill_tps": 0.0, "prefill_s": 0.0,
+            "prompt_tokens": len(ids), "cached_tokens": 0, "prefill_tps": 0.0, "prefill_s": 0.0,
             "generated_tokens": 0, "decode_tps": 0.0, "decode_s": 0.0,
         }
         engine.last_stats = self.stats
@@ -553,7 +559,9 @@ class Generation:
         self.prefill_chunk: int | None = None
         self._sampler = sampler
         self._session = None  # opened by the first step, so a queued generation holds no KV cache
-        self._prefilled = 0  # prompt tokens evaluated so far
+        self._prefilled = 0  # prompt tokens evaluated (or reused) so far
+        self.keep_session = False
+        self.finished_session = None
         self._decoder = StreamDecoder(engine.tokenizer)
         self._pending = ""
         self._token: int | None = None  # last sampled token, not yet evaluated
@@ -568,7 +576,26 @@ class Generation:
 
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
+        if self.keep_session and reason in ("stop", "length"):
+            self.finished_session = self._session
         self._session = None  # frees the KV cache now, not when the iterator is collected
+
+    def reuse_session(self, session: "_core.Session", tokens: list[int]) -> int:
+        """Starts from `session` (of this engine, holding `tokens`) instead of a new one, keeping
+        the longest prefix it shares with the prompt (all but the prompt's last token at most,
+        which must be evaluated to sample from). Returns how many prompt tokens were reused."""
+        if self._session is not None or self._prefilled or self.done:
+            raise ValueError("reuse_session must come before the first step")
+        limit = min(len(tokens), len(self.prompt_ids) - 1)
+        k = 0
+        while k < limit and tokens[k] == self.prompt_ids[k]:
+            k += 1
+        session.truncate(k)
+        session.take_stats()
+        self._session = session
+        self._prefilled = k
+        self.stats["cached_tokens"] = k
+        return k
 
     @property
     def holds_session(self) -> bool:
@@ -579,6 +606,7 @@ class Generation:
         """Stops the generation and frees its session (a client went away)."""
         if not self.done:
             self._finish("cancelled")
+        self.finished_session = None
 
     def step(self) -> str:
         """Runs one evaluation (the whole prompt first, then one token) and returns the text that
@@ -600,7 +628,7 @@ class Generation:
                 token = session.eval_and_sample(ids, self._sampler)
             self._prefilled += len(ids)
             stats["prefill_s"] += time.perf_counter() - t
-            stats["prefill_tps"] = self._prefilled / stats["prefill_s"]
+            stats["prefill_tps"] = (self._prefilled - stats["cached_tokens"]) / stats["prefill_s"]
             # FFN counters cover decode only (prefill computes the whole batch anyway)
             session.take_stats()
             if rest:

@@ -176,10 +176,15 @@ class Scheduler:
     """Admits jobs first come, first served into `slots` and steps the active ones round-robin
     (`Engine.step_many`: one prompt piece or one token each, the tokens batched)."""
 
-    def __init__(self, engine: Engine, slots: int, batch: bool = True):
+    def __init__(self, engine: Engine, slots: int, batch: bool = True, cache: int | None = None):
         self.engine = engine
         self.slots = slots
         self.batch = batch
+        # Finished sessions kept for their tokens' KV (most recent last): a new request whose
+        # prompt starts with the same tokens (the next turn of a chat, a shared system prompt)
+        # continues from one instead of evaluating its prompt again. Not on the GPU (untested).
+        self.cache_size = (slots if cache is None else cache) if engine.device == "cpu" else 0
+        self._cache: list[tuple[list[int], Any]] = []
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: list[Job] = []
         self._cond = threading.Condition()
@@ -207,8 +212,35 @@ class Scheduler:
     def counts(self) -> dict[str, int]:
         with self._cond:
             sessions = sum(j.generation.holds_session for j in self._active)
-            return {"slots_total": self.slots, "slots_busy": len(self._active), "queued": len(self._waiting), "sessions": sessions}
+            return {"slots_total": self.slots, "slots_busy": len(self._active), "queued": len(self._waiting),
+                    "sessions": sessions, "cached_sessions": len(self._cache)}
 
+    def _adopt_cached(self, gen: Generation) -> None:
+        """Gives `gen` the cached session sharing the longest prefix with its prompt, if any."""
+        if self.cache_size == 0 or gen.done:
+            return
+        gen.keep_session = True
+        prompt, best, best_len = gen.prompt_ids, None, 0
+        for i, (tokens, _) in enumerate(self._cache):
+            n = 0
+            for a, b in zip(tokens, prompt[:-1]):
+                if a != b:
+                    break
+                n += 1
+            if n > best_len:
+                best, best_len = i, n
+        if best is not None:
+            tokens, session = self._cache.pop(best)
+            gen.reuse_session(session, tokens)
+
+    def _keep(self, gen: Generation) -> None:
+        """Caches the session of a generation that ended normally, dropping the oldest."""
+        session, gen.finished_session = gen.finished_session, None
+        if session is None or self.cache_size == 0:
+            return
+        with self._cond:
+            self._cache.append((session.tokens, session))
+            del self._cache[: max(0, len(self._cache) - self.cache_size)]
     def close(self) -> None:
         with self._cond:
             self._closed = True
@@ -223,6 +255,7 @@ class Scheduler:
                 while not self._closed and not self._active and not self._waiting:
                     self._cond.wait()
                 if self._closed:
+                    self._cache.clear()
                     for job in list(self._waiting) + self._active:
                         job.generation.close()
                         job.emit("end", "cancelled")
@@ -230,7 +263,9 @@ class Scheduler:
                     self._active.clear()
                     return
                 while self._waiting and len(self._active) < self.slots:
-                    self._active.append(self._waiting.popleft())
+                    job = self._waiting.popleft()
+                    self._adopt_cached(job.generation)
+                    self._active.append(job)
                 round_ = list(self._active)
             finished = [j for j in round_ if j.cancelled]
             for job in finished:
@@ -254,6 +289,7 @@ class Scheduler:
                 if result:
                     job.emit("text", result)
                 if gen.done:
+                    self._keep(gen)
                     job.emit("end", gen.finish_reason)
                     finished.append(job)
             if finished:
@@ -269,15 +305,19 @@ def _model_id(engine: Engine) -> str:
     return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
 
 
-def create_app(engine: Engine, model_id: str | None = None, api_key: str | None = None, slots: int = 4, batch: bool = True) -> FastAPI:
+def create_app(engine: Engine, model_id: str | None = None, api_key: str | None = None, slots: int = 4, batch: bool = True,
+               prompt_cache: int | None = None) -> FastAPI:
     """The FastAPI app serving `engine` as model `model_id` (default: the file name without
     .gguf). `api_key`: require `Authorization: Bearer <api_key>` on /v1/*. `slots`: generations
     run at once (round-robin); later requests wait their turn in arrival order. `batch=False`
-    evaluates each client's token separately (for comparison)."""
+    evaluates each client's token separately (for comparison). `prompt_cache`: finished sessions
+    kept so a later prompt with the same beginning skips evaluating it (default: `slots`; 0: none)."""
     if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
         raise ValueError(f"slots must be a positive int, got {slots!r}")
     if api_key is not None and not api_key:
         raise ValueError("api_key must be a non-empty string or None")
+    if prompt_cache is not None and (not isinstance(prompt_cache, int) or isinstance(prompt_cache, bool) or prompt_cache < 0):
+        raise ValueError(f"prompt_cache must be an int >= 0 or None, got {prompt_cache!r}")
     model_id = model_id or _model_id(engine)
     created = int(os.path.getmtime(engine.path))
     fingerprint = f"powerinfer-rs-{__version__}-{engine.sparsity}-{engine.device}"
@@ -285,7 +325,7 @@ def create_app(engine: Engine, model_id: str | None = None, api_key: str | None 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        state["scheduler"] = Scheduler(engine, slots, batch)
+        state["scheduler"] = Scheduler(engine, slots, batch, prompt_cache)
         yield
         await asyncio.to_thread(state["scheduler"].close)
 
@@ -555,9 +595,10 @@ def _include_usage(body: _Sampling) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
 
-def _usage(gen: Generation) -> dict[str, int]:
+def _usage(gen: Generation) -> dict[str, Any]:
     p, c = gen.stats["prompt_tokens"], gen.stats["generated_tokens"]
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": gen.stats["cached_tokens"]}}
 
 
 def _note(request_or_scope, **fields) -> None:
@@ -568,8 +609,8 @@ def _note(request_or_scope, **fields) -> None:
 
 def _note_generation(scope, gen: Generation, reason: str) -> None:
     s = gen.stats
-    _note(scope, prompt_tokens=s["prompt_tokens"], completion_tokens=s["generated_tokens"], decode_tps=s["decode_tps"],
-          prefill_tps=s["prefill_tps"], finish=reason)
+    _note(scope, prompt_tokens=s["prompt_tokens"], cached_tokens=s["cached_tokens"], completion_tokens=s["generated_tokens"],
+          decode_tps=s["decode_tps"], prefill_tps=s["prefill_tps"], finish=reason)
 
 
 async def _until_disconnect(receive) -> None:
@@ -700,8 +741,9 @@ class RequestLog:
             f = scope.get("powerinfer.log", {})
             line = f"{scope['method']} {scope['path']} {status[0] or '-'} {time.perf_counter() - t0:.2f}s"
             if "prompt_tokens" in f:
+                cached = f" {f['cached_tokens']} cached," if f["cached_tokens"] else ""
                 line += (
-                    f" prompt={f['prompt_tokens']} tok ({f['prefill_tps']:.1f} tok/s)"
+                    f" prompt={f['prompt_tokens']} tok ({cached}{f['prefill_tps']:.1f} tok/s)"
                     f" completion={f['completion_tokens']} tok ({f['decode_tps']:.1f} tok/s) finish={f['finish']}"
                 )
             if "error" in f:
@@ -710,14 +752,15 @@ class RequestLog:
 
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8080, model_id: str | None = None,
-          api_key: str | None = None, slots: int = 4, batch: bool = True, log_level: str = "info") -> None:
+          api_key: str | None = None, slots: int = 4, batch: bool = True, prompt_cache: int | None = None,
+          log_level: str = "info") -> None:
     """Serves `engine` until interrupted. Binds first, then prints the address it listens on
     (with the real port when `port` is 0)."""
     import socket
 
     import uvicorn
 
-    app = create_app(engine, model_id, api_key, slots, batch)
+    app = create_app(engine, model_id, api_key, slots, batch, prompt_cache)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
