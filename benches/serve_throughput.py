@@ -10,7 +10,10 @@ one run on the same machine, alternating, ratio of medians.
    llama-cpp-python with its server extra is installed, llama-cpp-python's OpenAI server
    (`python -m llama_cpp.server`, llama.cpp underneath) on the same file with the same threads;
    N concurrent streaming chat requests through the `openai` client: aggregate tok/s
-   (completion tokens over wall time, prompts included) and the ratios.
+   (completion tokens over wall time, prompts included) and the ratios. Our prompt cache is off
+   here (the same questions come back every rep).
+3. Prompt cache: time to the first token of a chat's second turn (a ~600-token conversation)
+   with the default prompt cache vs `--prompt-cache 0`.
 """
 
 from __future__ import annotations
@@ -99,9 +102,9 @@ class LlamaCppServer:
 
 
 class Server:
-    def __init__(self, model: str, n: int, batch: bool, threads: int | None):
+    def __init__(self, model: str, n: int, batch: bool, threads: int | None, extra: tuple[str, ...] = ()):
         cmd = [sys.executable, "-m", "powerinfer_rs.cli", "serve", "-m", model, "--port", "0", "-c", "1024",
-               "--parallel", str(n), "--device", "cpu"] + ([] if batch else ["--no-batch"]) + (["-t", str(threads)] if threads else [])
+               "--parallel", str(n), "--device", "cpu", *extra] + ([] if batch else ["--no-batch"]) + (["-t", str(threads)] if threads else [])
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         while True:
             line = self.proc.stderr.readline()
@@ -147,6 +150,22 @@ async def http_side(url: str, n: int, tokens: int) -> float:
 _MODEL_ID = ""
 
 
+def second_turn_ttft(url: str, rep: int) -> float:
+    """Sends a chat's first turn (a long system prompt), then times the second turn's first token."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
+    system = f"Session {rep}. " + " ".join(f"Rule {i}: answer politely, briefly and only about the topic at hand." for i in range(40))
+    turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model=_MODEL_ID, messages=turn1, max_tokens=16, temperature=0)
+    turn2 = turn1 + [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "And of Spain?"}]
+    t = time.perf_counter()
+    for c in client.chat.completions.create(model=_MODEL_ID, messages=turn2, max_tokens=8, temperature=0, stream=True):
+        if c.choices and c.choices[0].delta.content:
+            return time.perf_counter() - t
+    return time.perf_counter() - t
+
+
 def main() -> int:
     global _MODEL_ID
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -182,6 +201,19 @@ def main() -> int:
 
     if a.no_http:
         return 0
+    print("\nprompt cache: time to the first token of a second chat turn, seconds")
+    servers = {"off": Server(model, 1, True, a.threads, ("--prompt-cache", "0")), "on": Server(model, 1, True, a.threads)}
+    try:
+        res = {k: [] for k in servers}
+        for rep in range(a.reps):
+            for k, srv in servers.items():
+                res[k].append(second_turn_ttft(srv.url, rep))
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    off, on = statistics.median(res["off"]), statistics.median(res["on"])
+    print(f"{'--prompt-cache 0':>17} {'cached':>8} {'speed-up':>9}")
+    print(f"{off:>17.3f} {on:>8.3f} {off / on:>8.2f}x")
     try:
         import llama_cpp.server.app  # noqa: F401
 
@@ -194,7 +226,9 @@ def main() -> int:
         head += f" {'llama-cpp-python':>17} {'batched/llama.cpp':>18}"
     print(head)
     for n in a.clients:
-        servers = {"sep": Server(model, n, False, a.threads), "bat": Server(model, n, True, a.threads)}
+        # no prompt cache here: the same questions come back every rep, and this measures batching
+        servers = {"sep": Server(model, n, False, a.threads, ("--prompt-cache", "0")),
+                   "bat": Server(model, n, True, a.threads, ("--prompt-cache", "0"))}
         if with_llamacpp:
             servers["lcpp"] = LlamaCppServer(model, _MODEL_ID, engine.n_threads)
         try:
