@@ -741,7 +741,7 @@ class RequestLog:
             f = scope.get("powerinfer.log", {})
             line = f"{scope['method']} {scope['path']} {status[0] or '-'} {time.perf_counter() - t0:.2f}s"
             if "prompt_tokens" in f:
-                cached = f" {f['cached_tokens']} cached," if f["cached_tokens"] else ""
+                cached = f"{f['cached_tokens']} cached, " if f["cached_tokens"] else ""
                 line += (
                     f" prompt={f['prompt_tokens']} tok ({cached}{f['prefill_tps']:.1f} tok/s)"
                     f" completion={f['completion_tokens']} tok ({f['decode_tps']:.1f} tok/s) finish={f['finish']}"
