@@ -480,10 +480,9 @@ class Engine:
         step one by one (all of them with `batch=False`). Returns each one's new text, or the
         exception its step raised."""
         out: list = [""] * len(generations)
-        use_batch = batch
-        batch = [i for i, g in enumerate(generations) if g.decoding]
-        if use_batch and len(batch) >= 2 and self._gpu_model is None:
-            gens = [generations[i] for i in batch]
+        batched = [i for i, g in enumerate(generations) if g.decoding]
+        if batch and len(batched) >= 2 and self._gpu_model is None:
+            gens = [generations[i] for i in batched]
             positions = [g._session.pos for g in gens]
             t = time.perf_counter()
             try:
@@ -491,7 +490,7 @@ class Engine:
             except Exception as e:
                 # a refused batch changes no session: step them one by one below, so only a
                 # failing one fails; a session that moved anyway cannot go on
-                for i, g, pos in zip(batch, gens, positions):
+                for i, g, pos in zip(batched, gens, positions):
                     try:
                         moved = g._session.pos != pos
                     except Exception:  # the session itself is unusable
@@ -499,10 +498,10 @@ class Engine:
                     if moved:
                         g.close()
                         out[i] = e
-                batch = [i for i, g in zip(batch, gens) if g.done]
+                batched = [i for i, g in zip(batched, gens) if g.done]
             else:
                 seconds = time.perf_counter() - t
-                for i, g, token in zip(batch, gens, tokens):
+                for i, g, token in zip(batched, gens, tokens):
                     try:
                         g._after_decode(seconds)
                         out[i] = g._accept(token)
@@ -510,8 +509,8 @@ class Engine:
                         g.close()
                         out[i] = e
         else:
-            batch = []
-        done = set(batch)
+            batched = []
+        done = set(batched)
         for i, g in enumerate(generations):
             if i not in done:
                 try:

@@ -614,6 +614,7 @@ def _note_generation(scope, gen: Generation, reason: str) -> None:
 
 
 async def _until_disconnect(receive) -> None:
+    """Returns when the client goes away; the request body has been read, nothing else matters."""
     while (await receive())["type"] != "http.disconnect":
         pass
 

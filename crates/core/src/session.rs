@@ -15,7 +15,7 @@ use rayon::prelude::*;
 use crate::attention::{attend_group, KvBuf, KvType};
 use crate::error::{Error, Result};
 use crate::matmul::{matmul, matmul_many, Activations};
-use crate::model::{Family, FfnActivation, LayerWeights, Model, RopeStyle, OPT_POSITION_OFFSET};
+use crate::model::{Config, Family, FfnActivation, LayerWeights, Model, RopeStyle, Weights, OPT_POSITION_OFFSET};
 use crate::sparse::{down_t_matmul, sparse_ffn, FfnMats, SparseScratch};
 
 mod batch;
@@ -189,6 +189,47 @@ struct Scratch {
     sparse: SparseScratch,
     cos: Vec<f32>,      // (n, rope_dim / 2)
     sin: Vec<f32>,      // (n, rope_dim / 2)
+}
+
+impl Scratch {
+    /// Sizes the per-token buffers for a batch of `n` tokens.
+    fn resize_for(&mut self, n: usize, c: &Config) {
+        for buf in [&mut self.x, &mut self.xb, &mut self.attn_out, &mut self.ffn_out] {
+            buf.resize(n * c.n_embd, 0.0);
+        }
+        self.q.resize(n * c.q_dim(), 0.0);
+        self.k.resize(n * c.kv_dim(), 0.0);
+        self.v.resize(n * c.kv_dim(), 0.0);
+        self.att.resize(n * c.q_dim(), 0.0);
+    }
+
+    /// Token embeddings of a batch: x[t] = token_embd[tokens[t]] (+ position_embd[positions[t]
+    /// + 2] for OPT), with xb as room for the position row (free until the first norm).
+    fn embed(&mut self, w: &Weights, dim: usize, tokens: &[u32], positions: impl Iterator<Item = usize>) {
+        for ((t, &tok), pos) in tokens.iter().enumerate().zip(positions) {
+            let xt = &mut self.x[t * dim..(t + 1) * dim];
+            w.token_embd.dequantize_row(tok as usize, xt);
+            if let Some(pe) = &w.position_embd {
+                let p = &mut self.xb[t * dim..(t + 1) * dim];
+                pe.dequantize_row(pos + OPT_POSITION_OFFSET, p);
+                add_into(xt, p);
+            }
+        }
+    }
+
+    /// RoPE angles of each token's position, shared by every layer: cos, sin (n, rope_dim / 2).
+    fn rope_angles(&mut self, inv_freq: &[f32], positions: impl ExactSizeIterator<Item = usize>) {
+        let half = inv_freq.len();
+        self.cos.resize(positions.len() * half, 0.0);
+        self.sin.resize(positions.len() * half, 0.0);
+        for (t, pos) in positions.enumerate() {
+            for (i, f) in inv_freq.iter().enumerate() {
+                let angle = pos as f32 * f;
+                self.cos[t * half + i] = angle.cos();
+                self.sin[t * half + i] = angle.sin();
+            }
+        }
+    }
 }
 
 fn rmsnorm(out: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
@@ -435,28 +476,9 @@ impl Session {
         let n = tokens.len();
         let pos0 = self.pos();
         let dim = c.n_embd;
-        {
-            let s = &mut self.s;
-            for buf in [&mut s.x, &mut s.xb, &mut s.attn_out, &mut s.ffn_out] {
-                buf.resize(n * dim, 0.0);
-            }
-            s.q.resize(n * c.q_dim(), 0.0);
-            s.k.resize(n * c.kv_dim(), 0.0);
-            s.v.resize(n * c.kv_dim(), 0.0);
-            s.att.resize(n * c.q_dim(), 0.0);
-
-            // token embeddings: x[t] = token_embd[tokens[t]] (+ position_embd[pos + 2] for OPT)
-            for (t, &tok) in tokens.iter().enumerate() {
-                let xt = &mut s.x[t * dim..(t + 1) * dim];
-                w.token_embd.dequantize_row(tok as usize, xt);
-                if let Some(pe) = &w.position_embd {
-                    let p = &mut s.xb[t * dim..(t + 1) * dim]; // free until the first norm
-                    pe.dequantize_row(pos0 + t + OPT_POSITION_OFFSET, p);
-                    add_into(xt, p);
-                }
-            }
-        }
-        self.prepare_positions(n, pos0);
+        self.s.resize_for(n, c);
+        self.s.embed(w, dim, tokens, pos0..pos0 + n);
+        self.s.rope_angles(&self.rope_inv_freq, pos0..pos0 + n);
 
         for (l, lw) in w.layers.iter().enumerate() {
             self.layer(l, lw, n, pos0);
@@ -474,21 +496,6 @@ impl Session {
         logits
     }
 
-    /// RoPE angles for positions pos0..pos0+n, shared by every layer: s.cos, s.sin (n, rope_dim / 2).
-    fn prepare_positions(&mut self, n: usize, pos0: usize) {
-        let half = self.model.config.rope_dim / 2;
-        let s = &mut self.s;
-        s.cos.resize(n * half, 0.0);
-        s.sin.resize(n * half, 0.0);
-        for t in 0..n {
-            for (i, f) in self.rope_inv_freq.iter().enumerate() {
-                let angle = (pos0 + t) as f32 * f;
-                s.cos[t * half + i] = angle.cos();
-                s.sin[t * half + i] = angle.sin();
-            }
-        }
-    }
-
     /// The RoPE (cos, sin) pairs of one position, (rope_dim / 2) each, exactly as the CPU
     /// forward uses them (the GPU executor uploads these rather than recomputing them).
     pub fn rope_angles(&self, pos: usize) -> (Vec<f32>, Vec<f32>) {
@@ -502,20 +509,9 @@ impl Session {
     /// token history themselves (see `record_tokens`).
     pub fn cpu_layer(&mut self, l: usize, x: &mut [f32], pos: usize) {
         let model = Arc::clone(&self.model);
-        let c = &model.config;
-        let dim = c.n_embd;
-        {
-            let s = &mut self.s;
-            for buf in [&mut s.x, &mut s.xb, &mut s.attn_out, &mut s.ffn_out] {
-                buf.resize(dim, 0.0);
-            }
-            s.q.resize(c.q_dim(), 0.0);
-            s.k.resize(c.kv_dim(), 0.0);
-            s.v.resize(c.kv_dim(), 0.0);
-            s.att.resize(c.q_dim(), 0.0);
-            s.x.copy_from_slice(x);
-        }
-        self.prepare_positions(1, pos);
+        self.s.resize_for(1, &model.config);
+        self.s.x.copy_from_slice(x);
+        self.s.rope_angles(&self.rope_inv_freq, pos..pos + 1);
         model.install(|| self.layer(l, &model.weights.layers[l], 1, pos));
         x.copy_from_slice(&self.s.x);
     }

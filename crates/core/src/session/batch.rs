@@ -56,36 +56,10 @@ fn forward(sessions: &mut [&mut Session], tokens: &[u32]) -> Vec<Vec<f32>> {
     let dim = c.n_embd;
     let positions: Vec<usize> = sessions.iter().map(|se| se.pos()).collect();
     let mut s = Scratch::default();
-    for buf in [&mut s.x, &mut s.xb, &mut s.attn_out, &mut s.ffn_out] {
-        buf.resize(n * dim, 0.0);
-    }
-    s.q.resize(n * c.q_dim(), 0.0);
-    s.k.resize(n * c.kv_dim(), 0.0);
-    s.v.resize(n * c.kv_dim(), 0.0);
-    s.att.resize(n * c.q_dim(), 0.0);
-
-    // token embeddings: x[t] = token_embd[tokens[t]] (+ position_embd[pos_t + 2] for OPT)
-    for (t, &tok) in tokens.iter().enumerate() {
-        let xt = &mut s.x[t * dim..(t + 1) * dim];
-        w.token_embd.dequantize_row(tok as usize, xt);
-        if let Some(pe) = &w.position_embd {
-            let p = &mut s.xb[t * dim..(t + 1) * dim]; // free until the first norm
-            pe.dequantize_row(positions[t] + OPT_POSITION_OFFSET, p);
-            add_into(xt, p);
-        }
-    }
-
-    // RoPE angles, each row at its own position: s.cos, s.sin (n, rope_dim / 2)
-    let half = c.rope_dim / 2;
-    s.cos.resize(n * half, 0.0);
-    s.sin.resize(n * half, 0.0);
-    for (t, se) in sessions.iter().enumerate() {
-        for (i, f) in se.rope_inv_freq.iter().enumerate() {
-            let angle = positions[t] as f32 * f;
-            s.cos[t * half + i] = angle.cos();
-            s.sin[t * half + i] = angle.sin();
-        }
-    }
+    s.resize_for(n, c);
+    s.embed(w, dim, tokens, positions.iter().copied());
+    // every session has the model's RoPE frequencies; each row turns by its own position
+    s.rope_angles(&sessions[0].rope_inv_freq, positions.iter().copied());
 
     for (l, lw) in w.layers.iter().enumerate() {
         layer(sessions, &mut s, l, lw, &positions);
