@@ -1,14 +1,27 @@
 //! One FFN block of 7B shape (n_embd 4096, n_ff 11008, ReGLU) for one token: the neuron-aware
 //! sparse operator at 0/50/80/90/95% sparsity against the dense block (gate and up products,
-//! activation, down product), both in the same run, alternating, on a 2-thread pool
-//! (`POWERINFER_BENCH_THREADS` overrides). Prints the median time of each and their ratio.
+//! activation, down product), both in the same run, alternating, for Q4_0, Q8_0 and F16 on 1
+//! and 2 threads. Prints the median time of each, their ratio, the ideal ratio 1/(1-s), and the
+//! GB/s of weight bytes each side actually read, beside a plain streaming read of the same bytes
+//! on the same threads (the hardware limit these kernels can reach).
 //!
 //!     cargo bench -p powerinfer-core --bench sparse_ffn
 //!
+//! Decoding a real model reads every layer once per token, so each FFN block comes from DRAM,
+//! not from cache. Server CPUs have last-level caches of hundreds of MiB (a 7B Q4_0 FFN block
+//! is 76 MB), so one block timed over and over would be measured in cache. Each timed round
+//! therefore runs over enough copies of the block (at different addresses) to exceed
+//! `POWERINFER_BENCH_FOOTPRINT` bytes (default 1 GiB), like a decode over that many layers.
+//!
 //! The weights are drawn so that every gate is positive: the only sparsity is the selection the
 //! operator is given, so "0%" really computes every neuron.
+//!
+//! Environment: `POWERINFER_BENCH_THREADS` (e.g. "2" or "1,2"), `POWERINFER_BENCH_ROUNDS`,
+//! `POWERINFER_BENCH_TYPES` (e.g. "Q4_0,F16"), `POWERINFER_BENCH_FOOTPRINT` (bytes).
 
 use std::time::Instant;
+
+use rayon::prelude::*;
 
 use powerinfer_core::matmul::{matmul, matmul_many, Activations, QMatrix};
 use powerinfer_core::model::FfnActivation;
@@ -18,6 +31,7 @@ use powerinfer_core::sparse::{sparse_ffn, FfnMats, SparseScratch};
 
 const N_EMBD: usize = 4096;
 const N_FF: usize = 11008;
+const SPARSITIES: [f64; 5] = [0.0, 0.5, 0.8, 0.9, 0.95];
 
 fn matrix(dtype: DType, rows: usize, cols: usize, seed: u64, positive: bool) -> Vec<u8> {
     let mut rng = Rng::new(seed);
@@ -38,69 +52,166 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
+fn env_list<T: std::str::FromStr>(name: &str) -> Option<Vec<T>> {
+    let v = std::env::var(name).ok()?;
+    v.split(',').map(|s| s.trim().parse().ok()).collect()
+}
+
+/// One FFN block's weights in both layouts the operators read.
+struct Block {
+    gate: Vec<u8>,   // (n_ff, n_embd)
+    up: Vec<u8>,     // (n_ff, n_embd)
+    down: Vec<u8>,   // (n_embd, n_ff), the dense layout
+    down_t: Vec<u8>, // (n_ff, n_embd), neuron-major
+}
+
+/// GB/s of a plain read of every byte of `bufs`, split over the pool's threads in 64 KiB
+/// pieces (sums of u64 words, so the loads cannot be skipped).
+fn stream_read_gbs(bufs: &[&[u8]], rounds: usize) -> f64 {
+    let total: usize = bufs.iter().map(|b| b.len()).sum();
+    let mut times = Vec::new();
+    for _ in 0..rounds.max(3) {
+        let t = Instant::now();
+        let s: u64 = bufs
+            .iter()
+            .map(|b| {
+                b.par_chunks(64 << 10)
+                    .map(|c| {
+                        // SAFETY: every bit pattern is a valid u64.
+                        let (_, words, _) = unsafe { c.align_to::<u64>() };
+                        let mut acc = [0u64; 8];
+                        for w in words.chunks_exact(8) {
+                            for k in 0..8 {
+                                acc[k] = acc[k].wrapping_add(w[k]);
+                            }
+                        }
+                        acc.iter().fold(0u64, |a, b| a.wrapping_add(*b))
+                    })
+                    .reduce(|| 0, |a, b| a.wrapping_add(b))
+            })
+            .fold(0u64, |a, b| a.wrapping_add(b));
+        std::hint::black_box(s);
+        times.push(t.elapsed().as_secs_f64());
+    }
+    total as f64 / median(&mut times) / 1e9
+}
+
 fn main() {
-    let threads: usize = std::env::var("POWERINFER_BENCH_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
-    let rounds: usize = std::env::var("POWERINFER_BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(15);
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-    println!("FFN block 4096 x 11008 (ReGLU), one token, {threads} threads, median of {rounds} alternating runs");
-    println!("{:<6} {:>9} {:>10} {:>10} {:>8}", "type", "sparsity", "dense ms", "sparse ms", "speedup");
-    for dtype in [DType::Q4_0, DType::F16] {
-        let gate_d = matrix(dtype, N_FF, N_EMBD, 1, true);
-        let up_d = matrix(dtype, N_FF, N_EMBD, 2, false);
-        let down_d = matrix(dtype, N_EMBD, N_FF, 3, false); // (n_embd, n_ff), the dense layout
-        let down_t_d = matrix(dtype, N_FF, N_EMBD, 4, false); // (n_ff, n_embd), neuron-major
-        let gate = QMatrix { dtype, rows: N_FF, cols: N_EMBD, data: &gate_d };
-        let up = QMatrix { dtype, rows: N_FF, cols: N_EMBD, data: &up_d };
-        let down = QMatrix { dtype, rows: N_EMBD, cols: N_FF, data: &down_d };
-        let down_t = QMatrix { dtype, rows: N_FF, cols: N_EMBD, data: &down_t_d };
-        let mats = FfnMats { gate: Some(gate), up, up_bias: None, down_t, act: FfnActivation::ReGlu };
+    let threads_list: Vec<usize> = env_list("POWERINFER_BENCH_THREADS").unwrap_or(vec![1, 2]);
+    let rounds: usize = std::env::var("POWERINFER_BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(9);
+    let footprint: usize = std::env::var("POWERINFER_BENCH_FOOTPRINT").ok().and_then(|v| v.parse().ok()).unwrap_or(1 << 30);
+    let types: Vec<String> = env_list("POWERINFER_BENCH_TYPES").unwrap_or(vec!["Q4_0".into(), "Q8_0".into(), "F16".into()]);
+    println!("FFN block {N_EMBD} x {N_FF} (ReGLU), one token, median of {rounds} alternating rounds");
+    println!("GB/s: weight bytes read per second; stream: a plain read of the dense block's bytes");
+    println!(
+        "{:<5} {:>3} {:>6} {:>9} {:>10} {:>8} {:>6} {:>8} {:>8} {:>7}",
+        "type", "thr", "sparse", "dense ms", "sparse ms", "speedup", "ideal", "dense GB/s", "sparse GB/s", "stream"
+    );
+    for name in &types {
+        let dtype = match name.as_str() {
+            "Q4_0" => DType::Q4_0,
+            "Q4_1" => DType::Q4_1,
+            "Q8_0" => DType::Q8_0,
+            "F16" => DType::F16,
+            "F32" => DType::F32,
+            "BF16" => DType::BF16,
+            other => panic!("unknown type {other}"),
+        };
+        let first = Block {
+            gate: matrix(dtype, N_FF, N_EMBD, 1, true),
+            up: matrix(dtype, N_FF, N_EMBD, 2, false),
+            down: matrix(dtype, N_EMBD, N_FF, 3, false),
+            down_t: matrix(dtype, N_FF, N_EMBD, 4, false),
+        };
+        let block_bytes = first.gate.len() + first.up.len() + first.down.len();
+        let copies = footprint.div_ceil(block_bytes).max(1);
+        let blocks: Vec<Block> = (0..copies)
+            .map(|_| Block { gate: first.gate.clone(), up: first.up.clone(), down: first.down.clone(), down_t: first.down_t.clone() })
+            .collect();
+        let mats: Vec<(FfnMats, QMatrix)> = blocks
+            .iter()
+            .map(|b| {
+                fn q(dtype: DType, data: &[u8], rows: usize, cols: usize) -> QMatrix<'_> {
+                    QMatrix { dtype, rows, cols, data }
+                }
+                let m = FfnMats {
+                    gate: Some(q(dtype, &b.gate, N_FF, N_EMBD)),
+                    up: q(dtype, &b.up, N_FF, N_EMBD),
+                    up_bias: None,
+                    down_t: q(dtype, &b.down_t, N_FF, N_EMBD),
+                    act: FfnActivation::ReGlu,
+                };
+                (m, q(dtype, &b.down, N_EMBD, N_FF))
+            })
+            .collect();
+        let dense_bufs: Vec<&[u8]> = blocks.iter().flat_map(|b| [&b.gate[..], &b.up[..], &b.down[..]]).collect();
 
         let mut rng = Rng::new(5);
         let x_f: Vec<f32> = (0..N_EMBD).map(|_| rng.next_f32()).collect();
-        let (mut x, mut hx) = (Activations::default(), Activations::default());
-        let (mut g, mut u) = (vec![0.0f32; N_FF], vec![0.0f32; N_FF]);
-        let mut out = vec![0.0f32; N_EMBD];
-        let mut scratch = SparseScratch::default();
-
-        let mut dense = || {
-            x.set(&x_f, 1, N_EMBD);
-            matmul_many(&[gate, up], &x, &mut [&mut g, &mut u]);
-            g.iter_mut().zip(&u).for_each(|(gi, ui)| *gi = FfnActivation::ReGlu.apply(*gi, *ui));
-            hx.set(&g, 1, N_FF);
-            matmul(&down, &hx, &mut out);
-        };
-        let mut sx = Activations::default();
-        let mut sout = vec![0.0f32; N_EMBD];
-        for sparsity in [0.0, 0.5, 0.8, 0.9, 0.95] {
-            let keep = ((1.0 - sparsity) * N_FF as f64).round() as usize;
-            // a random subset of `keep` neurons, sorted
-            let mut idx: Vec<u32> = (0..N_FF as u32).collect();
-            let mut r = Rng::new(9);
-            for i in 0..keep {
-                let j = i + (r.next_f32() * (N_FF - i) as f32) as usize % (N_FF - i);
-                idx.swap(i, j);
-            }
-            let mut neurons = idx[..keep].to_vec();
-            neurons.sort_unstable();
-            let mut sparse = || {
-                sx.set(&x_f, 1, N_EMBD);
-                sparse_ffn(&mats, &sx, &neurons, None, &mut sout, &mut scratch);
-            };
-            let (mut td, mut ts) = (Vec::new(), Vec::new());
-            pool.install(|| {
-                dense();
-                sparse();
-                for _ in 0..rounds {
-                    let t = Instant::now();
-                    dense();
-                    td.push(t.elapsed().as_secs_f64() * 1e3);
-                    let t = Instant::now();
-                    sparse();
-                    ts.push(t.elapsed().as_secs_f64() * 1e3);
+        for &threads in &threads_list {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            let stream = pool.install(|| stream_read_gbs(&dense_bufs, rounds));
+            let (mut x, mut hx) = (Activations::default(), Activations::default());
+            let (mut g, mut u) = (vec![0.0f32; N_FF], vec![0.0f32; N_FF]);
+            let mut out = vec![0.0f32; N_EMBD];
+            let mut scratch = SparseScratch::default();
+            let mut sx = Activations::default();
+            let mut sout = vec![0.0f32; N_EMBD];
+            for sparsity in SPARSITIES {
+                let keep = ((1.0 - sparsity) * N_FF as f64).round() as usize;
+                // a random subset of `keep` neurons, sorted
+                let mut idx: Vec<u32> = (0..N_FF as u32).collect();
+                let mut r = Rng::new(9);
+                for i in 0..keep {
+                    let j = i + (r.next_f32() * (N_FF - i) as f32) as usize % (N_FF - i);
+                    idx.swap(i, j);
                 }
-            });
-            let (d, s) = (median(&mut td), median(&mut ts));
-            println!("{:<6} {:>8.0}% {:>10.2} {:>10.2} {:>7.2}x", dtype.name(), sparsity * 100.0, d, s, d / s);
+                let mut neurons = idx[..keep].to_vec();
+                neurons.sort_unstable();
+                let mut dense = || {
+                    for (m, down) in &mats {
+                        x.set(&x_f, 1, N_EMBD);
+                        matmul_many(&[m.gate.unwrap(), m.up], &x, &mut [&mut g, &mut u]);
+                        g.iter_mut().zip(&u).for_each(|(gi, ui)| *gi = FfnActivation::ReGlu.apply(*gi, *ui));
+                        hx.set(&g, 1, N_FF);
+                        matmul(down, &hx, &mut out);
+                    }
+                };
+                let mut sparse = || {
+                    for (m, _) in &mats {
+                        sx.set(&x_f, 1, N_EMBD);
+                        sparse_ffn(m, &sx, &neurons, None, &mut sout, &mut scratch);
+                    }
+                };
+                let (mut td, mut ts) = (Vec::new(), Vec::new());
+                pool.install(|| {
+                    dense();
+                    sparse();
+                    for _ in 0..rounds {
+                        let t = Instant::now();
+                        dense();
+                        td.push(t.elapsed().as_secs_f64() / copies as f64);
+                        let t = Instant::now();
+                        sparse();
+                        ts.push(t.elapsed().as_secs_f64() / copies as f64);
+                    }
+                });
+                let (d, s) = (median(&mut td), median(&mut ts));
+                let sparse_bytes = 3 * keep * dtype.row_bytes(N_EMBD);
+                println!(
+                    "{:<5} {:>3} {:>5.0}% {:>9.2} {:>10.3} {:>7.2}x {:>5.1}x {:>10.1} {:>11.1} {:>7.1}",
+                    dtype.name(),
+                    threads,
+                    sparsity * 100.0,
+                    d * 1e3,
+                    s * 1e3,
+                    d / s,
+                    1.0 / (1.0 - sparsity),
+                    block_bytes as f64 / d / 1e9,
+                    sparse_bytes as f64 / s / 1e9,
+                    stream
+                );
+            }
         }
     }
 }
