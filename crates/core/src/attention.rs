@@ -76,8 +76,8 @@ impl KvBuf {
                 let dst = &mut b[start..start + src.len()];
                 match simd_level() {
                     #[cfg(target_arch = "x86_64")]
-                    // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
-                    SimdLevel::Avx2 => unsafe { crate::avx2::f32_to_f16_row(src, dst) },
+                    // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c.
+                    SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { crate::avx2::f32_to_f16_row(src, dst) },
                     _ => dst.iter_mut().zip(src).for_each(|(d, s)| *d = f32_to_f16(*s)),
                 }
             }
@@ -169,7 +169,7 @@ pub fn attend_group(
     let needed = if n == 0 { 0 } else { (n - 1) * stride + offset + hd };
     assert!(needed <= k.len() && needed <= v.len(), "attention reads past the KV cache");
     scores.resize(g * n, 0.0);
-    let fast = simd_level() == SimdLevel::Avx2 && hd % 16 == 0 && (1..=8).contains(&g);
+    let fast = simd_level().has_avx2() && hd % 16 == 0 && (1..=8).contains(&g);
 
     #[cfg(target_arch = "x86_64")]
     macro_rules! each_group_size {

@@ -1,5 +1,5 @@
 //! powerinfer-core: the engine without Python. GGUF loading (`gguf`), tensor formats and
-//! reference kernels (`quant`), SIMD kernels (`avx2`), threaded matrix products (`matmul`),
+//! reference kernels (`quant`), SIMD kernels (`avx2`, `avx512`), threaded matrix products (`matmul`),
 //! LLaMA-family models (`model`), the forward pass and KV cache (`session`) and sampling
 //! (`sampler`).
 
@@ -16,6 +16,8 @@ pub mod sparse;
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub mod avx512;
 
 pub use error::{Error, Result};
 pub use model::{Config, Model};

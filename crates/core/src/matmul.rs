@@ -10,37 +10,64 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
-use crate::quant::{self, cast_blocks, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK};
+use crate::quant::{self, cast_blocks, ActPair, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Instruction sets the kernels are written for, in increasing order: each level has every
+/// feature of the ones below it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum SimdLevel {
     Scalar,
+    /// AVX2 + FMA + F16C.
     Avx2,
+    /// AVX2's features plus AVX-512 F, BW, VL and VNNI.
+    Avx512,
 }
 
-/// Best instruction set on this CPU, decided once. `POWERINFER_SIMD=scalar` forces the reference
-/// kernels (for checking results and measuring what SIMD buys).
+impl SimdLevel {
+    /// Whether the AVX2 kernels may run (also true at higher levels).
+    pub fn has_avx2(self) -> bool {
+        self >= SimdLevel::Avx2
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SimdLevel::Scalar => "scalar",
+            SimdLevel::Avx2 => "avx2",
+            SimdLevel::Avx512 => "avx512",
+        }
+    }
+}
+
+/// Best instruction set on this CPU, decided once. `POWERINFER_SIMD=scalar` or `avx2` caps it
+/// (for checking results and measuring what each level buys).
 pub fn simd_level() -> SimdLevel {
     static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
     *LEVEL.get_or_init(|| {
-        if std::env::var("POWERINFER_SIMD").map(|v| v == "scalar").unwrap_or(false) {
-            return SimdLevel::Scalar;
-        }
-        detect()
+        let cap = match std::env::var("POWERINFER_SIMD").as_deref() {
+            Ok("scalar") => SimdLevel::Scalar,
+            Ok("avx2") => SimdLevel::Avx2,
+            _ => SimdLevel::Avx512,
+        };
+        detect().min(cap)
     })
 }
 
 #[cfg(target_arch = "x86_64")]
-fn detect() -> SimdLevel {
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
-        SimdLevel::Avx2
-    } else {
-        SimdLevel::Scalar
+pub(crate) fn detect() -> SimdLevel {
+    let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
+    let avx512 = is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512vnni");
+    match (avx2, avx512) {
+        (true, true) => SimdLevel::Avx512,
+        (true, false) => SimdLevel::Avx2,
+        _ => SimdLevel::Scalar,
     }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-fn detect() -> SimdLevel {
+pub(crate) fn detect() -> SimdLevel {
     SimdLevel::Scalar
 }
 
@@ -82,6 +109,8 @@ pub struct Activations {
     pub cols: usize,
     pub f32s: Vec<f32>,
     pub q8: Vec<BlockQ8Act>,
+    /// With AVX-512: `q8` again, in pairs of blocks as the 512-bit dots read them (n, cols / 64).
+    pub pairs: Vec<ActPair>,
 }
 
 impl Activations {
@@ -99,12 +128,23 @@ impl Activations {
             let level = simd_level();
             self.q8.par_chunks_mut(nb * 16).zip(x.par_chunks(cols * 16)).for_each(|(q, xs)| match level {
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
-                SimdLevel::Avx2 => unsafe { crate::avx2::quantize_act(xs, q) },
+                // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c.
+                SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { crate::avx2::quantize_act(xs, q) },
                 _ => quant::quantize_act(xs, q),
             });
+            self.pairs.clear();
+            if level == SimdLevel::Avx512 {
+                let np = nb / 2;
+                self.pairs.resize(n * np, ActPair::default());
+                if np > 0 {
+                    for (p, q) in self.pairs.chunks_mut(np).zip(self.q8.chunks(nb)) {
+                        quant::arrange_act_pairs(q, p);
+                    }
+                }
+            }
         } else {
             self.q8.clear();
+            self.pairs.clear();
         }
     }
 
@@ -115,6 +155,11 @@ impl Activations {
     fn q8_row(&self, t: usize) -> &[BlockQ8Act] {
         let nb = self.cols / QK;
         &self.q8[t * nb..(t + 1) * nb]
+    }
+
+    fn pair_row(&self, t: usize) -> &[ActPair] {
+        let np = self.cols / QK / 2;
+        &self.pairs[t * np..(t + 1) * np]
     }
 }
 
@@ -132,11 +177,15 @@ pub(crate) fn dot_rows<const N: usize>(
     let rb = w.row_bytes();
     let bytes = &w.data[rows.start * rb..rows.end * rb];
     macro_rules! quantized {
-        ($block:ty, $simd:path, $scalar:path) => {{
+        ($block:ty, $simd512:path, $simd:path, $scalar:path) => {{
             let a = t.map(|ti| x.q8_row(ti));
             let blocks = cast_blocks::<$block>(bytes);
             for (k, row) in blocks.chunks_exact(w.cols / QK).enumerate() {
                 put(rows.start + k, match level {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI and
+                    // AVX2's features; `pairs` is filled whenever the level is Avx512.
+                    SimdLevel::Avx512 => unsafe { $simd512(row, a, t.map(|ti| x.pair_row(ti))) },
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
                     SimdLevel::Avx2 => unsafe { $simd(row, a) },
@@ -152,14 +201,14 @@ pub(crate) fn dot_rows<const N: usize>(
                 put(rows.start + k, match level {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: as above.
-                    SimdLevel::Avx2 => unsafe { crate::avx2::dot_float(w.dtype, row, a) },
+                    SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { crate::avx2::dot_float(w.dtype, row, a) },
                     _ => quant::dot_float_scalar(w.dtype, row, a),
                 });
             }
         }
-        DType::Q4_0 => quantized!(BlockQ4_0, crate::avx2::dot_q4_0, quant::dot_q4_0_scalar),
-        DType::Q4_1 => quantized!(BlockQ4_1, crate::avx2::dot_q4_1, quant::dot_q4_1_scalar),
-        DType::Q8_0 => quantized!(BlockQ8_0, crate::avx2::dot_q8_0, quant::dot_q8_0_scalar),
+        DType::Q4_0 => quantized!(BlockQ4_0, crate::avx512::dot_q4_0, crate::avx2::dot_q4_0, quant::dot_q4_0_scalar),
+        DType::Q4_1 => quantized!(BlockQ4_1, crate::avx512::dot_q4_1, crate::avx2::dot_q4_1, quant::dot_q4_1_scalar),
+        DType::Q8_0 => quantized!(BlockQ8_0, crate::avx512::dot_q8_0, crate::avx2::dot_q8_0, quant::dot_q8_0_scalar),
     }
 }
 
@@ -254,12 +303,13 @@ mod tests {
 
     const ALL: [DType; 6] = [DType::F32, DType::F16, DType::BF16, DType::Q4_0, DType::Q4_1, DType::Q8_0];
 
-    /// Every SIMD dot must agree with its scalar twin on random data (same quantized inputs, so
-    /// only float summation order differs).
+    /// Every SIMD dot (AVX2, and AVX-512 where the CPU has it) must agree with its scalar twin
+    /// on random data (same quantized inputs, so only float summation order differs); odd block
+    /// counts exercise the AVX-512 tail.
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn avx2_dots_match_scalar() {
-        if detect() != SimdLevel::Avx2 {
+    fn simd_dots_match_scalar() {
+        if !detect().has_avx2() {
             eprintln!("skipping: no AVX2 on this CPU");
             return;
         }
@@ -271,16 +321,25 @@ mod tests {
                 let w_f = random_vec(cols * 3, 7 + cols as u64);
                 let data: Vec<u8> = w_f.chunks(cols).flat_map(|r| quantize_row(dtype, r)).collect();
                 let w = QMatrix { dtype, rows: 3, cols, data: &data };
+                // AVX-512 where this CPU has it (the activations hold its pairs then)
+                let levels: &[SimdLevel] = if simd_level() == SimdLevel::Avx512 { &[SimdLevel::Avx2, SimdLevel::Avx512] } else { &[SimdLevel::Avx2] };
                 for r in 0..3 {
                     let s1 = dot_row(&w, r, &x, [0], SimdLevel::Scalar);
-                    let v1 = dot_row(&w, r, &x, [0], SimdLevel::Avx2);
+                    let s2 = dot_row(&w, r, &x, [2, 3], SimdLevel::Scalar);
                     let s4 = dot_row(&w, r, &x, [0, 1, 2, 3], SimdLevel::Scalar);
-                    let v4 = dot_row(&w, r, &x, [0, 1, 2, 3], SimdLevel::Avx2);
                     let tol = 1e-4 * (cols as f32).sqrt();
-                    assert!((s1[0] - v1[0]).abs() <= tol, "{dtype:?} cols {cols}: {} vs {}", s1[0], v1[0]);
-                    for k in 0..4 {
-                        assert!((s4[k] - v4[k]).abs() <= tol, "{dtype:?} x4 cols {cols} k {k}");
-                        assert!((s4[k] - dot_row(&w, r, &x, [k], SimdLevel::Scalar)[0]).abs() <= 1e-5);
+                    for &level in levels {
+                        let v1 = dot_row(&w, r, &x, [0], level);
+                        let v2 = dot_row(&w, r, &x, [2, 3], level);
+                        let v4 = dot_row(&w, r, &x, [0, 1, 2, 3], level);
+                        assert!((s1[0] - v1[0]).abs() <= tol, "{level:?} {dtype:?} cols {cols}: {} vs {}", s1[0], v1[0]);
+                        for k in 0..2 {
+                            assert!((s2[k] - v2[k]).abs() <= tol, "{level:?} {dtype:?} x2 cols {cols} k {k}");
+                        }
+                        for k in 0..4 {
+                            assert!((s4[k] - v4[k]).abs() <= tol, "{level:?} {dtype:?} x4 cols {cols} k {k}: {} vs {}", s4[k], v4[k]);
+                            assert!((s4[k] - dot_row(&w, r, &x, [k], SimdLevel::Scalar)[0]).abs() <= 1e-5);
+                        }
                     }
                 }
             }
@@ -290,7 +349,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx2_activation_quantization_matches_scalar() {
-        if detect() != SimdLevel::Avx2 {
+        if !detect().has_avx2() {
             return;
         }
         let mut x = random_vec(32 * 50, 11);

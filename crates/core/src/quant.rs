@@ -140,6 +140,46 @@ impl Default for BlockQ8Act {
     }
 }
 
+/// Two consecutive activation blocks laid out for 512-bit integer dot products (see
+/// `avx512::dot_q4_0`): 64 bytes as [block 0 elements 0..16, block 1 elements 0..16, block 0
+/// elements 16..32, block 1 elements 16..32], which is where a Q4_0 pair's low and high nibbles
+/// land after one unpack. `vpdpbusd` sums each 4 bytes into one of 16 i32 lanes, so lanes 0..4
+/// and 8..12 belong to block 0, lanes 4..8 and 12..16 to block 1; `d` holds each lane's block
+/// scale and `s8` its block's `s / 8` (eight lanes per block, so a lane sum gives `s` back).
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug)]
+pub struct ActPair {
+    pub qs: [i8; 64],
+    pub d: [f32; 16],
+    pub s8: [f32; 16],
+}
+const _: () = assert!(std::mem::size_of::<ActPair>() == 192);
+
+impl Default for ActPair {
+    fn default() -> Self {
+        ActPair { qs: [0; 64], d: [0.0; 16], s8: [0.0; 16] }
+    }
+}
+
+/// The block of each 32-bit lane of an `ActPair` (0 or 1).
+pub const PAIR_LANE_BLOCK: [usize; 16] = [0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1];
+
+/// Rearranges pairs of activation blocks as `ActPair`s (an odd last block is left out).
+pub fn arrange_act_pairs(blocks: &[BlockQ8Act], out: &mut [ActPair]) {
+    for (pair, o) in blocks.chunks_exact(2).zip(out.iter_mut()) {
+        let (b0, b1) = (&pair[0], &pair[1]);
+        o.qs[..16].copy_from_slice(&b0.qs[..16]);
+        o.qs[16..32].copy_from_slice(&b1.qs[..16]);
+        o.qs[32..48].copy_from_slice(&b0.qs[16..]);
+        o.qs[48..].copy_from_slice(&b1.qs[16..]);
+        for (lane, &blk) in PAIR_LANE_BLOCK.iter().enumerate() {
+            let b = if blk == 0 { b0 } else { b1 };
+            o.d[lane] = b.d;
+            o.s8[lane] = b.s / 8.0;
+        }
+    }
+}
+
 #[inline]
 pub fn f16_to_f32(bits: u16) -> f32 {
     f16::from_bits(bits).to_f32()

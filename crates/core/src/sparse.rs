@@ -49,6 +49,9 @@ const REDUCE_COLS: usize = 512;
 pub fn axpy(level: SimdLevel, dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
     match level {
         #[cfg(target_arch = "x86_64")]
+        // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI and AVX2's features.
+        SimdLevel::Avx512 => unsafe { crate::avx512::axpy_rows::<1>(dtype, [row], [a], y) },
+        #[cfg(target_arch = "x86_64")]
         // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
         SimdLevel::Avx2 => unsafe { crate::avx2::axpy(dtype, row, a, y) },
         _ => quant::axpy_scalar(dtype, row, a, y),
@@ -59,6 +62,9 @@ pub fn axpy(level: SimdLevel, dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
 #[inline]
 pub fn axpy4(level: SimdLevel, dtype: DType, rows: [&[u8]; 4], a: [f32; 4], y: &mut [f32]) {
     match level {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        SimdLevel::Avx512 => unsafe { crate::avx512::axpy_rows::<4>(dtype, rows, a, y) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
         SimdLevel::Avx2 => unsafe { crate::avx2::axpy_rows::<4>(dtype, rows, a, y) },
@@ -287,7 +293,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx2_axpy_matches_scalar() {
-        if simd_level() != SimdLevel::Avx2 {
+        if !crate::matmul::detect().has_avx2() {
             eprintln!("skipping: no AVX2 on this CPU");
             return;
         }
@@ -327,6 +333,43 @@ mod tests {
             quant::axpy_scalar(dtype, &row, -2.0, &mut ys);
             unsafe { crate::avx2::axpy(dtype, &row, -2.0, &mut yv) };
             assert_eq!(ys, yv);
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx512_axpy_matches_scalar() {
+        if crate::matmul::detect() != SimdLevel::Avx512 {
+            eprintln!("skipping: no AVX-512 VNNI on this CPU");
+            return;
+        }
+        for dtype in ALL {
+            for n in [32, 64, 96, 576, 4096] {
+                let rows: Vec<Vec<u8>> = (0..4).map(|r| quantize_row(dtype, &random_vec(n, 60 + r + n as u64))).collect();
+                let a = [0.5, -1.25, 2.0, 0.125];
+                let y0 = random_vec(n, 97);
+                let (mut ys, mut y1, mut y4) = (y0.clone(), y0.clone(), y0.clone());
+                for r in 0..4 {
+                    quant::axpy_scalar(dtype, &rows[r], a[r], &mut ys);
+                    unsafe { crate::avx512::axpy_rows::<1>(dtype, [&rows[r][..]], [a[r]], &mut y1) };
+                }
+                let rr = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
+                unsafe { crate::avx512::axpy_rows::<4>(dtype, rr, a, &mut y4) };
+                for i in 0..n {
+                    assert!((ys[i] - y1[i]).abs() <= 1e-5, "x1 {dtype:?} n={n} i={i}: {} vs {}", ys[i], y1[i]);
+                    assert!((ys[i] - y4[i]).abs() <= 1e-5, "x4 {dtype:?} n={n} i={i}: {} vs {}", ys[i], y4[i]);
+                }
+            }
+        }
+        // float rows whose length is not a multiple of 16 use the scalar tail
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let row = quantize_row(dtype, &random_vec(21, 5));
+            let (mut ys, mut yv) = (vec![1.0; 21], vec![1.0; 21]);
+            quant::axpy_scalar(dtype, &row, -2.0, &mut ys);
+            unsafe { crate::avx512::axpy_rows::<1>(dtype, [&row[..]], [-2.0], &mut yv) };
+            for i in 0..21 {
+                assert!((ys[i] - yv[i]).abs() <= 1e-6, "{dtype:?} tail i={i}");
+            }
         }
     }
 

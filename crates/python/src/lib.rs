@@ -614,10 +614,7 @@ fn read_gpu_index<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, Py
 
 #[pyfunction]
 fn simd_level() -> &'static str {
-    match powerinfer_core::matmul::simd_level() {
-        powerinfer_core::matmul::SimdLevel::Avx2 => "avx2",
-        powerinfer_core::matmul::SimdLevel::Scalar => "scalar",
-    }
+    powerinfer_core::matmul::simd_level().name()
 }
 
 /// Lists CUDA devices; raises CudaUnavailableError when there is no driver or no device.
