@@ -3,7 +3,9 @@
 //! activation, down product), both in the same run, alternating, for Q4_0, Q8_0 and F16 on 1
 //! and 2 threads. Prints the median time of each, their ratio, the ideal ratio 1/(1-s), and the
 //! GB/s of weight bytes each side actually read, beside a plain streaming read of the same bytes
-//! on the same threads (the hardware limit these kernels can reach).
+//! on the same threads (the hardware limit these kernels can reach). The operator is given the
+//! row-major down matrix too, as for models that have one, so selections of at least
+//! `DENSE_FRACTION` of the neurons (the 0% row) run through the dense kernels.
 //!
 //!     cargo bench -p powerinfer-core --bench sparse_ffn
 //!
@@ -139,6 +141,7 @@ fn main() {
                     up: q(dtype, &b.up, N_FF, N_EMBD),
                     up_bias: None,
                     down_t: q(dtype, &b.down_t, N_FF, N_EMBD),
+                    down: Some(q(dtype, &b.down, N_EMBD, N_FF)),
                     act: FfnActivation::ReGlu,
                 };
                 (m, q(dtype, &b.down, N_EMBD, N_FF))

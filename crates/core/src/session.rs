@@ -683,6 +683,7 @@ impl Session {
                 up: lw.ffn_up,
                 up_bias: lw.ffn_up_b.as_deref(),
                 down_t: model.down_t(l),
+                down: lw.ffn_down,
                 act,
             };
             let precomputed = (gate_ready && act.has_gate()).then_some(&s.gate[..]);

@@ -15,7 +15,7 @@
 
 use rayon::prelude::*;
 
-use crate::matmul::{dot_rows, simd_level, Activations, QMatrix, SimdLevel};
+use crate::matmul::{dot_rows, matmul, matmul_many, simd_level, Activations, QMatrix, SimdLevel};
 use crate::model::FfnActivation;
 use crate::quant::{self, DType};
 
@@ -26,6 +26,9 @@ pub struct FfnMats<'a> {
     pub up: QMatrix<'a>,            // (n_ff, n_embd)
     pub up_bias: Option<&'a [f32]>, // (n_ff), OPT
     pub down_t: QMatrix<'a>,        // (n_ff, n_embd): row j is the output vector of neuron j
+    /// (n_embd, n_ff): the row-major down matrix when the model has it, for selections dense
+    /// enough that the dense kernels are faster (see `DENSE_FRACTION`).
+    pub down: Option<QMatrix<'a>>,
     pub act: FfnActivation,
 }
 
@@ -33,6 +36,9 @@ pub struct FfnMats<'a> {
 #[derive(Default)]
 pub struct SparseScratch {
     acc: Vec<f32>, // (n_chunks, n_embd) per-chunk partial sums of the down projection
+    gate: Vec<f32>, // (n_ff) dense gate pre-activations, then activations (dense fallback)
+    up: Vec<f32>,   // (n_ff) dense up pre-activations (dense fallback)
+    h: Activations, // (1, n_ff) the masked activations as the down product reads them
     ht: Vec<f32>,  // (n_ff, n_tokens) activations transposed, for `down_t_matmul`
     nz: Vec<u32>,  // neurons with a nonzero activation for some token
 }
@@ -43,6 +49,12 @@ const MIN_CHUNK: usize = 16;
 const CHUNKS_PER_THREAD: usize = 4;
 /// Output columns per task in the reduction.
 const REDUCE_COLS: usize = 512;
+/// A selection holding at least this fraction of the neurons runs as dense products (gate and
+/// up over all rows, the activation masked to the selection, the row-major down product) when
+/// the model has the row-major down matrix: the sparse operator reads the selected rows at
+/// about 0.9 of the dense kernels' rate (`cargo bench --bench sparse_ffn`), so below ~10%
+/// skipped the dense products are faster.
+pub const DENSE_FRACTION: f64 = 0.9;
 
 /// y += a * row, at the given SIMD level.
 #[inline]
@@ -137,6 +149,11 @@ pub fn sparse_ffn(
     assert_eq!(out.len(), n_embd);
     assert_eq!(m.up.rows, m.down_t.rows);
     debug_assert!(neurons.iter().all(|&j| (j as usize) < m.up.rows));
+    if let Some(down) = m.down {
+        if neurons.len() as f64 >= DENSE_FRACTION * m.up.rows as f64 {
+            return dense_ffn(m, &down, x, neurons, gate_values, out, scratch);
+        }
+    }
     let threads = rayon::current_num_threads().max(1);
     let n_chunks = neurons.len().div_ceil(MIN_CHUNK).clamp(1, threads * CHUNKS_PER_THREAD);
     scratch.acc.resize(n_chunks * n_embd, 0.0);
@@ -210,6 +227,49 @@ pub fn sparse_ffn(
             o.iter_mut().zip(part).for_each(|(a, b)| *a += b);
         }
     });
+    used
+}
+
+/// `sparse_ffn` through the dense kernels: gate and up for every neuron, the activation kept
+/// only for the selected ones, then the row-major down product. Same result as the sparse path
+/// up to float summation order.
+fn dense_ffn(
+    m: &FfnMats,
+    down: &QMatrix,
+    x: &Activations,
+    neurons: &[u32],
+    gate_values: Option<&[f32]>,
+    out: &mut [f32],
+    scratch: &mut SparseScratch,
+) -> usize {
+    let n_ff = m.up.rows;
+    let SparseScratch { gate, up, h, .. } = scratch;
+    gate.resize(n_ff, 0.0);
+    up.resize(n_ff, 0.0);
+    match (gate_values, &m.gate) {
+        (Some(gv), _) => {
+            gate.copy_from_slice(&gv[..n_ff]);
+            matmul(&m.up, x, up);
+        }
+        (None, Some(gw)) => matmul_many(&[*gw, m.up], x, &mut [&mut gate[..], &mut up[..]]),
+        // gateless: the activation reads only up
+        (None, None) => matmul(&m.up, x, up),
+    }
+    // act(gate, up) for the selected neurons, zero elsewhere (the gate buffer becomes h)
+    let mut used = 0;
+    let mut next = 0;
+    for &j in neurons {
+        let j = j as usize;
+        gate[next..j].fill(0.0);
+        let u = up[j] + m.up_bias.map_or(0.0, |b| b[j]);
+        let hj = m.act.apply(gate[j], u);
+        gate[j] = hj;
+        used += (hj != 0.0) as usize;
+        next = j + 1;
+    }
+    gate[next..].fill(0.0);
+    h.set(gate, 1, n_ff);
+    matmul(down, h, out);
     used
 }
 
@@ -398,6 +458,7 @@ mod tests {
                         up,
                         up_bias: (act == FfnActivation::Relu).then_some(&bias[..]),
                         down_t,
+                        down: None,
                         act,
                     };
                     for density in [0.0, 0.1, 0.5, 1.0] {
@@ -432,6 +493,58 @@ mod tests {
                             pool.install(|| sparse_ffn(&m, &x, &neurons, Some(&g), &mut pre, &mut scratch));
                             assert_eq!(pre, got);
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Selections of at least `DENSE_FRACTION` of the neurons go through the dense kernels when
+    /// the row-major down matrix is given: the result equals a float64 product of the
+    /// dequantized down matrix with the masked activations (gate and up from the tested dense
+    /// products, rounded to int8 blocks as the down product reads them for quantized weights).
+    #[test]
+    fn dense_selections_use_the_dense_kernels() {
+        let (n_ff, n_embd) = (160, 64);
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        for dtype in [DType::F32, DType::F16, DType::Q8_0, DType::Q4_0] {
+            let (gd, ud, dd) = (matrix(dtype, n_ff, n_embd, 31), matrix(dtype, n_ff, n_embd, 32), matrix(dtype, n_embd, n_ff, 33));
+            let gate = QMatrix { dtype, rows: n_ff, cols: n_embd, data: &gd };
+            let up = QMatrix { dtype, rows: n_ff, cols: n_embd, data: &ud };
+            let down = QMatrix { dtype, rows: n_embd, cols: n_ff, data: &dd };
+            // down_t holds other numbers on purpose: the dense path must not read it
+            let junk = matrix(dtype, n_ff, n_embd, 34);
+            let down_t = QMatrix { dtype, rows: n_ff, cols: n_embd, data: &junk };
+            let mut x = Activations::default();
+            x.set(&random_vec(n_embd, 35), 1, n_embd);
+            let (mut g, mut u) = (vec![0.0f32; n_ff], vec![0.0f32; n_ff]);
+            pool.install(|| matmul_many(&[gate, up], &x, &mut [&mut g, &mut u]));
+            for act in [FfnActivation::SwiGlu, FfnActivation::ReGlu] {
+                let m = FfnMats { gate: Some(gate), up, up_bias: None, down_t, down: Some(down), act };
+                for skip_every in [0usize, 11] {
+                    let neurons: Vec<u32> = (0..n_ff as u32).filter(|&j| skip_every == 0 || j as usize % skip_every != 3).collect();
+                    assert!(neurons.len() as f64 >= DENSE_FRACTION * n_ff as f64);
+                    let mut got = vec![0.0f32; n_embd];
+                    let mut scratch = SparseScratch::default();
+                    let used = pool.install(|| sparse_ffn(&m, &x, &neurons, None, &mut got, &mut scratch));
+                    let mut h = vec![0.0f32; n_ff];
+                    for &j in &neurons {
+                        h[j as usize] = act.apply(g[j as usize], u[j as usize]);
+                    }
+                    assert_eq!(used, h.iter().filter(|v| **v != 0.0).count());
+                    if dtype.is_quantized() {
+                        let mut blocks = vec![crate::quant::BlockQ8Act::default(); n_ff / 32];
+                        quant::quantize_act(&h, &mut blocks);
+                        for (hb, b) in h.chunks_mut(32).zip(&blocks) {
+                            hb.iter_mut().zip(b.qs).for_each(|(v, q)| *v = b.d * q as f32);
+                        }
+                    }
+                    let mut w = vec![0.0f32; n_ff];
+                    for c in 0..n_embd {
+                        down.dequantize_row(c, &mut w);
+                        let want: f64 = w.iter().zip(&h).map(|(a, b)| *a as f64 * *b as f64).sum();
+                        let scale: f64 = w.iter().zip(&h).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum::<f64>().max(1e-6);
+                        assert!((got[c] as f64 - want).abs() <= 1e-5 * scale, "{dtype:?} {act:?} [{c}]: {} vs {want}", got[c]);
                     }
                 }
             }

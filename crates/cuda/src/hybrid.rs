@@ -491,7 +491,7 @@ impl HybridSession {
                 self.counts.gpu_neurons += layer.n_hot as u64;
             }
             let lw = &model.weights.layers[l];
-            let mats = FfnMats { gate: lw.ffn_gate, up: lw.ffn_up, up_bias: lw.ffn_up_b.as_deref(), down_t: model.down_t(l), act: c.ffn_activation };
+            let mats = FfnMats { gate: lw.ffn_gate, up: lw.ffn_up, up_bias: lw.ffn_up_b.as_deref(), down_t: model.down_t(l), down: lw.ffn_down, act: c.ffn_activation };
             self.acts.set(&self.xb_h, 1, c.n_embd);
             let (acts, neurons, out, scratch) = (&self.acts, &self.neurons, &mut self.cpu_out_h, &mut self.scratch);
             if neurons.is_empty() {
@@ -552,7 +552,7 @@ mod tests {
             let thr = 0.1;
             let h = twin::ffn_hot(Some(&gate), &up, &hot, &x, None, Some((&logits, thr)), act);
             let gpu_part = twin::down(&down_t, &hot, &h);
-            let mats = FfnMats { gate: Some(gate), up, up_bias: None, down_t, act };
+            let mats = FfnMats { gate: Some(gate), up, up_bias: None, down_t, down: None, act };
             let mut acts = Activations::default();
             acts.set(&x, 1, n_embd);
             let mut scratch = SparseScratch::default();
