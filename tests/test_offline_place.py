@@ -1,5 +1,5 @@
-"""Placement: the HiGHS integer program against the greedy top-K and against brute force, the
-per-layer minimum, budget parsing and the `.gpuidx` file format."""
+"""Placement: the exact solver and the HiGHS integer program against the greedy top-K, brute
+force and each other, the per-layer minimum, budget parsing and the `.gpuidx` file format."""
 
 import itertools
 import shutil
@@ -35,13 +35,49 @@ def _brute_force(inst):
     return best
 
 
+def _assert_valid(inst, s):
+    """Within the budget, every layer at 0 or >= C_l neurons, and those its most frequent ones."""
+    assert pl._used_bytes(inst, s.groups_on_gpu) <= inst.budget
+    for f, c, chosen in zip(inst.freq, inst.min_neurons, s.gpu_neurons):
+        assert len(chosen) == 0 or len(chosen) >= c
+        if 0 < len(chosen) < len(f):
+            assert f[chosen].min() >= np.delete(f, chosen).max()
+
+
+def _random_small_instance(rng):
+    """Up to 4 layers of up to 5 groups (brute force stays small): last groups often smaller,
+    C_l of 0, inside the layer or above it, whole and fractional neuron bytes (one layer may be
+    free), and budgets that fit nothing, everything or something in between."""
+    n_layer = int(rng.integers(1, 5))
+    group = int(rng.integers(1, 6))
+    n_ff = rng.integers(1, 5 * group + 1, n_layer)
+    freq = [rng.pareto(1.5, n) + rng.random(n) * 1e-3 for n in n_ff]
+    if rng.random() < 0.25:  # equal frequencies: ties between groups and layers
+        freq = [np.round(f, 1) for f in freq]
+    nb = rng.choice([1.0, 2.0, 3.0, 60.0, 100.0, 2.5, 7.25], n_layer)
+    if rng.random() < 0.1:
+        nb[rng.integers(n_layer)] = 0.0
+    mins = np.array([rng.choice([0, int(rng.integers(1, n + 1)), n + 1]) for n in n_ff])
+    total = float(sum(b * n for b, n in zip(nb, n_ff)))
+    smallest = min((b * min(group, n) for b, n in zip(nb, n_ff) if b > 0), default=1.0)
+    budget = [0, int(smallest) - 1, int(np.ceil(total)), int(rng.uniform(0, 1) * total)][int(rng.integers(4))]
+    return pl.Instance(freq, nb, max(budget, 0), mins, group)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_ilp_equals_greedy_top_k_without_minimum(seed):
+@pytest.mark.parametrize("solver", ["exact", "highs"])
+def test_solvers_equal_greedy_top_k_without_minimum(seed, solver):
     rng = np.random.default_rng(seed)
     inst = _instance(rng, n_layer=6, n_ff=512, group=64, budget_groups=17)
+    # half a group more budget: the bound must see that it holds nothing
+    inst.budget += 32 * 100
     g = pl.greedy(inst)
-    s = pl.solve(inst, time_limit=30, mip_gap=0.0, warm_start=False)
-    assert s.method == "ilp"
+    s = pl.solve(inst, time_limit=30, mip_gap=0.0, warm_start=False, solver=solver)
+    assert s.method == ("exact" if solver == "exact" else "ilp")
+    assert s.optimal
+    if solver == "exact":
+        # equal bytes per group: the Lagrangian bound is met without a search
+        assert "bound met" in s.status
     # the global top-K groups by frequency (all groups cost the same)
     values = sorted(((v, l, i) for l, gv in enumerate(inst.group_value) for i, v in enumerate(gv)), reverse=True)[:17]
     expected = np.zeros(6, dtype=int)
@@ -52,6 +88,7 @@ def test_ilp_equals_greedy_top_k_without_minimum(seed):
     for a, b in zip(g.gpu_neurons, s.gpu_neurons):
         np.testing.assert_array_equal(a, b)
     assert s.objective == pytest.approx(g.objective)
+    assert s.bound >= s.objective - 1e-9
 
 
 def test_minimum_per_layer_known_optimum():
@@ -64,20 +101,87 @@ def test_minimum_per_layer_known_optimum():
     inst = pl.Instance([f0, f1], [1.0, 1.0], budget=3 * g, min_neurons=[2 * g, 0], group=g)
     greedy = pl.greedy(inst)
     assert greedy.objective == pytest.approx(15, abs=1e-4)
-    s = pl.solve(inst, time_limit=30, mip_gap=0.0)
-    assert s.objective == pytest.approx(16, abs=1e-4)
-    assert list(s.groups_on_gpu) == [2, 1]
-    assert [len(n) for n in s.gpu_neurons] == [2 * g, g]
+    for solver in ("exact", "highs"):
+        s = pl.solve(inst, time_limit=30, mip_gap=0.0, solver=solver)
+        assert s.optimal
+        assert s.objective == pytest.approx(16, abs=1e-4)
+        assert list(s.groups_on_gpu) == [2, 1]
+        assert [len(n) for n in s.gpu_neurons] == [2 * g, g]
+
+
+def test_exact_searches_when_the_bound_is_not_met():
+    # layer 0: one neuron of 3 bytes worth 3.1; layer 1: two of 2 bytes worth 2 each; 4 bytes.
+    # By value per byte layer 0 comes first and then nothing else fits (greedy and the rounded
+    # LP: 3.1); the bound (multiplier 1) is 4.1, and only the search finds layer 1's 4.0.
+    inst = pl.Instance([np.array([3.1]), np.array([2.0, 2.0])], [3.0, 2.0], budget=4, min_neurons=[0, 0], group=1)
+    assert pl.greedy(inst).objective == pytest.approx(3.1)
+    s = pl.solve(inst)
+    assert s.method == "exact" and s.optimal and "searched" in s.status
+    assert s.objective == pytest.approx(4.0)
+    assert list(s.groups_on_gpu) == [0, 2]
+
+
+def test_exact_hands_over_to_highs_past_its_state_limit(monkeypatch):
+    inst = pl.Instance([np.array([3.1]), np.array([2.0, 2.0])], [3.0, 2.0], budget=4, min_neurons=[0, 0], group=1)
+    assert pl.exact(inst, max_states=1) is None
+    monkeypatch.setattr(pl, "_MAX_STATES", 1)
+    s = pl.solve(inst, mip_gap=0.0)
+    assert s.method == "ilp" and s.optimal
+    assert s.objective == pytest.approx(4.0)
+    with pytest.raises(RuntimeError, match="partial placements"):
+        pl.solve(inst, solver="exact")
+    with pytest.raises(ValueError, match="solver"):
+        pl.solve(inst, solver="cplex")
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_exact_equals_brute_force_and_highs_on_small_instances(seed):
+    rng = np.random.default_rng(1000 + seed)
+    for _ in range(25):
+        inst = _random_small_instance(rng)
+        s = pl.solve(inst, solver="exact")
+        # another thread count than earlier HiGHS runs in this process: that must work too
+        h = pl.solve(inst, solver="highs", time_limit=30, mip_gap=0.0, threads=1)
+        best = _brute_force(inst)
+        assert s.optimal and s.method == "exact"
+        assert s.objective == pytest.approx(best, rel=1e-9, abs=1e-9)
+        assert s.bound >= best - 1e-9
+        _assert_valid(inst, s)
+        assert h.optimal
+        assert h.objective == pytest.approx(s.objective, rel=1e-9, abs=1e-6)
+        assert pl.greedy(inst).objective <= s.objective + 1e-9
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_ilp_matches_brute_force_with_minimums(seed):
+def test_exact_equals_highs_optimum_on_mixed_byte_sizes(seed):
+    # too many choices for brute force; byte sizes that differ between layers (some fractional)
+    # leave part of the budget to trade between layers, so the exact search has work to do
+    rng = np.random.default_rng(200 + seed)
+    n_layer, group = 8, 8
+    n_ff = int(rng.integers(100, 260))
+    freq = [rng.pareto(1.2, n_ff) + rng.random(n_ff) * 1e-3 for _ in range(n_layer)]
+    nb = rng.choice([60.0, 100.0, 140.0, 13824.0, 16128.0, 99.5], n_layer)
+    mins = rng.integers(0, n_ff, n_layer) * (rng.random(n_layer) < 0.7)
+    budget = int(rng.uniform(0.05, 0.9) * nb.sum() * n_ff)
+    inst = pl.Instance(freq, nb, budget, mins, group)
+    s = pl.solve(inst)
+    h = pl.solve(inst, solver="highs", time_limit=60, mip_gap=0.0)
+    assert s.method == "exact" and s.optimal
+    assert h.optimal
+    assert s.objective == pytest.approx(h.objective, rel=1e-9)
+    _assert_valid(inst, s)
+    assert pl.greedy(inst).objective <= s.objective + 1e-9
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("solver", ["exact", "highs"])
+def test_solvers_match_brute_force_with_minimums(seed, solver):
     rng = np.random.default_rng(100 + seed)
     n_layer, n_ff, group = 3, 40, 8
     nb = rng.choice([60.0, 100.0, 140.0], n_layer)
     mins = rng.choice([0, 16, 24, 40], n_layer)
     inst = _instance(rng, n_layer, n_ff, group, budget_groups=int(rng.integers(2, 9)), min_neurons=mins, bytes_per_neuron=nb)
-    s = pl.solve(inst, time_limit=30, mip_gap=0.0)
+    s = pl.solve(inst, time_limit=30, mip_gap=0.0, solver=solver)
     assert s.objective == pytest.approx(_brute_force(inst), rel=1e-9, abs=1e-9)
     for l, n in enumerate(s.gpu_neurons):
         assert len(n) == 0 or len(n) >= mins[l]
@@ -87,6 +191,13 @@ def test_ilp_matches_brute_force_with_minimums(seed):
     gr = pl.greedy(inst)
     assert all(len(n) == 0 or len(n) >= mins[l] for l, n in enumerate(gr.gpu_neurons))
     assert gr.objective <= s.objective + 1e-9
+
+
+def test_instance_rejects_negative_sizes():
+    with pytest.raises(ValueError, match="budget"):
+        pl.Instance([np.ones(4)], [1.0], -1, [0])
+    with pytest.raises(ValueError, match="neuron_bytes"):
+        pl.Instance([np.ones(4)], [-1.0], 10, [0])
 
 
 def test_gpu_neurons_are_the_most_frequent():

@@ -380,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--sparse-threshold", type=float, default=None, help="powerinfer.sparse_threshold (default: median of the trained cut-offs)")
     cv.set_defaults(func=cmd_convert)
 
-    pl = sub.add_parser("place", help="split FFN neurons between GPU and CPU under a VRAM budget (HiGHS ILP)")
+    pl = sub.add_parser("place", help="split FFN neurons between GPU and CPU under a VRAM budget (exact ILP solution)")
     pl.add_argument("model_pos", nargs="?", metavar="MODEL")
     pl.add_argument("-m", "--model", default=None)
     pl.add_argument("--profile", required=True, help="profile written by `powerinfer-rs profile`")
@@ -389,8 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--cpu-bandwidth", type=float, default=None, help="bytes/s (default: measured)")
     pl.add_argument("--gpu-bandwidth", type=float, default=1000e9, help="bytes/s (default 1e12)")
     pl.add_argument("--sync-latency", type=float, default=20e-6, help="seconds per CPU-GPU synchronisation (default 20e-6)")
-    pl.add_argument("--group", type=int, default=64, help="neurons per ILP variable (default 64)")
-    pl.add_argument("--time-limit", type=float, default=10.0, help="HiGHS time limit in seconds; greedy on timeout (default 10)")
+    pl.add_argument("--group", type=int, default=64, help="neurons per placement unit (default 64)")
+    pl.add_argument("--time-limit", type=float, default=10.0, help="time limit in seconds for HiGHS, used only when the exact search gives up (default 10)")
     pl.add_argument("-c", "--ctx-size", type=int, default=None, help="context for the KV cache size (default min(trained, 4096))")
     pl.set_defaults(func=cmd_place)
     return p

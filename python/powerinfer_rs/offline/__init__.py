@@ -4,8 +4,8 @@
     train    -> per-layer predictors `fc2 @ relu(fc1 @ x)` and their cut-offs (`.predictors.npz`)
     convert  -> a PowerInfer GGUF (magic PWRI, `ffn_down_t`, `fc1`/`fc2`) from a plain GGUF or a
                 Hugging Face safetensors folder plus the trained predictors
-    place    -> the hot/cold split under a VRAM budget, solved as an integer program with HiGHS,
-                written as `<model>.generated.gpuidx`
+    place    -> the hot/cold split under a VRAM budget, the integer program solved to proven
+                optimality (HiGHS as the fallback), written as `<model>.generated.gpuidx`
 
 Each step is a function here and a `powerinfer-rs` subcommand.
 """
