@@ -130,21 +130,20 @@ fn main() {
         let blocks: Vec<Block> = (0..copies)
             .map(|_| Block { gate: first.gate.clone(), up: first.up.clone(), down: first.down.clone(), down_t: first.down_t.clone() })
             .collect();
-        let mats: Vec<(FfnMats, QMatrix)> = blocks
+        let mats: Vec<FfnMats> = blocks
             .iter()
             .map(|b| {
                 fn q(dtype: DType, data: &[u8], rows: usize, cols: usize) -> QMatrix<'_> {
                     QMatrix { dtype, rows, cols, data }
                 }
-                let m = FfnMats {
+                FfnMats {
                     gate: Some(q(dtype, &b.gate, N_FF, N_EMBD)),
                     up: q(dtype, &b.up, N_FF, N_EMBD),
                     up_bias: None,
                     down_t: q(dtype, &b.down_t, N_FF, N_EMBD),
                     down: Some(q(dtype, &b.down, N_EMBD, N_FF)),
                     act: FfnActivation::ReGlu,
-                };
-                (m, q(dtype, &b.down, N_EMBD, N_FF))
+                }
             })
             .collect();
         let dense_bufs: Vec<&[u8]> = blocks.iter().flat_map(|b| [&b.gate[..], &b.up[..], &b.down[..]]).collect();
@@ -172,16 +171,16 @@ fn main() {
                 let mut neurons = idx[..keep].to_vec();
                 neurons.sort_unstable();
                 let mut dense = || {
-                    for (m, down) in &mats {
+                    for m in &mats {
                         x.set(&x_f, 1, N_EMBD);
                         matmul_many(&[m.gate.unwrap(), m.up], &x, &mut [&mut g, &mut u]);
                         g.iter_mut().zip(&u).for_each(|(gi, ui)| *gi = FfnActivation::ReGlu.apply(*gi, *ui));
                         hx.set(&g, 1, N_FF);
-                        matmul(down, &hx, &mut out);
+                        matmul(&m.down.unwrap(), &hx, &mut out);
                     }
                 };
                 let mut sparse = || {
-                    for (m, _) in &mats {
+                    for m in &mats {
                         sx.set(&x_f, 1, N_EMBD);
                         sparse_ffn(m, &sx, &neurons, None, &mut sout, &mut scratch);
                     }

@@ -53,6 +53,26 @@ pub unsafe fn axpy_rows<const R: usize>(dtype: DType, rows: [&[u8]; R], a: [f32;
     let av = a.map(|v| _mm512_set1_ps(v));
     // the 16 values of a nibble, as f32 lanes: 0..16
     let nibble_values = _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.);
+    // 4-bit blocks: `$table` gives the 16 values a nibble stands for, times the row's coefficient
+    macro_rules! nibble_rows {
+        ($block:ty, |$b:ident, $a:ident| $table:expr) => {{
+            let blocks = rows.map(|r| crate::quant::cast_blocks::<$block>(r));
+            for i in 0..n / 32 {
+                let p = yp.add(32 * i);
+                let (mut lo, mut hi) = (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)));
+                for r in 0..R {
+                    let ($b, $a) = (blocks[r].get_unchecked(i), av[r]);
+                    let table = $table;
+                    // byte k holds element k (low nibble) and element k + 16 (high nibble)
+                    let q = _mm512_cvtepu8_epi32(_mm_loadu_si128($b.qs.as_ptr() as *const __m128i));
+                    lo = _mm512_add_ps(lo, _mm512_permutexvar_ps(q, table));
+                    hi = _mm512_add_ps(hi, _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), table));
+                }
+                _mm512_storeu_ps(p, lo);
+                _mm512_storeu_ps(p.add(16), hi);
+            }
+        }};
+    }
     match dtype {
         DType::F32 | DType::F16 | DType::BF16 => {
             let n16 = n / 16 * 16;
@@ -74,40 +94,11 @@ pub unsafe fn axpy_rows<const R: usize>(dtype: DType, rows: [&[u8]; R], a: [f32;
             }
         }
         DType::Q4_0 => {
-            let blocks = rows.map(|r| crate::quant::cast_blocks::<BlockQ4_0>(r));
             let centered = _mm512_sub_ps(nibble_values, _mm512_set1_ps(8.0)); // q - 8
-            for i in 0..n / 32 {
-                let p = yp.add(32 * i);
-                let (mut lo, mut hi) = (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)));
-                for r in 0..R {
-                    let b = blocks[r].get_unchecked(i);
-                    let table = _mm512_mul_ps(centered, _mm512_mul_ps(av[r], splat_f16(b.d)));
-                    // byte k holds element k (low nibble) and element k + 16 (high nibble)
-                    let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(b.qs.as_ptr() as *const __m128i));
-                    lo = _mm512_add_ps(lo, _mm512_permutexvar_ps(q, table));
-                    hi = _mm512_add_ps(hi, _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), table));
-                }
-                _mm512_storeu_ps(p, lo);
-                _mm512_storeu_ps(p.add(16), hi);
-            }
+            nibble_rows!(BlockQ4_0, |b, a| _mm512_mul_ps(centered, _mm512_mul_ps(a, splat_f16(b.d))))
         }
-        DType::Q4_1 => {
-            let blocks = rows.map(|r| crate::quant::cast_blocks::<BlockQ4_1>(r));
-            for i in 0..n / 32 {
-                let p = yp.add(32 * i);
-                let (mut lo, mut hi) = (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)));
-                for r in 0..R {
-                    let b = blocks[r].get_unchecked(i);
-                    // q * d * a + m * a
-                    let table = _mm512_fmadd_ps(nibble_values, _mm512_mul_ps(av[r], splat_f16(b.d)), _mm512_mul_ps(av[r], splat_f16(b.m)));
-                    let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(b.qs.as_ptr() as *const __m128i));
-                    lo = _mm512_add_ps(lo, _mm512_permutexvar_ps(q, table));
-                    hi = _mm512_add_ps(hi, _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), table));
-                }
-                _mm512_storeu_ps(p, lo);
-                _mm512_storeu_ps(p.add(16), hi);
-            }
-        }
+        // q * d * a + m * a
+        DType::Q4_1 => nibble_rows!(BlockQ4_1, |b, a| _mm512_fmadd_ps(nibble_values, _mm512_mul_ps(a, splat_f16(b.d)), _mm512_mul_ps(a, splat_f16(b.m)))),
         DType::Q8_0 => {
             let blocks = rows.map(|r| crate::quant::cast_blocks::<BlockQ8_0>(r));
             for i in 0..n / 32 {
@@ -169,12 +160,13 @@ unsafe fn dot_pairs<const N: usize>(
     let mut off = [_mm512_setzero_ps(); N];
     for i in 0..n_blocks / 2 {
         let (w, d) = weights(i);
+        let o = offset(i, d);
         for j in 0..N {
             let p = pairs[j].get_unchecked(i);
             let a = _mm512_loadu_si512(p.qs.as_ptr() as *const _);
             let dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a));
             acc[j] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_loadu_ps(p.d.as_ptr())), acc[j]);
-            off[j] = _mm512_fmadd_ps(offset(i, d), _mm512_loadu_ps(p.s8.as_ptr()), off[j]);
+            off[j] = _mm512_fmadd_ps(o, _mm512_loadu_ps(p.s8.as_ptr()), off[j]);
         }
     }
     let mut out = [0.0f32; N];
