@@ -1,21 +1,32 @@
 """End-to-end sparse decoding, both sides in one process, alternating runs, ratio of medians.
 
-    python benches/sparse_e2e.py synthetic [--layers 2] [--threads 2]
+    python benches/sparse_e2e.py synthetic [--layers 4] [--threads 2]
         A ReGLU model with LLaMA-7B layer shape (n_embd 4096, n_ff 11008, 32 heads, Q4_0) and
-        fewer layers, written in PowerInfer's layout with predictors: decode tok/s in
-        `predictor` mode vs `dense` mode, plus the predictor's recall and the skipped fraction.
+        fewer layers, written twice with the same weights: in PowerInfer's layout (neuron-major
+        `ffn_down_t`, predictors) and as a standard GGUF (row-major `ffn_down`, as llama.cpp
+        reads it). Decode tok/s of three runs:
+          standard dense   every FFN row is read (what a dense engine does with this file);
+          dense            PowerInfer layout without predictors: exact, but a neuron whose ReLU
+                           gate is <= 0 has its up and down rows skipped, so only the gate matrix
+                           is read in full;
+          predictor        the predictors choose the neurons; gate, up and down rows are read
+                           only for those.
+        Beside each ratio it prints the byte-count ideal: the weight bytes per token each side
+        reads (attention, predictors, the FFN rows at the measured fractions), dense over sparse.
     python benches/sparse_e2e.py smollm2 [--threads 2]
         SmolLM2-135M (SwiGLU, no predictors) in `threshold` mode: perplexity on python3.11-doc
         text at 0/30/50/70% target sparsity, and decode tok/s at 50% vs dense.
 
 How the synthetic weights are drawn: the residual stream lives in a 255-dimensional subspace
 (orthonormal basis B, never touching dimension 0) plus a constant c in dimension 0 (embeddings
-put it there; attention and FFN outputs are written inside the subspace). Gate row j is
-B^T g_j + b_j e_0 with |g_j| = 1, so its pre-activation is g_j . z + b_j c, roughly
+put it there; attention and FFN outputs are written inside the subspace, small enough that the
+stream's scale, and with it each neuron's firing rate, barely moves from layer to layer). Gate
+row j is B^T g_j + b_j e_0 with |g_j| = 1, so its pre-activation is g_j . z + b_j c, roughly
 N(b_j c, 1) over tokens: b_j sets neuron j's firing probability p_j, and the p_j follow a power
-law (p ~ rank^-1, a few neurons fire for most tokens, most rarely) averaging 10%. The predictor
-is exact up to quantization: fc1 = [B; e_0; -B; -e_0] recovers (z, c) through the ReLU pair
-trick, and fc2 row j = [g_j, b_j, -g_j, -b_j] gives the pre-activation back.
+law (p ~ rank^-1, a few neurons fire for most tokens, most rarely) averaging 10%; the bench
+prints the measured share. The predictor is exact up to quantization: fc1 = [B; e_0; -B; -e_0]
+recovers (z, c) through the ReLU pair trick, and fc2 row j = [g_j, b_j, -g_j, -b_j] gives the
+pre-activation back.
 """
 
 from __future__ import annotations
@@ -31,7 +42,15 @@ import time
 import numpy as np
 
 
-def write_synthetic(path: str, n_layer: int, seed: int = 0) -> None:
+N_EMBD, N_FF = 4096, 11008
+Q4_0_BYTES = 18 / 32  # bytes per weight
+#: Output scales of attention and FFN: small, so the residual stream keeps its scale.
+ATTN_OUT_SCALE, DOWN_SCALE = 0.001, 0.0005
+
+
+def write_synthetic(path: str, n_layer: int, layout: str = "powerinfer", seed: int = 0) -> None:
+    """The synthetic model; `layout` "powerinfer" (ffn_down_t, predictors, PWRI magic) or
+    "standard" (ffn_down, no predictors). The same seed gives the same weights in both."""
     from gguf import GGMLQuantizationType as Q
     from gguf import GGUFWriter
     from gguf.quants import quantize
@@ -41,7 +60,8 @@ def write_synthetic(path: str, n_layer: int, seed: int = 0) -> None:
     from synth import add_tiny_tokenizer, tiny_vocab
 
     rng = np.random.default_rng(seed)
-    n_embd, n_ff, n_head, r, c = 4096, 11008, 32, 255, 4.0
+    n_embd, n_ff, n_head, r, c = N_EMBD, N_FF, 32, 255, 4.0
+    powerinfer = layout == "powerinfer"
     hd = n_embd // n_head
     n_vocab = len(tiny_vocab()[0])
     # orthonormal basis of the subspace, orthogonal to dimension 0
@@ -58,7 +78,8 @@ def write_synthetic(path: str, n_layer: int, seed: int = 0) -> None:
     w.add_head_count_kv(n_head)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(hd)
-    w.add_float32("powerinfer.sparse_threshold", 0.0)
+    if powerinfer:
+        w.add_float32("powerinfer.sparse_threshold", 0.0)
     add_tiny_tokenizer(w)
 
     def q4(name, a):
@@ -77,7 +98,7 @@ def write_synthetic(path: str, n_layer: int, seed: int = 0) -> None:
         w.add_tensor(pre + "attn_norm.weight", np.ones(n_embd, np.float32))
         for name in ("attn_q", "attn_k", "attn_v"):
             q4(pre + name + ".weight", rng.standard_normal((n_embd, n_embd)) * 0.02)
-        q4(pre + "attn_output.weight", B.T @ (rng.standard_normal((r, n_embd)) * 0.01))
+        q4(pre + "attn_output.weight", B.T @ (rng.standard_normal((r, n_embd)) * ATTN_OUT_SCALE))
         w.add_tensor(pre + "ffn_norm.weight", np.ones(n_embd, np.float32))
         g = rng.standard_normal((n_ff, r)).astype(np.float32)
         g /= np.linalg.norm(g, axis=1, keepdims=True)
@@ -87,22 +108,27 @@ def write_synthetic(path: str, n_layer: int, seed: int = 0) -> None:
         # the model sees x / rms(x); rms is shared by all neurons of a token, so signs hold
         q4(pre + "ffn_gate.weight", gate)
         q4(pre + "ffn_up.weight", rng.standard_normal((n_ff, n_embd)) * 0.02)
-        q4(pre + "ffn_down_t.weight", (rng.standard_normal((n_ff, r)) * 0.02).astype(np.float32) @ B)
-        e0 = np.zeros((1, n_embd), np.float32)
-        e0[0, 0] = 1.0
-        fc1 = np.concatenate([B, e0, -B, -e0])  # (512, n_embd)
-        fc2 = np.concatenate([g, bias[:, None], -g, -bias[:, None]], axis=1)  # (n_ff, 512)
-        q4(pre + "fc1.weight", fc1)
-        q4(pre + "fc2.weight", fc2)
-        del gate, g
+        down_t = (rng.standard_normal((n_ff, r)) * DOWN_SCALE).astype(np.float32) @ B
+        if powerinfer:
+            q4(pre + "ffn_down_t.weight", down_t)
+            e0 = np.zeros((1, n_embd), np.float32)
+            e0[0, 0] = 1.0
+            fc1 = np.concatenate([B, e0, -B, -e0])  # (512, n_embd)
+            fc2 = np.concatenate([g, bias[:, None], -g, -bias[:, None]], axis=1)  # (n_ff, 512)
+            q4(pre + "fc1.weight", fc1)
+            q4(pre + "fc2.weight", fc2)
+        else:
+            q4(pre + "ffn_down.weight", down_t.T)
+        del gate, g, down_t
     w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
     q4("output.weight", rng.standard_normal((n_vocab, n_embd)) * 0.02)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with open(path, "r+b") as f:
-        f.write(b"PWRI")
+    if powerinfer:
+        with open(path, "r+b") as f:
+            f.write(b"PWRI")
 
 
 def decode_tps(engine, prompt_ids, n) -> float:
@@ -119,29 +145,65 @@ def paired(engines: dict, prompt_ids, n: int, repeats: int) -> dict:
     return res
 
 
+def layer_bytes(n_layer: int) -> dict:
+    """Weight bytes per token of the synthetic model's parts (Q4_0)."""
+    mat = N_EMBD * N_EMBD * Q4_0_BYTES
+    return {
+        "attention": n_layer * 4 * mat,
+        "ffn_matrix": n_layer * N_FF * N_EMBD * Q4_0_BYTES,  # one of gate, up, down
+        "predictor": n_layer * (512 * N_EMBD + N_FF * 512) * Q4_0_BYTES,
+    }
+
+
 def cmd_synthetic(a) -> None:
     from powerinfer_rs import Engine
 
-    path = a.model or os.path.join(tempfile.gettempdir(), f"powerinfer-synthetic-7b-{a.layers}l.gguf")
-    if not os.path.exists(path):
-        t = time.time()
-        write_synthetic(path, a.layers)
-        print(f"wrote {path} ({os.path.getsize(path) / 2**20:.0f} MiB) in {time.time() - t:.0f} s")
+    paths = {}
+    for layout in ("powerinfer", "standard"):
+        path = os.path.join(a.dir or tempfile.gettempdir(), f"powerinfer-synthetic-7b-{a.layers}l-{layout}-v2.gguf")
+        if not os.path.exists(path):
+            t = time.time()
+            write_synthetic(path + ".tmp", a.layers, layout)
+            os.replace(path + ".tmp", path)
+            print(f"wrote {path} ({os.path.getsize(path) / 2**20:.0f} MiB) in {time.time() - t:.0f} s")
+        paths[layout] = path
     prompt = list(range(3, 35))
-    dense = Engine.load(path, threads=a.threads, n_ctx=512, sparsity="dense", device="cpu")
-    pred = Engine.load(path, threads=a.threads, n_ctx=512, sparsity="predictor", device="cpu")
-    check = Engine.load(path, threads=a.threads, n_ctx=512, sparsity="predictor", device="cpu", predictor_recall=True)
+    load = lambda layout, mode, **kw: Engine.load(paths[layout], threads=a.threads, n_ctx=512, sparsity=mode, device="cpu", **kw)
+    engines = {
+        "standard dense": load("standard", "dense"),
+        "dense": load("powerinfer", "dense"),
+        "predictor": load("powerinfer", "predictor"),
+    }
+    # fractions of (token, layer, neuron) triples: truly firing, selected, and both
+    check = load("powerinfer", "predictor", predictor_recall=True)
     check.generate(prompt, max_tokens=a.tokens)
-    res = paired({"dense": dense, "predictor": pred}, prompt, a.tokens, a.repeats)
-    ratios = [p / d for p, d in zip(res["predictor"], res["dense"])]
+    st = check.last_stats
+    active, recall, selected = st["ffn_active"], st["predictor_recall"], 1.0 - st["ffn_sparsity"]
+    caught = active * recall  # firing and selected: their up and down rows are read
+    by = layer_bytes(a.layers)
+    read = {
+        "standard dense": by["attention"] + 3 * by["ffn_matrix"],
+        "dense": by["attention"] + by["ffn_matrix"] * (1 + 2 * active),
+        "predictor": by["attention"] + by["predictor"] + by["ffn_matrix"] * (selected + 2 * caught),
+    }
+    res = paired(engines, prompt, a.tokens, a.repeats)
+    tps = {k: statistics.median(v) for k, v in res.items()}
     print(f"synthetic ReGLU, 7B layer shape, {a.layers} layers, Q4_0, {a.threads} threads, "
-          f"{a.tokens} decoded tokens, {a.repeats} alternating pairs")
-    print(f"predictor recall {check.last_stats['predictor_recall']:.3f}, FFN neurons skipped {check.last_stats['ffn_sparsity']:.1%}")
-    print("| mode | decode tok/s (median) |")
-    print("|---|---|")
-    print(f"| dense | {statistics.median(res['dense']):.2f} |")
-    print(f"| predictor | {statistics.median(res['predictor']):.2f} |")
-    print(f"| ratio (median of pairs) | **{statistics.median(ratios):.2f}x** (range {min(ratios):.2f} to {max(ratios):.2f}) |")
+          f"{a.tokens} decoded tokens after a {len(prompt)}-token prompt, {a.repeats} alternating rounds")
+    print(f"neurons firing {active:.1%}, predictor selects {selected:.1%} (FFN neurons skipped {1 - selected:.1%}), "
+          f"predictor recall {recall:.3f}")
+    print("| run | weight MB read per token | decode tok/s (median) | GB/s |")
+    print("|---|---|---|---|")
+    for k in engines:
+        print(f"| {k} | {read[k] / 1e6:.1f} | {tps[k]:.2f} | {read[k] * tps[k] / 1e9:.1f} |")
+    print()
+    print("| predictor vs | measured (median of rounds) | byte-count ideal | measured / ideal |")
+    print("|---|---|---|---|")
+    for base in ("standard dense", "dense"):
+        ratios = [p / d for p, d in zip(res["predictor"], res[base])]
+        ideal = read[base] / read["predictor"]
+        m = statistics.median(ratios)
+        print(f"| {base} | **{m:.2f}x** ({min(ratios):.2f} to {max(ratios):.2f}) | {ideal:.2f}x | {m / ideal:.2f} |")
 
 
 def doc_text(max_chars: int) -> str:
@@ -181,8 +243,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("synthetic")
-    s.add_argument("--layers", type=int, default=2)
-    s.add_argument("--model", default=None, help="reuse or write the synthetic model here")
+    s.add_argument("--layers", type=int, default=4)
+    s.add_argument("--dir", default=None, help="reuse or write the synthetic models in this folder (default: the temp folder)")
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--tokens", type=int, default=32)
     s.add_argument("--repeats", type=int, default=5)

@@ -288,7 +288,8 @@ class Engine:
     @staticmethod
     def _ffn_stats(session: "_core.Session", into: dict, totals: dict | None = None) -> None:
         """Adds the session's FFN counters to `totals` and writes the derived figures to `into`:
-        ffn_sparsity (fraction of FFN neurons skipped) and, when tracked, predictor_recall."""
+        ffn_sparsity (fraction of FFN neurons skipped) and, when tracked, predictor_recall and
+        ffn_active (fraction of neurons whose true activation is nonzero)."""
         st = session.take_stats()
         split = session.take_split()
         if split is not None:
@@ -301,6 +302,7 @@ class Engine:
             into["ffn_sparsity"] = st["skipped"] / st["neurons"]
         if st["truly_active"]:
             into["predictor_recall"] = st["truly_active_selected"] / st["truly_active"]
+            into["ffn_active"] = st["truly_active"] / st["neurons"]
         if st.get("gpu_neurons", 0) + st.get("cpu_neurons", 0):
             into["gpu_neuron_share"] = st["gpu_neurons"] / (st["gpu_neurons"] + st["cpu_neurons"])
 
