@@ -83,6 +83,52 @@ def test_sparse_equals_dense_equals_reference(tmp_path, case):
     assert st["truly_active_selected"] / st["truly_active"] > 0.99
 
 
+def sparse_enough(engine, ids, thresholds):
+    """The first predictor cut-off of `thresholds` that skips at least 95% (but not all) of the
+    neurons of `ids`: then the union of the selections of len(ids) <= 12 tokens holds at most
+    60% of the neurons, so prefill takes the row-sparse path (union under DENSE_FRACTION)."""
+    for t in thresholds:
+        engine.set_sparsity("predictor", sparse_threshold=t)
+        engine.logits(ids)
+        if 0.95 <= engine.last_stats["ffn_sparsity"] < 1.0:
+            return t
+    raise AssertionError("no cut-off in the list gives 95-100% sparsity")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_sparse_prefill_equals_sparse_decode(tmp_path, case):
+    """Prefill over the union of the tokens' selections computes, per token, what token-by-token
+    sparse decode computes, with a predictor that is far from exact (so both differ from dense)."""
+    _, arch, dtype, opts = case
+    path = write_powerinfer_model(tmp_path / "m.gguf", arch=arch, dtype=dtype, predictor="random", **opts)
+    engine = Engine.load(path, threads=2, kv_type="f32")
+    ids = np.random.default_rng(2).integers(0, engine.n_vocab, size=12).tolist()
+    engine.set_sparsity("dense")
+    dense = engine.logits(ids)
+    sparse_enough(engine, ids, [0.5 * 2**k for k in range(12)])
+    prefill = engine.logits(ids)
+    skipped = engine.last_stats["ffn_sparsity"]
+    decode, st = decode_logits(engine, ids)
+    assert st["skipped"] / st["neurons"] == pytest.approx(skipped)  # the same selections
+    assert rel(prefill, decode) < 1e-4
+    assert rel(prefill, dense) > 1e-3  # the skipped neurons mattered
+
+
+def test_threshold_sparse_prefill_equals_decode(tmp_path):
+    """Threshold mode at 90%: prefill of a few tokens reads only the union's up and down rows and
+    equals token-by-token decode."""
+    path = write_model(tmp_path / "m.gguf", dtype=Q.Q8_0)
+    engine = Engine.load(path, threads=2, kv_type="f32", sparsity="threshold", target_sparsity=0.9)
+    ids = list(range(40, 46))
+    prefill = engine.logits(ids)
+    # union <= 6 tokens x (1 - sparsity) of the neurons, under DENSE_FRACTION
+    assert 6 * (1 - engine.last_stats["ffn_sparsity"]) < 0.85
+    decode, _ = decode_logits(engine, ids)
+    assert rel(prefill, decode) < 1e-4
+    engine.set_sparsity("dense")
+    assert rel(prefill, engine.logits(ids)) > 1e-3
+
+
 def test_predictor_recall_measures_misses(tmp_path):
     """A predictor with its sign flipped selects only inactive neurons: recall near 0, and the
     logits differ from dense."""

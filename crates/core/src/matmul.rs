@@ -227,6 +227,13 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
+impl OutPtr {
+    /// The pointer `offset` elements in (a method, so closures capture the whole Send wrapper).
+    fn at(self, offset: usize) -> *mut f32 {
+        self.0.wrapping_add(offset)
+    }
+}
+
 /// Several products that share one input, in one parallel pass (e.g. q, k and v):
 /// `outs[i]` (n, mats[i].rows) = x (n, cols) @ mats[i]^T. One pass means one fork/join for all.
 pub fn matmul_many(mats: &[QMatrix], x: &Activations, outs: &mut [&mut [f32]]) {
@@ -257,32 +264,75 @@ pub fn matmul_many(mats: &[QMatrix], x: &Activations, outs: &mut [&mut [f32]]) {
     let level = simd_level();
     tasks.par_iter().for_each(|&(i, r0, r1)| {
         let w = &mats[i];
-        let out = ptrs[i];
-        let rows = w.rows;
+        let (out, rows) = (ptrs[i], w.rows);
         // SAFETY: this task alone writes rows r0..r1 of matrix i, for every token; the
         // buffer length n * rows was asserted above.
-        let put = |t: usize, r: usize, v: f32| unsafe { *out.0.add(t * rows + r) = v };
-        let mut t = 0;
-        while t + 4 <= n {
-            dot_rows(w, r0..r1, x, [t, t + 1, t + 2, t + 3], level, |r, v| {
-                for (k, vk) in v.into_iter().enumerate() {
-                    put(t + k, r, vk);
-                }
-            });
-            t += 4;
-        }
-        // two at a time for what is left (a batch of 2 or 3 clients in batched decode reads the
-        // weights once per pair); per token the arithmetic is the same as alone
-        while t + 2 <= n {
-            dot_rows(w, r0..r1, x, [t, t + 1], level, |r, v| {
-                put(t, r, v[0]);
-                put(t + 1, r, v[1]);
-            });
-            t += 2;
-        }
-        while t < n {
-            dot_rows(w, r0..r1, x, [t], level, |r, v| put(t, r, v[0]));
-            t += 1;
+        rows_for_all_tokens(w, r0..r1, x, level, |t, r, v| unsafe { *out.at(t * rows + r) = v });
+    });
+}
+
+/// Dots of the weight rows `rows` with every token of `x`: put(token, row, value). Four
+/// tokens per pass over the rows, so each weight block is unpacked once for four tokens.
+fn rows_for_all_tokens(w: &QMatrix, rows: std::ops::Range<usize>, x: &Activations, level: SimdLevel, put: impl Fn(usize, usize, f32)) {
+    let n = x.n;
+    let mut t = 0;
+    while t + 4 <= n {
+        dot_rows(w, rows.clone(), x, [t, t + 1, t + 2, t + 3], level, |r, v| {
+            for (k, vk) in v.into_iter().enumerate() {
+                put(t + k, r, vk);
+            }
+        });
+        t += 4;
+    }
+    // two at a time for what is left (a batch of 2 or 3 clients in batched decode reads the
+    // weights once per pair); per token the arithmetic is the same as alone
+    while t + 2 <= n {
+        dot_rows(w, rows.clone(), x, [t, t + 1], level, |r, v| {
+            put(t, r, v[0]);
+            put(t + 1, r, v[1]);
+        });
+        t += 2;
+    }
+    while t < n {
+        dot_rows(w, rows.clone(), x, [t], level, |r, v| put(t, r, v[0]));
+        t += 1;
+    }
+}
+
+/// Products over a subset of rows, shared by all matrices and tokens (sparse prefill: the
+/// union of the neurons a batch of tokens selected): `outs[i]` (n, sel.len()) with
+/// outs[i][t][k] = x[t] . mats[i][sel[k]]. `sel` is sorted; runs of consecutive rows are read
+/// as one stream. Each value equals the one `matmul_many` computes for that row.
+pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], x: &Activations, outs: &mut [&mut [f32]]) {
+    assert_eq!(mats.len(), outs.len());
+    let (n, m) = (x.n, sel.len());
+    for (w, o) in mats.iter().zip(outs.iter()) {
+        assert_eq!(w.cols, x.cols, "matmul: weight has {} columns, input has {}", w.cols, x.cols);
+        assert_eq!(o.len(), n * m, "matmul: output buffer has the wrong size");
+        assert!(sel.last().is_none_or(|&j| (j as usize) < w.rows), "matmul: selected row out of range");
+    }
+    debug_assert!(sel.windows(2).all(|p| p[0] < p[1]), "selection must be sorted and distinct");
+    let threads = rayon::current_num_threads().max(1);
+    let chunk = m.div_ceil(threads * 16).max(4);
+    let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr())).collect();
+    let level = simd_level();
+    let tasks: Vec<(usize, usize)> = (0..mats.len()).flat_map(|i| (0..m.div_ceil(chunk)).map(move |c| (i, c * chunk))).collect();
+    tasks.par_iter().for_each(|&(i, k0)| {
+        let (w, out) = (&mats[i], ptrs[i]);
+        let part = &sel[k0..(k0 + chunk).min(m)];
+        let mut k = 0;
+        while k < part.len() {
+            // a run of consecutive rows: part[k..e] = start..start + (e - k)
+            let start = part[k] as usize;
+            let mut e = k + 1;
+            while e < part.len() && part[e] as usize == start + (e - k) {
+                e += 1;
+            }
+            let base = k0 + k;
+            // SAFETY: this task alone writes columns k0..k0 + part.len() of matrix i's output,
+            // for every token; the buffer length n * m was asserted above.
+            rows_for_all_tokens(w, start..start + (e - k), x, level, |t, r, v| unsafe { *out.at(t * m + base + r - start) = v });
+            k = e;
         }
     });
 }
@@ -399,6 +449,41 @@ mod tests {
                         };
                         let got = out[t * rows + r] as f64;
                         assert!((got - exact).abs() <= tol, "{dtype:?} n={n} r={r} t={t}: {got} vs {exact}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// A product over selected rows gives exactly the values the full product gives for those
+    /// rows (same kernels, same token grouping), for every type, batch size and selection
+    /// shape (empty, runs, scattered, all).
+    #[test]
+    fn selected_rows_equal_full_product() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        let (rows, cols) = (203, 96);
+        let mut rng = crate::sampler::Rng::new(11);
+        for dtype in ALL {
+            let w_f = random_vec(rows * cols, 3);
+            let data: Vec<u8> = w_f.chunks(cols).flat_map(|r| quantize_row(dtype, r)).collect();
+            let g = QMatrix { dtype, rows, cols, data: &data };
+            let u = QMatrix { dtype, rows, cols, data: &data[..] };
+            for n in [1, 2, 3, 5, 7] {
+                let mut x = Activations::default();
+                x.set(&random_vec(n * cols, n as u64), n, cols);
+                let mut full = vec![0.0; n * rows];
+                pool.install(|| matmul(&g, &x, &mut full));
+                for keep in [0.0, 0.05, 0.3, 0.9, 1.0] {
+                    let sel: Vec<u32> = (0..rows as u32).filter(|_| rng.next_f32() < keep || keep == 1.0).collect();
+                    let m = sel.len();
+                    let (mut a, mut b) = (vec![f32::NAN; n * m], vec![f32::NAN; n * m]);
+                    pool.install(|| matmul_selected(&[g, u], &sel, &x, &mut [&mut a, &mut b]));
+                    for t in 0..n {
+                        for (k, &j) in sel.iter().enumerate() {
+                            let want = full[t * rows + j as usize];
+                            assert_eq!(a[t * m + k].to_bits(), want.to_bits(), "{dtype:?} n={n} keep={keep} t={t} row {j}");
+                            assert_eq!(b[t * m + k].to_bits(), want.to_bits());
+                        }
                     }
                 }
             }

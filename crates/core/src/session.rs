@@ -5,8 +5,10 @@
 //! `eval` runs the forward pass over a batch of tokens (the whole prompt at once in prefill, one
 //! token per call in decode) and returns logits. The FFN runs dense, or sparse (`Sparsity`): a
 //! per-layer predictor or a per-layer magnitude threshold picks the neurons, and decode computes
-//! only those (`sparse::sparse_ffn`). Prefill computes gate and up for the whole batch and zeroes
-//! the neurons left out, so a prompt gives the same result evaluated at once or token by token.
+//! only those (`sparse::sparse_ffn`). Prefill reads the rows of the union of the batch's
+//! selections (all rows when the union holds nearly every neuron) and zeroes, per token, the
+//! neurons that token left out, so a prompt gives the same result evaluated at once or token by
+//! token.
 
 use std::sync::Arc;
 
@@ -14,9 +16,9 @@ use rayon::prelude::*;
 
 use crate::attention::{attend_group, KvBuf, KvType};
 use crate::error::{Error, Result};
-use crate::matmul::{matmul, matmul_many, Activations};
+use crate::matmul::{matmul, matmul_many, matmul_selected, Activations, QMatrix};
 use crate::model::{Config, Family, FfnActivation, LayerWeights, Model, RopeStyle, Weights, OPT_POSITION_OFFSET};
-use crate::sparse::{down_t_matmul, sparse_ffn, FfnMats, SparseScratch};
+use crate::sparse::{down_t_matmul, sparse_ffn, FfnMats, SparseScratch, DENSE_FRACTION};
 
 mod batch;
 pub use batch::decode_batch;
@@ -181,7 +183,10 @@ struct Scratch {
     gate: Vec<f32>,     // (n, n_ff) gate values, then activations
     up: Vec<f32>,       // (n, n_ff)
     keep: Vec<bool>,    // (n, n_ff) neurons selected by the predictor or threshold
-    neurons: Vec<u32>,  // selected neuron indices of one token
+    neurons: Vec<u32>,  // selected neuron indices of one token, or of a batch's union
+    picked: Vec<bool>,  // (n_ff) whether some token of the batch selected the neuron
+    sel_gate: Vec<f32>, // (n, selected) gate values of the union's rows in sparse prefill
+    sel_up: Vec<f32>,   // (n, selected) up values of the union's rows in sparse prefill
     pred_hidden: Vec<f32>, // (n, predictor hidden)
     pred_logits: Vec<f32>, // (n, n_ff)
     acts: Activations,
@@ -694,6 +699,9 @@ impl Session {
                 Self::activate(lw, act, &mut s.gate, &s.up);
                 Self::count_recall(&mut self.stats, &s.gate, &s.keep);
             }
+        } else if mode != SparsityMode::Dense && !recording && !track_recall && Self::union_is_sparse(&s.keep, n, n_ff, &mut s.picked, &mut s.neurons) {
+            // batch, sparse: only the rows of the neurons some token selected
+            Self::union_ffn(lw, act, &model.down_t(l), n, gate_ready, s);
         } else {
             // batch: gate and up densely, the activation, zero what was left out, then down
             Self::gate_and_up(lw, &s.acts, &mut s.gate, &mut s.up, gate_ready);
@@ -735,6 +743,60 @@ impl Session {
             }
         }
         add_bias(&mut s.ffn_out, lw.ffn_down_b.as_deref());
+    }
+
+    /// The union of a batch's selections, keep (n, n_ff), into `union` (sorted neuron indices,
+    /// through the mask `any`);
+    /// whether it leaves out enough neurons for the row-sparse products to beat the dense ones
+    /// (see `DENSE_FRACTION`).
+    fn union_is_sparse(keep: &[bool], n: usize, n_ff: usize, any: &mut Vec<bool>, union: &mut Vec<u32>) -> bool {
+        union.clear();
+        any.clear();
+        any.resize(n_ff, false);
+        for row in keep[..n * n_ff].chunks_exact(n_ff) {
+            any.iter_mut().zip(row).for_each(|(a, &k)| *a |= k);
+        }
+        union.extend((0..n_ff as u32).filter(|&j| any[j as usize]));
+        (union.len() as f64) < DENSE_FRACTION * n_ff as f64
+    }
+
+    /// Sparse prefill: the FFN of a batch over the union of its tokens' selections (s.neurons).
+    /// Gate and up are computed for those rows only, each token keeps the activation of the
+    /// neurons it selected itself, and the down projection reads the neuron-major rows of the
+    /// neurons some token kept. Each token gets what token-by-token sparse decode computes, up
+    /// to float summation order. Reads s.acts (n, n_embd) and, with `gate_ready`, the dense
+    /// gate values in s.gate; writes s.ffn_out (n, n_embd).
+    fn union_ffn(lw: &LayerWeights, act: FfnActivation, down_t: &QMatrix, n: usize, gate_ready: bool, s: &mut Scratch) {
+        let n_ff = down_t.rows;
+        let (sel, m) = (&s.neurons, s.neurons.len());
+        // per selected row: gate values (n, m) (gateless: up + bias), up values (n, m)
+        s.sel_gate.resize(n * m, 0.0);
+        s.sel_up.resize(n * m, 0.0);
+        match (&lw.ffn_gate, gate_ready) {
+            (Some(g), false) => matmul_selected(&[*g, lw.ffn_up], sel, &s.acts, &mut [&mut s.sel_gate, &mut s.sel_up]),
+            (Some(_), true) => matmul_selected(&[lw.ffn_up], sel, &s.acts, &mut [&mut s.sel_up]),
+            (None, false) => matmul_selected(&[lw.ffn_up], sel, &s.acts, &mut [&mut s.sel_gate]),
+            (None, true) => {}
+        }
+        // h (n, n_ff) in s.up: act(gate, up) where the token selected the neuron, else 0
+        s.up.resize(n * n_ff, 0.0);
+        s.up.fill(0.0);
+        let up_bias = lw.ffn_up_b.as_deref();
+        for t in 0..n {
+            for (k, &j) in sel.iter().enumerate() {
+                let (j, i) = (j as usize, t * n_ff + j as usize);
+                if !s.keep[i] {
+                    continue;
+                }
+                let bias = up_bias.map_or(0.0, |b| b[j]);
+                let gate = if gate_ready { s.gate[i] } else { s.sel_gate[t * m + k] + if lw.ffn_gate.is_none() { bias } else { 0.0 } };
+                s.up[i] = match lw.ffn_gate {
+                    Some(_) => act.apply(gate, s.sel_up[t * m + k] + bias),
+                    None => act.apply(0.0, gate),
+                };
+            }
+        }
+        down_t_matmul(down_t, &s.up, n, &mut s.ffn_out, &mut s.sparse);
     }
 
     /// Gate pre-activations (n, n_ff); for gateless FFNs the up pre-activations plus bias.
