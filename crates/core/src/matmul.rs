@@ -299,17 +299,20 @@ fn rows_for_all_tokens(w: &QMatrix, rows: std::ops::Range<usize>, x: &Activation
     }
 }
 
-/// Products over a subset of rows, shared by all matrices and tokens (sparse prefill: the
-/// union of the neurons a batch of tokens selected): `outs[i]` (n, sel.len()) with
-/// outs[i][t][k] = x[t] . mats[i][sel[k]]. `sel` is sorted; runs of consecutive rows are read
-/// as one stream. Each value equals the one `matmul_many` computes for that row.
-pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], x: &Activations, outs: &mut [&mut [f32]]) {
+/// Products over a subset of rows, shared by all matrices (sparse prefill: the union of the
+/// neurons a batch of tokens selected): `outs[i]` (n, sel.len()) with outs[i][t][k] =
+/// x[t] . mats[i][sel[k]]. `sel` is sorted. With `keep` (n, rows), only the cells whose token
+/// selected the row are computed (four such tokens per pass over the row), the others are left
+/// as they were; without it, runs of consecutive rows are read as one stream for all tokens.
+/// Each value equals the one `matmul_many` computes for that row and token.
+pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: &Activations, outs: &mut [&mut [f32]]) {
     assert_eq!(mats.len(), outs.len());
     let (n, m) = (x.n, sel.len());
     for (w, o) in mats.iter().zip(outs.iter()) {
         assert_eq!(w.cols, x.cols, "matmul: weight has {} columns, input has {}", w.cols, x.cols);
         assert_eq!(o.len(), n * m, "matmul: output buffer has the wrong size");
         assert!(sel.last().is_none_or(|&j| (j as usize) < w.rows), "matmul: selected row out of range");
+        assert!(keep.is_none_or(|k| k.len() == n * w.rows), "matmul: mask has the wrong size");
     }
     debug_assert!(sel.windows(2).all(|p| p[0] < p[1]), "selection must be sorted and distinct");
     let threads = rayon::current_num_threads().max(1);
@@ -317,9 +320,28 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], x: &Activations, outs: &mu
     let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr())).collect();
     let level = simd_level();
     let tasks: Vec<(usize, usize)> = (0..mats.len()).flat_map(|i| (0..m.div_ceil(chunk)).map(move |c| (i, c * chunk))).collect();
-    tasks.par_iter().for_each(|&(i, k0)| {
+    tasks.par_iter().for_each_init(Vec::new, |tokens: &mut Vec<usize>, &(i, k0)| {
         let (w, out) = (&mats[i], ptrs[i]);
         let part = &sel[k0..(k0 + chunk).min(m)];
+        // SAFETY (both branches): this task alone writes columns k0..k0 + part.len() of matrix
+        // i's output, for every token; the buffer length n * m was asserted above.
+        let put = |t: usize, k: usize, v: f32| unsafe { *out.at(t * m + k) = v };
+        if let Some(keep) = keep {
+            for (k, &j) in part.iter().enumerate() {
+                let j = j as usize;
+                tokens.clear();
+                tokens.extend((0..n).filter(|&t| keep[t * w.rows + j]));
+                let (k, r) = (k0 + k, j..j + 1);
+                let mut g = tokens.chunks_exact(4);
+                for q in &mut g {
+                    dot_rows(w, r.clone(), x, [q[0], q[1], q[2], q[3]], level, |_, v| q.iter().zip(v).for_each(|(&t, vt)| put(t, k, vt)));
+                }
+                for &t in g.remainder() {
+                    dot_rows(w, r.clone(), x, [t], level, |_, v| put(t, k, v[0]));
+                }
+            }
+            return;
+        }
         let mut k = 0;
         while k < part.len() {
             // a run of consecutive rows: part[k..e] = start..start + (e - k)
@@ -329,9 +351,7 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], x: &Activations, outs: &mu
                 e += 1;
             }
             let base = k0 + k;
-            // SAFETY: this task alone writes columns k0..k0 + part.len() of matrix i's output,
-            // for every token; the buffer length n * m was asserted above.
-            rows_for_all_tokens(w, start..start + (e - k), x, level, |t, r, v| unsafe { *out.at(t * m + base + r - start) = v });
+            rows_for_all_tokens(w, start..start + (e - k), x, level, |t, r, v| put(t, base + r - start, v));
             k = e;
         }
     });
@@ -456,8 +476,8 @@ mod tests {
     }
 
     /// A product over selected rows gives exactly the values the full product gives for those
-    /// rows (same kernels, same token grouping), for every type, batch size and selection
-    /// shape (empty, runs, scattered, all).
+    /// rows, for every type, batch size and selection shape (empty, runs, scattered, all), and
+    /// with a mask exactly those cells and no others.
     #[test]
     fn selected_rows_equal_full_product() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
@@ -477,12 +497,20 @@ mod tests {
                     let sel: Vec<u32> = (0..rows as u32).filter(|_| rng.next_f32() < keep || keep == 1.0).collect();
                     let m = sel.len();
                     let (mut a, mut b) = (vec![f32::NAN; n * m], vec![f32::NAN; n * m]);
-                    pool.install(|| matmul_selected(&[g, u], &sel, &x, &mut [&mut a, &mut b]));
+                    pool.install(|| matmul_selected(&[g, u], &sel, None, &x, &mut [&mut a, &mut b]));
+                    // and only the cells a random mask keeps (the rest stay NaN)
+                    let mask: Vec<bool> = (0..n * rows).map(|_| rng.next_f32() < 0.4).collect();
+                    let mut c = vec![f32::NAN; n * m];
+                    pool.install(|| matmul_selected(&[g], &sel, Some(&mask), &x, &mut [&mut c]));
                     for t in 0..n {
                         for (k, &j) in sel.iter().enumerate() {
                             let want = full[t * rows + j as usize];
                             assert_eq!(a[t * m + k].to_bits(), want.to_bits(), "{dtype:?} n={n} keep={keep} t={t} row {j}");
                             assert_eq!(b[t * m + k].to_bits(), want.to_bits());
+                            match mask[t * rows + j as usize] {
+                                true => assert_eq!(c[t * m + k].to_bits(), want.to_bits(), "masked {dtype:?} n={n} t={t} row {j}"),
+                                false => assert!(c[t * m + k].is_nan()),
+                            }
                         }
                     }
                 }

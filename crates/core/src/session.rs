@@ -6,9 +6,9 @@
 //! token per call in decode) and returns logits. The FFN runs dense, or sparse (`Sparsity`): a
 //! per-layer predictor or a per-layer magnitude threshold picks the neurons, and decode computes
 //! only those (`sparse::sparse_ffn`). Prefill reads the rows of the union of the batch's
-//! selections (all rows when the union holds nearly every neuron) and zeroes, per token, the
-//! neurons that token left out, so a prompt gives the same result evaluated at once or token by
-//! token.
+//! selections and computes each (token, neuron) pair the token selected (dense products when
+//! nearly every pair is selected, zeroing the rest), so a prompt gives the same result
+//! evaluated at once or token by token.
 
 use std::sync::Arc;
 
@@ -699,8 +699,9 @@ impl Session {
                 Self::activate(lw, act, &mut s.gate, &s.up);
                 Self::count_recall(&mut self.stats, &s.gate, &s.keep);
             }
-        } else if mode != SparsityMode::Dense && !recording && !track_recall && Self::union_is_sparse(&s.keep, n, n_ff, &mut s.picked, &mut s.neurons) {
+        } else if mode != SparsityMode::Dense && !recording && !track_recall && (selected as f64) < DENSE_FRACTION * (n * n_ff) as f64 {
             // batch, sparse: only the rows of the neurons some token selected
+            Self::union_of_selections(&s.keep, n, n_ff, &mut s.picked, &mut s.neurons);
             Self::union_ffn(lw, act, &model.down_t(l), n, gate_ready, s);
         } else {
             // batch: gate and up densely, the activation, zero what was left out, then down
@@ -746,10 +747,8 @@ impl Session {
     }
 
     /// The union of a batch's selections, keep (n, n_ff), into `union` (sorted neuron indices,
-    /// through the mask `any`);
-    /// whether it leaves out enough neurons for the row-sparse products to beat the dense ones
-    /// (see `DENSE_FRACTION`).
-    fn union_is_sparse(keep: &[bool], n: usize, n_ff: usize, any: &mut Vec<bool>, union: &mut Vec<u32>) -> bool {
+    /// through the mask `any`).
+    fn union_of_selections(keep: &[bool], n: usize, n_ff: usize, any: &mut Vec<bool>, union: &mut Vec<u32>) {
         union.clear();
         any.clear();
         any.resize(n_ff, false);
@@ -757,12 +756,12 @@ impl Session {
             any.iter_mut().zip(row).for_each(|(a, &k)| *a |= k);
         }
         union.extend((0..n_ff as u32).filter(|&j| any[j as usize]));
-        (union.len() as f64) < DENSE_FRACTION * n_ff as f64
     }
 
     /// Sparse prefill: the FFN of a batch over the union of its tokens' selections (s.neurons).
-    /// Gate and up are computed for those rows only, each token keeps the activation of the
-    /// neurons it selected itself, and the down projection reads the neuron-major rows of the
+    /// Gate and up read those rows only, and compute each row's dots only for the tokens that
+    /// selected it (prefill is compute-bound: a batch's union is far wider than one token's
+    /// selection); the down projection reads the neuron-major rows of the
     /// neurons some token kept. Each token gets what token-by-token sparse decode computes, up
     /// to float summation order. Reads s.acts (n, n_embd) and, with `gate_ready`, the dense
     /// gate values in s.gate; writes s.ffn_out (n, n_embd).
@@ -772,10 +771,12 @@ impl Session {
         // per selected row: gate values (n, m) (gateless: up + bias), up values (n, m)
         s.sel_gate.resize(n * m, 0.0);
         s.sel_up.resize(n * m, 0.0);
+        // (only the cells of the tokens that selected the neuron)
+        let keep = Some(&s.keep[..n * n_ff]);
         match (&lw.ffn_gate, gate_ready) {
-            (Some(g), false) => matmul_selected(&[*g, lw.ffn_up], sel, &s.acts, &mut [&mut s.sel_gate, &mut s.sel_up]),
-            (Some(_), true) => matmul_selected(&[lw.ffn_up], sel, &s.acts, &mut [&mut s.sel_up]),
-            (None, false) => matmul_selected(&[lw.ffn_up], sel, &s.acts, &mut [&mut s.sel_gate]),
+            (Some(g), false) => matmul_selected(&[*g, lw.ffn_up], sel, keep, &s.acts, &mut [&mut s.sel_gate, &mut s.sel_up]),
+            (Some(_), true) => matmul_selected(&[lw.ffn_up], sel, keep, &s.acts, &mut [&mut s.sel_up]),
+            (None, false) => matmul_selected(&[lw.ffn_up], sel, keep, &s.acts, &mut [&mut s.sel_gate]),
             (None, true) => {}
         }
         // h (n, n_ff) in s.up: act(gate, up) where the token selected the neuron, else 0
