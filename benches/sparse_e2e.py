@@ -131,17 +131,15 @@ def write_synthetic(path: str, n_layer: int, layout: str = "powerinfer", seed: i
             f.write(b"PWRI")
 
 
-def decode_tps(engine, prompt_ids, n) -> float:
-    engine.generate(prompt_ids, max_tokens=n)
-    s = engine.last_stats
-    return s["decode_tps"]
-
-
-def paired(engines: dict, prompt_ids, n: int, repeats: int) -> dict:
+def paired(engines: dict, prompt_ids, n: int, repeats: int, prefill: dict | None = None) -> dict:
+    """Decode tok/s of each engine, alternating, `repeats` rounds; prefill tok/s into `prefill`."""
     res = {k: [] for k in engines}
     for _ in range(repeats):
         for k, e in engines.items():
-            res[k].append(decode_tps(e, prompt_ids, n))
+            e.generate(prompt_ids, max_tokens=n)
+            res[k].append(e.last_stats["decode_tps"])
+            if prefill is not None:
+                prefill.setdefault(k, []).append(e.last_stats["prefill_tps"])
     return res
 
 
@@ -186,16 +184,17 @@ def cmd_synthetic(a) -> None:
         "dense": by["attention"] + by["ffn_matrix"] * (1 + 2 * active),
         "predictor": by["attention"] + by["predictor"] + by["ffn_matrix"] * (selected + 2 * caught),
     }
-    res = paired(engines, prompt, a.tokens, a.repeats)
+    pre: dict = {}
+    res = paired(engines, prompt, a.tokens, a.repeats, pre)
     tps = {k: statistics.median(v) for k, v in res.items()}
     print(f"synthetic ReGLU, 7B layer shape, {a.layers} layers, Q4_0, {a.threads} threads, "
           f"{a.tokens} decoded tokens after a {len(prompt)}-token prompt, {a.repeats} alternating rounds")
     print(f"neurons firing {active:.1%}, predictor selects {selected:.1%} (FFN neurons skipped {1 - selected:.1%}), "
           f"predictor recall {recall:.3f}")
-    print("| run | weight MB read per token | decode tok/s (median) | GB/s |")
-    print("|---|---|---|---|")
+    print("| run | weight MB read per token | decode tok/s (median) | GB/s | prefill tok/s (median) |")
+    print("|---|---|---|---|---|")
     for k in engines:
-        print(f"| {k} | {read[k] / 1e6:.1f} | {tps[k]:.2f} | {read[k] * tps[k] / 1e9:.1f} |")
+        print(f"| {k} | {read[k] / 1e6:.1f} | {tps[k]:.2f} | {read[k] * tps[k] / 1e9:.1f} | {statistics.median(pre[k]):.1f} |")
     print()
     print("| predictor vs | measured (median of rounds) | byte-count ideal | measured / ideal |")
     print("|---|---|---|---|")
@@ -204,6 +203,10 @@ def cmd_synthetic(a) -> None:
         ideal = read[base] / read["predictor"]
         m = statistics.median(ratios)
         print(f"| {base} | **{m:.2f}x** ({min(ratios):.2f} to {max(ratios):.2f}) | {ideal:.2f}x | {m / ideal:.2f} |")
+    print()
+    for base in ("standard dense", "dense"):
+        ratios = [p / d for p, d in zip(pre["predictor"], pre[base])]
+        print(f"prefill, predictor vs {base}: {statistics.median(ratios):.2f}x ({min(ratios):.2f} to {max(ratios):.2f})")
 
 
 def doc_text(max_chars: int) -> str:
