@@ -71,7 +71,8 @@ def test_sparse_equals_dense_equals_reference(tmp_path, case):
     dense_decode, _ = decode_logits(engine, ids)
     assert rel(dense_decode, ref) < tol
 
-    engine.set_sparsity("predictor", predictor_recall=True)
+    # the file's cut-off (slightly negative: the exact predictor then misses nothing)
+    engine.set_sparsity("predictor", sparse_threshold=engine.sparse_threshold, predictor_recall=True)
     sparse = engine.logits(ids)
     assert rel(sparse, dense) < SPARSE_TOL
     assert engine.last_stats["predictor_recall"] > 0.99
@@ -81,6 +82,59 @@ def test_sparse_equals_dense_equals_reference(tmp_path, case):
     # the predictor really skipped neurons (random ReLU weights: about half are inactive)
     assert 0.3 < st["skipped"] / st["neurons"] < 0.7
     assert st["truly_active_selected"] / st["truly_active"] > 0.99
+
+
+@pytest.mark.parametrize("arch", ["llama", "falcon"])
+def test_predictor_cutoffs_calibrated_for_recall(tmp_path, arch):
+    """The per-layer cut-offs calibrated for a recall target keep that share of the truly firing
+    neurons, checked against the predictor evaluated in float64 numpy on the captured inputs."""
+    path = write_powerinfer_model(tmp_path / "m.gguf", arch=arch, predictor="random")
+    engine = Engine.load(path, threads=2, kv_type="f32", sparsity="dense")
+    tokens = np.random.default_rng(3).integers(0, engine.n_vocab, size=96).tolist()
+    window = 48
+    session = _core.Session(engine._model, window, "f32")
+    recalls = [0.9, 0.99]
+    cuts = np.array(session.calibrate_predictor(tokens, window, recalls))  # (recall, layer)
+    # the same windows, densely, with the predictor inputs and activations captured
+    session.set_capture(True)
+    xs, scores = [], []
+    for i in range(0, len(tokens), window):
+        session.truncate(0)
+        session.eval(tokens[i : i + window])
+        x, sc = session.take_capture()
+        xs.append(x)
+        scores.append(sc)
+    xs, scores = np.concatenate(xs, axis=1), np.concatenate(scores, axis=1)
+    w, _ = read_weights(path)
+    for l in range(engine.n_layer):
+        logits = np.maximum(xs[l] @ w[f"blk.{l}.fc1.weight"].T, 0.0) @ w[f"blk.{l}.fc2.weight"].T
+        active = logits[scores[l] > 0]
+        assert active.size > 100
+        for r, cut in zip(recalls, cuts[:, l]):
+            kept = np.mean(active >= cut)
+            # at least the target (up to float rounding at the cut), and within one histogram
+            # bin (1/64 octave) of the exact quantile
+            assert r - 0.005 <= kept, (l, r, cut, kept)
+            assert kept <= r + 0.02, (l, r, cut, kept)
+    # through the engine: calibrated on load, cached beside the model, higher target -> more kept
+    text = "the quick brown fox jumps over the lazy dog and then " * 12
+    loose = Engine.load(path, threads=2, sparsity="predictor", predictor_recall_target=0.9, calibration_text=text, predictor_recall=True)
+    strict = Engine.load(path, threads=2, sparsity="predictor", calibration_text=text, predictor_recall=True)
+    assert strict.predictor_recall_target == 0.99 and loose.predictor_recall_target == 0.9
+    assert len(strict.predictor_layer_thresholds) == engine.n_layer
+    assert all(a <= b for a, b in zip(strict.predictor_layer_thresholds, loose.predictor_layer_thresholds))
+    import json
+
+    cache = json.loads((tmp_path / "m.gguf.thresholds.json").read_text())
+    assert {e["target"] for e in cache["entries"] if e["kind"] == "predictor_recall"} >= {0.9, 0.99}
+    ids = engine.tokenize(text)[:120]
+    loose.logits(ids)
+    strict.logits(ids)
+    assert strict.last_stats["predictor_recall"] > loose.last_stats["predictor_recall"]
+    assert strict.last_stats["predictor_recall"] > 0.95
+    for bad in (0.0, 1.5, float("nan"), True, "0.9"):
+        with pytest.raises(ValueError, match="predictor_recall_target"):
+            Engine.load(path, predictor_recall_target=bad)
 
 
 def sparse_enough(engine, ids, thresholds):
@@ -134,7 +188,8 @@ def test_predictor_recall_measures_misses(tmp_path):
     """A predictor with its sign flipped selects only inactive neurons: recall near 0, and the
     logits differ from dense."""
     path = write_powerinfer_model(tmp_path / "m.gguf", predictor="negated", threshold=0.0)
-    engine = Engine.load(path, threads=2, predictor_recall=True)
+    # at the file's cut-off (calibrated ones would select nearly everything to reach the recall)
+    engine = Engine.load(path, threads=2, predictor_recall=True, sparse_threshold=0.0)
     ids = list(range(3, 30))
     out = engine.generate(ids, max_tokens=8)
     assert isinstance(out, str)
@@ -147,7 +202,9 @@ def test_predictor_recall_measures_misses(tmp_path):
 def test_threshold_from_file_and_override(tmp_path, monkeypatch):
     path = write_powerinfer_model(tmp_path / "m.gguf", predictor="random", threshold=0.0)
     ids = list(range(3, 30))
-    base = Engine.load(path, threads=2)
+    # the file's global cut-off (without an override, per-layer ones are calibrated instead)
+    assert Engine.load(path, threads=2, sparsity="dense").config["sparse_threshold"] == 0.0
+    base = Engine.load(path, threads=2, sparse_threshold=0.0)
     base.logits(ids)
     mid = base.last_stats["ffn_sparsity"]
     assert 0.05 < mid < 0.95
@@ -193,7 +250,7 @@ def test_opt_context_is_bounded_by_position_table(tmp_path):
 def test_quantized_predictors(tmp_path, dtype):
     """Predictor weights in F16 or quantized (PowerInfer's quantized files use Q4_0)."""
     path = write_powerinfer_model(tmp_path / "m.gguf", dtype=Q.Q4_0, predictor_dtype=dtype, threshold=-0.1)
-    engine = Engine.load(path, threads=2, predictor_recall=True)
+    engine = Engine.load(path, threads=2, predictor_recall=True, sparse_threshold=-0.1)
     ids = list(range(3, 30))
     sparse = engine.logits(ids)
     assert engine.last_stats["predictor_recall"] > 0.97

@@ -30,8 +30,9 @@ def _add_model(p: argparse.ArgumentParser) -> None:
         help="FFN mode (default: predictor when the model has predictors, else dense)",
     )
     p.add_argument("--target-sparsity", type=float, default=0.5, help="threshold mode: fraction of FFN neurons to skip (default 0.5)")
-    p.add_argument("--sparse-threshold", type=float, default=None, help="predictor mode: logit cut-off (default: from the file)")
-    p.add_argument("--calibration-file", default=None, help="threshold mode: calibrate on this text (default: built-in English sample)")
+    p.add_argument("--sparse-threshold", type=float, default=None, help="predictor mode: one logit cut-off for every layer (default: per-layer cut-offs, from the file or calibrated)")
+    p.add_argument("--recall-target", type=float, default=None, help="predictor mode: calibrate per-layer cut-offs keeping this share of the truly firing neurons (default 0.99 when the file has no per-layer cut-offs)")
+    p.add_argument("--calibration-file", default=None, help="threshold mode and predictor cut-offs: calibrate on this text (default: built-in English sample)")
     p.add_argument("--predictor-recall", action="store_true", help="predictor mode: also measure recall (costs a dense pass)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: the GPU when usable, else the CPU (default)")
     p.add_argument("--vram-budget", default=None, help="GPU memory to use, e.g. 8GiB (default: 90%% of the GPU)")
@@ -50,6 +51,7 @@ def _sparsity_args(a: argparse.Namespace) -> dict:
         sparse_threshold=a.sparse_threshold,
         calibration_text=text,
         predictor_recall=a.predictor_recall,
+        predictor_recall_target=a.recall_target,
         device=a.device,
         vram_budget=a.vram_budget,
         profile=a.profile,

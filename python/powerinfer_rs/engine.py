@@ -22,6 +22,8 @@ from .tokenizer import GGUFTokenizer, StreamDecoder
 DEFAULT_N_CTX = 4096
 # per-layer predictor cut-offs written by `powerinfer-rs convert` (PowerInfer itself has one, global)
 PREDICTOR_THRESHOLDS_KEY = "powerinfer_rs.predictor_thresholds"
+#: Share of the truly firing neurons that calibrated predictor cut-offs keep.
+DEFAULT_RECALL_TARGET = 0.99
 
 
 def _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed):
@@ -74,6 +76,7 @@ class Engine:
         self.layer_thresholds: list[float] | None = None
         self.predictor_layer_thresholds: list[float] | None = None
         self.predictor_recall = False
+        self.predictor_recall_target: float | None = None
         self.device = "cpu"
         self.placement = None  # GpuPlacement when on the GPU
         self._gpu_model = None
@@ -90,6 +93,7 @@ class Engine:
         sparse_threshold: float | None = None,
         calibration_text: str | None = None,
         predictor_recall: bool = False,
+        predictor_recall_target: float | None = None,
         device: str = "auto",
         vram_budget: str | int | None = None,
         profile: str | os.PathLike | None = None,
@@ -110,7 +114,10 @@ class Engine:
         LLAMA_SPARSE_PRED_THRESHOLD as PowerInfer reads it); files written by
         `powerinfer-rs convert` also carry one trained cut-off per layer
         (`powerinfer_rs.predictor_thresholds`), used unless one of those overrides is given.
-        `predictor_recall` also runs the FFN
+        Files without per-layer cut-offs get them calibrated: per layer, the cut-off that keeps
+        `predictor_recall_target` (default 0.99) of the neurons that truly fire on
+        `calibration_text` (or the built-in sample), once, cached beside the model; giving a
+        target calibrates files with per-layer cut-offs too. `predictor_recall` also runs the FFN
         densely to report in `last_stats` how many truly active neurons the predictor caught.
 
         `device`: "auto" (the GPU when a CUDA driver and device are there and the model can run
@@ -149,7 +156,7 @@ class Engine:
             if budget <= 0:
                 raise ValueError(f"vram_budget must be positive, got {vram_budget!r}")
         engine = cls(model, tokenizer, path, n_ctx, kv_type)
-        engine.set_sparsity(sparsity, target_sparsity, sparse_threshold, calibration_text, predictor_recall)
+        engine.set_sparsity(sparsity, target_sparsity, sparse_threshold, calibration_text, predictor_recall, predictor_recall_target)
         if device != "cpu":
             engine._place_on_gpu(device, vram_budget, profile, gpu_layers)
         return engine
@@ -213,6 +220,7 @@ class Engine:
         sparse_threshold: float | None = None,
         calibration_text: str | None = None,
         predictor_recall: bool = False,
+        predictor_recall_target: float | None = None,
     ) -> None:
         """Changes the FFN mode of later calls; arguments as in `Engine.load`."""
         has_pred = self.config["has_predictors"]
@@ -227,7 +235,14 @@ class Engine:
                 "sparsity='predictor' needs a model with predictors (blk.N.fc1/fc2, as in PowerInfer GGUF files); "
                 "this one has none: use sparsity='threshold' or 'dense'"
             )
+        if predictor_recall_target is not None and (
+            isinstance(predictor_recall_target, bool)
+            or not isinstance(predictor_recall_target, (int, float))
+            or not (0.0 < predictor_recall_target <= 1.0)
+        ):
+            raise ValueError(f"predictor_recall_target must be a number in (0, 1], got {predictor_recall_target!r}")
         per_layer = None
+        self.predictor_recall_target = None
         if sparse_threshold is None:
             env = os.environ.get("LLAMA_SPARSE_PRED_THRESHOLD")
             if env is not None:
@@ -237,7 +252,13 @@ class Engine:
                     raise ValueError(f"LLAMA_SPARSE_PRED_THRESHOLD={env!r} is not a number") from None
             else:
                 sparse_threshold = float(self.config["sparse_threshold"])
-                per_layer = self._file_predictor_thresholds()
+                per_layer = self._file_predictor_thresholds() if predictor_recall_target is None else None
+                if per_layer is None and sparsity == "predictor":
+                    from .sparsity import predictor_thresholds
+
+                    target = DEFAULT_RECALL_TARGET if predictor_recall_target is None else float(predictor_recall_target)
+                    per_layer = predictor_thresholds(self, target, calibration_text)
+                    self.predictor_recall_target = target
         if isinstance(sparse_threshold, bool) or not isinstance(sparse_threshold, (int, float)) or not math.isfinite(sparse_threshold):
             raise ValueError(f"sparse_threshold must be a finite number, got {sparse_threshold!r}")
         if not isinstance(predictor_recall, bool):

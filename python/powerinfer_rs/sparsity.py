@@ -1,4 +1,5 @@
-"""Threshold-mode calibration for models without predictors (SwiGLU models such as SmolLM2).
+"""Cut-off calibration: threshold mode for models without predictors (SwiGLU models such as
+SmolLM2), and per-layer predictor cut-offs for a recall target.
 
 Threshold mode computes each FFN gate densely and skips the up and down rows of neurons whose
 |act(gate)| is at or below a per-layer threshold. The thresholds come from running the model
@@ -6,6 +7,10 @@ densely over some English text and taking, per layer, the quantile of |act(gate)
 the target sparsity. That runs once; the result is cached beside the model file (or in
 ~/.cache/powerinfer-rs when the model's folder is read-only), keyed by the model file's size and
 modification time and by the calibration text.
+
+Predictor cut-offs come from one dense pass too: per layer, the predictor's logits of the neurons
+that truly fired; the cut-off for recall r is their (1 - r) quantile, so that a fraction r of the
+firing neurons are selected on the calibration text.
 """
 
 from __future__ import annotations
@@ -89,25 +94,28 @@ def _read(path: Path) -> dict | None:
     return data if isinstance(data, dict) and data.get("version") == CACHE_VERSION else None
 
 
-def _lookup(data: dict | None, identity: dict, text_sha: str, target: float, n_layer: int) -> list[float] | None:
+def _lookup(data: dict | None, identity: dict, text_sha: str, kind: str, target: float, n_layer: int) -> list[float] | None:
     if not data or data.get("model") != identity:
         return None
     for e in data.get("entries", []):
-        if e.get("text_sha256") == text_sha and abs(e.get("target", -1) - target) < 1e-9:
+        if e.get("kind", "sparsity") == kind and e.get("text_sha256") == text_sha and abs(e.get("target", -1) - target) < 1e-9:
             t = e.get("thresholds")
             if isinstance(t, list) and len(t) == n_layer:
                 return [float(v) for v in t]
     return None
 
 
-def _write(paths: list[Path], identity: dict, text_sha: str, n_tokens: int, results: dict[float, list[float]]) -> Path | None:
+def _write(paths: list[Path], identity: dict, text_sha: str, kind: str, n_tokens: int, results: dict[float, list[float]]) -> Path | None:
     for path in paths:
         data = _read(path)
         if not data or data.get("model") != identity:
             data = {"version": CACHE_VERSION, "model": identity, "entries": []}
-        entries = [e for e in data["entries"] if not (e.get("text_sha256") == text_sha and e.get("target") in results)]
+        entries = [
+            e for e in data["entries"]
+            if not (e.get("kind", "sparsity") == kind and e.get("text_sha256") == text_sha and e.get("target") in results)
+        ]
         for target, thresholds in results.items():
-            entries.append({"text_sha256": text_sha, "tokens": n_tokens, "target": target, "thresholds": thresholds})
+            entries.append({"kind": kind, "text_sha256": text_sha, "tokens": n_tokens, "target": target, "thresholds": thresholds})
         data["entries"] = entries
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -120,9 +128,9 @@ def _write(paths: list[Path], identity: dict, text_sha: str, n_tokens: int, resu
     return None
 
 
-def layer_thresholds(engine, target: float, text: str | None = None) -> list[float]:
-    """Per-layer thresholds for `target` sparsity on `engine`'s model, from the cache or from a
-    dense calibration run over `text` (default: a built-in English sample)."""
+def _calibrated(engine, kind: str, target: float, text: str | None, targets: tuple[float, ...], run) -> list[float]:
+    """Per-layer cut-offs of `kind` for `target`, from the cache or from `run(session, tokens,
+    window, targets)` over `text` (default: the built-in sample), cached with `targets`."""
     from . import _core
 
     text = BUILTIN_SAMPLE if text is None else text
@@ -133,7 +141,7 @@ def layer_thresholds(engine, target: float, text: str | None = None) -> list[flo
     paths = cache_paths(engine.path)
     n_layer = engine.n_layer
     for path in paths:
-        found = _lookup(_read(path), identity, text_sha, target, n_layer)
+        found = _lookup(_read(path), identity, text_sha, kind, target, n_layer)
         if found is not None:
             return found
     ids = engine.tokenize(text, add_bos=False)
@@ -147,10 +155,27 @@ def layer_thresholds(engine, target: float, text: str | None = None) -> list[flo
         chunk = ids[i : i + per]
         if len(chunk) >= 2:
             tokens += ([bos] if bos is not None else []) + chunk
-    targets = sorted(set(STANDARD_TARGETS) | {target})
-    session = _core.Session(engine._model, window, engine.kv_type)
+    targets = tuple(sorted(set(targets) | {target}))
+    # a CPU session even when the engine runs on the GPU (calibration is a dense CPU pass);
     # windows are cut exactly where the BOS-prefixed chunks start
-    results = session.calibrate(tokens, window, targets)
+    session = _core.Session(engine._model, window, engine.kv_type)
+    results = run(session, tokens, window, list(targets))
     by_target = {t: r for t, r in zip(targets, results)}
-    _write(paths, identity, text_sha, len(tokens), by_target)
+    _write(paths, identity, text_sha, kind, len(tokens), by_target)
     return by_target[target]
+
+
+def layer_thresholds(engine, target: float, text: str | None = None) -> list[float]:
+    """Per-layer |act(gate)| thresholds for `target` sparsity on `engine`'s model, from the cache
+    or from a dense calibration run over `text` (default: a built-in English sample)."""
+    return _calibrated(engine, "sparsity", target, text, STANDARD_TARGETS, lambda s, *a: s.calibrate(*a))
+
+
+#: Recall targets calibrated together for predictor cut-offs.
+STANDARD_RECALLS = (0.9, 0.95, 0.99, 0.999)
+
+
+def predictor_thresholds(engine, recall: float, text: str | None = None) -> list[float]:
+    """Per-layer predictor cut-offs keeping `recall` of the truly firing neurons on `text`
+    (default: the built-in sample), from the cache or from a dense calibration run."""
+    return _calibrated(engine, "predictor_recall", recall, text, STANDARD_RECALLS, lambda s, *a: s.calibrate_predictor(*a))

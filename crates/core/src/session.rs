@@ -137,6 +137,67 @@ impl MagnitudeHistogram {
     }
 }
 
+/// Histogram of signed values (log-spaced magnitudes on either side of zero), for predictor
+/// cut-offs: the logits the predictor gave the neurons that truly fired.
+#[derive(Clone)]
+struct SignedHistogram {
+    neg: MagnitudeHistogram, // magnitudes of the negative values
+    pos: MagnitudeHistogram, // zeros and positive values
+}
+
+impl SignedHistogram {
+    fn new() -> Self {
+        SignedHistogram { neg: MagnitudeHistogram::new(), pos: MagnitudeHistogram::new() }
+    }
+
+    fn add(&mut self, v: f32) {
+        if v < 0.0 {
+            self.neg.add(v)
+        } else if !v.is_nan() {
+            self.pos.add(v)
+        }
+    }
+
+    /// The largest bin edge t with at most `fraction` of the values below it, so that at least
+    /// 1 - fraction of them are >= t (a cut-off with at least that recall on these values).
+    fn lower_cut(&self, fraction: f64) -> f32 {
+        let edge = |i: usize| ((i as f32) / MagnitudeHistogram::PER_OCTAVE + MagnitudeHistogram::LOG2_MIN).exp2();
+        let total = self.neg.zeros + self.neg.bins.iter().sum::<u64>() + self.pos.zeros + self.pos.bins.iter().sum::<u64>();
+        let allowed = (fraction * total as f64).floor() as u64;
+        // in increasing value: the negative bins from the largest magnitude down, then zero
+        // and the positive bins; stop at the first bin that would put too many below the cut
+        let mut below = 0;
+        let last = self.neg.bins.len() - 1;
+        for i in (0..=last).rev() {
+            below += self.neg.bins[i];
+            if below > allowed {
+                // values of bin i lie in (-edge(i + 1), -edge(i)]; the last bin has no bound
+                return if i == last { f32::MIN } else { -edge(i + 1) };
+            }
+        }
+        below += self.pos.zeros;
+        if below > allowed {
+            return 0.0;
+        }
+        for (i, &c) in self.pos.bins.iter().enumerate() {
+            below += c;
+            if below > allowed {
+                // values of bin i lie in [edge(i), edge(i + 1)); bin 0 also holds smaller ones
+                return if i == 0 { 0.0 } else { edge(i) };
+            }
+        }
+        f32::MAX
+    }
+}
+
+/// What a calibration run records per layer.
+enum Calibration {
+    /// |act(gate)| of every neuron (threshold mode's cut-offs).
+    GateMagnitudes(Vec<MagnitudeHistogram>),
+    /// The predictor logits of the neurons that truly fired (predictor cut-offs).
+    ActiveLogits(Vec<SignedHistogram>),
+}
+
 pub struct Session {
     pub model: Arc<Model>,
     pub n_ctx: usize,
@@ -147,8 +208,8 @@ pub struct Session {
     rope_inv_freq: Vec<f32>, // (rope_dim / 2)
     sparsity: Sparsity,
     stats: FfnStats,
-    /// Per-layer |act(gate)| histograms while calibrating thresholds.
-    calibration: Option<Vec<MagnitudeHistogram>>,
+    /// Per-layer histograms while calibrating cut-offs.
+    calibration: Option<Calibration>,
     /// What the profiler records while capturing.
     capture: Option<Capture>,
     s: Scratch,
@@ -426,14 +487,44 @@ impl Session {
     /// and returns, for each target sparsity in `targets`, the per-layer |act(gate)| thresholds
     /// under which that fraction of the neurons fall. The session is left empty and dense.
     pub fn calibrate(&mut self, tokens: &[u32], window: usize, targets: &[f64]) -> Result<Vec<Vec<f32>>> {
-        if tokens.len() < 2 || window < 2 {
-            return Err(Error::InvalidArgument("calibration needs at least 2 tokens and a window of 2".into()));
-        }
         if let Some(t) = targets.iter().find(|t| !(0.0..1.0).contains(*t)) {
             return Err(Error::InvalidArgument(format!("target sparsity must be in [0, 1), got {t}")));
         }
-        let saved = std::mem::replace(&mut self.sparsity, Sparsity::dense());
-        self.calibration = Some(vec![MagnitudeHistogram::new(); self.model.config.n_layer]);
+        let hists = vec![MagnitudeHistogram::new(); self.model.config.n_layer];
+        match self.record_windows(tokens, window, Sparsity::dense(), Calibration::GateMagnitudes(hists))? {
+            Calibration::GateMagnitudes(hists) => Ok(targets.iter().map(|&t| hists.iter().map(|h| h.quantile(t)).collect()).collect()),
+            Calibration::ActiveLogits(_) => unreachable!("recorded what was asked"),
+        }
+    }
+
+    /// Runs `tokens` densely (windows as in `calibrate`) and returns, for each recall target in
+    /// `recalls`, the per-layer predictor cut-offs that keep at least that fraction of the
+    /// neurons that truly fired (nonzero activation) on these tokens. Needs predictors in every
+    /// layer. The session is left empty, in its previous mode.
+    pub fn calibrate_predictor(&mut self, tokens: &[u32], window: usize, recalls: &[f64]) -> Result<Vec<Vec<f32>>> {
+        if let Some(r) = recalls.iter().find(|r| !(**r > 0.0 && **r <= 1.0)) {
+            return Err(Error::InvalidArgument(format!("recall target must be in (0, 1], got {r}")));
+        }
+        if let Some(l) = self.model.weights.layers.iter().position(|l| l.predictor.is_none()) {
+            return Err(Error::InvalidArgument(format!("predictor calibration needs a predictor in every layer, but layer {l} has none")));
+        }
+        // every neuron selected: the predictor runs, the FFN stays dense
+        let all = Sparsity { mode: SparsityMode::Predictor, predictor_threshold: f32::MIN, ..Sparsity::dense() };
+        let hists = vec![SignedHistogram::new(); self.model.config.n_layer];
+        match self.record_windows(tokens, window, all, Calibration::ActiveLogits(hists))? {
+            Calibration::ActiveLogits(hists) => Ok(recalls.iter().map(|&r| hists.iter().map(|h| h.lower_cut(1.0 - r)).collect()).collect()),
+            Calibration::GateMagnitudes(_) => unreachable!("recorded what was asked"),
+        }
+    }
+
+    /// Evaluates `tokens` in windows of at most `window` tokens, each from an empty context, in
+    /// mode `sp`, recording into `rec`; returns what was recorded and restores the mode.
+    fn record_windows(&mut self, tokens: &[u32], window: usize, sp: Sparsity, rec: Calibration) -> Result<Calibration> {
+        if tokens.len() < 2 || window < 2 {
+            return Err(Error::InvalidArgument("calibration needs at least 2 tokens and a window of 2".into()));
+        }
+        let saved = std::mem::replace(&mut self.sparsity, sp);
+        self.calibration = Some(rec);
         let window = window.min(self.n_ctx);
         let mut result = Ok(());
         for chunk in tokens.chunks(window) {
@@ -449,10 +540,9 @@ impl Session {
         }
         self.truncate(0);
         self.sparsity = saved;
-        let hists = self.calibration.take().unwrap_or_default();
+        let rec = self.calibration.take().expect("set above");
         self.stats = FfnStats::default();
-        result?;
-        Ok(targets.iter().map(|&t| hists.iter().map(|h| h.quantile(t)).collect()).collect())
+        result.map(|()| rec)
     }
 
     /// Evaluates `tokens` at the next positions and returns logits: (n, n_vocab) when
@@ -706,7 +796,7 @@ impl Session {
         } else {
             // batch: gate and up densely, the activation, zero what was left out, then down
             Self::gate_and_up(lw, &s.acts, &mut s.gate, &mut s.up, gate_ready);
-            if let Some(hists) = &mut self.calibration {
+            if let Some(Calibration::GateMagnitudes(hists)) = &mut self.calibration {
                 s.gate.iter().for_each(|&g| hists[l].add(act.gate_part(g)));
             }
             let fires_exactly = matches!(act, FfnActivation::ReGlu | FfnActivation::DReGlu | FfnActivation::Relu);
@@ -717,6 +807,10 @@ impl Session {
                 }
             }
             Self::activate(lw, act, &mut s.gate, &s.up);
+            if let Some(Calibration::ActiveLogits(hists)) = &mut self.calibration {
+                // (every neuron is selected while calibrating, so nothing is zeroed below)
+                s.gate.iter().zip(&s.pred_logits).filter(|(&h, _)| h != 0.0).for_each(|(_, &z)| hists[l].add(z));
+            }
             if let Some(cap) = &mut self.capture {
                 if fires_exactly {
                     cap.scores[l].extend(s.gate.iter().map(|h| h.abs()));
@@ -842,6 +936,36 @@ impl Session {
             if v != 0.0 {
                 stats.truly_active += 1;
                 stats.truly_active_selected += k as u64;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The predictor cut-off keeps at least the asked share of the recorded values, and no bin
+    /// edge above it would: it sits within one bin (1/64 octave) of the exact quantile, on
+    /// both sides of zero and with values exactly zero.
+    #[test]
+    fn signed_histogram_cut_keeps_the_asked_share() {
+        let mut rng = crate::sampler::Rng::new(5);
+        for shift in [-3.0f32, -0.2, 0.0, 0.7, 4.0] {
+            let mut vals: Vec<f32> = (0..20000).map(|_| (rng.next_f32() - 0.5) * 6.0 + shift).collect();
+            vals.extend([0.0; 300]);
+            let mut h = SignedHistogram::new();
+            vals.iter().for_each(|&v| h.add(v));
+            vals.sort_by(|a, b| a.total_cmp(b));
+            for fraction in [0.0, 0.001, 0.01, 0.05, 0.3, 0.9] {
+                let cut = h.lower_cut(fraction);
+                let below = vals.iter().filter(|&&v| v < cut).count();
+                assert!(below as f64 <= fraction * vals.len() as f64, "shift {shift} fraction {fraction}: {below} below {cut}");
+                // the exact quantile is not far above the cut
+                let exact = vals[(fraction * vals.len() as f64).floor() as usize];
+                let bin = 2f32.powf(1.0 / 64.0);
+                let ok = if exact > 0.0 { cut >= 0.0 && (cut == 0.0 && exact < 1e-3 || exact <= cut * bin * bin) } else { cut <= exact && cut >= exact * bin * bin };
+                assert!(ok || exact == cut, "shift {shift} fraction {fraction}: cut {cut}, exact quantile {exact}");
             }
         }
     }

@@ -483,6 +483,12 @@ impl PySession {
         compute(py, || lock_core(&self.inner)?.cpu_only("calibration")?.calibrate(&tokens, window, &targets))
     }
 
+    /// Runs `tokens` densely in windows and returns, per recall target, the per-layer predictor
+    /// cut-offs that keep that fraction of the truly firing neurons. Leaves the session empty.
+    fn calibrate_predictor(&self, py: Python<'_>, tokens: Vec<u32>, window: usize, recalls: Vec<f64>) -> PyResult<Vec<Vec<f32>>> {
+        compute(py, || lock_core(&self.inner)?.cpu_only("calibration")?.calibrate_predictor(&tokens, window, &recalls))
+    }
+
     /// Starts (True) or stops (False) recording, for every evaluated token, each layer's FFN
     /// input and neuron scores (see `take_capture`). Recording computes every FFN densely.
     fn set_capture(&self, on: bool) -> PyResult<()> {
