@@ -251,25 +251,30 @@ pub fn matmul_many(mats: &[QMatrix], x: &Activations, outs: &mut [&mut [f32]]) {
     // Enough chunks for load balance, few enough that per-task overhead stays small.
     let target_chunks = threads * if n == 1 { 8 } else { 16 };
     let chunk = (total_rows.div_ceil(target_chunks)).clamp(4, 4096).next_multiple_of(4);
-    let mut tasks: Vec<(usize, usize, usize)> = Vec::new(); // (matrix, row start, row end)
-    for (i, m) in mats.iter().enumerate() {
-        let mut r = 0;
-        while r < m.rows {
-            let e = (r + chunk).min(m.rows);
-            tasks.push((i, r, e));
-            r = e;
-        }
+    // Task k covers rows of one matrix; first_task[i] is matrix i's first task. Fixed-size
+    // arrays, so that a decode step allocates nothing here.
+    assert!(mats.len() <= MAX_MATS, "matmul_many takes at most {MAX_MATS} matrices");
+    let mut first_task = [0usize; MAX_MATS + 1];
+    let mut ptrs = [OutPtr(std::ptr::null_mut()); MAX_MATS];
+    for (i, (m, o)) in mats.iter().zip(outs.iter_mut()).enumerate() {
+        first_task[i + 1] = first_task[i] + m.rows.div_ceil(chunk);
+        ptrs[i] = OutPtr(o.as_mut_ptr());
     }
-    let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr())).collect();
     let level = simd_level();
-    tasks.par_iter().for_each(|&(i, r0, r1)| {
-        let w = &mats[i];
-        let (out, rows) = (ptrs[i], w.rows);
+    (0..first_task[mats.len()]).into_par_iter().for_each(|task| {
+        let i = (0..mats.len()).rfind(|&i| first_task[i] <= task).expect("task 0 belongs to matrix 0");
+        let (w, out) = (&mats[i], ptrs[i]);
+        let r0 = (task - first_task[i]) * chunk;
+        let r1 = (r0 + chunk).min(w.rows);
+        let rows = w.rows;
         // SAFETY: this task alone writes rows r0..r1 of matrix i, for every token; the
         // buffer length n * rows was asserted above.
         rows_for_all_tokens(w, r0..r1, x, level, |t, r, v| unsafe { *out.at(t * rows + r) = v });
     });
 }
+
+/// Most matrices one `matmul_many` call takes (q, k, v and a few more).
+const MAX_MATS: usize = 8;
 
 /// Dots of the weight rows `rows` with every token of `x`: put(token, row, value). Four
 /// tokens per pass over the rows, so each weight block is unpacked once for four tokens.
