@@ -347,19 +347,27 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
             }
             return;
         }
-        let mut k = 0;
-        while k < part.len() {
-            // a run of consecutive rows: part[k..e] = start..start + (e - k)
-            let start = part[k] as usize;
-            let mut e = k + 1;
-            while e < part.len() && part[e] as usize == start + (e - k) {
-                e += 1;
-            }
-            let base = k0 + k;
-            rows_for_all_tokens(w, start..start + (e - k), x, level, |t, r, v| put(t, base + r - start, v));
-            k = e;
+        for (k, rows) in runs(part) {
+            let (base, start) = (k0 + k, rows.start);
+            rows_for_all_tokens(w, rows, x, level, |t, r, v| put(t, base + r - start, v));
         }
     });
+}
+
+/// The runs of consecutive rows in a sorted selection: (k, rows) where sel[k..k + rows.len()]
+/// is rows.start..rows.end. A run is read as one stream the hardware prefetches.
+pub(crate) fn runs(sel: &[u32]) -> impl Iterator<Item = (usize, std::ops::Range<usize>)> + '_ {
+    let mut k = 0;
+    std::iter::from_fn(move || {
+        let start = *sel.get(k)? as usize;
+        let mut e = k + 1;
+        while e < sel.len() && sel[e] as usize == start + (e - k) {
+            e += 1;
+        }
+        let run = (k, start..start + (e - k));
+        k = e;
+        Some(run)
+    })
 }
 
 pub fn matmul(w: &QMatrix, x: &Activations, out: &mut [f32]) {

@@ -15,7 +15,7 @@
 
 use rayon::prelude::*;
 
-use crate::matmul::{dot_rows, matmul, matmul_many, simd_level, Activations, QMatrix, SimdLevel};
+use crate::matmul::{dot_rows, matmul, matmul_many, runs, simd_level, Activations, QMatrix, SimdLevel};
 use crate::model::FfnActivation;
 use crate::quant::{self, DType};
 
@@ -115,19 +115,12 @@ const GROUP: usize = 64;
 /// consecutive rows go to the kernel as one range (a plain stream the hardware prefetches);
 /// before each jump the next run's first rows are prefetched by hand.
 fn dot_selected(w: &QMatrix, sel: &[u32], x: &Activations, level: SimdLevel, out: &mut [f32]) {
-    let mut i = 0;
-    while i < sel.len() {
-        let start = sel[i] as usize;
-        let mut end = i + 1;
-        while end < sel.len() && sel[end] as usize == start + (end - i) {
-            end += 1;
-        }
-        if let Some(&next) = sel.get(end) {
+    for (k, rows) in runs(sel) {
+        if let Some(&next) = sel.get(k + rows.len()) {
             prefetch(w.row(next as usize));
         }
-        let base = i;
-        dot_rows(w, start..start + (end - i), x, [0], level, |r, d| out[base + r - start] = d[0]);
-        i = end;
+        let start = rows.start;
+        dot_rows(w, rows, x, [0], level, |r, d| out[k + r - start] = d[0]);
     }
 }
 
