@@ -217,10 +217,57 @@ pub struct Weights<'a> {
     pub output: QMatrix<'a>,                // (n_vocab, n_embd); token_embd when tied
 }
 
-/// Neuron-major down projections built from `ffn_down` for files that lack `ffn_down_t`.
-struct BuiltDownT {
+/// Input-major (transposed) copies of one kind of layer matrix, built on first use: for the
+/// down projection of files that lack `ffn_down_t`, and for the matrices input sparsity reads.
+struct Transposed {
     dtype: DType,
     layers: Vec<Option<Vec<u16>>>, // u16 storage keeps the f16 block scales aligned
+}
+
+/// The layer matrices input sparsity reads through an input-major copy (the down projection
+/// reads `down_t`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerMatrix {
+    Q = 0,
+    K = 1,
+    V = 2,
+    O = 3,
+    Gate = 4,
+    Up = 5,
+}
+
+impl LayerMatrix {
+    pub const ALL: [LayerMatrix; 6] = [LayerMatrix::Q, LayerMatrix::K, LayerMatrix::V, LayerMatrix::O, LayerMatrix::Gate, LayerMatrix::Up];
+
+    pub fn of<'a>(self, lw: &LayerWeights<'a>) -> Option<QMatrix<'a>> {
+        match self {
+            LayerMatrix::Q => Some(lw.wq),
+            LayerMatrix::K => Some(lw.wk),
+            LayerMatrix::V => Some(lw.wv),
+            LayerMatrix::O => Some(lw.wo),
+            LayerMatrix::Gate => lw.ffn_gate,
+            LayerMatrix::Up => Some(lw.ffn_up),
+        }
+    }
+}
+
+/// Matrices that read one input vector, so one score and one cut-off choose the inputs they
+/// all skip: q, k and v read the normed layer input; the output projection reads the attention
+/// output; gate and up read the normed FFN input; down reads the FFN activations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InputGroup {
+    Qkv = 0,
+    Out = 1,
+    FfnIn = 2,
+    Down = 3,
+}
+
+impl InputGroup {
+    pub const ALL: [InputGroup; 4] = [InputGroup::Qkv, InputGroup::Out, InputGroup::FfnIn, InputGroup::Down];
+
+    pub fn name(self) -> &'static str {
+        ["qkv", "attn_output", "ffn_gate_up", "ffn_down"][self as usize]
+    }
 }
 
 pub struct Model {
@@ -229,7 +276,12 @@ pub struct Model {
     // never moves (it is a kernel mapping, not inline data), so the borrow stays valid.
     pub weights: Weights<'static>,
     pub file: GgufFile,
-    built_down_t: OnceLock<BuiltDownT>,
+    built_down_t: OnceLock<Transposed>,
+    /// Input-major copies per `LayerMatrix`, built on first use by input sparsity.
+    built_input_major: [OnceLock<Transposed>; 6],
+    /// Per layer and `InputGroup`, the norm of each input's column across the group's
+    /// matrices: sqrt(sum over matrices W of |W[:, i]|^2), the weight of input i's score.
+    input_norms: OnceLock<Vec<[Vec<f32>; 4]>>,
     pool: rayon::ThreadPool,
 }
 
@@ -510,7 +562,7 @@ impl Model {
             .thread_name(|i| format!("powerinfer-{i}"))
             .build()
             .map_err(|e| Error::InvalidArgument(format!("cannot start {threads} threads: {e}")))?;
-        Ok(Model { config, weights, file, built_down_t: OnceLock::new(), pool })
+        Ok(Model { config, weights, file, built_down_t: OnceLock::new(), built_input_major: Default::default(), input_norms: OnceLock::new(), pool })
     }
 
     /// True when every layer has a predictor.
@@ -519,57 +571,123 @@ impl Model {
     }
 
     /// Layer `l`'s neuron-major down projection (n_ff, n_embd): the file's `ffn_down_t`, or a
-    /// transposed copy of `ffn_down` built for all layers on the first call. The copy keeps
-    /// float types as they are (F32, or F16 for F16/BF16) and stores quantized sources as Q8_0,
-    /// whose rounding is far below the source's 4-bit steps; it costs one pass over the weights.
+    /// transposed copy of `ffn_down` built for all layers on the first call (see `transpose`).
     pub fn down_t(&self, l: usize) -> QMatrix<'_> {
         if let Some(m) = self.weights.layers[l].ffn_down_t {
             return m;
         }
-        let built = self.built_down_t.get_or_init(|| self.build_down_t());
-        let data = built.layers[l].as_deref().expect("built for every layer without ffn_down_t");
-        // SAFETY: u16 to bytes, same memory, twice the length.
-        let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, data.len() * 2) };
-        QMatrix { dtype: built.dtype, rows: self.config.n_ff, cols: self.config.n_embd, data: bytes }
+        let built = self.built_down_t.get_or_init(|| {
+            self.transpose(|lw| match (lw.ffn_down_t, lw.ffn_down) {
+                (None, Some(d)) => Some(d),
+                _ => None,
+            })
+        });
+        Self::view(built, l, self.config.n_ff, self.config.n_embd)
     }
 
-    fn build_down_t(&self) -> BuiltDownT {
-        let c = &self.config;
-        let source = self.weights.layers.iter().find_map(|l| l.ffn_down).map(|m| m.dtype);
-        let dtype = match source {
+    /// Layer `l`'s matrix `m` input-major, (cols, rows) of the original: row i is what input i
+    /// adds to the output per unit. Built for all layers on the first call (see `transpose`);
+    /// None for a gate the layer does not have.
+    pub fn input_major(&self, l: usize, m: LayerMatrix) -> Option<QMatrix<'_>> {
+        let src = m.of(&self.weights.layers[l])?;
+        let built = self.built_input_major[m as usize].get_or_init(|| self.transpose(|lw| m.of(lw)));
+        Some(Self::view(built, l, src.cols, src.rows))
+    }
+
+    /// Layer `l`'s column norms of the matrices of group `g`, one per input (see `input_norms`).
+    pub fn input_norms(&self, l: usize, g: InputGroup) -> &[f32] {
+        &self.input_norms.get_or_init(|| self.build_input_norms())[l][g as usize]
+    }
+
+    fn view(built: &Transposed, l: usize, rows: usize, cols: usize) -> QMatrix<'_> {
+        let data = built.layers[l].as_deref().expect("built for every layer");
+        // SAFETY: u16 to bytes, same memory, twice the length.
+        let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, data.len() * 2) };
+        QMatrix { dtype: built.dtype, rows, cols, data: bytes }
+    }
+
+    /// Transposed copies of the matrix `pick` gives for each layer (None: no copy). The copy
+    /// keeps float types as they are (F32, or F16 for F16/BF16) and stores quantized sources as
+    /// Q8_0, whose rounding is far below a 4-bit source's steps; it costs one pass over the
+    /// weights, and memory: 1.7x the bytes of a 4-bit source (`InputGroup` byte accounting in
+    /// the session counts what reading it costs).
+    fn transpose(&self, pick: impl Fn(&LayerWeights<'static>) -> Option<QMatrix<'static>> + Sync) -> Transposed {
+        let source = self.weights.layers.iter().find_map(&pick);
+        let dtype = match source.map(|m| m.dtype) {
             Some(DType::F32) => DType::F32,
             Some(DType::F16 | DType::BF16) => DType::F16,
             _ => DType::Q8_0,
         };
         // Q8_0 rows need whole blocks; the loader only accepts quantized files whose widths
         // are multiples of 32, but a float file could have any width.
-        let dtype = if dtype == DType::Q8_0 && c.n_embd % quant::QK != 0 { DType::F32 } else { dtype };
-        let row_bytes = dtype.row_bytes(c.n_embd);
+        let out_width = source.map_or(0, |m| m.rows);
+        let dtype = if dtype == DType::Q8_0 && out_width % quant::QK != 0 { DType::F32 } else { dtype };
         let layers = self.install(|| {
             self.weights
                 .layers
                 .iter()
                 .map(|lw| {
-                    let down = match (lw.ffn_down_t, lw.ffn_down) {
-                        (None, Some(d)) => d,
-                        _ => return None,
-                    };
-                    // dequantize ffn_down (n_embd, n_ff) row by row, then write each column as a row
-                    let mut dense = vec![0.0f32; c.n_embd * c.n_ff];
-                    dense.par_chunks_mut(c.n_ff).enumerate().for_each(|(r, out)| down.dequantize_row(r, out));
-                    let mut out = vec![0u16; c.n_ff * row_bytes / 2];
+                    let m = pick(lw)?;
+                    let (rows, cols) = (m.rows, m.cols);
+                    let row_bytes = dtype.row_bytes(rows);
+                    // dequantize (rows, cols) row by row, then write each column as a row
+                    let mut dense = vec![0.0f32; rows * cols];
+                    dense.par_chunks_mut(cols).enumerate().for_each(|(r, out)| m.dequantize_row(r, out));
+                    let mut out = vec![0u16; (cols * row_bytes).div_ceil(2)];
                     // SAFETY: u16 storage viewed as bytes for the row writer.
-                    let out_bytes =
-                        unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, out.len() * 2) };
+                    let out_bytes = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, cols * row_bytes) };
                     out_bytes.par_chunks_mut(row_bytes).enumerate().for_each(|(j, row)| {
-                        let column: Vec<f32> = (0..c.n_embd).map(|i| dense[i * c.n_ff + j]).collect();
+                        let column: Vec<f32> = (0..rows).map(|i| dense[i * cols + j]).collect();
                         row.copy_from_slice(&quant::quantize_row(dtype, &column));
                     });
                     Some(out)
                 })
                 .collect()
         });
-        BuiltDownT { dtype, layers }
+        Transposed { dtype, layers }
+    }
+
+    fn build_input_norms(&self) -> Vec<[Vec<f32>; 4]> {
+        // sum over the matrices of |W[:, i]|^2, row by row of the original
+        let add_squares = |m: QMatrix, acc: &mut Vec<f32>| {
+            let mut row = vec![0.0f32; m.cols];
+            acc.resize(m.cols, 0.0);
+            for r in 0..m.rows {
+                m.dequantize_row(r, &mut row);
+                acc.iter_mut().zip(&row).for_each(|(a, w)| *a += w * w);
+            }
+        };
+        self.install(|| {
+            (0..self.config.n_layer)
+                .into_par_iter()
+                .map(|l| {
+                    let lw = &self.weights.layers[l];
+                    let mut groups: [Vec<f32>; 4] = Default::default();
+                    for m in [lw.wq, lw.wk, lw.wv] {
+                        add_squares(m, &mut groups[InputGroup::Qkv as usize]);
+                    }
+                    add_squares(lw.wo, &mut groups[InputGroup::Out as usize]);
+                    for m in lw.ffn_gate.iter().chain([&lw.ffn_up]) {
+                        add_squares(*m, &mut groups[InputGroup::FfnIn as usize]);
+                    }
+                    let d = &mut groups[InputGroup::Down as usize];
+                    match (lw.ffn_down, lw.ffn_down_t) {
+                        (Some(down), _) => add_squares(down, d),
+                        // neuron-major files: down's column j is down_t's row j
+                        (None, Some(dt)) => {
+                            let mut row = vec![0.0f32; dt.cols];
+                            d.extend((0..dt.rows).map(|j| {
+                                dt.dequantize_row(j, &mut row);
+                                row.iter().map(|w| w * w).sum::<f32>()
+                            }));
+                        }
+                        (None, None) => unreachable!("the loader requires one of ffn_down, ffn_down_t"),
+                    }
+                    groups.iter_mut().for_each(|g| g.iter_mut().for_each(|v| *v = v.sqrt()));
+                    groups
+                })
+                .collect()
+        })
     }
 
     pub fn n_threads(&self) -> usize {

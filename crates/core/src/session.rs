@@ -17,7 +17,7 @@ use rayon::prelude::*;
 use crate::attention::{attend_group, KvBuf, KvType};
 use crate::error::{Error, Result};
 use crate::matmul::{matmul, matmul_many, matmul_selected, Activations, QMatrix};
-use crate::model::{Config, Family, FfnActivation, LayerWeights, Model, RopeStyle, Weights, OPT_POSITION_OFFSET};
+use crate::model::{Config, Family, FfnActivation, InputGroup, LayerMatrix, LayerWeights, Model, RopeStyle, Weights, OPT_POSITION_OFFSET};
 use crate::sparse::{down_t_matmul, sparse_ffn, FfnMats, SparseScratch, DENSE_FRACTION};
 
 mod batch;
@@ -63,6 +63,11 @@ pub struct Sparsity {
     pub predictor_layer_thresholds: Vec<f32>,
     /// Threshold mode: per layer, the |act(gate)| a neuron must exceed to be computed.
     pub layer_thresholds: Vec<f32>,
+    /// Threshold mode, input sparsity (instead of `layer_thresholds`): per layer and
+    /// `InputGroup`, the score |x_i| * |W[:, i]| an input must exceed for the group's matrices
+    /// to read it (through their input-major copies); 0 reads every input with the row-major
+    /// kernels.
+    pub input_thresholds: Vec<[f32; 4]>,
     /// Predictor mode: also compute the true activations (a dense pass) to measure recall.
     pub track_recall: bool,
 }
@@ -74,8 +79,15 @@ impl Sparsity {
             predictor_threshold: 0.0,
             predictor_layer_thresholds: Vec::new(),
             layer_thresholds: Vec::new(),
+            input_thresholds: Vec::new(),
             track_recall: false,
         }
+    }
+
+    /// Layer `l`'s cut-off for input group `g`, when that group skips inputs.
+    fn input_cut(&self, l: usize, g: InputGroup) -> Option<f32> {
+        let t = self.input_thresholds.get(l)?[g as usize];
+        (self.mode == SparsityMode::Threshold && t > 0.0).then_some(t)
     }
 }
 
@@ -90,6 +102,11 @@ pub struct FfnStats {
     pub truly_active: u64,
     /// Of the truly active, those the predictor selected.
     pub truly_active_selected: u64,
+    /// Bytes of the layers' weight matrices a dense pass reads, summed over tokens.
+    pub weight_bytes: u64,
+    /// Of those, the bytes read (copies read for input sparsity count at their own size, so
+    /// this can exceed `weight_bytes`).
+    pub weight_bytes_read: u64,
 }
 
 /// Log-spaced histogram of |act(gate)| values for one layer, for threshold calibration.
@@ -134,6 +151,43 @@ impl MagnitudeHistogram {
             }
         }
         f32::MAX
+    }
+}
+
+/// Log-spaced histogram of input scores with each bin's sum of squares, for input sparsity:
+/// the cut-off skipping a share of the inputs, and the share of the scores' energy it drops.
+#[derive(Clone)]
+struct ScoreHistogram {
+    counts: MagnitudeHistogram,
+    energy: Vec<f64>, // per bin of `counts`, the sum of the squared scores
+}
+
+impl ScoreHistogram {
+    fn new() -> Self {
+        let counts = MagnitudeHistogram::new();
+        let energy = vec![0.0; counts.bins.len()];
+        ScoreHistogram { counts, energy }
+    }
+
+    fn add(&mut self, v: f32) {
+        let a = v.abs();
+        self.counts.add(a);
+        if a > 0.0 && a.is_finite() {
+            let i = ((a.log2() - MagnitudeHistogram::LOG2_MIN) * MagnitudeHistogram::PER_OCTAVE).max(0.0) as usize;
+            let last = self.energy.len() - 1;
+            self.energy[i.min(last)] += (a as f64) * (a as f64);
+        }
+    }
+
+    /// (cut-off, energy share below it): the cut-off at or below which `fraction` of the scores
+    /// fall (as `MagnitudeHistogram::quantile`), and the share of the sum of squared scores
+    /// those skipped inputs carry.
+    fn cut(&self, fraction: f64) -> (f32, f64) {
+        let cut = self.counts.quantile(fraction);
+        let total: f64 = self.energy.iter().sum();
+        let edge = |i: usize| ((i + 1) as f32 / MagnitudeHistogram::PER_OCTAVE + MagnitudeHistogram::LOG2_MIN).exp2();
+        let below: f64 = self.energy.iter().enumerate().take_while(|&(i, _)| edge(i) <= cut).map(|(_, e)| e).sum();
+        (cut, if total > 0.0 { below / total } else { 0.0 })
     }
 }
 
@@ -196,6 +250,161 @@ enum Calibration {
     GateMagnitudes(Vec<MagnitudeHistogram>),
     /// The predictor logits of the neurons that truly fired (predictor cut-offs).
     ActiveLogits(Vec<SignedHistogram>),
+    /// Per `InputGroup`, the scores |x_i| * |W[:, i]| of every input (input sparsity).
+    InputScores(Vec<[ScoreHistogram; 4]>),
+}
+
+/// Zeroes, in each row of x (rows of `norms.len()`), the values whose score |x_i| * norms[i] is
+/// at or below `cut`; returns how many values were kept over all rows.
+fn mask_below(x: &mut [f32], norms: &[f32], cut: f32) -> usize {
+    let mut kept = 0;
+    for row in x.chunks_exact_mut(norms.len()) {
+        for (v, &w) in row.iter_mut().zip(norms) {
+            if v.abs() * w > cut {
+                kept += 1;
+            } else {
+                *v = 0.0;
+            }
+        }
+    }
+    kept
+}
+
+/// Records the input scores |x_i| * |W[:, i]| of group `g` (rows of x) while calibrating input
+/// sparsity.
+fn record_scores(cal: &mut Option<Calibration>, l: usize, g: InputGroup, x: &[f32], model: &Model) {
+    if let Some(Calibration::InputScores(hists)) = cal {
+        let norms = model.input_norms(l, g);
+        for row in x.chunks_exact(norms.len()) {
+            row.iter().zip(norms).for_each(|(v, w)| hists[l][g as usize].add(v.abs() * w));
+        }
+    }
+}
+
+/// outs[k] (n, rows of matrix k) = x (n, cols) @ W_k^T for the matrices `mats` of layer `l`,
+/// which share the input x. With a cut-off for their `group`, a token's inputs whose score
+/// |x_i| * |W[:, i]| is at or below it are skipped: the products read only the kept inputs'
+/// rows of the input-major copies. Without one, every input, through the row-major kernels.
+/// Counts the weight bytes per token a dense pass reads and the bytes read.
+#[allow(clippy::too_many_arguments)]
+fn project(
+    model: &Model,
+    l: usize,
+    group: InputGroup,
+    cut: Option<f32>,
+    mats: &[LayerMatrix],
+    x: &[f32],
+    n: usize,
+    acts: &mut Activations,
+    masked: &mut Vec<f32>,
+    sparse: &mut SparseScratch,
+    outs: &mut [&mut [f32]],
+    stats: &mut FfnStats,
+) {
+    let lw = &model.weights.layers[l];
+    let mut row_major = [lw.wq; 3];
+    for (k, m) in mats.iter().enumerate() {
+        row_major[k] = m.of(lw).expect("the caller only names matrices the layer has");
+    }
+    let row_major = &row_major[..mats.len()];
+    let dense_bytes: usize = row_major.iter().map(|m| m.data.len()).sum();
+    stats.weight_bytes += (n * dense_bytes) as u64;
+    match cut {
+        None => {
+            acts.set(x, n, x.len() / n);
+            matmul_many(row_major, acts, outs);
+            stats.weight_bytes_read += (n * dense_bytes) as u64;
+        }
+        Some(cut) => {
+            masked.clear();
+            masked.extend_from_slice(x);
+            let kept = mask_below(masked, model.input_norms(l, group), cut);
+            for (m, out) in mats.iter().zip(outs.iter_mut()) {
+                let copy = model.input_major(l, *m).expect("as above");
+                stats.weight_bytes_read += (kept * copy.row_bytes()) as u64;
+                down_t_matmul(&copy, masked, n, out, sparse);
+            }
+        }
+    }
+}
+
+/// Times one token's products of input group `g` of layer `l`, dense (row-major kernels) and
+/// reading `1 - skip` of the inputs through the input-major copies, on a pseudo-random input
+/// cut at its own `skip` quantile of scores: (dense seconds, sparse seconds, bytes dense,
+/// bytes sparse) per product, the medians of `reps` alternating runs. Calibration uses it to
+/// keep input sparsity off matrices where it is not faster on this machine.
+pub fn time_input_sparsity(model: &Model, l: usize, g: InputGroup, skip: f64, reps: usize) -> Result<(f64, f64, u64, u64)> {
+    let c = &model.config;
+    if l >= c.n_layer || !(0.0..1.0).contains(&skip) || reps == 0 {
+        return Err(Error::InvalidArgument(format!("bad layer {l}, skip share {skip} or repetitions {reps}")));
+    }
+    let lw = &model.weights.layers[l];
+    let mats: &[LayerMatrix] = match g {
+        InputGroup::Qkv => &[LayerMatrix::Q, LayerMatrix::K, LayerMatrix::V],
+        InputGroup::Out => &[LayerMatrix::O],
+        InputGroup::FfnIn if lw.ffn_gate.is_some() => &[LayerMatrix::Gate, LayerMatrix::Up],
+        InputGroup::FfnIn => &[LayerMatrix::Up],
+        InputGroup::Down => &[],
+    };
+    let norms = model.input_norms(l, g);
+    let n_in = norms.len();
+    // a deterministic input with a spread of magnitudes
+    let x: Vec<f32> = (0..n_in).map(|i| ((i as f32 * 0.618_034).fract() - 0.5) * (1.0 + (i % 7) as f32)).collect();
+    let mut scores: Vec<f32> = x.iter().zip(norms).map(|(v, w)| v.abs() * w).collect();
+    scores.sort_by(f32::total_cmp);
+    let k = ((skip * n_in as f64) as usize).min(n_in - 1);
+    let cut = if k == 0 { None } else { Some(scores[k - 1]) };
+    let outs_len: Vec<usize> = match g {
+        InputGroup::Down => vec![c.n_embd],
+        _ => mats.iter().map(|m| m.of(lw).expect("listed above").rows).collect(),
+    };
+    let mut bufs: Vec<Vec<f32>> = outs_len.iter().map(|&n| vec![0.0; n]).collect();
+    let (mut acts, mut masked, mut sparse) = (Activations::default(), Vec::new(), SparseScratch::default());
+    let mut run = |cut: Option<f32>, stats: &mut FfnStats| {
+        let mut outs: Vec<&mut [f32]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+        match g {
+            InputGroup::Down => {
+                let down_t = model.down_t(l);
+                let down_bytes = lw.ffn_down.map_or(down_t.data.len(), |d| d.data.len());
+                stats.weight_bytes += down_bytes as u64;
+                match (cut, lw.ffn_down) {
+                    (None, Some(down)) => {
+                        acts.set(&x, 1, n_in);
+                        matmul(&down, &acts, outs[0]);
+                        stats.weight_bytes_read += down_bytes as u64;
+                    }
+                    (cut, _) => {
+                        masked.clear();
+                        masked.extend_from_slice(&x);
+                        let kept = cut.map_or(n_in, |cut| mask_below(&mut masked, norms, cut));
+                        stats.weight_bytes_read += (kept * down_t.row_bytes()) as u64;
+                        down_t_matmul(&down_t, &masked, 1, outs[0], &mut sparse);
+                    }
+                }
+            }
+            _ => project(model, l, g, cut, mats, &x, 1, &mut acts, &mut masked, &mut sparse, &mut outs, stats),
+        }
+    };
+    let (mut dense_t, mut sparse_t) = (Vec::with_capacity(reps), Vec::with_capacity(reps));
+    let (mut dense_st, mut sparse_st) = (FfnStats::default(), FfnStats::default());
+    model.install(|| {
+        // the first runs build the copies, bring the weights in and count the bytes
+        run(None, &mut dense_st);
+        run(cut, &mut sparse_st);
+        for _ in 0..reps {
+            let t = std::time::Instant::now();
+            run(None, &mut FfnStats::default());
+            dense_t.push(t.elapsed().as_secs_f64());
+            let t = std::time::Instant::now();
+            run(cut, &mut FfnStats::default());
+            sparse_t.push(t.elapsed().as_secs_f64());
+        }
+    });
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    Ok((median(&mut dense_t), median(&mut sparse_t), dense_st.weight_bytes_read, sparse_st.weight_bytes_read))
 }
 
 pub struct Session {
@@ -250,6 +459,7 @@ struct Scratch {
     sel_up: Vec<f32>,   // (n, selected) up values of the union's rows in sparse prefill
     pred_hidden: Vec<f32>, // (n, predictor hidden)
     pred_logits: Vec<f32>, // (n, n_ff)
+    masked: Vec<f32>,   // (n, inputs) a projection's input with the skipped inputs zeroed
     acts: Activations,
     pred_acts: Activations,
     sparse: SparseScratch,
@@ -439,6 +649,32 @@ impl Session {
                     return Err(Error::InvalidArgument(format!("layer {l} predictor threshold must be finite, got {t}")));
                 }
             }
+            SparsityMode::Threshold if !sp.input_thresholds.is_empty() => {
+                if sp.input_thresholds.len() != c.n_layer || !sp.layer_thresholds.is_empty() {
+                    return Err(Error::InvalidArgument(format!(
+                        "input sparsity needs {} per-layer cut-off sets and no neuron thresholds, got {} and {}",
+                        c.n_layer,
+                        sp.input_thresholds.len(),
+                        sp.layer_thresholds.len()
+                    )));
+                }
+                let bad = sp.input_thresholds.iter().enumerate().find_map(|(l, t)| t.iter().find(|v| !(v.is_finite() && **v >= 0.0)).map(|v| (l, *v)));
+                if let Some((l, t)) = bad {
+                    return Err(Error::InvalidArgument(format!("layer {l} input cut-off must be finite and >= 0, got {t}")));
+                }
+                // the input-major copies the cut-offs will read, built now (once per model)
+                for (l, t) in sp.input_thresholds.iter().enumerate() {
+                    let groups = [(InputGroup::Qkv, &[LayerMatrix::Q, LayerMatrix::K, LayerMatrix::V][..]), (InputGroup::Out, &[LayerMatrix::O]), (InputGroup::FfnIn, &[LayerMatrix::Gate, LayerMatrix::Up])];
+                    for (g, mats) in groups {
+                        if t[g as usize] > 0.0 {
+                            mats.iter().for_each(|&m| {
+                                model.input_major(l, m);
+                            });
+                        }
+                    }
+                    model.input_norms(l, InputGroup::Qkv);
+                }
+            }
             SparsityMode::Threshold => {
                 if sp.layer_thresholds.len() != c.n_layer {
                     return Err(Error::InvalidArgument(format!(
@@ -493,7 +729,7 @@ impl Session {
         let hists = vec![MagnitudeHistogram::new(); self.model.config.n_layer];
         match self.record_windows(tokens, window, Sparsity::dense(), Calibration::GateMagnitudes(hists))? {
             Calibration::GateMagnitudes(hists) => Ok(targets.iter().map(|&t| hists.iter().map(|h| h.quantile(t)).collect()).collect()),
-            Calibration::ActiveLogits(_) => unreachable!("recorded what was asked"),
+            _ => unreachable!("recorded what was asked"),
         }
     }
 
@@ -513,7 +749,25 @@ impl Session {
         let hists = vec![SignedHistogram::new(); self.model.config.n_layer];
         match self.record_windows(tokens, window, all, Calibration::ActiveLogits(hists))? {
             Calibration::ActiveLogits(hists) => Ok(recalls.iter().map(|&r| hists.iter().map(|h| h.lower_cut(1.0 - r)).collect()).collect()),
-            Calibration::GateMagnitudes(_) => unreachable!("recorded what was asked"),
+            _ => unreachable!("recorded what was asked"),
+        }
+    }
+
+    /// Runs `tokens` densely (windows as in `calibrate`) and returns, for each share in `levels`,
+    /// per layer and `InputGroup`, the (cut-off, energy share) pair of input sparsity: the score
+    /// |x_i| * |W[:, i]| at or below which that share of the group's inputs fall, and the share
+    /// of the sum of squared scores those inputs carry (how much of the output the skipped
+    /// inputs would have made, were the columns orthogonal).
+    pub fn calibrate_inputs(&mut self, tokens: &[u32], window: usize, levels: &[f64]) -> Result<Vec<Vec<[(f32, f64); 4]>>> {
+        if let Some(t) = levels.iter().find(|t| !(0.0..1.0).contains(*t)) {
+            return Err(Error::InvalidArgument(format!("input sparsity level must be in [0, 1), got {t}")));
+        }
+        let hists = vec![[(); 4].map(|_| ScoreHistogram::new()); self.model.config.n_layer];
+        match self.record_windows(tokens, window, Sparsity::dense(), Calibration::InputScores(hists))? {
+            Calibration::InputScores(hists) => {
+                Ok(levels.iter().map(|&t| hists.iter().map(|h| [0, 1, 2, 3].map(|g| h[g].cut(t))).collect()).collect())
+            }
+            _ => unreachable!("recorded what was asked"),
         }
     }
 
@@ -635,6 +889,8 @@ impl Session {
         self.stats.skipped += more.skipped;
         self.stats.truly_active += more.truly_active;
         self.stats.truly_active_selected += more.truly_active_selected;
+        self.stats.weight_bytes += more.weight_bytes;
+        self.stats.weight_bytes_read += more.weight_bytes_read;
     }
 
     /// One transformer block over the batch in s.x (n, n_embd) at positions pos0..pos0+n.
@@ -685,8 +941,12 @@ impl Session {
         let s = &mut self.s;
 
         // qkv matmuls for these positions: q (n, q_dim), k and v (n, kv_dim), plus biases
-        s.acts.set(&s.xb, n, c.n_embd);
-        matmul_many(&[lw.wq, lw.wk, lw.wv], &s.acts, &mut [&mut s.q, &mut s.k, &mut s.v]);
+        let model = &*self.model;
+        let cut = self.sparsity.input_cut(l, InputGroup::Qkv);
+        record_scores(&mut self.calibration, l, InputGroup::Qkv, &s.xb[..n * c.n_embd], model);
+        let qkv = [LayerMatrix::Q, LayerMatrix::K, LayerMatrix::V];
+        let outs: &mut [&mut [f32]] = &mut [&mut s.q, &mut s.k, &mut s.v];
+        project(model, l, InputGroup::Qkv, cut, &qkv, &s.xb[..n * c.n_embd], n, &mut s.acts, &mut s.masked, &mut s.sparse, outs, &mut self.stats);
         add_bias(&mut s.q, lw.bq.as_deref());
         add_bias(&mut s.k, lw.bk.as_deref());
         add_bias(&mut s.v, lw.bv.as_deref());
@@ -715,14 +975,19 @@ impl Session {
         });
 
         // output projection (+ bias)
-        s.acts.set(&s.att, n, q_dim);
-        matmul(&lw.wo, &s.acts, &mut s.attn_out);
+        let cut = self.sparsity.input_cut(l, InputGroup::Out);
+        record_scores(&mut self.calibration, l, InputGroup::Out, &s.att[..n * q_dim], model);
+        let outs: &mut [&mut [f32]] = &mut [&mut s.attn_out];
+        project(model, l, InputGroup::Out, cut, &[LayerMatrix::O], &s.att[..n * q_dim], n, &mut s.acts, &mut s.masked, &mut s.sparse, outs, &mut self.stats);
         add_bias(&mut s.attn_out, lw.bo.as_deref());
     }
 
     /// FFN block of layer `l`: reads the normed input s.xb (n, n_embd) and, for the predictor,
     /// the residual stream s.x; writes s.ffn_out (n, n_embd).
     fn ffn(&mut self, l: usize, lw: &LayerWeights, n: usize) {
+        if self.sparsity.mode == SparsityMode::Threshold && !self.sparsity.input_thresholds.is_empty() {
+            return self.ffn_inputs(l, lw, n);
+        }
         let model = &*self.model;
         let c = &model.config;
         let (dim, n_ff, act) = (c.n_embd, c.n_ff, c.ffn_activation);
@@ -763,6 +1028,20 @@ impl Session {
         let selected = if mode == SparsityMode::Dense { n * n_ff } else { s.keep.iter().filter(|&&k| k).count() };
         self.stats.neurons += (n * n_ff) as u64;
         self.stats.skipped += (n * n_ff - selected) as u64;
+        // weight bytes: a sparse mode reads the selected neurons' gate rows (all of them when
+        // the threshold needs the dense gate), up rows and neuron-major down rows (at most:
+        // a ReLU gate at or below zero spares the up and down rows too)
+        let down_t = model.down_t(l);
+        let down_bytes = lw.ffn_down.map_or(down_t.data.len(), |d| d.data.len());
+        let gate_bytes = lw.ffn_gate.map_or(0, |g| g.data.len());
+        self.stats.weight_bytes += (n * (gate_bytes + lw.ffn_up.data.len() + down_bytes)) as u64;
+        self.stats.weight_bytes_read += match mode {
+            SparsityMode::Dense => n * (gate_bytes + lw.ffn_up.data.len() + down_bytes),
+            _ => {
+                let gate_read = if gate_ready { n * gate_bytes } else { selected * lw.ffn_gate.map_or(0, |g| g.row_bytes()) };
+                gate_read + selected * (lw.ffn_up.row_bytes() + down_t.row_bytes())
+            }
+        } as u64;
         let track_recall = sp.track_recall && mode == SparsityMode::Predictor;
 
         let recording = self.calibration.is_some() || self.capture.is_some();
@@ -806,7 +1085,9 @@ impl Session {
                     cap.scores[l].extend(s.gate.iter().map(|&g| act.gate_part(g).abs()));
                 }
             }
+            record_scores(&mut self.calibration, l, InputGroup::FfnIn, &s.xb[..n * dim], model);
             Self::activate(lw, act, &mut s.gate, &s.up);
+            record_scores(&mut self.calibration, l, InputGroup::Down, &s.gate[..n * n_ff], model);
             if let Some(Calibration::ActiveLogits(hists)) = &mut self.calibration {
                 // (every neuron is selected while calibrating, so nothing is zeroed below)
                 s.gate.iter().zip(&s.pred_logits).filter(|(&h, _)| h != 0.0).for_each(|(_, &z)| hists[l].add(z));
@@ -835,6 +1116,57 @@ impl Session {
                     matmul(down, &s.acts, &mut s.ffn_out);
                 }
                 None => down_t_matmul(&model.down_t(l), &s.gate, n, &mut s.ffn_out, &mut s.sparse),
+            }
+        }
+        add_bias(&mut s.ffn_out, lw.ffn_down_b.as_deref());
+    }
+
+    /// Threshold mode with input sparsity: the FFN of s.xb (n, n_embd) into s.ffn_out (n,
+    /// n_embd). Gate and up read only the inputs above the layer's `FfnIn` cut-off; down reads
+    /// only the activations above its `Down` cut-off (the neuron-major rows of `down_t`).
+    fn ffn_inputs(&mut self, l: usize, lw: &LayerWeights, n: usize) {
+        let model = &*self.model;
+        let (dim, n_ff, act) = (model.config.n_embd, model.config.n_ff, model.config.ffn_activation);
+        let sp = &self.sparsity;
+        let s = &mut self.s;
+        s.gate.resize(n * n_ff, 0.0);
+        s.up.resize(n * n_ff, 0.0);
+
+        // gate and up (n, n_ff) each; gateless FFNs: up + bias in s.gate
+        let cut = sp.input_cut(l, InputGroup::FfnIn);
+        let x = &s.xb[..n * dim];
+        match lw.ffn_gate {
+            Some(_) => {
+                let outs: &mut [&mut [f32]] = &mut [&mut s.gate, &mut s.up];
+                project(model, l, InputGroup::FfnIn, cut, &[LayerMatrix::Gate, LayerMatrix::Up], x, n, &mut s.acts, &mut s.masked, &mut s.sparse, outs, &mut self.stats);
+                add_bias(&mut s.up, lw.ffn_up_b.as_deref());
+            }
+            None => {
+                let outs: &mut [&mut [f32]] = &mut [&mut s.gate];
+                project(model, l, InputGroup::FfnIn, cut, &[LayerMatrix::Up], x, n, &mut s.acts, &mut s.masked, &mut s.sparse, outs, &mut self.stats);
+                add_bias(&mut s.gate, lw.ffn_up_b.as_deref());
+            }
+        }
+        // h = act(gate, up) (n, n_ff) in s.gate
+        Self::activate(lw, act, &mut s.gate, &s.up);
+        let h = &mut s.gate[..n * n_ff];
+
+        // down (n, n_embd): only the neurons whose |h_j| * |down[:, j]| exceeds the cut-off
+        let down_t = model.down_t(l);
+        let down_bytes = lw.ffn_down.map_or(down_t.data.len(), |d| d.data.len());
+        self.stats.neurons += (n * n_ff) as u64;
+        self.stats.weight_bytes += (n * down_bytes) as u64;
+        match (sp.input_cut(l, InputGroup::Down), lw.ffn_down) {
+            (None, Some(down)) => {
+                s.acts.set(h, n, n_ff);
+                matmul(&down, &s.acts, &mut s.ffn_out);
+                self.stats.weight_bytes_read += (n * down_bytes) as u64;
+            }
+            (cut, _) => {
+                let kept = cut.map_or(n * n_ff, |cut| mask_below(h, model.input_norms(l, InputGroup::Down), cut));
+                self.stats.skipped += (n * n_ff - kept) as u64;
+                self.stats.weight_bytes_read += (kept * down_t.row_bytes()) as u64;
+                down_t_matmul(&down_t, h, n, &mut s.ffn_out, &mut s.sparse);
             }
         }
         add_bias(&mut s.ffn_out, lw.ffn_down_b.as_deref());

@@ -281,7 +281,8 @@ impl OutPtr {
 }
 
 /// The down projection of a batch from the neuron-major matrix: out (n, n_embd) =
-/// h (n, n_ff) @ down_t (n_ff, n_embd). Neurons that are zero for every token are skipped; each
+/// h (n, n_ff) @ down_t (n_ff, n_embd). (Any product read through an input-major copy has this
+/// shape: input sparsity uses it for every matrix.) Neurons that are zero for every token are skipped; each
 /// task owns a range of output columns for all tokens, dequantizing each needed slice of
 /// `down_t` once and reusing it for every token.
 pub fn down_t_matmul(down_t: &QMatrix, h: &[f32], n: usize, out: &mut [f32], scratch: &mut SparseScratch) {
@@ -310,6 +311,26 @@ pub fn down_t_matmul(down_t: &QMatrix, h: &[f32], n: usize, out: &mut [f32], scr
     let (ht, nz) = (&scratch.ht, &scratch.nz);
     let level = simd_level();
     let optr = OutPtr(out.as_mut_ptr());
+    if n == 1 {
+        // one token: each kept row's slice goes to the axpy kernels as it is stored, four
+        // rows per pass over the task's columns
+        (0..n_tasks).into_par_iter().for_each(|task| {
+            let c0 = task * width;
+            let c1 = (c0 + width).min(n_embd);
+            let (b0, b1) = (down_t.dtype.row_bytes(c0), down_t.dtype.row_bytes(c1));
+            // SAFETY: this task alone writes columns c0..c1, and out.len() == n_embd.
+            let y = unsafe { std::slice::from_raw_parts_mut(optr.at(c0), c1 - c0) };
+            let slice = |j: u32| &down_t.row(j as usize)[b0..b1];
+            let mut quads = nz.chunks_exact(4);
+            for q in &mut quads {
+                axpy4(level, down_t.dtype, [0, 1, 2, 3].map(|k| slice(q[k])), [0, 1, 2, 3].map(|k| ht[q[k] as usize]), y);
+            }
+            for &j in quads.remainder() {
+                axpy(level, down_t.dtype, slice(j), ht[j as usize], y);
+            }
+        });
+        return;
+    }
     (0..n_tasks).into_par_iter().for_each(|task| {
         let c0 = task * width;
         let c1 = (c0 + width).min(n_embd);

@@ -10,7 +10,8 @@ use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use powerinfer_core::attention::KvType;
 use powerinfer_core::gguf::{GgufFile as CoreGguf, Magic, Value};
 use powerinfer_core::gpu_index::GpuIndex;
-use powerinfer_core::session::{Sparsity, SparsityMode};
+use powerinfer_core::model::InputGroup;
+use powerinfer_core::session::{time_input_sparsity, Sparsity, SparsityMode};
 use powerinfer_core::{Error, Model, Sampler, SamplingParams, Session};
 use powerinfer_cuda::gpu::Gpu;
 use powerinfer_cuda::hybrid::{GpuPlan, HybridModel, HybridSession};
@@ -199,6 +200,14 @@ impl PyModel {
         d.set_item("predictor_hidden", hidden)?;
         d.set_item("has_down_t", self.inner.weights.layers.iter().all(|l| l.ffn_down_t.is_some()))?;
         Ok(d)
+    }
+
+    /// Times one token's products of input group `group` (0 qkv, 1 attn_output, 2 ffn_gate_up,
+    /// 3 ffn_down) of `layer`, dense and skipping the share `skip` of the inputs:
+    /// (dense seconds, sparse seconds, dense bytes, sparse bytes), medians of `reps` runs.
+    fn time_input_sparsity(&self, py: Python<'_>, layer: usize, group: usize, skip: f64, reps: usize) -> PyResult<(f64, f64, u64, u64)> {
+        let g = *InputGroup::ALL.get(group).ok_or_else(|| PyValueError::new_err(format!("input group must be 0..4, got {group}")))?;
+        compute(py, || time_input_sparsity(&self.inner, layer, g, skip, reps))
     }
 
     fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -437,8 +446,10 @@ impl PySession {
     /// Chooses how the FFNs are computed: `mode` is "dense", "predictor" or "threshold";
     /// `predictor_threshold` is the predictor logit cut-off (`predictor_layer_thresholds`, one
     /// per layer, replaces it); `layer_thresholds` (one per layer) the |act(gate)| cut-offs of
-    /// threshold mode; `track_recall` adds a dense pass in predictor mode to measure recall.
-    #[pyo3(signature = (mode, predictor_threshold = 0.0, layer_thresholds = None, track_recall = false, predictor_layer_thresholds = None))]
+    /// threshold mode; `input_thresholds` (one [qkv, attn_output, ffn_gate_up, ffn_down] set of
+    /// score cut-offs per layer, 0 for none) switch threshold mode to input sparsity instead;
+    /// `track_recall` adds a dense pass in predictor mode to measure recall.
+    #[pyo3(signature = (mode, predictor_threshold = 0.0, layer_thresholds = None, track_recall = false, predictor_layer_thresholds = None, input_thresholds = None))]
     fn set_sparsity(
         &self,
         py: Python<'_>,
@@ -447,6 +458,7 @@ impl PySession {
         layer_thresholds: Option<Vec<f32>>,
         track_recall: bool,
         predictor_layer_thresholds: Option<Vec<f32>>,
+        input_thresholds: Option<Vec<[f32; 4]>>,
     ) -> PyResult<()> {
         let mode = SparsityMode::parse(mode).map_err(to_py)?;
         let sp = Sparsity {
@@ -454,6 +466,7 @@ impl PySession {
             predictor_threshold,
             predictor_layer_thresholds: predictor_layer_thresholds.unwrap_or_default(),
             layer_thresholds: layer_thresholds.unwrap_or_default(),
+            input_thresholds: input_thresholds.unwrap_or_default(),
             track_recall,
         };
         compute(py, || lock_core(&self.inner)?.set_sparsity(sp))
@@ -466,7 +479,8 @@ impl PySession {
     }
 
     /// FFN counters since the last call (then reset): neurons, skipped, truly_active,
-    /// truly_active_selected.
+    /// truly_active_selected, weight_bytes (what a dense pass reads of the layers' weight
+    /// matrices) and weight_bytes_read.
     fn take_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let st = lock(&self.inner)?.cpu().take_stats();
         let d = PyDict::new(py);
@@ -474,6 +488,8 @@ impl PySession {
         d.set_item("skipped", st.skipped)?;
         d.set_item("truly_active", st.truly_active)?;
         d.set_item("truly_active_selected", st.truly_active_selected)?;
+        d.set_item("weight_bytes", st.weight_bytes)?;
+        d.set_item("weight_bytes_read", st.weight_bytes_read)?;
         Ok(d)
     }
 
@@ -487,6 +503,13 @@ impl PySession {
     /// cut-offs that keep that fraction of the truly firing neurons. Leaves the session empty.
     fn calibrate_predictor(&self, py: Python<'_>, tokens: Vec<u32>, window: usize, recalls: Vec<f64>) -> PyResult<Vec<Vec<f32>>> {
         compute(py, || lock_core(&self.inner)?.cpu_only("calibration")?.calibrate_predictor(&tokens, window, &recalls))
+    }
+
+    /// Runs `tokens` densely in windows and returns, per input sparsity level, per layer, for
+    /// each input group (qkv, attn_output, ffn_gate_up, ffn_down) the (score cut-off, share of
+    /// the squared scores below it) pair. Leaves the session empty.
+    fn calibrate_inputs(&self, py: Python<'_>, tokens: Vec<u32>, window: usize, levels: Vec<f64>) -> PyResult<Vec<Vec<[(f32, f64); 4]>>> {
+        compute(py, || lock_core(&self.inner)?.cpu_only("calibration")?.calibrate_inputs(&tokens, window, &levels))
     }
 
     /// Starts (True) or stops (False) recording, for every evaluated token, each layer's FFN

@@ -40,6 +40,10 @@ pub fn decode_batch(sessions: &mut [&mut Session], tokens: &[u32]) -> Result<Vec
             return Err(Error::InvalidArgument(format!("session {i} is calibrating or capturing; evaluate it alone")));
         }
     }
+    // input sparsity reads other copies of the weights per row: such sessions run one by one
+    if sessions.iter().any(|se| se.sparsity.mode == SparsityMode::Threshold && !se.sparsity.input_thresholds.is_empty()) {
+        return sessions.iter_mut().zip(tokens).map(|(se, &tok)| se.eval(&[tok], false)).collect();
+    }
     let logits = model.install(|| forward(sessions, tokens));
     for (se, &tok) in sessions.iter_mut().zip(tokens) {
         se.tokens.push(tok);
@@ -154,6 +158,11 @@ fn attention(sessions: &mut [&mut Session], s: &mut Scratch, l: usize, lw: &Laye
     s.acts.set(&s.att, n, q_dim);
     matmul(&lw.wo, &s.acts, &mut s.attn_out);
     add_bias(&mut s.attn_out, lw.bo.as_deref());
+    let bytes = [lw.wq, lw.wk, lw.wv, lw.wo].iter().map(|m| m.data.len() as u64).sum::<u64>();
+    for se in sessions.iter_mut() {
+        se.stats.weight_bytes += bytes;
+        se.stats.weight_bytes_read += bytes;
+    }
 }
 
 /// FFN of layer `l`: reads s.xb (and s.x for predictors), writes s.ffn_out (n, n_embd). Dense
@@ -175,8 +184,11 @@ fn ffn(sessions: &mut [&mut Session], s: &mut Scratch, l: usize, lw: &LayerWeigh
             s.acts.set(&s.gate, n, n_ff);
             matmul(down, &s.acts, &mut s.ffn_out);
             add_bias(&mut s.ffn_out, lw.ffn_down_b.as_deref());
+            let bytes = lw.ffn_gate.iter().chain([&lw.ffn_up, down]).map(|m| m.data.len() as u64).sum::<u64>();
             for se in sessions.iter_mut() {
                 se.stats.neurons += n_ff as u64;
+                se.stats.weight_bytes += bytes;
+                se.stats.weight_bytes_read += bytes;
             }
         }
         _ => {
