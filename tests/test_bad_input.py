@@ -183,6 +183,21 @@ def test_invalid_load_arguments(model_path):
         _core.Session(_core.Model(model_path, 1), 8, "bf16")
 
 
+@pytest.mark.parametrize("value", [float("nan"), 0, 0.0, -0.1, 1.5, float("inf"), True, "0.02", None])
+def test_invalid_max_ppl_increase(model_path, value):
+    if value is None:  # the budget is for threshold mode only
+        with pytest.raises(ValueError, match="max_ppl_increase .*needs sparsity='threshold'"):
+            Engine.load(model_path, sparsity="dense", max_ppl_increase=0.02)
+        return
+    with pytest.raises(ValueError, match=r"max_ppl_increase must be a number in \(0, 1\]"):
+        Engine.load(model_path, sparsity="threshold", max_ppl_increase=value)
+
+
+def test_perplexity_budget_needs_enough_calibration_text(model_path):
+    with pytest.raises(ValueError, match="calibration text has only .* tokens"):
+        Engine.load(model_path, max_ppl_increase=0.02, calibration_text="a short text")
+
+
 def test_sampler_rejects_bad_values_from_rust():
     with pytest.raises(ValueError, match="top_p"):
         _core.Sampler(top_p=2.0)

@@ -77,6 +77,9 @@ class Engine:
         self.predictor_layer_thresholds: list[float] | None = None
         self.predictor_recall = False
         self.predictor_recall_target: float | None = None
+        self.max_ppl_increase: float | None = None
+        self.input_thresholds: list[list[float]] | None = None
+        self.input_sparsity: dict | None = None  # the calibration's report, with max_ppl_increase
         self.device = "cpu"
         self.placement = None  # GpuPlacement when on the GPU
         self._gpu_model = None
@@ -94,6 +97,7 @@ class Engine:
         calibration_text: str | None = None,
         predictor_recall: bool = False,
         predictor_recall_target: float | None = None,
+        max_ppl_increase: float | None = None,
         device: str = "auto",
         vram_budget: str | int | None = None,
         profile: str | os.PathLike | None = None,
@@ -119,6 +123,15 @@ class Engine:
         `calibration_text` (or the built-in sample), once, cached beside the model; giving a
         target calibrates files with per-layer cut-offs too. `predictor_recall` also runs the FFN
         densely to report in `last_stats` how many truly active neurons the predictor caught.
+
+        `max_ppl_increase` (threshold mode; implies it when `sparsity` is not given) replaces the
+        neuron rule by input sparsity within a quality budget: every layer matrix skips the
+        inputs whose |x_i| * |W[:, i]| is small, per layer and matrix group as much as keeps the
+        perplexity of `calibration_text` (or the built-in sample) within 1 + max_ppl_increase
+        of dense, and only where the sparse kernel is faster than the dense one on this machine
+        (timed during calibration). Calibrated once, cached beside the model;
+        `engine.input_sparsity` reports the result and `last_stats["weight_bytes_skipped"]`
+        the share of layer weight bytes not read.
 
         `device`: "auto" (the GPU when a CUDA driver and device are there and the model can run
         on it, else the CPU with a one-line notice), "cpu", or "cuda" (raises
@@ -156,7 +169,9 @@ class Engine:
             if budget <= 0:
                 raise ValueError(f"vram_budget must be positive, got {vram_budget!r}")
         engine = cls(model, tokenizer, path, n_ctx, kv_type)
-        engine.set_sparsity(sparsity, target_sparsity, sparse_threshold, calibration_text, predictor_recall, predictor_recall_target)
+        engine.set_sparsity(
+            sparsity, target_sparsity, sparse_threshold, calibration_text, predictor_recall, predictor_recall_target, max_ppl_increase
+        )
         if device != "cpu":
             engine._place_on_gpu(device, vram_budget, profile, gpu_layers)
         return engine
@@ -221,9 +236,23 @@ class Engine:
         calibration_text: str | None = None,
         predictor_recall: bool = False,
         predictor_recall_target: float | None = None,
+        max_ppl_increase: float | None = None,
     ) -> None:
         """Changes the FFN mode of later calls; arguments as in `Engine.load`."""
         has_pred = self.config["has_predictors"]
+        if max_ppl_increase is not None:
+            if (
+                isinstance(max_ppl_increase, bool)
+                or not isinstance(max_ppl_increase, (int, float))
+                or not (0.0 < max_ppl_increase <= 1.0)  # also false for NaN
+            ):
+                raise ValueError(f"max_ppl_increase must be a number in (0, 1] (0.02 = 2%), got {max_ppl_increase!r}")
+            if sparsity is None:
+                sparsity = "threshold"
+            elif sparsity != "threshold":
+                raise ValueError(
+                    f"max_ppl_increase sets how much input sparsity may cost; it needs sparsity='threshold', got {sparsity!r}"
+                )
         if sparsity is None:
             sparsity = "predictor" if has_pred else "dense"
         if sparsity not in ("dense", "predictor", "threshold"):
@@ -264,7 +293,14 @@ class Engine:
         if not isinstance(predictor_recall, bool):
             raise ValueError(f"predictor_recall must be a bool, got {predictor_recall!r}")
         thresholds = None
-        if sparsity == "threshold":
+        plan = None
+        if sparsity == "threshold" and max_ppl_increase is not None:
+            if self._gpu_model is not None:
+                raise ValueError("threshold sparsity runs on the CPU only")
+            from .sparsity import input_sparsity_plan
+
+            plan = input_sparsity_plan(self, float(max_ppl_increase), calibration_text)
+        elif sparsity == "threshold":
             if (
                 isinstance(target_sparsity, bool)
                 or not isinstance(target_sparsity, (int, float))
@@ -276,8 +312,11 @@ class Engine:
             thresholds = layer_thresholds(self, float(target_sparsity), calibration_text)
         self.sparsity = sparsity
         self.sparse_threshold = float(sparse_threshold)
-        self.target_sparsity = float(target_sparsity) if sparsity == "threshold" else None
+        self.target_sparsity = float(target_sparsity) if sparsity == "threshold" and plan is None else None
         self.layer_thresholds = thresholds
+        self.max_ppl_increase = None if plan is None else float(max_ppl_increase)
+        self.input_thresholds = None if plan is None else plan["thresholds"]
+        self.input_sparsity = plan
         self.predictor_layer_thresholds = per_layer if sparsity == "predictor" else None
         self.predictor_recall = predictor_recall and sparsity == "predictor"
         # applying the mode once checks it and builds any neuron-major weights up front
@@ -292,6 +331,7 @@ class Engine:
             self.layer_thresholds,
             self.predictor_recall,
             self.predictor_layer_thresholds,
+            self.input_thresholds,
         )
         return session
 
@@ -309,8 +349,10 @@ class Engine:
     @staticmethod
     def _ffn_stats(session: "_core.Session", into: dict, totals: dict | None = None) -> None:
         """Adds the session's FFN counters to `totals` and writes the derived figures to `into`:
-        ffn_sparsity (fraction of FFN neurons skipped) and, when tracked, predictor_recall and
-        ffn_active (fraction of neurons whose true activation is nonzero)."""
+        ffn_sparsity (fraction of FFN neurons skipped), weight_bytes_skipped (fraction of the
+        layers' weight bytes not read; negative when copies read for input sparsity outweigh what
+        they skip) and, when tracked, predictor_recall and ffn_active (fraction of neurons whose
+        true activation is nonzero)."""
         st = session.take_stats()
         split = session.take_split()
         if split is not None:
@@ -321,6 +363,8 @@ class Engine:
             st = totals
         if st["neurons"]:
             into["ffn_sparsity"] = st["skipped"] / st["neurons"]
+        if st.get("weight_bytes"):
+            into["weight_bytes_skipped"] = 1 - st["weight_bytes_read"] / st["weight_bytes"]
         if st["truly_active"]:
             into["predictor_recall"] = st["truly_active_selected"] / st["truly_active"]
             into["ffn_active"] = st["truly_active"] / st["neurons"]
