@@ -14,8 +14,10 @@
         Beside each ratio it prints the byte-count ideal: the weight bytes per token each side
         reads (attention, predictors, the FFN rows at the measured fractions), dense over sparse.
     python benches/sparse_e2e.py smollm2 [--threads 2]
-        SmolLM2-135M (SwiGLU, no predictors) in `threshold` mode: perplexity on python3.11-doc
-        text at 0/30/50/70% target sparsity, and decode tok/s at 50% vs dense.
+        SmolLM2-135M (SwiGLU, no predictors) in `threshold` mode, the frontier of weight bytes
+        skipped against perplexity on unseen python3.11-doc text: the neuron rule at 30/50/70%
+        target sparsity and input sparsity at several `max_ppl_increase` budgets; then decode
+        tok/s of each against dense.
 
 How the synthetic weights are drawn: the residual stream lives in a 255-dimensional subspace
 (orthonormal basis B, never touching dimension 0) plus a constant c in dimension 0 (embeddings
@@ -221,25 +223,40 @@ def cmd_smollm2(a) -> None:
     from powerinfer_rs import Engine
 
     text = doc_text(a.chars)
-    print(f"SmolLM2-135M Q4_1, threshold mode calibrated on the built-in sample; perplexity on "
-          f"python3.11-doc tutorial text ({len(text)} chars), ctx {a.ctx}; {a.threads} threads")
-    print("| target sparsity | measured FFN sparsity | perplexity | vs dense |")
-    print("|---|---|---|---|")
+    print(f"SmolLM2-135M Q4_1; cut-offs calibrated on the built-in sample; perplexity on python3.11-doc "
+          f"tutorial text ({len(text)} chars, unseen in calibration), ctx {a.ctx}; {a.threads} threads")
+    print("| mode | FFN neurons skipped | layer weight bytes skipped | perplexity | vs dense |")
+    print("|---|---|---|---|---|")
     dense = Engine.load(threads=a.threads, sparsity="dense", device="cpu")
     base = dense.perplexity(text, ctx=a.ctx)
-    print(f"| dense | 0.0% | {base:.3f} | |")
+    print(f"| dense | 0.0% | 0.0% | {base:.3f} | |")
+    engines = {"dense": dense}
     for target in (0.3, 0.5, 0.7):
         e = Engine.load(threads=a.threads, sparsity="threshold", device="cpu", target_sparsity=target)
         ppl = e.perplexity(text, ctx=a.ctx)
-        print(f"| {target:.0%} | {e.last_stats['ffn_sparsity']:.1%} | {ppl:.3f} | {ppl / base - 1:+.1%} |")
-    sparse = Engine.load(threads=a.threads, sparsity="threshold", device="cpu", target_sparsity=0.5)
-    prompt = dense.tokenize(text[:2000])[:128]
-    res = paired({"dense": dense, "threshold-0.5": sparse}, prompt, a.tokens, a.repeats)
-    ratios = [s / d for s, d in zip(res["threshold-0.5"], res["dense"])]
+        st = e.last_stats
+        print(f"| neuron rule |act(gate)|, target {target:.0%} | {st['ffn_sparsity']:.1%} | {st['weight_bytes_skipped']:+.1%} | {ppl:.3f} | {ppl / base - 1:+.1%} |")
+        if target == 0.5:
+            engines["neurons 50%"] = e
+    for budget in a.budgets:
+        e = Engine.load(threads=a.threads, sparsity="threshold", device="cpu", max_ppl_increase=budget)
+        ppl = e.perplexity(text, ctx=a.ctx)
+        st = e.last_stats
+        print(f"| input sparsity, max_ppl_increase {budget:g} | {st['ffn_sparsity']:.1%} | {st['weight_bytes_skipped']:+.1%} | {ppl:.3f} | {ppl / base - 1:+.1%} |")
+        engines[f"inputs {budget:g}"] = e
+    faster = e.input_sparsity["faster"]
     print()
-    print(f"decode after a {len(prompt)}-token prompt, {a.tokens} tokens, {a.repeats} alternating pairs:")
-    print(f"dense {statistics.median(res['dense']):.1f} tok/s, threshold 50% {statistics.median(res['threshold-0.5']):.1f} tok/s, "
-          f"ratio **{statistics.median(ratios):.2f}x** (range {min(ratios):.2f} to {max(ratios):.2f})")
+    print("shares of a group's inputs at which the sparse kernel beat the dense one when timed: "
+          + "; ".join(f"{g} {', '.join(f'{v:.0%}' for v in lv) or 'none'}" for g, lv in faster.items()))
+    prompt = dense.tokenize(text[:2000])[:128]
+    res = paired(engines, prompt, a.tokens, a.repeats)
+    print()
+    print(f"decode after a {len(prompt)}-token prompt, {a.tokens} tokens, {a.repeats} alternating rounds:")
+    print("| mode | decode tok/s | vs dense |")
+    print("|---|---|---|")
+    for name, runs in res.items():
+        ratios = [s / d for s, d in zip(runs, res["dense"])]
+        print(f"| {name} | {statistics.median(runs):.1f} | {statistics.median(ratios):.2f}x ({min(ratios):.2f} to {max(ratios):.2f}) |")
 
 
 def main() -> None:
@@ -258,6 +275,7 @@ def main() -> None:
     m.add_argument("--chars", type=int, default=40000)
     m.add_argument("--tokens", type=int, default=64)
     m.add_argument("--repeats", type=int, default=7)
+    m.add_argument("--budgets", type=float, nargs="*", default=[0.02, 0.05, 0.1, 0.2], help="max_ppl_increase values")
     m.set_defaults(func=cmd_smollm2)
     a = ap.parse_args()
     a.func(a)

@@ -28,6 +28,8 @@ CASES = [
     ("llama swiglu f32", lambda p: write_model(p, dtype=Q.F32), ("dense",)),
     ("llama swiglu q4_1", lambda p: write_model(p, dtype=Q.Q4_1), ("dense",)),
     ("llama swiglu q8_0 threshold", lambda p: write_model(p, dtype=Q.Q8_0), ("threshold", 0.0, [0.05, 0.05])),
+    ("llama swiglu q8_0 input sparsity", lambda p: write_model(p, dtype=Q.Q8_0),
+     ("threshold", 0.0, None, False, None, [[1.3, 0.8, 1.1, 0.17]] * 2)),
     ("qwen2 biases", lambda p: write_model(p, arch="qwen2", bias=True), ("dense",)),
     ("reglu powerinfer predictor", lambda p: write_powerinfer_model(p, dtype=Q.F16), ("predictor", -0.1)),
     ("reglu powerinfer dense (down_t only)", lambda p: write_powerinfer_model(p, dtype=Q.Q4_0), ("dense",)),

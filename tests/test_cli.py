@@ -89,10 +89,18 @@ def test_run_sparsity_flags(tmp_path):
 
 def test_perplexity_threshold_mode(model, tmp_path):
     text = tmp_path / "t.txt"
-    text.write_text("the cat sat on the mat and then the dog ran in the park. " * 30)
+    text.write_text("the cat sat on the mat and then the dog ran in the park. " * 60)
     r = run_cli("perplexity", "-m", model, "-f", str(text), "--ctx", "64", "--chunks", "2",
                 "--sparsity", "threshold", "--target-sparsity", "0.3", "--calibration-file", str(text))
     assert r.returncode == 0, r.stderr
     assert "sparsity: threshold (target 0.30)" in r.stderr
+    # input sparsity within a perplexity budget (threshold mode implied)
+    r = run_cli("perplexity", "-m", model, "-f", str(text), "--ctx", "64", "--chunks", "2",
+                "--max-ppl-increase", "0.1", "--calibration-file", str(text))
+    assert r.returncode == 0, r.stderr
+    assert "sparsity: threshold (input sparsity, max perplexity increase 10.0%)" in r.stderr
+    assert "layer weight bytes skipped" in r.stderr
+    r = run_cli("run", "-m", model, "--max-ppl-increase", "0", "x")
+    assert r.returncode == 1 and "max_ppl_increase must be a number in (0, 1]" in r.stderr
     r = run_cli("run", "-m", model, "--sparsity", "predictor", "x")
     assert r.returncode == 1 and "needs a model with predictors" in r.stderr

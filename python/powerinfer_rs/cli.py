@@ -32,6 +32,7 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-sparsity", type=float, default=0.5, help="threshold mode: fraction of FFN neurons to skip (default 0.5)")
     p.add_argument("--sparse-threshold", type=float, default=None, help="predictor mode: one logit cut-off for every layer (default: per-layer cut-offs, from the file or calibrated)")
     p.add_argument("--recall-target", type=float, default=None, help="predictor mode: calibrate per-layer cut-offs keeping this share of the truly firing neurons (default 0.99 when the file has no per-layer cut-offs)")
+    p.add_argument("--max-ppl-increase", type=float, default=None, help="threshold mode: input sparsity calibrated so that perplexity rises by at most this share (0.02 = 2%%); implies --sparsity threshold")
     p.add_argument("--calibration-file", default=None, help="threshold mode and predictor cut-offs: calibrate on this text (default: built-in English sample)")
     p.add_argument("--predictor-recall", action="store_true", help="predictor mode: also measure recall (costs a dense pass)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: the GPU when usable, else the CPU (default)")
@@ -52,6 +53,7 @@ def _sparsity_args(a: argparse.Namespace) -> dict:
         calibration_text=text,
         predictor_recall=a.predictor_recall,
         predictor_recall_target=a.recall_target,
+        max_ppl_increase=a.max_ppl_increase,
         device=a.device,
         vram_budget=a.vram_budget,
         profile=a.profile,
@@ -73,10 +75,14 @@ def _device_line(engine) -> str:
 
 def _sparsity_line(engine, s: dict) -> str:
     line = f"sparsity: {engine.sparsity}"
-    if engine.sparsity == "threshold":
+    if engine.max_ppl_increase is not None:
+        line += f" (input sparsity, max perplexity increase {engine.max_ppl_increase:.1%})"
+    elif engine.sparsity == "threshold":
         line += f" (target {engine.target_sparsity:.2f})"
     if "ffn_sparsity" in s:
         line += f", FFN neurons skipped {s['ffn_sparsity']:.1%}"
+    if engine.sparsity != "dense" and "weight_bytes_skipped" in s:
+        line += f", layer weight bytes skipped {s['weight_bytes_skipped']:.1%}"
     if "predictor_recall" in s:
         line += f", predictor recall {s['predictor_recall']:.1%}"
     return line
