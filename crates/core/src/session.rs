@@ -460,6 +460,7 @@ struct Scratch {
     pred_hidden: Vec<f32>, // (n, predictor hidden)
     pred_logits: Vec<f32>, // (n, n_ff)
     masked: Vec<f32>,   // (n, inputs) a projection's input with the skipped inputs zeroed
+    scores: Vec<Vec<f32>>, // decode: per kv head, its query heads' attention scores
     acts: Activations,
     pred_acts: Activations,
     sparse: SparseScratch,
@@ -965,14 +966,22 @@ impl Session {
         let group = c.n_head / c.n_head_kv;
         let scale = 1.0 / (hd as f32).sqrt();
         let q = &s.q;
-        s.att.par_chunks_mut(group * hd).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (idx, out)| {
+        let attend = |idx: usize, out: &mut [f32], scores: &mut Vec<f32>| {
             let (t, g) = (idx / c.n_head_kv, idx % c.n_head_kv);
             // the query heads of kv head g are contiguous: g * group .. (g + 1) * group
             let qs = &q[t * q_dim + g * group * hd..t * q_dim + (g + 1) * group * hd];
             let len = pos0 + t + 1;
             let rows = len * kv_dim;
             attend_group(qs, hd, kc.view(rows), vc.view(rows), len, kv_dim, g * hd, scale, scores, out);
-        });
+        };
+        if n == 1 {
+            // decode: one scores buffer per kv head, kept by the session (they only grow
+            // with the context, so a token allocates nothing)
+            s.scores.resize_with(c.n_head_kv, Vec::new);
+            s.att.par_chunks_mut(group * hd).zip(s.scores.par_iter_mut()).enumerate().for_each(|(idx, (out, scores))| attend(idx, out, scores));
+        } else {
+            s.att.par_chunks_mut(group * hd).enumerate().for_each_init(Vec::new, |scores, (idx, out)| attend(idx, out, scores));
+        }
 
         // output projection (+ bias)
         let cut = self.sparsity.input_cut(l, InputGroup::Out);
