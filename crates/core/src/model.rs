@@ -237,8 +237,6 @@ pub enum LayerMatrix {
 }
 
 impl LayerMatrix {
-    pub const ALL: [LayerMatrix; 6] = [LayerMatrix::Q, LayerMatrix::K, LayerMatrix::V, LayerMatrix::O, LayerMatrix::Gate, LayerMatrix::Up];
-
     pub fn of<'a>(self, lw: &LayerWeights<'a>) -> Option<QMatrix<'a>> {
         match self {
             LayerMatrix::Q => Some(lw.wq),
@@ -265,8 +263,16 @@ pub enum InputGroup {
 impl InputGroup {
     pub const ALL: [InputGroup; 4] = [InputGroup::Qkv, InputGroup::Out, InputGroup::FfnIn, InputGroup::Down];
 
-    pub fn name(self) -> &'static str {
-        ["qkv", "attn_output", "ffn_gate_up", "ffn_down"][self as usize]
+    /// The group's matrices read through input-major copies, in output order (gateless FFNs
+    /// have no gate; down reads `down_t`, so its list is empty).
+    pub fn matrices(self, lw: &LayerWeights) -> &'static [LayerMatrix] {
+        match self {
+            InputGroup::Qkv => &[LayerMatrix::Q, LayerMatrix::K, LayerMatrix::V],
+            InputGroup::Out => &[LayerMatrix::O],
+            InputGroup::FfnIn if lw.ffn_gate.is_some() => &[LayerMatrix::Gate, LayerMatrix::Up],
+            InputGroup::FfnIn => &[LayerMatrix::Up],
+            InputGroup::Down => &[],
+        }
     }
 }
 

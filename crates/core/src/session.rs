@@ -17,7 +17,7 @@ use rayon::prelude::*;
 use crate::attention::{attend_group, KvBuf, KvType};
 use crate::error::{Error, Result};
 use crate::matmul::{matmul, matmul_many, matmul_selected, Activations, QMatrix};
-use crate::model::{Config, Family, FfnActivation, InputGroup, LayerMatrix, LayerWeights, Model, RopeStyle, Weights, OPT_POSITION_OFFSET};
+use crate::model::{Config, Family, FfnActivation, InputGroup, LayerWeights, Model, RopeStyle, Weights, OPT_POSITION_OFFSET};
 use crate::sparse::{down_t_matmul, sparse_ffn, FfnMats, SparseScratch, DENSE_FRACTION};
 
 mod batch;
@@ -154,6 +154,9 @@ impl MagnitudeHistogram {
     }
 }
 
+/// Per `InputGroup`, a (score cut-off, energy share below it) pair (see `calibrate_inputs`).
+pub type GroupCuts = [(f32, f64); 4];
+
 /// Log-spaced histogram of input scores with each bin's sum of squares, for input sparsity:
 /// the cut-off skipping a share of the inputs, and the share of the scores' energy it drops.
 #[derive(Clone)]
@@ -281,8 +284,8 @@ fn record_scores(cal: &mut Option<Calibration>, l: usize, g: InputGroup, x: &[f3
     }
 }
 
-/// outs[k] (n, rows of matrix k) = x (n, cols) @ W_k^T for the matrices `mats` of layer `l`,
-/// which share the input x. With a cut-off for their `group`, a token's inputs whose score
+/// outs[k] (n, rows of matrix k) = x (n, cols) @ W_k^T for the matrices of input group `group`
+/// of layer `l` (not down, see `project_down`), which share the input x. With a cut-off for their `group`, a token's inputs whose score
 /// |x_i| * |W[:, i]| is at or below it are skipped: the products read only the kept inputs'
 /// rows of the input-major copies. Without one, every input, through the row-major kernels.
 /// Counts the weight bytes per token a dense pass reads and the bytes read.
@@ -292,7 +295,6 @@ fn project(
     l: usize,
     group: InputGroup,
     cut: Option<f32>,
-    mats: &[LayerMatrix],
     x: &[f32],
     n: usize,
     acts: &mut Activations,
@@ -302,6 +304,7 @@ fn project(
     stats: &mut FfnStats,
 ) {
     let lw = &model.weights.layers[l];
+    let mats = group.matrices(lw);
     let mut row_major = [lw.wq; 3];
     for (k, m) in mats.iter().enumerate() {
         row_major[k] = m.of(lw).expect("the caller only names matrices the layer has");
@@ -339,13 +342,6 @@ pub fn time_input_sparsity(model: &Model, l: usize, g: InputGroup, skip: f64, re
         return Err(Error::InvalidArgument(format!("bad layer {l}, skip share {skip} or repetitions {reps}")));
     }
     let lw = &model.weights.layers[l];
-    let mats: &[LayerMatrix] = match g {
-        InputGroup::Qkv => &[LayerMatrix::Q, LayerMatrix::K, LayerMatrix::V],
-        InputGroup::Out => &[LayerMatrix::O],
-        InputGroup::FfnIn if lw.ffn_gate.is_some() => &[LayerMatrix::Gate, LayerMatrix::Up],
-        InputGroup::FfnIn => &[LayerMatrix::Up],
-        InputGroup::Down => &[],
-    };
     let norms = model.input_norms(l, g);
     let n_in = norms.len();
     // a deterministic input with a spread of magnitudes
@@ -356,7 +352,7 @@ pub fn time_input_sparsity(model: &Model, l: usize, g: InputGroup, skip: f64, re
     let cut = if k == 0 { None } else { Some(scores[k - 1]) };
     let outs_len: Vec<usize> = match g {
         InputGroup::Down => vec![c.n_embd],
-        _ => mats.iter().map(|m| m.of(lw).expect("listed above").rows).collect(),
+        _ => g.matrices(lw).iter().map(|m| m.of(lw).expect("the group's matrices exist").rows).collect(),
     };
     let mut bufs: Vec<Vec<f32>> = outs_len.iter().map(|&n| vec![0.0; n]).collect();
     let (mut acts, mut masked, mut sparse) = (Activations::default(), Vec::new(), SparseScratch::default());
@@ -364,25 +360,12 @@ pub fn time_input_sparsity(model: &Model, l: usize, g: InputGroup, skip: f64, re
         let mut outs: Vec<&mut [f32]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
         match g {
             InputGroup::Down => {
-                let down_t = model.down_t(l);
-                let down_bytes = lw.ffn_down.map_or(down_t.data.len(), |d| d.data.len());
-                stats.weight_bytes += down_bytes as u64;
-                match (cut, lw.ffn_down) {
-                    (None, Some(down)) => {
-                        acts.set(&x, 1, n_in);
-                        matmul(&down, &acts, outs[0]);
-                        stats.weight_bytes_read += down_bytes as u64;
-                    }
-                    (cut, _) => {
-                        masked.clear();
-                        masked.extend_from_slice(&x);
-                        let kept = cut.map_or(n_in, |cut| mask_below(&mut masked, norms, cut));
-                        stats.weight_bytes_read += (kept * down_t.row_bytes()) as u64;
-                        down_t_matmul(&down_t, &masked, 1, outs[0], &mut sparse);
-                    }
-                }
+                // the product masks its input in place: give it a copy
+                masked.clear();
+                masked.extend_from_slice(&x);
+                project_down(model, l, cut, &mut masked, 1, &mut acts, &mut sparse, outs[0], stats);
             }
-            _ => project(model, l, g, cut, mats, &x, 1, &mut acts, &mut masked, &mut sparse, &mut outs, stats),
+            _ => project(model, l, g, cut, &x, 1, &mut acts, &mut masked, &mut sparse, &mut outs, stats),
         }
     };
     let (mut dense_t, mut sparse_t) = (Vec::with_capacity(reps), Vec::with_capacity(reps));
@@ -405,6 +388,33 @@ pub fn time_input_sparsity(model: &Model, l: usize, g: InputGroup, skip: f64, re
         v[v.len() / 2]
     };
     Ok((median(&mut dense_t), median(&mut sparse_t), dense_st.weight_bytes_read, sparse_st.weight_bytes_read))
+}
+
+/// out (n, n_embd) = h (n, n_ff) @ down^T for layer `l`. With a cut-off, the activations whose
+/// |h_j| * |down[:, j]| is at or below it are zeroed in `h` and skipped: the product reads only
+/// the kept neurons' rows of `down_t`. Without one, the row-major down matrix when the model
+/// has it. Counts the neurons, the skipped ones and the weight bytes.
+#[allow(clippy::too_many_arguments)]
+fn project_down(model: &Model, l: usize, cut: Option<f32>, h: &mut [f32], n: usize, acts: &mut Activations, sparse: &mut SparseScratch, out: &mut [f32], stats: &mut FfnStats) {
+    let lw = &model.weights.layers[l];
+    let down_t = model.down_t(l);
+    let n_ff = down_t.rows;
+    let down_bytes = lw.ffn_down.map_or(down_t.data.len(), |d| d.data.len());
+    stats.neurons += (n * n_ff) as u64;
+    stats.weight_bytes += (n * down_bytes) as u64;
+    match (cut, lw.ffn_down) {
+        (None, Some(down)) => {
+            acts.set(h, n, n_ff);
+            matmul(&down, acts, out);
+            stats.weight_bytes_read += (n * down_bytes) as u64;
+        }
+        (cut, _) => {
+            let kept = cut.map_or(n * n_ff, |cut| mask_below(h, model.input_norms(l, InputGroup::Down), cut));
+            stats.skipped += (n * n_ff - kept) as u64;
+            stats.weight_bytes_read += (kept * down_t.row_bytes()) as u64;
+            down_t_matmul(&down_t, h, n, out, sparse);
+        }
+    }
 }
 
 pub struct Session {
@@ -665,13 +675,10 @@ impl Session {
                 }
                 // the input-major copies the cut-offs will read, built now (once per model)
                 for (l, t) in sp.input_thresholds.iter().enumerate() {
-                    let groups = [(InputGroup::Qkv, &[LayerMatrix::Q, LayerMatrix::K, LayerMatrix::V][..]), (InputGroup::Out, &[LayerMatrix::O]), (InputGroup::FfnIn, &[LayerMatrix::Gate, LayerMatrix::Up])];
-                    for (g, mats) in groups {
-                        if t[g as usize] > 0.0 {
-                            mats.iter().for_each(|&m| {
-                                model.input_major(l, m);
-                            });
-                        }
+                    for g in InputGroup::ALL.into_iter().filter(|&g| t[g as usize] > 0.0) {
+                        g.matrices(&model.weights.layers[l]).iter().for_each(|&m| {
+                            model.input_major(l, m);
+                        });
                     }
                     model.input_norms(l, InputGroup::Qkv);
                 }
@@ -759,7 +766,7 @@ impl Session {
     /// |x_i| * |W[:, i]| at or below which that share of the group's inputs fall, and the share
     /// of the sum of squared scores those inputs carry (how much of the output the skipped
     /// inputs would have made, were the columns orthogonal).
-    pub fn calibrate_inputs(&mut self, tokens: &[u32], window: usize, levels: &[f64]) -> Result<Vec<Vec<[(f32, f64); 4]>>> {
+    pub fn calibrate_inputs(&mut self, tokens: &[u32], window: usize, levels: &[f64]) -> Result<Vec<Vec<GroupCuts>>> {
         if let Some(t) = levels.iter().find(|t| !(0.0..1.0).contains(*t)) {
             return Err(Error::InvalidArgument(format!("input sparsity level must be in [0, 1), got {t}")));
         }
@@ -945,9 +952,8 @@ impl Session {
         let model = &*self.model;
         let cut = self.sparsity.input_cut(l, InputGroup::Qkv);
         record_scores(&mut self.calibration, l, InputGroup::Qkv, &s.xb[..n * c.n_embd], model);
-        let qkv = [LayerMatrix::Q, LayerMatrix::K, LayerMatrix::V];
         let outs: &mut [&mut [f32]] = &mut [&mut s.q, &mut s.k, &mut s.v];
-        project(model, l, InputGroup::Qkv, cut, &qkv, &s.xb[..n * c.n_embd], n, &mut s.acts, &mut s.masked, &mut s.sparse, outs, &mut self.stats);
+        project(model, l, InputGroup::Qkv, cut, &s.xb[..n * c.n_embd], n, &mut s.acts, &mut s.masked, &mut s.sparse, outs, &mut self.stats);
         add_bias(&mut s.q, lw.bq.as_deref());
         add_bias(&mut s.k, lw.bk.as_deref());
         add_bias(&mut s.v, lw.bv.as_deref());
@@ -987,7 +993,7 @@ impl Session {
         let cut = self.sparsity.input_cut(l, InputGroup::Out);
         record_scores(&mut self.calibration, l, InputGroup::Out, &s.att[..n * q_dim], model);
         let outs: &mut [&mut [f32]] = &mut [&mut s.attn_out];
-        project(model, l, InputGroup::Out, cut, &[LayerMatrix::O], &s.att[..n * q_dim], n, &mut s.acts, &mut s.masked, &mut s.sparse, outs, &mut self.stats);
+        project(model, l, InputGroup::Out, cut, &s.att[..n * q_dim], n, &mut s.acts, &mut s.masked, &mut s.sparse, outs, &mut self.stats);
         add_bias(&mut s.attn_out, lw.bo.as_deref());
     }
 
@@ -1144,40 +1150,18 @@ impl Session {
         // gate and up (n, n_ff) each; gateless FFNs: up + bias in s.gate
         let cut = sp.input_cut(l, InputGroup::FfnIn);
         let x = &s.xb[..n * dim];
-        match lw.ffn_gate {
-            Some(_) => {
-                let outs: &mut [&mut [f32]] = &mut [&mut s.gate, &mut s.up];
-                project(model, l, InputGroup::FfnIn, cut, &[LayerMatrix::Gate, LayerMatrix::Up], x, n, &mut s.acts, &mut s.masked, &mut s.sparse, outs, &mut self.stats);
-                add_bias(&mut s.up, lw.ffn_up_b.as_deref());
-            }
-            None => {
-                let outs: &mut [&mut [f32]] = &mut [&mut s.gate];
-                project(model, l, InputGroup::FfnIn, cut, &[LayerMatrix::Up], x, n, &mut s.acts, &mut s.masked, &mut s.sparse, outs, &mut self.stats);
-                add_bias(&mut s.gate, lw.ffn_up_b.as_deref());
-            }
-        }
+        let outs: &mut [&mut [f32]] = match lw.ffn_gate {
+            Some(_) => &mut [&mut s.gate, &mut s.up],
+            None => &mut [&mut s.gate],
+        };
+        project(model, l, InputGroup::FfnIn, cut, x, n, &mut s.acts, &mut s.masked, &mut s.sparse, outs, &mut self.stats);
+        add_bias(if lw.ffn_gate.is_some() { &mut s.up } else { &mut s.gate }, lw.ffn_up_b.as_deref());
         // h = act(gate, up) (n, n_ff) in s.gate
         Self::activate(lw, act, &mut s.gate, &s.up);
-        let h = &mut s.gate[..n * n_ff];
 
         // down (n, n_embd): only the neurons whose |h_j| * |down[:, j]| exceeds the cut-off
-        let down_t = model.down_t(l);
-        let down_bytes = lw.ffn_down.map_or(down_t.data.len(), |d| d.data.len());
-        self.stats.neurons += (n * n_ff) as u64;
-        self.stats.weight_bytes += (n * down_bytes) as u64;
-        match (sp.input_cut(l, InputGroup::Down), lw.ffn_down) {
-            (None, Some(down)) => {
-                s.acts.set(h, n, n_ff);
-                matmul(&down, &s.acts, &mut s.ffn_out);
-                self.stats.weight_bytes_read += (n * down_bytes) as u64;
-            }
-            (cut, _) => {
-                let kept = cut.map_or(n * n_ff, |cut| mask_below(h, model.input_norms(l, InputGroup::Down), cut));
-                self.stats.skipped += (n * n_ff - kept) as u64;
-                self.stats.weight_bytes_read += (kept * down_t.row_bytes()) as u64;
-                down_t_matmul(&down_t, h, n, &mut s.ffn_out, &mut s.sparse);
-            }
-        }
+        let cut = sp.input_cut(l, InputGroup::Down);
+        project_down(model, l, cut, &mut s.gate[..n * n_ff], n, &mut s.acts, &mut s.sparse, &mut s.ffn_out, &mut self.stats);
         add_bias(&mut s.ffn_out, lw.ffn_down_b.as_deref());
     }
 
