@@ -163,29 +163,33 @@ impl Activations {
     }
 }
 
-/// Weight rows r0..r1 against N activation rows at the given SIMD level; `put(r, values)`
-/// receives each row's N dot products. Type and level are resolved once per call, and the
-/// weight bytes are reinterpreted as blocks once, so the per-row cost is the kernel alone.
+/// Weight rows r0..r1 against N activation rows at the given SIMD level, over the columns
+/// `cols` (the whole row, or a span whose ends are multiples of 64, so a caller can do its own
+/// work between the parts of a row); `put(r, values)` receives each row's N dot products. Type
+/// and level are resolved once per call, so the per-row cost is the kernel alone.
 pub(crate) fn dot_rows<const N: usize>(
     w: &QMatrix,
     rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
     x: &Activations,
     t: [usize; N],
     level: SimdLevel,
     mut put: impl FnMut(usize, [f32; N]),
 ) {
+    debug_assert!(cols == (0..w.cols) || (cols.start % 64 == 0 && (cols.end % 64 == 0 || cols.end == w.cols)));
     let rb = w.row_bytes();
-    let bytes = &w.data[rows.start * rb..rows.end * rb];
+    let (b0, b1) = (w.dtype.row_bytes(cols.start), w.dtype.row_bytes(cols.end));
+    let row_span = |r: usize| &w.data[r * rb + b0..r * rb + b1];
     macro_rules! quantized {
         ($block:ty, $simd512:path, $simd:path, $scalar:path) => {{
-            let a = t.map(|ti| x.q8_row(ti));
-            let blocks = cast_blocks::<$block>(bytes);
-            for (k, row) in blocks.chunks_exact(w.cols / QK).enumerate() {
-                put(rows.start + k, match level {
+            let a = t.map(|ti| &x.q8_row(ti)[cols.start / QK..cols.end / QK]);
+            for r in rows {
+                let row = cast_blocks::<$block>(row_span(r));
+                put(r, match level {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI and
                     // AVX2's features; `pairs` is filled whenever the level is Avx512.
-                    SimdLevel::Avx512 => unsafe { $simd512(row, a, t.map(|ti| x.pair_row(ti))) },
+                    SimdLevel::Avx512 => unsafe { $simd512(row, a, t.map(|ti| &x.pair_row(ti)[cols.start / 64..])) },
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
                     SimdLevel::Avx2 => unsafe { $simd(row, a) },
@@ -196,13 +200,13 @@ pub(crate) fn dot_rows<const N: usize>(
     }
     match w.dtype {
         DType::F32 | DType::F16 | DType::BF16 => {
-            let a = t.map(|ti| x.f32_row(ti));
-            for (k, row) in bytes.chunks_exact(rb).enumerate() {
-                put(rows.start + k, match level {
+            let a = t.map(|ti| &x.f32_row(ti)[cols.clone()]);
+            for r in rows {
+                put(r, match level {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: as above.
-                    SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { crate::avx2::dot_float(w.dtype, row, a) },
-                    _ => quant::dot_float_scalar(w.dtype, row, a),
+                    SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { crate::avx2::dot_float(w.dtype, row_span(r), a) },
+                    _ => quant::dot_float_scalar(w.dtype, row_span(r), a),
                 });
             }
         }
@@ -216,7 +220,7 @@ pub(crate) fn dot_rows<const N: usize>(
 #[cfg(test)]
 fn dot_row<const N: usize>(w: &QMatrix, r: usize, x: &Activations, t: [usize; N], level: SimdLevel) -> [f32; N] {
     let mut out = [0.0; N];
-    dot_rows(w, r..r + 1, x, t, level, |_, v| out = v);
+    dot_rows(w, r..r + 1, 0..w.cols, x, t, level, |_, v| out = v);
     out
 }
 
@@ -282,7 +286,7 @@ fn rows_for_all_tokens(w: &QMatrix, rows: std::ops::Range<usize>, x: &Activation
     let n = x.n;
     let mut t = 0;
     while t + 4 <= n {
-        dot_rows(w, rows.clone(), x, [t, t + 1, t + 2, t + 3], level, |r, v| {
+        dot_rows(w, rows.clone(), 0..w.cols, x, [t, t + 1, t + 2, t + 3], level, |r, v| {
             for (k, vk) in v.into_iter().enumerate() {
                 put(t + k, r, vk);
             }
@@ -292,14 +296,14 @@ fn rows_for_all_tokens(w: &QMatrix, rows: std::ops::Range<usize>, x: &Activation
     // two at a time for what is left (a batch of 2 or 3 clients in batched decode reads the
     // weights once per pair); per token the arithmetic is the same as alone
     while t + 2 <= n {
-        dot_rows(w, rows.clone(), x, [t, t + 1], level, |r, v| {
+        dot_rows(w, rows.clone(), 0..w.cols, x, [t, t + 1], level, |r, v| {
             put(t, r, v[0]);
             put(t + 1, r, v[1]);
         });
         t += 2;
     }
     while t < n {
-        dot_rows(w, rows.clone(), x, [t], level, |r, v| put(t, r, v[0]));
+        dot_rows(w, rows.clone(), 0..w.cols, x, [t], level, |r, v| put(t, r, v[0]));
         t += 1;
     }
 }
@@ -339,10 +343,10 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
                 let (k, r) = (k0 + k, j..j + 1);
                 let mut g = tokens.chunks_exact(4);
                 for q in &mut g {
-                    dot_rows(w, r.clone(), x, [q[0], q[1], q[2], q[3]], level, |_, v| q.iter().zip(v).for_each(|(&t, vt)| put(t, k, vt)));
+                    dot_rows(w, r.clone(), 0..w.cols, x, [q[0], q[1], q[2], q[3]], level, |_, v| q.iter().zip(v).for_each(|(&t, vt)| put(t, k, vt)));
                 }
                 for &t in g.remainder() {
-                    dot_rows(w, r.clone(), x, [t], level, |_, v| put(t, k, v[0]));
+                    dot_rows(w, r.clone(), 0..w.cols, x, [t], level, |_, v| put(t, k, v[0]));
                 }
             }
             return;
