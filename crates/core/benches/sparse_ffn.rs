@@ -15,6 +15,10 @@
 //! therefore runs over enough copies of the block (at different addresses) to exceed
 //! `POWERINFER_BENCH_FOOTPRINT` bytes (default 1 GiB), like a decode over that many layers.
 //!
+//! The blocks live in anonymous maps advised for huge pages, as the engine holds weights
+//! (`gguf::advise_huge_pages` on the model file's map, `gguf::weight_buffer` for built copies):
+//! the sparse operator reads scattered rows, and on 4 KiB pages nearly every row is a TLB miss.
+//!
 //! The weights are drawn so that every gate is positive: the only sparsity is the selection the
 //! operator is given, so "0%" really computes every neuron.
 //!
@@ -23,8 +27,10 @@
 
 use std::time::Instant;
 
+use memmap2::MmapMut;
 use rayon::prelude::*;
 
+use powerinfer_core::gguf::weight_buffer;
 use powerinfer_core::matmul::{matmul, matmul_many, Activations, QMatrix};
 use powerinfer_core::model::FfnActivation;
 use powerinfer_core::quant::{quantize_row, DType};
@@ -61,10 +67,17 @@ fn env_list<T: std::str::FromStr>(name: &str) -> Option<Vec<T>> {
 
 /// One FFN block's weights in both layouts the operators read.
 struct Block {
-    gate: Vec<u8>,   // (n_ff, n_embd)
-    up: Vec<u8>,     // (n_ff, n_embd)
-    down: Vec<u8>,   // (n_embd, n_ff), the dense layout
-    down_t: Vec<u8>, // (n_ff, n_embd), neuron-major
+    gate: MmapMut,   // (n_ff, n_embd)
+    up: MmapMut,     // (n_ff, n_embd)
+    down: MmapMut,   // (n_embd, n_ff), the dense layout
+    down_t: MmapMut, // (n_ff, n_embd), neuron-major
+}
+
+/// `bytes` copied into memory held the way the engine holds weights.
+fn weights(bytes: &[u8]) -> MmapMut {
+    let mut map = weight_buffer(bytes.len()).expect("anonymous memory");
+    map[..bytes.len()].copy_from_slice(bytes);
+    map
 }
 
 /// GB/s of a plain read of every byte of `bufs`, split over the pool's threads in 64 KiB
@@ -120,15 +133,15 @@ fn main() {
             other => panic!("unknown type {other}"),
         };
         let first = Block {
-            gate: matrix(dtype, N_FF, N_EMBD, 1, true),
-            up: matrix(dtype, N_FF, N_EMBD, 2, false),
-            down: matrix(dtype, N_EMBD, N_FF, 3, false),
-            down_t: matrix(dtype, N_FF, N_EMBD, 4, false),
+            gate: weights(&matrix(dtype, N_FF, N_EMBD, 1, true)),
+            up: weights(&matrix(dtype, N_FF, N_EMBD, 2, false)),
+            down: weights(&matrix(dtype, N_EMBD, N_FF, 3, false)),
+            down_t: weights(&matrix(dtype, N_FF, N_EMBD, 4, false)),
         };
         let block_bytes = first.gate.len() + first.up.len() + first.down.len();
         let copies = footprint.div_ceil(block_bytes).max(1);
         let blocks: Vec<Block> = (0..copies)
-            .map(|_| Block { gate: first.gate.clone(), up: first.up.clone(), down: first.down.clone(), down_t: first.down_t.clone() })
+            .map(|_| Block { gate: weights(&first.gate), up: weights(&first.up), down: weights(&first.down), down_t: weights(&first.down_t) })
             .collect();
         let mats: Vec<FfnMats> = blocks
             .iter()

@@ -221,7 +221,7 @@ pub struct Weights<'a> {
 /// down projection of files that lack `ffn_down_t`, and for the matrices input sparsity reads.
 struct Transposed {
     dtype: DType,
-    layers: Vec<Option<Vec<u16>>>, // u16 storage keeps the f16 block scales aligned
+    layers: Vec<Option<memmap2::MmapMut>>, // `gguf::weight_buffer`s
 }
 
 /// The layer matrices input sparsity reads through an input-major copy (the down projection
@@ -607,9 +607,7 @@ impl Model {
 
     fn view(built: &Transposed, l: usize, rows: usize, cols: usize) -> QMatrix<'_> {
         let data = built.layers[l].as_deref().expect("built for every layer");
-        // SAFETY: u16 to bytes, same memory, twice the length.
-        let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, data.len() * 2) };
-        QMatrix { dtype: built.dtype, rows, cols, data: bytes }
+        QMatrix { dtype: built.dtype, rows, cols, data: &data[..rows * built.dtype.row_bytes(cols)] }
     }
 
     /// Transposed copies of the matrix `pick` gives for each layer (None: no copy). The copy
@@ -639,10 +637,9 @@ impl Model {
                     // dequantize (rows, cols) row by row, then write each column as a row
                     let mut dense = vec![0.0f32; rows * cols];
                     dense.par_chunks_mut(cols).enumerate().for_each(|(r, out)| m.dequantize_row(r, out));
-                    let mut out = vec![0u16; (cols * row_bytes).div_ceil(2)];
-                    // SAFETY: u16 storage viewed as bytes for the row writer.
-                    let out_bytes = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, cols * row_bytes) };
-                    out_bytes.par_chunks_mut(row_bytes).enumerate().for_each(|(j, row)| {
+                    // page-aligned, so the f16 block scales are aligned too
+                    let mut out = crate::gguf::weight_buffer(cols * row_bytes).expect("anonymous memory for a transposed copy");
+                    out[..cols * row_bytes].par_chunks_mut(row_bytes).enumerate().for_each(|(j, row)| {
                         let column: Vec<f32> = (0..rows).map(|i| dense[i * cols + j]).collect();
                         row.copy_from_slice(&quant::quantize_row(dtype, &column));
                     });
