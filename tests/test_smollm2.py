@@ -319,11 +319,19 @@ def test_input_sparsity_matches_masked_reference(engine, weights):
     # The masked network is more sensitive than the dense one (measured: 2% noise on the layer
     # weights moves its logits by 15%, the dense network's by 6%): which side of a cut-off the
     # inputs near it fall on (float32 and int8 rounding against float64) compounds over the
-    # layers. Measured: 9.5% from the masked reference, 28% between masked and dense.
+    # layers. Measured: 9.5% to 13.4% from the masked reference (with nothing but the order of
+    # float32 partial sums changed), 28% between masked and dense.
     assert rel < 0.15, rel
     assert rel < 0.5 * rel_dense, (rel, rel_dense)
-    agree = (got.argmax(1) == ref.argmax(1)).mean()
-    assert agree >= 0.8, agree
+    # Greedy tokens agree where the reference does not nearly tie: its top two logits more than
+    # 1.0 apart. (Over all 24 positions, agreement moved between 0.79 and 0.96 with nothing but
+    # the order of float32 partial sums in the kernels changed; where the reference is decided it
+    # was 1.0 every time.)
+    top2 = np.sort(ref, axis=1)[:, -2:]
+    decided = top2[:, 1] - top2[:, 0] > 1.0
+    assert decided.sum() >= 8, decided.sum()
+    agree = (got.argmax(1) == ref.argmax(1))[decided].mean()
+    assert agree >= 0.9, agree
 
     # bytes: every layer matrix once per token densely; the kept inputs' rows of the Q8_0
     # copies (34 bytes per 32 outputs) where a group skips

@@ -15,7 +15,7 @@
 
 use rayon::prelude::*;
 
-use crate::matmul::{dot_rows, matmul, matmul_many, simd_level, Activations, QMatrix, SimdLevel};
+use crate::matmul::{dot_row, matmul, matmul_many, prefetch, simd_level, spans, Activations, QMatrix, SimdLevel};
 use crate::model::FfnActivation;
 use crate::quant::{self, DType};
 
@@ -93,50 +93,14 @@ fn f32_bytes(x: &[f32]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u8, std::mem::size_of_val(x)) }
 }
 
-/// Asks the CPU to start loading `bytes` into cache.
-#[inline]
-fn prefetch(bytes: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        for off in (0..bytes.len()).step_by(64) {
-            // SAFETY: prefetching is a hint that never faults; the address is inside the slice.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().add(off) as *const i8) };
-        }
-    }
-}
-
-/// Bytes of one row per span (see `spans`).
-const SPAN_BYTES: usize = 512;
-
-/// The column spans a selected row is processed in. The neurons a predictor selects are
-/// scattered, so the hardware prefetchers cannot guess the next row: before each span of the
-/// current row, the same span of the next row is prefetched by hand. Prefetching a whole row at
-/// once fills the core's few outstanding-miss slots and stalls it (measured on Q4_0 at 90%
-/// skipped: 7.4x dense with whole rows, 8.2x with spans); a span at a time keeps the memory bus
-/// busy at an even rate. Span ends are multiples of 64 columns, as `dot_rows` needs.
-fn spans(dtype: DType, cols: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
-    let width = (SPAN_BYTES * cols / dtype.row_bytes(cols).max(1)).next_multiple_of(64).max(64);
-    (0..cols).step_by(width).map(move |c0| c0..(c0 + width).min(cols))
-}
-
 /// Neurons per group in `sparse_ffn`'s passes.
 const GROUP: usize = 64;
 
-/// Dots of the rows `sel` of `w` with token 0 of `x` into `out[..sel.len()]`, span by span,
-/// prefetching the next row's span before each (see `spans`). A row's value does not depend on
-/// which rows are selected beside it.
+/// Dots of the rows `sel` of `w` with token 0 of `x` into `out[..sel.len()]`, each with the
+/// next selected row prefetched (see `matmul::spans`).
 fn dot_selected(w: &QMatrix, sel: &[u32], x: &Activations, level: SimdLevel, out: &mut [f32]) {
     for (k, &j) in sel.iter().enumerate() {
-        let next = sel.get(k + 1).map(|&n| w.row(n as usize));
-        let mut sum = 0.0;
-        for span in spans(w.dtype, w.cols) {
-            if let Some(next) = next {
-                prefetch(&next[w.dtype.row_bytes(span.start)..w.dtype.row_bytes(span.end)]);
-            }
-            dot_rows(w, j as usize..j as usize + 1, span, x, [0], level, |_, d| sum += d[0]);
-        }
-        out[k] = sum;
+        out[k] = dot_row(w, j as usize, sel.get(k + 1).map(|&n| n as usize), x, [0], level)[0];
     }
 }
 
@@ -209,7 +173,7 @@ pub fn sparse_ffn(
                 }
             }
             // axpy of each active neuron's down_t row into this chunk's accumulator, four rows
-            // per pass, span by span with the next four rows' span prefetched (see `spans`)
+            // per pass, span by span with the next four rows' span prefetched (see `matmul::spans`)
             let dtype = m.down_t.dtype;
             for (q, quad) in alive[..n_active].chunks(4).enumerate() {
                 let next = alive[..n_active].get(4 * (q + 1)..(4 * (q + 2)).min(n_active)).unwrap_or(&[]);
