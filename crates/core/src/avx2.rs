@@ -143,14 +143,19 @@ unsafe fn load8(dtype: DType, w: *const u8, k: usize) -> __m256 {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_float<const N: usize>(dtype: DType, w: &[u8], a: [&[f32]; N]) -> [f32; N] {
+pub unsafe fn dot_float<const N: usize>(dtype: DType, w: &[u8], a: [&[f32]; N], next: &[u8]) -> [f32; N] {
     let n = a[0].len();
     debug_assert_eq!(w.len(), dtype.row_bytes(n));
     let mut acc = [_mm256_setzero_ps(); N];
     let wp = w.as_ptr();
     let n8 = n / 8 * 8;
+    // `next` is prefetched a line per 64 bytes of this row (see `matmul::dot_row`)
+    let eb = dtype.block_bytes();
     let mut k = 0;
     while k < n8 {
+        if (k * eb) % 64 == 0 && k * eb < next.len() {
+            _mm_prefetch::<_MM_HINT_T0>(next.as_ptr().add(k * eb) as *const i8);
+        }
         let wv = load8(dtype, wp, k);
         for j in 0..N {
             acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(a[j].as_ptr().add(k)), acc[j]);
@@ -163,7 +168,6 @@ pub unsafe fn dot_float<const N: usize>(dtype: DType, w: &[u8], a: [&[f32]; N]) 
     }
     if n8 < n {
         let mut tail = vec![0.0f32; n - n8];
-        let eb = dtype.block_bytes();
         crate::quant::dequantize_row(dtype, &w[n8 * eb..], &mut tail);
         for j in 0..N {
             out[j] += tail.iter().zip(&a[j][n8..]).map(|(x, y)| x * y).sum::<f32>();

@@ -153,12 +153,18 @@ unsafe fn hsum(v: __m512) -> f32 {
 unsafe fn dot_pairs<const N: usize>(
     n_blocks: usize,
     pairs: [&[ActPair]; N],
+    next: &[u8],
     weights: impl Fn(usize) -> (__m512i, __m512),
     offset: impl Fn(usize, __m512) -> __m512,
 ) -> [f32; N] {
     let mut acc = [_mm512_setzero_ps(); N];
     let mut off = [_mm512_setzero_ps(); N];
+    // `next` is prefetched evenly over the pairs (see `matmul::dot_row`)
+    let step = next.len().div_ceil((n_blocks / 2).max(1));
     for i in 0..n_blocks / 2 {
+        if step > 0 {
+            _mm_prefetch::<_MM_HINT_T0>(next.as_ptr().wrapping_add(i * step) as *const i8);
+        }
         let (w, d) = weights(i);
         let o = offset(i, d);
         for j in 0..N {
@@ -196,11 +202,12 @@ unsafe fn add_tail<B, const N: usize>(
 
 /// Twin of `quant::dot_q4_0_scalar`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn dot_q4_0<const N: usize>(w: &[BlockQ4_0], a: [&[BlockQ8Act]; N], pairs: [&[ActPair]; N]) -> [f32; N] {
+pub unsafe fn dot_q4_0<const N: usize>(w: &[BlockQ4_0], a: [&[BlockQ8Act]; N], pairs: [&[ActPair]; N], next: &[u8]) -> [f32; N] {
     let minus8 = _mm512_set1_ps(-8.0);
     let mut out = dot_pairs(
         w.len(),
         pairs,
+        next,
         |i| {
             let (b0, b1) = (w.get_unchecked(2 * i), w.get_unchecked(2 * i + 1));
             (pair_nibbles(&b0.qs, &b1.qs), pair_scales(b0.d, b1.d))
@@ -214,10 +221,11 @@ pub unsafe fn dot_q4_0<const N: usize>(w: &[BlockQ4_0], a: [&[BlockQ8Act]; N], p
 
 /// Twin of `quant::dot_q4_1_scalar`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn dot_q4_1<const N: usize>(w: &[BlockQ4_1], a: [&[BlockQ8Act]; N], pairs: [&[ActPair]; N]) -> [f32; N] {
+pub unsafe fn dot_q4_1<const N: usize>(w: &[BlockQ4_1], a: [&[BlockQ8Act]; N], pairs: [&[ActPair]; N], next: &[u8]) -> [f32; N] {
     let mut out = dot_pairs(
         w.len(),
         pairs,
+        next,
         |i| {
             let (b0, b1) = (w.get_unchecked(2 * i), w.get_unchecked(2 * i + 1));
             (pair_nibbles(&b0.qs, &b1.qs), pair_scales(b0.d, b1.d))
@@ -232,7 +240,7 @@ pub unsafe fn dot_q4_1<const N: usize>(w: &[BlockQ4_1], a: [&[BlockQ8Act]; N], p
 /// Twin of `quant::dot_q8_0_scalar`. `vpdpbusd` multiplies unsigned by signed bytes, so the
 /// weights go in as q + 128 (their sign bit flipped) and 128 * sum(a) comes off per block.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn dot_q8_0<const N: usize>(w: &[BlockQ8_0], a: [&[BlockQ8Act]; N], pairs: [&[ActPair]; N]) -> [f32; N] {
+pub unsafe fn dot_q8_0<const N: usize>(w: &[BlockQ8_0], a: [&[BlockQ8Act]; N], pairs: [&[ActPair]; N], next: &[u8]) -> [f32; N] {
     let minus128 = _mm512_set1_ps(-128.0);
     let sign = _mm512_set1_epi8(-128);
     // 128-bit lanes [b0 lo, b0 hi, b1 lo, b1 hi] -> [b0 lo, b1 lo, b0 hi, b1 hi]
@@ -240,6 +248,7 @@ pub unsafe fn dot_q8_0<const N: usize>(w: &[BlockQ8_0], a: [&[BlockQ8Act]; N], p
     let mut out = dot_pairs(
         w.len(),
         pairs,
+        next,
         |i| {
             let (b0, b1) = (w.get_unchecked(2 * i), w.get_unchecked(2 * i + 1));
             let q0 = _mm256_loadu_si256(b0.qs.as_ptr() as *const __m256i);

@@ -163,53 +163,49 @@ impl Activations {
     }
 }
 
-/// Asks the CPU to start loading `bytes` into cache.
-#[inline]
-pub(crate) fn prefetch(bytes: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        for off in (0..bytes.len()).step_by(64) {
-            // SAFETY: prefetching is a hint that never faults; the address is inside the slice.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().add(off) as *const i8) };
-        }
-    }
-}
-
-/// Bytes of one row per span (see `spans`).
-const SPAN_BYTES: usize = 512;
-
-/// The column spans every row is read in. Before each span of a row, the same span of the next
-/// row to be read is prefetched by hand: the hardware prefetchers stop at 4 KiB boundaries and
-/// cannot guess the scattered rows a sparse operator reads, so without this a single core waits
-/// on memory. A span at a time keeps the memory bus busy at an even rate, where prefetching
-/// whole rows at once fills the core's few outstanding-miss slots and stalls it. Measured on the
-/// 7B-shape FFN block (`cargo bench --bench sparse_ffn`, one thread): the dense products read
-/// 7.4 -> 9.6 GB/s (Q4_0), 9.1 -> 12.0 (Q8_0), 8.1 -> 11.8 (F16) of a 12.2 GB/s plain read.
-/// Span ends are multiples of 64 columns (whole pairs of blocks for the 512-bit dots).
-pub(crate) fn spans(dtype: DType, cols: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
-    let width = (SPAN_BYTES * cols / dtype.row_bytes(cols).max(1)).next_multiple_of(64).max(64);
-    (0..cols).step_by(width).map(move |c0| c0..(c0 + width).min(cols))
-}
-
-/// Row `r` of `w` against N activation rows, span by span, with the row `next` (the one the
-/// caller reads after this one) prefetched a span ahead. Every product of a row with a token
-/// goes through here, so a value does not depend on the path (dense, sparse, batched) or on
-/// which rows are read beside it.
+/// Row `r` of `w` against N activation rows at the given SIMD level. `next` is the row the
+/// caller reads after this one: the AVX-512 and float kernels prefetch it, a line at a time
+/// spread over this row's work. The hardware prefetchers stop at 4 KiB boundaries and cannot
+/// guess the scattered rows a sparse operator reads, so without this a core waits on memory;
+/// a line at a time keeps the memory bus busy at an even rate, where prefetching a whole row
+/// at once fills the core's few outstanding-miss slots and stalls it. Measured on the 7B-shape
+/// FFN block (`cargo bench --bench sparse_ffn`, one thread), the dense products read
+/// 7.1 -> 9.5 GB/s (Q4_0), 8.9 -> 12.0 (Q8_0), 7.8 -> 11.7 (F16) of a 12.2 GB/s plain read.
+/// Prefetching never changes a value.
 #[inline]
 pub(crate) fn dot_row<const N: usize>(w: &QMatrix, r: usize, next: Option<usize>, x: &Activations, t: [usize; N], level: SimdLevel) -> [f32; N] {
-    let mut sum = [0.0f32; N];
-    for span in spans(w.dtype, w.cols) {
-        if let Some(n) = next {
-            let row = w.row(n);
-            prefetch(&row[w.dtype.row_bytes(span.start)..w.dtype.row_bytes(span.end)]);
-        }
-        let part = dot_span(w, r, span, x, t, level);
-        for (s, p) in sum.iter_mut().zip(part) {
-            *s += p;
-        }
+    let row = w.row(r);
+    let next: &[u8] = next.map_or(&[], |n| w.row(n));
+    macro_rules! quantized {
+        ($block:ty, $simd512:path, $simd:path, $scalar:path) => {{
+            let a = t.map(|ti| x.q8_row(ti));
+            let blocks = cast_blocks::<$block>(row);
+            match level {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI and
+                // AVX2's features; `pairs` is filled whenever the level is Avx512.
+                SimdLevel::Avx512 => unsafe { $simd512(blocks, a, t.map(|ti| x.pair_row(ti)), next) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
+                SimdLevel::Avx2 => unsafe { $simd(blocks, a) },
+                _ => $scalar(blocks, a),
+            }
+        }};
     }
-    sum
+    match w.dtype {
+        DType::F32 | DType::F16 | DType::BF16 => {
+            let a = t.map(|ti| x.f32_row(ti));
+            match level {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: as above.
+                SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { crate::avx2::dot_float(w.dtype, row, a, next) },
+                _ => quant::dot_float_scalar(w.dtype, row, a),
+            }
+        }
+        DType::Q4_0 => quantized!(BlockQ4_0, crate::avx512::dot_q4_0, crate::avx2::dot_q4_0, quant::dot_q4_0_scalar),
+        DType::Q4_1 => quantized!(BlockQ4_1, crate::avx512::dot_q4_1, crate::avx2::dot_q4_1, quant::dot_q4_1_scalar),
+        DType::Q8_0 => quantized!(BlockQ8_0, crate::avx512::dot_q8_0, crate::avx2::dot_q8_0, quant::dot_q8_0_scalar),
+    }
 }
 
 /// Weight rows r0..r1 against N activation rows: `put(r, values)` receives each row's N dot
@@ -225,44 +221,6 @@ pub(crate) fn dot_rows<const N: usize>(
     for r in rows.clone() {
         let next = (r + 1 < rows.end).then_some(r + 1);
         put(r, dot_row(w, r, next, x, t, level));
-    }
-}
-
-/// Row `r` of `w` against N activation rows over the columns `cols` (a span from `spans`), at
-/// the given SIMD level.
-#[inline]
-fn dot_span<const N: usize>(w: &QMatrix, r: usize, cols: std::ops::Range<usize>, x: &Activations, t: [usize; N], level: SimdLevel) -> [f32; N] {
-    let rb = w.row_bytes();
-    let span = &w.data[r * rb + w.dtype.row_bytes(cols.start)..r * rb + w.dtype.row_bytes(cols.end)];
-    macro_rules! quantized {
-        ($block:ty, $simd512:path, $simd:path, $scalar:path) => {{
-            let a = t.map(|ti| &x.q8_row(ti)[cols.start / QK..cols.end / QK]);
-            let blocks = cast_blocks::<$block>(span);
-            match level {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI and
-                // AVX2's features; `pairs` is filled whenever the level is Avx512.
-                SimdLevel::Avx512 => unsafe { $simd512(blocks, a, t.map(|ti| &x.pair_row(ti)[cols.start / 64..])) },
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
-                SimdLevel::Avx2 => unsafe { $simd(blocks, a) },
-                _ => $scalar(blocks, a),
-            }
-        }};
-    }
-    match w.dtype {
-        DType::F32 | DType::F16 | DType::BF16 => {
-            let a = t.map(|ti| &x.f32_row(ti)[cols.clone()]);
-            match level {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: as above.
-                SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { crate::avx2::dot_float(w.dtype, span, a) },
-                _ => quant::dot_float_scalar(w.dtype, span, a),
-            }
-        }
-        DType::Q4_0 => quantized!(BlockQ4_0, crate::avx512::dot_q4_0, crate::avx2::dot_q4_0, quant::dot_q4_0_scalar),
-        DType::Q4_1 => quantized!(BlockQ4_1, crate::avx512::dot_q4_1, crate::avx2::dot_q4_1, quant::dot_q4_1_scalar),
-        DType::Q8_0 => quantized!(BlockQ8_0, crate::avx512::dot_q8_0, crate::avx2::dot_q8_0, quant::dot_q8_0_scalar),
     }
 }
 

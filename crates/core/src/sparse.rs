@@ -15,7 +15,7 @@
 
 use rayon::prelude::*;
 
-use crate::matmul::{dot_row, matmul, matmul_many, prefetch, simd_level, spans, Activations, QMatrix, SimdLevel};
+use crate::matmul::{dot_row, matmul, matmul_many, simd_level, Activations, QMatrix, SimdLevel};
 use crate::model::FfnActivation;
 use crate::quant::{self, DType};
 
@@ -93,11 +93,36 @@ fn f32_bytes(x: &[f32]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u8, std::mem::size_of_val(x)) }
 }
 
+/// Asks the CPU to start loading `bytes` into cache.
+#[inline]
+fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        for off in (0..bytes.len()).step_by(64) {
+            // SAFETY: prefetching is a hint that never faults; the address is inside the slice.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().add(off) as *const i8) };
+        }
+    }
+}
+
+/// Bytes of one row per span (see `spans`).
+const SPAN_BYTES: usize = 512;
+
+/// The column spans the down projection's axpys run in: before each span of the current rows,
+/// the same span of the next rows is prefetched, so the scattered rows a selection reads
+/// arrive at an even rate (see `matmul::dot_row`, which does the same for the dots). Span
+/// ends are multiples of 64 columns, so whole blocks.
+fn spans(dtype: DType, cols: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let width = (SPAN_BYTES * cols / dtype.row_bytes(cols).max(1)).next_multiple_of(64).max(64);
+    (0..cols).step_by(width).map(move |c0| c0..(c0 + width).min(cols))
+}
+
 /// Neurons per group in `sparse_ffn`'s passes.
 const GROUP: usize = 64;
 
 /// Dots of the rows `sel` of `w` with token 0 of `x` into `out[..sel.len()]`, each with the
-/// next selected row prefetched (see `matmul::spans`).
+/// next selected row prefetched (see `matmul::dot_row`).
 fn dot_selected(w: &QMatrix, sel: &[u32], x: &Activations, level: SimdLevel, out: &mut [f32]) {
     for (k, &j) in sel.iter().enumerate() {
         out[k] = dot_row(w, j as usize, sel.get(k + 1).map(|&n| n as usize), x, [0], level)[0];
@@ -173,7 +198,7 @@ pub fn sparse_ffn(
                 }
             }
             // axpy of each active neuron's down_t row into this chunk's accumulator, four rows
-            // per pass, span by span with the next four rows' span prefetched (see `matmul::spans`)
+            // per pass, span by span with the next four rows' span prefetched (see `spans`)
             let dtype = m.down_t.dtype;
             for (q, quad) in alive[..n_active].chunks(4).enumerate() {
                 let next = alive[..n_active].get(4 * (q + 1)..(4 * (q + 2)).min(n_active)).unwrap_or(&[]);
