@@ -178,7 +178,7 @@ impl GgufFile {
 
 /// Asks the kernel to back a map with 2 MiB pages where it can. The sparse operators read
 /// scattered rows, and on 4 KiB pages nearly every row costs a TLB miss: the sparse FFN bench
-/// (Q4_0, 95% of the neurons skipped, one thread) ran 15.0x dense on 4 KiB pages and 16.8x on
+/// (Q4_0, 95% of the neurons skipped, one thread) ran 15.0x dense on 4 KiB pages and 16.9x on
 /// huge pages. Only a hint: kernels without transparent huge pages for this kind of memory
 /// (or with them disabled) ignore it.
 pub fn advise_huge_pages(map: &Mmap) {

@@ -170,7 +170,7 @@ impl Activations {
 /// a line at a time keeps the memory bus busy at an even rate, where prefetching a whole row
 /// at once fills the core's few outstanding-miss slots and stalls it. Measured on the 7B-shape
 /// FFN block (`cargo bench --bench sparse_ffn`, one thread), the dense products read
-/// 7.1 -> 9.5 GB/s (Q4_0), 8.9 -> 12.0 (Q8_0), 7.8 -> 11.7 (F16) of a 12.2 GB/s plain read.
+/// 7.1 -> 11.6 GB/s (Q4_0), 8.9 -> 12.9 (Q8_0), 7.8 -> 9.7 (F16) of a 12.4 GB/s plain read.
 /// Prefetching never changes a value.
 #[inline]
 pub(crate) fn dot_row<const N: usize>(w: &QMatrix, r: usize, next: Option<usize>, x: &Activations, t: [usize; N], level: SimdLevel) -> [f32; N] {
