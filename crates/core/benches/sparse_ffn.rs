@@ -3,7 +3,8 @@
 //! activation, down product), both in the same run, alternating, for Q4_0, Q8_0 and F16 on 1
 //! and 2 threads. Prints the median time of each, their ratio, the ideal ratio 1/(1-s), and the
 //! GB/s of weight bytes each side actually read, beside a plain streaming read of the same bytes
-//! on the same threads (the hardware limit these kernels can reach). The operator is given the
+//! on the same threads (the hardware limit the dense kernels can reach) and a plain read of just
+//! the selected rows, each with the next prefetched (the limit for the sparse operator). The operator is given the
 //! row-major down matrix too, as for models that have one, so selections of at least
 //! `DENSE_FRACTION` of the neurons (the 0% row) run through the dense kernels.
 //!
@@ -83,26 +84,60 @@ fn weights(bytes: &[u8]) -> MmapMut {
 /// GB/s of a plain read of every byte of `bufs`, split over the pool's threads in 64 KiB
 /// pieces (sums of u64 words, so the loads cannot be skipped).
 fn stream_read_gbs(bufs: &[&[u8]], rounds: usize) -> f64 {
-    let total: usize = bufs.iter().map(|b| b.len()).sum();
+    stream_or_scatter_gbs(bufs, None, rounds.max(3))
+}
+
+/// GB/s of a plain read of the rows `neurons` (sorted) of each matrix of `bufs` (rows of
+/// `row_bytes`), split over the pool's threads in runs of 64 rows, each row read with the next
+/// one prefetched a line at a time: the hardware limit for the sparse operator's reads. Before
+/// each round `evict` is read untimed, so the rows come from DRAM as in the timed operator
+/// (which alternates with the dense block), not from the last round's cache.
+fn scatter_read_gbs(bufs: &[&[u8]], row_bytes: usize, neurons: &[u32], evict: &[&[u8]], rounds: usize) -> f64 {
+    let mut gbs: Vec<f64> = (0..rounds.max(3))
+        .map(|_| {
+            stream_or_scatter_gbs(evict, None, 1);
+            stream_or_scatter_gbs(bufs, Some((row_bytes, neurons)), 1)
+        })
+        .collect();
+    median(&mut gbs)
+}
+
+fn sum_words(c: &[u8], next: Option<&[u8]>) -> u64 {
+    // SAFETY: every bit pattern is a valid u64.
+    let (_, words, _) = unsafe { c.align_to::<u64>() };
+    let mut acc = [0u64; 8];
+    for (i, w) in words.chunks_exact(8).enumerate() {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(n) = next {
+            // SAFETY: prefetching is a hint that never faults.
+            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(n.as_ptr().wrapping_add(64 * i) as *const i8) };
+        }
+        for k in 0..8 {
+            acc[k] = acc[k].wrapping_add(w[k]);
+        }
+    }
+    acc.iter().fold(0u64, |a, b| a.wrapping_add(*b))
+}
+
+fn stream_or_scatter_gbs(bufs: &[&[u8]], rows: Option<(usize, &[u32])>, rounds: usize) -> f64 {
+    let total: usize = match rows {
+        None => bufs.iter().map(|b| b.len()).sum(),
+        Some((rb, sel)) => bufs.len() * sel.len() * rb,
+    };
     let mut times = Vec::new();
-    for _ in 0..rounds.max(3) {
+    for _ in 0..rounds {
         let t = Instant::now();
         let s: u64 = bufs
             .iter()
-            .map(|b| {
-                b.par_chunks(64 << 10)
-                    .map(|c| {
-                        // SAFETY: every bit pattern is a valid u64.
-                        let (_, words, _) = unsafe { c.align_to::<u64>() };
-                        let mut acc = [0u64; 8];
-                        for w in words.chunks_exact(8) {
-                            for k in 0..8 {
-                                acc[k] = acc[k].wrapping_add(w[k]);
-                            }
-                        }
-                        acc.iter().fold(0u64, |a, b| a.wrapping_add(*b))
+            .map(|b| match rows {
+                None => b.par_chunks(64 << 10).map(|c| sum_words(c, None)).reduce(|| 0, |a, b| a.wrapping_add(b)),
+                Some((rb, sel)) => sel
+                    .par_chunks(64)
+                    .map(|run| {
+                        let row = |j: u32| &b[j as usize * rb..(j as usize + 1) * rb];
+                        run.iter().enumerate().fold(0u64, |a, (k, &j)| a.wrapping_add(sum_words(row(j), run.get(k + 1).map(|&n| row(n)))))
                     })
-                    .reduce(|| 0, |a, b| a.wrapping_add(b))
+                    .reduce(|| 0, |a, b| a.wrapping_add(b)),
             })
             .fold(0u64, |a, b| a.wrapping_add(b));
         std::hint::black_box(s);
@@ -111,16 +146,18 @@ fn stream_read_gbs(bufs: &[&[u8]], rounds: usize) -> f64 {
     total as f64 / median(&mut times) / 1e9
 }
 
+
 fn main() {
     let threads_list: Vec<usize> = env_list("POWERINFER_BENCH_THREADS").unwrap_or(vec![1, 2]);
     let rounds: usize = std::env::var("POWERINFER_BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(9);
     let footprint: usize = std::env::var("POWERINFER_BENCH_FOOTPRINT").ok().and_then(|v| v.parse().ok()).unwrap_or(1 << 30);
     let types: Vec<String> = env_list("POWERINFER_BENCH_TYPES").unwrap_or(vec!["Q4_0".into(), "Q8_0".into(), "F16".into()]);
     println!("FFN block {N_EMBD} x {N_FF} (ReGLU), one token, median of {rounds} alternating rounds");
-    println!("GB/s: weight bytes read per second; stream: a plain read of the dense block's bytes");
+    println!("GB/s: weight bytes read per second; stream: a plain read of the dense block's bytes;");
+    println!("scatter: a plain read of the rows the sparse operator reads (the selected rows of gate, up, down_t)");
     println!(
-        "{:<5} {:>3} {:>6} {:>9} {:>10} {:>8} {:>6} {:>8} {:>8} {:>7}",
-        "type", "thr", "sparse", "dense ms", "sparse ms", "speedup", "ideal", "dense GB/s", "sparse GB/s", "stream"
+        "{:<5} {:>3} {:>6} {:>9} {:>10} {:>8} {:>6} {:>8} {:>8} {:>7} {:>7}",
+        "type", "thr", "sparse", "dense ms", "sparse ms", "speedup", "ideal", "dense GB/s", "sparse GB/s", "stream", "scatter"
     );
     for name in &types {
         let dtype = match name.as_str() {
@@ -160,6 +197,7 @@ fn main() {
             })
             .collect();
         let dense_bufs: Vec<&[u8]> = blocks.iter().flat_map(|b| [&b.gate[..], &b.up[..], &b.down[..]]).collect();
+        let sparse_bufs: Vec<&[u8]> = blocks.iter().flat_map(|b| [&b.gate[..], &b.up[..], &b.down_t[..]]).collect();
 
         let mut rng = Rng::new(5);
         let x_f: Vec<f32> = (0..N_EMBD).map(|_| rng.next_f32()).collect();
@@ -212,9 +250,10 @@ fn main() {
                     }
                 });
                 let (d, s) = (median(&mut td), median(&mut ts));
+                let scatter = pool.install(|| scatter_read_gbs(&sparse_bufs, dtype.row_bytes(N_EMBD), &neurons, &dense_bufs, rounds));
                 let sparse_bytes = 3 * keep * dtype.row_bytes(N_EMBD);
                 println!(
-                    "{:<5} {:>3} {:>5.0}% {:>9.2} {:>10.3} {:>7.2}x {:>5.1}x {:>10.1} {:>11.1} {:>7.1}",
+                    "{:<5} {:>3} {:>5.0}% {:>9.2} {:>10.3} {:>7.2}x {:>5.1}x {:>10.1} {:>11.1} {:>7.1} {:>7.1}",
                     dtype.name(),
                     threads,
                     sparsity * 100.0,
@@ -224,7 +263,8 @@ fn main() {
                     1.0 / (1.0 - sparsity),
                     block_bytes as f64 / d / 1e9,
                     sparse_bytes as f64 / s / 1e9,
-                    stream
+                    stream,
+                    scatter
                 );
             }
         }
