@@ -4,8 +4,8 @@
 //! and 2 threads. Prints the median time of each, their ratio, the ideal ratio 1/(1-s), and the
 //! GB/s of weight bytes each side actually read, beside a plain streaming read of the same bytes
 //! on the same threads (the hardware limit the dense kernels can reach) and a plain read of just
-//! the selected rows, each with the next prefetched (the limit for the sparse operator). The operator is given the
-//! row-major down matrix too, as for models that have one, so selections of at least
+//! the selected rows, each with the next prefetched (the limit for the sparse operator). The
+//! operator is given the row-major down matrix too, as for models that have one, so selections of at least
 //! `DENSE_FRACTION` of the neurons (the 0% row) run through the dense kernels.
 //!
 //!     cargo bench -p powerinfer-core --bench sparse_ffn
@@ -102,6 +102,8 @@ fn scatter_read_gbs(bufs: &[&[u8]], row_bytes: usize, neurons: &[u32], evict: &[
     median(&mut gbs)
 }
 
+/// The wrapping sum of `c`'s u64 words (so the loads cannot be skipped), with `next`, if any,
+/// prefetched a line per 64 bytes read.
 fn sum_words(c: &[u8], next: Option<&[u8]>) -> u64 {
     // SAFETY: every bit pattern is a valid u64.
     let (_, words, _) = unsafe { c.align_to::<u64>() };
@@ -119,6 +121,8 @@ fn sum_words(c: &[u8], next: Option<&[u8]>) -> u64 {
     acc.iter().fold(0u64, |a, b| a.wrapping_add(*b))
 }
 
+/// GB/s of `rounds` timed plain reads: of all of `bufs`, or with `rows` = (row bytes, selected
+/// rows) of only those rows of each buffer.
 fn stream_or_scatter_gbs(bufs: &[&[u8]], rows: Option<(usize, &[u32])>, rounds: usize) -> f64 {
     let total: usize = match rows {
         None => bufs.iter().map(|b| b.len()).sum(),
@@ -145,7 +149,6 @@ fn stream_or_scatter_gbs(bufs: &[&[u8]], rows: Option<(usize, &[u32])>, rounds: 
     }
     total as f64 / median(&mut times) / 1e9
 }
-
 
 fn main() {
     let threads_list: Vec<usize> = env_list("POWERINFER_BENCH_THREADS").unwrap_or(vec![1, 2]);
