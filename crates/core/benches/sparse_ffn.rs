@@ -5,8 +5,8 @@
 //! GB/s of weight bytes each side actually read, beside a plain streaming read of the same bytes
 //! on the same threads (the hardware limit the dense kernels can reach) and a plain read of just
 //! the selected rows, each with the next prefetched (the limit for the sparse operator). The
-//! operator is given the row-major down matrix too, as for models that have one, so selections of at least
-//! `DENSE_FRACTION` of the neurons (the 0% row) run through the dense kernels.
+//! operator is given the row-major down matrix too, as for models that have one, so selections
+//! of at least `DENSE_FRACTION` of the neurons (the 0% row) run through the dense kernels.
 //!
 //!     cargo bench -p powerinfer-core --bench sparse_ffn
 //!
