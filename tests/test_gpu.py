@@ -115,33 +115,75 @@ def test_plan_too_small_and_layer_offload(tmp_path):
 # ----------------------------------------------------------------------------- on the GPU
 
 
-def _greedy(engine, prompt, n=24):
-    return engine.generate(prompt, max_tokens=n, temperature=0.0)
+def _single_tokens_agree(cpu, other, rel_tol=1e-3, share=0.8, worst=5e-2):
+    """Every vocabulary token alone through both engines: logits within `rel_tol` for at least
+    `share` of them and within `worst` for all. With int8 activations (quantized weights) a last-bit
+    difference between two summation orders can move a value across a rounding boundary, a step
+    of max|x|/127 in one element; in these tiny models with outlying activations that moves a few
+    tokens' logits by about 1%, so the bulk is held to `rel_tol` and the rest to `worst`. Reading
+    float activations where the CPU reads int8 ones put every token about 5% off."""
+    errs = []
+    for t in range(cpu.config["n_vocab"]):
+        a, b = cpu.logits([t])[-1], other.logits([t])[-1]
+        errs.append(float(np.linalg.norm(a - b) / np.linalg.norm(a)))
+    errs = np.array(errs)
+    assert (errs < rel_tol).mean() >= share and errs.max() < worst, (np.median(errs), errs.max())
+
+
+def _decode_agrees(cpu, other, prompt, n=24, rel_tol=1e-3):
+    """Decodes `n` tokens greedily on the CPU and feeds the same tokens to `other`, one at a time
+    (the decode path). At every step the logits agree within `rel_tol` (relative, L2), and
+    `other`'s choice is the CPU's unless the CPU's top two logits are closer than twice the two
+    engines' largest difference at that step (a tie that rounding may break either way).
+    Returns the number of such ties."""
+    ids = cpu.tokenize(prompt)
+    sc, so = cpu._session(), other._session()
+    a = np.atleast_2d(sc.eval(ids))[-1].astype(np.float64)
+    b = np.atleast_2d(so.eval(ids))[-1].astype(np.float64)
+    ties = 0
+    for step in range(n):
+        err = np.linalg.norm(a - b) / np.linalg.norm(a)
+        assert err < rel_tol, (step, err)
+        want, got = int(a.argmax()), int(b.argmax())
+        if got != want:
+            assert a[want] - a[got] <= 2 * np.abs(a - b).max(), (step, want, got)
+            ties += 1
+        a = np.atleast_2d(sc.eval([want]))[-1].astype(np.float64)
+        b = np.atleast_2d(so.eval([want]))[-1].astype(np.float64)
+    return ties
 
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("dtype", [Q.F16, Q.Q8_0, Q.F32])
-def test_hybrid_matches_cpu_on_a_relu_model(tmp_path, dtype):
-    """ReGLU model with predictors: full GPU, a hot/cold split, and layer offload all give the
-    CPU's greedy tokens and logits close to the CPU's."""
+@pytest.mark.parametrize("dtype", [Q.F16, Q.Q8_0, Q.Q4_0, Q.F32])
+@pytest.mark.parametrize("kv_type", ["f16", "f32"])
+def test_hybrid_matches_cpu_on_a_relu_model(tmp_path, dtype, kv_type):
+    """ReGLU model with predictors: full GPU, a hot/cold split, and layer offload decode what
+    the CPU decodes, with logits within 1e-3 of the CPU's (float weights; quantized ones as
+    `_single_tokens_agree` says)."""
     path = write_powerinfer_model(tmp_path / "pw.gguf", n_layer=4, n_ff=256, n_embd=128, n_head=4, dtype=dtype)
-    cpu = Engine.load(path, device="cpu", n_ctx=128)
-    want = _greedy(cpu, "the the")
+    cpu = Engine.load(path, device="cpu", n_ctx=128, kv_type=kv_type)
     ids = cpu.tokenize("in the an the", add_bos=False)
     ref = cpu.logits(ids)
     mb = model_bytes(path, 128)
-    dense = int(sum(mb.layer_dense_bytes) + mb.kv_cache_bytes + mb.output_bytes)
+    kv_bytes = mb.kv_cache_bytes * (2 if kv_type == "f32" else 1)  # model_bytes counts f16
+    dense = int(sum(mb.layer_dense_bytes) + kv_bytes + mb.output_bytes)
     split = dense + int(100 * float(np.sum(mb.neuron_bytes)))
     for kwargs in (dict(), dict(vram_budget=split), dict(gpu_layers=2)):
-        e = Engine.load(path, device="cuda", n_ctx=128, **kwargs)
+        e = Engine.load(path, device="cuda", n_ctx=128, kv_type=kv_type, **kwargs)
         assert e.device == "cuda"
         r = e.gpu_report()
         assert r["weight_bytes"] > 0
-        assert _greedy(e, "the the") == want, kwargs
-        got = e.logits(ids)
-        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
-        assert err < 2e-2, (kwargs, err)
+        if dtype in (Q.F16, Q.F32):
+            _decode_agrees(cpu, e, "the the")
+            got = e.logits(ids)
+            err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+            assert err < 1e-3, (kwargs, err)
+        else:
+            # see _single_tokens_agree: a rounding flip stays in the KV cache, so decoding is
+            # held to the flips' size and single tokens to 1e-3
+            _single_tokens_agree(cpu, e)
+            _decode_agrees(cpu, e, "the the", rel_tol=0.1)
         if "vram_budget" in kwargs:
             assert 0 < r["hot_neurons"] < r["total_neurons"]
             assert 0 < e.last_stats.get("gpu_neuron_share", 0) < 1
@@ -149,26 +191,42 @@ def test_hybrid_matches_cpu_on_a_relu_model(tmp_path, dtype):
 
 @gpu
 @needs_gpu
-def test_hybrid_matches_cpu_on_smollm2():
+def test_hybrid_on_smollm2_is_as_close_to_float64_as_the_cpu():
+    """SmolLM2 (Q4_1 + Q8_0) wholly on the GPU and split about half and half: along the CPU's
+    greedy text, each engine's logits against a float64 forward pass of the same weights. Two
+    int8-activation implementations of this model differ by up to ~10% at single positions
+    (its outlying activations make a last-bit difference cross rounding boundaries), so the
+    GPU is not held to the CPU's numbers but to the CPU's distance from the exact function:
+    no further on average, and the same top token as often."""
     from powerinfer_rs.models import default_model_path
+    from reference import forward, read_weights
 
     try:
         path = default_model_path()
     except Exception as e:  # pragma: no cover - the model package is a test dependency
         pytest.skip(str(e))
     cpu = Engine.load(path, device="cpu", n_ctx=256)
-    prompt = "The three primary colors are"
-    want = _greedy(cpu, prompt, 32)
-    full = Engine.load(path, device="cuda", n_ctx=256)
-    assert _greedy(full, prompt, 32) == want
-    # a budget that holds the dense part and about half the neurons: a real hot/cold split
+    prompt = cpu.tokenize("The three primary colors are")
+    ids = prompt + cpu.tokenize(cpu.generate(prompt, max_tokens=32, temperature=0.0), add_bos=False)
+    w, meta = read_weights(path)
+    ref = forward(w, meta, ids)
+
+    def distance(engine):
+        got = engine.logits(ids).astype(np.float64)
+        err = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
+        return float(err.mean()), int((got.argmax(1) == ref.argmax(1)).sum())
+
+    cpu_err, cpu_top = distance(cpu)
     mb = model_bytes(path, 256)
     dense = int(sum(mb.layer_dense_bytes) + mb.kv_cache_bytes + mb.output_bytes)
     half = dense + int(0.5 * mb.n_ff * float(np.sum(mb.neuron_bytes)))
-    hybrid = Engine.load(path, device="cuda", n_ctx=256, vram_budget=half)
-    r = hybrid.gpu_report()
-    assert 0.3 < r["hot_neuron_fraction"] < 0.7
-    assert _greedy(hybrid, prompt, 32) == want
+    for kwargs in (dict(), dict(vram_budget=half)):
+        e = Engine.load(path, device="cuda", n_ctx=256, **kwargs)
+        if kwargs:
+            assert 0.3 < e.gpu_report()["hot_neuron_fraction"] < 0.7
+        gpu_err, gpu_top = distance(e)
+        assert gpu_err <= 1.25 * cpu_err, (kwargs, gpu_err, cpu_err)
+        assert gpu_top >= cpu_top - 2, (kwargs, gpu_top, cpu_top, len(ids))
 
 
 @gpu

@@ -1,5 +1,7 @@
 // GPU kernels of powerinfer-rs: one decode token at a time, f32 activations, weights in their
-// file type (F32, F16, Q4_0, Q4_1, Q8_0, ggml's block layouts). Compiled to PTX by
+// file type (F32, F16, Q4_0, Q4_1, Q8_0, ggml's block layouts). Quantized weights read their
+// input as int8 blocks (quantize_q8), rounded exactly as the CPU's integer kernels round it,
+// so the GPU and the CPU compute the same function. Compiled to PTX by
 // scripts/gen_ptx.sh and committed as powerinfer.ptx; the Rust side loads the PTX through the
 // driver, so users need no CUDA toolkit. Every kernel has a scalar CPU twin in src/twin.rs,
 // and tests/gpu compares the two.
@@ -63,10 +65,45 @@ __device__ float block_max(float v, float* red) {
     return warp_max(v);
 }
 
+// ---- int8 activation blocks -------------------------------------------------------------------
+// The CPU's `BlockQ8Act` (40 bytes): d = max|x| / 127, s = d * sum(q), q = round(x / d) half
+// away from zero. Quantized weights are dotted with these, as on the CPU: same rounding, integer
+// products, then the same scale arithmetic.
+struct Q8Act {
+    float d, s;
+    int qs[8];  // 32 int8, four per int (4-aligned: the block is 40 bytes)
+};
+static_assert(sizeof(Q8Act) == 40, "BlockQ8Act layout");
+
+// One warp per block of 32 values; n_blocks blocks of x into out.
+extern "C" __global__ void quantize_q8(const float* x, Q8Act* out, int n_blocks) {
+    const int b = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (b >= n_blocks) return;
+    const int lane = threadIdx.x & 31;
+    const float v = x[b * 32 + lane];
+    const float d = warp_max(fabsf(v)) / 127.0f;  // IEEE division, as on the CPU (no fast math)
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const int q = (int)fminf(fmaxf(roundf(v * id), -128.0f), 127.0f);  // Rust's saturating `as i8`
+    int sum = q;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    reinterpret_cast<signed char*>(out[b].qs)[lane] = (signed char)q;
+    if (lane == 0) {
+        out[b].d = d;
+        out[b].s = d * (float)sum;
+    }
+}
+
+// 4 weight bytes at a 2-byte-aligned address as one int.
+__device__ __forceinline__ int load_i32_a2(const u8* p) {
+    return (int)load_u16(p) | ((int)load_u16(p + 2) << 16);
+}
+
 // ---- one row . x, computed by one warp; every lane gets the dot ----------------------------
+// x: f32 input (float weights); xq: its int8 blocks (quantized weights).
 
 template <int T>
-__device__ float warp_dot(const u8* row, const float* x, int cols) {
+__device__ float warp_dot(const u8* row, const float* x, const Q8Act* xq, int cols) {
     const int lane = threadIdx.x & 31;
     float acc = 0.0f;
     if (T == T_F32) {
@@ -103,30 +140,28 @@ __device__ float warp_dot(const u8* row, const float* x, int cols) {
         const int bytes = T == T_Q4_0 ? 18 : T == T_Q4_1 ? 20 : 34;
         for (int b = lane; b < nb; b += 32) {
             const u8* blk = row + (size_t)b * bytes;
-            const float* xs = x + b * 32;
+            const Q8Act& a = xq[b];
             const float d = h2f(load_u16(blk));
+            int isum = 0;
             if (T == T_Q8_0) {
-                const signed char* q = reinterpret_cast<const signed char*>(blk + 2);
-                float s = 0.0f;
 #pragma unroll
-                for (int i = 0; i < 32; i++) s += (float)q[i] * xs[i];
-                acc += d * s;
+                for (int k = 0; k < 8; k++) isum = __dp4a(load_i32_a2(blk + 2 + 4 * k), a.qs[k], isum);
+                acc += d * a.d * (float)isum;
             } else {
                 // element i < 16 is the low nibble of qs[i], element i + 16 its high nibble
                 const u8* qs = blk + (T == T_Q4_0 ? 2 : 4);
-                float s = 0.0f, sx = 0.0f;
 #pragma unroll
-                for (int i = 0; i < 16; i++) {
-                    const int lo = qs[i] & 15, hi = qs[i] >> 4;
-                    if (T == T_Q4_0) {
-                        s += (float)(lo - 8) * xs[i] + (float)(hi - 8) * xs[i + 16];
-                    } else {
-                        s += (float)lo * xs[i] + (float)hi * xs[i + 16];
-                        sx += xs[i] + xs[i + 16];
-                    }
+                for (int k = 0; k < 4; k++) {
+                    const int w = load_i32_a2(qs + 4 * k);
+                    isum = __dp4a(w & 0x0F0F0F0F, a.qs[k], isum);
+                    isum = __dp4a((w >> 4) & 0x0F0F0F0F, a.qs[4 + k], isum);
                 }
-                acc += d * s;
-                if (T == T_Q4_1) acc += h2f(load_u16(blk + 2)) * sx;
+                if (T == T_Q4_0) {
+                    // sum((q - 8) * a) = sum(q * a) - 8 * sum(a)
+                    acc += d * (a.d * (float)isum) - 8.0f * d * a.s;
+                } else {
+                    acc += d * a.d * (float)isum + h2f(load_u16(blk + 2)) * a.s;
+                }
             }
         }
     }
@@ -171,11 +206,11 @@ __device__ __forceinline__ float activate(int act, float g, float u) {
 // y[r] = W[r] . x (+ bias[r]) for r < rows, optionally relu'd; one warp per row, 4 rows per block.
 
 template <int T>
-__device__ void matvec(const u8* w, unsigned long long row_bytes, const float* x, const float* bias,
-                       float* y, int rows, int cols, int relu) {
+__device__ void matvec(const u8* w, unsigned long long row_bytes, const float* x, const Q8Act* xq,
+                       const float* bias, float* y, int rows, int cols, int relu) {
     const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (r >= rows) return;
-    float v = warp_dot<T>(w + (size_t)r * row_bytes, x, cols);
+    float v = warp_dot<T>(w + (size_t)r * row_bytes, x, xq, cols);
     if ((threadIdx.x & 31) == 0) {
         if (bias) v += bias[r];
         y[r] = relu ? fmaxf(v, 0.0f) : v;
@@ -184,8 +219,9 @@ __device__ void matvec(const u8* w, unsigned long long row_bytes, const float* x
 
 #define MATVEC(NAME, T)                                                                           \
     extern "C" __global__ void NAME(const u8* w, unsigned long long row_bytes, const float* x,     \
-                                    const float* bias, float* y, int rows, int cols, int relu) {   \
-        matvec<T>(w, row_bytes, x, bias, y, rows, cols, relu);                                     \
+                                    const Q8Act* xq, const float* bias, float* y, int rows, int cols, \
+                                    int relu) {                                                    \
+        matvec<T>(w, row_bytes, x, xq, bias, y, rows, cols, relu);                                 \
     }
 MATVEC(matvec_f32, T_F32)
 MATVEC(matvec_f16, T_F16)
@@ -201,8 +237,8 @@ MATVEC(matvec_q8_0, T_Q8_0)
 
 template <int T>
 __device__ void ffn_hot(const u8* gate, const u8* up, unsigned long long row_bytes, const int* bucket,
-                        const float* x, const float* up_bias, const float* pred_logits, float threshold,
-                        float* h, int n_hot, int cols, int act) {
+                        const float* x, const Q8Act* xq, const float* up_bias, const float* pred_logits,
+                        float threshold, float* h, int n_hot, int cols, int act) {
     const int i = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (i >= n_hot) return;
     const int j = bucket[i];
@@ -210,19 +246,19 @@ __device__ void ffn_hot(const u8* gate, const u8* up, unsigned long long row_byt
         if ((threadIdx.x & 31) == 0) h[i] = 0.0f;
         return;
     }
-    const float g = gate ? warp_dot<T>(gate + (size_t)i * row_bytes, x, cols) : 0.0f;
-    float u = warp_dot<T>(up + (size_t)i * row_bytes, x, cols);
+    const float g = gate ? warp_dot<T>(gate + (size_t)i * row_bytes, x, xq, cols) : 0.0f;
+    float u = warp_dot<T>(up + (size_t)i * row_bytes, x, xq, cols);
     if (up_bias) u += up_bias[j];
     if ((threadIdx.x & 31) == 0) h[i] = activate(act, g, u);
 }
 
 #define FFN_HOT(NAME, T)                                                                              \
     extern "C" __global__ void NAME(const u8* gate, const u8* up, unsigned long long row_bytes,       \
-                                    const int* bucket, const float* x, const float* up_bias,          \
-                                    const float* pred_logits, float threshold, float* h, int n_hot,   \
-                                    int cols, int act) {                                              \
-        ffn_hot<T>(gate, up, row_bytes, bucket, x, up_bias, pred_logits, threshold, h, n_hot, cols,   \
-                   act);                                                                              \
+                                    const int* bucket, const float* x, const Q8Act* xq,               \
+                                    const float* up_bias, const float* pred_logits, float threshold,  \
+                                    float* h, int n_hot, int cols, int act) {                         \
+        ffn_hot<T>(gate, up, row_bytes, bucket, x, xq, up_bias, pred_logits, threshold, h, n_hot,     \
+                   cols, act);                                                                        \
     }
 FFN_HOT(ffn_hot_f32, T_F32)
 FFN_HOT(ffn_hot_f16, T_F16)

@@ -8,7 +8,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr
 use cudarc::nvrtc::Ptx;
 use powerinfer_core::matmul::QMatrix;
 use powerinfer_core::model::FfnActivation;
-use powerinfer_core::quant::DType;
+use powerinfer_core::quant::{BlockQ8Act, DType, QK};
 
 use crate::CudaError;
 
@@ -67,7 +67,20 @@ impl DMat {
     }
 }
 
+/// An activation vector on the device as the kernels read it: `f32s` for float weights, and
+/// `q8`, its int8 blocks in the CPU's `BlockQ8Act` layout, for quantized weights. `Gpu::quantize`
+/// fills `q8` from `f32s`; whoever writes `f32s` calls it before a quantized matrix reads them.
+pub struct DActs {
+    pub f32s: CudaSlice<f32>,
+    pub q8: CudaSlice<u8>,
+}
+
+/// Bytes of one `BlockQ8Act` (32 int8 values, d and s), as `quantize_q8` writes it.
+pub const Q8_BLOCK_BYTES: usize = 40;
+const _: () = assert!(std::mem::size_of::<BlockQ8Act>() == Q8_BLOCK_BYTES);
+
 struct Kernels {
+    quantize_q8: CudaFunction,
     matvec: Vec<CudaFunction>,
     ffn_hot: Vec<CudaFunction>,
     down_partial: Vec<CudaFunction>,
@@ -115,6 +128,7 @@ impl Gpu {
         let f = |name: &str| module.load_function(name).map_err(|e| CudaError::Driver(format!("kernel {name}: {e}")));
         let per_type = |base: &str| TYPE_SUFFIX.iter().map(|s| f(&format!("{base}_{s}"))).collect::<Result<Vec<_>>>();
         let k = Kernels {
+            quantize_q8: f("quantize_q8")?,
             matvec: per_type("matvec")?,
             ffn_hot: per_type("ffn_hot")?,
             down_partial: per_type("down_partial")?,
@@ -178,13 +192,47 @@ impl Gpu {
         Ok(DMat { dtype: m.dtype, rows: n, cols: m.cols, row_bytes, data })
     }
 
-    /// y[r] = W[r] . x (+ bias[r]), relu'd when asked, for every row of `w`.
-    pub fn matvec(&self, w: &DMat, x: &CudaSlice<f32>, bias: Option<&CudaSlice<f32>>, y: &mut CudaSlice<f32>, relu: bool) -> Result<()> {
+    /// Device activations for vectors of up to `n` values (zeros).
+    pub fn acts(&self, n: usize) -> Result<DActs> {
+        Ok(DActs { f32s: self.zeros(n)?, q8: self.zeros(n.div_ceil(QK) * Q8_BLOCK_BYTES)? })
+    }
+
+    /// Rounds the first `n` values of `a.f32s` to int8 blocks in `a.q8` (the CPU's
+    /// `quantize_act`, bit for bit), when one of `readers` is quantized; a no-op otherwise.
+    pub fn quantize_for(&self, readers: &[&DMat], a: &mut DActs, n: usize) -> Result<()> {
+        if !readers.iter().any(|w| w.dtype.is_quantized()) {
+            return Ok(());
+        }
+        if n % QK != 0 || n.div_ceil(QK) * Q8_BLOCK_BYTES > a.q8.len() || n > a.f32s.len() {
+            return Err(CudaError::Unsupported(format!("{n} activations cannot be quantized in blocks of {QK} here")));
+        }
+        let n_blocks = (n / QK) as i32;
+        let mut b = self.stream.launch_builder(&self.k.quantize_q8);
+        b.arg(&a.f32s).arg(&mut a.q8).arg(&n_blocks);
+        // SAFETY: matches `quantize_q8`; both buffers hold n_blocks blocks (checked above).
+        unsafe { b.launch(cfg((blocks(n / QK, WARPS), 1), 32 * WARPS as u32)) }?;
+        Ok(())
+    }
+
+    /// Checks that `x` can feed a product with `cols` inputs of type `dtype`.
+    fn check_input(dtype: DType, cols: usize, x: &DActs) -> Result<()> {
+        let short = if dtype.is_quantized() { x.q8.len() < cols / QK * Q8_BLOCK_BYTES } else { x.f32s.len() < cols };
+        if short {
+            return Err(CudaError::Unsupported(format!("an activation buffer is shorter than the {cols} inputs of a {} matrix", dtype.name())));
+        }
+        Ok(())
+    }
+
+    /// y[r] = W[r] . x (+ bias[r]), relu'd when asked, for every row of `w`. A quantized `w`
+    /// reads `x.q8` (see `quantize_for`).
+    pub fn matvec(&self, w: &DMat, x: &DActs, bias: Option<&CudaSlice<f32>>, y: &mut CudaSlice<f32>, relu: bool) -> Result<()> {
+        Self::check_input(w.dtype, w.cols, x)?;
         let f = &self.k.matvec[type_slot(w.dtype)?];
         let (row_bytes, rows, cols, relu, bias) = (w.row_bytes as u64, w.rows as i32, w.cols as i32, relu as i32, self.ptr(bias));
         let mut b = self.stream.launch_builder(f);
-        b.arg(&w.data).arg(&row_bytes).arg(x).arg(&bias).arg(y).arg(&rows).arg(&cols).arg(&relu);
-        // SAFETY: argument types and order match `matvec_*` in powerinfer.cu; buffers are sized by the callers.
+        b.arg(&w.data).arg(&row_bytes).arg(&x.f32s).arg(&x.q8).arg(&bias).arg(y).arg(&rows).arg(&cols).arg(&relu);
+        // SAFETY: argument types and order match `matvec_*` in powerinfer.cu; x is checked
+        // above, y and bias are sized by the callers.
         unsafe { b.launch(cfg((blocks(w.rows, WARPS), 1), 32 * WARPS as u32)) }?;
         Ok(())
     }
@@ -197,7 +245,7 @@ impl Gpu {
         gate: Option<&DMat>,
         up: &DMat,
         bucket: &CudaSlice<i32>,
-        x: &CudaSlice<f32>,
+        x: &DActs,
         up_bias: Option<&CudaSlice<f32>>,
         pred_logits: Option<&CudaSlice<f32>>,
         threshold: f32,
@@ -209,12 +257,13 @@ impl Gpu {
                 return Err(CudaError::Unsupported(format!("gate ({}) and up ({}) differ in type", g.dtype.name(), up.dtype.name())));
             }
         }
+        Self::check_input(up.dtype, up.cols, x)?;
         let f = &self.k.ffn_hot[type_slot(up.dtype)?];
         let gate_ptr = gate.map_or(0, |g| g.data.device_ptr(&self.stream).0);
         let (row_bytes, n_hot, cols, act) = (up.row_bytes as u64, up.rows as i32, up.cols as i32, act_code(act));
         let (up_bias, pred) = (self.ptr(up_bias), self.ptr(pred_logits));
         let mut b = self.stream.launch_builder(f);
-        b.arg(&gate_ptr).arg(&up.data).arg(&row_bytes).arg(bucket).arg(x).arg(&up_bias).arg(&pred).arg(&threshold);
+        b.arg(&gate_ptr).arg(&up.data).arg(&row_bytes).arg(bucket).arg(&x.f32s).arg(&x.q8).arg(&up_bias).arg(&pred).arg(&threshold);
         b.arg(h).arg(&n_hot).arg(&cols).arg(&act);
         // SAFETY: matches `ffn_hot_*`; bucket and h hold n_hot entries, up_bias and pred_logits n_ff.
         unsafe { b.launch(cfg((blocks(up.rows, WARPS), 1), 32 * WARPS as u32)) }?;

@@ -24,7 +24,7 @@ use powerinfer_core::model::{Family, Model, RopeStyle};
 use powerinfer_core::session::{FfnStats, Session, Sparsity, SparsityMode};
 use powerinfer_core::sparse::{sparse_ffn, FfnMats, SparseScratch};
 
-use crate::gpu::{DMat, Gpu, Result, ROWS_PER_CHUNK};
+use crate::gpu::{DActs, DMat, Gpu, Result, ROWS_PER_CHUNK};
 use crate::CudaError;
 
 /// What goes to the GPU (from a `.gpuidx` placement, or a layer-offload split).
@@ -239,15 +239,15 @@ pub struct HybridSession {
     k_cache: Vec<Option<CudaSlice<u8>>>,
     v_cache: Vec<Option<CudaSlice<u8>>>,
     // device activations
-    x: CudaSlice<f32>,        // (n_embd) residual
-    xb: CudaSlice<f32>,       // (n_embd) normed input
+    x: DActs,                 // (n_embd) residual (the predictor's input)
+    xb: DActs,                // (n_embd) normed input
     q: CudaSlice<f32>,        // (q_dim)
     k: CudaSlice<f32>,        // (kv_dim)
     v: CudaSlice<f32>,        // (kv_dim)
-    att: CudaSlice<f32>,      // (q_dim)
+    att: DActs,               // (q_dim)
     attn_out: CudaSlice<f32>, // (n_embd)
     scores: CudaSlice<f32>,   // (n_head, n_ctx)
-    pred_hidden: CudaSlice<f32>, // (max predictor hidden)
+    pred_hidden: DActs,       // (max predictor hidden)
     pred_logits: CudaSlice<f32>, // (n_ff)
     h: CudaSlice<f32>,        // (max n_hot)
     partial: CudaSlice<f32>,  // (max chunks, n_embd)
@@ -283,15 +283,15 @@ impl HybridSession {
         let max_hot = hm.layers.iter().flatten().map(|l| l.n_hot).max().unwrap_or(1);
         let max_chunks = max_hot.div_ceil(ROWS_PER_CHUNK).max(1);
         Ok(HybridSession {
-            x: g.zeros(c.n_embd)?,
-            xb: g.zeros(c.n_embd)?,
+            x: g.acts(c.n_embd)?,
+            xb: g.acts(c.n_embd)?,
             q: g.zeros(c.q_dim())?,
             k: g.zeros(c.kv_dim())?,
             v: g.zeros(c.kv_dim())?,
-            att: g.zeros(c.q_dim())?,
+            att: g.acts(c.q_dim())?,
             attn_out: g.zeros(c.n_embd)?,
             scores: g.zeros(c.n_head * n_ctx)?,
-            pred_hidden: g.zeros(max_hidden)?,
+            pred_hidden: g.acts(max_hidden)?,
             pred_logits: g.zeros(c.n_ff)?,
             h: g.zeros(max_hot)?,
             partial: g.zeros(max_chunks * c.n_embd)?,
@@ -391,14 +391,14 @@ impl HybridSession {
         for l in 0..c.n_layer {
             let Some(layer) = hm.layers[l].as_ref() else {
                 if on_gpu {
-                    g.read(&self.x, &mut self.x_h)?;
+                    g.read(&self.x.f32s, &mut self.x_h)?;
                     on_gpu = false;
                 }
                 self.cpu.cpu_layer(l, &mut self.x_h, pos);
                 continue;
             };
             if !on_gpu {
-                g.write(&self.x_h, &mut self.x)?;
+                g.write(&self.x_h, &mut self.x.f32s)?;
                 on_gpu = true;
             }
             self.gpu_layer(&hm, l, layer, pos)?;
@@ -408,15 +408,16 @@ impl HybridSession {
         match &hm.output {
             Some((norm, w)) => {
                 if !on_gpu {
-                    g.write(&self.x_h, &mut self.x)?;
+                    g.write(&self.x_h, &mut self.x.f32s)?;
                 }
-                g.rmsnorm(&self.x, norm, &mut self.xb, c.n_embd, c.norm_eps)?;
+                g.rmsnorm(&self.x.f32s, norm, &mut self.xb.f32s, c.n_embd, c.norm_eps)?;
+                g.quantize_for(&[w], &mut self.xb, c.n_embd)?;
                 g.matvec(w, &self.xb, None, &mut self.logits, false)?;
                 g.read(&self.logits, &mut logits)?;
             }
             None => {
                 if on_gpu {
-                    g.read(&self.x, &mut self.x_h)?;
+                    g.read(&self.x.f32s, &mut self.x_h)?;
                 }
                 logits = self.cpu.cpu_logits(&self.x_h);
             }
@@ -432,7 +433,8 @@ impl HybridSession {
         let (kc, vc) = (self.k_cache[l].as_mut().expect("GPU layer"), self.v_cache[l].as_mut().expect("GPU layer"));
 
         // attention: x += wo @ attention(rope(wq @ norm(x)), cache)
-        g.rmsnorm(&self.x, &d.attn_norm, &mut self.xb, c.n_embd, c.norm_eps)?;
+        g.rmsnorm(&self.x.f32s, &d.attn_norm, &mut self.xb.f32s, c.n_embd, c.norm_eps)?;
+        g.quantize_for(&[&d.wq, &d.wk, &d.wv], &mut self.xb, c.n_embd)?;
         g.matvec(&d.wq, &self.xb, d.bq.as_ref(), &mut self.q, false)?;
         g.matvec(&d.wk, &self.xb, d.bk.as_ref(), &mut self.k, false)?;
         g.matvec(&d.wv, &self.xb, d.bv.as_ref(), &mut self.v, false)?;
@@ -440,25 +442,28 @@ impl HybridSession {
         g.rope(&mut self.q, &self.cos, &self.sin, c.n_head, c.head_dim, c.rope_dim, neox)?;
         g.rope(&mut self.k, &self.cos, &self.sin, c.n_head_kv, c.head_dim, c.rope_dim, neox)?;
         g.kv_store(&self.k, &self.v, kc, vc, pos, c.kv_dim(), self.kv_f16)?;
-        g.attention(&self.q, kc, vc, &mut self.scores, &mut self.att, pos + 1, self.n_ctx, c.n_head, c.n_head_kv, c.head_dim, self.kv_f16)?;
+        g.attention(&self.q, kc, vc, &mut self.scores, &mut self.att.f32s, pos + 1, self.n_ctx, c.n_head, c.n_head_kv, c.head_dim, self.kv_f16)?;
+        g.quantize_for(&[&d.wo], &mut self.att, c.q_dim())?;
         g.matvec(&d.wo, &self.att, d.bo.as_ref(), &mut self.attn_out, false)?;
-        g.add_into(&mut self.x, &self.attn_out, None, c.n_embd)?;
+        g.add_into(&mut self.x.f32s, &self.attn_out, None, c.n_embd)?;
 
         // FFN input; the predictor reads the residual x
-        g.rmsnorm(&self.x, &d.ffn_norm, &mut self.xb, c.n_embd, c.norm_eps)?;
+        g.rmsnorm(&self.x.f32s, &d.ffn_norm, &mut self.xb.f32s, c.n_embd, c.norm_eps)?;
         let sp = self.cpu.sparsity();
         let predicted = sp.mode == SparsityMode::Predictor;
         let threshold = sp.predictor_layer_thresholds.get(l).copied().unwrap_or(sp.predictor_threshold);
         if predicted {
             let (fc1, fc2) = d.predictor.as_ref().ok_or_else(|| CudaError::Plan(format!("layer {l} has no predictor")))?;
-            g.matvec(fc1, &self.x, None, &mut self.pred_hidden, true)?;
+            g.quantize_for(&[fc1], &mut self.x, c.n_embd)?;
+            g.matvec(fc1, &self.x, None, &mut self.pred_hidden.f32s, true)?;
+            g.quantize_for(&[fc2], &mut self.pred_hidden, fc1.rows)?;
             g.matvec(fc2, &self.pred_hidden, None, &mut self.pred_logits, false)?;
         }
 
         // the CPU needs the FFN input (and the predictor's verdict) before the hot kernels are queued
         let has_cold = !layer.cold.is_empty();
         if has_cold {
-            g.read(&self.xb, &mut self.xb_h)?;
+            g.read(&self.xb.f32s, &mut self.xb_h)?;
             if predicted {
                 g.read(&self.pred_logits, &mut self.pred_h)?;
             }
@@ -468,6 +473,7 @@ impl HybridSession {
         let mut n_chunks = 0;
         if let Some(hot) = &layer.hot {
             let pred = predicted.then_some(&self.pred_logits);
+            g.quantize_for(&[&hot.up], &mut self.xb, c.n_embd)?;
             g.ffn_hot(hot.gate.as_ref(), &hot.up, &hot.bucket, &self.xb, hot.up_bias.as_ref(), pred, threshold, c.ffn_activation, &mut self.h)?;
             n_chunks = g.down_partial(&hot.down_t, &self.h, &mut self.partial)?;
         }
@@ -508,7 +514,7 @@ impl HybridSession {
 
         // residual += hot partial sums + cold part (+ bias)
         let down_bias = layer.hot.as_ref().and_then(|h| h.down_bias.as_ref());
-        g.ffn_merge(&mut self.x, &self.partial, n_chunks, has_cold.then_some(&self.cpu_part), down_bias, c.n_embd)?;
+        g.ffn_merge(&mut self.x.f32s, &self.partial, n_chunks, has_cold.then_some(&self.cpu_part), down_bias, c.n_embd)?;
         Ok(())
     }
 }
@@ -565,9 +571,8 @@ mod tests {
             let merged: Vec<f32> = gpu_part.iter().zip(&cpu_part).map(|(a, b)| a + b).collect();
             let norm = all.iter().map(|v| v * v).sum::<f32>().sqrt();
             let err = merged.iter().zip(&all).map(|(a, b)| (a - b) * (a - b)).sum::<f32>().sqrt() / norm;
-            // the CPU operator quantizes activations to 8 bits for quantized weights
-            let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
-            assert!(err < tol, "{dtype:?}: relative error {err}");
+            // both sides read quantized weights' input as the same int8 blocks
+            assert!(err < 1e-5, "{dtype:?}: relative error {err}");
         }
     }
 

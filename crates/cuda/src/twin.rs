@@ -4,7 +4,7 @@
 
 use powerinfer_core::matmul::QMatrix;
 use powerinfer_core::model::FfnActivation;
-use powerinfer_core::quant::dequantize_row;
+use powerinfer_core::quant::{dequantize_row, quantize_act, BlockQ8Act, DType, QK};
 
 /// Row r of `m`, dequantized.
 pub fn row_f32(m: &QMatrix, r: usize) -> Vec<f32> {
@@ -13,12 +13,24 @@ pub fn row_f32(m: &QMatrix, r: usize) -> Vec<f32> {
     out
 }
 
+/// The input a matrix of type `dtype` reads: `x` itself for float weights; for quantized ones,
+/// `x` rounded to int8 blocks by the CPU's `quantize_act` (which `quantize_q8` reproduces).
+pub fn input_seen(dtype: DType, x: &[f32]) -> Vec<f32> {
+    if !dtype.is_quantized() {
+        return x.to_vec();
+    }
+    let mut blocks = vec![BlockQ8Act::default(); x.len() / QK];
+    quantize_act(x, &mut blocks);
+    blocks.iter().flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d)).collect()
+}
+
 fn dot(a: &[f32], b: &[f32]) -> f64 {
     a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
 }
 
 /// `matvec_*`: y[r] = W[r] . x (+ bias[r]), relu'd when asked.
 pub fn matvec(w: &QMatrix, x: &[f32], bias: Option<&[f32]>, relu: bool) -> Vec<f32> {
+    let x = &input_seen(w.dtype, x)[..];
     (0..w.rows)
         .map(|r| {
             let v = (dot(&row_f32(w, r), x) + bias.map_or(0.0, |b| b[r] as f64)) as f32;
@@ -42,6 +54,7 @@ pub fn ffn_hot(
     pred: Option<(&[f32], f32)>,
     act: FfnActivation,
 ) -> Vec<f32> {
+    let x = &input_seen(up.dtype, x)[..];
     bucket
         .iter()
         .map(|&j| {

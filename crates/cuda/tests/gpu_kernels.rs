@@ -3,11 +3,11 @@
 //! GPU each test prints why and returns, unless POWERINFER_REQUIRE_GPU=1 (set by
 //! `scripts/gpu_suite.sh`), which turns a missing GPU into a failure.
 
-use powerinfer_core::matmul::QMatrix;
+use powerinfer_core::matmul::{matmul, Activations, QMatrix};
 use powerinfer_core::model::FfnActivation;
-use powerinfer_core::quant::{dequantize_row, quantize_row, DType};
+use powerinfer_core::quant::{dequantize_row, quantize_act, quantize_row, BlockQ8Act, DType, QK};
 use powerinfer_core::sampler::Rng;
-use powerinfer_cuda::gpu::Gpu;
+use powerinfer_cuda::gpu::{DActs, DMat, Gpu, Q8_BLOCK_BYTES};
 use powerinfer_cuda::twin;
 
 fn gpu() -> Option<Gpu> {
@@ -42,6 +42,43 @@ fn poisoned(gpu: &Gpu, n: usize) -> cudarc::driver::CudaSlice<f32> {
     gpu.upload(&vec![f32::NAN; n]).unwrap()
 }
 
+/// `x` on the device, with its int8 blocks when `reader` is quantized.
+fn device_acts(g: &Gpu, x: &[f32], reader: &DMat) -> DActs {
+    let mut a = g.acts(x.len()).unwrap();
+    g.write(x, &mut a.f32s).unwrap();
+    g.quantize_for(&[reader], &mut a, x.len()).unwrap();
+    a
+}
+
+/// `quantize_q8` writes the bytes the CPU's `quantize_act` writes, for ordinary values, ties
+/// (values at exactly half a step), zeros and a block of zeros.
+#[test]
+fn quantize_is_bit_identical_to_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new(3);
+    let n = 32 * 300;
+    let mut x = random(&mut rng, n, 3.0);
+    x[32..64].iter_mut().for_each(|v| *v = 0.0);
+    // a block whose step is 1.0: amax 127, and values at k + 0.5 round away from zero
+    for (i, v) in x[64..96].iter_mut().enumerate() {
+        *v = if i == 0 { 127.0 } else { (i as f32 - 16.0) + 0.5 };
+    }
+    x[100] = 0.0;
+    let mut want = vec![BlockQ8Act::default(); n / QK];
+    quantize_act(&x, &mut want);
+    let want_bytes: Vec<u8> = want.iter().flat_map(|b| {
+        let mut v = b.d.to_le_bytes().to_vec();
+        v.extend(b.s.to_le_bytes());
+        v.extend(b.qs.iter().map(|&q| q as u8));
+        v
+    }).collect();
+    let reader = g.upload_rows(&QMatrix { dtype: DType::Q8_0, rows: 1, cols: n, data: &quantize_row(DType::Q8_0, &x) }, None).unwrap();
+    let a = device_acts(&g, &x, &reader);
+    let mut got = vec![0u8; n / QK * Q8_BLOCK_BYTES];
+    g.read(&a.q8, &mut got).unwrap();
+    assert_eq!(got, want_bytes);
+}
+
 const TYPES: [DType; 5] = [DType::F32, DType::F16, DType::Q4_0, DType::Q4_1, DType::Q8_0];
 
 #[test]
@@ -56,7 +93,7 @@ fn matvec_matches_twin() {
             let x = random(&mut rng, cols, 1.0);
             let bias = random(&mut rng, rows, 1.0);
             let dm = g.upload_rows(&m, None).unwrap();
-            let dx = g.upload(&x).unwrap();
+            let dx = device_acts(&g, &x, &dm);
             let db = g.upload(&bias).unwrap();
             for relu in [false, true] {
                 let mut dy = poisoned(&g, rows);
@@ -65,6 +102,14 @@ fn matvec_matches_twin() {
                 g.read(&dy, &mut y).unwrap();
                 let err = rel_err(&y, &twin::matvec(&m, &x, Some(&bias), relu));
                 assert!(err < 1e-5, "{dtype:?} {rows}x{cols} relu={relu}: {err}");
+                if dtype.is_quantized() {
+                    // the integer kernels compute what the CPU's do
+                    let mut acts = Activations::default();
+                    acts.set(&x, 1, cols);
+                    let mut cpu = vec![0.0; rows];
+                    matmul(&m, &acts, &mut cpu);
+                    assert!(rel_err(&y, &cpu.iter().zip(&bias).map(|(v, b)| if relu { (v + b).max(0.0) } else { v + b }).collect::<Vec<_>>()) < 1e-5);
+                }
             }
         }
     }
@@ -90,7 +135,7 @@ fn ffn_hot_and_down_match_twin() {
             let dup = g.upload_rows(&up, Some(&bucket)).unwrap();
             let ddown = g.upload_rows(&down_t, Some(&bucket)).unwrap();
             let dbucket = g.upload(&bucket.iter().map(|&j| j as i32).collect::<Vec<_>>()).unwrap();
-            let (dx, dlogits) = (g.upload(&x).unwrap(), g.upload(&logits).unwrap());
+            let (dx, dlogits) = (device_acts(&g, &x, &dup), g.upload(&logits).unwrap());
             for pred in [true, false] {
                 let mut dh = poisoned(&g, bucket.len());
                 let p = pred.then_some(&dlogits);
