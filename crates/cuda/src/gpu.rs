@@ -68,8 +68,9 @@ impl DMat {
 }
 
 /// An activation vector on the device as the kernels read it: `f32s` for float weights, and
-/// `q8`, its int8 blocks in the CPU's `BlockQ8Act` layout, for quantized weights. `Gpu::quantize_for`
-/// fills `q8` from `f32s`; whoever writes `f32s` calls it before a quantized matrix reads them.
+/// `q8`, its int8 blocks in the CPU's `BlockQ8Act` layout, for quantized weights.
+/// `Gpu::quantize_for` fills `q8` from `f32s`; whoever writes `f32s` calls it before a quantized
+/// matrix reads them.
 pub struct DActs {
     pub f32s: CudaSlice<f32>,
     pub q8: CudaSlice<u8>,
