@@ -24,7 +24,8 @@
 //! operator is given, so "0%" really computes every neuron.
 //!
 //! Environment: `POWERINFER_BENCH_THREADS` (e.g. "2" or "1,2"), `POWERINFER_BENCH_ROUNDS`,
-//! `POWERINFER_BENCH_TYPES` (e.g. "Q4_0,F16"), `POWERINFER_BENCH_FOOTPRINT` (bytes).
+//! `POWERINFER_BENCH_TYPES` (e.g. "Q4_0,F16"), `POWERINFER_BENCH_FOOTPRINT` (bytes),
+//! `POWERINFER_BENCH_SPARSITIES` (e.g. "0.9,0.95").
 
 use std::time::Instant;
 
@@ -154,6 +155,7 @@ fn main() {
     let threads_list: Vec<usize> = env_list("POWERINFER_BENCH_THREADS").unwrap_or(vec![1, 2]);
     let rounds: usize = std::env::var("POWERINFER_BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(9);
     let footprint: usize = std::env::var("POWERINFER_BENCH_FOOTPRINT").ok().and_then(|v| v.parse().ok()).unwrap_or(1 << 30);
+    let sparsities: Vec<f64> = env_list("POWERINFER_BENCH_SPARSITIES").unwrap_or(SPARSITIES.to_vec());
     let types: Vec<String> = env_list("POWERINFER_BENCH_TYPES").unwrap_or(vec!["Q4_0".into(), "Q8_0".into(), "F16".into()]);
     println!("FFN block {N_EMBD} x {N_FF} (ReGLU), one token, median of {rounds} alternating rounds");
     println!("GB/s: weight bytes read per second; stream: a plain read of the dense block's bytes;");
@@ -206,14 +208,14 @@ fn main() {
         let x_f: Vec<f32> = (0..N_EMBD).map(|_| rng.next_f32()).collect();
         for &threads in &threads_list {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-            let stream = pool.install(|| stream_read_gbs(&dense_bufs, rounds));
+            let stream = if std::env::var("SPARSE_ONLY").is_ok() { 0.0 } else { pool.install(|| stream_read_gbs(&dense_bufs, rounds)) };
             let (mut x, mut hx) = (Activations::default(), Activations::default());
             let (mut g, mut u) = (vec![0.0f32; N_FF], vec![0.0f32; N_FF]);
             let mut out = vec![0.0f32; N_EMBD];
             let mut scratch = SparseScratch::default();
             let mut sx = Activations::default();
             let mut sout = vec![0.0f32; N_EMBD];
-            for sparsity in SPARSITIES {
+            for &sparsity in &sparsities {
                 let keep = ((1.0 - sparsity) * N_FF as f64).round() as usize;
                 // a random subset of `keep` neurons, sorted
                 let mut idx: Vec<u32> = (0..N_FF as u32).collect();
@@ -245,7 +247,7 @@ fn main() {
                     sparse();
                     for _ in 0..rounds {
                         let t = Instant::now();
-                        dense();
+                        if std::env::var("SPARSE_ONLY").is_err() { dense(); }
                         td.push(t.elapsed().as_secs_f64() / copies as f64);
                         let t = Instant::now();
                         sparse();
@@ -253,6 +255,7 @@ fn main() {
                     }
                 });
                 let (d, s) = (median(&mut td), median(&mut ts));
+                if std::env::var("SPARSE_ONLY").is_ok() { println!("sparse {:.3} ms", median(&mut ts)*1e3); continue; }
                 let scatter = pool.install(|| scatter_read_gbs(&sparse_bufs, dtype.row_bytes(N_EMBD), &neurons, &dense_bufs, rounds));
                 let sparse_bytes = 3 * keep * dtype.row_bytes(N_EMBD);
                 println!(

@@ -3,11 +3,12 @@
 //! a[r] * row r (twin of R calls of `quant::axpy_scalar`), each tested against its scalar twin.
 //! They must only be called after `matmul::simd_level()` reported `Avx512`.
 //!
-//! The dots take two weight blocks per step into one 512-bit register, in the order of an
-//! `ActPair` (the activations rearranged once per product, see `quant::ActPair`), so one
-//! `vpdpbusd` does 64 multiply-adds; each lane is scaled by its block's weight scale times
-//! activation scale, and the blocks' offsets (Q4_0's -8, Q8_0's sign flip, Q4_1's minimum) are
-//! applied once per block from the activation sums.
+//! The dots take four weight blocks per step: two overlapping 64-byte loads cover them, one
+//! word permute gathers their weight bytes into the order of an `ActQuad` (the activations
+//! rearranged once per product, see `quant::ActQuad`) and another broadcasts their scales to
+//! each block's four lanes, so two `vpdpbusd` do 128 multiply-adds. The blocks' offsets (Q4_0's
+//! -8, Q8_0's sign flip) are applied in integers by starting the dot from the activations'
+//! per-block sums; Q4_1's minimum once per block from the activation sums.
 //!
 //! 4-bit rows are decoded by table lookup instead of integer-to-float conversion: a block's 16
 //! possible values times the row's coefficient form one 16-lane table (`(q - 8) * d * a` for
@@ -20,7 +21,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::quant::{ActPair, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType};
+use crate::quant::{ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType};
 
 /// An f16 scale as an f32 broadcast to 16 lanes.
 #[inline]
@@ -118,26 +119,6 @@ pub unsafe fn axpy_rows<const R: usize>(dtype: DType, rows: [&[u8]; R], a: [f32;
     }
 }
 
-/// Two f16 scales as f32 lanes in `ActPair` order: [x0 x4, x1 x4, x0 x4, x1 x4].
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn pair_scales(x0: u16, x1: u16) -> __m512 {
-    let both = _mm_cvtph_ps(_mm_cvtsi32_si128((x0 as u32 | (x1 as u32) << 16) as i32)); // [x0, x1, 0, 0]
-    let lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
-    _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(both))
-}
-
-/// Two blocks' 16-byte nibble arrays as 64 unsigned bytes in `ActPair` order.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn pair_nibbles(q0: &[u8; 16], q1: &[u8; 16]) -> __m512i {
-    let q = _mm256_set_m128i(_mm_loadu_si128(q1.as_ptr() as *const __m128i), _mm_loadu_si128(q0.as_ptr() as *const __m128i));
-    let mask = _mm256_set1_epi8(0x0F);
-    let lo = _mm256_and_si256(q, mask); // [block 0 elements 0..16, block 1 elements 0..16]
-    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), mask); // elements 16..32
-    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
-}
-
 /// Sum of the 16 lanes.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -145,119 +126,187 @@ unsafe fn hsum(v: __m512) -> f32 {
     _mm512_reduce_add_ps(v)
 }
 
-/// The dot loop shared by the quantized types: per pair of blocks, `weights(i)` gives the 64
-/// unsigned weight bytes (in `ActPair` order) and the two weight scales, `offset(i)` the two
-/// per-block values multiplied by the activation sums `s`. An odd last block goes to `tail`.
+/// How a quantized type's four blocks enter `dot_quads`.
+trait QuadBlocks {
+    /// Bytes of four blocks.
+    const BYTES: usize;
+    /// Signed weights (Q8_0) go in with 128 added, so `vpdpbusd` can take them as unsigned.
+    const SIGNED: bool;
+    /// Whether the type has a per-block minimum (Q4_1).
+    const HAS_MIN: bool;
+    /// From the four blocks at `p`: the weight bytes that meet the activations' `lo` and `hi`
+    /// (unsigned), each lane's weight scale, and each lane's minimum (when `HAS_MIN`).
+    unsafe fn unpack(p: *const u8) -> (__m512i, __m512i, __m512, __m512);
+}
+
+/// Words `first..first + 8` of each block, block k's from `block_word[k]` of its source (32 +
+/// word: the second source), as the 32-word index of a two-source word permute.
+const fn words_of_blocks(block_word: [i16; 4]) -> [i16; 32] {
+    let mut idx = [0i16; 32];
+    let mut p = 0;
+    while p < 32 {
+        idx[p] = block_word[p / 8] + (p % 8) as i16;
+        p += 1;
+    }
+    idx
+}
+
+/// Each block's word `block_word[k]` to lanes 4k..4k + 4 (16 words), as a word-permute index.
+const fn lanes_of_blocks(block_word: [i16; 4]) -> [i16; 32] {
+    let mut idx = [0i16; 32];
+    let mut lane = 0;
+    while lane < 16 {
+        idx[lane] = block_word[lane / 4];
+        lane += 1;
+    }
+    idx
+}
+
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn dot_pairs<const N: usize>(
-    n_blocks: usize,
-    pairs: [&[ActPair]; N],
+unsafe fn index(words: &[i16; 32]) -> __m512i {
+    _mm512_loadu_si512(words.as_ptr() as *const _)
+}
+
+/// Sixteen f16 words (the low half of `v`) as f32 lanes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn f16_lanes(v: __m512i) -> __m512 {
+    _mm512_cvtph_ps(_mm512_castsi512_si256(v))
+}
+
+/// Low and high nibbles of 64 bytes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn nibbles(q: __m512i) -> (__m512i, __m512i) {
+    let mask = _mm512_set1_epi8(0x0F);
+    (_mm512_and_si512(q, mask), _mm512_and_si512(_mm512_srli_epi16::<4>(q), mask))
+}
+
+/// Q4_0, 18-byte blocks: loads at bytes 0 and 8 cover all four (every block's `qs` starts at
+/// an even offset, 2 + 18k; block 3's lies in the second load, from its word 24).
+impl QuadBlocks for BlockQ4_0 {
+    const BYTES: usize = 72;
+    const SIGNED: bool = false;
+    const HAS_MIN: bool = false;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn unpack(p: *const u8) -> (__m512i, __m512i, __m512, __m512) {
+        let (r0, r1) = (_mm512_loadu_si512(p as *const _), _mm512_loadu_si512(p.add(8) as *const _));
+        let (lo, hi) = nibbles(_mm512_permutex2var_epi16(r0, index(&const { words_of_blocks([1, 10, 19, 32 + 24]) }), r1));
+        let d = f16_lanes(_mm512_permutexvar_epi16(index(&const { lanes_of_blocks([0, 9, 18, 27]) }), r0));
+        (lo, hi, d, _mm512_setzero_ps())
+    }
+}
+
+/// Q4_1, 20-byte blocks (d, m, then `qs` at 4 + 20k): loads at bytes 0 and 16.
+impl QuadBlocks for BlockQ4_1 {
+    const BYTES: usize = 80;
+    const SIGNED: bool = false;
+    const HAS_MIN: bool = true;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn unpack(p: *const u8) -> (__m512i, __m512i, __m512, __m512) {
+        let (r0, r1) = (_mm512_loadu_si512(p as *const _), _mm512_loadu_si512(p.add(16) as *const _));
+        let (lo, hi) = nibbles(_mm512_permutex2var_epi16(r0, index(&const { words_of_blocks([2, 12, 22, 32 + 24]) }), r1));
+        let d = f16_lanes(_mm512_permutexvar_epi16(index(&const { lanes_of_blocks([0, 10, 20, 30]) }), r0));
+        let m = f16_lanes(_mm512_permutexvar_epi16(index(&const { lanes_of_blocks([1, 11, 21, 31]) }), r0));
+        (lo, hi, d, m)
+    }
+}
+
+/// Q8_0, 34-byte blocks (`qs` at 2 + 34k, 32 signed bytes): elements 0..16 of the four blocks
+/// come from the loads at bytes 0 and 64, elements 16..32 from those at 8 and 72 (136 bytes in
+/// all); the sign bit is flipped (q + 128) for `vpdpbusd`, and 128 * sum(a) comes off through
+/// the activations' bias shifted left by 4 (-2 * 16 = -32 * sum(q) per lane).
+impl QuadBlocks for BlockQ8_0 {
+    const BYTES: usize = 136;
+    const SIGNED: bool = true;
+    const HAS_MIN: bool = false;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn unpack(p: *const u8) -> (__m512i, __m512i, __m512, __m512) {
+        let ld = |off: usize| _mm512_loadu_si512(p.add(off) as *const _);
+        let (a, b, a8, c) = (ld(0), ld(64), ld(8), ld(72));
+        let sign = _mm512_set1_epi8(-128);
+        // lo: block k's bytes 2 + 34k.., from a (words 1, 18) and b (bytes 70 and 104 = its words 3, 20)
+        let lo = _mm512_permutex2var_epi16(a, index(&const { words_of_blocks([1, 18, 32 + 3, 32 + 20]) }), b);
+        // hi: bytes 18 + 34k.., from a8 (bytes 18 and 52 = its words 5, 22) and c (bytes 86 and 120 = its words 7, 24)
+        let hi = _mm512_permutex2var_epi16(a8, index(&const { words_of_blocks([5, 22, 32 + 7, 32 + 24]) }), c);
+        // scales at bytes 0, 34, 68, 102: words 0 and 17 of a, 2 and 19 of b
+        let d = f16_lanes(_mm512_permutex2var_epi16(a, index(&const { lanes_of_blocks([0, 17, 32 + 2, 32 + 19]) }), b));
+        (_mm512_xor_si512(lo, sign), _mm512_xor_si512(hi, sign), d, _mm512_setzero_ps())
+    }
+}
+
+/// The dot loop shared by the quantized types, four weight blocks per step (see `ActQuad`):
+/// two `vpdpbusd` starting from the activations' bias (the weights' offset, in integers), one
+/// conversion, one FMA with the lane scales, and for Q4_1 one FMA of its minimum with the
+/// activation sums. Up to three last blocks go to `tail`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn dot_quads<B: QuadBlocks, const N: usize>(
+    w: &[B],
+    a: [&[BlockQ8Act]; N],
+    quads: [&[ActQuad]; N],
     next: &[u8],
-    weights: impl Fn(usize) -> (__m512i, __m512),
-    offset: impl Fn(usize, __m512) -> __m512,
+    tail: unsafe fn(&[B], [&[BlockQ8Act]; N]) -> [f32; N],
 ) -> [f32; N] {
+    let n_quads = w.len() / 4;
     let mut acc = [_mm512_setzero_ps(); N];
     let mut off = [_mm512_setzero_ps(); N];
-    // `next` is prefetched evenly over the pairs (see `matmul::dot_row`)
-    let step = next.len().div_ceil((n_blocks / 2).max(1));
-    for i in 0..n_blocks / 2 {
+    // `next` is prefetched evenly over the steps (see `matmul::dot_row`)
+    let step = next.len().div_ceil(n_quads.max(1));
+    let base = w.as_ptr() as *const u8;
+    for i in 0..n_quads {
         if step > 0 {
             _mm_prefetch::<_MM_HINT_T0>(next.as_ptr().wrapping_add(i * step) as *const i8);
         }
-        let (w, d) = weights(i);
-        let o = offset(i, d);
+        let (lo, hi, d, m) = B::unpack(base.add(B::BYTES * i));
         for j in 0..N {
-            let p = pairs[j].get_unchecked(i);
-            let a = _mm512_loadu_si512(p.qs.as_ptr() as *const _);
-            let dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a));
-            acc[j] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_loadu_ps(p.d.as_ptr())), acc[j]);
-            off[j] = _mm512_fmadd_ps(o, _mm512_loadu_ps(p.s8.as_ptr()), off[j]);
+            let x = quads[j].get_unchecked(i);
+            let bias = || _mm512_load_si512(x.bias.as_ptr() as *const _);
+            let mut dot = match (B::HAS_MIN, B::SIGNED) {
+                (true, _) => _mm512_setzero_si512(),
+                (false, false) => bias(),
+                (false, true) => _mm512_slli_epi32::<4>(bias()),
+            };
+            dot = _mm512_dpbusd_epi32(dot, lo, _mm512_load_si512(x.lo.as_ptr() as *const _));
+            dot = _mm512_dpbusd_epi32(dot, hi, _mm512_load_si512(x.hi.as_ptr() as *const _));
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_load_ps(x.d.as_ptr())), acc[j]);
+            if B::HAS_MIN {
+                off[j] = _mm512_fmadd_ps(m, _mm512_load_ps(x.s4.as_ptr()), off[j]);
+            }
         }
     }
     let mut out = [0.0f32; N];
     for j in 0..N {
-        out[j] = hsum(acc[j]) + hsum(off[j]);
+        out[j] = hsum(acc[j]) + if B::HAS_MIN { hsum(off[j]) } else { 0.0 };
     }
-    out
-}
-
-/// The odd last block of a row, if any, through the AVX2 kernel.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn add_tail<B, const N: usize>(
-    out: &mut [f32; N],
-    w: &[B],
-    a: [&[BlockQ8Act]; N],
-    kernel: unsafe fn(&[B], [&[BlockQ8Act]; N]) -> [f32; N],
-) {
-    if w.len() % 2 == 1 {
-        let last = w.len() - 1;
-        let t = kernel(&w[last..], a.map(|r| &r[last..]));
+    let done = 4 * n_quads;
+    if done < w.len() {
+        let t = tail(&w[done..], a.map(|r| &r[done..]));
         for j in 0..N {
             out[j] += t[j];
         }
     }
+    out
 }
 
 /// Twin of `quant::dot_q4_0_scalar`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn dot_q4_0<const N: usize>(w: &[BlockQ4_0], a: [&[BlockQ8Act]; N], pairs: [&[ActPair]; N], next: &[u8]) -> [f32; N] {
-    let minus8 = _mm512_set1_ps(-8.0);
-    let mut out = dot_pairs(
-        w.len(),
-        pairs,
-        next,
-        |i| {
-            let (b0, b1) = (w.get_unchecked(2 * i), w.get_unchecked(2 * i + 1));
-            (pair_nibbles(&b0.qs, &b1.qs), pair_scales(b0.d, b1.d))
-        },
-        // sum((q - 8) * a) = sum(q * a) - 8 * sum(a)
-        |_, d| _mm512_mul_ps(d, minus8),
-    );
-    add_tail(&mut out, w, a, crate::avx2::dot_q4_0::<N>);
-    out
+pub unsafe fn dot_q4_0<const N: usize>(w: &[BlockQ4_0], a: [&[BlockQ8Act]; N], quads: [&[ActQuad]; N], next: &[u8]) -> [f32; N] {
+    dot_quads(w, a, quads, next, crate::avx2::dot_q4_0::<N>)
 }
 
 /// Twin of `quant::dot_q4_1_scalar`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn dot_q4_1<const N: usize>(w: &[BlockQ4_1], a: [&[BlockQ8Act]; N], pairs: [&[ActPair]; N], next: &[u8]) -> [f32; N] {
-    let mut out = dot_pairs(
-        w.len(),
-        pairs,
-        next,
-        |i| {
-            let (b0, b1) = (w.get_unchecked(2 * i), w.get_unchecked(2 * i + 1));
-            (pair_nibbles(&b0.qs, &b1.qs), pair_scales(b0.d, b1.d))
-        },
-        // sum((d q + m) * a) = d sum(q a) + m sum(a)
-        |i, _| pair_scales(w.get_unchecked(2 * i).m, w.get_unchecked(2 * i + 1).m),
-    );
-    add_tail(&mut out, w, a, crate::avx2::dot_q4_1::<N>);
-    out
+pub unsafe fn dot_q4_1<const N: usize>(w: &[BlockQ4_1], a: [&[BlockQ8Act]; N], quads: [&[ActQuad]; N], next: &[u8]) -> [f32; N] {
+    dot_quads(w, a, quads, next, crate::avx2::dot_q4_1::<N>)
 }
 
-/// Twin of `quant::dot_q8_0_scalar`. `vpdpbusd` multiplies unsigned by signed bytes, so the
-/// weights go in as q + 128 (their sign bit flipped) and 128 * sum(a) comes off per block.
+/// Twin of `quant::dot_q8_0_scalar`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn dot_q8_0<const N: usize>(w: &[BlockQ8_0], a: [&[BlockQ8Act]; N], pairs: [&[ActPair]; N], next: &[u8]) -> [f32; N] {
-    let minus128 = _mm512_set1_ps(-128.0);
-    let sign = _mm512_set1_epi8(-128);
-    // 128-bit lanes [b0 lo, b0 hi, b1 lo, b1 hi] -> [b0 lo, b1 lo, b0 hi, b1 hi]
-    let order = _mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7);
-    let mut out = dot_pairs(
-        w.len(),
-        pairs,
-        next,
-        |i| {
-            let (b0, b1) = (w.get_unchecked(2 * i), w.get_unchecked(2 * i + 1));
-            let q0 = _mm256_loadu_si256(b0.qs.as_ptr() as *const __m256i);
-            let q1 = _mm256_loadu_si256(b1.qs.as_ptr() as *const __m256i);
-            let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(q0), q1);
-            (_mm512_xor_si512(_mm512_permutexvar_epi64(order, both), sign), pair_scales(b0.d, b1.d))
-        },
-        |_, d| _mm512_mul_ps(d, minus128),
-    );
-    add_tail(&mut out, w, a, crate::avx2::dot_q8_0::<N>);
-    out
+pub unsafe fn dot_q8_0<const N: usize>(w: &[BlockQ8_0], a: [&[BlockQ8Act]; N], quads: [&[ActQuad]; N], next: &[u8]) -> [f32; N] {
+    dot_quads(w, a, quads, next, crate::avx2::dot_q8_0::<N>)
 }

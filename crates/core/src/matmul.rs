@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
-use crate::quant::{self, cast_blocks, ActPair, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK};
+use crate::quant::{self, cast_blocks, ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK};
 
 /// Instruction sets the kernels are written for, in increasing order: each level has every
 /// feature of the ones below it.
@@ -109,8 +109,9 @@ pub struct Activations {
     pub cols: usize,
     pub f32s: Vec<f32>,
     pub q8: Vec<BlockQ8Act>,
-    /// With AVX-512: `q8` again, in pairs of blocks as the 512-bit dots read them (n, cols / 64).
-    pub pairs: Vec<ActPair>,
+    /// With AVX-512: `q8` again, in groups of four blocks as the 512-bit dots read them
+    /// (n, cols / 128).
+    pub quads: Vec<ActQuad>,
 }
 
 impl Activations {
@@ -132,19 +133,19 @@ impl Activations {
                 SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { crate::avx2::quantize_act(xs, q) },
                 _ => quant::quantize_act(xs, q),
             });
-            self.pairs.clear();
+            self.quads.clear();
             if level == SimdLevel::Avx512 {
-                let np = nb / 2;
-                self.pairs.resize(n * np, ActPair::default());
-                if np > 0 {
-                    for (p, q) in self.pairs.chunks_mut(np).zip(self.q8.chunks(nb)) {
-                        quant::arrange_act_pairs(q, p);
+                let nq = nb / 4;
+                self.quads.resize(n * nq, ActQuad::default());
+                if nq > 0 {
+                    for (p, q) in self.quads.chunks_mut(nq).zip(self.q8.chunks(nb)) {
+                        quant::arrange_act_quads(q, p);
                     }
                 }
             }
         } else {
             self.q8.clear();
-            self.pairs.clear();
+            self.quads.clear();
         }
     }
 
@@ -157,9 +158,9 @@ impl Activations {
         &self.q8[t * nb..(t + 1) * nb]
     }
 
-    fn pair_row(&self, t: usize) -> &[ActPair] {
-        let np = self.cols / QK / 2;
-        &self.pairs[t * np..(t + 1) * np]
+    fn quad_row(&self, t: usize) -> &[ActQuad] {
+        let nq = self.cols / QK / 4;
+        &self.quads[t * nq..(t + 1) * nq]
     }
 }
 
@@ -183,8 +184,8 @@ pub(crate) fn dot_row<const N: usize>(w: &QMatrix, r: usize, next: Option<usize>
             match level {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI and
-                // AVX2's features; `pairs` is filled whenever the level is Avx512.
-                SimdLevel::Avx512 => unsafe { $simd512(blocks, a, t.map(|ti| x.pair_row(ti)), next) },
+                // AVX2's features; `quads` is filled whenever the level is Avx512.
+                SimdLevel::Avx512 => unsafe { $simd512(blocks, a, t.map(|ti| x.quad_row(ti)), next) },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
                 SimdLevel::Avx2 => unsafe { $simd(blocks, a) },
@@ -409,7 +410,7 @@ mod tests {
                 let w_f = random_vec(cols * 3, 7 + cols as u64);
                 let data: Vec<u8> = w_f.chunks(cols).flat_map(|r| quantize_row(dtype, r)).collect();
                 let w = QMatrix { dtype, rows: 3, cols, data: &data };
-                // AVX-512 where this CPU has it (the activations hold its pairs then)
+                // AVX-512 where this CPU has it (the activations hold its quads then)
                 let levels: &[SimdLevel] = if simd_level() == SimdLevel::Avx512 { &[SimdLevel::Avx2, SimdLevel::Avx512] } else { &[SimdLevel::Avx2] };
                 for r in 0..3 {
                     let s1 = dot_row(&w, r, None, &x, [0], SimdLevel::Scalar);

@@ -140,42 +140,43 @@ impl Default for BlockQ8Act {
     }
 }
 
-/// Two consecutive activation blocks laid out for 512-bit integer dot products (see
-/// `avx512::dot_q4_0`): 64 bytes as [block 0 elements 0..16, block 1 elements 0..16, block 0
-/// elements 16..32, block 1 elements 16..32], which is where a Q4_0 pair's low and high nibbles
-/// land after one unpack. `vpdpbusd` sums each 4 bytes into one of 16 i32 lanes, so lanes 0..4
-/// and 8..12 belong to block 0, lanes 4..8 and 12..16 to block 1; `d` holds each lane's block
-/// scale and `s8` its block's `s / 8` (eight lanes per block, so a lane sum gives `s` back).
+/// Four consecutive activation blocks laid out for 512-bit integer dot products that take four
+/// weight blocks per step (see `avx512::dot_q4_0`): `lo` holds each block's elements 0..16
+/// (block k at bytes 16k..16k + 16), `hi` its elements 16..32, which is where a Q4_0 block's
+/// low and high nibbles land. `vpdpbusd` sums each 4 bytes into one of 16 i32 lanes, so lanes
+/// 4k..4k + 4 belong to block k; `d` holds each lane's block scale, `s4` its block's `s / 4`
+/// and `bias` `-2 * sum(q)`, so that the four lanes of a block add up to `s` and to
+/// `-8 * sum(q)` (Q4_0's offset, applied in integers by starting the dot from `bias`).
 #[repr(C, align(64))]
 #[derive(Clone, Copy, Debug)]
-pub struct ActPair {
-    pub qs: [i8; 64],
+pub struct ActQuad {
+    pub lo: [i8; 64],
+    pub hi: [i8; 64],
     pub d: [f32; 16],
-    pub s8: [f32; 16],
+    pub s4: [f32; 16],
+    pub bias: [i32; 16],
 }
-const _: () = assert!(std::mem::size_of::<ActPair>() == 192);
+const _: () = assert!(std::mem::size_of::<ActQuad>() == 320);
 
-impl Default for ActPair {
+impl Default for ActQuad {
     fn default() -> Self {
-        ActPair { qs: [0; 64], d: [0.0; 16], s8: [0.0; 16] }
+        ActQuad { lo: [0; 64], hi: [0; 64], d: [0.0; 16], s4: [0.0; 16], bias: [0; 16] }
     }
 }
 
-/// The block of each 32-bit lane of an `ActPair` (0 or 1).
-pub const PAIR_LANE_BLOCK: [usize; 16] = [0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1];
-
-/// Rearranges pairs of activation blocks as `ActPair`s (an odd last block is left out).
-pub fn arrange_act_pairs(blocks: &[BlockQ8Act], out: &mut [ActPair]) {
-    for (pair, o) in blocks.chunks_exact(2).zip(out.iter_mut()) {
-        let (b0, b1) = (&pair[0], &pair[1]);
-        o.qs[..16].copy_from_slice(&b0.qs[..16]);
-        o.qs[16..32].copy_from_slice(&b1.qs[..16]);
-        o.qs[32..48].copy_from_slice(&b0.qs[16..]);
-        o.qs[48..].copy_from_slice(&b1.qs[16..]);
-        for (lane, &blk) in PAIR_LANE_BLOCK.iter().enumerate() {
-            let b = if blk == 0 { b0 } else { b1 };
-            o.d[lane] = b.d;
-            o.s8[lane] = b.s / 8.0;
+/// Rearranges groups of four activation blocks as `ActQuad`s (up to three last blocks are
+/// left out).
+pub fn arrange_act_quads(blocks: &[BlockQ8Act], out: &mut [ActQuad]) {
+    for (quad, o) in blocks.chunks_exact(4).zip(out.iter_mut()) {
+        for (k, b) in quad.iter().enumerate() {
+            o.lo[16 * k..16 * k + 16].copy_from_slice(&b.qs[..16]);
+            o.hi[16 * k..16 * k + 16].copy_from_slice(&b.qs[16..]);
+            let sum: i32 = b.qs.iter().map(|&q| q as i32).sum();
+            for lane in 4 * k..4 * k + 4 {
+                o.d[lane] = b.d;
+                o.s4[lane] = b.s / 4.0;
+                o.bias[lane] = -2 * sum;
+            }
         }
     }
 }
