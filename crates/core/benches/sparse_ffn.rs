@@ -208,7 +208,7 @@ fn main() {
         let x_f: Vec<f32> = (0..N_EMBD).map(|_| rng.next_f32()).collect();
         for &threads in &threads_list {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-            let stream = if std::env::var("SPARSE_ONLY").is_ok() { 0.0 } else { pool.install(|| stream_read_gbs(&dense_bufs, rounds)) };
+            let stream = pool.install(|| stream_read_gbs(&dense_bufs, rounds));
             let (mut x, mut hx) = (Activations::default(), Activations::default());
             let (mut g, mut u) = (vec![0.0f32; N_FF], vec![0.0f32; N_FF]);
             let mut out = vec![0.0f32; N_EMBD];
@@ -247,7 +247,7 @@ fn main() {
                     sparse();
                     for _ in 0..rounds {
                         let t = Instant::now();
-                        if std::env::var("SPARSE_ONLY").is_err() { dense(); }
+                        dense();
                         td.push(t.elapsed().as_secs_f64() / copies as f64);
                         let t = Instant::now();
                         sparse();
@@ -255,7 +255,6 @@ fn main() {
                     }
                 });
                 let (d, s) = (median(&mut td), median(&mut ts));
-                if std::env::var("SPARSE_ONLY").is_ok() { println!("sparse {:.3} ms", median(&mut ts)*1e3); continue; }
                 let scatter = pool.install(|| scatter_read_gbs(&sparse_bufs, dtype.row_bytes(N_EMBD), &neurons, &dense_bufs, rounds));
                 let sparse_bytes = 3 * keep * dtype.row_bytes(N_EMBD);
                 println!(
