@@ -226,15 +226,17 @@ impl QuadBlocks for BlockQ8_0 {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn unpack(p: *const u8) -> (__m512i, __m512i, __m512, __m512) {
-        let ld = |off: usize| _mm512_loadu_si512(p.add(off) as *const _);
-        let (a, b, a8, c) = (ld(0), ld(64), ld(8), ld(72));
+        let qs = |k: usize| _mm256_loadu_si256(p.add(2 + 34 * k) as *const __m256i);
+        // [b0 lo, b0 hi, b1 lo, b1 hi] and [b2 lo, b2 hi, b3 lo, b3 hi] in 128-bit lanes
+        let q01 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(qs(0)), qs(1));
+        let q23 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(qs(2)), qs(3));
         let sign = _mm512_set1_epi8(-128);
-        // lo: block k's bytes 2 + 34k.., from a (words 1, 18) and b (bytes 70 and 104 = its words 3, 20)
-        let lo = _mm512_permutex2var_epi16(a, index(&const { words_of_blocks([1, 18, 32 + 3, 32 + 20]) }), b);
-        // hi: bytes 18 + 34k.., from a8 (bytes 18 and 52 = its words 5, 22) and c (bytes 86 and 120 = its words 7, 24)
-        let hi = _mm512_permutex2var_epi16(a8, index(&const { words_of_blocks([5, 22, 32 + 7, 32 + 24]) }), c);
-        // scales at bytes 0, 34, 68, 102: words 0 and 17 of a, 2 and 19 of b
-        let d = f16_lanes(_mm512_permutex2var_epi16(a, index(&const { lanes_of_blocks([0, 17, 32 + 2, 32 + 19]) }), b));
+        let lo = _mm512_shuffle_i64x2::<0b10_00_10_00>(q01, q23);
+        let hi = _mm512_shuffle_i64x2::<0b11_01_11_01>(q01, q23);
+        // the four scales (bytes 0, 34, 68, 102) as f32, each to its block's four lanes
+        let word = |k: usize| (p.add(34 * k) as *const u16).read_unaligned() as i64;
+        let four = _mm_cvtph_ps(_mm_cvtsi64_si128(word(0) | word(1) << 16 | word(2) << 32 | word(3) << 48));
+        let d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_castps128_ps512(four));
         (_mm512_xor_si512(lo, sign), _mm512_xor_si512(hi, sign), d, _mm512_setzero_ps())
     }
 }
@@ -255,12 +257,17 @@ unsafe fn dot_quads<B: QuadBlocks, const N: usize>(
     let n_quads = w.len() / 4;
     let mut acc = [_mm512_setzero_ps(); N];
     let mut off = [_mm512_setzero_ps(); N];
-    // `next` is prefetched evenly over the steps (see `matmul::dot_row`)
-    let step = next.len().div_ceil(n_quads.max(1));
+    // every line of `next` is prefetched, spread evenly over the steps (see `matmul::dot_row`):
+    // after step i, the first (i + 1) * lines / n_quads lines
+    let lines = next.len().div_ceil(64);
+    let (mut line, mut due) = (0, 0);
     let base = w.as_ptr() as *const u8;
     for i in 0..n_quads {
-        if step > 0 {
-            _mm_prefetch::<_MM_HINT_T0>(next.as_ptr().wrapping_add(i * step) as *const i8);
+        due += lines;
+        while due >= n_quads && line < lines {
+            _mm_prefetch::<_MM_HINT_T0>(next.as_ptr().add(64 * line) as *const i8);
+            line += 1;
+            due -= n_quads;
         }
         let (lo, hi, d, m) = B::unpack(base.add(B::BYTES * i));
         for j in 0..N {
