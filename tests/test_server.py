@@ -221,6 +221,33 @@ def test_nulls_mean_defaults_and_odd_input_is_a_400(tiny, tiny_path):
         assert r.json()["error"]["param"] == param, (body, r.json())
 
 
+def test_fields_out_of_range_or_of_the_wrong_kind_are_a_400_naming_them(tiny):
+    """What hostile clients sent and got a 200 for: a seed outside a signed 64-bit integer, a
+    `stream` that is not a boolean, a message with an unknown role, a user or system message
+    without content."""
+    headers = {"Authorization": "Bearer sekret"}
+    chat = lambda messages: {"messages": messages, "max_tokens": 2}
+    cases = [
+        ("/v1/completions", {"prompt": "the cat", "max_tokens": 2, "seed": 2**63}, "seed"),
+        ("/v1/completions", {"prompt": "the cat", "max_tokens": 2, "seed": -(2**63) - 1}, "seed"),
+        ("/v1/completions", {"prompt": "the cat", "max_tokens": 2, "stream": "true"}, "stream"),
+        ("/v1/completions", {"prompt": "the cat", "max_tokens": 2, "stream": 1}, "stream"),
+        ("/v1/chat/completions", chat([{"role": "wizard", "content": "hi"}]), "messages.0.role"),
+        ("/v1/chat/completions", chat([{"role": "user", "content": None}]), "messages.0.content"),
+        ("/v1/chat/completions", chat([{"role": "user", "content": "hi"}, {"role": "system", "content": None}]), "messages.1.content"),
+        ("/v1/chat/completions", dict(chat([{"role": "user", "content": "hi"}]), stream="yes"), "stream"),
+    ]
+    for path, body, param in cases:
+        r = httpx.post(tiny.url + path, json=body, headers=headers, timeout=30)
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and err["type"] == "invalid_request_error", (body, err)
+    # the edges of the range are seeds like any other
+    for seed in (2**63 - 1, -(2**63)):
+        r = httpx.post(tiny.url + "/v1/completions", json={"prompt": "the cat", "max_tokens": 2, "seed": seed}, headers=headers, timeout=30)
+        assert r.status_code == 200, r.text
+
+
 def test_prompt_past_the_context_gives_the_numbers(tiny, tiny_path):
     client = tiny.client(api_key="sekret")
     engine = Engine.load(tiny_path, n_ctx=N_CTX, device="cpu")
@@ -334,6 +361,10 @@ def test_chat_and_streaming_chat(smol, smol_engine):
     parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "}, {"type": "text", "text": "of France?"}]}]
     r2 = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=parts, max_tokens=20, temperature=0)
     assert r2.choices[0].message.content == smol_engine.chat([{"role": "user", "content": QUESTIONS[0]}], max_tokens=20, temperature=0)
+    # an assistant turn without content (as clients send after tool calls) is an empty turn
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}, {"role": "user", "content": QUESTIONS[1]}]
+    r3 = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=turns, max_tokens=8, temperature=0)
+    assert r3.choices[0].message.content == smol_engine.chat([dict(m, content=m["content"] or "") for m in turns], max_tokens=8, temperature=0)
 
 
 @pytest.mark.smollm

@@ -27,12 +27,12 @@ import os
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -89,10 +89,10 @@ class _Sampling(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = 1
-    stream: bool = False
+    stream: StrictBool = False  # "true" or 1 is a client bug, not a request to stream
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # llama.cpp's range: a signed 64-bit integer
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
@@ -118,9 +118,13 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+#: The roles of OpenAI's chat messages.
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: str
+    role: ChatRole
     content: str | list[TextPart] | None = None
 
 
@@ -487,6 +491,9 @@ def create_app(engine: Engine, model_id: str | None = None, api_key: str | None 
             raise APIError(400, "logprobs are not supported", param="logprobs")
         messages = []
         for i, m in enumerate(body.messages):
+            # an assistant turn may come without content (it made tool calls); a request may not
+            if m.content is None and m.role in ("system", "developer", "user"):
+                raise APIError(400, f"messages[{i}]: a '{m.role}' message needs content", param=f"messages.{i}.content")
             if isinstance(m.content, list):
                 if any(p.type != "text" or p.text is None for p in m.content):
                     raise APIError(400, f"messages[{i}]: only text content parts are supported", param=f"messages.{i}.content")
