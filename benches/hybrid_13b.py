@@ -10,7 +10,7 @@ power-law hot set: every token embedding carries a constant component, predictor
 reads it, and fc2's column 0 gives neuron j the offset that makes it fire with probability p_j
 (p_j ~ rank^-alpha over a random permutation, mean --active); the other hidden units add unit
 Gaussian noise, so which neurons fire changes from token to token. The placement is solved by
-`offline.placement.plan` with those p_j as the profile and written as `.generated.gpuidx`.
+`placement.plan` with those p_j as the profile and written as `.generated.gpuidx`.
 
 All configurations run in this one process on the same file; the table reports decode tok/s
 and the ratios. The full-GPU run also reports the bytes a token reads (dense weights, the
@@ -188,7 +188,7 @@ def main() -> int:
     a = ap.parse_args()
 
     from powerinfer_rs import Engine
-    from powerinfer_rs.offline.placement import model_bytes, parse_bytes, plan, write_gpu_index, gpu_index_path
+    from powerinfer_rs.placement import model_bytes, parse_bytes, plan, write_gpu_index, gpu_index_path
 
     t0 = time.time()
     probs = write_model(a.model, a.layers, a.n_embd, a.n_ff, a.heads, a.hidden, a.active, a.alpha)

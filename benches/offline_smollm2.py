@@ -77,7 +77,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     if not (a.reuse and os.path.exists(prof_path)):
-        offline.profile(src, DOCS, tokens=a.tokens, train_tokens=a.train_tokens, target_sparsity=a.target_sparsity,
+        offline.profile(Engine.load(src, n_ctx=256, device="cpu"), DOCS, tokens=a.tokens, train_tokens=a.train_tokens, target_sparsity=a.target_sparsity,
                         output=prof_path, progress=True)
     t_prof = time.perf_counter() - t0
     t0 = time.perf_counter()

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from powerinfer_rs.offline import placement as pl
+from powerinfer_rs import placement as pl
 
 
 def main() -> None:

@@ -14,7 +14,8 @@ from gguf import GGMLQuantizationType as Q
 
 from powerinfer_rs import Engine, _core
 from powerinfer_rs.gpu import plan_gpu
-from powerinfer_rs.offline.placement import model_bytes, write_gpu_index
+from powerinfer_rs.placement import model_bytes, write_gpu_index
+from powerinfer_rs.profile_file import PROFILE_VERSION, save_profile
 from synth import write_model, write_powerinfer_model
 
 try:
@@ -98,6 +99,50 @@ def test_plan_reads_a_matching_gpuidx_and_ignores_another_budget(tmp_path):
         assert np.array_equal(np.flatnonzero(m), c)
     # another budget: the file does not apply
     assert plan_gpu(path, budget + 4096, 64, "f16").source == "even"
+
+
+def test_plan_from_a_profile_fits_the_budget_and_keeps_neurons_to_gpu_layers(tmp_path, monkeypatch):
+    """The engine's planner and `powerinfer-rs place` are one: with a profile, a budget that
+    holds three layers' dense parts and KV cache gives neurons only to those three layers, the
+    dense parts, their KV cache (f32 here: twice model_bytes' f16) and the neurons together fit
+    the budget, and the split written equals what `place` writes for the same inputs."""
+    path = _model(tmp_path)
+    mb = model_bytes(path, 64)
+    kv = 2 * mb.kv_cache_bytes / mb.n_layer
+    budget = int(sum(mb.layer_dense_bytes[:3]) + 3 * kv + 200 * float(mb.neuron_bytes.max()))
+    # a slow CPU, so that a GPU layer pays for its synchronisation with this model's small neurons
+    monkeypatch.setattr("powerinfer_rs.gpu.measure_cpu_bandwidth", lambda: 2e9)
+    rng = np.random.default_rng(1)
+    counts = rng.integers(0, 1000, size=(4, 256))
+    counts[3] += 5000  # the last layer is the hottest, but its dense part does not fit
+    prof = str(tmp_path / "pw.profile.npz")
+    save_profile(prof, {"version": PROFILE_VERSION, "counts": counts, "n_tokens": 6000, "thresholds": np.zeros(4, np.float32),
+                        "train_x": np.zeros((4, 0, 64), np.float16), "train_labels": np.zeros((4, 0, 32), np.uint8), "n_ff": 256,
+                        "n_embd": 64, "model": "pw.gguf", "architecture": "llama", "activation": "reglu", "target_sparsity": float("nan")})
+    p = plan_gpu(path, budget, 64, "f32", profile=prof)
+    assert p.source == "profile" and p.dense_on_gpu == [True, True, True, False] and not p.output_on_gpu
+    n_gpu = [int(m.sum()) for m in p.neuron_on_gpu]
+    assert n_gpu[3] == 0 and sum(n_gpu) > 0, n_gpu
+    used = sum(mb.layer_dense_bytes[:3]) + 3 * kv + sum(c * b for c, b in zip(n_gpu, mb.neuron_bytes))
+    assert used <= budget
+    written = _core.read_gpu_index(path + ".generated.gpuidx")
+    from powerinfer_rs.offline import place
+
+    other = str(tmp_path / "place.gpuidx")
+    place(path, prof, budget, output=other, cpu_bandwidth=2e9, n_ctx=64, kv_type="f32")
+    assert [list(b) for b in _core.read_gpu_index(other)["gpu_bucket"]] == [list(b) for b in written["gpu_bucket"]]
+
+
+def test_a_gpuidx_with_neurons_in_cpu_layers_keeps_them_on_the_cpu_and_says_so(tmp_path):
+    path = _model(tmp_path)
+    mb = model_bytes(path, 64)
+    kv = mb.kv_cache_bytes / mb.n_layer
+    budget = int(sum(mb.layer_dense_bytes[:2]) + 2 * kv + 10 * float(mb.neuron_bytes.max()))
+    write_gpu_index(path + ".generated.gpuidx", [np.arange(5)] * 4, 256, budget)  # planned for another context size, say
+    p = plan_gpu(path, budget, 64, "f16")
+    assert p.source == "gpuidx" and p.dense_on_gpu == [True, True, False, False]
+    assert [int(m.sum()) for m in p.neuron_on_gpu] == [5, 5, 0, 0]
+    assert p.notes and "10 neurons" in p.notes[0] and "stay on the CPU" in p.notes[0]
 
 
 def test_plan_too_small_and_layer_offload(tmp_path):

@@ -14,7 +14,7 @@ pytest.importorskip("highspy")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from powerinfer_rs import Engine, _core, cli  # noqa: E402
-from powerinfer_rs import offline  # noqa: E402
+from powerinfer_rs import offline, placement  # noqa: E402
 from powerinfer_rs.offline import training  # noqa: E402
 
 from reference import read_weights, rmsnorm  # noqa: E402
@@ -57,7 +57,7 @@ def test_profile_labels_match_reference(tmp_path, corpus):
     profiler saves agree with gate signs recomputed in float64 from the captured inputs, and the
     counts are the column sums of the labels."""
     path = write_model(tmp_path / "m.gguf", n_embd=64, n_ff=96, activation="relu", dtype=Q.F32)
-    p = offline.profile(path, corpus, tokens=300, train_tokens=300, window=64, output=str(tmp_path / "p.npz"),
+    p = offline.profile(Engine.load(path, n_ctx=64, device="cpu"), corpus, tokens=300, train_tokens=300, window=64, output=str(tmp_path / "p.npz"),
                         plot=str(tmp_path / "p.png"), progress=False)
     assert p["n_tokens"] == 300 and p["activation"] == "reglu"
     assert (tmp_path / "p.png").stat().st_size > 1000
@@ -77,7 +77,7 @@ def test_profile_labels_match_reference(tmp_path, corpus):
 
 def test_profile_swiglu_labels_follow_target(tmp_path, corpus):
     path = write_model(tmp_path / "m.gguf", n_embd=64, n_ff=96, dtype=Q.F32)
-    p = offline.profile(path, corpus, tokens=400, train_tokens=100, window=64, target_sparsity=0.7,
+    p = offline.profile(Engine.load(path, n_ctx=64, device="cpu"), corpus, tokens=400, train_tokens=100, window=64, target_sparsity=0.7,
                         output=str(tmp_path / "p.npz"), plot=False, progress=False)
     fired = p["counts"].sum() / (p["n_tokens"] * 96 * 2)
     assert abs(fired - 0.3) < 0.05
@@ -86,12 +86,17 @@ def test_profile_swiglu_labels_follow_target(tmp_path, corpus):
 
 def test_profile_bad_input(tmp_path, corpus):
     path = write_model(tmp_path / "m.gguf")
+    engine = Engine.load(path, n_ctx=256, device="cpu")
     with pytest.raises(FileNotFoundError, match="corpus"):
-        offline.profile(path, str(tmp_path / "nope.txt"), tokens=100, plot=False)
+        offline.profile(engine, str(tmp_path / "nope.txt"), tokens=100, plot=False)
     with pytest.raises(ValueError, match="tokens"):
-        offline.profile(path, corpus, tokens=1, plot=False)
+        offline.profile(engine, corpus, tokens=1, plot=False)
     with pytest.raises(ValueError, match="target_sparsity"):
-        offline.profile(path, corpus, tokens=100, target_sparsity=1.5, plot=False)
+        offline.profile(engine, corpus, tokens=100, target_sparsity=1.5, plot=False)
+    with pytest.raises(ValueError, match="window 256 is longer than the engine's context"):
+        offline.profile(Engine.load(path, n_ctx=64, device="cpu"), corpus, tokens=100, plot=False)
+    with pytest.raises(ValueError, match="sparsity='dense'"):
+        offline.profile(Engine.load(path, n_ctx=256, device="cpu", sparsity="threshold"), corpus, tokens=100, plot=False)
     with pytest.raises(FileNotFoundError, match="profile"):
         offline.load_profile(str(tmp_path / "missing.npz"))
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
@@ -277,12 +282,16 @@ def test_cli_pipeline(tmp_path, corpus, capsys):
     assert "pred_sparsity" in out and (tmp_path / "m.predictors.npz.txt").exists()
     pw = str(tmp_path / "m.pwri.gguf")
     assert cli.main(["convert", src, preds, "-o", pw]) == 0
-    assert cli.main(["place", pw, "--profile", prof, "--vram-budget", "40KiB", "--group", "32",
-                     "--cpu-bandwidth", "5e10"]) == 0
+    # room for both layers' dense parts and KV cache (128 positions), the output and 96 neurons
+    mb = placement.model_bytes(pw, 128)
+    budget = int(sum(mb.layer_dense_bytes) + mb.kv_cache_bytes + mb.output_bytes + 96 * mb.neuron_bytes.max())
+    assert cli.main(["place", pw, "--profile", prof, "--vram-budget", str(budget), "--group", "32",
+                     "--cpu-bandwidth", "5e10", "--sync-latency", "1e-9", "--ctx-size", "128"]) == 0
     out = capsys.readouterr().out
     assert "solver:" in out
     split = _core.read_gpu_index(pw + ".generated.gpuidx")
-    assert len(split["gpu_idx"]) == 2 and split["vram_capacity"] == 40 * 1024
+    assert len(split["gpu_idx"]) == 2 and split["vram_capacity"] == budget
+    assert sum(len(b) for b in split["gpu_bucket"]) == 96
     # the hottest neurons went to the GPU
     p = offline.load_profile(prof)
     for l, bucket in enumerate(split["gpu_bucket"]):

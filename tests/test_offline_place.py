@@ -11,7 +11,7 @@ pytest.importorskip("highspy")
 gguf = pytest.importorskip("gguf")
 
 from powerinfer_rs import _core  # noqa: E402
-from powerinfer_rs.offline import placement as pl  # noqa: E402
+from powerinfer_rs import placement as pl  # noqa: E402
 
 
 def _instance(rng, n_layer, n_ff, group, budget_groups, min_neurons=None, bytes_per_neuron=None):
@@ -292,20 +292,32 @@ def test_gpu_index_reader_rejects_inconsistent_files(tmp_path):
 
 
 def test_plan_places_dense_first_and_rejects_tiny_budgets():
+    """Each layer's dense part goes with its own KV cache, in layer order, then the output, then
+    neurons, and only in layers that are on the GPU; the whole plan fits the budget."""
     mb = pl.ModelBytes(
         n_layer=2, n_ff=128, neuron_bytes=np.array([1000.0, 1000.0]), layer_dense_bytes=np.array([50_000.0, 50_000.0]),
         output_bytes=20_000, kv_cache_bytes=10_000,
     )
-    freq = [np.linspace(1, 0, 128), np.linspace(0.5, 0, 128)]
-    # everything dense fits, then the KV cache, then 64 neurons
-    p = pl.plan(mb, freq, 50_000 * 2 + 20_000 + 10_000 + 64_000, 50e9, 1000e9, 0.0, group=64)
-    assert p.dense_layers_on_gpu == 2 and p.output_on_gpu and p.kv_cache_on_gpu
-    assert sum(len(n) for n in p.solution.gpu_neurons) == 64
-    # not every dense tensor fits: the FFN split still uses what is left
-    p = pl.plan(mb, freq, 50_000 + 45_000, 50e9, 1000e9, 0.0, group=32)
-    assert p.dense_layers_on_gpu == 1 and not p.output_on_gpu and not p.kv_cache_on_gpu
-    assert sum(len(n) for n in p.solution.gpu_neurons) == 32
+    freq = [np.linspace(0.5, 0, 128), np.linspace(1, 0, 128)]  # layer 1's neurons are the hotter ones
+    # everything dense fits, each layer with its KV cache, then the output, then 64 neurons
+    budget = 50_000 * 2 + 10_000 + 20_000 + 64_000
+    p = pl.plan(mb, freq, budget, 50e9, 1000e9, 0.0, group=64)
+    assert p.dense_layers_on_gpu == 2 and p.output_on_gpu and p.kv_cache_layers_on_gpu == 2
+    assert sum(len(n) for n in p.solution.gpu_neurons) == 64 and len(p.solution.gpu_neurons[1]) == 64
+    assert p.dense_bytes + p.ffn_bytes <= budget
+    # an f32 KV cache takes twice the room: 10,000 bytes fewer for neurons
+    p = pl.plan(mb, freq, budget, 50e9, 1000e9, 0.0, group=16, kv_type="f32")
+    assert p.dense_bytes == 50_000 * 2 + 20_000 + 20_000 and p.ffn_bytes == 48_000
+    # layer 1's dense part and KV cache do not fit: its neurons, though hotter, stay on the CPU
+    # (the executor runs hot neurons only in GPU layers), and layer 0 takes what is left
+    budget = 50_000 + 45_000
+    p = pl.plan(mb, freq, budget, 50e9, 1000e9, 0.0, group=32)
+    assert p.dense_layers_on_gpu == 1 and not p.output_on_gpu and p.kv_cache_layers_on_gpu == 1
+    assert len(p.solution.gpu_neurons[0]) == 32 and len(p.solution.gpu_neurons[1]) == 0
+    assert p.dense_bytes == 55_000 and p.dense_bytes + p.ffn_bytes <= budget
     with pytest.raises(ValueError, match="too small for anything"):
         pl.plan(mb, freq, 1000, 50e9, 1000e9, 0.0, group=64)
+    with pytest.raises(ValueError, match="too small for anything"):  # layer 0's dense part fits, its KV cache does not
+        pl.plan(mb, freq, 52_000, 50e9, 1000e9, 0.0, group=64)
     with pytest.raises(ValueError, match="layers"):
         pl.plan(mb, freq[:1], 10**9, 50e9, 1000e9, 0.0)

@@ -218,7 +218,7 @@ def test_offline_pipeline_on_smollm2(tmp_path):
     pytest.importorskip("highspy")
     from powerinfer_rs import offline
 
-    prof = offline.profile(SMOLLM, os.path.join(DOCS, "library"), tokens=3000, train_tokens=3000,
+    prof = offline.profile(Engine.load(SMOLLM, n_ctx=256, device="cpu"), os.path.join(DOCS, "library"), tokens=3000, train_tokens=3000,
                            output=str(tmp_path / "p.npz"), plot=False, progress=False)
     assert prof["counts"].shape == (30, 1536)
     r = offline.train(prof, output=str(tmp_path / "pred.npz"), hidden=64, epochs=4, recall_target=0.9, progress=False)

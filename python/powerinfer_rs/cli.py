@@ -190,17 +190,19 @@ def cmd_perplexity(a: argparse.Namespace) -> int:
 
 
 def cmd_profile(a: argparse.Namespace) -> int:
+    from .engine import Engine
     from .offline import profile
 
+    model = _model_path(a.model) if a.model or not a.model_pos else a.model_pos
+    engine = Engine.load(model, threads=a.threads, n_ctx=a.window, sparsity="dense", device="cpu")
     p = profile(
-        _model_path(a.model) if a.model or not a.model_pos else a.model_pos,
+        engine,
         a.corpus,
         tokens=a.tokens,
         output=a.output,
         train_tokens=a.train_tokens,
         target_sparsity=a.target_sparsity,
         window=a.window,
-        threads=a.threads,
         plot=False if a.no_plot else (a.plot or True),
         progress=not a.quiet,
     )
@@ -269,6 +271,7 @@ def cmd_place(a: argparse.Namespace) -> int:
         group=a.group,
         time_limit=a.time_limit,
         n_ctx=a.ctx_size,
+        kv_type=a.kv_type,
     )
     print(p.summary())
     print(f"wrote {p.path}")
@@ -400,6 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--group", type=int, default=64, help="neurons per placement unit (default 64)")
     pl.add_argument("--time-limit", type=float, default=10.0, help="time limit in seconds for HiGHS, used only when the exact search gives up (default 10)")
     pl.add_argument("-c", "--ctx-size", type=int, default=None, help="context for the KV cache size (default min(trained, 4096))")
+    pl.add_argument("--kv-type", choices=("f16", "f32"), default="f16", help="KV cache element type, as Engine.load's kv_type (default f16)")
     pl.set_defaults(func=cmd_place)
     return p
 

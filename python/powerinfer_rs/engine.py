@@ -163,7 +163,7 @@ class Engine:
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
         if vram_budget is not None:
-            from .offline.placement import parse_bytes
+            from .placement import parse_bytes
 
             budget = parse_bytes(vram_budget)
             if budget <= 0:
@@ -197,10 +197,12 @@ class Engine:
         if vram_budget is None:
             budget = int(total * 0.9)
         else:
-            from .offline.placement import parse_bytes
+            from .placement import parse_bytes
 
             budget = parse_bytes(vram_budget)
-        placement = gpu.plan_gpu(self.path, budget, self.n_ctx, self.kv_type, None if profile is None else os.fspath(profile), gpu_layers)
+        placement = gpu.plan_gpu(
+            self.path, budget, self.n_ctx, self.kv_type, None if profile is None else os.fspath(profile), gpu_layers, self.config
+        )
         for note in placement.notes:
             gpu.notice(note)
         self._gpu_model = _core.GpuModel(

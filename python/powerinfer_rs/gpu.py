@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import _core
+from .placement import dense_first, gpu_index_path, kv_bytes_per_layer, measure_cpu_bandwidth, model_bytes, plan, write_gpu_index
+from .profile_file import load_profile
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -61,24 +63,6 @@ class GpuPlacement:
     notes: list[str] = field(default_factory=list)
 
 
-def _dense_first(mb, budget: int, kv_bytes_per_layer: float) -> tuple[list[bool], bool, int]:
-    """Layers whose attention/norms/predictor (plus their KV cache) fit, in order; then the
-    output if every layer fit. Returns (dense_on_gpu, output_on_gpu, bytes left)."""
-    left = budget
-    dense = []
-    for l in range(mb.n_layer):
-        need = mb.layer_dense_bytes[l] + kv_bytes_per_layer
-        if len(dense) == l and need <= left:
-            left -= need
-            dense.append(True)
-        else:
-            dense.append(False)
-    output = all(dense) and mb.output_bytes <= left
-    if output:
-        left -= mb.output_bytes
-    return dense, output, int(left)
-
-
 def plan_gpu(
     path: str,
     budget: int,
@@ -86,15 +70,13 @@ def plan_gpu(
     kv_type: str,
     profile: str | None = None,
     gpu_layers: int | None = None,
+    config: dict | None = None,
 ) -> GpuPlacement:
     """The GPU split for `path` under `budget` bytes (see the module doc). `gpu_layers` asks for
-    llama.cpp-style layer offload instead: the first `gpu_layers` layers wholly on the GPU."""
-    from .offline.placement import gpu_index_path, model_bytes, plan, write_gpu_index, measure_cpu_bandwidth
-
-    mb = model_bytes(path, n_ctx)
-    kv_per_layer = mb.kv_cache_bytes / mb.n_layer  # f16, as model_bytes counts it
-    if kv_type == "f32":
-        kv_per_layer *= 2
+    llama.cpp-style layer offload instead: the first `gpu_layers` layers wholly on the GPU.
+    `config` is the loaded model's, so the file is not opened as a model again."""
+    mb = model_bytes(path, n_ctx, config)
+    kv_per_layer = kv_bytes_per_layer(mb, kv_type)
     n_ff = mb.n_ff
     if gpu_layers is not None:
         if not isinstance(gpu_layers, int) or isinstance(gpu_layers, bool) or not (0 <= gpu_layers <= mb.n_layer):
@@ -103,7 +85,7 @@ def plan_gpu(
         neurons = [np.full(n_ff, l < gpu_layers) for l in range(mb.n_layer)]
         return GpuPlacement(budget, dense, neurons, gpu_layers == mb.n_layer, "layers")
 
-    dense, output, left = _dense_first(mb, budget, kv_per_layer)
+    dense, output, left = dense_first(mb, budget, kv_per_layer)
     if not any(dense):
         raise ValueError(
             f"VRAM budget of {budget} bytes does not hold layer 0's attention, norms and KV cache "
@@ -120,16 +102,23 @@ def plan_gpu(
             masks = [np.asarray(m).astype(bool) for m in index["gpu_idx"]]
             if any(len(m) != n_ff for m in masks):
                 raise _core.ModelError(f"{idx_path} does not match the model's {n_ff} neurons per layer")
-            return GpuPlacement(budget, dense, masks, output, "gpuidx", idx_path)
+            # a file planned elsewhere may give neurons to layers whose dense part does not fit
+            # here: the executor runs hot neurons only in GPU layers, so say what is left out
+            dropped = sum(int(m.sum()) for m, d in zip(masks, dense) if not d)
+            notes = []
+            if dropped:
+                masks = [m & d for m, d in zip(masks, dense)]
+                notes.append(f"{idx_path} places {dropped} neurons in layers whose attention and KV cache do not fit "
+                             f"in {budget} bytes; those stay on the CPU")
+            return GpuPlacement(budget, dense, masks, output, "gpuidx", idx_path, notes=notes)
 
     if profile is None and os.path.exists(path + ".profile.npz"):
         profile = path + ".profile.npz"
     if profile is not None:
-        from .offline.profiling import load_profile
-
         prof = load_profile(profile)
         freq = [np.asarray(c, dtype=np.float64) / max(prof["n_tokens"], 1) for c in prof["counts"]]
-        p = plan(mb, freq, budget, measure_cpu_bandwidth(), 1000e9, 20e-6)
+        p = plan(mb, freq, budget, measure_cpu_bandwidth(), 1000e9, 20e-6, kv_type=kv_type)
+        assert p.dense_layers_on_gpu == sum(dense) and p.output_on_gpu == output, "one rule places the dense parts"
         masks = []
         for g in p.solution.gpu_neurons:
             m = np.zeros(n_ff, dtype=bool)

@@ -7,12 +7,15 @@
     place    -> the hot/cold split under a VRAM budget, the integer program solved to proven
                 optimality (HiGHS as the fallback), written as `<model>.generated.gpuidx`
 
-Each step is a function here and a `powerinfer-rs` subcommand.
+Each step is a function here and a `powerinfer-rs` subcommand. The toolchain imports the
+runtime (the engine, the placement planner, the profile file), never the other way round.
 """
 
+from ..placement import parse_bytes, read_gpu_index, write_gpu_index
+from ..profile_file import load_profile
 from .conversion import convert
-from .placement import parse_bytes, place, read_gpu_index, write_gpu_index
-from .profiling import load_profile, profile
+from .placement import place
+from .profiling import profile
 from .training import load_predictors, train
 
 __all__ = [

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..profile_file import PROFILE_VERSION, load_profile, save_profile
+
 EXACT_ZERO_ACTIVATIONS = ("reglu", "dreglu", "relu")
-PROFILE_VERSION = 1
+__all__ = ["profile", "load_profile", "save_profile", "read_corpus", "captured_windows", "layer_stats", "plot_frequencies"]
 
 
 def read_corpus(paths: list[str] | str, max_chars: int | None = None) -> str:
@@ -48,26 +50,21 @@ def read_corpus(paths: list[str] | str, max_chars: int | None = None) -> str:
 
 
 def profile(
-    model: str | None,
+    engine,
     corpus: list[str] | str,
     tokens: int = 50_000,
     output: str | None = None,
     train_tokens: int = 0,
     target_sparsity: float = 0.5,
     window: int = 256,
-    threads: int | None = None,
     plot: str | bool | None = True,
     progress: bool = True,
 ) -> dict:
-    """Profiles `model` on up to `tokens` tokens of `corpus`, keeping the FFN inputs and labels
+    """Profiles the model of `engine` (an `Engine` on the CPU in dense mode, with a context of
+    at least `window`) on up to `tokens` tokens of `corpus`, keeping the FFN inputs and labels
     of the first `train_tokens` of them for predictor training. Writes `output` (default
     `<model>.profile.npz`) and, unless `plot` is False, a PNG (default `<output>.png`).
     Returns the profile as a dict (see `load_profile`)."""
-    from ..engine import Engine
-    from ..models import default_model_path
-
-    if model is None:
-        model = default_model_path()
     for name, v in (("tokens", tokens), ("window", window)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 2:
             raise ValueError(f"{name} must be an int >= 2, got {v!r}")
@@ -75,7 +72,11 @@ def profile(
         raise ValueError(f"train_tokens must be an int >= 0, got {train_tokens!r}")
     if not (isinstance(target_sparsity, (int, float)) and 0.0 <= target_sparsity < 1.0):
         raise ValueError(f"target_sparsity must be in [0, 1), got {target_sparsity!r}")
-    engine = Engine.load(model, threads=threads, n_ctx=window, sparsity="dense", device="cpu")  # capture is CPU-only
+    # capturing FFN inputs and scores is a CPU feature, and it records the dense pass
+    if getattr(engine, "device", None) != "cpu" or getattr(engine, "sparsity", None) != "dense":
+        raise ValueError("profile() needs an engine loaded with device='cpu' and sparsity='dense'")
+    if window > engine.n_ctx:
+        raise ValueError(f"window {window} is longer than the engine's context ({engine.n_ctx}); load it with n_ctx >= {window}")
     cfg = engine.config
     n_layer, n_embd, n_ff = cfg["n_layer"], cfg["n_embd"], cfg["n_ff"]
     activation = cfg["ffn_activation"]
@@ -163,36 +164,6 @@ def _progress(total: int, enabled: bool, desc: str = "profiling", unit: str = "t
             def close(self) -> None: ...
         return _Silent()
     return tqdm(total=total, unit=unit, desc=desc, smoothing=0.1)
-
-
-def save_profile(path: str, p: dict) -> None:
-    arrays = {k: np.asarray(v) for k, v in p.items() if k not in ("path", "plot")}
-    with open(path, "wb") as fh:
-        np.savez(fh, **arrays)
-
-
-def load_profile(path: str) -> dict:
-    """A profile written by `profile`: counts (n_layer, n_ff) of firings over n_tokens tokens,
-    the per-layer thresholds that define firing, and train_x (n_layer, N, n_embd) float16 /
-    train_labels (n_layer, N, n_ff/8) packed bits for predictor training."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"profile {path!r} not found (write one with `powerinfer-rs profile`)")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            p = {k: z[k] for k in z.files}
-    except (ValueError, OSError, EOFError) as e:
-        raise ValueError(f"{path!r} is not a readable profile: {e}") from None
-    missing = {"version", "counts", "n_tokens", "thresholds", "train_x", "train_labels", "n_ff"} - set(p)
-    if missing:
-        raise ValueError(f"{path!r} is not a profile written by powerinfer-rs (missing {sorted(missing)})")
-    for k in ("version", "n_tokens", "n_ff", "n_embd"):
-        p[k] = int(p[k])
-    for k in ("model", "architecture", "activation"):
-        p[k] = str(p[k])
-    p["target_sparsity"] = float(p["target_sparsity"])
-    if p["version"] != PROFILE_VERSION:
-        raise ValueError(f"{path!r} has profile version {p['version']}, this powerinfer-rs reads {PROFILE_VERSION}")
-    return p
 
 
 def plot_frequencies(p: dict, path: str) -> str:
