@@ -98,12 +98,14 @@ struct HotGpu {
     up: DMat,               // (n_hot, n_embd)
     down_t: DMat,           // (n_hot, n_embd)
     up_bias: Option<CudaSlice<f32>>, // (n_ff)
-    down_bias: Option<CudaSlice<f32>>, // (n_embd)
 }
 
 struct GpuLayer {
     dense: DenseGpu,
     hot: Option<HotGpu>,
+    /// `ffn_down.bias` (n_embd), added once when the FFN parts merge, whether the layer has hot
+    /// neurons or not.
+    down_bias: Option<CudaSlice<f32>>,
     n_hot: usize,
     /// Neurons computed on the CPU, ascending.
     cold: Vec<u32>,
@@ -199,13 +201,13 @@ impl HybridModel {
                     up,
                     down_t,
                     up_bias: upload_opt(&gpu, lw.ffn_up_b.as_ref(), &mut bytes)?,
-                    down_bias: upload_opt(&gpu, lw.ffn_down_b.as_ref(), &mut bytes)?,
                 })
             };
+            let down_bias = upload_opt(&gpu, lw.ffn_down_b.as_ref(), &mut bytes)?;
             report.weight_bytes += bytes;
             report.layers_on_gpu += 1;
             report.hot_neurons += hot_ids.len();
-            layers.push(Some(GpuLayer { dense, hot, n_hot: hot_ids.len(), cold }));
+            layers.push(Some(GpuLayer { dense, hot, down_bias, n_hot: hot_ids.len(), cold }));
         }
         let output = if plan.output_on_gpu {
             let w = gpu.upload_rows(&model.weights.output, None)?;
@@ -513,8 +515,7 @@ impl HybridSession {
         self.cpu.add_stats(stats);
 
         // residual += hot partial sums + cold part (+ bias)
-        let down_bias = layer.hot.as_ref().and_then(|h| h.down_bias.as_ref());
-        g.ffn_merge(&mut self.x.f32s, &self.partial, n_chunks, has_cold.then_some(&self.cpu_part), down_bias, c.n_embd)?;
+        g.ffn_merge(&mut self.x.f32s, &self.partial, n_chunks, has_cold.then_some(&self.cpu_part), layer.down_bias.as_ref(), c.n_embd)?;
         Ok(())
     }
 }
