@@ -17,10 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..profile_file import PROFILE_VERSION, load_profile, save_profile
+from ..profile_file import PROFILE_VERSION, save_profile
 
 EXACT_ZERO_ACTIVATIONS = ("reglu", "dreglu", "relu")
-__all__ = ["profile", "load_profile", "save_profile", "read_corpus", "captured_windows", "layer_stats", "plot_frequencies"]
 
 
 def read_corpus(paths: list[str] | str, max_chars: int | None = None) -> str:
@@ -64,7 +63,7 @@ def profile(
     at least `window`) on up to `tokens` tokens of `corpus`, keeping the FFN inputs and labels
     of the first `train_tokens` of them for predictor training. Writes `output` (default
     `<model>.profile.npz`) and, unless `plot` is False, a PNG (default `<output>.png`).
-    Returns the profile as a dict (see `load_profile`)."""
+    Returns the profile as a dict (see `profile_file.load_profile`)."""
     for name, v in (("tokens", tokens), ("window", window)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 2:
             raise ValueError(f"{name} must be an int >= 2, got {v!r}")

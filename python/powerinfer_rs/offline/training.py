@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .profiling import _progress, layer_stats, load_profile
+from ..profile_file import load_profile
+from .profiling import _progress, layer_stats
 
 
 @dataclass
