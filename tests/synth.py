@@ -161,6 +161,7 @@ def write_powerinfer_model(
     seed: int = 0,
     skip: tuple[str, ...] = (),
     fc2_rows: int | None = None,
+    down_bias: bool = False,
     magic: bytes = b"PWRI",
 ) -> str:
     """A tiny model in PowerInfer's layout (what its converter writes): `PWRI` magic,
@@ -176,7 +177,8 @@ def write_powerinfer_model(
     so sign(row_j . norm(x)) = sign(v_j . x) with v_j = row_j * w (minus its mean for LayerNorm).
     With fc1 = [V; -V] and fc2 = [I, -I], fc2 @ relu(fc1 @ x) = V x. With a slightly negative
     threshold it selects every truly active neuron. "negated" flips the sign (it misses nearly
-    every active neuron), "random" draws Gaussian weights (H = 64)."""
+    every active neuron), "random" draws Gaussian weights (H = 64). `down_bias` gives any
+    architecture an `ffn_down_t.bias` (OPT always has one)."""
     rng = np.random.default_rng(seed)
     n_vocab = len(tiny_vocab()[0])
     n_head_kv = n_head_kv or n_head
@@ -274,7 +276,7 @@ def write_powerinfer_model(
         if arch == "opt":
             vec(p + "ffn_up.bias", n_ff, 0.0, 0.1 if ffn_bias else 0.0)
         mat(p + "ffn_down_t.weight", n_ff, n_embd, 0.15)
-        if arch == "opt":
+        if arch == "opt" or down_bias:
             vec(p + "ffn_down_t.bias", n_embd, 0.0, 0.1)
         v = rows * norm_w[None, :]
         if layer_norm:

@@ -58,6 +58,21 @@ def test_bad_device_arguments(tmp_path):
         Engine.load(path, device="auto", vram_budget=0)
 
 
+def test_what_the_gpu_runs_is_stated_once_by_the_executor(tmp_path):
+    """`_core.gpu_unsupported_reason` is the executor's own refusal (it runs without a GPU):
+    LLaMA-family models with weights it has kernels for, in dense or predictor mode."""
+    llama = _core.Model(write_powerinfer_model(tmp_path / "l.gguf", n_layer=1), 1)
+    assert _core.gpu_unsupported_reason(llama, "predictor") is None
+    assert _core.gpu_unsupported_reason(llama, "dense") is None
+    assert "threshold sparsity runs on the CPU only" in _core.gpu_unsupported_reason(llama, "threshold")
+    falcon = _core.Model(write_powerinfer_model(tmp_path / "f.gguf", arch="falcon", n_layer=1), 1)
+    assert "LLaMA-family" in _core.gpu_unsupported_reason(falcon, "dense")
+    bf16 = _core.Model(write_model(tmp_path / "b.gguf", dtype=Q.BF16), 1)
+    assert "BF16" in _core.gpu_unsupported_reason(bf16, "dense")
+    with pytest.raises(ValueError, match="sparsity"):
+        _core.gpu_unsupported_reason(llama, "sparse")
+
+
 def _model(tmp_path, **kw):
     return write_powerinfer_model(tmp_path / "pw.gguf", n_layer=4, n_ff=256, **kw)
 
@@ -286,3 +301,40 @@ def test_gpu_rejects_cpu_only_modes(tmp_path):
     falcon = write_powerinfer_model(tmp_path / "f.gguf", arch="falcon", n_layer=2, n_ff=128)
     with pytest.raises(_core.GpuError, match="LLaMA-family"):
         Engine.load(falcon, device="cuda")
+
+
+@gpu
+@needs_gpu
+def test_bf16_with_device_auto_runs_on_the_cpu_and_cuda_names_the_type(tmp_path, capsys):
+    path = write_model(tmp_path / "b.gguf", dtype=Q.BF16)
+    e = Engine.load(path, device="auto")
+    assert e.device == "cpu" and "BF16" in capsys.readouterr().err
+    with pytest.raises(_core.GpuError, match="BF16"):
+        Engine.load(path, device="cuda")
+
+
+@gpu
+@needs_gpu
+def test_gpu_layers_without_hot_or_cold_neurons_keep_the_down_bias_and_report_stats(tmp_path):
+    """Two placements where a GPU layer has one side of the FFN only. Dense parts on the GPU and
+    every neuron on the CPU (no hot neurons): `ffn_down.bias` is still added. Everything on the
+    GPU (no cold neurons): the predictor's selection, counted on the GPU, gives the same FFN
+    stats as the CPU's and a GPU neuron share of 1."""
+    path = write_powerinfer_model(tmp_path / "b.gguf", n_layer=3, n_ff=128, n_embd=64, dtype=Q.F32, down_bias=True)
+    cpu = Engine.load(path, device="cpu", n_ctx=64)
+    ids = cpu.tokenize("in the an the", add_bos=False)
+    ref = cpu.logits(ids)
+    cpu.generate("the an", max_tokens=8, temperature=0.0)
+    want = cpu.last_stats["ffn_sparsity"]
+    mb = model_bytes(path, 64)
+    dense_only = int(sum(mb.layer_dense_bytes) + mb.kv_cache_bytes + mb.output_bytes)
+    for kwargs, hot in ((dict(vram_budget=dense_only), 0), (dict(), 3 * 128)):
+        e = Engine.load(path, device="cuda", n_ctx=64, **kwargs)
+        r = e.gpu_report()
+        assert (r["layers_on_gpu"], r["hot_neurons"]) == (3, hot), r
+        got = e.logits(ids)
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-3, kwargs
+        e.generate("the an", max_tokens=8, temperature=0.0)
+        stats = e.last_stats
+        assert abs(stats["ffn_sparsity"] - want) < 1e-6, (kwargs, stats, want)
+        assert stats["gpu_neuron_share"] == (1.0 if hot else 0.0), (kwargs, stats)

@@ -187,7 +187,7 @@ class Engine:
                 raise _core.CudaUnavailableError(f"device='cuda' but {why}")
             gpu.notice(f"no usable GPU ({why}); running on the CPU")
             return
-        reason = gpu.gpu_unsupported_reason(self.config, self.sparsity)
+        reason = _core.gpu_unsupported_reason(self._model, self.sparsity)
         if reason is not None:
             if device == "cuda":
                 raise _core.GpuError(reason)
@@ -259,8 +259,10 @@ class Engine:
             sparsity = "predictor" if has_pred else "dense"
         if sparsity not in ("dense", "predictor", "threshold"):
             raise ValueError(f"sparsity must be 'dense', 'predictor' or 'threshold', got {sparsity!r}")
-        if sparsity == "threshold" and self._gpu_model is not None:
-            raise ValueError("threshold sparsity runs on the CPU only; load with device='cpu', or use 'predictor' or 'dense' on the GPU")
+        if self._gpu_model is not None:
+            reason = _core.gpu_unsupported_reason(self._model, sparsity)
+            if reason is not None:
+                raise ValueError(f"{reason} (or load with device='cpu')")
         if sparsity == "predictor" and not has_pred:
             raise ValueError(
                 "sparsity='predictor' needs a model with predictors (blk.N.fc1/fc2, as in PowerInfer GGUF files); "
@@ -297,8 +299,6 @@ class Engine:
         thresholds = None
         plan = None
         if sparsity == "threshold" and max_ppl_increase is not None:
-            if self._gpu_model is not None:
-                raise ValueError("threshold sparsity runs on the CPU only")
             from .sparsity import input_sparsity_plan
 
             plan = input_sparsity_plan(self, float(max_ppl_increase), calibration_text)

@@ -40,15 +40,6 @@ def cuda_available() -> tuple[bool, str]:
     return bool(devices), "no CUDA device"
 
 
-def gpu_unsupported_reason(cfg: dict, sparsity: str) -> str | None:
-    """Why this model or mode cannot use the GPU executor, or None."""
-    if cfg["architecture"] not in ("llama", "mistral", "qwen2", "bamboo"):
-        return f"the GPU executor runs LLaMA-family models; {cfg['architecture']} runs on the CPU"
-    if sparsity == "threshold":
-        return "threshold sparsity runs on the CPU only (use 'predictor' or 'dense' on the GPU)"
-    return None
-
-
 @dataclass
 class GpuPlacement:
     """The split handed to `_core.GpuModel`, and where it came from."""

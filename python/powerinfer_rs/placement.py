@@ -702,7 +702,10 @@ def model_bytes(path: str, n_ctx: int | None = None, config: dict | None = None)
         m = re.match(r"blk\.(\d+)\.(.+)$", name)
         if m:
             l, rest = int(m.group(1)), m.group(2)
-            if rest in _FFN_NEURON_TENSORS:
+            if rest == "ffn_down.weight":
+                # neurons read the neuron-major copy the engine builds: F32 for F32, else F16
+                neuron[l] += cfg["n_embd"] * (4 if t["type"] == "F32" else 2)
+            elif rest in _FFN_NEURON_TENSORS:
                 neuron[l] += t["n_bytes"] / n_ff
             else:
                 dense[l] += t["n_bytes"]

@@ -238,7 +238,7 @@ MATVEC(matvec_q8_0, T_Q8_0)
 template <int T>
 __device__ void ffn_hot(const u8* gate, const u8* up, unsigned long long row_bytes, const int* bucket,
                         const float* x, const Q8Act* xq, const float* up_bias, const float* pred_logits,
-                        float threshold, float* h, int n_hot, int cols, int act) {
+                        float threshold, unsigned int* selected, float* h, int n_hot, int cols, int act) {
     const int i = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (i >= n_hot) return;
     const int j = bucket[i];
@@ -246,6 +246,8 @@ __device__ void ffn_hot(const u8* gate, const u8* up, unsigned long long row_byt
         if ((threadIdx.x & 31) == 0) h[i] = 0.0f;
         return;
     }
+    // the layer's count of selected neurons, for the stats of a layer the host never sees
+    if (selected && (threadIdx.x & 31) == 0) atomicAdd(selected, 1u);
     const float g = gate ? warp_dot<T>(gate + (size_t)i * row_bytes, x, xq, cols) : 0.0f;
     float u = warp_dot<T>(up + (size_t)i * row_bytes, x, xq, cols);
     if (up_bias) u += up_bias[j];
@@ -256,9 +258,9 @@ __device__ void ffn_hot(const u8* gate, const u8* up, unsigned long long row_byt
     extern "C" __global__ void NAME(const u8* gate, const u8* up, unsigned long long row_bytes,       \
                                     const int* bucket, const float* x, const Q8Act* xq,               \
                                     const float* up_bias, const float* pred_logits, float threshold,  \
-                                    float* h, int n_hot, int cols, int act) {                         \
-        ffn_hot<T>(gate, up, row_bytes, bucket, x, xq, up_bias, pred_logits, threshold, h, n_hot,     \
-                   cols, act);                                                                        \
+                                    unsigned int* selected, float* h, int n_hot, int cols, int act) { \
+        ffn_hot<T>(gate, up, row_bytes, bucket, x, xq, up_bias, pred_logits, threshold, selected, h,  \
+                   n_hot, cols, act);                                                                 \
     }
 FFN_HOT(ffn_hot_f32, T_F32)
 FFN_HOT(ffn_hot_f16, T_F16)

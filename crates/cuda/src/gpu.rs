@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 use powerinfer_core::matmul::QMatrix;
 use powerinfer_core::model::FfnActivation;
@@ -172,6 +172,11 @@ impl Gpu {
         Ok(self.stream.memcpy_dtoh(&view, dst)?)
     }
 
+    /// Sets every element of `dst` to zero (queued on the stream).
+    pub fn clear<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(&self, dst: &mut CudaSlice<T>) -> Result<()> {
+        Ok(self.stream.memset_zeros(dst)?)
+    }
+
     pub fn synchronize(&self) -> Result<()> {
         Ok(self.stream.synchronize()?)
     }
@@ -250,6 +255,7 @@ impl Gpu {
         up_bias: Option<&CudaSlice<f32>>,
         pred_logits: Option<&CudaSlice<f32>>,
         threshold: f32,
+        selected: Option<(&mut CudaSlice<u32>, usize)>,
         act: FfnActivation,
         h: &mut CudaSlice<f32>,
     ) -> Result<()> {
@@ -263,10 +269,18 @@ impl Gpu {
         let gate_ptr = gate.map_or(0, |g| g.data.device_ptr(&self.stream).0);
         let (row_bytes, n_hot, cols, act) = (up.row_bytes as u64, up.rows as i32, up.cols as i32, act_code(act));
         let (up_bias, pred) = (self.ptr(up_bias), self.ptr(pred_logits));
+        let selected = match selected {
+            Some((counts, slot)) => {
+                assert!(slot < counts.len(), "count slot {slot} of {}", counts.len());
+                counts.device_ptr_mut(&self.stream).0 + (slot * std::mem::size_of::<u32>()) as u64
+            }
+            None => 0,
+        };
         let mut b = self.stream.launch_builder(f);
         b.arg(&gate_ptr).arg(&up.data).arg(&row_bytes).arg(bucket).arg(&x.f32s).arg(&x.q8).arg(&up_bias).arg(&pred).arg(&threshold);
-        b.arg(h).arg(&n_hot).arg(&cols).arg(&act);
-        // SAFETY: matches `ffn_hot_*`; bucket and h hold n_hot entries, up_bias and pred_logits n_ff.
+        b.arg(&selected).arg(h).arg(&n_hot).arg(&cols).arg(&act);
+        // SAFETY: matches `ffn_hot_*`; bucket and h hold n_hot entries, up_bias and pred_logits
+        // n_ff; `selected` is null or one u32 inside `counts` (checked above).
         unsafe { b.launch(cfg((blocks(up.rows, WARPS), 1), 32 * WARPS as u32)) }?;
         Ok(())
     }

@@ -17,9 +17,11 @@
 
 use std::sync::Arc;
 
+use rayon::prelude::*;
 use cudarc::driver::CudaSlice;
 use powerinfer_core::attention::KvType;
-use powerinfer_core::matmul::Activations;
+use powerinfer_core::matmul::{Activations, QMatrix};
+use powerinfer_core::quant::{quantize_row, DType};
 use powerinfer_core::model::{Family, Model, RopeStyle};
 use powerinfer_core::session::{FfnStats, Session, Sparsity, SparsityMode};
 use powerinfer_core::sparse::{sparse_ffn, FfnMats, SparseScratch};
@@ -109,6 +111,9 @@ struct GpuLayer {
     n_hot: usize,
     /// Neurons computed on the CPU, ascending.
     cold: Vec<u32>,
+    /// For a plain quantized file: the CPU's neuron-major down rows (n_ff, n_embd) in F16 (see
+    /// `exact_down_t`); None reads the model's own `down_t`.
+    cold_down_t: Option<Vec<u8>>,
 }
 
 pub struct HybridModel {
@@ -127,11 +132,55 @@ fn upload_opt(gpu: &Gpu, v: Option<&Vec<f32>>, bytes: &mut usize) -> Result<Opti
     .transpose()
 }
 
+/// Why the GPU executor cannot run this model (in this sparsity mode, when given), or None.
+/// The one statement of what the GPU supports: `HybridModel::new` and `set_sparsity` refuse
+/// with it, and Python asks it before planning a placement.
+pub fn unsupported_reason(model: &Model, mode: Option<SparsityMode>) -> Option<String> {
+    let c = &model.config;
+    if c.family != Family::Llama {
+        return Some(format!("the GPU executor runs LLaMA-family models; {} runs on the CPU", c.architecture));
+    }
+    let w = &model.weights;
+    let mut mats = vec![&w.output];
+    for lw in &w.layers {
+        mats.extend([&lw.wq, &lw.wk, &lw.wv, &lw.wo, &lw.ffn_up]);
+        mats.extend(lw.ffn_gate.iter().chain(lw.ffn_down.iter()).chain(lw.ffn_down_t.iter()));
+        mats.extend(lw.predictor.iter().flat_map(|p| [&p.fc1, &p.fc2]));
+    }
+    if let Some(m) = mats.iter().find(|m| crate::gpu::type_slot(m.dtype).is_err()) {
+        return Some(format!("the GPU executor has no kernel for {:?} weights; this model runs on the CPU", m.dtype));
+    }
+    if mode == Some(SparsityMode::Threshold) {
+        return Some(THRESHOLD_IS_CPU_ONLY.into());
+    }
+    None
+}
+
+const THRESHOLD_IS_CPU_ONLY: &str = "threshold sparsity runs on the CPU only; use 'predictor' or 'dense' on the GPU";
+
+/// A plain file's row-major `ffn_down` (n_embd, n_ff) as neuron-major rows (n_ff, n_embd) in
+/// F16. The engine's own neuron-major copy of a quantized `ffn_down` is Q8_0 (compact, for the
+/// CPU's sparse modes), re-quantized across the other axis: on SmolLM2 that alone moves the
+/// logits 3.8% (mean, relative) from the file's float64 function, where F16 keeps them within
+/// 0.03%. The hybrid executor computes the dense function, so both its sides read this copy.
+fn exact_down_t(down: &QMatrix) -> Vec<u8> {
+    let (n_embd, n_ff) = (down.rows, down.cols);
+    let mut dense = vec![0.0f32; n_embd * n_ff];
+    dense.par_chunks_mut(n_ff).enumerate().for_each(|(r, out)| down.dequantize_row(r, out));
+    let row_bytes = DType::F16.row_bytes(n_embd);
+    let mut out = vec![0u8; n_ff * row_bytes];
+    out.par_chunks_mut(row_bytes).enumerate().for_each(|(j, row)| {
+        let column: Vec<f32> = (0..n_embd).map(|r| dense[r * n_ff + j]).collect();
+        row.copy_from_slice(&quantize_row(DType::F16, &column));
+    });
+    out
+}
+
 impl HybridModel {
     pub fn new(model: Arc<Model>, gpu: Gpu, plan: &GpuPlan) -> Result<HybridModel> {
         let c = &model.config;
-        if c.family != Family::Llama {
-            return Err(CudaError::Unsupported(format!("the GPU executor runs LLaMA-family models; {} runs on the CPU", c.architecture)));
+        if let Some(why) = unsupported_reason(&model, None) {
+            return Err(CudaError::Unsupported(why));
         }
         if plan.dense_on_gpu.len() != c.n_layer || plan.neuron_on_gpu.len() != c.n_layer {
             return Err(CudaError::Plan(format!("the placement has {} layers, the model {}", plan.neuron_on_gpu.len(), c.n_layer)));
@@ -180,7 +229,14 @@ impl HybridModel {
             bytes += 2 * c.n_embd * 4;
 
             let (hot_ids, cold) = split_neurons(&plan.neuron_on_gpu[l]);
-            let down_t = model.down_t(l);
+            let exact = match (lw.ffn_down_t, lw.ffn_down) {
+                (None, Some(down)) if down.dtype.is_quantized() => Some(exact_down_t(&down)),
+                _ => None,
+            };
+            let down_t = match &exact {
+                Some(rows) => QMatrix { dtype: DType::F16, rows: c.n_ff, cols: c.n_embd, data: rows },
+                None => model.down_t(l),
+            };
             let hot = if hot_ids.is_empty() {
                 None
             } else {
@@ -207,7 +263,8 @@ impl HybridModel {
             report.weight_bytes += bytes;
             report.layers_on_gpu += 1;
             report.hot_neurons += hot_ids.len();
-            layers.push(Some(GpuLayer { dense, hot, down_bias, n_hot: hot_ids.len(), cold }));
+            let cold_down_t = if cold.is_empty() { None } else { exact };
+            layers.push(Some(GpuLayer { dense, hot, down_bias, n_hot: hot_ids.len(), cold, cold_down_t }));
         }
         let output = if plan.output_on_gpu {
             let w = gpu.upload_rows(&model.weights.output, None)?;
@@ -222,8 +279,8 @@ impl HybridModel {
     }
 }
 
-/// Neurons computed on each side since the last `take_counts`, where they were counted (the
-/// GPU's predictor selections are only seen on the host when a layer also has cold neurons).
+/// Neurons computed on each side since the last `take_counts` (a layer without cold neurons
+/// counts its predictor's selection on the GPU; the host reads the counts after the token).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SplitCounts {
     pub gpu_neurons: u64,
@@ -257,6 +314,7 @@ pub struct HybridSession {
     cos: CudaSlice<f32>,      // (rope_dim / 2)
     sin: CudaSlice<f32>,
     logits: CudaSlice<f32>,   // (n_vocab)
+    selected: CudaSlice<u32>, // (n_layer) neurons the predictor selected, counted on the GPU
     // host buffers
     x_h: Vec<f32>,
     xb_h: Vec<f32>,
@@ -266,6 +324,9 @@ pub struct HybridSession {
     neurons: Vec<u32>,
     scratch: SparseScratch,
     counts: SplitCounts,
+    // GPU layers of this token whose selection was counted only on the GPU (no cold neurons)
+    counted_on_gpu: Vec<usize>,
+    selected_h: Vec<u32>,
 }
 
 impl HybridSession {
@@ -301,6 +362,7 @@ impl HybridSession {
             cos: g.zeros(c.rope_dim / 2)?,
             sin: g.zeros(c.rope_dim / 2)?,
             logits: g.zeros(c.n_vocab)?,
+            selected: g.zeros(c.n_layer)?,
             x_h: vec![0.0; c.n_embd],
             xb_h: vec![0.0; c.n_embd],
             pred_h: vec![0.0; c.n_ff],
@@ -309,6 +371,8 @@ impl HybridSession {
             neurons: Vec::new(),
             scratch: SparseScratch::default(),
             counts: SplitCounts::default(),
+            counted_on_gpu: Vec::new(),
+            selected_h: vec![0; c.n_layer],
             k_cache,
             v_cache,
             kv_f16,
@@ -335,7 +399,7 @@ impl HybridSession {
     /// neuron and is CPU-only.
     pub fn set_sparsity(&mut self, sp: Sparsity) -> Result<()> {
         if sp.mode == SparsityMode::Threshold && self.hm.layers.iter().any(|l| l.is_some()) {
-            return Err(CudaError::Unsupported("threshold sparsity runs on the CPU only; use 'predictor' or 'dense' on the GPU".into()));
+            return Err(CudaError::Unsupported(THRESHOLD_IS_CPU_ONLY.into()));
         }
         if sp.track_recall {
             return Err(CudaError::Unsupported("recall tracking runs on the CPU only".into()));
@@ -388,6 +452,11 @@ impl HybridSession {
             g.write(&cos, &mut self.cos)?;
             g.write(&sin, &mut self.sin)?;
         }
+        if !self.counted_on_gpu.is_empty() {
+            // an earlier step failed before reading its counts
+            self.counted_on_gpu.clear();
+            g.clear(&mut self.selected)?;
+        }
         let mut on_gpu = false; // where the residual lives now
 
         for l in 0..c.n_layer {
@@ -424,7 +493,26 @@ impl HybridSession {
                 logits = self.cpu.cpu_logits(&self.x_h);
             }
         }
+        self.stats_counted_on_gpu()?;
         Ok(logits)
+    }
+
+    /// FFN stats of the layers whose selection only the GPU saw, from its counts (read after the
+    /// token, when the stream has finished anyway).
+    fn stats_counted_on_gpu(&mut self) -> Result<()> {
+        if self.counted_on_gpu.is_empty() {
+            return Ok(());
+        }
+        let g = &self.hm.gpu;
+        g.read(&self.selected, &mut self.selected_h)?;
+        g.clear(&mut self.selected)?;
+        let n_ff = self.hm.model.config.n_ff as u64;
+        for l in self.counted_on_gpu.drain(..) {
+            let selected = self.selected_h[l] as u64;
+            self.cpu.add_stats(FfnStats { neurons: n_ff, skipped: n_ff - selected, ..Default::default() });
+            self.counts.gpu_neurons += selected;
+        }
+        Ok(())
     }
 
     fn gpu_layer(&mut self, hm: &HybridModel, l: usize, layer: &GpuLayer, pos: usize) -> Result<()> {
@@ -475,8 +563,13 @@ impl HybridSession {
         let mut n_chunks = 0;
         if let Some(hot) = &layer.hot {
             let pred = predicted.then_some(&self.pred_logits);
+            // without cold neurons the host never sees the selection: the GPU counts it
+            let count = (predicted && !has_cold).then(|| {
+                self.counted_on_gpu.push(l);
+                (&mut self.selected, l)
+            });
             g.quantize_for(&[&hot.up], &mut self.xb, c.n_embd)?;
-            g.ffn_hot(hot.gate.as_ref(), &hot.up, &hot.bucket, &self.xb, hot.up_bias.as_ref(), pred, threshold, c.ffn_activation, &mut self.h)?;
+            g.ffn_hot(hot.gate.as_ref(), &hot.up, &hot.bucket, &self.xb, hot.up_bias.as_ref(), pred, threshold, count, c.ffn_activation, &mut self.h)?;
             n_chunks = g.down_partial(&hot.down_t, &self.h, &mut self.partial)?;
         }
 
@@ -499,7 +592,11 @@ impl HybridSession {
                 self.counts.gpu_neurons += layer.n_hot as u64;
             }
             let lw = &model.weights.layers[l];
-            let mats = FfnMats { gate: lw.ffn_gate, up: lw.ffn_up, up_bias: lw.ffn_up_b.as_deref(), down_t: model.down_t(l), down: lw.ffn_down, act: c.ffn_activation };
+            let down_t = match &layer.cold_down_t {
+                Some(rows) => QMatrix { dtype: DType::F16, rows: c.n_ff, cols: c.n_embd, data: rows },
+                None => model.down_t(l),
+            };
+            let mats = FfnMats { gate: lw.ffn_gate, up: lw.ffn_up, up_bias: lw.ffn_up_b.as_deref(), down_t, down: lw.ffn_down, act: c.ffn_activation };
             self.acts.set(&self.xb_h, 1, c.n_embd);
             let (acts, neurons, out, scratch) = (&self.acts, &self.neurons, &mut self.cpu_out_h, &mut self.scratch);
             if neurons.is_empty() {
@@ -535,6 +632,26 @@ mod tests {
 
     fn matrix(rng: &mut Rng, dtype: DType, rows: usize, cols: usize) -> Vec<u8> {
         (0..rows).flat_map(|_| quantize_row(dtype, &random(rng, cols, 0.5))).collect()
+    }
+
+    /// The hybrid executor's neuron-major down rows of a plain quantized file are the columns
+    /// of `ffn_down` to f16 precision (not the engine's Q8_0 copy).
+    #[test]
+    fn exact_down_t_holds_the_columns_of_down() {
+        let mut rng = Rng::new(3);
+        let (n_embd, n_ff) = (64, 96);
+        let d = matrix(&mut rng, DType::Q4_1, n_embd, n_ff);
+        let down = QMatrix { dtype: DType::Q4_1, rows: n_embd, cols: n_ff, data: &d };
+        let rows = exact_down_t(&down);
+        let got = QMatrix { dtype: DType::F16, rows: n_ff, cols: n_embd, data: &rows };
+        let (mut full, mut row) = (vec![0.0; n_ff], vec![0.0; n_embd]);
+        for j in 0..n_ff {
+            got.dequantize_row(j, &mut row);
+            for (c, &v) in row.iter().enumerate() {
+                down.dequantize_row(c, &mut full);
+                assert!((v - full[j]).abs() <= full[j].abs() / 1024.0, "neuron {j} col {c}: {v} vs {}", full[j]);
+            }
+        }
     }
 
     /// The executor's split, computed on the CPU: the hot neurons through the GPU kernels'

@@ -139,9 +139,15 @@ fn ffn_hot_and_down_match_twin() {
             for pred in [true, false] {
                 let mut dh = poisoned(&g, bucket.len());
                 let p = pred.then_some(&dlogits);
-                g.ffn_hot(Some(&dgate), &dup, &dbucket, &dx, None, p, thr, act, &mut dh).unwrap();
+                let mut counts = g.upload(&[7u32, 0, 7]).unwrap();
+                g.ffn_hot(Some(&dgate), &dup, &dbucket, &dx, None, p, thr, pred.then_some((&mut counts, 1)), act, &mut dh).unwrap();
                 let mut h = vec![0.0; bucket.len()];
                 g.read(&dh, &mut h).unwrap();
+                // the selection count lands in its slot only
+                let mut n = [0u32; 3];
+                g.read(&counts, &mut n).unwrap();
+                let passing = bucket.iter().filter(|&&j| logits[j as usize] >= thr).count() as u32;
+                assert_eq!(n, [7, if pred { passing } else { 0 }, 7], "{dtype:?} {act:?}");
                 let want = twin::ffn_hot(Some(&gate), &up, &bucket, &x, None, pred.then_some((&logits[..], thr)), act);
                 assert!(rel_err(&h, &want) < 1e-5, "{dtype:?} {act:?} pred={pred}");
                 if pred {

@@ -646,6 +646,14 @@ fn simd_level() -> &'static str {
     powerinfer_core::matmul::simd_level().name()
 }
 
+/// Why the GPU executor cannot run `model` in sparsity `mode` ("dense", "predictor",
+/// "threshold"), or None: the executor's own refusal, asked before a placement is planned.
+#[pyfunction]
+fn gpu_unsupported_reason(model: &PyModel, mode: &str) -> PyResult<Option<String>> {
+    let mode = SparsityMode::parse(mode).map_err(to_py)?;
+    Ok(powerinfer_cuda::hybrid::unsupported_reason(&model.inner, Some(mode)))
+}
+
 /// Lists CUDA devices; raises CudaUnavailableError when there is no driver or no device.
 #[pyfunction]
 fn cuda_devices<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
@@ -674,6 +682,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_batch, m)?)?;
     m.add_function(wrap_pyfunction!(read_gpu_index, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_devices, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu_unsupported_reason, m)?)?;
     let py = m.py();
     m.add("GGUFError", py.get_type::<GGUFError>())?;
     m.add("ModelError", py.get_type::<ModelError>())?;
