@@ -1,0 +1,68 @@
+//! The small elementwise steps of the layer: norms, bias and residual adds, RoPE.
+
+use super::*;
+
+pub(crate) fn rmsnorm(out: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
+    let n = w.len();
+    for (o, xr) in out.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
+        let ss: f32 = xr.iter().map(|v| v * v).sum::<f32>() / n as f32;
+        let scale = 1.0 / (ss + eps).sqrt();
+        for ((oi, xi), wi) in o.iter_mut().zip(xr).zip(w) {
+            *oi = xi * scale * wi;
+        }
+    }
+}
+
+pub(crate) fn layernorm(out: &mut [f32], x: &[f32], w: &[f32], b: Option<&[f32]>, eps: f32) {
+    let n = w.len();
+    for (o, xr) in out.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
+        let mean = xr.iter().sum::<f32>() / n as f32;
+        let var = xr.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n as f32;
+        let scale = 1.0 / (var + eps).sqrt();
+        for (i, (oi, xi)) in o.iter_mut().zip(xr).enumerate() {
+            *oi = (xi - mean) * scale * w[i] + b.map_or(0.0, |b| b[i]);
+        }
+    }
+}
+
+/// The family's normalization: RMSNorm for LLaMA-style models, LayerNorm (with bias) otherwise.
+pub(crate) fn norm(family: Family, out: &mut [f32], x: &[f32], w: &[f32], b: Option<&[f32]>, eps: f32) {
+    match family {
+        Family::Llama => rmsnorm(out, x, w, eps),
+        Family::Falcon | Family::Opt => layernorm(out, x, w, b, eps),
+    }
+}
+
+/// Adds `bias` to every row of `x`.
+pub(crate) fn add_bias(x: &mut [f32], bias: Option<&[f32]>) {
+    if let Some(b) = bias {
+        x.chunks_exact_mut(b.len()).for_each(|r| r.iter_mut().zip(b).for_each(|(v, bi)| *v += bi));
+    }
+}
+
+pub(crate) fn add_into(x: &mut [f32], d: &[f32]) {
+    x.iter_mut().zip(d).for_each(|(x, d)| *x += d);
+}
+
+/// Rotates each head of `x` (n, n_heads * head_dim) by its token's angles.
+pub(crate) fn rope(x: &mut [f32], head_dim: usize, rope_dim: usize, style: RopeStyle, cos: &[f32], sin: &[f32]) {
+    let half = rope_dim / 2;
+    if half == 0 || style == RopeStyle::None {
+        return;
+    }
+    let row_len = x.len() / (cos.len() / half);
+    for (t, row) in x.chunks_exact_mut(row_len).enumerate() {
+        let (c, s) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
+        for head in row.chunks_exact_mut(head_dim) {
+            for i in 0..half {
+                let (a, b) = match style {
+                    RopeStyle::NeoX => (i, i + half),
+                    _ => (2 * i, 2 * i + 1),
+                };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * c[i] - x1 * s[i];
+                head[b] = x0 * s[i] + x1 * c[i];
+            }
+        }
+    }
+}

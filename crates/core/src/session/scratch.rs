@@ -1,0 +1,89 @@
+//! What a session keeps between calls besides its KV cache: the forward pass's activation
+//! buffers (`Scratch`) and the profiler's records (`Capture`).
+
+use super::*;
+
+/// Per-layer FFN records of every token evaluated while capturing, for the offline profiler and
+/// predictor training.
+#[derive(Debug, Clone, Default)]
+pub struct Capture {
+    /// Tokens recorded.
+    pub n_tokens: usize,
+    /// Per layer (n_tokens, n_embd): the predictor's input (the residual stream entering the FFN;
+    /// for Falcon the layer input).
+    pub inputs: Vec<Vec<f32>>,
+    /// Per layer (n_tokens, n_ff): how strongly each neuron fires. For ReLU-family activations
+    /// |act(gate, up)|, zero exactly when the neuron does not fire; for SwiGLU and GELU, which
+    /// never give exact zeros, |act(gate)|, the value threshold mode compares.
+    pub scores: Vec<Vec<f32>>,
+}
+
+/// Activation buffers, resized per batch and reused across calls.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    pub(crate) x: Vec<f32>,        // (n, n_embd) residual stream
+    pub(crate) xb: Vec<f32>,       // (n, n_embd) normed input of attention or FFN
+    pub(crate) q: Vec<f32>,        // (n, q_dim)
+    pub(crate) k: Vec<f32>,        // (n, kv_dim)
+    pub(crate) v: Vec<f32>,        // (n, kv_dim)
+    pub(crate) att: Vec<f32>,      // (n, q_dim) attention output before the projection
+    pub(crate) attn_out: Vec<f32>, // (n, n_embd) attention block output
+    pub(crate) ffn_out: Vec<f32>,  // (n, n_embd) FFN block output
+    pub(crate) gate: Vec<f32>,     // (n, n_ff) gate values, then activations
+    pub(crate) up: Vec<f32>,       // (n, n_ff)
+    pub(crate) keep: Vec<bool>,    // (n, n_ff) neurons selected by the predictor or threshold
+    pub(crate) neurons: Vec<u32>,  // selected neuron indices of one token, or of a batch's union
+    pub(crate) picked: Vec<bool>,  // (n_ff) whether some token of the batch selected the neuron
+    pub(crate) sel_gate: Vec<f32>, // (n, selected) gate values of the union's rows in sparse prefill
+    pub(crate) sel_up: Vec<f32>,   // (n, selected) up values of the union's rows in sparse prefill
+    pub(crate) pred_hidden: Vec<f32>, // (n, predictor hidden)
+    pub(crate) pred_logits: Vec<f32>, // (n, n_ff)
+    pub(crate) masked: Vec<f32>,   // (n, inputs) a projection's input with the skipped inputs zeroed
+    pub(crate) scores: Vec<Vec<f32>>, // decode: per kv head, its query heads' attention scores
+    pub(crate) acts: Activations,
+    pub(crate) pred_acts: Activations,
+    pub(crate) sparse: SparseScratch,
+    pub(crate) cos: Vec<f32>,      // (n, rope_dim / 2)
+    pub(crate) sin: Vec<f32>,      // (n, rope_dim / 2)
+}
+
+impl Scratch {
+    /// Sizes the per-token buffers for a batch of `n` tokens.
+    pub(crate) fn resize_for(&mut self, n: usize, c: &Config) {
+        for buf in [&mut self.x, &mut self.xb, &mut self.attn_out, &mut self.ffn_out] {
+            buf.resize(n * c.n_embd, 0.0);
+        }
+        self.q.resize(n * c.q_dim(), 0.0);
+        self.k.resize(n * c.kv_dim(), 0.0);
+        self.v.resize(n * c.kv_dim(), 0.0);
+        self.att.resize(n * c.q_dim(), 0.0);
+    }
+
+    /// Token embeddings of a batch: x[t] = token_embd[tokens[t]] (+ position_embd[positions[t]
+    /// + 2] for OPT), with xb as room for the position row (free until the first norm).
+    pub(crate) fn embed(&mut self, w: &Weights, dim: usize, tokens: &[u32], positions: impl Iterator<Item = usize>) {
+        for ((t, &tok), pos) in tokens.iter().enumerate().zip(positions) {
+            let xt = &mut self.x[t * dim..(t + 1) * dim];
+            w.token_embd.dequantize_row(tok as usize, xt);
+            if let Some(pe) = &w.position_embd {
+                let p = &mut self.xb[t * dim..(t + 1) * dim];
+                pe.dequantize_row(pos + OPT_POSITION_OFFSET, p);
+                add_into(xt, p);
+            }
+        }
+    }
+
+    /// RoPE angles of each token's position, shared by every layer: cos, sin (n, rope_dim / 2).
+    pub(crate) fn rope_angles(&mut self, inv_freq: &[f32], positions: impl ExactSizeIterator<Item = usize>) {
+        let half = inv_freq.len();
+        self.cos.resize(positions.len() * half, 0.0);
+        self.sin.resize(positions.len() * half, 0.0);
+        for (t, pos) in positions.enumerate() {
+            for (i, f) in inv_freq.iter().enumerate() {
+                let angle = pos as f32 * f;
+                self.cos[t * half + i] = angle.cos();
+                self.sin[t * half + i] = angle.sin();
+            }
+        }
+    }
+}
