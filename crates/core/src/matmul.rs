@@ -99,6 +99,20 @@ impl<'a> QMatrix<'a> {
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         quant::dequantize_row(self.dtype, self.row(r), &mut out[..self.cols]);
     }
+
+    /// Writes the transpose (cols, rows) as `dtype` rows into `out` (at least cols rows of
+    /// `dtype.row_bytes(rows)`): row j of the result is column j of this matrix, dequantized and
+    /// stored again (exactly for F32, to f16 precision for F16, re-quantized for quantized types).
+    pub fn transpose_into(&self, dtype: DType, out: &mut [u8]) {
+        let (rows, cols) = (self.rows, self.cols);
+        let row_bytes = dtype.row_bytes(rows);
+        let mut dense = vec![0.0f32; rows * cols];
+        dense.par_chunks_mut(cols).enumerate().for_each(|(r, o)| self.dequantize_row(r, o));
+        out[..cols * row_bytes].par_chunks_mut(row_bytes).enumerate().for_each(|(j, row)| {
+            let column: Vec<f32> = (0..rows).map(|i| dense[i * cols + j]).collect();
+            row.copy_from_slice(&quant::quantize_row(dtype, &column));
+        });
+    }
 }
 
 /// A batch of activation rows (n, cols) held both as f32 (for float weights) and as int8 blocks

@@ -632,17 +632,9 @@ impl Model {
                 .iter()
                 .map(|lw| {
                     let m = pick(lw)?;
-                    let (rows, cols) = (m.rows, m.cols);
-                    let row_bytes = dtype.row_bytes(rows);
-                    // dequantize (rows, cols) row by row, then write each column as a row
-                    let mut dense = vec![0.0f32; rows * cols];
-                    dense.par_chunks_mut(cols).enumerate().for_each(|(r, out)| m.dequantize_row(r, out));
                     // page-aligned, so the f16 block scales are aligned too
-                    let mut out = crate::gguf::weight_buffer(cols * row_bytes).expect("anonymous memory for a transposed copy");
-                    out[..cols * row_bytes].par_chunks_mut(row_bytes).enumerate().for_each(|(j, row)| {
-                        let column: Vec<f32> = (0..rows).map(|i| dense[i * cols + j]).collect();
-                        row.copy_from_slice(&quant::quantize_row(dtype, &column));
-                    });
+                    let mut out = crate::gguf::weight_buffer(m.cols * dtype.row_bytes(m.rows)).expect("anonymous memory for a transposed copy");
+                    m.transpose_into(dtype, &mut out);
                     Some(out)
                 })
                 .collect()

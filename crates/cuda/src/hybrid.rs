@@ -17,11 +17,10 @@
 
 use std::sync::Arc;
 
-use rayon::prelude::*;
 use cudarc::driver::CudaSlice;
 use powerinfer_core::attention::KvType;
 use powerinfer_core::matmul::{Activations, QMatrix};
-use powerinfer_core::quant::{quantize_row, DType};
+use powerinfer_core::quant::DType;
 use powerinfer_core::model::{Family, Model, RopeStyle};
 use powerinfer_core::session::{FfnStats, Session, Sparsity, SparsityMode};
 use powerinfer_core::sparse::{sparse_ffn, FfnMats, SparseScratch};
@@ -164,15 +163,8 @@ const THRESHOLD_IS_CPU_ONLY: &str = "threshold sparsity runs on the CPU only; us
 /// logits 3.8% (mean, relative) from the file's float64 function, where F16 keeps them within
 /// 0.03%. The hybrid executor computes the dense function, so both its sides read this copy.
 fn exact_down_t(down: &QMatrix) -> Vec<u8> {
-    let (n_embd, n_ff) = (down.rows, down.cols);
-    let mut dense = vec![0.0f32; n_embd * n_ff];
-    dense.par_chunks_mut(n_ff).enumerate().for_each(|(r, out)| down.dequantize_row(r, out));
-    let row_bytes = DType::F16.row_bytes(n_embd);
-    let mut out = vec![0u8; n_ff * row_bytes];
-    out.par_chunks_mut(row_bytes).enumerate().for_each(|(j, row)| {
-        let column: Vec<f32> = (0..n_embd).map(|r| dense[r * n_ff + j]).collect();
-        row.copy_from_slice(&quantize_row(DType::F16, &column));
-    });
+    let mut out = vec![0u8; down.cols * DType::F16.row_bytes(down.rows)];
+    down.transpose_into(DType::F16, &mut out);
     out
 }
 
