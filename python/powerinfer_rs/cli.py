@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from . import _core
+from .gpu import DEVICES
 from .models import INSTALL_HINT
 
 
@@ -35,7 +36,13 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-ppl-increase", type=float, default=None, help="threshold mode: input sparsity calibrated so that perplexity rises by at most this share (0.02 = 2%%); implies --sparsity threshold")
     p.add_argument("--calibration-file", default=None, help="threshold mode and predictor cut-offs: calibrate on this text (default: built-in English sample)")
     p.add_argument("--predictor-recall", action="store_true", help="predictor mode: also measure recall (costs a dense pass)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: the GPU when usable, else the CPU (default)")
+    p.add_argument(
+        "--device",
+        choices=list(DEVICES),
+        default="auto",
+        help="auto: the GPU when usable, else the CPU (default); emulated: the CPU+GPU executor on an emulated "
+        "device (host memory, kernel twins), a slow correctness check",
+    )
     p.add_argument("--vram-budget", default=None, help="GPU memory to use, e.g. 8GiB (default: 90%% of the GPU)")
     p.add_argument("--profile", default=None, help="activation profile for the GPU split when there is no <model>.generated.gpuidx")
     p.add_argument("-ngl", "--gpu-layers", type=int, default=None, help="layer offload instead of the neuron split: the first N layers wholly on the GPU")
@@ -67,7 +74,7 @@ def _device_line(engine) -> str:
         return "device: cpu"
     mib = 1 << 20
     return (
-        f"device: cuda ({r['gpu_name']}), {r['weight_bytes'] / mib:.0f} MiB of weights on the GPU "
+        f"device: {engine.device} ({r['gpu_name']}), {r['weight_bytes'] / mib:.0f} MiB of weights on the GPU "
         f"(budget {r['vram_budget'] / mib:.0f} MiB), {r['layers_on_gpu']}/{r['n_layer']} layers, "
         f"{r['hot_neuron_fraction']:.1%} of FFN neurons hot ({r['placement_source']} split)"
     )

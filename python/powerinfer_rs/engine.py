@@ -134,8 +134,11 @@ class Engine:
         the share of layer weight bytes not read.
 
         `device`: "auto" (the GPU when a CUDA driver and device are there and the model can run
-        on it, else the CPU with a one-line notice), "cpu", or "cuda" (raises
-        CudaUnavailableError without a GPU). On the GPU, `vram_budget` ("8GiB", bytes; default
+        on it, else the CPU with a one-line notice), "cpu", "cuda" (raises
+        CudaUnavailableError without a GPU), or "emulated": the hybrid CPU+GPU executor on an
+        emulated device (host memory, each kernel's scalar twin, an 80 GB device's memory),
+        which runs everything the GPU path runs without a GPU; a correctness tool, much slower
+        than the CPU. On the GPU, `vram_budget` ("8GiB", bytes; default
         90% of the GPU's memory) bounds what is placed there: attention, norms and predictors
         first, then the hot FFN neurons from `<model>.generated.gpuidx`, or from `profile` (an
         activation profile, solved and written to that file), or an even split (see
@@ -160,8 +163,10 @@ class Engine:
             raise _core.ModelError(
                 f"tokenizer has {tokenizer.n_vocab} tokens but token_embd.weight has {cfg['n_vocab']} rows"
             )
-        if device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+        from .gpu import DEVICES
+
+        if device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(map(repr, DEVICES))}, got {device!r}")
         if vram_budget is not None:
             from .placement import parse_bytes
 
@@ -181,19 +186,20 @@ class Engine:
         with a notice saying why."""
         from . import gpu
 
-        ok, why = gpu.cuda_available()
-        if not ok:
-            if device == "cuda":
-                raise _core.CudaUnavailableError(f"device='cuda' but {why}")
-            gpu.notice(f"no usable GPU ({why}); running on the CPU")
-            return
+        if device != "emulated":
+            ok, why = gpu.cuda_available()
+            if not ok:
+                if device == "cuda":
+                    raise _core.CudaUnavailableError(f"device='cuda' but {why}")
+                gpu.notice(f"no usable GPU ({why}); running on the CPU")
+                return
         reason = _core.gpu_unsupported_reason(self._model, self.sparsity)
         if reason is not None:
-            if device == "cuda":
+            if device != "auto":
                 raise _core.GpuError(reason)
             gpu.notice(f"{reason}; running on the CPU")
             return
-        total = _core.cuda_devices()[0]["total_memory"]
+        total = _core.EMULATED_MEMORY if device == "emulated" else _core.cuda_devices()[0]["total_memory"]
         if vram_budget is None:
             budget = int(total * 0.9)
         else:
@@ -210,9 +216,10 @@ class Engine:
             placement.dense_on_gpu,
             [np.asarray(m, dtype=bool).tolist() for m in placement.neuron_on_gpu],
             placement.output_on_gpu,
+            device="emulated" if device == "emulated" else 0,
         )
         self.placement = placement
-        self.device = "cuda"
+        self.device = "emulated" if device == "emulated" else "cuda"
         self._session(1)
 
     def gpu_report(self) -> dict[str, Any] | None:

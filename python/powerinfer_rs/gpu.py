@@ -24,7 +24,8 @@ from . import _core
 from .placement import dense_first, gpu_index_path, kv_bytes_per_layer, measure_cpu_bandwidth, model_bytes, plan, write_gpu_index
 from .profile_file import load_profile
 
-DEVICES = ("auto", "cpu", "cuda")
+# what `Engine.load(device=...)` and `--device` accept
+DEVICES = ("auto", "cpu", "cuda", "emulated")
 
 
 def notice(msg: str) -> None:

@@ -195,6 +195,11 @@ impl Session {
         std::mem::take(&mut self.stats)
     }
 
+    /// FFN counters since the last `take_stats`, left in place.
+    pub fn stats(&self) -> FfnStats {
+        self.stats
+    }
+
     /// Runs `tokens` densely (in windows of at most `window` tokens, each from an empty context)
     /// and returns, for each target sparsity in `targets`, the per-layer |act(gate)| thresholds
     /// under which that fraction of the neurons fall. The session is left empty and dense.

@@ -1,29 +1,17 @@
-//! The GPU: a context and stream, the kernels of `kernels/powerinfer.cu` loaded from their
-//! committed PTX, and one typed wrapper per kernel (cudarc does not check kernel argument
-//! types or order, so each launch is written once, here, against the `.cu` signature).
+//! `Gpu<D>`: the executor's view of a device (`device.rs`): typed weight matrices and
+//! activation buffers, and one checked call per kernel. Arguments are checked here, once, for
+//! every device, since a CUDA kernel handed a short buffer writes past it silently.
 
-use std::sync::Arc;
-
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
-use cudarc::nvrtc::Ptx;
 use powerinfer_core::matmul::QMatrix;
 use powerinfer_core::model::FfnActivation;
 use powerinfer_core::quant::{BlockQ8Act, DType, QK};
 
+use crate::device::{Buf, Cuda, Device, Elem, Emulated};
 use crate::CudaError;
-
-/// PTX compiled from `kernels/powerinfer.cu` by `scripts/gen_ptx.sh` (checked in CI).
-pub const PTX: &str = include_str!("../kernels/powerinfer.ptx");
 
 /// Rows of the down projection one block of `down_partial` sums; the merge then adds
 /// ceil(n_hot / ROWS_PER_CHUNK) partial vectors.
 pub const ROWS_PER_CHUNK: usize = 128;
-
-impl From<cudarc::driver::DriverError> for CudaError {
-    fn from(e: cudarc::driver::DriverError) -> Self {
-        CudaError::Driver(e.to_string())
-    }
-}
 
 pub type Result<T> = std::result::Result<T, CudaError>;
 
@@ -39,8 +27,6 @@ pub fn type_slot(dtype: DType) -> Result<usize> {
     })
 }
 
-const TYPE_SUFFIX: [&str; 5] = ["f32", "f16", "q4_0", "q4_1", "q8_0"];
-
 /// The activation code the kernels switch on (ACT_* in the .cu file).
 pub fn act_code(act: FfnActivation) -> i32 {
     match act {
@@ -52,16 +38,23 @@ pub fn act_code(act: FfnActivation) -> i32 {
     }
 }
 
+/// The activation a kernel's code stands for (the inverse of `act_code`).
+pub fn act_of_code(code: i32) -> Option<FfnActivation> {
+    [FfnActivation::SwiGlu, FfnActivation::ReGlu, FfnActivation::DReGlu, FfnActivation::Relu, FfnActivation::Gelu]
+        .into_iter()
+        .find(|&a| act_code(a) == code)
+}
+
 /// A weight matrix in device memory, rows in the file's type and layout.
-pub struct DMat {
+pub struct DMat<D: Device> {
     pub dtype: DType,
     pub rows: usize,
     pub cols: usize,
     pub row_bytes: usize,
-    pub data: CudaSlice<u8>,
+    pub data: Buf<D, u8>, // (rows, row_bytes)
 }
 
-impl DMat {
+impl<D: Device> DMat<D> {
     pub fn bytes(&self) -> usize {
         self.rows * self.row_bytes
     }
@@ -71,118 +64,89 @@ impl DMat {
 /// `q8`, its int8 blocks in the CPU's `BlockQ8Act` layout, for quantized weights.
 /// `Gpu::quantize_for` fills `q8` from `f32s`; whoever writes `f32s` calls it before a quantized
 /// matrix reads them.
-pub struct DActs {
-    pub f32s: CudaSlice<f32>,
-    pub q8: CudaSlice<u8>,
+pub struct DActs<D: Device> {
+    pub f32s: Buf<D, f32>, // (n)
+    pub q8: Buf<D, u8>,    // (n / QK, Q8_BLOCK_BYTES)
 }
 
 /// Bytes of one `BlockQ8Act` (32 int8 values, d and s), as `quantize_q8` writes it.
 pub const Q8_BLOCK_BYTES: usize = 40;
 const _: () = assert!(std::mem::size_of::<BlockQ8Act>() == Q8_BLOCK_BYTES);
 
-struct Kernels {
-    quantize_q8: CudaFunction,
-    matvec: Vec<CudaFunction>,
-    ffn_hot: Vec<CudaFunction>,
-    down_partial: Vec<CudaFunction>,
-    ffn_merge: CudaFunction,
-    rmsnorm: CudaFunction,
-    add_into: CudaFunction,
-    add_bias: CudaFunction,
-    rope: CudaFunction,
-    kv_store: CudaFunction,
-    attention: CudaFunction,
-}
-
-pub struct Gpu {
-    pub ctx: Arc<CudaContext>,
-    pub stream: Arc<CudaStream>,
+/// A device and what the executor reports of it.
+pub struct Gpu<D: Device = Cuda> {
+    pub dev: D,
     pub name: String,
     pub total_memory: usize,
-    k: Kernels,
 }
 
-fn blocks(n: usize, per: usize) -> u32 {
-    n.div_ceil(per).max(1) as u32
+impl Gpu<Cuda> {
+    /// Opens CUDA device `ordinal` and loads the kernels; a missing driver or device is an error.
+    pub fn open(ordinal: usize) -> Result<Gpu<Cuda>> {
+        Ok(Gpu::on(Cuda::open(ordinal)?))
+    }
 }
 
-fn cfg(grid: (u32, u32), threads: u32) -> LaunchConfig {
-    LaunchConfig { grid_dim: (grid.0, grid.1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+impl Gpu<Emulated> {
+    /// The emulated device: host memory and the kernels' twins (a correctness tool, not fast).
+    pub fn emulated() -> Gpu<Emulated> {
+        Gpu::on(Emulated)
+    }
 }
 
-/// Rows per block of the warp-per-row kernels.
-const WARPS: usize = 4;
+fn short(what: &str, have: usize, need: usize) -> CudaError {
+    CudaError::Unsupported(format!("{what} holds {have} elements where {need} are needed"))
+}
 
-impl Gpu {
-    /// Opens device `ordinal` and loads the kernels. Never panics: a missing driver or device is
-    /// an error (probed first, as cudarc panics on first use without libcuda).
-    pub fn open(ordinal: usize) -> Result<Gpu> {
-        let devices = crate::probe()?;
-        let info = devices
-            .get(ordinal)
-            .ok_or_else(|| CudaError::NoDevice(format!("device {ordinal} requested, {} present", devices.len())))?;
-        let ctx = CudaContext::new(ordinal)?;
-        let stream = ctx.default_stream();
-        let module = ctx.load_module(Ptx::from_src(PTX)).map_err(|e| {
-            CudaError::Driver(format!("loading the kernels' PTX failed ({e}); the PTX needs a driver for CUDA 13.0 or newer"))
-        })?;
-        let f = |name: &str| module.load_function(name).map_err(|e| CudaError::Driver(format!("kernel {name}: {e}")));
-        let per_type = |base: &str| TYPE_SUFFIX.iter().map(|s| f(&format!("{base}_{s}"))).collect::<Result<Vec<_>>>();
-        let k = Kernels {
-            quantize_q8: f("quantize_q8")?,
-            matvec: per_type("matvec")?,
-            ffn_hot: per_type("ffn_hot")?,
-            down_partial: per_type("down_partial")?,
-            ffn_merge: f("ffn_merge")?,
-            rmsnorm: f("rmsnorm")?,
-            add_into: f("add_into")?,
-            add_bias: f("add_bias")?,
-            rope: f("rope")?,
-            kv_store: f("kv_store")?,
-            attention: f("attention")?,
-        };
-        Ok(Gpu { ctx, stream, name: info.name.clone(), total_memory: info.total_memory, k })
+impl<D: Device> Gpu<D> {
+    pub fn on(dev: D) -> Gpu<D> {
+        Gpu { name: dev.name(), total_memory: dev.total_memory(), dev }
     }
 
-    /// Raw device address of an optional buffer (0 for none), for the kernels' nullable pointers.
-    fn ptr<T>(&self, s: Option<&CudaSlice<T>>) -> u64 {
-        match s {
-            Some(s) => s.device_ptr(&self.stream).0,
-            None => 0,
+    /// Fails unless `buf` holds at least `need` elements.
+    fn holds<T: Elem>(what: &str, buf: &Buf<D, T>, need: usize) -> Result<()> {
+        let have = D::len(buf);
+        if have < need {
+            return Err(short(what, have, need));
         }
+        Ok(())
     }
 
-    pub fn upload<T: cudarc::driver::DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
-        Ok(self.stream.clone_htod(host)?)
+    fn holds_opt<T: Elem>(what: &str, buf: Option<&Buf<D, T>>, need: usize) -> Result<()> {
+        buf.map_or(Ok(()), |b| Self::holds(what, b, need))
     }
 
-    pub fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
-        Ok(self.stream.alloc_zeros::<T>(n.max(1))?)
+    pub fn upload<T: Elem>(&self, host: &[T]) -> Result<Buf<D, T>> {
+        self.dev.upload(host)
+    }
+
+    pub fn zeros<T: Elem>(&self, n: usize) -> Result<Buf<D, T>> {
+        self.dev.zeros(n)
     }
 
     /// Copies `src` into the first `src.len()` elements of `dst`.
-    pub fn write<T: cudarc::driver::DeviceRepr>(&self, src: &[T], dst: &mut CudaSlice<T>) -> Result<()> {
-        let mut view = dst.slice_mut(..src.len());
-        Ok(self.stream.memcpy_htod(src, &mut view)?)
+    pub fn write<T: Elem>(&self, src: &[T], dst: &mut Buf<D, T>) -> Result<()> {
+        Self::holds("a write's destination", dst, src.len())?;
+        self.dev.write(src, dst)
     }
 
-    /// Copies the first `dst.len()` elements of `src` to the host (waits for the stream).
-    pub fn read<T: cudarc::driver::DeviceRepr>(&self, src: &CudaSlice<T>, dst: &mut [T]) -> Result<()> {
-        let view = src.slice(..dst.len());
-        Ok(self.stream.memcpy_dtoh(&view, dst)?)
+    /// Copies the first `dst.len()` elements of `src` to the host (waits for the queued work).
+    pub fn read<T: Elem>(&self, src: &Buf<D, T>, dst: &mut [T]) -> Result<()> {
+        Self::holds("a read's source", src, dst.len())?;
+        self.dev.read(src, dst)
     }
 
-    /// Sets every element of `dst` to zero (queued on the stream).
-    pub fn clear<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(&self, dst: &mut CudaSlice<T>) -> Result<()> {
-        Ok(self.stream.memset_zeros(dst)?)
+    /// Sets every element of `dst` to zero (queued).
+    pub fn clear<T: Elem>(&self, dst: &mut Buf<D, T>) -> Result<()> {
+        self.dev.clear(dst)
     }
 
     pub fn synchronize(&self) -> Result<()> {
-        Ok(self.stream.synchronize()?)
+        self.dev.synchronize()
     }
 
     /// Uploads the rows `rows` (all rows when None) of a matrix, packed in that order.
-    pub fn upload_rows(&self, m: &QMatrix, rows: Option<&[u32]>) -> Result<DMat> {
+    pub fn upload_rows(&self, m: &QMatrix, rows: Option<&[u32]>) -> Result<DMat<D>> {
         type_slot(m.dtype)?;
         let row_bytes = m.row_bytes();
         let (n, data) = match rows {
@@ -199,30 +163,25 @@ impl Gpu {
     }
 
     /// Device activations for vectors of up to `n` values (zeros).
-    pub fn acts(&self, n: usize) -> Result<DActs> {
+    pub fn acts(&self, n: usize) -> Result<DActs<D>> {
         Ok(DActs { f32s: self.zeros(n)?, q8: self.zeros(n.div_ceil(QK) * Q8_BLOCK_BYTES)? })
     }
 
     /// Rounds the first `n` values of `a.f32s` to int8 blocks in `a.q8` (the CPU's
     /// `quantize_act`, bit for bit), when one of `readers` is quantized; a no-op otherwise.
-    pub fn quantize_for(&self, readers: &[&DMat], a: &mut DActs, n: usize) -> Result<()> {
+    pub fn quantize_for(&self, readers: &[&DMat<D>], a: &mut DActs<D>, n: usize) -> Result<()> {
         if !readers.iter().any(|w| w.dtype.is_quantized()) {
             return Ok(());
         }
-        if n % QK != 0 || n.div_ceil(QK) * Q8_BLOCK_BYTES > a.q8.len() || n > a.f32s.len() {
+        if n % QK != 0 || n.div_ceil(QK) * Q8_BLOCK_BYTES > D::len(&a.q8) || n > D::len(&a.f32s) {
             return Err(CudaError::Unsupported(format!("{n} activations cannot be quantized in blocks of {QK} here")));
         }
-        let n_blocks = (n / QK) as i32;
-        let mut b = self.stream.launch_builder(&self.k.quantize_q8);
-        b.arg(&a.f32s).arg(&mut a.q8).arg(&n_blocks);
-        // SAFETY: matches `quantize_q8`; both buffers hold n_blocks blocks (checked above).
-        unsafe { b.launch(cfg((blocks(n / QK, WARPS), 1), 32 * WARPS as u32)) }?;
-        Ok(())
+        self.dev.quantize_q8(&a.f32s, &mut a.q8, n / QK)
     }
 
     /// Checks that `x` can feed a product with `cols` inputs of type `dtype`.
-    fn check_input(dtype: DType, cols: usize, x: &DActs) -> Result<()> {
-        let short = if dtype.is_quantized() { x.q8.len() < cols / QK * Q8_BLOCK_BYTES } else { x.f32s.len() < cols };
+    fn check_input(dtype: DType, cols: usize, x: &DActs<D>) -> Result<()> {
+        let short = if dtype.is_quantized() { D::len(&x.q8) < cols / QK * Q8_BLOCK_BYTES } else { D::len(&x.f32s) < cols };
         if short {
             return Err(CudaError::Unsupported(format!("an activation buffer is shorter than the {cols} inputs of a {} matrix", dtype.name())));
         }
@@ -231,159 +190,133 @@ impl Gpu {
 
     /// y[r] = W[r] . x (+ bias[r]), relu'd when asked, for every row of `w`. A quantized `w`
     /// reads `x.q8` (see `quantize_for`).
-    pub fn matvec(&self, w: &DMat, x: &DActs, bias: Option<&CudaSlice<f32>>, y: &mut CudaSlice<f32>, relu: bool) -> Result<()> {
+    pub fn matvec(&self, w: &DMat<D>, x: &DActs<D>, bias: Option<&Buf<D, f32>>, y: &mut Buf<D, f32>, relu: bool) -> Result<()> {
         Self::check_input(w.dtype, w.cols, x)?;
-        let f = &self.k.matvec[type_slot(w.dtype)?];
-        let (row_bytes, rows, cols, relu, bias) = (w.row_bytes as u64, w.rows as i32, w.cols as i32, relu as i32, self.ptr(bias));
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&w.data).arg(&row_bytes).arg(&x.f32s).arg(&x.q8).arg(&bias).arg(y).arg(&rows).arg(&cols).arg(&relu);
-        // SAFETY: argument types and order match `matvec_*` in powerinfer.cu; x is checked
-        // above, y and bias are sized by the callers.
-        unsafe { b.launch(cfg((blocks(w.rows, WARPS), 1), 32 * WARPS as u32)) }?;
-        Ok(())
+        type_slot(w.dtype)?;
+        Self::holds("a matvec's output", y, w.rows)?;
+        Self::holds_opt("a matvec's bias", bias, w.rows)?;
+        self.dev.matvec(w, x, bias, y, relu)
     }
 
     /// The hot neurons: h[i] = act(gate_i . x, up_i . x + up_bias[bucket[i]]) for the packed
     /// GPU rows, 0 where the predictor's logit for neuron bucket[i] is below `threshold`.
+    /// `selected` (counters, slot) adds the number of rows the predictor selects to one counter.
     #[allow(clippy::too_many_arguments)]
     pub fn ffn_hot(
         &self,
-        gate: Option<&DMat>,
-        up: &DMat,
-        bucket: &CudaSlice<i32>,
-        x: &DActs,
-        up_bias: Option<&CudaSlice<f32>>,
-        pred_logits: Option<&CudaSlice<f32>>,
+        gate: Option<&DMat<D>>,
+        up: &DMat<D>,
+        bucket: &Buf<D, i32>,
+        x: &DActs<D>,
+        up_bias: Option<&Buf<D, f32>>,
+        pred_logits: Option<&Buf<D, f32>>,
         threshold: f32,
-        selected: Option<(&mut CudaSlice<u32>, usize)>,
+        selected: Option<(&mut Buf<D, u32>, usize)>,
         act: FfnActivation,
-        h: &mut CudaSlice<f32>,
+        h: &mut Buf<D, f32>,
     ) -> Result<()> {
         if let Some(g) = gate {
-            if g.dtype != up.dtype || g.rows != up.rows {
-                return Err(CudaError::Unsupported(format!("gate ({}) and up ({}) differ in type", g.dtype.name(), up.dtype.name())));
+            if g.dtype != up.dtype || g.rows != up.rows || g.cols != up.cols {
+                return Err(CudaError::Unsupported(format!("gate ({}) and up ({}) differ in type or shape", g.dtype.name(), up.dtype.name())));
             }
         }
         Self::check_input(up.dtype, up.cols, x)?;
-        let f = &self.k.ffn_hot[type_slot(up.dtype)?];
-        let gate_ptr = gate.map_or(0, |g| g.data.device_ptr(&self.stream).0);
-        let (row_bytes, n_hot, cols, act) = (up.row_bytes as u64, up.rows as i32, up.cols as i32, act_code(act));
-        let (up_bias, pred) = (self.ptr(up_bias), self.ptr(pred_logits));
-        let selected = match selected {
-            Some((counts, slot)) => {
-                assert!(slot < counts.len(), "count slot {slot} of {}", counts.len());
-                counts.device_ptr_mut(&self.stream).0 + (slot * std::mem::size_of::<u32>()) as u64
-            }
-            None => 0,
-        };
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&gate_ptr).arg(&up.data).arg(&row_bytes).arg(bucket).arg(&x.f32s).arg(&x.q8).arg(&up_bias).arg(&pred).arg(&threshold);
-        b.arg(&selected).arg(h).arg(&n_hot).arg(&cols).arg(&act);
-        // SAFETY: matches `ffn_hot_*`; bucket and h hold n_hot entries, up_bias and pred_logits
-        // n_ff; `selected` is null or one u32 inside `counts` (checked above).
-        unsafe { b.launch(cfg((blocks(up.rows, WARPS), 1), 32 * WARPS as u32)) }?;
-        Ok(())
+        type_slot(up.dtype)?;
+        Self::holds("the hot bucket", bucket, up.rows)?;
+        Self::holds("the hot activations", h, up.rows)?;
+        if let Some((counts, slot)) = &selected {
+            Self::holds("the selection counters", counts, slot + 1)?;
+        }
+        self.dev.ffn_hot(gate, up, bucket, x, up_bias, pred_logits, threshold, selected, act_code(act), h)
     }
 
     /// partial[k, c] = sum over the rows i of chunk k of h[i] * down_t[i, c]; returns the
     /// number of chunks written.
-    pub fn down_partial(&self, down_t: &DMat, h: &CudaSlice<f32>, partial: &mut CudaSlice<f32>) -> Result<usize> {
-        let f = &self.k.down_partial[type_slot(down_t.dtype)?];
+    pub fn down_partial(&self, down_t: &DMat<D>, h: &Buf<D, f32>, partial: &mut Buf<D, f32>) -> Result<usize> {
+        type_slot(down_t.dtype)?;
         let n_chunks = down_t.rows.div_ceil(ROWS_PER_CHUNK);
         if n_chunks == 0 {
             return Ok(0);
         }
-        let (row_bytes, n_hot, cols, per) = (down_t.row_bytes as u64, down_t.rows as i32, down_t.cols as i32, ROWS_PER_CHUNK as i32);
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&down_t.data).arg(&row_bytes).arg(h).arg(&n_hot).arg(&cols).arg(&per).arg(partial);
-        // SAFETY: matches `down_partial_*`; partial holds n_chunks * cols floats.
-        unsafe { b.launch(cfg((blocks(down_t.cols, 256), n_chunks as u32), 256)) }?;
+        Self::holds("the hot activations", h, down_t.rows)?;
+        Self::holds("the partial sums", partial, n_chunks * down_t.cols)?;
+        self.dev.down_partial(down_t, h, partial, ROWS_PER_CHUNK)?;
         Ok(n_chunks)
     }
 
     /// x[c] += sum of the first `n_chunks` partial vectors + cpu_part[c] + bias[c].
     pub fn ffn_merge(
         &self,
-        x: &mut CudaSlice<f32>,
-        partial: &CudaSlice<f32>,
+        x: &mut Buf<D, f32>,
+        partial: &Buf<D, f32>,
         n_chunks: usize,
-        cpu_part: Option<&CudaSlice<f32>>,
-        bias: Option<&CudaSlice<f32>>,
+        cpu_part: Option<&Buf<D, f32>>,
+        bias: Option<&Buf<D, f32>>,
         cols: usize,
     ) -> Result<()> {
-        let (n_chunks_i, cols_i, cpu, bias) = (n_chunks as i32, cols as i32, self.ptr(cpu_part), self.ptr(bias));
-        let mut b = self.stream.launch_builder(&self.k.ffn_merge);
-        b.arg(x).arg(partial).arg(&n_chunks_i).arg(&cpu).arg(&bias).arg(&cols_i);
-        // SAFETY: matches `ffn_merge`.
-        unsafe { b.launch(cfg((blocks(cols, 256), 1), 256)) }?;
-        Ok(())
+        Self::holds("the residual", x, cols)?;
+        Self::holds("the partial sums", partial, n_chunks * cols)?;
+        Self::holds_opt("the CPU part", cpu_part, cols)?;
+        Self::holds_opt("the down bias", bias, cols)?;
+        self.dev.ffn_merge(x, partial, n_chunks, cpu_part, bias, cols)
     }
 
-    pub fn rmsnorm(&self, x: &CudaSlice<f32>, w: &CudaSlice<f32>, out: &mut CudaSlice<f32>, n: usize, eps: f32) -> Result<()> {
-        let n_i = n as i32;
-        let mut b = self.stream.launch_builder(&self.k.rmsnorm);
-        b.arg(x).arg(w).arg(out).arg(&n_i).arg(&eps);
-        // SAFETY: matches `rmsnorm`; one block.
-        unsafe { b.launch(cfg((1, 1), 1024)) }?;
-        Ok(())
+    pub fn rmsnorm(&self, x: &Buf<D, f32>, w: &Buf<D, f32>, out: &mut Buf<D, f32>, n: usize, eps: f32) -> Result<()> {
+        Self::holds("a norm's input", x, n)?;
+        Self::holds("a norm's weights", w, n)?;
+        Self::holds("a norm's output", out, n)?;
+        self.dev.rmsnorm(x, w, out, n, eps)
     }
 
     /// x += y (+ bias)
-    pub fn add_into(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, bias: Option<&CudaSlice<f32>>, n: usize) -> Result<()> {
-        let (n_i, bias) = (n as i32, self.ptr(bias));
-        let mut b = self.stream.launch_builder(&self.k.add_into);
-        b.arg(x).arg(y).arg(&bias).arg(&n_i);
-        // SAFETY: matches `add_into`.
-        unsafe { b.launch(cfg((blocks(n, 256), 1), 256)) }?;
-        Ok(())
+    pub fn add_into(&self, x: &mut Buf<D, f32>, y: &Buf<D, f32>, bias: Option<&Buf<D, f32>>, n: usize) -> Result<()> {
+        Self::holds("a sum's output", x, n)?;
+        Self::holds("a sum's input", y, n)?;
+        Self::holds_opt("a bias", bias, n)?;
+        self.dev.add_into(x, y, bias, n)
     }
 
-    pub fn add_bias(&self, x: &mut CudaSlice<f32>, bias: &CudaSlice<f32>, n: usize) -> Result<()> {
-        let n_i = n as i32;
-        let mut b = self.stream.launch_builder(&self.k.add_bias);
-        b.arg(x).arg(bias).arg(&n_i);
-        // SAFETY: matches `add_bias`.
-        unsafe { b.launch(cfg((blocks(n, 256), 1), 256)) }?;
-        Ok(())
+    pub fn add_bias(&self, x: &mut Buf<D, f32>, bias: &Buf<D, f32>, n: usize) -> Result<()> {
+        Self::holds("a sum's output", x, n)?;
+        Self::holds("a bias", bias, n)?;
+        self.dev.add_bias(x, bias, n)
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub fn rope(&self, x: &mut CudaSlice<f32>, cos: &CudaSlice<f32>, sin: &CudaSlice<f32>, n_heads: usize, head_dim: usize, rope_dim: usize, neox: bool) -> Result<()> {
+    pub fn rope(&self, x: &mut Buf<D, f32>, cos: &Buf<D, f32>, sin: &Buf<D, f32>, n_heads: usize, head_dim: usize, rope_dim: usize, neox: bool) -> Result<()> {
         if rope_dim == 0 {
             return Ok(());
         }
-        let (nh, hd, rd, nx) = (n_heads as i32, head_dim as i32, rope_dim as i32, neox as i32);
-        let mut b = self.stream.launch_builder(&self.k.rope);
-        b.arg(x).arg(cos).arg(sin).arg(&nh).arg(&hd).arg(&rd).arg(&nx);
-        // SAFETY: matches `rope`.
-        unsafe { b.launch(cfg((blocks(n_heads * rope_dim / 2, 256), 1), 256)) }?;
-        Ok(())
+        if rope_dim > head_dim || rope_dim % 2 != 0 {
+            return Err(CudaError::Unsupported(format!("RoPE over {rope_dim} of {head_dim} head dimensions")));
+        }
+        Self::holds("RoPE's input", x, n_heads * head_dim)?;
+        Self::holds("RoPE's cosines", cos, rope_dim / 2)?;
+        Self::holds("RoPE's sines", sin, rope_dim / 2)?;
+        self.dev.rope(x, cos, sin, n_heads, head_dim, rope_dim, neox)
     }
 
     /// Stores one position's k and v in the caches (u8 buffers of f32 or f16 elements).
     #[allow(clippy::too_many_arguments)]
-    pub fn kv_store(&self, k: &CudaSlice<f32>, v: &CudaSlice<f32>, k_cache: &mut CudaSlice<u8>, v_cache: &mut CudaSlice<u8>, pos: usize, kv_dim: usize, f16: bool) -> Result<()> {
+    pub fn kv_store(&self, k: &Buf<D, f32>, v: &Buf<D, f32>, k_cache: &mut Buf<D, u8>, v_cache: &mut Buf<D, u8>, pos: usize, kv_dim: usize, f16: bool) -> Result<()> {
         let elem = if f16 { 2 } else { 4 };
-        if (pos + 1) * kv_dim * elem > k_cache.len() {
+        if (pos + 1) * kv_dim * elem > D::len(k_cache).min(D::len(v_cache)) {
             return Err(CudaError::Unsupported(format!("position {pos} is past the GPU KV cache")));
         }
-        let (p, d, h) = (pos as i32, kv_dim as i32, f16 as i32);
-        let mut b = self.stream.launch_builder(&self.k.kv_store);
-        b.arg(k).arg(v).arg(k_cache).arg(v_cache).arg(&p).arg(&d).arg(&h);
-        // SAFETY: matches `kv_store`; the cache bound is checked above.
-        unsafe { b.launch(cfg((blocks(kv_dim, 256), 1), 256)) }?;
-        Ok(())
+        Self::holds("a new key", k, kv_dim)?;
+        Self::holds("a new value", v, kv_dim)?;
+        self.dev.kv_store(k, v, k_cache, v_cache, pos, kv_dim, f16)
     }
 
     /// Causal attention of one query (n_head * head_dim) over cache positions 0..len.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
-        q: &CudaSlice<f32>,
-        k_cache: &CudaSlice<u8>,
-        v_cache: &CudaSlice<u8>,
-        scores: &mut CudaSlice<f32>,
-        out: &mut CudaSlice<f32>,
+        q: &Buf<D, f32>,
+        k_cache: &Buf<D, u8>,
+        v_cache: &Buf<D, u8>,
+        scores: &mut Buf<D, f32>,
+        out: &mut Buf<D, f32>,
         len: usize,
         n_ctx: usize,
         n_head: usize,
@@ -391,12 +324,15 @@ impl Gpu {
         head_dim: usize,
         f16: bool,
     ) -> Result<()> {
-        let scale = 1.0 / (head_dim as f32).sqrt();
-        let (len_i, ctx_i, nh, nkv, hd, h) = (len as i32, n_ctx as i32, n_head as i32, n_head_kv as i32, head_dim as i32, f16 as i32);
-        let mut b = self.stream.launch_builder(&self.k.attention);
-        b.arg(q).arg(k_cache).arg(v_cache).arg(scores).arg(out).arg(&len_i).arg(&ctx_i).arg(&nh).arg(&nkv).arg(&hd).arg(&scale).arg(&h);
-        // SAFETY: matches `attention`; scores holds n_head * n_ctx floats and len <= n_ctx.
-        unsafe { b.launch(cfg((n_head as u32, 1), 256)) }?;
-        Ok(())
+        let kv_bytes = len * n_head_kv * head_dim * if f16 { 2 } else { 4 };
+        if len == 0 || len > n_ctx || n_head_kv == 0 || n_head % n_head_kv != 0 {
+            return Err(CudaError::Unsupported(format!("attention over {len} of {n_ctx} positions with {n_head} heads and {n_head_kv} KV heads")));
+        }
+        Self::holds("the key cache", k_cache, kv_bytes)?;
+        Self::holds("the value cache", v_cache, kv_bytes)?;
+        Self::holds("the query", q, n_head * head_dim)?;
+        Self::holds("the attention scores", scores, n_head * n_ctx)?;
+        Self::holds("the attention output", out, n_head * head_dim)?;
+        self.dev.attention(q, k_cache, v_cache, scores, out, len, n_ctx, n_head, n_head_kv, head_dim, f16)
     }
 }

@@ -17,7 +17,6 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::CudaSlice;
 use powerinfer_core::attention::KvType;
 use powerinfer_core::matmul::{Activations, QMatrix};
 use powerinfer_core::quant::DType;
@@ -25,6 +24,7 @@ use powerinfer_core::model::{Family, Model, RopeStyle};
 use powerinfer_core::session::{FfnStats, Session, Sparsity, SparsityMode};
 use powerinfer_core::sparse::{sparse_ffn, FfnMats, SparseScratch};
 
+use crate::device::{Buf, Device};
 use crate::gpu::{DActs, DMat, Gpu, Result, ROWS_PER_CHUNK};
 use crate::CudaError;
 
@@ -79,34 +79,34 @@ pub struct PlacementReport {
     pub output_on_gpu: bool,
 }
 
-struct DenseGpu {
-    attn_norm: CudaSlice<f32>,
-    wq: DMat,
-    wk: DMat,
-    wv: DMat,
-    wo: DMat,
-    bq: Option<CudaSlice<f32>>,
-    bk: Option<CudaSlice<f32>>,
-    bv: Option<CudaSlice<f32>>,
-    bo: Option<CudaSlice<f32>>,
-    ffn_norm: CudaSlice<f32>,
-    predictor: Option<(DMat, DMat)>, // fc1 (hidden, n_embd), fc2 (n_ff, hidden)
+struct DenseGpu<D: Device> {
+    attn_norm: Buf<D, f32>,
+    wq: DMat<D>,
+    wk: DMat<D>,
+    wv: DMat<D>,
+    wo: DMat<D>,
+    bq: Option<Buf<D, f32>>,
+    bk: Option<Buf<D, f32>>,
+    bv: Option<Buf<D, f32>>,
+    bo: Option<Buf<D, f32>>,
+    ffn_norm: Buf<D, f32>,
+    predictor: Option<(DMat<D>, DMat<D>)>, // fc1 (hidden, n_embd), fc2 (n_ff, hidden)
 }
 
-struct HotGpu {
-    bucket: CudaSlice<i32>, // (n_hot) neuron ids of the packed rows
-    gate: Option<DMat>,     // (n_hot, n_embd)
-    up: DMat,               // (n_hot, n_embd)
-    down_t: DMat,           // (n_hot, n_embd)
-    up_bias: Option<CudaSlice<f32>>, // (n_ff)
+struct HotGpu<D: Device> {
+    bucket: Buf<D, i32>, // (n_hot) neuron ids of the packed rows
+    gate: Option<DMat<D>>,     // (n_hot, n_embd)
+    up: DMat<D>,               // (n_hot, n_embd)
+    down_t: DMat<D>,           // (n_hot, n_embd)
+    up_bias: Option<Buf<D, f32>>, // (n_ff)
 }
 
-struct GpuLayer {
-    dense: DenseGpu,
-    hot: Option<HotGpu>,
+struct GpuLayer<D: Device> {
+    dense: DenseGpu<D>,
+    hot: Option<HotGpu<D>>,
     /// `ffn_down.bias` (n_embd), added once when the FFN parts merge, whether the layer has hot
     /// neurons or not.
-    down_bias: Option<CudaSlice<f32>>,
+    down_bias: Option<Buf<D, f32>>,
     n_hot: usize,
     /// Neurons computed on the CPU, ascending.
     cold: Vec<u32>,
@@ -115,15 +115,15 @@ struct GpuLayer {
     cold_down_t: Option<Vec<u8>>,
 }
 
-pub struct HybridModel {
+pub struct HybridModel<D: Device> {
     pub model: Arc<Model>,
-    pub gpu: Gpu,
-    layers: Vec<Option<GpuLayer>>,
-    output: Option<(CudaSlice<f32>, DMat)>,
+    pub gpu: Gpu<D>,
+    layers: Vec<Option<GpuLayer<D>>>,
+    output: Option<(Buf<D, f32>, DMat<D>)>,
     pub report: PlacementReport,
 }
 
-fn upload_opt(gpu: &Gpu, v: Option<&Vec<f32>>, bytes: &mut usize) -> Result<Option<CudaSlice<f32>>> {
+fn upload_opt<D: Device>(gpu: &Gpu<D>, v: Option<&Vec<f32>>, bytes: &mut usize) -> Result<Option<Buf<D, f32>>> {
     v.map(|v| {
         *bytes += v.len() * 4;
         gpu.upload(v)
@@ -168,8 +168,8 @@ fn exact_down_t(down: &QMatrix) -> Vec<u8> {
     out
 }
 
-impl HybridModel {
-    pub fn new(model: Arc<Model>, gpu: Gpu, plan: &GpuPlan) -> Result<HybridModel> {
+impl<D: Device> HybridModel<D> {
+    pub fn new(model: Arc<Model>, gpu: Gpu<D>, plan: &GpuPlan) -> Result<HybridModel<D>> {
         let c = &model.config;
         if let Some(why) = unsupported_reason(&model, None) {
             return Err(CudaError::Unsupported(why));
@@ -194,7 +194,7 @@ impl HybridModel {
                 continue;
             }
             let mut bytes = 0;
-            let mut mat = |m, rows: Option<&[u32]>| -> Result<DMat> {
+            let mut mat = |m, rows: Option<&[u32]>| -> Result<DMat<D>> {
                 let d = gpu.upload_rows(m, rows)?;
                 bytes += d.bytes();
                 Ok(d)
@@ -233,7 +233,7 @@ impl HybridModel {
                 None
             } else {
                 let before = bytes;
-                let mut nmat = |m, rows: &[u32]| -> Result<DMat> {
+                let mut nmat = |m, rows: &[u32]| -> Result<DMat<D>> {
                     let d = gpu.upload_rows(m, Some(rows))?;
                     bytes += d.bytes();
                     Ok(d)
@@ -282,31 +282,31 @@ pub struct SplitCounts {
 /// One conversation on a `HybridModel`: the GPU KV cache and activation buffers, plus a CPU
 /// `Session` that holds the token history, the sparsity settings, the KV cache of CPU layers
 /// and runs those layers.
-pub struct HybridSession {
-    hm: Arc<HybridModel>,
+pub struct HybridSession<D: Device> {
+    hm: Arc<HybridModel<D>>,
     pub cpu: Session,
     n_ctx: usize,
     kv_f16: bool,
-    k_cache: Vec<Option<CudaSlice<u8>>>,
-    v_cache: Vec<Option<CudaSlice<u8>>>,
+    k_cache: Vec<Option<Buf<D, u8>>>,
+    v_cache: Vec<Option<Buf<D, u8>>>,
     // device activations
-    x: DActs,                 // (n_embd) residual (the predictor's input)
-    xb: DActs,                // (n_embd) normed input
-    q: CudaSlice<f32>,        // (q_dim)
-    k: CudaSlice<f32>,        // (kv_dim)
-    v: CudaSlice<f32>,        // (kv_dim)
-    att: DActs,               // (q_dim)
-    attn_out: CudaSlice<f32>, // (n_embd)
-    scores: CudaSlice<f32>,   // (n_head, n_ctx)
-    pred_hidden: DActs,       // (max predictor hidden)
-    pred_logits: CudaSlice<f32>, // (n_ff)
-    h: CudaSlice<f32>,        // (max n_hot)
-    partial: CudaSlice<f32>,  // (max chunks, n_embd)
-    cpu_part: CudaSlice<f32>, // (n_embd)
-    cos: CudaSlice<f32>,      // (rope_dim / 2)
-    sin: CudaSlice<f32>,
-    logits: CudaSlice<f32>,   // (n_vocab)
-    selected: CudaSlice<u32>, // (n_layer) neurons the predictor selected, counted on the GPU
+    x: DActs<D>,                 // (n_embd) residual (the predictor's input)
+    xb: DActs<D>,                // (n_embd) normed input
+    q: Buf<D, f32>,        // (q_dim)
+    k: Buf<D, f32>,        // (kv_dim)
+    v: Buf<D, f32>,        // (kv_dim)
+    att: DActs<D>,               // (q_dim)
+    attn_out: Buf<D, f32>, // (n_embd)
+    scores: Buf<D, f32>,   // (n_head, n_ctx)
+    pred_hidden: DActs<D>,       // (max predictor hidden)
+    pred_logits: Buf<D, f32>, // (n_ff)
+    h: Buf<D, f32>,        // (max n_hot)
+    partial: Buf<D, f32>,  // (max chunks, n_embd)
+    cpu_part: Buf<D, f32>, // (n_embd)
+    cos: Buf<D, f32>,      // (rope_dim / 2)
+    sin: Buf<D, f32>,
+    logits: Buf<D, f32>,   // (n_vocab)
+    selected: Buf<D, u32>, // (n_layer) neurons the predictor selected, counted on the GPU
     // host buffers
     x_h: Vec<f32>,
     xb_h: Vec<f32>,
@@ -321,8 +321,8 @@ pub struct HybridSession {
     selected_h: Vec<u32>,
 }
 
-impl HybridSession {
-    pub fn new(hm: Arc<HybridModel>, n_ctx: usize, kv_type: KvType) -> Result<HybridSession> {
+impl<D: Device> HybridSession<D> {
+    pub fn new(hm: Arc<HybridModel<D>>, n_ctx: usize, kv_type: KvType) -> Result<HybridSession<D>> {
         let cpu = Session::new(Arc::clone(&hm.model), n_ctx, kv_type).map_err(|e| CudaError::Plan(e.to_string()))?;
         let c = &hm.model.config;
         let g = &hm.gpu;
@@ -376,7 +376,7 @@ impl HybridSession {
 
     /// KV cache bytes this session holds on the GPU.
     pub fn kv_bytes(&self) -> usize {
-        self.k_cache.iter().chain(&self.v_cache).flatten().map(|b| b.len()).sum()
+        self.k_cache.iter().chain(&self.v_cache).flatten().map(|b| D::len(b)).sum()
     }
 
     pub fn pos(&self) -> usize {
@@ -457,7 +457,11 @@ impl HybridSession {
                     g.read(&self.x.f32s, &mut self.x_h)?;
                     on_gpu = false;
                 }
+                // a layer wholly on the CPU: its computed neurons are the CPU's
+                let before = self.cpu.stats();
                 self.cpu.cpu_layer(l, &mut self.x_h, pos);
+                let after = self.cpu.stats();
+                self.counts.cpu_neurons += (after.neurons - after.skipped) - (before.neurons - before.skipped);
                 continue;
             };
             if !on_gpu {
@@ -507,7 +511,7 @@ impl HybridSession {
         Ok(())
     }
 
-    fn gpu_layer(&mut self, hm: &HybridModel, l: usize, layer: &GpuLayer, pos: usize) -> Result<()> {
+    fn gpu_layer(&mut self, hm: &HybridModel<D>, l: usize, layer: &GpuLayer<D>, pos: usize) -> Result<()> {
         let model = &*hm.model;
         let c = &model.config;
         let g = &hm.gpu;
@@ -609,6 +613,77 @@ impl HybridSession {
     }
 }
 
+/// A placed model whatever its device, for callers that pick the device at run time (the
+/// Python binding: "cuda" or "emulated").
+pub trait PlacedModel: Send + Sync {
+    fn model(&self) -> &Arc<Model>;
+    fn report(&self) -> &PlacementReport;
+    /// A new conversation on this placement.
+    fn session(self: Arc<Self>, n_ctx: usize, kv_type: KvType) -> Result<Box<dyn HybridRun>>;
+}
+
+impl<D: Device> PlacedModel for HybridModel<D> {
+    fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    fn report(&self) -> &PlacementReport {
+        &self.report
+    }
+
+    fn session(self: Arc<Self>, n_ctx: usize, kv_type: KvType) -> Result<Box<dyn HybridRun>> {
+        Ok(Box::new(HybridSession::new(self, n_ctx, kv_type)?))
+    }
+}
+
+/// Places `model` on device `D` per `plan`, behind the run-time interface.
+pub fn place<D: Device>(model: Arc<Model>, gpu: Gpu<D>, plan: &GpuPlan) -> Result<Arc<dyn PlacedModel>> {
+    Ok(Arc::new(HybridModel::new(model, gpu, plan)?))
+}
+
+/// A hybrid session whatever its device.
+pub trait HybridRun: Send {
+    /// The device kind: "cuda" or "emulated".
+    fn device(&self) -> &'static str;
+    /// The CPU session: token history, sparsity settings, the CPU layers' KV cache.
+    fn cpu(&self) -> &Session;
+    fn cpu_mut(&mut self) -> &mut Session;
+    fn eval(&mut self, tokens: &[u32], all_logits: bool) -> std::result::Result<Vec<f32>, powerinfer_core::Error>;
+    fn set_sparsity(&mut self, sp: Sparsity) -> Result<()>;
+    fn take_counts(&mut self) -> SplitCounts;
+    fn kv_bytes(&self) -> usize;
+}
+
+impl<D: Device> HybridRun for HybridSession<D> {
+    fn device(&self) -> &'static str {
+        D::KIND
+    }
+
+    fn cpu(&self) -> &Session {
+        &self.cpu
+    }
+
+    fn cpu_mut(&mut self) -> &mut Session {
+        &mut self.cpu
+    }
+
+    fn eval(&mut self, tokens: &[u32], all_logits: bool) -> std::result::Result<Vec<f32>, powerinfer_core::Error> {
+        HybridSession::eval(self, tokens, all_logits)
+    }
+
+    fn set_sparsity(&mut self, sp: Sparsity) -> Result<()> {
+        HybridSession::set_sparsity(self, sp)
+    }
+
+    fn take_counts(&mut self) -> SplitCounts {
+        HybridSession::take_counts(self)
+    }
+
+    fn kv_bytes(&self) -> usize {
+        HybridSession::kv_bytes(self)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -666,8 +741,10 @@ mod tests {
             assert!(hot.iter().all(|&j| mask[j as usize]) && cold.iter().all(|&j| !mask[j as usize]));
 
             let thr = 0.1;
-            let h = twin::ffn_hot(Some(&gate), &up, &hot, &x, None, Some((&logits, thr)), act);
-            let gpu_part = twin::down(&down_t, &hot, &h);
+            let (pg, pu, pd) = (twin::pack_rows(&gate, &hot), twin::pack_rows(&up, &hot), twin::pack_rows(&down_t, &hot));
+            let packed = |dtype, data| QMatrix { dtype, rows: hot.len(), cols: n_embd, data };
+            let h = twin::ffn_hot(Some(&packed(dtype, &pg)), &packed(dtype, &pu), &hot, &x, None, Some((&logits, thr)), act);
+            let gpu_part = twin::down(&packed(DType::F32, &pd), &h);
             let mats = FfnMats { gate: Some(gate), up, up_bias: None, down_t, down: None, act };
             let mut acts = Activations::default();
             acts.set(&x, 1, n_embd);

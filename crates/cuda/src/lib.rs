@@ -1,9 +1,11 @@
 //! CUDA backend of powerinfer-rs. The driver is loaded at run time through cudarc's dynamic
 //! loading, so this crate builds on machines without any CUDA toolkit and the engine runs on
-//! machines without a GPU (`probe` says whether one is usable). `gpu` loads the kernels
-//! (committed PTX, compiled from `kernels/powerinfer.cu`), `hybrid` is the CPU+GPU executor,
-//! `twin` holds the scalar CPU twin of every kernel.
+//! machines without a GPU (`probe` says whether one is usable). `device` is where buffers live
+//! and kernels run: CUDA (committed PTX, compiled from `kernels/powerinfer.cu`) or an emulated
+//! device on host memory that runs each kernel's scalar twin (`twin`); `gpu` is the executor's
+//! checked view of either; `hybrid` is the CPU+GPU executor, generic over the device.
 
+pub mod device;
 pub mod gpu;
 pub mod hybrid;
 pub mod twin;

@@ -1,8 +1,10 @@
-//! Scalar CPU twins of the GPU kernels: the same function, written plainly, accumulated in
-//! f64. The GPU tests compare every kernel with its twin on random inputs; the host-side tests
-//! use them to check the hot/cold split without a GPU.
+//! Scalar CPU twins of the GPU kernels: the same function over the same buffer layouts (packed
+//! hot rows, int8 activation blocks), written plainly, accumulated in f64. The GPU tests compare
+//! every kernel with its twin on random inputs, and the emulated device (`device::emulated`)
+//! runs the twins in place of the kernels, so the hybrid executor runs without a GPU.
 
 use powerinfer_core::matmul::QMatrix;
+use rayon::prelude::*;
 use powerinfer_core::model::FfnActivation;
 use powerinfer_core::quant::{dequantize_row, quantize_act, BlockQ8Act, DType, QK};
 
@@ -19,9 +21,34 @@ pub fn input_seen(dtype: DType, x: &[f32]) -> Vec<f32> {
     if !dtype.is_quantized() {
         return x.to_vec();
     }
+    q8_values(&q8_bytes(x))
+}
+
+/// The values of int8 activation blocks (`BlockQ8Act` bytes, as `quantize_q8` writes them):
+/// what a kernel reading a quantized matrix sees of its input.
+pub fn q8_values(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(std::mem::size_of::<BlockQ8Act>())
+        .flat_map(|b| {
+            let d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            b[8..].iter().map(move |&q| q as i8 as f32 * d)
+        })
+        .collect()
+}
+
+/// `quantize_q8`: `x` as int8 blocks, the bytes of the CPU's `quantize_act`.
+pub fn q8_bytes(x: &[f32]) -> Vec<u8> {
     let mut blocks = vec![BlockQ8Act::default(); x.len() / QK];
     quantize_act(x, &mut blocks);
-    blocks.iter().flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d)).collect()
+    blocks
+        .iter()
+        .flat_map(|b| b.d.to_le_bytes().into_iter().chain(b.s.to_le_bytes()).chain(b.qs.iter().map(|&q| q as u8)))
+        .collect()
+}
+
+/// The rows `rows` of `m`, packed in that order: the layout of a matrix's hot rows on the GPU.
+pub fn pack_rows(m: &QMatrix, rows: &[u32]) -> Vec<u8> {
+    rows.iter().flat_map(|&r| m.row(r as usize).iter().copied()).collect()
 }
 
 fn dot(a: &[f32], b: &[f32]) -> f64 {
@@ -30,8 +57,14 @@ fn dot(a: &[f32], b: &[f32]) -> f64 {
 
 /// `matvec_*`: y[r] = W[r] . x (+ bias[r]), relu'd when asked.
 pub fn matvec(w: &QMatrix, x: &[f32], bias: Option<&[f32]>, relu: bool) -> Vec<f32> {
-    let x = &input_seen(w.dtype, x)[..];
+    matvec_seen(w, &input_seen(w.dtype, x), bias, relu)
+}
+
+/// `matvec` of an input as the kernel sees it (see `input_seen`); rows in parallel, each
+/// one plain f64 sum.
+pub fn matvec_seen(w: &QMatrix, x: &[f32], bias: Option<&[f32]>, relu: bool) -> Vec<f32> {
     (0..w.rows)
+        .into_par_iter()
         .map(|r| {
             let v = (dot(&row_f32(w, r), x) + bias.map_or(0.0, |b| b[r] as f64)) as f32;
             if relu {
@@ -43,8 +76,8 @@ pub fn matvec(w: &QMatrix, x: &[f32], bias: Option<&[f32]>, relu: bool) -> Vec<f
         .collect()
 }
 
-/// `ffn_hot_*` over neurons `bucket` of the full (n_ff-row) matrices: h[i] for neuron bucket[i],
-/// 0 where the predictor's logit is below the threshold.
+/// `ffn_hot_*` over packed hot rows (row i of `gate` and `up` is neuron bucket[i]): h[i] for
+/// neuron bucket[i], 0 where the predictor's logit is below the threshold.
 pub fn ffn_hot(
     gate: Option<&QMatrix>,
     up: &QMatrix,
@@ -54,29 +87,42 @@ pub fn ffn_hot(
     pred: Option<(&[f32], f32)>,
     act: FfnActivation,
 ) -> Vec<f32> {
-    let x = &input_seen(up.dtype, x)[..];
+    ffn_hot_seen(gate, up, bucket, &input_seen(up.dtype, x), up_bias, pred, act)
+}
+
+/// `ffn_hot` of an input as the kernel sees it (see `input_seen`).
+pub fn ffn_hot_seen(
+    gate: Option<&QMatrix>,
+    up: &QMatrix,
+    bucket: &[u32],
+    x: &[f32],
+    up_bias: Option<&[f32]>,
+    pred: Option<(&[f32], f32)>,
+    act: FfnActivation,
+) -> Vec<f32> {
     bucket
-        .iter()
-        .map(|&j| {
+        .par_iter()
+        .enumerate()
+        .map(|(i, &j)| {
             let j = j as usize;
             if let Some((logits, thr)) = pred {
                 if !(logits[j] >= thr) {
                     return 0.0;
                 }
             }
-            let g = gate.map_or(0.0, |g| dot(&row_f32(g, j), x) as f32);
-            let u = (dot(&row_f32(up, j), x) + up_bias.map_or(0.0, |b| b[j] as f64)) as f32;
+            let g = gate.map_or(0.0, |g| dot(&row_f32(g, i), x) as f32);
+            let u = (dot(&row_f32(up, i), x) + up_bias.map_or(0.0, |b| b[j] as f64)) as f32;
             act.apply(g, u)
         })
         .collect()
 }
 
-/// `down_partial_*` summed by `ffn_merge`: out = sum_i h[i] * down_t[bucket[i]].
-pub fn down(down_t: &QMatrix, bucket: &[u32], h: &[f32]) -> Vec<f32> {
+/// `down_partial_*` summed by `ffn_merge`: out = sum_i h[i] * down_t[i] over packed rows.
+pub fn down(down_t: &QMatrix, h: &[f32]) -> Vec<f32> {
     let mut out = vec![0.0f64; down_t.cols];
-    for (&j, &a) in bucket.iter().zip(h) {
+    for (i, &a) in h.iter().enumerate() {
         if a != 0.0 {
-            for (o, v) in out.iter_mut().zip(row_f32(down_t, j as usize)) {
+            for (o, v) in out.iter_mut().zip(row_f32(down_t, i)) {
                 *o += a as f64 * v as f64;
             }
         }

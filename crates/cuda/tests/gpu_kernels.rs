@@ -7,6 +7,7 @@ use powerinfer_core::matmul::{matmul, Activations, QMatrix};
 use powerinfer_core::model::FfnActivation;
 use powerinfer_core::quant::{dequantize_row, quantize_act, quantize_row, BlockQ8Act, DType, QK};
 use powerinfer_core::sampler::Rng;
+use powerinfer_cuda::device::Cuda;
 use powerinfer_cuda::gpu::{DActs, DMat, Gpu, Q8_BLOCK_BYTES};
 use powerinfer_cuda::twin;
 
@@ -43,7 +44,7 @@ fn poisoned(gpu: &Gpu, n: usize) -> cudarc::driver::CudaSlice<f32> {
 }
 
 /// `x` on the device, with its int8 blocks when `reader` is quantized.
-fn device_acts(g: &Gpu, x: &[f32], reader: &DMat) -> DActs {
+fn device_acts(g: &Gpu, x: &[f32], reader: &DMat<Cuda>) -> DActs<Cuda> {
     let mut a = g.acts(x.len()).unwrap();
     g.write(x, &mut a.f32s).unwrap();
     g.quantize_for(&[reader], &mut a, x.len()).unwrap();
@@ -134,6 +135,10 @@ fn ffn_hot_and_down_match_twin() {
             let dgate = g.upload_rows(&gate, Some(&bucket)).unwrap();
             let dup = g.upload_rows(&up, Some(&bucket)).unwrap();
             let ddown = g.upload_rows(&down_t, Some(&bucket)).unwrap();
+            // the twins read the hot rows packed, as the GPU holds them
+            let (pg, pu, pd) = (twin::pack_rows(&gate, &bucket), twin::pack_rows(&up, &bucket), twin::pack_rows(&down_t, &bucket));
+            let packed = |data| QMatrix { dtype, rows: bucket.len(), cols: n_embd, data };
+            let (hot_gate, hot_up, hot_down) = (packed(&pg), packed(&pu), packed(&pd));
             let dbucket = g.upload(&bucket.iter().map(|&j| j as i32).collect::<Vec<_>>()).unwrap();
             let (dx, dlogits) = (device_acts(&g, &x, &dup), g.upload(&logits).unwrap());
             for pred in [true, false] {
@@ -148,7 +153,7 @@ fn ffn_hot_and_down_match_twin() {
                 g.read(&counts, &mut n).unwrap();
                 let passing = bucket.iter().filter(|&&j| logits[j as usize] >= thr).count() as u32;
                 assert_eq!(n, [7, if pred { passing } else { 0 }, 7], "{dtype:?} {act:?}");
-                let want = twin::ffn_hot(Some(&gate), &up, &bucket, &x, None, pred.then_some((&logits[..], thr)), act);
+                let want = twin::ffn_hot(Some(&hot_gate), &hot_up, &bucket, &x, None, pred.then_some((&logits[..], thr)), act);
                 assert!(rel_err(&h, &want) < 1e-5, "{dtype:?} {act:?} pred={pred}");
                 if pred {
                     // early exit: rows the predictor rejects are exactly zero
@@ -170,7 +175,7 @@ fn ffn_hot_and_down_match_twin() {
                 g.ffn_merge(&mut dx_res, &partial, chunks, Some(&dcpu), Some(&dbias), n_embd).unwrap();
                 let mut got = vec![0.0; n_embd];
                 g.read(&dx_res, &mut got).unwrap();
-                let d = twin::down(&down_t, &bucket, &h);
+                let d = twin::down(&hot_down, &h);
                 let want: Vec<f32> = (0..n_embd).map(|c| base[c] + d[c] + cpu_part[c] + bias[c]).collect();
                 assert!(rel_err(&got, &want) < 1e-5, "down {dtype:?} {act:?} pred={pred}");
             }

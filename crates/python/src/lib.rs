@@ -14,7 +14,7 @@ use powerinfer_core::model::InputGroup;
 use powerinfer_core::session::{time_input_sparsity, Sparsity, SparsityMode};
 use powerinfer_core::{Error, Model, Sampler, SamplingParams, Session};
 use powerinfer_cuda::gpu::Gpu;
-use powerinfer_cuda::hybrid::{GpuPlan, HybridModel, HybridSession};
+use powerinfer_cuda::hybrid::{place, GpuPlan, HybridRun, PlacedModel};
 use powerinfer_cuda::CudaError;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyFileNotFoundError, PyOSError, PyRuntimeError, PyValueError};
@@ -260,7 +260,7 @@ fn lock<T>(m: &Mutex<T>) -> PyResult<std::sync::MutexGuard<'_, T>> {
 /// with it run the hybrid CPU+GPU executor.
 #[pyclass(frozen, name = "GpuModel", module = "powerinfer_rs._core")]
 struct PyGpuModel {
-    inner: Arc<HybridModel>,
+    inner: Arc<dyn PlacedModel>,
 }
 
 #[pymethods]
@@ -268,24 +268,27 @@ impl PyGpuModel {
     /// `dense_on_gpu` (n_layer bools): the layer's attention, norms and predictor go to the GPU
     /// (a layer without them runs wholly on the CPU); `neuron_on_gpu` (n_layer lists of n_ff
     /// bools): the neurons whose gate/up/down rows go to the GPU; `output_on_gpu`: the final
-    /// norm and classifier.
+    /// norm and classifier. `device` is a CUDA device's ordinal, or "emulated": host memory and
+    /// the kernels' scalar twins (the same executor without a GPU; slow, for checking).
     #[new]
-    #[pyo3(signature = (model, dense_on_gpu, neuron_on_gpu, output_on_gpu, device = 0))]
-    fn new(py: Python<'_>, model: &PyModel, dense_on_gpu: Vec<bool>, neuron_on_gpu: Vec<Vec<bool>>, output_on_gpu: bool, device: usize) -> PyResult<Self> {
+    #[pyo3(signature = (model, dense_on_gpu, neuron_on_gpu, output_on_gpu, device = DeviceArg::Ordinal(0)))]
+    fn new(py: Python<'_>, model: &PyModel, dense_on_gpu: Vec<bool>, neuron_on_gpu: Vec<Vec<bool>>, output_on_gpu: bool, device: DeviceArg) -> PyResult<Self> {
         let plan = GpuPlan { dense_on_gpu, neuron_on_gpu, output_on_gpu };
         let m = Arc::clone(&model.inner);
-        let hm = py
-            .detach(|| catch_unwind(AssertUnwindSafe(|| Gpu::open(device).and_then(|gpu| HybridModel::new(m, gpu, &plan)))))
-            .map_err(|_| GpuError::new_err("internal error while placing the model on the GPU"))?
-            .map_err(cuda_to_py)?;
-        Ok(PyGpuModel { inner: Arc::new(hm) })
+        let placed = match device {
+            DeviceArg::Ordinal(n) => py.detach(|| catch_unwind(AssertUnwindSafe(|| Gpu::open(n).and_then(|gpu| place(m, gpu, &plan))))),
+            DeviceArg::Name(name) if name == "emulated" => py.detach(|| catch_unwind(AssertUnwindSafe(|| place(m, Gpu::emulated(), &plan)))),
+            DeviceArg::Name(name) => return Err(PyValueError::new_err(format!("device must be a CUDA ordinal or 'emulated', got {name:?}"))),
+        };
+        let inner = placed.map_err(|_| GpuError::new_err("internal error while placing the model on the GPU"))?.map_err(cuda_to_py)?;
+        Ok(PyGpuModel { inner })
     }
 
     /// What went where: gpu_name, gpu_total_memory, weight_bytes, neuron_bytes, layers_on_gpu,
     /// n_layer, hot_neurons, total_neurons, output_on_gpu.
     #[getter]
     fn report<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let r = &self.inner.report;
+        let r = self.inner.report();
         let d = PyDict::new(py);
         d.set_item("gpu_name", &r.gpu_name)?;
         d.set_item("gpu_total_memory", r.gpu_total_memory)?;
@@ -300,10 +303,17 @@ impl PyGpuModel {
     }
 }
 
+/// `GpuModel`'s device: a CUDA ordinal or a name ("emulated").
+#[derive(FromPyObject)]
+enum DeviceArg {
+    Ordinal(usize),
+    Name(String),
+}
+
 /// A session runs on the CPU, or on a `GpuModel` through the hybrid executor.
 enum Exec {
     Cpu(Session),
-    Gpu(Box<HybridSession>),
+    Gpu(Box<dyn HybridRun>),
 }
 
 impl Exec {
@@ -311,14 +321,14 @@ impl Exec {
     fn cpu(&mut self) -> &mut Session {
         match self {
             Exec::Cpu(s) => s,
-            Exec::Gpu(h) => &mut h.cpu,
+            Exec::Gpu(h) => h.cpu_mut(),
         }
     }
 
     fn cpu_ref(&self) -> &Session {
         match self {
             Exec::Cpu(s) => s,
-            Exec::Gpu(h) => &h.cpu,
+            Exec::Gpu(h) => h.cpu(),
         }
     }
 
@@ -365,30 +375,30 @@ impl PySession {
         let exec = match gpu {
             None => Exec::Cpu(Session::new(Arc::clone(&model.inner), n_ctx, kv_type).map_err(to_py)?),
             Some(g) => {
-                if !Arc::ptr_eq(&g.inner.model, &model.inner) {
+                if !Arc::ptr_eq(g.inner.model(), &model.inner) {
                     return Err(PyValueError::new_err("the GpuModel was built from a different Model"));
                 }
                 if n_ctx == 0 {
                     return Err(PyValueError::new_err("n_ctx must be > 0"));
                 }
-                let hm = Arc::clone(&g.inner);
+                let placed = Arc::clone(&g.inner);
                 let h = py
-                    .detach(|| catch_unwind(AssertUnwindSafe(|| HybridSession::new(hm, n_ctx, kv_type))))
+                    .detach(|| catch_unwind(AssertUnwindSafe(|| placed.session(n_ctx, kv_type))))
                     .map_err(|_| GpuError::new_err("internal error while creating the GPU session"))?
                     .map_err(cuda_to_py)?;
-                Exec::Gpu(Box::new(h))
+                Exec::Gpu(h)
             }
         };
         let c = &model.inner.config;
         Ok(PySession { inner: Mutex::new(exec), n_vocab: c.n_vocab, n_embd: c.n_embd, n_ff: c.n_ff })
     }
 
-    /// "cpu", or "cuda" for a session on a GpuModel.
+    /// "cpu", or the GpuModel's device: "cuda" or "emulated".
     #[getter]
     fn device(&self) -> PyResult<&'static str> {
         Ok(match &*lock(&self.inner)? {
             Exec::Cpu(_) => "cpu",
-            Exec::Gpu(_) => "cuda",
+            Exec::Gpu(h) => h.device(),
         })
     }
 
@@ -683,6 +693,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_gpu_index, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_devices, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_unsupported_reason, m)?)?;
+    m.add("EMULATED_MEMORY", powerinfer_cuda::device::emulated::EMULATED_MEMORY)?;
     let py = m.py();
     m.add("GGUFError", py.get_type::<GGUFError>())?;
     m.add("ModelError", py.get_type::<ModelError>())?;

@@ -1,0 +1,111 @@
+//! The device layer under the hybrid executor: buffers, uploads, reads, and one call per kernel
+//! of `kernels/powerinfer.cu`, with two implementations. `Cuda` launches the real kernels on a
+//! stream; `Emulated` keeps every buffer in host memory and runs each kernel's scalar twin
+//! (`twin.rs`), in queue order, so the whole hybrid path (planning, uploads in `gpu_bucket`
+//! order, the hot/cold split, the merge, layer offload) runs on machines without a GPU.
+//!
+//! Implementations only launch: `Gpu` (gpu.rs) checks arguments once for both, and the
+//! executor never knows which one it drives. Launches are asynchronous on `Cuda`; a `read`
+//! waits for what was queued before it.
+
+pub mod cuda;
+pub mod emulated;
+
+use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
+
+use crate::gpu::{DActs, DMat, Result};
+
+pub use cuda::Cuda;
+pub use emulated::Emulated;
+
+/// An element type of device buffers (f32 activations, u8 weight rows and caches, i32/u32 ids
+/// and counters).
+pub trait Elem: DeviceRepr + ValidAsZeroBits + Copy + Default + Send + Sync + Unpin + 'static {}
+impl Elem for f32 {}
+impl Elem for u8 {}
+impl Elem for i32 {}
+impl Elem for u32 {}
+
+/// A buffer of `T` on device `D`.
+pub type Buf<D, T> = <D as Device>::Buf<T>;
+
+/// Where the executor's buffers live and its kernels run. Every kernel call mirrors its
+/// `__global__` signature in powerinfer.cu; shapes and optional (null) pointers as there.
+pub trait Device: Send + Sync + Sized + 'static {
+    type Buf<T: Elem>: Send + Sync;
+
+    /// "cuda" or "emulated", as sessions report their device.
+    const KIND: &'static str;
+
+    fn name(&self) -> String;
+    fn total_memory(&self) -> usize;
+
+    fn len<T: Elem>(buf: &Self::Buf<T>) -> usize;
+    fn upload<T: Elem>(&self, host: &[T]) -> Result<Self::Buf<T>>;
+    /// `n` zeros (at least one element, as CUDA has no empty allocations).
+    fn zeros<T: Elem>(&self, n: usize) -> Result<Self::Buf<T>>;
+    /// Copies `src` into the first `src.len()` elements of `dst`.
+    fn write<T: Elem>(&self, src: &[T], dst: &mut Self::Buf<T>) -> Result<()>;
+    /// Copies the first `dst.len()` elements of `src` to the host, after the queued work.
+    fn read<T: Elem>(&self, src: &Self::Buf<T>, dst: &mut [T]) -> Result<()>;
+    fn clear<T: Elem>(&self, dst: &mut Self::Buf<T>) -> Result<()>;
+    fn synchronize(&self) -> Result<()>;
+
+    /// `quantize_q8`: the first `n_blocks` blocks of `x` as `BlockQ8Act` bytes.
+    fn quantize_q8(&self, x: &Self::Buf<f32>, q8: &mut Self::Buf<u8>, n_blocks: usize) -> Result<()>;
+    /// `matvec_*`: y[r] = w[r] . x (+ bias[r]), relu'd when asked.
+    fn matvec(&self, w: &DMat<Self>, x: &DActs<Self>, bias: Option<&Self::Buf<f32>>, y: &mut Self::Buf<f32>, relu: bool) -> Result<()>;
+    /// `ffn_hot_*`: h[i] for the packed hot row i (neuron bucket[i]); `selected` is a counter
+    /// slot the selected rows are added to.
+    #[allow(clippy::too_many_arguments)]
+    fn ffn_hot(
+        &self,
+        gate: Option<&DMat<Self>>,
+        up: &DMat<Self>,
+        bucket: &Self::Buf<i32>,
+        x: &DActs<Self>,
+        up_bias: Option<&Self::Buf<f32>>,
+        pred_logits: Option<&Self::Buf<f32>>,
+        threshold: f32,
+        selected: Option<(&mut Self::Buf<u32>, usize)>,
+        act: i32,
+        h: &mut Self::Buf<f32>,
+    ) -> Result<()>;
+    /// `down_partial_*`: partial[k, c] = sum over the rows i of chunk k of h[i] * down_t[i, c].
+    fn down_partial(&self, down_t: &DMat<Self>, h: &Self::Buf<f32>, partial: &mut Self::Buf<f32>, rows_per_chunk: usize) -> Result<()>;
+    /// `ffn_merge`: x[c] += sum_k partial[k, c] + cpu_part[c] + bias[c].
+    fn ffn_merge(
+        &self,
+        x: &mut Self::Buf<f32>,
+        partial: &Self::Buf<f32>,
+        n_chunks: usize,
+        cpu_part: Option<&Self::Buf<f32>>,
+        bias: Option<&Self::Buf<f32>>,
+        cols: usize,
+    ) -> Result<()>;
+    fn rmsnorm(&self, x: &Self::Buf<f32>, w: &Self::Buf<f32>, out: &mut Self::Buf<f32>, n: usize, eps: f32) -> Result<()>;
+    /// x += y (+ bias)
+    fn add_into(&self, x: &mut Self::Buf<f32>, y: &Self::Buf<f32>, bias: Option<&Self::Buf<f32>>, n: usize) -> Result<()>;
+    fn add_bias(&self, x: &mut Self::Buf<f32>, bias: &Self::Buf<f32>, n: usize) -> Result<()>;
+    #[allow(clippy::too_many_arguments)]
+    fn rope(&self, x: &mut Self::Buf<f32>, cos: &Self::Buf<f32>, sin: &Self::Buf<f32>, n_heads: usize, head_dim: usize, rope_dim: usize, neox: bool) -> Result<()>;
+    /// Stores one position's k and v in the caches, as f32 or (`f16`) f16 elements.
+    #[allow(clippy::too_many_arguments)]
+    fn kv_store(&self, k: &Self::Buf<f32>, v: &Self::Buf<f32>, k_cache: &mut Self::Buf<u8>, v_cache: &mut Self::Buf<u8>, pos: usize, kv_dim: usize, f16: bool) -> Result<()>;
+    /// Causal attention of one query (n_head * head_dim) over cache positions 0..len.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        q: &Self::Buf<f32>,
+        k_cache: &Self::Buf<u8>,
+        v_cache: &Self::Buf<u8>,
+        scores: &mut Self::Buf<f32>,
+        out: &mut Self::Buf<f32>,
+        len: usize,
+        n_ctx: usize,
+        n_head: usize,
+        n_head_kv: usize,
+        head_dim: usize,
+        f16: bool,
+    ) -> Result<()>;
+}

@@ -1,0 +1,285 @@
+//! The CUDA device: a context and stream, the kernels of `kernels/powerinfer.cu` loaded from
+//! their committed PTX, and one launch per kernel (cudarc does not check kernel argument types
+//! or order, so each launch is written once, here, against the `.cu` signature).
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
+
+use super::{Device, Elem};
+use crate::gpu::{type_slot, DActs, DMat, Result};
+use crate::CudaError;
+
+/// PTX compiled from `kernels/powerinfer.cu` by `scripts/gen_ptx.sh` (checked in CI).
+pub const PTX: &str = include_str!("../../kernels/powerinfer.ptx");
+
+const TYPE_SUFFIX: [&str; 5] = ["f32", "f16", "q4_0", "q4_1", "q8_0"];
+
+impl From<cudarc::driver::DriverError> for CudaError {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        CudaError::Driver(e.to_string())
+    }
+}
+
+struct Kernels {
+    quantize_q8: CudaFunction,
+    matvec: Vec<CudaFunction>,
+    ffn_hot: Vec<CudaFunction>,
+    down_partial: Vec<CudaFunction>,
+    ffn_merge: CudaFunction,
+    rmsnorm: CudaFunction,
+    add_into: CudaFunction,
+    add_bias: CudaFunction,
+    rope: CudaFunction,
+    kv_store: CudaFunction,
+    attention: CudaFunction,
+}
+
+pub struct Cuda {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    name: String,
+    total_memory: usize,
+    k: Kernels,
+}
+
+fn blocks(n: usize, per: usize) -> u32 {
+    n.div_ceil(per).max(1) as u32
+}
+
+fn cfg(grid: (u32, u32), threads: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: (grid.0, grid.1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Rows per block of the warp-per-row kernels.
+const WARPS: usize = 4;
+
+impl Cuda {
+    /// Opens device `ordinal` and loads the kernels. Never panics: a missing driver or device is
+    /// an error (probed first, as cudarc panics on first use without libcuda).
+    pub fn open(ordinal: usize) -> Result<Cuda> {
+        let devices = crate::probe()?;
+        let info = devices
+            .get(ordinal)
+            .ok_or_else(|| CudaError::NoDevice(format!("device {ordinal} requested, {} present", devices.len())))?;
+        let ctx = CudaContext::new(ordinal)?;
+        let stream = ctx.default_stream();
+        let module = ctx.load_module(Ptx::from_src(PTX)).map_err(|e| {
+            CudaError::Driver(format!("loading the kernels' PTX failed ({e}); the PTX needs a driver for CUDA 13.0 or newer"))
+        })?;
+        let f = |name: &str| module.load_function(name).map_err(|e| CudaError::Driver(format!("kernel {name}: {e}")));
+        let per_type = |base: &str| TYPE_SUFFIX.iter().map(|s| f(&format!("{base}_{s}"))).collect::<Result<Vec<_>>>();
+        let k = Kernels {
+            quantize_q8: f("quantize_q8")?,
+            matvec: per_type("matvec")?,
+            ffn_hot: per_type("ffn_hot")?,
+            down_partial: per_type("down_partial")?,
+            ffn_merge: f("ffn_merge")?,
+            rmsnorm: f("rmsnorm")?,
+            add_into: f("add_into")?,
+            add_bias: f("add_bias")?,
+            rope: f("rope")?,
+            kv_store: f("kv_store")?,
+            attention: f("attention")?,
+        };
+        Ok(Cuda { ctx, stream, name: info.name.clone(), total_memory: info.total_memory, k })
+    }
+
+    /// Raw device address of an optional buffer (0 for none), for the kernels' nullable pointers.
+    fn ptr<T>(&self, s: Option<&CudaSlice<T>>) -> u64 {
+        match s {
+            Some(s) => s.device_ptr(&self.stream).0,
+            None => 0,
+        }
+    }
+}
+
+impl Device for Cuda {
+    type Buf<T: Elem> = CudaSlice<T>;
+    const KIND: &'static str = "cuda";
+
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn total_memory(&self) -> usize {
+        self.total_memory
+    }
+
+    fn len<T: Elem>(buf: &CudaSlice<T>) -> usize {
+        buf.len()
+    }
+
+    fn upload<T: Elem>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        Ok(self.stream.clone_htod(host)?)
+    }
+
+    fn zeros<T: Elem>(&self, n: usize) -> Result<CudaSlice<T>> {
+        Ok(self.stream.alloc_zeros::<T>(n.max(1))?)
+    }
+
+    fn write<T: Elem>(&self, src: &[T], dst: &mut CudaSlice<T>) -> Result<()> {
+        let mut view = dst.slice_mut(..src.len());
+        Ok(self.stream.memcpy_htod(src, &mut view)?)
+    }
+
+    fn read<T: Elem>(&self, src: &CudaSlice<T>, dst: &mut [T]) -> Result<()> {
+        let view = src.slice(..dst.len());
+        Ok(self.stream.memcpy_dtoh(&view, dst)?)
+    }
+
+    fn clear<T: Elem>(&self, dst: &mut CudaSlice<T>) -> Result<()> {
+        Ok(self.stream.memset_zeros(dst)?)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    fn quantize_q8(&self, x: &CudaSlice<f32>, q8: &mut CudaSlice<u8>, n_blocks: usize) -> Result<()> {
+        let n = n_blocks as i32;
+        let mut b = self.stream.launch_builder(&self.k.quantize_q8);
+        b.arg(x).arg(q8).arg(&n);
+        // SAFETY: matches `quantize_q8`; both buffers hold n_blocks blocks (checked by `Gpu`).
+        unsafe { b.launch(cfg((blocks(n_blocks, WARPS), 1), 32 * WARPS as u32)) }?;
+        Ok(())
+    }
+
+    fn matvec(&self, w: &DMat<Self>, x: &DActs<Self>, bias: Option<&CudaSlice<f32>>, y: &mut CudaSlice<f32>, relu: bool) -> Result<()> {
+        let f = &self.k.matvec[type_slot(w.dtype)?];
+        let (row_bytes, rows, cols, relu, bias) = (w.row_bytes as u64, w.rows as i32, w.cols as i32, relu as i32, self.ptr(bias));
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&w.data).arg(&row_bytes).arg(&x.f32s).arg(&x.q8).arg(&bias).arg(y).arg(&rows).arg(&cols).arg(&relu);
+        // SAFETY: argument types and order match `matvec_*` in powerinfer.cu; x is checked by
+        // `Gpu`, y and bias are sized by the callers.
+        unsafe { b.launch(cfg((blocks(w.rows, WARPS), 1), 32 * WARPS as u32)) }?;
+        Ok(())
+    }
+
+    fn ffn_hot(
+        &self,
+        gate: Option<&DMat<Self>>,
+        up: &DMat<Self>,
+        bucket: &CudaSlice<i32>,
+        x: &DActs<Self>,
+        up_bias: Option<&CudaSlice<f32>>,
+        pred_logits: Option<&CudaSlice<f32>>,
+        threshold: f32,
+        selected: Option<(&mut CudaSlice<u32>, usize)>,
+        act: i32,
+        h: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let f = &self.k.ffn_hot[type_slot(up.dtype)?];
+        let gate_ptr = gate.map_or(0, |g| g.data.device_ptr(&self.stream).0);
+        let (row_bytes, n_hot, cols) = (up.row_bytes as u64, up.rows as i32, up.cols as i32);
+        let (up_bias, pred) = (self.ptr(up_bias), self.ptr(pred_logits));
+        let selected = match selected {
+            Some((counts, slot)) => counts.device_ptr_mut(&self.stream).0 + (slot * std::mem::size_of::<u32>()) as u64,
+            None => 0,
+        };
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&gate_ptr).arg(&up.data).arg(&row_bytes).arg(bucket).arg(&x.f32s).arg(&x.q8).arg(&up_bias).arg(&pred).arg(&threshold);
+        b.arg(&selected).arg(h).arg(&n_hot).arg(&cols).arg(&act);
+        // SAFETY: matches `ffn_hot_*`; bucket and h hold n_hot entries, up_bias and pred_logits
+        // n_ff; `selected` is null or one u32 inside `counts` (checked by `Gpu`).
+        unsafe { b.launch(cfg((blocks(up.rows, WARPS), 1), 32 * WARPS as u32)) }?;
+        Ok(())
+    }
+
+    fn down_partial(&self, down_t: &DMat<Self>, h: &CudaSlice<f32>, partial: &mut CudaSlice<f32>, rows_per_chunk: usize) -> Result<()> {
+        let f = &self.k.down_partial[type_slot(down_t.dtype)?];
+        let n_chunks = down_t.rows.div_ceil(rows_per_chunk);
+        let (row_bytes, n_hot, cols, per) = (down_t.row_bytes as u64, down_t.rows as i32, down_t.cols as i32, rows_per_chunk as i32);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&down_t.data).arg(&row_bytes).arg(h).arg(&n_hot).arg(&cols).arg(&per).arg(partial);
+        // SAFETY: matches `down_partial_*`; partial holds n_chunks * cols floats.
+        unsafe { b.launch(cfg((blocks(down_t.cols, 256), n_chunks as u32), 256)) }?;
+        Ok(())
+    }
+
+    fn ffn_merge(
+        &self,
+        x: &mut CudaSlice<f32>,
+        partial: &CudaSlice<f32>,
+        n_chunks: usize,
+        cpu_part: Option<&CudaSlice<f32>>,
+        bias: Option<&CudaSlice<f32>>,
+        cols: usize,
+    ) -> Result<()> {
+        let (n_chunks_i, cols_i, cpu, bias) = (n_chunks as i32, cols as i32, self.ptr(cpu_part), self.ptr(bias));
+        let mut b = self.stream.launch_builder(&self.k.ffn_merge);
+        b.arg(x).arg(partial).arg(&n_chunks_i).arg(&cpu).arg(&bias).arg(&cols_i);
+        // SAFETY: matches `ffn_merge`.
+        unsafe { b.launch(cfg((blocks(cols, 256), 1), 256)) }?;
+        Ok(())
+    }
+
+    fn rmsnorm(&self, x: &CudaSlice<f32>, w: &CudaSlice<f32>, out: &mut CudaSlice<f32>, n: usize, eps: f32) -> Result<()> {
+        let n_i = n as i32;
+        let mut b = self.stream.launch_builder(&self.k.rmsnorm);
+        b.arg(x).arg(w).arg(out).arg(&n_i).arg(&eps);
+        // SAFETY: matches `rmsnorm`; one block.
+        unsafe { b.launch(cfg((1, 1), 1024)) }?;
+        Ok(())
+    }
+
+    fn add_into(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, bias: Option<&CudaSlice<f32>>, n: usize) -> Result<()> {
+        let (n_i, bias) = (n as i32, self.ptr(bias));
+        let mut b = self.stream.launch_builder(&self.k.add_into);
+        b.arg(x).arg(y).arg(&bias).arg(&n_i);
+        // SAFETY: matches `add_into`.
+        unsafe { b.launch(cfg((blocks(n, 256), 1), 256)) }?;
+        Ok(())
+    }
+
+    fn add_bias(&self, x: &mut CudaSlice<f32>, bias: &CudaSlice<f32>, n: usize) -> Result<()> {
+        let n_i = n as i32;
+        let mut b = self.stream.launch_builder(&self.k.add_bias);
+        b.arg(x).arg(bias).arg(&n_i);
+        // SAFETY: matches `add_bias`.
+        unsafe { b.launch(cfg((blocks(n, 256), 1), 256)) }?;
+        Ok(())
+    }
+
+    fn rope(&self, x: &mut CudaSlice<f32>, cos: &CudaSlice<f32>, sin: &CudaSlice<f32>, n_heads: usize, head_dim: usize, rope_dim: usize, neox: bool) -> Result<()> {
+        let (nh, hd, rd, nx) = (n_heads as i32, head_dim as i32, rope_dim as i32, neox as i32);
+        let mut b = self.stream.launch_builder(&self.k.rope);
+        b.arg(x).arg(cos).arg(sin).arg(&nh).arg(&hd).arg(&rd).arg(&nx);
+        // SAFETY: matches `rope`.
+        unsafe { b.launch(cfg((blocks(n_heads * rope_dim / 2, 256), 1), 256)) }?;
+        Ok(())
+    }
+
+    fn kv_store(&self, k: &CudaSlice<f32>, v: &CudaSlice<f32>, k_cache: &mut CudaSlice<u8>, v_cache: &mut CudaSlice<u8>, pos: usize, kv_dim: usize, f16: bool) -> Result<()> {
+        let (p, d, h) = (pos as i32, kv_dim as i32, f16 as i32);
+        let mut b = self.stream.launch_builder(&self.k.kv_store);
+        b.arg(k).arg(v).arg(k_cache).arg(v_cache).arg(&p).arg(&d).arg(&h);
+        // SAFETY: matches `kv_store`; the cache bound is checked by `Gpu`.
+        unsafe { b.launch(cfg((blocks(kv_dim, 256), 1), 256)) }?;
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        q: &CudaSlice<f32>,
+        k_cache: &CudaSlice<u8>,
+        v_cache: &CudaSlice<u8>,
+        scores: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        len: usize,
+        n_ctx: usize,
+        n_head: usize,
+        n_head_kv: usize,
+        head_dim: usize,
+        f16: bool,
+    ) -> Result<()> {
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let (len_i, ctx_i, nh, nkv, hd, h) = (len as i32, n_ctx as i32, n_head as i32, n_head_kv as i32, head_dim as i32, f16 as i32);
+        let mut b = self.stream.launch_builder(&self.k.attention);
+        b.arg(q).arg(k_cache).arg(v_cache).arg(scores).arg(out).arg(&len_i).arg(&ctx_i).arg(&nh).arg(&nkv).arg(&hd).arg(&scale).arg(&h);
+        // SAFETY: matches `attention`; scores holds n_head * n_ctx floats and len <= n_ctx.
+        unsafe { b.launch(cfg((n_head as u32, 1), 256)) }?;
+        Ok(())
+    }
+}

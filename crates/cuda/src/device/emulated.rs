@@ -1,0 +1,214 @@
+//! The emulated device: every buffer a `Vec` in host memory, every kernel its scalar twin
+//! (`twin.rs`), run at once in the order the executor queues them. It reads what the kernels
+//! read (packed hot rows through `bucket`, int8 blocks from `q8`, f16 or f32 cache bytes), so a
+//! host-side mistake in the executor (a missing upload, a stale quantization, a wrong bucket)
+//! shows here as it would on a GPU. A correctness tool: the twins accumulate in f64, one row at
+//! a time, and are slow.
+
+use powerinfer_core::matmul::QMatrix;
+use powerinfer_core::quant::{f16_to_f32, f32_to_f16, QK};
+
+use super::{Device, Elem};
+use crate::gpu::{act_of_code, DActs, DMat, Result, Q8_BLOCK_BYTES};
+use crate::twin;
+use crate::CudaError;
+
+/// Memory the emulated device reports (an 80 GB data-center GPU's), so that placements planned
+/// without a budget look like those on one. Nothing enforces it.
+pub const EMULATED_MEMORY: usize = 80 << 30;
+
+#[derive(Debug, Default)]
+pub struct Emulated;
+
+fn fault(what: String) -> CudaError {
+    CudaError::Driver(format!("emulated device: {what}"))
+}
+
+/// A device matrix as the host sees it.
+fn view(m: &DMat<Emulated>) -> QMatrix<'_> {
+    QMatrix { dtype: m.dtype, rows: m.rows, cols: m.cols, data: &m.data[..m.rows * m.row_bytes] }
+}
+
+/// What a kernel reading a matrix of `cols` inputs of `m`'s type sees of `x`.
+fn input(m: &DMat<Emulated>, x: &DActs<Emulated>) -> Vec<f32> {
+    if m.dtype.is_quantized() {
+        twin::q8_values(&x.q8[..m.cols / QK * Q8_BLOCK_BYTES])
+    } else {
+        x.f32s[..m.cols].to_vec()
+    }
+}
+
+/// The values of a KV cache's first `n` elements, stored as f16 or f32 bytes.
+fn cache_values(cache: &[u8], n: usize, f16: bool) -> Vec<f32> {
+    if f16 {
+        cache[..2 * n].chunks_exact(2).map(|b| f16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect()
+    } else {
+        cache[..4 * n].chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+    }
+}
+
+fn store(cache: &mut [u8], at: usize, v: f32, f16: bool) {
+    if f16 {
+        cache[2 * at..2 * at + 2].copy_from_slice(&f32_to_f16(v).to_le_bytes());
+    } else {
+        cache[4 * at..4 * at + 4].copy_from_slice(&v.to_le_bytes());
+    }
+}
+
+impl Device for Emulated {
+    type Buf<T: Elem> = Vec<T>;
+    const KIND: &'static str = "emulated";
+
+    fn name(&self) -> String {
+        "emulated device (host memory, kernel twins)".into()
+    }
+
+    fn total_memory(&self) -> usize {
+        EMULATED_MEMORY
+    }
+
+    fn len<T: Elem>(buf: &Vec<T>) -> usize {
+        buf.len()
+    }
+
+    fn upload<T: Elem>(&self, host: &[T]) -> Result<Vec<T>> {
+        Ok(host.to_vec())
+    }
+
+    fn zeros<T: Elem>(&self, n: usize) -> Result<Vec<T>> {
+        Ok(vec![T::default(); n.max(1)])
+    }
+
+    fn write<T: Elem>(&self, src: &[T], dst: &mut Vec<T>) -> Result<()> {
+        dst[..src.len()].copy_from_slice(src);
+        Ok(())
+    }
+
+    fn read<T: Elem>(&self, src: &Vec<T>, dst: &mut [T]) -> Result<()> {
+        let n = dst.len();
+        dst.copy_from_slice(&src[..n]);
+        Ok(())
+    }
+
+    fn clear<T: Elem>(&self, dst: &mut Vec<T>) -> Result<()> {
+        dst.iter_mut().for_each(|v| *v = T::default());
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn quantize_q8(&self, x: &Vec<f32>, q8: &mut Vec<u8>, n_blocks: usize) -> Result<()> {
+        q8[..n_blocks * Q8_BLOCK_BYTES].copy_from_slice(&twin::q8_bytes(&x[..n_blocks * QK]));
+        Ok(())
+    }
+
+    fn matvec(&self, w: &DMat<Self>, x: &DActs<Self>, bias: Option<&Vec<f32>>, y: &mut Vec<f32>, relu: bool) -> Result<()> {
+        let out = twin::matvec_seen(&view(w), &input(w, x), bias.map(|b| &b[..w.rows]), relu);
+        y[..w.rows].copy_from_slice(&out);
+        Ok(())
+    }
+
+    fn ffn_hot(
+        &self,
+        gate: Option<&DMat<Self>>,
+        up: &DMat<Self>,
+        bucket: &Vec<i32>,
+        x: &DActs<Self>,
+        up_bias: Option<&Vec<f32>>,
+        pred_logits: Option<&Vec<f32>>,
+        threshold: f32,
+        selected: Option<(&mut Vec<u32>, usize)>,
+        act: i32,
+        h: &mut Vec<f32>,
+    ) -> Result<()> {
+        let act = act_of_code(act).ok_or_else(|| fault(format!("activation code {act}")))?;
+        let n_ids = up_bias.iter().chain(pred_logits.iter()).map(|b| b.len()).min().unwrap_or(usize::MAX);
+        let ids: Vec<u32> = bucket[..up.rows]
+            .iter()
+            .map(|&j| if j >= 0 && (j as usize) < n_ids { Ok(j as u32) } else { Err(fault(format!("hot neuron id {j} out of range"))) })
+            .collect::<Result<_>>()?;
+        let pred = pred_logits.map(|p| (&p[..], threshold));
+        if let Some((counts, slot)) = selected {
+            let n = match pred {
+                Some((p, t)) => ids.iter().filter(|&&j| p[j as usize] >= t).count(),
+                None => ids.len(),
+            };
+            counts[slot] += n as u32;
+        }
+        let out = twin::ffn_hot_seen(gate.map(view).as_ref(), &view(up), &ids, &input(up, x), up_bias.map(|b| &b[..]), pred, act);
+        h[..up.rows].copy_from_slice(&out);
+        Ok(())
+    }
+
+    fn down_partial(&self, down_t: &DMat<Self>, h: &Vec<f32>, partial: &mut Vec<f32>, rows_per_chunk: usize) -> Result<()> {
+        let cols = down_t.cols;
+        for (k, i0) in (0..down_t.rows).step_by(rows_per_chunk).enumerate() {
+            let i1 = down_t.rows.min(i0 + rows_per_chunk);
+            let rows = QMatrix { dtype: down_t.dtype, rows: i1 - i0, cols, data: &down_t.data[i0 * down_t.row_bytes..i1 * down_t.row_bytes] };
+            partial[k * cols..(k + 1) * cols].copy_from_slice(&twin::down(&rows, &h[i0..i1]));
+        }
+        Ok(())
+    }
+
+    fn ffn_merge(&self, x: &mut Vec<f32>, partial: &Vec<f32>, n_chunks: usize, cpu_part: Option<&Vec<f32>>, bias: Option<&Vec<f32>>, cols: usize) -> Result<()> {
+        for (c, xc) in x[..cols].iter_mut().enumerate() {
+            let mut v: f32 = (0..n_chunks).map(|k| partial[k * cols + c]).sum();
+            v += cpu_part.map_or(0.0, |p| p[c]) + bias.map_or(0.0, |b| b[c]);
+            *xc += v;
+        }
+        Ok(())
+    }
+
+    fn rmsnorm(&self, x: &Vec<f32>, w: &Vec<f32>, out: &mut Vec<f32>, n: usize, eps: f32) -> Result<()> {
+        out[..n].copy_from_slice(&twin::rmsnorm(&x[..n], &w[..n], eps));
+        Ok(())
+    }
+
+    fn add_into(&self, x: &mut Vec<f32>, y: &Vec<f32>, bias: Option<&Vec<f32>>, n: usize) -> Result<()> {
+        for i in 0..n {
+            x[i] += y[i] + bias.map_or(0.0, |b| b[i]);
+        }
+        Ok(())
+    }
+
+    fn add_bias(&self, x: &mut Vec<f32>, bias: &Vec<f32>, n: usize) -> Result<()> {
+        x[..n].iter_mut().zip(&bias[..n]).for_each(|(v, b)| *v += b);
+        Ok(())
+    }
+
+    fn rope(&self, x: &mut Vec<f32>, cos: &Vec<f32>, sin: &Vec<f32>, n_heads: usize, head_dim: usize, rope_dim: usize, neox: bool) -> Result<()> {
+        twin::rope(&mut x[..n_heads * head_dim], cos, sin, head_dim, rope_dim, neox);
+        Ok(())
+    }
+
+    fn kv_store(&self, k: &Vec<f32>, v: &Vec<f32>, k_cache: &mut Vec<u8>, v_cache: &mut Vec<u8>, pos: usize, kv_dim: usize, f16: bool) -> Result<()> {
+        for i in 0..kv_dim {
+            store(k_cache, pos * kv_dim + i, k[i], f16);
+            store(v_cache, pos * kv_dim + i, v[i], f16);
+        }
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        q: &Vec<f32>,
+        k_cache: &Vec<u8>,
+        v_cache: &Vec<u8>,
+        _scores: &mut Vec<f32>,
+        out: &mut Vec<f32>,
+        len: usize,
+        _n_ctx: usize,
+        n_head: usize,
+        n_head_kv: usize,
+        head_dim: usize,
+        f16: bool,
+    ) -> Result<()> {
+        let n = len * n_head_kv * head_dim;
+        let (k, v) = (cache_values(k_cache, n, f16), cache_values(v_cache, n, f16));
+        let o = twin::attention(&q[..n_head * head_dim], &k, &v, len, n_head, n_head_kv, head_dim);
+        out[..n_head * head_dim].copy_from_slice(&o);
+        Ok(())
+    }
+}
