@@ -55,6 +55,35 @@ def test_batched_decode_equals_single_decode(tmp_path, name, make, sparsity):
     np.testing.assert_array_equal(_core.eval_batch(batched[1:2], [5]), single[1].eval([5])[None])
 
 
+def test_hybrid_sessions_batch_too(tmp_path):
+    """Sessions of the hybrid executor (on the emulated device, half the neurons hot), alone or
+    mixed with CPU sessions, in one batch: each row is that session's single-token `eval`, and
+    a refused batch changes no session."""
+    model = _core.Model(write_powerinfer_model(tmp_path / "m.gguf", dtype=Q.F16), 0)
+    n_layer, n_ff = 2, 96
+    placed = _core.GpuModel(model, [True] * n_layer, [[j % 2 == 0 for j in range(n_ff)]] * n_layer, True, device="emulated")
+
+    def make(kinds):
+        out = []
+        for p, kind in zip(PROMPTS, kinds):
+            s = _core.Session(model, 32, "f16", gpu=placed if kind == "hybrid" else None)
+            s.set_sparsity("predictor", -0.1)
+            s.eval(p)
+            out.append(s)
+        return out
+
+    for kinds in (["hybrid"] * 4, ["hybrid", "cpu", "cpu", "hybrid"]):
+        single, batched = make(kinds), make(kinds)
+        assert [s.device for s in batched] == ["emulated" if k == "hybrid" else "cpu" for k in kinds]
+        for tokens in ([3, 10, 4, 1], [1, 1, 1, 2]):
+            want = np.stack([s.eval([t]) for s, t in zip(single, tokens)])
+            np.testing.assert_array_equal(_core.eval_batch(batched, tokens), want)
+        positions = [s.pos for s in batched]
+        with pytest.raises(ValueError, match="out of range"):
+            _core.eval_batch(batched, [1, 2, 3, 10**6])
+        assert [s.pos for s in batched] == positions
+
+
 def test_decode_batch_samples_each_session_with_its_own_sampler(tmp_path):
     model = _core.Model(write_model(tmp_path / "m.gguf"), 0)
     single, batched = sessions(model, ("dense",)), sessions(model, ("dense",))

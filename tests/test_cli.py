@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from gguf import GGMLQuantizationType as Q
 
 from powerinfer_rs import cli, models
 
@@ -30,6 +31,20 @@ def test_run_streams_text_and_prints_timing(model):
     from powerinfer_rs import Engine
 
     assert r.stdout == Engine.load(model).generate("the then", max_tokens=8) + "\n"
+
+
+def test_run_on_the_emulated_device(tmp_path):
+    """`--device emulated` runs the hybrid executor (here with a layer offloaded, the other on
+    the CPU), says so, and prints the CPU's greedy text."""
+    from synth import write_powerinfer_model
+
+    from powerinfer_rs import Engine
+
+    pw = write_powerinfer_model(tmp_path / "pw.gguf", dtype=Q.F32)
+    r = run_cli("run", "-m", pw, "-n", "8", "--device", "emulated", "--gpu-layers", "1", "the then")
+    assert r.returncode == 0, r.stderr
+    assert "device: emulated (emulated device" in r.stderr and "1/2 layers" in r.stderr
+    assert r.stdout == Engine.load(pw, device="cpu").generate("the then", max_tokens=8) + "\n"
 
 
 def test_run_reads_prompt_from_stdin(model):

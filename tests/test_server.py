@@ -93,9 +93,11 @@ def tiny_path(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("serve") / "tiny.gguf", n_ctx=N_CTX)
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_path):
-    s = Server(tiny_path, "--api-key", "sekret", "--parallel", "2")
+@pytest.fixture(scope="module", params=["cpu", "emulated"])
+def tiny(tiny_path, request):
+    """The server on the CPU, and on the hybrid executor's emulated device: every test of the
+    tiny model runs on both, against a CPU engine."""
+    s = Server(tiny_path, "--api-key", "sekret", "--parallel", "2", "--device", request.param)
     yield s
     s.stop()
 

@@ -557,7 +557,7 @@ class Engine:
         exception its step raised."""
         out: list = [""] * len(generations)
         batched = [i for i, g in enumerate(generations) if g.decoding]
-        if batch and len(batched) >= 2 and self._gpu_model is None:
+        if batch and len(batched) >= 2:
             gens = [generations[i] for i in batched]
             positions = [g._session.pos for g in gens]
             t = time.perf_counter()

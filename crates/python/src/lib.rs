@@ -587,14 +587,40 @@ fn run_batch<T>(refs: &[&PySession], tokens: &[u32], mut each: impl FnMut(usize,
         slots[i] = Some(lock_core(&refs[i].inner)?);
     }
     let mut guards: Vec<_> = slots.into_iter().flatten().collect();
-    let mut cpu: Vec<&mut Session> = guards.iter_mut().map(|g| g.cpu_only("batched decode")).collect::<Result<_, Error>>()?;
-    let logits = powerinfer_core::session::decode_batch(&mut cpu, tokens)?;
-    Ok(cpu.iter().zip(logits).enumerate().map(|(i, (s, row))| each(i, s, row)).collect())
+    if guards.iter().all(|g| matches!(**g, Exec::Cpu(_))) {
+        let mut cpu: Vec<&mut Session> = guards.iter_mut().map(|g| g.cpu()).collect();
+        let logits = powerinfer_core::session::decode_batch(&mut cpu, tokens)?;
+        return Ok(cpu.iter().zip(logits).enumerate().map(|(i, (s, row))| each(i, s, row)).collect());
+    }
+    // Hybrid sessions decode one token at a time (the executor has no batched kernels yet):
+    // each in turn, after checking every token and context first, so that a refused batch
+    // changes no session.
+    let first = Arc::clone(&guards[0].cpu_ref().model);
+    for (i, (g, &tok)) in guards.iter().zip(tokens).enumerate() {
+        let s = g.cpu_ref();
+        if !Arc::ptr_eq(&s.model, &first) {
+            return Err(Error::InvalidArgument(format!("session {i} runs another model than session 0")));
+        }
+        let n_vocab = s.model.config.n_vocab;
+        if tok as usize >= n_vocab {
+            return Err(Error::InvalidArgument(format!("token id {tok} is out of range (vocabulary has {n_vocab})")));
+        }
+        if s.pos() + 1 > s.n_ctx {
+            return Err(Error::ContextOverflow { needed: s.pos() + 1, n_ctx: s.n_ctx });
+        }
+    }
+    let mut out = Vec::with_capacity(guards.len());
+    for (i, (g, &tok)) in guards.iter_mut().zip(tokens).enumerate() {
+        let row = g.eval(&[tok], false)?;
+        out.push(each(i, g.cpu_ref(), row));
+    }
+    Ok(out)
 }
 
-/// Evaluates the next token of several CPU sessions of one model as one batch (`tokens[i]` at the
+/// Evaluates the next token of several sessions of one model as one batch (`tokens[i]` at the
 /// next position of `sessions[i]`) and returns their logits, float32 (len(sessions), n_vocab).
-/// Each row is exactly what a single-token `Session.eval` gives; the weights are read once.
+/// Each row is exactly what a single-token `Session.eval` gives; on the CPU the weights are
+/// read once for all, hybrid sessions step in turn.
 #[pyfunction]
 fn eval_batch<'py>(py: Python<'py>, sessions: Vec<PyRef<'py, PySession>>, tokens: Vec<u32>) -> PyResult<Bound<'py, PyArray2<f32>>> {
     let refs = distinct_sessions(&sessions, tokens.len())?;

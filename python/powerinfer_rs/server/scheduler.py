@@ -65,8 +65,8 @@ class Scheduler:
         self.batch = batch
         # Finished sessions kept for their tokens' KV (most recent last): a new request whose
         # prompt starts with the same tokens (the next turn of a chat, a shared system prompt)
-        # continues from one instead of evaluating its prompt again. Not on the GPU (untested).
-        self.cache_size = (slots if cache is None else cache) if engine.device == "cpu" else 0
+        # continues from one instead of evaluating its prompt again.
+        self.cache_size = slots if cache is None else cache
         self._cache: list[tuple[list[int], Any]] = []
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: list[Job] = []
