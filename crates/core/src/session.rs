@@ -500,9 +500,9 @@ impl Session {
                 s.pred_acts.set(&s.pred_hidden, n, p.fc1.rows);
                 s.pred_logits.resize(n * n_ff, 0.0);
                 matmul(&p.fc2, &s.pred_acts, &mut s.pred_logits);
-                let thr = sp.predictor_layer_thresholds.get(l).copied().unwrap_or(sp.predictor_threshold);
+                let cutoff = sp.predictor_cutoff(l);
                 s.keep.clear();
-                s.keep.extend(s.pred_logits.iter().map(|&v| v >= thr));
+                s.keep.extend(s.pred_logits.iter().map(|&v| Sparsity::predictor_selects(v, cutoff)));
             }
             SparsityMode::Threshold => {
                 // the gate (up for gateless FFNs) densely; keep where |act(gate)| > threshold

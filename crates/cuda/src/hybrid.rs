@@ -537,7 +537,7 @@ impl<D: Device> HybridSession<D> {
         g.rmsnorm(&self.x.f32s, &d.ffn_norm, &mut self.xb.f32s, c.n_embd, c.norm_eps)?;
         let sp = self.cpu.sparsity();
         let predicted = sp.mode == SparsityMode::Predictor;
-        let threshold = sp.predictor_layer_thresholds.get(l).copied().unwrap_or(sp.predictor_threshold);
+        let threshold = sp.predictor_cutoff(l);
         if predicted {
             let (fc1, fc2) = d.predictor.as_ref().ok_or_else(|| CudaError::Plan(format!("layer {l} has no predictor")))?;
             g.quantize_for(&[fc1], &mut self.x, c.n_embd)?;
@@ -575,8 +575,8 @@ impl<D: Device> HybridSession<D> {
             self.neurons.clear();
             if predicted {
                 let pred_h = &self.pred_h;
-                self.neurons.extend(layer.cold.iter().copied().filter(|&j| pred_h[j as usize] >= threshold));
-                let selected = self.pred_h.iter().filter(|&&v| v >= threshold).count();
+                self.neurons.extend(layer.cold.iter().copied().filter(|&j| Sparsity::predictor_selects(pred_h[j as usize], threshold)));
+                let selected = self.pred_h.iter().filter(|&&v| Sparsity::predictor_selects(v, threshold)).count();
                 stats.neurons = c.n_ff as u64;
                 stats.skipped = (c.n_ff - selected) as u64;
                 self.counts.cpu_neurons += self.neurons.len() as u64;

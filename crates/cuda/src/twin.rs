@@ -6,6 +6,7 @@
 use powerinfer_core::matmul::QMatrix;
 use rayon::prelude::*;
 use powerinfer_core::model::FfnActivation;
+use powerinfer_core::session::Sparsity;
 use powerinfer_core::quant::{dequantize_row, quantize_act, BlockQ8Act, DType, QK};
 
 /// Row r of `m`, dequantized.
@@ -106,7 +107,7 @@ pub fn ffn_hot_seen(
         .map(|(i, &j)| {
             let j = j as usize;
             if let Some((logits, thr)) = pred {
-                if !(logits[j] >= thr) {
+                if !Sparsity::predictor_selects(logits[j], thr) {
                     return 0.0;
                 }
             }

@@ -64,6 +64,20 @@ impl Sparsity {
         }
     }
 
+    /// Layer `l`'s predictor cut-off: the per-layer one when set, else the global one.
+    pub fn predictor_cutoff(&self, l: usize) -> f32 {
+        self.predictor_layer_thresholds.get(l).copied().unwrap_or(self.predictor_threshold)
+    }
+
+    /// The predictor's rule, the one every executor applies (the CPU's selection, the hybrid
+    /// executor's cold neurons, and the `ffn_hot` kernels' early exit, which reads
+    /// `!(logit >= cutoff)` so that a NaN logit is never selected): a neuron is computed iff
+    /// its logit is at least the cut-off.
+    #[inline]
+    pub fn predictor_selects(logit: f32, cutoff: f32) -> bool {
+        logit >= cutoff
+    }
+
     /// Layer `l`'s cut-off for input group `g`, when that group skips inputs.
     pub(crate) fn input_cut(&self, l: usize, g: InputGroup) -> Option<f32> {
         let t = self.input_thresholds.get(l)?[g as usize];

@@ -7,6 +7,7 @@
 
 use powerinfer_core::matmul::QMatrix;
 use powerinfer_core::quant::{f16_to_f32, f32_to_f16, QK};
+use powerinfer_core::session::Sparsity;
 
 use super::{Device, Elem};
 use crate::gpu::{act_of_code, DActs, DMat, Result, Q8_BLOCK_BYTES};
@@ -132,7 +133,7 @@ impl Device for Emulated {
         let pred = pred_logits.map(|p| (&p[..], threshold));
         if let Some((counts, slot)) = selected {
             let n = match pred {
-                Some((p, t)) => ids.iter().filter(|&&j| p[j as usize] >= t).count(),
+                Some((p, t)) => ids.iter().filter(|&&j| Sparsity::predictor_selects(p[j as usize], t)).count(),
                 None => ids.len(),
             };
             counts[slot] += n as u32;
