@@ -26,7 +26,7 @@ mod input_sparsity;
 mod math;
 mod scratch;
 mod sparsity;
-pub use batch::decode_batch;
+pub use batch::{check_batch, decode_batch};
 pub use input_sparsity::time_input_sparsity;
 pub use scratch::Capture;
 pub use sparsity::{FfnStats, Sparsity, SparsityMode};

@@ -4,74 +4,16 @@
 
 use powerinfer_core::matmul::QMatrix;
 use powerinfer_core::model::FfnActivation;
-use powerinfer_core::quant::{BlockQ8Act, DType, QK};
+use powerinfer_core::quant::{DType, QK};
 
 use crate::device::{Buf, Cuda, Device, Elem, Emulated};
+// what the executor and the kernel tests know these by
+pub use crate::device::{act_code, act_of_code, type_slot, DActs, DMat, Result, Q8_BLOCK_BYTES};
 use crate::CudaError;
 
 /// Rows of the down projection one block of `down_partial` sums; the merge then adds
 /// ceil(n_hot / ROWS_PER_CHUNK) partial vectors.
 pub const ROWS_PER_CHUNK: usize = 128;
-
-pub type Result<T> = std::result::Result<T, CudaError>;
-
-/// Index of a weight type in the per-type kernel tables (F32, F16, Q4_0, Q4_1, Q8_0).
-pub fn type_slot(dtype: DType) -> Result<usize> {
-    Ok(match dtype {
-        DType::F32 => 0,
-        DType::F16 => 1,
-        DType::Q4_0 => 2,
-        DType::Q4_1 => 3,
-        DType::Q8_0 => 4,
-        DType::BF16 => return Err(CudaError::Unsupported("BF16 weights have no GPU kernel".into())),
-    })
-}
-
-/// The activation code the kernels switch on (ACT_* in the .cu file).
-pub fn act_code(act: FfnActivation) -> i32 {
-    match act {
-        FfnActivation::SwiGlu => 0,
-        FfnActivation::ReGlu => 1,
-        FfnActivation::DReGlu => 2,
-        FfnActivation::Relu => 3,
-        FfnActivation::Gelu => 4,
-    }
-}
-
-/// The activation a kernel's code stands for (the inverse of `act_code`).
-pub fn act_of_code(code: i32) -> Option<FfnActivation> {
-    [FfnActivation::SwiGlu, FfnActivation::ReGlu, FfnActivation::DReGlu, FfnActivation::Relu, FfnActivation::Gelu]
-        .into_iter()
-        .find(|&a| act_code(a) == code)
-}
-
-/// A weight matrix in device memory, rows in the file's type and layout.
-pub struct DMat<D: Device> {
-    pub dtype: DType,
-    pub rows: usize,
-    pub cols: usize,
-    pub row_bytes: usize,
-    pub data: Buf<D, u8>, // (rows, row_bytes)
-}
-
-impl<D: Device> DMat<D> {
-    pub fn bytes(&self) -> usize {
-        self.rows * self.row_bytes
-    }
-}
-
-/// An activation vector on the device as the kernels read it: `f32s` for float weights, and
-/// `q8`, its int8 blocks in the CPU's `BlockQ8Act` layout, for quantized weights.
-/// `Gpu::quantize_for` fills `q8` from `f32s`; whoever writes `f32s` calls it before a quantized
-/// matrix reads them.
-pub struct DActs<D: Device> {
-    pub f32s: Buf<D, f32>, // (n)
-    pub q8: Buf<D, u8>,    // (n / QK, Q8_BLOCK_BYTES)
-}
-
-/// Bytes of one `BlockQ8Act` (32 int8 values, d and s), as `quantize_q8` writes it.
-pub const Q8_BLOCK_BYTES: usize = 40;
-const _: () = assert!(std::mem::size_of::<BlockQ8Act>() == Q8_BLOCK_BYTES);
 
 /// A device and what the executor reports of it.
 pub struct Gpu<D: Device = Cuda> {

@@ -593,22 +593,8 @@ fn run_batch<T>(refs: &[&PySession], tokens: &[u32], mut each: impl FnMut(usize,
         return Ok(cpu.iter().zip(logits).enumerate().map(|(i, (s, row))| each(i, s, row)).collect());
     }
     // Hybrid sessions decode one token at a time (the executor has no batched kernels yet):
-    // each in turn, after checking every token and context first, so that a refused batch
-    // changes no session.
-    let first = Arc::clone(&guards[0].cpu_ref().model);
-    for (i, (g, &tok)) in guards.iter().zip(tokens).enumerate() {
-        let s = g.cpu_ref();
-        if !Arc::ptr_eq(&s.model, &first) {
-            return Err(Error::InvalidArgument(format!("session {i} runs another model than session 0")));
-        }
-        let n_vocab = s.model.config.n_vocab;
-        if tok as usize >= n_vocab {
-            return Err(Error::InvalidArgument(format!("token id {tok} is out of range (vocabulary has {n_vocab})")));
-        }
-        if s.pos() + 1 > s.n_ctx {
-            return Err(Error::ContextOverflow { needed: s.pos() + 1, n_ctx: s.n_ctx });
-        }
-    }
+    // each in turn, after the whole batch is checked, so that a refused batch changes no session.
+    powerinfer_core::session::check_batch(&guards.iter().map(|g| g.cpu_ref()).collect::<Vec<_>>(), tokens)?;
     let mut out = Vec::with_capacity(guards.len());
     for (i, (g, &tok)) in guards.iter_mut().zip(tokens).enumerate() {
         let row = g.eval(&[tok], false)?;

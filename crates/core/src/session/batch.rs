@@ -13,10 +13,10 @@
 
 use super::*;
 
-/// Evaluates `tokens[i]` at the next position of `sessions[i]`, for every i, in one batch, and
-/// returns each session's logits (n_vocab). The sessions must share one model and must not be
-/// calibrating or capturing.
-pub fn decode_batch(sessions: &mut [&mut Session], tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
+/// Checks a batch before anything runs, so that a refused batch changes no session: one token
+/// per session, one model, every token in the vocabulary, room for one more position, and no
+/// session calibrating or capturing. Every executor of a batch calls it.
+pub fn check_batch(sessions: &[&Session], tokens: &[u32]) -> Result<()> {
     if sessions.is_empty() || tokens.len() != sessions.len() {
         return Err(Error::InvalidArgument(format!(
             "batched decode needs one token per session, got {} tokens for {} sessions",
@@ -24,10 +24,10 @@ pub fn decode_batch(sessions: &mut [&mut Session], tokens: &[u32]) -> Result<Vec
             sessions.len()
         )));
     }
-    let model = Arc::clone(&sessions[0].model);
+    let model = &sessions[0].model;
     let c = &model.config;
     for (i, (se, &tok)) in sessions.iter().zip(tokens).enumerate() {
-        if !Arc::ptr_eq(&se.model, &model) {
+        if !Arc::ptr_eq(&se.model, model) {
             return Err(Error::InvalidArgument(format!("session {i} runs another model than session 0")));
         }
         if tok as usize >= c.n_vocab {
@@ -40,6 +40,14 @@ pub fn decode_batch(sessions: &mut [&mut Session], tokens: &[u32]) -> Result<Vec
             return Err(Error::InvalidArgument(format!("session {i} is calibrating or capturing; evaluate it alone")));
         }
     }
+    Ok(())
+}
+
+/// Evaluates `tokens[i]` at the next position of `sessions[i]`, for every i, in one batch, and
+/// returns each session's logits (n_vocab). The batch must pass `check_batch`.
+pub fn decode_batch(sessions: &mut [&mut Session], tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
+    check_batch(&sessions.iter().map(|s| &**s).collect::<Vec<_>>(), tokens)?;
+    let model = Arc::clone(&sessions[0].model);
     // input sparsity reads other copies of the weights per row: such sessions run one by one
     if sessions.iter().any(|se| se.sparsity.mode == SparsityMode::Threshold && !se.sparsity.input_thresholds.is_empty()) {
         return sessions.iter_mut().zip(tokens).map(|(se, &tok)| se.eval(&[tok], false)).collect();

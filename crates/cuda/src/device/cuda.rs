@@ -7,8 +7,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 
-use super::{Device, Elem};
-use crate::gpu::{type_slot, DActs, DMat, Result};
+use super::{type_slot, DActs, DMat, Device, Elem, Result};
 use crate::CudaError;
 
 /// PTX compiled from `kernels/powerinfer.cu` by `scripts/gen_ptx.sh` (checked in CI).

@@ -9,8 +9,7 @@ use powerinfer_core::matmul::QMatrix;
 use powerinfer_core::quant::{f16_to_f32, f32_to_f16, QK};
 use powerinfer_core::session::Sparsity;
 
-use super::{Device, Elem};
-use crate::gpu::{act_of_code, DActs, DMat, Result, Q8_BLOCK_BYTES};
+use super::{act_of_code, DActs, DMat, Device, Elem, Result, Q8_BLOCK_BYTES};
 use crate::twin;
 use crate::CudaError;
 
