@@ -1,10 +1,11 @@
 //! powerinfer-core: the engine without Python. GGUF loading (`gguf`), tensor formats and
 //! reference kernels (`quant`), SIMD kernels (`avx2`, `avx512`), threaded matrix products (`matmul`),
-//! LLaMA-family models (`model`), the forward pass and KV cache (`session`) and sampling
+//! LLaMA-family models (`model`), the forward pass written once over a backend seam (`forward`), the CPU backend, KV cache and sessions (`session`) and sampling
 //! (`sampler`).
 
 pub mod attention;
 pub mod error;
+pub mod forward;
 pub mod gguf;
 pub mod gpu_index;
 pub mod matmul;

@@ -1,5 +1,6 @@
-//! The hybrid executor: PowerInfer's split of each FFN between the GPU (hot neurons) and the
-//! CPU (cold neurons), one decode token at a time.
+//! The hybrid backend: PowerInfer's split of each FFN between the GPU (hot neurons) and the
+//! CPU (cold neurons), one token at a time, as a backend of the one forward pass
+//! (`powerinfer_core::forward`).
 //!
 //! `HybridModel` uploads what the placement put on the GPU, once: per layer the attention
 //! weights, norms and predictor, and the gate/up/down_t rows of the hot neurons, packed in
@@ -7,12 +8,13 @@
 //! part is not on the GPU run wholly on the CPU (this is also how a layer-offload baseline is
 //! expressed: all neurons of the first k layers on the GPU, nothing of the others).
 //!
-//! Per GPU layer and token:
-//!   GPU: rmsnorm, q/k/v, RoPE, KV store, attention, wo, residual; ffn norm; predictor
+//! `HybridPass` runs each step of a GPU layer as device kernels and any other step as the CPU
+//! backend's (`CpuPass`) step over the session's CPU state. The FFN of a GPU layer:
+//!   GPU: predictor (reads the residual x)
 //!   host <- GPU: the normed FFN input and the predictor logits (only if the layer has cold neurons)
 //!   GPU (queued, runs while the CPU works): hot rows -> h, h x down_t -> partial sums
 //!   CPU: the selected cold neurons, through the same sparse operator as CPU-only decoding
-//!   GPU: residual += partial sums + CPU part
+//!   GPU, as the residual step: x += partial sums + CPU part + bias
 //! Weights never move during decoding; only activations (a few KB per layer) cross the bus.
 
 use std::sync::Arc;
@@ -20,8 +22,10 @@ use std::sync::Arc;
 use powerinfer_core::attention::KvType;
 use powerinfer_core::matmul::{Activations, QMatrix};
 use powerinfer_core::quant::DType;
+use powerinfer_core::forward::{forward, Backend, Norm, Part};
 use powerinfer_core::model::{Family, Model, RopeStyle};
-use powerinfer_core::session::{FfnStats, Session, Sparsity, SparsityMode};
+use powerinfer_core::session::{CpuPass, FfnStats, Session, Sparsity, SparsityMode};
+use powerinfer_core::Result as CoreResult;
 use powerinfer_core::sparse::{sparse_ffn, FfnMats, SparseScratch};
 
 use crate::device::{Buf, Device};
@@ -279,36 +283,44 @@ pub struct SplitCounts {
     pub cpu_neurons: u64,
 }
 
-/// One conversation on a `HybridModel`: the GPU KV cache and activation buffers, plus a CPU
-/// `Session` that holds the token history, the sparsity settings, the KV cache of CPU layers
-/// and runs those layers.
+/// One conversation on a `HybridModel`: a CPU `Session` (the token history, the sparsity
+/// settings, the KV cache of the CPU layers, the CPU backend's scratch) and the device state.
 pub struct HybridSession<D: Device> {
     hm: Arc<HybridModel<D>>,
     pub cpu: Session,
+    dev: DeviceState<D>,
+}
+
+/// A hybrid session's device buffers (the GPU layers' KV cache, one row of activations) and
+/// the host buffers of the CPU's share of a GPU layer's FFN.
+struct DeviceState<D: Device> {
     n_ctx: usize,
     kv_f16: bool,
-    k_cache: Vec<Option<Buf<D, u8>>>,
+    k_cache: Vec<Option<Buf<D, u8>>>, // per GPU layer (n_ctx, kv_dim) f16 or f32
     v_cache: Vec<Option<Buf<D, u8>>>,
     // device activations
-    x: DActs<D>,                 // (n_embd) residual (the predictor's input)
-    xb: DActs<D>,                // (n_embd) normed input
-    q: Buf<D, f32>,        // (q_dim)
-    k: Buf<D, f32>,        // (kv_dim)
-    v: Buf<D, f32>,        // (kv_dim)
-    att: DActs<D>,               // (q_dim)
-    attn_out: Buf<D, f32>, // (n_embd)
-    scores: Buf<D, f32>,   // (n_head, n_ctx)
-    pred_hidden: DActs<D>,       // (max predictor hidden)
+    x: DActs<D>,              // (n_embd) residual (the predictor's input)
+    xb: DActs<D>,             // (n_embd) normed input
+    q: Buf<D, f32>,           // (q_dim)
+    k: Buf<D, f32>,           // (kv_dim)
+    v: Buf<D, f32>,           // (kv_dim)
+    att: DActs<D>,            // (q_dim)
+    attn_out: Buf<D, f32>,    // (n_embd)
+    scores: Buf<D, f32>,      // (n_head, n_ctx)
+    pred_hidden: DActs<D>,    // (max predictor hidden)
     pred_logits: Buf<D, f32>, // (n_ff)
-    h: Buf<D, f32>,        // (max n_hot)
-    partial: Buf<D, f32>,  // (max chunks, n_embd)
-    cpu_part: Buf<D, f32>, // (n_embd)
-    cos: Buf<D, f32>,      // (rope_dim / 2)
+    h: Buf<D, f32>,           // (max n_hot)
+    partial: Buf<D, f32>,     // (max chunks, n_embd)
+    cpu_part: Buf<D, f32>,    // (n_embd)
+    cos: Buf<D, f32>,         // (rope_dim / 2)
     sin: Buf<D, f32>,
-    logits: Buf<D, f32>,   // (n_vocab)
-    selected: Buf<D, u32>, // (n_layer) neurons the predictor selected, counted on the GPU
+    logits: Buf<D, f32>,      // (n_vocab)
+    selected: Buf<D, u32>,    // (n_layer) neurons the predictor selected, counted on the GPU
+    /// The current GPU layer's FFN output, summed into the residual by `ffn_merge`: this many
+    /// chunks of hot partial sums, plus `cpu_part` when the layer has cold neurons.
+    ffn_chunks: usize,
+    ffn_has_cold: bool,
     // host buffers
-    x_h: Vec<f32>,
     xb_h: Vec<f32>,
     pred_h: Vec<f32>,
     cpu_out_h: Vec<f32>,
@@ -337,7 +349,7 @@ impl<D: Device> HybridSession<D> {
         let max_hidden = hm.layers.iter().flatten().filter_map(|l| l.dense.predictor.as_ref().map(|p| p.0.rows)).max().unwrap_or(1);
         let max_hot = hm.layers.iter().flatten().map(|l| l.n_hot).max().unwrap_or(1);
         let max_chunks = max_hot.div_ceil(ROWS_PER_CHUNK).max(1);
-        Ok(HybridSession {
+        let dev = DeviceState {
             x: g.acts(c.n_embd)?,
             xb: g.acts(c.n_embd)?,
             q: g.zeros(c.q_dim())?,
@@ -355,7 +367,8 @@ impl<D: Device> HybridSession<D> {
             sin: g.zeros(c.rope_dim / 2)?,
             logits: g.zeros(c.n_vocab)?,
             selected: g.zeros(c.n_layer)?,
-            x_h: vec![0.0; c.n_embd],
+            ffn_chunks: 0,
+            ffn_has_cold: false,
             xb_h: vec![0.0; c.n_embd],
             pred_h: vec![0.0; c.n_ff],
             cpu_out_h: vec![0.0; c.n_embd],
@@ -369,14 +382,13 @@ impl<D: Device> HybridSession<D> {
             v_cache,
             kv_f16,
             n_ctx,
-            cpu,
-            hm,
-        })
+        };
+        Ok(HybridSession { dev, cpu, hm })
     }
 
     /// KV cache bytes this session holds on the GPU.
     pub fn kv_bytes(&self) -> usize {
-        self.k_cache.iter().chain(&self.v_cache).flatten().map(|b| D::len(b)).sum()
+        self.dev.k_cache.iter().chain(&self.dev.v_cache).flatten().map(|b| D::len(b)).sum()
     }
 
     pub fn pos(&self) -> usize {
@@ -400,29 +412,18 @@ impl<D: Device> HybridSession<D> {
     }
 
     pub fn take_counts(&mut self) -> SplitCounts {
-        std::mem::take(&mut self.counts)
+        std::mem::take(&mut self.dev.counts)
     }
 
     /// Evaluates `tokens` one at a time (prompt tokens too) and returns the logits of every
     /// token (n, n_vocab) when `all_logits`, else of the last.
-    pub fn eval(&mut self, tokens: &[u32], all_logits: bool) -> std::result::Result<Vec<f32>, powerinfer_core::Error> {
-        use powerinfer_core::Error;
+    pub fn eval(&mut self, tokens: &[u32], all_logits: bool) -> CoreResult<Vec<f32>> {
+        self.cpu.check_room(tokens)?;
         let n_vocab = self.hm.model.config.n_vocab;
-        if tokens.is_empty() {
-            return Err(Error::InvalidArgument("no tokens to evaluate".into()));
-        }
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
-            return Err(Error::InvalidArgument(format!("token id {bad} is out of range (vocabulary has {n_vocab})")));
-        }
-        let needed = self.pos() + tokens.len();
-        if needed > self.n_ctx {
-            return Err(Error::ContextOverflow { needed, n_ctx: self.n_ctx });
-        }
         let mut out = Vec::with_capacity(if all_logits { tokens.len() * n_vocab } else { n_vocab });
         for (i, &tok) in tokens.iter().enumerate() {
-            let pos = self.pos();
-            let logits = self.step(tok, pos).map_err(|e| Error::Device(e.to_string()))?;
-            self.cpu.record_tokens(&[tok]);
+            let logits = self.step(tok)?;
+            self.cpu.tokens.push(tok);
             if all_logits || i + 1 == tokens.len() {
                 out.extend_from_slice(&logits);
             }
@@ -430,65 +431,22 @@ impl<D: Device> HybridSession<D> {
         Ok(out)
     }
 
-    /// One token at position `pos` through every layer; returns its logits.
-    fn step(&mut self, tok: u32, pos: usize) -> Result<Vec<f32>> {
+    /// One token at the next position through the forward pass on the hybrid backend; returns
+    /// its logits.
+    fn step(&mut self, tok: u32) -> CoreResult<Vec<f32>> {
         let hm = Arc::clone(&self.hm);
         let model = &*hm.model;
-        let c = &model.config;
-        let g = &hm.gpu;
-
-        // token embedding on the host; RoPE angles exactly as the CPU forward computes them
-        model.weights.token_embd.dequantize_row(tok as usize, &mut self.x_h);
-        let (cos, sin) = self.cpu.rope_angles(pos);
-        if c.rope_dim > 0 {
-            g.write(&cos, &mut self.cos)?;
-            g.write(&sin, &mut self.sin)?;
-        }
-        if !self.counted_on_gpu.is_empty() {
+        if !self.dev.counted_on_gpu.is_empty() {
             // an earlier step failed before reading its counts
-            self.counted_on_gpu.clear();
-            g.clear(&mut self.selected)?;
+            self.dev.counted_on_gpu.clear();
+            hm.gpu.clear(&mut self.dev.selected)?;
         }
-        let mut on_gpu = false; // where the residual lives now
-
-        for l in 0..c.n_layer {
-            let Some(layer) = hm.layers[l].as_ref() else {
-                if on_gpu {
-                    g.read(&self.x.f32s, &mut self.x_h)?;
-                    on_gpu = false;
-                }
-                // a layer wholly on the CPU: its computed neurons are the CPU's
-                let before = self.cpu.stats();
-                self.cpu.cpu_layer(l, &mut self.x_h, pos);
-                let after = self.cpu.stats();
-                self.counts.cpu_neurons += (after.neurons - after.skipped) - (before.neurons - before.skipped);
-                continue;
-            };
-            if !on_gpu {
-                g.write(&self.x_h, &mut self.x.f32s)?;
-                on_gpu = true;
-            }
-            self.gpu_layer(&hm, l, layer, pos)?;
-        }
-
-        let mut logits = vec![0.0f32; c.n_vocab];
-        match &hm.output {
-            Some((norm, w)) => {
-                if !on_gpu {
-                    g.write(&self.x_h, &mut self.x.f32s)?;
-                }
-                g.rmsnorm(&self.x.f32s, norm, &mut self.xb.f32s, c.n_embd, c.norm_eps)?;
-                g.quantize_for(&[w], &mut self.xb, c.n_embd)?;
-                g.matvec(w, &self.xb, None, &mut self.logits, false)?;
-                g.read(&self.logits, &mut logits)?;
-            }
-            None => {
-                if on_gpu {
-                    g.read(&self.x.f32s, &mut self.x_h)?;
-                }
-                logits = self.cpu.cpu_logits(&self.x_h);
-            }
-        }
+        let pos = self.cpu.pos();
+        let (cpu, dev) = (&mut self.cpu, &mut self.dev);
+        let logits = model.install(|| {
+            let mut pass = HybridPass { hm: &hm, dev, cpu: CpuPass::new(cpu, 1), pos, on_gpu: false };
+            forward(&mut pass, model, &[tok], 1)
+        })?;
         self.stats_counted_on_gpu()?;
         Ok(logits)
     }
@@ -496,96 +454,118 @@ impl<D: Device> HybridSession<D> {
     /// FFN stats of the layers whose selection only the GPU saw, from its counts (read after the
     /// token, when the stream has finished anyway).
     fn stats_counted_on_gpu(&mut self) -> Result<()> {
-        if self.counted_on_gpu.is_empty() {
+        let dev = &mut self.dev;
+        if dev.counted_on_gpu.is_empty() {
             return Ok(());
         }
         let g = &self.hm.gpu;
-        g.read(&self.selected, &mut self.selected_h)?;
-        g.clear(&mut self.selected)?;
+        g.read(&dev.selected, &mut dev.selected_h)?;
+        g.clear(&mut dev.selected)?;
         let n_ff = self.hm.model.config.n_ff as u64;
-        for l in self.counted_on_gpu.drain(..) {
-            let selected = self.selected_h[l] as u64;
+        for l in dev.counted_on_gpu.drain(..) {
+            let selected = dev.selected_h[l] as u64;
             self.cpu.add_stats(FfnStats { neurons: n_ff, skipped: n_ff - selected, ..Default::default() });
-            self.counts.gpu_neurons += selected;
+            dev.counts.gpu_neurons += selected;
         }
         Ok(())
     }
+}
 
-    fn gpu_layer(&mut self, hm: &HybridModel<D>, l: usize, layer: &GpuLayer<D>, pos: usize) -> Result<()> {
-        let model = &*hm.model;
+/// One token's pass on the hybrid backend: GPU layers run on the device, with the cold neurons
+/// of their FFN on the CPU; CPU layers and, unless placed on the GPU, the classifier run on the
+/// CPU backend. The residual stream moves (n_embd floats) only where consecutive steps run on
+/// different sides.
+struct HybridPass<'a, D: Device> {
+    hm: &'a HybridModel<D>,
+    dev: &'a mut DeviceState<D>,
+    cpu: CpuPass<'a>,
+    pos: usize,
+    /// Where the residual stream x lives now: the device's `x`, or the CPU pass's.
+    on_gpu: bool,
+}
+
+impl<'a, D: Device> HybridPass<'a, D> {
+    /// Layer l's device part, or None when the layer runs on the CPU; moves the residual
+    /// stream to the side that runs it.
+    fn place(&mut self, l: usize) -> Result<Option<&'a GpuLayer<D>>> {
+        let layer = self.hm.layers[l].as_ref();
+        self.residual_to(layer.is_some())?;
+        Ok(layer)
+    }
+
+    fn residual_to(&mut self, gpu: bool) -> Result<()> {
+        let g = &self.hm.gpu;
+        match (self.on_gpu, gpu) {
+            (false, true) => g.write(self.cpu.residual_stream(), &mut self.dev.x.f32s)?,
+            (true, false) => g.read(&self.dev.x.f32s, self.cpu.residual_stream())?,
+            _ => {}
+        }
+        self.on_gpu = gpu;
+        Ok(())
+    }
+
+    /// The FFN of a GPU layer: the predictor on the device; the hot neurons queued on the
+    /// device, the selected cold ones on the CPU meanwhile; the parts stay apart until the
+    /// residual sums them (`ffn_merge`).
+    fn gpu_ffn(&mut self, l: usize, layer: &GpuLayer<D>) -> Result<()> {
+        let hm = self.hm;
+        let (model, g) = (&*hm.model, &hm.gpu);
         let c = &model.config;
-        let g = &hm.gpu;
         let d = &layer.dense;
-        let (kc, vc) = (self.k_cache[l].as_mut().expect("GPU layer"), self.v_cache[l].as_mut().expect("GPU layer"));
+        let dev = &mut *self.dev;
 
-        // attention: x += wo @ attention(rope(wq @ norm(x)), cache)
-        g.rmsnorm(&self.x.f32s, &d.attn_norm, &mut self.xb.f32s, c.n_embd, c.norm_eps)?;
-        g.quantize_for(&[&d.wq, &d.wk, &d.wv], &mut self.xb, c.n_embd)?;
-        g.matvec(&d.wq, &self.xb, d.bq.as_ref(), &mut self.q, false)?;
-        g.matvec(&d.wk, &self.xb, d.bk.as_ref(), &mut self.k, false)?;
-        g.matvec(&d.wv, &self.xb, d.bv.as_ref(), &mut self.v, false)?;
-        let neox = c.rope_style == RopeStyle::NeoX;
-        g.rope(&mut self.q, &self.cos, &self.sin, c.n_head, c.head_dim, c.rope_dim, neox)?;
-        g.rope(&mut self.k, &self.cos, &self.sin, c.n_head_kv, c.head_dim, c.rope_dim, neox)?;
-        g.kv_store(&self.k, &self.v, kc, vc, pos, c.kv_dim(), self.kv_f16)?;
-        g.attention(&self.q, kc, vc, &mut self.scores, &mut self.att.f32s, pos + 1, self.n_ctx, c.n_head, c.n_head_kv, c.head_dim, self.kv_f16)?;
-        g.quantize_for(&[&d.wo], &mut self.att, c.q_dim())?;
-        g.matvec(&d.wo, &self.att, d.bo.as_ref(), &mut self.attn_out, false)?;
-        g.add_into(&mut self.x.f32s, &self.attn_out, None, c.n_embd)?;
-
-        // FFN input; the predictor reads the residual x
-        g.rmsnorm(&self.x.f32s, &d.ffn_norm, &mut self.xb.f32s, c.n_embd, c.norm_eps)?;
-        let sp = self.cpu.sparsity();
+        // the predictor reads the residual x
+        let sp = self.cpu.session().sparsity();
         let predicted = sp.mode == SparsityMode::Predictor;
         let threshold = sp.predictor_cutoff(l);
         if predicted {
             let (fc1, fc2) = d.predictor.as_ref().ok_or_else(|| CudaError::Plan(format!("layer {l} has no predictor")))?;
-            g.quantize_for(&[fc1], &mut self.x, c.n_embd)?;
-            g.matvec(fc1, &self.x, None, &mut self.pred_hidden.f32s, true)?;
-            g.quantize_for(&[fc2], &mut self.pred_hidden, fc1.rows)?;
-            g.matvec(fc2, &self.pred_hidden, None, &mut self.pred_logits, false)?;
+            g.quantize_for(&[fc1], &mut dev.x, c.n_embd)?;
+            g.matvec(fc1, &dev.x, None, &mut dev.pred_hidden.f32s, true)?;
+            g.quantize_for(&[fc2], &mut dev.pred_hidden, fc1.rows)?;
+            g.matvec(fc2, &dev.pred_hidden, None, &mut dev.pred_logits, false)?;
         }
 
         // the CPU needs the FFN input (and the predictor's verdict) before the hot kernels are queued
         let has_cold = !layer.cold.is_empty();
         if has_cold {
-            g.read(&self.xb.f32s, &mut self.xb_h)?;
+            g.read(&dev.xb.f32s, &mut dev.xb_h)?;
             if predicted {
-                g.read(&self.pred_logits, &mut self.pred_h)?;
+                g.read(&dev.pred_logits, &mut dev.pred_h)?;
             }
         }
 
         // GPU: hot neurons, queued; they run while the CPU computes the cold ones
-        let mut n_chunks = 0;
+        dev.ffn_chunks = 0;
         if let Some(hot) = &layer.hot {
-            let pred = predicted.then_some(&self.pred_logits);
+            let pred = predicted.then_some(&dev.pred_logits);
             // without cold neurons the host never sees the selection: the GPU counts it
             let count = (predicted && !has_cold).then(|| {
-                self.counted_on_gpu.push(l);
-                (&mut self.selected, l)
+                dev.counted_on_gpu.push(l);
+                (&mut dev.selected, l)
             });
-            g.quantize_for(&[&hot.up], &mut self.xb, c.n_embd)?;
-            g.ffn_hot(hot.gate.as_ref(), &hot.up, &hot.bucket, &self.xb, hot.up_bias.as_ref(), pred, threshold, count, c.ffn_activation, &mut self.h)?;
-            n_chunks = g.down_partial(&hot.down_t, &self.h, &mut self.partial)?;
+            g.quantize_for(&[&hot.up], &mut dev.xb, c.n_embd)?;
+            g.ffn_hot(hot.gate.as_ref(), &hot.up, &hot.bucket, &dev.xb, hot.up_bias.as_ref(), pred, threshold, count, c.ffn_activation, &mut dev.h)?;
+            dev.ffn_chunks = g.down_partial(&hot.down_t, &dev.h, &mut dev.partial)?;
         }
 
         // CPU: the selected cold neurons
         let mut stats = FfnStats::default();
         if has_cold {
-            self.neurons.clear();
+            dev.neurons.clear();
             if predicted {
-                let pred_h = &self.pred_h;
-                self.neurons.extend(layer.cold.iter().copied().filter(|&j| Sparsity::predictor_selects(pred_h[j as usize], threshold)));
-                let selected = self.pred_h.iter().filter(|&&v| Sparsity::predictor_selects(v, threshold)).count();
+                let pred_h = &dev.pred_h;
+                dev.neurons.extend(layer.cold.iter().copied().filter(|&j| Sparsity::predictor_selects(pred_h[j as usize], threshold)));
+                let selected = dev.pred_h.iter().filter(|&&v| Sparsity::predictor_selects(v, threshold)).count();
                 stats.neurons = c.n_ff as u64;
                 stats.skipped = (c.n_ff - selected) as u64;
-                self.counts.cpu_neurons += self.neurons.len() as u64;
-                self.counts.gpu_neurons += (selected - self.neurons.len()) as u64;
+                dev.counts.cpu_neurons += dev.neurons.len() as u64;
+                dev.counts.gpu_neurons += (selected - dev.neurons.len()) as u64;
             } else {
-                self.neurons.extend_from_slice(&layer.cold);
+                dev.neurons.extend_from_slice(&layer.cold);
                 stats.neurons = c.n_ff as u64;
-                self.counts.cpu_neurons += layer.cold.len() as u64;
-                self.counts.gpu_neurons += layer.n_hot as u64;
+                dev.counts.cpu_neurons += layer.cold.len() as u64;
+                dev.counts.gpu_neurons += layer.n_hot as u64;
             }
             let lw = &model.weights.layers[l];
             let down_t = match &layer.cold_down_t {
@@ -593,23 +573,133 @@ impl<D: Device> HybridSession<D> {
                 None => model.down_t(l),
             };
             let mats = FfnMats { gate: lw.ffn_gate, up: lw.ffn_up, up_bias: lw.ffn_up_b.as_deref(), down_t, down: lw.ffn_down, act: c.ffn_activation };
-            self.acts.set(&self.xb_h, 1, c.n_embd);
-            let (acts, neurons, out, scratch) = (&self.acts, &self.neurons, &mut self.cpu_out_h, &mut self.scratch);
-            if neurons.is_empty() {
-                out.iter_mut().for_each(|v| *v = 0.0);
+            dev.acts.set(&dev.xb_h, 1, c.n_embd);
+            if dev.neurons.is_empty() {
+                dev.cpu_out_h.iter_mut().for_each(|v| *v = 0.0);
             } else {
-                model.install(|| sparse_ffn(&mats, acts, neurons, None, out, scratch));
+                sparse_ffn(&mats, &dev.acts, &dev.neurons, None, &mut dev.cpu_out_h, &mut dev.scratch);
             }
-            g.write(&self.cpu_out_h, &mut self.cpu_part)?;
+            g.write(&dev.cpu_out_h, &mut dev.cpu_part)?;
         } else if !predicted {
             stats.neurons = c.n_ff as u64;
-            self.counts.gpu_neurons += layer.n_hot as u64;
+            dev.counts.gpu_neurons += layer.n_hot as u64;
         }
-        self.cpu.add_stats(stats);
-
-        // residual += hot partial sums + cold part (+ bias)
-        g.ffn_merge(&mut self.x.f32s, &self.partial, n_chunks, has_cold.then_some(&self.cpu_part), layer.down_bias.as_ref(), c.n_embd)?;
+        dev.ffn_has_cold = has_cold;
+        self.cpu.session().add_stats(stats);
         Ok(())
+    }
+}
+
+impl<D: Device> Backend for HybridPass<'_, D> {
+    fn embed(&mut self, tokens: &[u32]) -> CoreResult<()> {
+        // the embedding on the host; RoPE angles exactly as the CPU computes them
+        self.cpu.embed(tokens)?;
+        self.on_gpu = false;
+        if self.hm.model.config.rope_dim > 0 {
+            let (cos, sin) = self.cpu.rope_angles();
+            self.hm.gpu.write(cos, &mut self.dev.cos)?;
+            self.hm.gpu.write(sin, &mut self.dev.sin)?;
+        }
+        Ok(())
+    }
+
+    fn norm(&mut self, l: usize, which: Norm) -> CoreResult<()> {
+        let Some(layer) = self.place(l)? else { return self.cpu.norm(l, which) };
+        let c = &self.hm.model.config;
+        let w = match which {
+            Norm::Attn => &layer.dense.attn_norm,
+            Norm::Ffn => &layer.dense.ffn_norm,
+            Norm::Attn2 => return Err(CudaError::Unsupported("a second attention norm".into()).into()),
+        };
+        Ok(self.hm.gpu.rmsnorm(&self.dev.x.f32s, w, &mut self.dev.xb.f32s, c.n_embd, c.norm_eps)?)
+    }
+
+    fn qkv(&mut self, l: usize) -> CoreResult<()> {
+        let Some(layer) = self.place(l)? else { return self.cpu.qkv(l) };
+        let (c, g, d, dev) = (&self.hm.model.config, &self.hm.gpu, &layer.dense, &mut *self.dev);
+        g.quantize_for(&[&d.wq, &d.wk, &d.wv], &mut dev.xb, c.n_embd)?;
+        g.matvec(&d.wq, &dev.xb, d.bq.as_ref(), &mut dev.q, false)?;
+        g.matvec(&d.wk, &dev.xb, d.bk.as_ref(), &mut dev.k, false)?;
+        Ok(g.matvec(&d.wv, &dev.xb, d.bv.as_ref(), &mut dev.v, false)?)
+    }
+
+    fn rope(&mut self, l: usize) -> CoreResult<()> {
+        if self.place(l)?.is_none() {
+            return self.cpu.rope(l);
+        }
+        let (c, g, dev) = (&self.hm.model.config, &self.hm.gpu, &mut *self.dev);
+        let neox = c.rope_style == RopeStyle::NeoX;
+        g.rope(&mut dev.q, &dev.cos, &dev.sin, c.n_head, c.head_dim, c.rope_dim, neox)?;
+        Ok(g.rope(&mut dev.k, &dev.cos, &dev.sin, c.n_head_kv, c.head_dim, c.rope_dim, neox)?)
+    }
+
+    fn kv_store(&mut self, l: usize) -> CoreResult<()> {
+        if self.place(l)?.is_none() {
+            return self.cpu.kv_store(l);
+        }
+        let (c, dev) = (&self.hm.model.config, &mut *self.dev);
+        let (kc, vc) = (dev.k_cache[l].as_mut().expect("GPU layer"), dev.v_cache[l].as_mut().expect("GPU layer"));
+        Ok(self.hm.gpu.kv_store(&dev.k, &dev.v, kc, vc, self.pos, c.kv_dim(), dev.kv_f16)?)
+    }
+
+    fn attend(&mut self, l: usize) -> CoreResult<()> {
+        if self.place(l)?.is_none() {
+            return self.cpu.attend(l);
+        }
+        let (c, dev) = (&self.hm.model.config, &mut *self.dev);
+        let (kc, vc) = (dev.k_cache[l].as_ref().expect("GPU layer"), dev.v_cache[l].as_ref().expect("GPU layer"));
+        let (len, f16) = (self.pos + 1, dev.kv_f16);
+        Ok(self.hm.gpu.attention(&dev.q, kc, vc, &mut dev.scores, &mut dev.att.f32s, len, dev.n_ctx, c.n_head, c.n_head_kv, c.head_dim, f16)?)
+    }
+
+    fn attn_out(&mut self, l: usize) -> CoreResult<()> {
+        let Some(layer) = self.place(l)? else { return self.cpu.attn_out(l) };
+        let (c, g, d, dev) = (&self.hm.model.config, &self.hm.gpu, &layer.dense, &mut *self.dev);
+        g.quantize_for(&[&d.wo], &mut dev.att, c.q_dim())?;
+        Ok(g.matvec(&d.wo, &dev.att, d.bo.as_ref(), &mut dev.attn_out, false)?)
+    }
+
+    fn ffn(&mut self, l: usize) -> CoreResult<()> {
+        match self.place(l)? {
+            Some(layer) => Ok(self.gpu_ffn(l, layer)?),
+            None => {
+                // a layer wholly on the CPU: its computed neurons are the CPU's
+                let before = self.cpu.session().stats();
+                self.cpu.ffn(l)?;
+                let after = self.cpu.session().stats();
+                self.dev.counts.cpu_neurons += (after.neurons - after.skipped) - (before.neurons - before.skipped);
+                Ok(())
+            }
+        }
+    }
+
+    fn residual(&mut self, l: usize, part: Part) -> CoreResult<()> {
+        let Some(layer) = self.place(l)? else { return self.cpu.residual(l, part) };
+        let (c, g, dev) = (&self.hm.model.config, &self.hm.gpu, &mut *self.dev);
+        Ok(match part {
+            Part::Attn => g.add_into(&mut dev.x.f32s, &dev.attn_out, None, c.n_embd)?,
+            // x += hot partial sums + cold part (+ bias)
+            Part::Ffn => {
+                let cold = dev.ffn_has_cold.then_some(&dev.cpu_part);
+                g.ffn_merge(&mut dev.x.f32s, &dev.partial, dev.ffn_chunks, cold, layer.down_bias.as_ref(), c.n_embd)?
+            }
+        })
+    }
+
+    fn logits(&mut self, m: usize) -> CoreResult<Vec<f32>> {
+        debug_assert_eq!(m, 1, "a hybrid pass has one row");
+        let Some((norm, w)) = &self.hm.output else {
+            self.residual_to(false)?;
+            return self.cpu.logits(m);
+        };
+        self.residual_to(true)?;
+        let (c, g, dev) = (&self.hm.model.config, &self.hm.gpu, &mut *self.dev);
+        g.rmsnorm(&dev.x.f32s, norm, &mut dev.xb.f32s, c.n_embd, c.norm_eps)?;
+        g.quantize_for(&[w], &mut dev.xb, c.n_embd)?;
+        g.matvec(w, &dev.xb, None, &mut dev.logits, false)?;
+        let mut logits = vec![0.0f32; c.n_vocab];
+        g.read(&dev.logits, &mut logits)?;
+        Ok(logits)
     }
 }
 
@@ -648,7 +738,7 @@ pub trait HybridRun: Send {
     /// The CPU session: token history, sparsity settings, the CPU layers' KV cache.
     fn cpu(&self) -> &Session;
     fn cpu_mut(&mut self) -> &mut Session;
-    fn eval(&mut self, tokens: &[u32], all_logits: bool) -> std::result::Result<Vec<f32>, powerinfer_core::Error>;
+    fn eval(&mut self, tokens: &[u32], all_logits: bool) -> CoreResult<Vec<f32>>;
     fn set_sparsity(&mut self, sp: Sparsity) -> Result<()>;
     fn take_counts(&mut self) -> SplitCounts;
     fn kv_bytes(&self) -> usize;
@@ -667,7 +757,7 @@ impl<D: Device> HybridRun for HybridSession<D> {
         &mut self.cpu
     }
 
-    fn eval(&mut self, tokens: &[u32], all_logits: bool) -> std::result::Result<Vec<f32>, powerinfer_core::Error> {
+    fn eval(&mut self, tokens: &[u32], all_logits: bool) -> CoreResult<Vec<f32>> {
         HybridSession::eval(self, tokens, all_logits)
     }
 

@@ -3,7 +3,7 @@
 //! machines without a GPU (`probe` says whether one is usable). `device` is where buffers live
 //! and kernels run: CUDA (committed PTX, compiled from `kernels/powerinfer.cu`) or an emulated
 //! device on host memory that runs each kernel's scalar twin (`twin`); `gpu` is the executor's
-//! checked view of either; `hybrid` is the CPU+GPU executor, generic over the device.
+//! checked view of either; `hybrid` is the CPU+GPU backend of the one forward pass, generic over the device.
 
 pub mod device;
 pub mod gpu;
@@ -24,6 +24,13 @@ pub enum CudaError {
     Unsupported(String),
     #[error("invalid GPU placement: {0}")]
     Plan(String),
+}
+
+/// A device failure inside the forward pass reaches the core's callers as `Error::Device`.
+impl From<CudaError> for powerinfer_core::Error {
+    fn from(e: CudaError) -> Self {
+        powerinfer_core::Error::Device(e.to_string())
+    }
 }
 
 /// One visible CUDA device.

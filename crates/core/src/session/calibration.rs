@@ -1,6 +1,6 @@
 //! Calibration of the cut-offs: per-layer histograms of |act(gate)| (the neuron rule), of input
-//! scores (input sparsity) and of predictor logits, recorded by a dense pass and read back as
-//! quantiles.
+//! scores (input sparsity) and of predictor logits, recorded by a dense pass (as an observer,
+//! `observe.rs`) and read back as quantiles (`Session::calibrate*`).
 
 use super::*;
 
@@ -168,13 +168,117 @@ pub(crate) fn mask_below(x: &mut [f32], norms: &[f32], cut: f32) -> usize {
     kept
 }
 
-/// Records the input scores |x_i| * |W[:, i]| of group `g` (rows of x) while calibrating input
-/// sparsity.
-pub(crate) fn record_scores(cal: &mut Option<Calibration>, l: usize, g: InputGroup, x: &[f32], model: &Model) {
-    if let Some(Calibration::InputScores(hists)) = cal {
-        let norms = model.input_norms(l, g);
-        for row in x.chunks_exact(norms.len()) {
-            row.iter().zip(norms).for_each(|(v, w)| hists[l][g as usize].add(v.abs() * w));
+impl Session {
+    /// Runs `tokens` densely (in windows of at most `window` tokens, each from an empty context)
+    /// and returns, for each target sparsity in `targets`, the per-layer |act(gate)| thresholds
+    /// under which that fraction of the neurons fall. The session is left empty and dense.
+    pub fn calibrate(&mut self, tokens: &[u32], window: usize, targets: &[f64]) -> Result<Vec<Vec<f32>>> {
+        if let Some(t) = targets.iter().find(|t| !(0.0..1.0).contains(*t)) {
+            return Err(Error::InvalidArgument(format!("target sparsity must be in [0, 1), got {t}")));
+        }
+        let hists = vec![MagnitudeHistogram::new(); self.model.config.n_layer];
+        match self.record_windows(tokens, window, Sparsity::dense(), Calibration::GateMagnitudes(hists))? {
+            Calibration::GateMagnitudes(hists) => Ok(targets.iter().map(|&t| hists.iter().map(|h| h.quantile(t)).collect()).collect()),
+            _ => unreachable!("recorded what was asked"),
+        }
+    }
+
+    /// Runs `tokens` densely (windows as in `calibrate`) and returns, for each recall target in
+    /// `recalls`, the per-layer predictor cut-offs that keep at least that fraction of the
+    /// neurons that truly fired (nonzero activation) on these tokens. Needs predictors in every
+    /// layer. The session is left empty, in its previous mode.
+    pub fn calibrate_predictor(&mut self, tokens: &[u32], window: usize, recalls: &[f64]) -> Result<Vec<Vec<f32>>> {
+        if let Some(r) = recalls.iter().find(|r| !(**r > 0.0 && **r <= 1.0)) {
+            return Err(Error::InvalidArgument(format!("recall target must be in (0, 1], got {r}")));
+        }
+        if let Some(l) = self.model.weights.layers.iter().position(|l| l.predictor.is_none()) {
+            return Err(Error::InvalidArgument(format!("predictor calibration needs a predictor in every layer, but layer {l} has none")));
+        }
+        // every neuron selected: the predictor runs, the FFN stays dense
+        let all = Sparsity { mode: SparsityMode::Predictor, predictor_threshold: f32::MIN, ..Sparsity::dense() };
+        let hists = vec![SignedHistogram::new(); self.model.config.n_layer];
+        match self.record_windows(tokens, window, all, Calibration::ActiveLogits(hists))? {
+            Calibration::ActiveLogits(hists) => Ok(recalls.iter().map(|&r| hists.iter().map(|h| h.lower_cut(1.0 - r)).collect()).collect()),
+            _ => unreachable!("recorded what was asked"),
+        }
+    }
+
+    /// Runs `tokens` densely (windows as in `calibrate`) and returns, for each share in `levels`,
+    /// per layer and `InputGroup`, the (cut-off, energy share) pair of input sparsity: the score
+    /// |x_i| * |W[:, i]| at or below which that share of the group's inputs fall, and the share
+    /// of the sum of squared scores those inputs carry (how much of the output the skipped
+    /// inputs would have made, were the columns orthogonal).
+    pub fn calibrate_inputs(&mut self, tokens: &[u32], window: usize, levels: &[f64]) -> Result<Vec<Vec<GroupCuts>>> {
+        if let Some(t) = levels.iter().find(|t| !(0.0..1.0).contains(*t)) {
+            return Err(Error::InvalidArgument(format!("input sparsity level must be in [0, 1), got {t}")));
+        }
+        let hists = vec![[(); 4].map(|_| ScoreHistogram::new()); self.model.config.n_layer];
+        match self.record_windows(tokens, window, Sparsity::dense(), Calibration::InputScores(hists))? {
+            Calibration::InputScores(hists) => {
+                Ok(levels.iter().map(|&t| hists.iter().map(|h| [0, 1, 2, 3].map(|g| h[g].cut(t))).collect()).collect())
+            }
+            _ => unreachable!("recorded what was asked"),
+        }
+    }
+
+    /// Evaluates `tokens` in windows of at most `window` tokens, each from an empty context, in
+    /// mode `sp`, recording into `rec`; returns what was recorded and restores the mode.
+    fn record_windows(&mut self, tokens: &[u32], window: usize, sp: Sparsity, rec: Calibration) -> Result<Calibration> {
+        if tokens.len() < 2 || window < 2 {
+            return Err(Error::InvalidArgument("calibration needs at least 2 tokens and a window of 2".into()));
+        }
+        let saved = std::mem::replace(&mut self.state.sparsity, sp);
+        self.state.recorder = Some(Recorder::Calibration(rec));
+        let window = window.min(self.n_ctx);
+        let mut result = Ok(());
+        for chunk in tokens.chunks(window) {
+            self.truncate(0);
+            // a one-token tail would take the decode path, which never materializes the gate
+            if chunk.len() < 2 {
+                break;
+            }
+            if let Err(e) = self.eval(chunk, false) {
+                result = Err(e);
+                break;
+            }
+        }
+        self.truncate(0);
+        self.state.sparsity = saved;
+        let rec = self.state.recorder.take();
+        self.state.stats = FfnStats::default();
+        match rec {
+            Some(Recorder::Calibration(rec)) => result.map(|()| rec),
+            _ => unreachable!("set above"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The predictor cut-off keeps at least the asked share of the recorded values, and no bin
+    /// edge above it would: it sits within one bin (1/64 octave) of the exact quantile, on
+    /// both sides of zero and with values exactly zero.
+    #[test]
+    fn signed_histogram_cut_keeps_the_asked_share() {
+        let mut rng = crate::sampler::Rng::new(5);
+        for shift in [-3.0f32, -0.2, 0.0, 0.7, 4.0] {
+            let mut vals: Vec<f32> = (0..20000).map(|_| (rng.next_f32() - 0.5) * 6.0 + shift).collect();
+            vals.extend([0.0; 300]);
+            let mut h = SignedHistogram::new();
+            vals.iter().for_each(|&v| h.add(v));
+            vals.sort_by(|a, b| a.total_cmp(b));
+            for fraction in [0.0, 0.001, 0.01, 0.05, 0.3, 0.9] {
+                let cut = h.lower_cut(fraction);
+                let below = vals.iter().filter(|&&v| v < cut).count();
+                assert!(below as f64 <= fraction * vals.len() as f64, "shift {shift} fraction {fraction}: {below} below {cut}");
+                // the exact quantile is not far above the cut
+                let exact = vals[(fraction * vals.len() as f64).floor() as usize];
+                let bin = 2f32.powf(1.0 / 64.0);
+                let ok = if exact > 0.0 { cut >= 0.0 && (cut == 0.0 && exact < 1e-3 || exact <= cut * bin * bin) } else { cut <= exact && cut >= exact * bin * bin };
+                assert!(ok || exact == cut, "shift {shift} fraction {fraction}: cut {cut}, exact quantile {exact}");
+            }
         }
     }
 }

@@ -18,6 +18,12 @@ pub struct Capture {
     pub scores: Vec<Vec<f32>>,
 }
 
+impl Capture {
+    pub(crate) fn new(n_layer: usize) -> Capture {
+        Capture { n_tokens: 0, inputs: vec![Vec::new(); n_layer], scores: vec![Vec::new(); n_layer] }
+    }
+}
+
 /// Activation buffers, resized per batch and reused across calls.
 #[derive(Default)]
 pub(crate) struct Scratch {

@@ -102,3 +102,26 @@ pub struct FfnStats {
     /// this can exceed `weight_bytes`).
     pub weight_bytes_read: u64,
 }
+
+impl FfnStats {
+    pub fn add(&mut self, more: FfnStats) {
+        self.neurons += more.neurons;
+        self.skipped += more.skipped;
+        self.truly_active += more.truly_active;
+        self.truly_active_selected += more.truly_active_selected;
+        self.weight_bytes += more.weight_bytes;
+        self.weight_bytes_read += more.weight_bytes_read;
+    }
+
+    /// Each counter divided by `k`: one row's share of a pass whose k rows cost the same.
+    pub(crate) fn share_of(self, k: u64) -> FfnStats {
+        FfnStats {
+            neurons: self.neurons / k,
+            skipped: self.skipped / k,
+            truly_active: self.truly_active / k,
+            truly_active_selected: self.truly_active_selected / k,
+            weight_bytes: self.weight_bytes / k,
+            weight_bytes_read: self.weight_bytes_read / k,
+        }
+    }
+}

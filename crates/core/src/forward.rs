@@ -1,0 +1,117 @@
+//! The forward pass, written once: the steps of the transformer layer, in order, over a pass's
+//! rows. A row is one token at one position of one session (whose KV cache it reads and
+//! extends): `Session::eval` runs many rows of one session, `decode_batch` one row per session,
+//! the hybrid executor one row at a time.
+//!
+//! Where each step runs is the `Backend`'s business: the CPU (`session::CpuPass`) or a GPU with
+//! the CPU (`powerinfer_cuda::hybrid`). Architecture differences are `Config` data read here
+//! (sequential or parallel residual, which norm feeds attention). This module computes nothing
+//! itself and must not grow per-backend branches.
+
+use crate::model::{Family, Model};
+use crate::Result;
+
+/// Which of a layer's norms produces the block input xb.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Norm {
+    /// `attn_norm`: attention's input (and Falcon's FFN input).
+    Attn,
+    /// `attn_norm_2`: attention's input in Falcon-40B layers.
+    Attn2,
+    /// `ffn_norm`: the FFN's input in sequential blocks.
+    Ffn,
+}
+
+/// Which block output the residual stream receives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Part {
+    Attn,
+    Ffn,
+}
+
+/// The steps of the layer over a pass's rows (n of them). The backend holds the activations:
+///   x         (n, n_embd)  the residual stream
+///   xb        (n, n_embd)  the normed input of the current block
+///   q         (n, q_dim), k and v (n, kv_dim)
+///   att       (n, q_dim)   attention's output before the projection
+///   attn_out  (n, n_embd), ffn_out (n, n_embd): the block outputs
+/// and each row's session: its KV cache, sparsity settings and counters.
+pub trait Backend {
+    /// x = each row's token embedding (+ its position's, OPT); the RoPE angles of each row's
+    /// position, for every layer.
+    fn embed(&mut self, tokens: &[u32]) -> Result<()>;
+    /// xb = norm(x) with layer l's `which` weights (RMSNorm or LayerNorm, by family).
+    fn norm(&mut self, l: usize, which: Norm) -> Result<()>;
+    /// q = xb @ wq^T, k = xb @ wk^T, v = xb @ wv^T (+ biases).
+    fn qkv(&mut self, l: usize) -> Result<()>;
+    /// q and k turned by each row's position angles.
+    fn rope(&mut self, l: usize) -> Result<()>;
+    /// Each row's k and v into its session's layer-l cache, at the row's position.
+    fn kv_store(&mut self, l: usize) -> Result<()>;
+    /// att = softmax(q k^T / sqrt(head_dim)) v, each row over its session's cache up to and
+    /// including its own position (causal); the query heads sharing a kv head read it together.
+    fn attend(&mut self, l: usize) -> Result<()>;
+    /// attn_out = att @ wo^T (+ bias).
+    fn attn_out(&mut self, l: usize) -> Result<()>;
+    /// ffn_out = down(act(gate(xb), up(xb))) (+ biases) over the neurons the row's session
+    /// selects (`session::Sparsity`; a predictor reads x).
+    fn ffn(&mut self, l: usize) -> Result<()>;
+    /// x += layer l's attn_out or ffn_out.
+    fn residual(&mut self, l: usize, part: Part) -> Result<()>;
+    /// The final norm and the classifier over the last `m` rows: logits (m, n_vocab).
+    fn logits(&mut self, m: usize) -> Result<Vec<f32>>;
+}
+
+/// Runs `tokens` (one per row) through every layer and returns the logits of the last
+/// `n_logits` rows (n_logits, n_vocab).
+pub fn forward<B: Backend>(b: &mut B, model: &Model, tokens: &[u32], n_logits: usize) -> Result<Vec<f32>> {
+    b.embed(tokens)?;
+    for l in 0..model.config.n_layer {
+        layer(b, model, l)?;
+    }
+    b.logits(n_logits)
+}
+
+/// One transformer block.
+fn layer<B: Backend>(b: &mut B, model: &Model, l: usize) -> Result<()> {
+    let has_attn_norm_2 = model.weights.layers[l].attn_norm_2.is_some();
+    match model.config.family {
+        Family::Llama | Family::Opt => {
+            // attention norm, attention, residual
+            b.norm(l, Norm::Attn)?;
+            attention(b, l)?;
+            b.residual(l, Part::Attn)?;
+
+            // ffn norm, ffn (its predictor reads the residual x), residual
+            b.norm(l, Norm::Ffn)?;
+            b.ffn(l)?;
+            b.residual(l, Part::Ffn)
+        }
+        Family::Falcon => {
+            // attention reads attn_norm_2(x) when the layer has it (Falcon-40B), else attn_norm(x)
+            b.norm(l, if has_attn_norm_2 { Norm::Attn2 } else { Norm::Attn })?;
+            attention(b, l)?;
+
+            // the FFN reads attn_norm(x); its predictor reads the layer input x itself
+            if has_attn_norm_2 {
+                b.norm(l, Norm::Attn)?;
+            }
+            b.ffn(l)?;
+
+            // parallel residual: x += attention + ffn
+            b.residual(l, Part::Attn)?;
+            b.residual(l, Part::Ffn)
+        }
+    }
+}
+
+/// The attention block: xb -> attn_out, extending the KV cache by the rows.
+fn attention<B: Backend>(b: &mut B, l: usize) -> Result<()> {
+    // qkv matmuls, RoPE on q and k, k and v into the cache
+    b.qkv(l)?;
+    b.rope(l)?;
+    b.kv_store(l)?;
+    // multihead attention over the cache, output projection
+    b.attend(l)?;
+    b.attn_out(l)
+}

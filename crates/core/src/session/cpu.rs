@@ -1,0 +1,221 @@
+//! The CPU backend: every step of the layer (`forward::Backend`) on the CPU, over the rows of
+//! one session (a prompt, a decode token) or of several sessions, one row each (batched decode).
+//! A pass reads each weight matrix once whatever its number of rows; each row reads and extends
+//! its own session's KV cache and counts into its own session's stats.
+//!
+//! Passes over several sessions never see input sparsity or a recorder (`check_batch` and
+//! `decode_batch` keep those sessions out), so only a one-session pass consults them.
+
+use super::*;
+use crate::forward::{Backend, Norm, Part};
+
+pub struct CpuPass<'a> {
+    model: Arc<Model>,
+    sessions: Vec<&'a mut Session>,
+    /// Per row: (its session's index in `sessions`, its position).
+    rows: Vec<(usize, usize)>,
+    s: Scratch,
+    /// `s` is sessions[0]'s own scratch (a one-session pass), given back on drop.
+    borrowed_scratch: bool,
+}
+
+impl<'a> CpuPass<'a> {
+    /// A pass over the next `n` positions of one session.
+    pub fn new(se: &'a mut Session, n: usize) -> CpuPass<'a> {
+        let pos0 = se.pos();
+        let s = std::mem::take(&mut se.s);
+        CpuPass { model: Arc::clone(&se.model), rows: (pos0..pos0 + n).map(|p| (0, p)).collect(), sessions: vec![se], s, borrowed_scratch: true }
+    }
+
+    /// A pass of one row per session, each at its session's next position (a batch that
+    /// `check_batch` accepted, without input sparsity).
+    pub(crate) fn batch(sessions: Vec<&'a mut Session>) -> CpuPass<'a> {
+        let rows = sessions.iter().enumerate().map(|(i, se)| (i, se.pos())).collect();
+        CpuPass { model: Arc::clone(&sessions[0].model), sessions, rows, s: Scratch::default(), borrowed_scratch: false }
+    }
+
+    /// The residual stream x (n, n_embd), for an executor that moves it between devices.
+    pub fn residual_stream(&mut self) -> &mut [f32] {
+        let n = self.rows.len() * self.model.config.n_embd;
+        &mut self.s.x[..n]
+    }
+
+    /// The rows' RoPE angles (cos, sin), (n, rope_dim / 2) each, as `embed` computed them.
+    pub fn rope_angles(&self) -> (&[f32], &[f32]) {
+        (&self.s.cos, &self.s.sin)
+    }
+
+    /// The session of a one-session pass.
+    pub fn session(&mut self) -> &mut Session {
+        self.sessions[0]
+    }
+}
+
+impl Drop for CpuPass<'_> {
+    fn drop(&mut self) {
+        if self.borrowed_scratch {
+            self.sessions[0].s = std::mem::take(&mut self.s);
+        }
+    }
+}
+
+/// Adds a pass's counters to its sessions, each row's share to the row's session (in a batch
+/// every row costs the same, one per session).
+fn count(sessions: &mut [&mut Session], stats: FfnStats) {
+    let share = stats.share_of(sessions.len() as u64);
+    sessions.iter_mut().for_each(|se| se.state.stats.add(share));
+}
+
+/// A projection group's input cut-off (input sparsity), after showing its input x to the
+/// session's recorder; only one-session passes have either.
+fn cut_and_record(sessions: &mut [&mut Session], model: &Model, l: usize, g: InputGroup, x: &[f32]) -> Option<f32> {
+    let [se] = sessions else { return None };
+    if let Some(r) = &mut se.state.recorder {
+        r.projection_input(model, l, g, x);
+    }
+    se.state.sparsity.input_cut(l, g)
+}
+
+impl Backend for CpuPass<'_> {
+    fn embed(&mut self, tokens: &[u32]) -> Result<()> {
+        let (c, s) = (&self.model.config, &mut self.s);
+        s.resize_for(self.rows.len(), c);
+        let positions = || self.rows.iter().map(|&(_, pos)| pos);
+        s.embed(&self.model.weights, c.n_embd, tokens, positions());
+        // every session of a model has the same RoPE frequencies
+        s.rope_angles(&self.sessions[0].rope_inv_freq, positions());
+        Ok(())
+    }
+
+    fn norm(&mut self, l: usize, which: Norm) -> Result<()> {
+        let (c, lw, s) = (&self.model.config, &self.model.weights.layers[l], &mut self.s);
+        let (w, b) = match which {
+            Norm::Attn => (Some(&lw.attn_norm), &lw.attn_norm_b),
+            Norm::Attn2 => (lw.attn_norm_2.as_ref(), &lw.attn_norm_2_b),
+            Norm::Ffn => (lw.ffn_norm.as_ref(), &lw.ffn_norm_b),
+        };
+        let w = w.ok_or_else(|| Error::Model(format!("layer {l} has no {which:?} norm")))?;
+        norm(c.family, &mut s.xb, &s.x, w, b.as_deref(), c.norm_eps);
+        Ok(())
+    }
+
+    fn qkv(&mut self, l: usize) -> Result<()> {
+        let CpuPass { model, sessions, rows, s, .. } = self;
+        let (n, lw) = (rows.len(), &model.weights.layers[l]);
+        // q (n, q_dim), k and v (n, kv_dim), plus biases
+        let x = &s.xb[..n * model.config.n_embd];
+        let cut = cut_and_record(sessions, model, l, InputGroup::Qkv, x);
+        let mut stats = FfnStats::default();
+        let outs: &mut [&mut [f32]] = &mut [&mut s.q, &mut s.k, &mut s.v];
+        project(model, l, InputGroup::Qkv, cut, x, n, &mut s.acts, &mut s.masked, &mut s.sparse, outs, &mut stats);
+        add_bias(&mut s.q, lw.bq.as_deref());
+        add_bias(&mut s.k, lw.bk.as_deref());
+        add_bias(&mut s.v, lw.bv.as_deref());
+        count(sessions, stats);
+        Ok(())
+    }
+
+    fn rope(&mut self, _l: usize) -> Result<()> {
+        let (c, s) = (&self.model.config, &mut self.s);
+        rope(&mut s.q, c.head_dim, c.rope_dim, c.rope_style, &s.cos, &s.sin);
+        rope(&mut s.k, c.head_dim, c.rope_dim, c.rope_style, &s.cos, &s.sin);
+        Ok(())
+    }
+
+    fn kv_store(&mut self, l: usize) -> Result<()> {
+        let kv_dim = self.model.config.kv_dim();
+        for (t, &(i, pos)) in self.rows.iter().enumerate() {
+            let se = &mut self.sessions[i];
+            se.k_cache[l].write(pos * kv_dim, &self.s.k[t * kv_dim..(t + 1) * kv_dim]);
+            se.v_cache[l].write(pos * kv_dim, &self.s.v[t * kv_dim..(t + 1) * kv_dim]);
+        }
+        Ok(())
+    }
+
+    fn attend(&mut self, l: usize) -> Result<()> {
+        let CpuPass { model, sessions, rows, s, .. } = self;
+        let c = &model.config;
+        let (q_dim, kv_dim, hd) = (c.q_dim(), c.kv_dim(), c.head_dim);
+        let caches: Vec<(&KvBuf, &KvBuf)> = rows.iter().map(|&(i, _)| (&sessions[i].k_cache[l], &sessions[i].v_cache[l])).collect();
+        let group = c.n_head / c.n_head_kv;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let q = &s.q;
+        let attend = |idx: usize, out: &mut [f32], scores: &mut Vec<f32>| {
+            let (t, g) = (idx / c.n_head_kv, idx % c.n_head_kv);
+            // the query heads of kv head g are contiguous: g * group .. (g + 1) * group
+            let qs = &q[t * q_dim + g * group * hd..t * q_dim + (g + 1) * group * hd];
+            // causal: row t attends to positions 0..=its own
+            let len = rows[t].1 + 1;
+            let (kc, vc) = caches[t];
+            attend_group(qs, hd, kc.view(len * kv_dim), vc.view(len * kv_dim), len, kv_dim, g * hd, scale, scores, out);
+        };
+        if rows.len() == 1 {
+            // decode: one scores buffer per kv head, kept in the scratch (they only grow with
+            // the context, so a token allocates nothing)
+            s.scores.resize_with(c.n_head_kv, Vec::new);
+            s.att.par_chunks_mut(group * hd).zip(s.scores.par_iter_mut()).enumerate().for_each(|(idx, (out, scores))| attend(idx, out, scores));
+        } else {
+            s.att.par_chunks_mut(group * hd).enumerate().for_each_init(Vec::new, |scores, (idx, out)| attend(idx, out, scores));
+        }
+        Ok(())
+    }
+
+    fn attn_out(&mut self, l: usize) -> Result<()> {
+        let CpuPass { model, sessions, rows, s, .. } = self;
+        let (n, lw) = (rows.len(), &model.weights.layers[l]);
+        let x = &s.att[..n * model.config.q_dim()];
+        let cut = cut_and_record(sessions, model, l, InputGroup::Out, x);
+        let mut stats = FfnStats::default();
+        let outs: &mut [&mut [f32]] = &mut [&mut s.attn_out];
+        project(model, l, InputGroup::Out, cut, x, n, &mut s.acts, &mut s.masked, &mut s.sparse, outs, &mut stats);
+        add_bias(&mut s.attn_out, lw.bo.as_deref());
+        count(sessions, stats);
+        Ok(())
+    }
+
+    fn ffn(&mut self, l: usize) -> Result<()> {
+        let CpuPass { model, sessions, rows, s, .. } = self;
+        let (n, dim) = (rows.len(), model.config.n_embd);
+        let lw = &model.weights.layers[l];
+        if let [se] = &mut sessions[..] {
+            ffn(model, &mut se.state, s, l, n);
+        } else if lw.ffn_down.is_some() && sessions.iter().all(|se| se.state.sparsity.mode == SparsityMode::Dense) {
+            // dense sessions share one pass over every row: the path one dense token takes
+            let mut dense = PassState::new(Sparsity::dense());
+            ffn(model, &mut dense, s, l, n);
+            count(sessions, dense.stats);
+        } else {
+            // each row through its own session's one-token FFN (its sparsity, its counters)
+            for (t, &(i, _)) in rows.iter().enumerate() {
+                let se = &mut *sessions[i];
+                let (row, own) = (t * dim..(t + 1) * dim, &mut se.s);
+                for buf in [&mut own.x, &mut own.xb, &mut own.ffn_out] {
+                    buf.resize(dim, 0.0);
+                }
+                own.x.copy_from_slice(&s.x[row.clone()]);
+                own.xb.copy_from_slice(&s.xb[row.clone()]);
+                ffn(model, &mut se.state, &mut se.s, l, 1);
+                s.ffn_out[row].copy_from_slice(&se.s.ffn_out);
+            }
+        }
+        Ok(())
+    }
+
+    fn residual(&mut self, _l: usize, part: Part) -> Result<()> {
+        let s = &mut self.s;
+        add_into(&mut s.x, if part == Part::Attn { &s.attn_out } else { &s.ffn_out });
+        Ok(())
+    }
+
+    fn logits(&mut self, m: usize) -> Result<Vec<f32>> {
+        let (c, w, s) = (&self.model.config, &self.model.weights, &mut self.s);
+        let (n, dim) = (self.rows.len(), c.n_embd);
+        // final norm and classifier of the last m rows
+        let x = &s.x[(n - m) * dim..n * dim];
+        norm(c.family, &mut s.xb[..m * dim], x, &w.output_norm, w.output_norm_b.as_deref(), c.norm_eps);
+        s.acts.set(&s.xb[..m * dim], m, dim);
+        let mut logits = vec![0.0f32; m * c.n_vocab];
+        matmul(&w.output, &s.acts, &mut logits);
+        Ok(logits)
+    }
+}

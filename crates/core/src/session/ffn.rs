@@ -1,0 +1,254 @@
+//! The CPU's FFN over the rows of one session: dense, or sparse over the neurons its sparsity
+//! selects (`Sparsity`): one token through the fused sparse operator, several through the union
+//! of their selections, or with input sparsity through the input-major copies. A session with a
+//! recorder (`observe.rs`) takes the dense path, handing the recorder its values.
+
+use super::*;
+
+/// FFN block of layer `l` over n rows of one session (`st`): reads the normed input s.xb (n,
+/// n_embd) and, for the predictor, the residual stream s.x; writes s.ffn_out (n, n_embd).
+pub(crate) fn ffn(model: &Model, st: &mut PassState, s: &mut Scratch, l: usize, n: usize) {
+    if st.sparsity.mode == SparsityMode::Threshold && !st.sparsity.input_thresholds.is_empty() {
+        return ffn_inputs(model, st, s, l, n);
+    }
+    let lw = &model.weights.layers[l];
+    let c = &model.config;
+    let (dim, n_ff, act) = (c.n_embd, c.n_ff, c.ffn_activation);
+    let sp = &st.sparsity;
+    s.acts.set(&s.xb, n, dim);
+    s.gate.resize(n * n_ff, 0.0);
+    s.up.resize(n * n_ff, 0.0);
+    let mode = sp.mode;
+
+    // which neurons each token keeps: s.keep (n, n_ff)
+    let mut gate_ready = false; // s.gate holds gate pre-activations (up + bias when gateless)
+    match mode {
+        SparsityMode::Dense => {}
+        SparsityMode::Predictor => {
+            // predictor: logits (n, n_ff) = fc2 @ relu(fc1 @ x); keep where logits >= threshold
+            let p = lw.predictor.as_ref().expect("checked by set_sparsity");
+            s.pred_acts.set(&s.x, n, dim);
+            s.pred_hidden.resize(n * p.fc1.rows, 0.0);
+            matmul(&p.fc1, &s.pred_acts, &mut s.pred_hidden);
+            s.pred_hidden.iter_mut().for_each(|v| *v = v.max(0.0));
+            s.pred_acts.set(&s.pred_hidden, n, p.fc1.rows);
+            s.pred_logits.resize(n * n_ff, 0.0);
+            matmul(&p.fc2, &s.pred_acts, &mut s.pred_logits);
+            let cutoff = sp.predictor_cutoff(l);
+            s.keep.clear();
+            s.keep.extend(s.pred_logits.iter().map(|&v| Sparsity::predictor_selects(v, cutoff)));
+        }
+        SparsityMode::Threshold => {
+            // the gate (up for gateless FFNs) densely; keep where |act(gate)| > threshold
+            gate_values(lw, &s.acts, &mut s.gate);
+            gate_ready = true;
+            let thr = sp.layer_thresholds[l];
+            s.keep.clear();
+            s.keep.extend(s.gate.iter().map(|&g| act.gate_part(g).abs() > thr));
+        }
+    }
+    let selected = if mode == SparsityMode::Dense { n * n_ff } else { s.keep.iter().filter(|&&k| k).count() };
+    st.stats.neurons += (n * n_ff) as u64;
+    st.stats.skipped += (n * n_ff - selected) as u64;
+    // weight bytes: a sparse mode reads the selected neurons' gate rows (all of them when
+    // the threshold needs the dense gate), up rows and neuron-major down rows (at most:
+    // a ReLU gate at or below zero spares the up and down rows too)
+    let down_t = model.down_t(l);
+    let down_bytes = lw.ffn_down.map_or(down_t.data.len(), |d| d.data.len());
+    let gate_bytes = lw.ffn_gate.map_or(0, |g| g.data.len());
+    st.stats.weight_bytes += (n * (gate_bytes + lw.ffn_up.data.len() + down_bytes)) as u64;
+    st.stats.weight_bytes_read += match mode {
+        SparsityMode::Dense => n * (gate_bytes + lw.ffn_up.data.len() + down_bytes),
+        _ => {
+            let gate_read = if gate_ready { n * gate_bytes } else { selected * lw.ffn_gate.map_or(0, |g| g.row_bytes()) };
+            gate_read + selected * (lw.ffn_up.row_bytes() + down_t.row_bytes())
+        }
+    } as u64;
+    let track_recall = sp.track_recall && mode == SparsityMode::Predictor;
+
+    let recording = st.recorder.is_some();
+    if n == 1 && (mode != SparsityMode::Dense || lw.ffn_down.is_none()) && !recording {
+        // decode: fused sparse operator over the selected neurons only
+        s.neurons.clear();
+        match mode {
+            SparsityMode::Dense => s.neurons.extend(0..n_ff as u32),
+            _ => s.neurons.extend((0..n_ff as u32).filter(|&j| s.keep[j as usize])),
+        }
+        let mats = FfnMats {
+            gate: lw.ffn_gate,
+            up: lw.ffn_up,
+            up_bias: lw.ffn_up_b.as_deref(),
+            down_t: model.down_t(l),
+            down: lw.ffn_down,
+            act,
+        };
+        let precomputed = (gate_ready && act.has_gate()).then_some(&s.gate[..]);
+        sparse_ffn(&mats, &s.acts, &s.neurons, precomputed, &mut s.ffn_out, &mut s.sparse);
+        if track_recall {
+            // the true activations, densely
+            gate_and_up(lw, &s.acts, &mut s.gate, &mut s.up, false);
+            activate(lw, act, &mut s.gate, &s.up);
+            count_recall(&mut st.stats, &s.gate, &s.keep);
+        }
+    } else if mode != SparsityMode::Dense && !recording && !track_recall && (selected as f64) < DENSE_FRACTION * (n * n_ff) as f64 {
+        // batch, sparse: only the rows of the neurons some token selected
+        union_of_selections(&s.keep, n, n_ff, &mut s.picked, &mut s.neurons);
+        union_ffn(lw, act, &model.down_t(l), n, gate_ready, s);
+    } else {
+        // batch: gate and up densely, the activation, zero what was left out, then down
+        gate_and_up(lw, &s.acts, &mut s.gate, &mut s.up, gate_ready);
+        if let Some(r) = &mut st.recorder {
+            r.ffn_gate(model, l, &s.x[..n * dim], &s.xb[..n * dim], &s.gate);
+        }
+        activate(lw, act, &mut s.gate, &s.up);
+        if let Some(r) = &mut st.recorder {
+            r.ffn_activations(model, l, n, &s.gate, &s.pred_logits);
+        }
+        if track_recall {
+            count_recall(&mut st.stats, &s.gate, &s.keep);
+        }
+        if mode != SparsityMode::Dense {
+            s.gate.iter_mut().zip(&s.keep).for_each(|(h, &k)| {
+                if !k {
+                    *h = 0.0
+                }
+            });
+        }
+        match &lw.ffn_down {
+            Some(down) => {
+                s.acts.set(&s.gate, n, n_ff);
+                matmul(down, &s.acts, &mut s.ffn_out);
+            }
+            None => down_t_matmul(&model.down_t(l), &s.gate, n, &mut s.ffn_out, &mut s.sparse),
+        }
+    }
+    add_bias(&mut s.ffn_out, lw.ffn_down_b.as_deref());
+}
+
+/// Threshold mode with input sparsity: the FFN of s.xb (n, n_embd) into s.ffn_out (n,
+/// n_embd). Gate and up read only the inputs above the layer's `FfnIn` cut-off; down reads
+/// only the activations above its `Down` cut-off (the neuron-major rows of `down_t`).
+fn ffn_inputs(model: &Model, st: &mut PassState, s: &mut Scratch, l: usize, n: usize) {
+    let lw = &model.weights.layers[l];
+    let (dim, n_ff, act) = (model.config.n_embd, model.config.n_ff, model.config.ffn_activation);
+    let sp = &st.sparsity;
+    s.gate.resize(n * n_ff, 0.0);
+    s.up.resize(n * n_ff, 0.0);
+
+    // gate and up (n, n_ff) each; gateless FFNs: up + bias in s.gate
+    let cut = sp.input_cut(l, InputGroup::FfnIn);
+    let x = &s.xb[..n * dim];
+    let outs: &mut [&mut [f32]] = match lw.ffn_gate {
+        Some(_) => &mut [&mut s.gate, &mut s.up],
+        None => &mut [&mut s.gate],
+    };
+    project(model, l, InputGroup::FfnIn, cut, x, n, &mut s.acts, &mut s.masked, &mut s.sparse, outs, &mut st.stats);
+    add_bias(if lw.ffn_gate.is_some() { &mut s.up } else { &mut s.gate }, lw.ffn_up_b.as_deref());
+    // h = act(gate, up) (n, n_ff) in s.gate
+    activate(lw, act, &mut s.gate, &s.up);
+
+    // down (n, n_embd): only the neurons whose |h_j| * |down[:, j]| exceeds the cut-off
+    let cut = sp.input_cut(l, InputGroup::Down);
+    project_down(model, l, cut, &mut s.gate[..n * n_ff], n, &mut s.acts, &mut s.sparse, &mut s.ffn_out, &mut st.stats);
+    add_bias(&mut s.ffn_out, lw.ffn_down_b.as_deref());
+}
+
+/// The union of a batch's selections, keep (n, n_ff), into `union` (sorted neuron indices,
+/// through the mask `any`).
+fn union_of_selections(keep: &[bool], n: usize, n_ff: usize, any: &mut Vec<bool>, union: &mut Vec<u32>) {
+    union.clear();
+    any.clear();
+    any.resize(n_ff, false);
+    for row in keep[..n * n_ff].chunks_exact(n_ff) {
+        any.iter_mut().zip(row).for_each(|(a, &k)| *a |= k);
+    }
+    union.extend((0..n_ff as u32).filter(|&j| any[j as usize]));
+}
+
+/// Sparse prefill: the FFN of a batch over the union of its tokens' selections (s.neurons).
+/// Gate and up read those rows only, and compute each row's dots only for the tokens that
+/// selected it (prefill is compute-bound: a batch's union is far wider than one token's
+/// selection); the down projection reads the neuron-major rows of the
+/// neurons some token kept. Each token gets what token-by-token sparse decode computes, up
+/// to float summation order. Reads s.acts (n, n_embd) and, with `gate_ready`, the dense
+/// gate values in s.gate; writes s.ffn_out (n, n_embd).
+fn union_ffn(lw: &LayerWeights, act: FfnActivation, down_t: &QMatrix, n: usize, gate_ready: bool, s: &mut Scratch) {
+    let n_ff = down_t.rows;
+    let (sel, m) = (&s.neurons, s.neurons.len());
+    // per selected row: gate values (n, m) (gateless: up + bias), up values (n, m)
+    s.sel_gate.resize(n * m, 0.0);
+    s.sel_up.resize(n * m, 0.0);
+    // (only the cells of the tokens that selected the neuron)
+    let keep = Some(&s.keep[..n * n_ff]);
+    match (&lw.ffn_gate, gate_ready) {
+        (Some(g), false) => matmul_selected(&[*g, lw.ffn_up], sel, keep, &s.acts, &mut [&mut s.sel_gate, &mut s.sel_up]),
+        (Some(_), true) => matmul_selected(&[lw.ffn_up], sel, keep, &s.acts, &mut [&mut s.sel_up]),
+        (None, false) => matmul_selected(&[lw.ffn_up], sel, keep, &s.acts, &mut [&mut s.sel_gate]),
+        (None, true) => {}
+    }
+    // h (n, n_ff) in s.up: act(gate, up) where the token selected the neuron, else 0
+    s.up.resize(n * n_ff, 0.0);
+    s.up.fill(0.0);
+    let up_bias = lw.ffn_up_b.as_deref();
+    for t in 0..n {
+        for (k, &j) in sel.iter().enumerate() {
+            let (j, i) = (j as usize, t * n_ff + j as usize);
+            if !s.keep[i] {
+                continue;
+            }
+            let bias = up_bias.map_or(0.0, |b| b[j]);
+            let gate = if gate_ready { s.gate[i] } else { s.sel_gate[t * m + k] + if lw.ffn_gate.is_none() { bias } else { 0.0 } };
+            s.up[i] = match lw.ffn_gate {
+                Some(_) => act.apply(gate, s.sel_up[t * m + k] + bias),
+                None => act.apply(0.0, gate),
+            };
+        }
+    }
+    down_t_matmul(down_t, &s.up, n, &mut s.ffn_out, &mut s.sparse);
+}
+
+/// Gate pre-activations (n, n_ff); for gateless FFNs the up pre-activations plus bias.
+fn gate_values(lw: &LayerWeights, x: &Activations, gate: &mut [f32]) {
+    match &lw.ffn_gate {
+        Some(g) => matmul(g, x, gate),
+        None => {
+            matmul(&lw.ffn_up, x, gate);
+            add_bias(gate, lw.ffn_up_b.as_deref());
+        }
+    }
+}
+
+/// Gate and up pre-activations (n, n_ff) each, in one pass over both matrices; gateless
+/// FFNs put up + bias in `gate` and leave `up` alone. With `gate_ready` the gate (or the
+/// gateless up) is already in place and only up is computed.
+fn gate_and_up(lw: &LayerWeights, x: &Activations, gate: &mut [f32], up: &mut [f32], gate_ready: bool) {
+    match (&lw.ffn_gate, gate_ready) {
+        (Some(g), false) => matmul_many(&[*g, lw.ffn_up], x, &mut [gate, &mut *up]),
+        (Some(_), true) => matmul(&lw.ffn_up, x, up),
+        (None, false) => gate_values(lw, x, gate),
+        (None, true) => {}
+    }
+    if lw.ffn_gate.is_some() {
+        add_bias(up, lw.ffn_up_b.as_deref());
+    }
+}
+
+/// gate <- act(gate, up) in place (gateless: gate <- act(gate)).
+fn activate(lw: &LayerWeights, act: FfnActivation, gate: &mut [f32], up: &[f32]) {
+    if lw.ffn_gate.is_some() {
+        gate.par_chunks_mut(4096).zip(up.par_chunks(4096)).for_each(|(g, u)| {
+            g.iter_mut().zip(u).for_each(|(gi, &ui)| *gi = act.apply(*gi, ui));
+        });
+    } else {
+        gate.iter_mut().for_each(|g| *g = act.apply(0.0, *g));
+    }
+}
+
+fn count_recall(stats: &mut FfnStats, h: &[f32], keep: &[bool]) {
+    for (&v, &k) in h.iter().zip(keep) {
+        if v != 0.0 {
+            stats.truly_active += 1;
+            stats.truly_active_selected += k as u64;
+        }
+    }
+}
