@@ -84,6 +84,24 @@ def test_hybrid_sessions_batch_too(tmp_path):
         assert [s.pos for s in batched] == positions
 
 
+def test_hybrid_sessions_calibrate_on_their_cpu_state(tmp_path):
+    """Calibration of a hybrid session (emulated device, half the neurons hot) is the CPU's
+    dense pass: the same cut-offs as a CPU session's, and the session is left empty, in its
+    mode, decoding as a fresh one."""
+    model = _core.Model(write_powerinfer_model(tmp_path / "m.gguf", dtype=Q.F16), 0)
+    n_layer, n_ff = 2, 96
+    placed = _core.GpuModel(model, [True] * n_layer, [[j % 2 == 0 for j in range(n_ff)]] * n_layer, True, device="emulated")
+    tokens = [(7 * i + 3) % 50 for i in range(40)]
+    cpu, hybrid, fresh = (_core.Session(model, 32, "f16", gpu=g) for g in (None, placed, placed))
+    for s in (hybrid, fresh):
+        s.set_sparsity("predictor", -0.1)
+    hybrid.eval([1, 2, 3])
+    assert hybrid.calibrate(tokens, 16, [0.3, 0.6]) == cpu.calibrate(tokens, 16, [0.3, 0.6])
+    assert hybrid.calibrate_predictor(tokens, 16, [0.9]) == cpu.calibrate_predictor(tokens, 16, [0.9])
+    assert hybrid.pos == 0 and hybrid.tokens == []
+    np.testing.assert_array_equal(hybrid.eval([5, 6, 7], all_logits=True), fresh.eval([5, 6, 7], all_logits=True))
+
+
 def test_decode_batch_samples_each_session_with_its_own_sampler(tmp_path):
     model = _core.Model(write_model(tmp_path / "m.gguf"), 0)
     single, batched = sessions(model, ("dense",)), sessions(model, ("dense",))

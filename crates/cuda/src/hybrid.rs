@@ -676,14 +676,15 @@ impl<D: Device> Backend for HybridPass<'_, D> {
     fn residual(&mut self, l: usize, part: Part) -> CoreResult<()> {
         let Some(layer) = self.place(l)? else { return self.cpu.residual(l, part) };
         let (c, g, dev) = (&self.hm.model.config, &self.hm.gpu, &mut *self.dev);
-        Ok(match part {
+        match part {
             Part::Attn => g.add_into(&mut dev.x.f32s, &dev.attn_out, None, c.n_embd)?,
             // x += hot partial sums + cold part (+ bias)
             Part::Ffn => {
                 let cold = dev.ffn_has_cold.then_some(&dev.cpu_part);
                 g.ffn_merge(&mut dev.x.f32s, &dev.partial, dev.ffn_chunks, cold, layer.down_bias.as_ref(), c.n_embd)?
             }
-        })
+        }
+        Ok(())
     }
 
     fn logits(&mut self, m: usize) -> CoreResult<Vec<f32>> {

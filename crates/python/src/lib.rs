@@ -505,21 +505,23 @@ impl PySession {
 
     /// Runs `tokens` densely in windows and returns, per target sparsity, the per-layer
     /// |act(gate)| thresholds that skip that fraction of neurons. Leaves the session empty.
+    /// Calibration is a dense pass on the CPU, a hybrid session's included (its CPU state; the
+    /// device cache is rewritten from position 0 by the next eval).
     fn calibrate(&self, py: Python<'_>, tokens: Vec<u32>, window: usize, targets: Vec<f64>) -> PyResult<Vec<Vec<f32>>> {
-        compute(py, || lock_core(&self.inner)?.cpu_only("calibration")?.calibrate(&tokens, window, &targets))
+        compute(py, || lock_core(&self.inner)?.cpu().calibrate(&tokens, window, &targets))
     }
 
     /// Runs `tokens` densely in windows and returns, per recall target, the per-layer predictor
     /// cut-offs that keep that fraction of the truly firing neurons. Leaves the session empty.
     fn calibrate_predictor(&self, py: Python<'_>, tokens: Vec<u32>, window: usize, recalls: Vec<f64>) -> PyResult<Vec<Vec<f32>>> {
-        compute(py, || lock_core(&self.inner)?.cpu_only("calibration")?.calibrate_predictor(&tokens, window, &recalls))
+        compute(py, || lock_core(&self.inner)?.cpu().calibrate_predictor(&tokens, window, &recalls))
     }
 
     /// Runs `tokens` densely in windows and returns, per input sparsity level, per layer, for
     /// each input group (qkv, attn_output, ffn_gate_up, ffn_down) the (score cut-off, share of
     /// the squared scores below it) pair. Leaves the session empty.
     fn calibrate_inputs(&self, py: Python<'_>, tokens: Vec<u32>, window: usize, levels: Vec<f64>) -> PyResult<Vec<Vec<[(f32, f64); 4]>>> {
-        compute(py, || lock_core(&self.inner)?.cpu_only("calibration")?.calibrate_inputs(&tokens, window, &levels))
+        compute(py, || lock_core(&self.inner)?.cpu().calibrate_inputs(&tokens, window, &levels))
     }
 
     /// Starts (True) or stops (False) recording, for every evaluated token, each layer's FFN

@@ -1,5 +1,5 @@
-//! How a session's FFNs are computed (`SparsityMode`, `Sparsity`) and what they did
-//! (`FfnStats`).
+//! How a session's FFNs are computed (`SparsityMode`, `Sparsity`, checked and set by
+//! `Session::set_sparsity`) and what they did (`FfnStats`).
 
 use super::*;
 
@@ -82,6 +82,83 @@ impl Sparsity {
     pub(crate) fn input_cut(&self, l: usize, g: InputGroup) -> Option<f32> {
         let t = self.input_thresholds.get(l)?[g as usize];
         (self.mode == SparsityMode::Threshold && t > 0.0).then_some(t)
+    }
+}
+
+impl Session {
+    /// Chooses how the FFNs are computed from now on. Predictor mode needs a predictor in every
+    /// layer; threshold mode one finite threshold per layer. A sparse mode on a file without
+    /// `ffn_down_t` builds the neuron-major down projection now (once per model).
+    pub fn set_sparsity(&mut self, sp: Sparsity) -> Result<()> {
+        let model = Arc::clone(&self.model);
+        let c = &model.config;
+        if !sp.predictor_threshold.is_finite() {
+            return Err(Error::InvalidArgument(format!("predictor threshold must be finite, got {}", sp.predictor_threshold)));
+        }
+        match sp.mode {
+            SparsityMode::Dense => {}
+            SparsityMode::Predictor => {
+                if let Some(l) = model.weights.layers.iter().position(|l| l.predictor.is_none()) {
+                    return Err(Error::InvalidArgument(format!(
+                        "predictor mode needs a predictor in every layer, but layer {l} has no blk.{l}.fc1/fc2 \
+                         (use sparsity='threshold' or 'dense')"
+                    )));
+                }
+                let per_layer = &sp.predictor_layer_thresholds;
+                if !per_layer.is_empty() && per_layer.len() != c.n_layer {
+                    return Err(Error::InvalidArgument(format!(
+                        "predictor mode needs {} per-layer thresholds (or none), got {}",
+                        c.n_layer,
+                        per_layer.len()
+                    )));
+                }
+                if let Some((l, t)) = per_layer.iter().enumerate().find(|(_, t)| !t.is_finite()) {
+                    return Err(Error::InvalidArgument(format!("layer {l} predictor threshold must be finite, got {t}")));
+                }
+            }
+            SparsityMode::Threshold if !sp.input_thresholds.is_empty() => {
+                if sp.input_thresholds.len() != c.n_layer || !sp.layer_thresholds.is_empty() {
+                    return Err(Error::InvalidArgument(format!(
+                        "input sparsity needs {} per-layer cut-off sets and no neuron thresholds, got {} and {}",
+                        c.n_layer,
+                        sp.input_thresholds.len(),
+                        sp.layer_thresholds.len()
+                    )));
+                }
+                let bad = sp.input_thresholds.iter().enumerate().find_map(|(l, t)| t.iter().find(|v| !(v.is_finite() && **v >= 0.0)).map(|v| (l, *v)));
+                if let Some((l, t)) = bad {
+                    return Err(Error::InvalidArgument(format!("layer {l} input cut-off must be finite and >= 0, got {t}")));
+                }
+                // the input-major copies the cut-offs will read, built now (once per model)
+                for (l, t) in sp.input_thresholds.iter().enumerate() {
+                    for g in InputGroup::ALL.into_iter().filter(|&g| t[g as usize] > 0.0) {
+                        g.matrices(&model.weights.layers[l]).iter().for_each(|&m| {
+                            model.input_major(l, m);
+                        });
+                    }
+                    model.input_norms(l, InputGroup::Qkv);
+                }
+            }
+            SparsityMode::Threshold => {
+                if sp.layer_thresholds.len() != c.n_layer {
+                    return Err(Error::InvalidArgument(format!(
+                        "threshold mode needs {} layer thresholds, got {}",
+                        c.n_layer,
+                        sp.layer_thresholds.len()
+                    )));
+                }
+                if let Some((l, t)) = sp.layer_thresholds.iter().enumerate().find(|(_, t)| !t.is_finite()) {
+                    return Err(Error::InvalidArgument(format!("layer {l} threshold must be finite, got {t}")));
+                }
+            }
+        }
+        if sp.mode != SparsityMode::Dense {
+            (0..c.n_layer).for_each(|l| {
+                model.down_t(l);
+            });
+        }
+        self.state.sparsity = sp;
+        Ok(())
     }
 }
 
