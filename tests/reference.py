@@ -9,7 +9,8 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 
-QUANTIZED = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
+# block formats whose matrix products take int8 activations (all but the float types)
+FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 
 
 def read_weights(path: str) -> tuple[dict, dict]:
@@ -52,7 +53,7 @@ def read_weights(path: str) -> tuple[dict, dict]:
             arr = np.asarray(t.data, dtype=np.float64).reshape(shape)
         else:
             arr = dequantize(np.asarray(t.data), qtype).astype(np.float64).reshape(shape)
-        if qtype in QUANTIZED:
+        if qtype not in FLOAT_TYPES:
             meta["_quantized"].add(t.name)
         w[t.name] = arr
     return w, meta

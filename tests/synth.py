@@ -49,6 +49,37 @@ def add_tiny_tokenizer(w: GGUFWriter) -> None:
     w.add_add_bos_token(False)
 
 
+# Byte offsets of the f16 scale fields in each k-quant family block (ggml's block layouts).
+F16_FIELDS = {
+    Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,),
+}
+
+
+def random_blocks(dtype: Q, rows: int, cols: int, scale: float, rng) -> np.ndarray:
+    """(rows, row bytes) of valid `dtype` blocks with random integer fields and random-signed
+    f16 scales, sized so that the decoded weights have standard deviation about `scale`. The
+    `gguf` package decodes these formats but cannot encode them; any valid encoding serves
+    tests that compare against its decoding."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    block_len, block_bytes = GGML_QUANT_SIZES[dtype]
+    n_blocks = rows * cols // block_len
+    raw = rng.integers(0, 256, size=(n_blocks, block_bytes), dtype=np.uint8)
+
+    def set_scales(unit):
+        for off in F16_FIELDS[dtype]:
+            v = (rng.uniform(0.5, 1.0, n_blocks) * rng.choice([-1.0, 1.0], n_blocks) * unit).astype(np.float16)
+            raw[:, off : off + 2] = v.view(np.uint8).reshape(n_blocks, 2)
+
+    state = rng.bit_generator.state
+    set_scales(1.0)
+    std = float(dequantize(raw.reshape(rows, -1), dtype).std())
+    rng.bit_generator.state = state  # the same signs and magnitudes, rescaled
+    set_scales(scale / std)
+    return raw.reshape(rows, -1)
+
+
 def write_model(
     path,
     arch: str = "llama",
@@ -94,6 +125,8 @@ def write_model(
             w.add_tensor(name, a)
         elif dtype == Q.F16:
             w.add_tensor(name, a.astype(np.float16))
+        elif dtype in F16_FIELDS:
+            w.add_tensor(name, random_blocks(dtype, rows, cols, scale * weight_scale, rng), raw_dtype=dtype)
         else:
             w.add_tensor(name, quantize(a, dtype), raw_dtype=dtype)
 

@@ -174,6 +174,22 @@ impl GgufFile {
     pub fn file_size(&self) -> u64 {
         self.mmap.len() as u64
     }
+
+    /// Tensor `name` decoded to f32, row by row (rows of dims[0] elements), for inspection.
+    pub fn read_f32(&self, name: &str) -> Result<Vec<f32>> {
+        let t = self.tensor(name).ok_or_else(|| Error::InvalidArgument(format!("the file has no tensor named '{name}'")))?;
+        let dtype = t.dtype.ok_or_else(|| Error::UnsupportedType { tensor: t.name.clone(), dtype: t.type_name() })?;
+        let row_len = t.dims.first().copied().unwrap_or(1) as usize;
+        let n = t.n_elements() as usize;
+        let mut out = vec![0.0f32; n];
+        if row_len > 0 {
+            let row_bytes = dtype.row_bytes(row_len);
+            for (o, bytes) in out.chunks_exact_mut(row_len).zip(self.tensor_bytes(t).chunks_exact(row_bytes)) {
+                crate::quant::dequantize_row(dtype, bytes, o);
+            }
+        }
+        Ok(out)
+    }
 }
 
 /// Asks the kernel to back a map with 2 MiB pages where it can. The sparse operators read
@@ -565,9 +581,9 @@ mod tests {
     #[test]
     fn unknown_tensor_types_parse_but_have_no_dtype() {
         let mut b = Builder::new(b"GGUF", 3, 1, 0);
-        b.tensor("t", &[256], 12, 0); // Q4_K
+        b.tensor("t", &[256], 16, 0); // IQ2_XXS
         let h = parse_header(&b.pad_data(0)).unwrap();
         assert!(h.tensors[0].dtype.is_none());
-        assert_eq!(h.tensors[0].type_name(), "Q4_K");
+        assert_eq!(h.tensors[0].type_name(), "IQ2_XXS");
     }
 }

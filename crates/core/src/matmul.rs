@@ -220,6 +220,8 @@ pub(crate) fn dot_row<const N: usize>(w: &QMatrix, r: usize, next: Option<usize>
         DType::Q4_0 => quantized!(BlockQ4_0, crate::avx512::dot_q4_0, crate::avx2::dot_q4_0, quant::dot_q4_0_scalar),
         DType::Q4_1 => quantized!(BlockQ4_1, crate::avx512::dot_q4_1, crate::avx2::dot_q4_1, quant::dot_q4_1_scalar),
         DType::Q8_0 => quantized!(BlockQ8_0, crate::avx512::dot_q8_0, crate::avx2::dot_q8_0, quant::dot_q8_0_scalar),
+        // the k-quant family: scalar for now, whatever the level
+        _ => quant::chunked::dot_scalar(w.dtype, row, t.map(|ti| x.q8_row(ti))),
     }
 }
 

@@ -38,7 +38,7 @@ pub fn type_slot(dtype: DType) -> Result<usize> {
         DType::Q4_0 => 2,
         DType::Q4_1 => 3,
         DType::Q8_0 => 4,
-        DType::BF16 => return Err(CudaError::Unsupported("BF16 weights have no GPU kernel".into())),
+        other => return Err(CudaError::Unsupported(format!("{} weights have no GPU kernel", other.name()))),
     })
 }
 

@@ -145,6 +145,15 @@ impl GgufFile {
     fn tensors<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         tensor_list(py, &self.inner)
     }
+
+    /// Tensor `name` decoded to float32, shaped as numpy orders GGUF's dimensions (the row
+    /// length last).
+    fn read_tensor<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyAny>> {
+        let values = compute(py, || self.inner.read_f32(name))?;
+        let t = self.inner.tensor(name).expect("read_f32 found it");
+        let shape: Vec<usize> = t.dims.iter().rev().map(|&d| d as usize).collect();
+        Ok(PyArray1::from_vec(py, values).reshape(shape)?.into_any())
+    }
 }
 
 /// A loaded model: immutable, shared by any number of sessions and threads.

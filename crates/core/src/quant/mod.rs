@@ -7,8 +7,13 @@
 
 use half::{bf16, f16};
 
+pub mod chunked;
+pub use chunked::{is_chunked, QK_K};
+
 pub const QK: usize = 32;
 
+/// ggml's tensor types the engine computes with (named as ggml names them).
+#[allow(non_camel_case_types)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
     F32,
@@ -17,6 +22,16 @@ pub enum DType {
     Q4_0,
     Q4_1,
     Q8_0,
+    // read through `chunked`
+    Q5_0,
+    Q5_1,
+    Q2_K,
+    Q3_K,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+    IQ4_NL,
+    IQ4_XS,
 }
 
 impl DType {
@@ -27,6 +42,15 @@ impl DType {
             2 => DType::Q4_0,
             3 => DType::Q4_1,
             8 => DType::Q8_0,
+            6 => DType::Q5_0,
+            7 => DType::Q5_1,
+            10 => DType::Q2_K,
+            11 => DType::Q3_K,
+            12 => DType::Q4_K,
+            13 => DType::Q5_K,
+            14 => DType::Q6_K,
+            20 => DType::IQ4_NL,
+            23 => DType::IQ4_XS,
             30 => DType::BF16,
             _ => return None,
         })
@@ -39,6 +63,15 @@ impl DType {
             DType::Q4_0 => 2,
             DType::Q4_1 => 3,
             DType::Q8_0 => 8,
+            DType::Q5_0 => 6,
+            DType::Q5_1 => 7,
+            DType::Q2_K => 10,
+            DType::Q3_K => 11,
+            DType::Q4_K => 12,
+            DType::Q5_K => 13,
+            DType::Q6_K => 14,
+            DType::IQ4_NL => 20,
+            DType::IQ4_XS => 23,
             DType::BF16 => 30,
         }
     }
@@ -51,6 +84,15 @@ impl DType {
             DType::Q4_0 => "Q4_0",
             DType::Q4_1 => "Q4_1",
             DType::Q8_0 => "Q8_0",
+            DType::Q5_0 => "Q5_0",
+            DType::Q5_1 => "Q5_1",
+            DType::Q2_K => "Q2_K",
+            DType::Q3_K => "Q3_K",
+            DType::Q4_K => "Q4_K",
+            DType::Q5_K => "Q5_K",
+            DType::Q6_K => "Q6_K",
+            DType::IQ4_NL => "IQ4_NL",
+            DType::IQ4_XS => "IQ4_XS",
         }
     }
 
@@ -58,6 +100,7 @@ impl DType {
     pub fn block_len(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::BF16 => 1,
+            DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::IQ4_XS => QK_K,
             _ => QK,
         }
     }
@@ -69,6 +112,15 @@ impl DType {
             DType::Q4_0 => std::mem::size_of::<BlockQ4_0>(),
             DType::Q4_1 => std::mem::size_of::<BlockQ4_1>(),
             DType::Q8_0 => std::mem::size_of::<BlockQ8_0>(),
+            DType::Q5_0 => std::mem::size_of::<chunked::BlockQ5_0>(),
+            DType::Q5_1 => std::mem::size_of::<chunked::BlockQ5_1>(),
+            DType::Q2_K => std::mem::size_of::<chunked::BlockQ2K>(),
+            DType::Q3_K => std::mem::size_of::<chunked::BlockQ3K>(),
+            DType::Q4_K => std::mem::size_of::<chunked::BlockQ4K>(),
+            DType::Q5_K => std::mem::size_of::<chunked::BlockQ5K>(),
+            DType::Q6_K => std::mem::size_of::<chunked::BlockQ6K>(),
+            DType::IQ4_NL => std::mem::size_of::<chunked::BlockIQ4NL>(),
+            DType::IQ4_XS => std::mem::size_of::<chunked::BlockIQ4XS>(),
         }
     }
 
@@ -78,7 +130,7 @@ impl DType {
 
     /// Quantized weight types take int8 activations; float types take f32 activations.
     pub fn is_quantized(self) -> bool {
-        matches!(self, DType::Q4_0 | DType::Q4_1 | DType::Q8_0)
+        !matches!(self, DType::F32 | DType::F16 | DType::BF16)
     }
 }
 
@@ -249,12 +301,13 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        _ => chunked::dequantize_row(dtype, &bytes[..dtype.row_bytes(n)], out),
     }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Quantization (f32 to a weight type), following ggml's reference quantizers bit for bit so
-// files we write read the same in llama.cpp.
+// files we write read the same in llama.cpp. Only the legacy types and floats are written.
 
 pub fn quantize_row(dtype: DType, x: &[f32]) -> Vec<u8> {
     let mut out = Vec::with_capacity(dtype.row_bytes(x.len()));
@@ -301,6 +354,9 @@ pub fn quantize_row(dtype: DType, x: &[f32]) -> Vec<u8> {
                 }
             }
         }
+        // the engine only writes the formats of its own copies (F16, Q8_0) and of its tests;
+        // files in these come from llama.cpp's quantizer
+        _ => panic!("quantize_row: {} is read, never written, by this engine", dtype.name()),
     }
     out
 }
@@ -390,6 +446,9 @@ pub fn dot_float_scalar<const N: usize>(dtype: DType, w: &[u8], a: [&[f32]; N]) 
 // `down_t` scaled by its activation). `row` holds `y.len()` elements of type `dtype`.
 
 pub fn axpy_scalar(dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
+    if is_chunked(dtype) {
+        return chunked::axpy_scalar(dtype, row, a, y);
+    }
     let mut w = [0.0f32; QK];
     let (bl, bb) = (dtype.block_len(), dtype.block_bytes());
     // Decode a few blocks at a time (QK elements) so float and quantized types share the loop.

@@ -1,0 +1,350 @@
+//! The block formats of llama.cpp's k-quant presets besides the legacy ones: Q5_0, Q5_1, Q2_K,
+//! Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS. Every one is read the same way: a row is a run of
+//! 32-weight chunks (one `BlockQ8Act` of activations each), and a chunk is two halves of 16
+//! weights, w = scale * v - min, with small integers v (`Chunk`). So one decoder per format
+//! serves dequantization, the integer dot product and the axpy of the sparse operators.
+//!
+//! Dequantization evaluates exactly the float32 expressions of the `gguf` package's numpy
+//! dequantizers (bit-exact; tests/test_quant_formats.py checks every format). The dot product
+//! is the scalar reference: per half, the integer dot of v with the int8 activations, scaled
+//! once; the activations' per-32 f32 scales are finer than ggml's per-256 Q8_K ones.
+
+use super::{f16_to_f32, BlockQ8Act, DType, QK};
+
+/// Weights per super-block of the k-quants.
+pub const QK_K: usize = 256;
+
+/// ggml block_q5_0: 32 weights = d * (q - 16), q in 0..32: the low 4 bits as Q4_0's nibbles,
+/// bit 4 of weight j in bit j of qh (little-endian u32).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct BlockQ5_0 {
+    pub d: u16,
+    pub qh: [u8; 4],
+    pub qs: [u8; QK / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ5_0>() == 22);
+
+/// ggml block_q5_1: 32 weights = d * q + m, q in 0..32, bits as Q5_0.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct BlockQ5_1 {
+    pub d: u16,
+    pub m: u16,
+    pub qh: [u8; 4],
+    pub qs: [u8; QK / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ5_1>() == 24);
+
+/// ggml block_q2_K: 256 weights in 16 groups of 16: d * (scales[g] & 15) * q - dmin *
+/// (scales[g] >> 4), q in 0..4 (2 bits).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct BlockQ2K {
+    pub scales: [u8; QK_K / 16],
+    pub qs: [u8; QK_K / 4],
+    pub d: u16,
+    pub dmin: u16,
+}
+const _: () = assert!(std::mem::size_of::<BlockQ2K>() == 84);
+
+/// ggml block_q3_K: 256 weights in 16 groups of 16: d * (scale[g] - 32) * q, q in -4..4 (2 low
+/// bits in qs, the high bit inverted in hmask), 6-bit scales packed in 12 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct BlockQ3K {
+    pub hmask: [u8; QK_K / 8],
+    pub qs: [u8; QK_K / 4],
+    pub scales: [u8; 12],
+    pub d: u16,
+}
+const _: () = assert!(std::mem::size_of::<BlockQ3K>() == 110);
+
+/// ggml block_q4_K: 256 weights in 8 groups of 32: d * sc[g] * q - dmin * m[g], q in 0..16,
+/// 6-bit sc and m packed in 12 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct BlockQ4K {
+    pub d: u16,
+    pub dmin: u16,
+    pub scales: [u8; 12],
+    pub qs: [u8; QK_K / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ4K>() == 144);
+
+/// ggml block_q5_K: as Q4_K with a fifth bit per weight (qh), q in 0..32.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct BlockQ5K {
+    pub d: u16,
+    pub dmin: u16,
+    pub scales: [u8; 12],
+    pub qh: [u8; QK_K / 8],
+    pub qs: [u8; QK_K / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ5K>() == 176);
+
+/// ggml block_q6_K: 256 weights in 16 groups of 16: d * scales[g] * (q - 32), q in 0..64 (4 low
+/// bits in ql, 2 high bits in qh).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct BlockQ6K {
+    pub ql: [u8; QK_K / 2],
+    pub qh: [u8; QK_K / 4],
+    pub scales: [i8; QK_K / 16],
+    pub d: u16,
+}
+const _: () = assert!(std::mem::size_of::<BlockQ6K>() == 210);
+
+/// ggml block_iq4_nl: 32 weights = d * IQ4_VALUES[q], q in 0..16.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct BlockIQ4NL {
+    pub d: u16,
+    pub qs: [u8; QK / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockIQ4NL>() == 18);
+
+/// ggml block_iq4_xs: 256 weights in 8 groups of 32: d * (ls[g] - 32) * IQ4_VALUES[q], 6-bit ls
+/// (low 4 bits in scales_l, high 2 in scales_h).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct BlockIQ4XS {
+    pub d: u16,
+    pub scales_h: u16,
+    pub scales_l: [u8; QK_K / 64],
+    pub qs: [u8; QK_K / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockIQ4XS>() == 136);
+
+/// The non-linear 4-bit grid of IQ4_NL and IQ4_XS.
+pub const IQ4_VALUES: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+
+/// 32 consecutive weights: w[i] = scale[i / 16] * v[i] - min[i / 16].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Chunk {
+    pub v: [i8; QK],
+    pub scale: [f32; 2],
+    pub min: [f32; 2],
+}
+
+/// Whether `dtype` is read through `chunk`.
+pub fn is_chunked(dtype: DType) -> bool {
+    matches!(
+        dtype,
+        DType::Q5_0 | DType::Q5_1 | DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::IQ4_NL | DType::IQ4_XS
+    )
+}
+
+fn block<T>(row: &[u8], i: usize) -> &T {
+    &super::cast_blocks::<T>(row)[i]
+}
+
+/// The 6-bit scale and min of group g of a Q4_K/Q5_K block.
+fn scale_min_k4(s: &[u8; 12], g: usize) -> (u8, u8) {
+    if g < 4 {
+        (s[g] & 63, s[g + 4] & 63)
+    } else {
+        ((s[g + 4] & 0x0F) | ((s[g - 4] >> 6) << 4), (s[g + 4] >> 4) | ((s[g] >> 6) << 4))
+    }
+}
+
+/// Chunk k (weights 32k..32k + 32) of a row of `dtype` (a chunked type).
+pub fn chunk(dtype: DType, row: &[u8], k: usize, out: &mut Chunk) {
+    let per_block = dtype.block_len() / QK;
+    let (b, c) = (k / per_block, k % per_block); // the block, and the chunk within it
+    match dtype {
+        DType::Q5_0 | DType::Q5_1 => {
+            let (d, m, qh, qs) = if dtype == DType::Q5_0 {
+                let x: &BlockQ5_0 = block(row, b);
+                (x.d, None, u32::from_le_bytes(x.qh), &x.qs)
+            } else {
+                let x: &BlockQ5_1 = block(row, b);
+                (x.d, Some(x.m), u32::from_le_bytes(x.qh), &x.qs)
+            };
+            let offset = if m.is_none() { 16 } else { 0 };
+            for e in 0..QK {
+                let low = (qs[e % 16] >> (4 * (e / 16))) & 0x0F;
+                out.v[e] = ((low | (((qh >> e) & 1) as u8) << 4) as i32 - offset) as i8;
+            }
+            out.scale = [f16_to_f32(d); 2];
+            // (d * q) + m, as d * q - (-m)
+            out.min = [m.map_or(0.0, |m| -f16_to_f32(m)); 2];
+        }
+        DType::Q2_K => {
+            let x: &BlockQ2K = block(row, b);
+            let (d, dmin) = (f16_to_f32(x.d), f16_to_f32(x.dmin));
+            let (g, s) = (c / 4, c % 4);
+            for i in 0..QK {
+                out.v[i] = ((x.qs[g * 32 + i] >> (2 * s)) & 3) as i8;
+            }
+            for t in 0..2 {
+                let sc = x.scales[2 * c + t];
+                out.scale[t] = d * (sc & 0x0F) as f32;
+                out.min[t] = dmin * (sc >> 4) as f32;
+            }
+        }
+        DType::Q3_K => {
+            let x: &BlockQ3K = block(row, b);
+            let d = f16_to_f32(x.d);
+            let (g, s) = (c / 4, c % 4);
+            for i in 0..QK {
+                let low = ((x.qs[g * 32 + i] >> (2 * s)) & 3) as i8;
+                let high = ((x.hmask[i] >> c) & 1) as i8;
+                out.v[i] = low - 4 * (1 - high);
+            }
+            for t in 0..2 {
+                let j = 2 * c + t;
+                let low = (x.scales[j % 8] >> (4 * (j / 8))) & 0x0F;
+                let high = (x.scales[8 + j % 4] >> (2 * (j / 4))) & 3;
+                out.scale[t] = d * ((low | (high << 4)) as i8 - 32) as f32;
+            }
+            out.min = [0.0; 2];
+        }
+        DType::Q4_K | DType::Q5_K => {
+            let (d, dmin, scales, qs, qh) = if dtype == DType::Q4_K {
+                let x: &BlockQ4K = block(row, b);
+                (x.d, x.dmin, &x.scales, &x.qs, None)
+            } else {
+                let x: &BlockQ5K = block(row, b);
+                (x.d, x.dmin, &x.scales, &x.qs, Some(&x.qh))
+            };
+            let (sc, m) = scale_min_k4(scales, c);
+            let (g, h) = (c / 2, c % 2);
+            for i in 0..QK {
+                let low = (qs[g * 32 + i] >> (4 * h)) & 0x0F;
+                let high = qh.map_or(0, |qh| ((qh[i] >> c) & 1) << 4);
+                out.v[i] = (low | high) as i8;
+            }
+            out.scale = [f16_to_f32(d) * sc as f32; 2];
+            out.min = [f16_to_f32(dmin) * m as f32; 2];
+        }
+        DType::Q6_K => {
+            let x: &BlockQ6K = block(row, b);
+            let d = f16_to_f32(x.d);
+            // weight f = 32c + i lies in half g = f / 128, at r = f % 128
+            let (g, s) = (c / 4, c % 4);
+            let h = s / 2;
+            for i in 0..QK {
+                let low = (x.ql[g * 64 + (s % 2) * 32 + i] >> (4 * h)) & 0x0F;
+                let high = (x.qh[g * 32 + i] >> (2 * s)) & 3;
+                out.v[i] = (low | (high << 4)) as i8 - 32;
+            }
+            for t in 0..2 {
+                out.scale[t] = d * x.scales[2 * c + t] as f32;
+            }
+            out.min = [0.0; 2];
+        }
+        DType::IQ4_NL => {
+            let x: &BlockIQ4NL = block(row, b);
+            for e in 0..QK {
+                out.v[e] = IQ4_VALUES[((x.qs[e % 16] >> (4 * (e / 16))) & 0x0F) as usize];
+            }
+            out.scale = [f16_to_f32(x.d); 2];
+            out.min = [0.0; 2];
+        }
+        DType::IQ4_XS => {
+            let x: &BlockIQ4XS = block(row, b);
+            let low = (x.scales_l[c / 2] >> (4 * (c % 2))) & 0x0F;
+            let high = ((x.scales_h >> (2 * c)) & 3) as u8;
+            let ls = (low | (high << 4)) as i8 - 32;
+            for e in 0..QK {
+                out.v[e] = IQ4_VALUES[((x.qs[c * 16 + e % 16] >> (4 * (e / 16))) & 0x0F) as usize];
+            }
+            out.scale = [f16_to_f32(x.d) * ls as f32; 2];
+            out.min = [0.0; 2];
+        }
+        _ => unreachable!("{} is not a chunked type", dtype.name()),
+    }
+}
+
+/// Decodes one row of a chunked type into `out[..n]`.
+pub fn dequantize_row(dtype: DType, row: &[u8], out: &mut [f32]) {
+    let mut ch = Chunk::default();
+    for (k, o) in out.chunks_exact_mut(QK).enumerate() {
+        chunk(dtype, row, k, &mut ch);
+        for (i, w) in o.iter_mut().enumerate() {
+            *w = ch.scale[i / 16] * ch.v[i] as f32 - ch.min[i / 16];
+        }
+    }
+}
+
+/// Scalar reference dot of one row of a chunked type with N int8 activation rows.
+pub fn dot_scalar<const N: usize>(dtype: DType, row: &[u8], a: [&[BlockQ8Act]; N]) -> [f32; N] {
+    let mut ch = Chunk::default();
+    let mut acc = [0.0f32; N];
+    for k in 0..a[0].len() {
+        chunk(dtype, row, k, &mut ch);
+        for (t, acc) in acc.iter_mut().enumerate() {
+            let b = &a[t][k];
+            let (mut dot, mut sum) = ([0i32; 2], [0i32; 2]);
+            for i in 0..QK {
+                dot[i / 16] += ch.v[i] as i32 * b.qs[i] as i32;
+                sum[i / 16] += b.qs[i] as i32;
+            }
+            let scaled = ch.scale[0] * dot[0] as f32 + ch.scale[1] * dot[1] as f32;
+            let mins = ch.min[0] * sum[0] as f32 + ch.min[1] * sum[1] as f32;
+            *acc += b.d * (scaled - mins);
+        }
+    }
+    acc
+}
+
+/// y += a * row, for a row of a chunked type.
+pub fn axpy_scalar(dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
+    let mut ch = Chunk::default();
+    for (k, yk) in y.chunks_exact_mut(QK).enumerate() {
+        chunk(dtype, row, k, &mut ch);
+        for (i, yi) in yk.iter_mut().enumerate() {
+            *yi += a * (ch.scale[i / 16] * ch.v[i] as f32 - ch.min[i / 16]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{quantize_act, tests::random_vec};
+
+    /// Random bytes with small finite f16 scales: a valid block of any chunked type.
+    fn random_row(dtype: DType, n: usize, seed: u64) -> Vec<u8> {
+        let mut rng = crate::sampler::Rng::new(seed);
+        let mut row: Vec<u8> = (0..dtype.row_bytes(n)).map(|_| (rng.next_f32() * 256.0) as u8).collect();
+        let fields: &[usize] = match dtype {
+            DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
+            DType::Q2_K => &[80, 82],
+            DType::Q3_K => &[108],
+            DType::Q6_K => &[208],
+            _ => &[0],
+        };
+        for block in row.chunks_exact_mut(dtype.block_bytes()) {
+            for &f in fields {
+                let v = super::super::f32_to_f16((rng.next_f32() - 0.5) * 0.01);
+                block[f..f + 2].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        row
+    }
+
+    /// The integer dot is the dot of the decoded weights with the decoded int8 activations.
+    #[test]
+    fn dot_equals_dequantized_dot() {
+        let types = [DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS];
+        let n = 512;
+        for (s, dtype) in types.into_iter().enumerate() {
+            let row = random_row(dtype, n, 10 + s as u64);
+            let mut w = vec![0.0f32; n];
+            dequantize_row(dtype, &row, &mut w);
+            let x = random_vec(n, 3);
+            let mut a = vec![BlockQ8Act::default(); n / QK];
+            quantize_act(&x, &mut a);
+            let want: f64 = w.iter().enumerate().map(|(i, &wi)| wi as f64 * a[i / QK].d as f64 * a[i / QK].qs[i % QK] as f64).sum();
+            let got = dot_scalar(dtype, &row, [&a])[0] as f64;
+            let scale: f64 = w.iter().enumerate().map(|(i, &wi)| (wi as f64 * x[i] as f64).abs()).sum();
+            assert!((got - want).abs() <= 1e-5 * scale, "{dtype:?}: {got} vs {want}");
+            let mut y = vec![1.0f32; n];
+            axpy_scalar(dtype, &row, 0.5, &mut y);
+            assert!(y.iter().zip(&w).all(|(yi, wi)| *yi == 1.0 + 0.5 * wi), "{dtype:?} axpy");
+        }
+    }
+}
