@@ -163,9 +163,10 @@ pub fn chunk(dtype: DType, row: &[u8], k: usize, out: &mut Chunk) {
                 (x.d, Some(x.m), u32::from_le_bytes(x.qh), &x.qs)
             };
             let offset = if m.is_none() { 16 } else { 0 };
-            for e in 0..QK {
-                let low = (qs[e % 16] >> (4 * (e / 16))) & 0x0F;
-                out.v[e] = ((low | (((qh >> e) & 1) as u8) << 4) as i32 - offset) as i8;
+            let (lo, hi) = out.v.split_at_mut(16);
+            for (i, ((l, h), &q)) in lo.iter_mut().zip(hi.iter_mut()).zip(qs).enumerate() {
+                *l = ((q & 0x0F) | ((((qh >> i) & 1) as u8) << 4)) as i8 - offset;
+                *h = ((q >> 4) | ((((qh >> (i + 16)) & 1) as u8) << 4)) as i8 - offset;
             }
             out.scale = [f16_to_f32(d); 2];
             // (d * q) + m, as d * q - (-m)
@@ -175,8 +176,8 @@ pub fn chunk(dtype: DType, row: &[u8], k: usize, out: &mut Chunk) {
             let x: &BlockQ2K = block(row, b);
             let (d, dmin) = (f16_to_f32(x.d), f16_to_f32(x.dmin));
             let (g, s) = (c / 4, c % 4);
-            for i in 0..QK {
-                out.v[i] = ((x.qs[g * 32 + i] >> (2 * s)) & 3) as i8;
+            for (v, &q) in out.v.iter_mut().zip(&x.qs[g * 32..g * 32 + 32]) {
+                *v = ((q >> (2 * s)) & 3) as i8;
             }
             for t in 0..2 {
                 let sc = x.scales[2 * c + t];
@@ -188,10 +189,9 @@ pub fn chunk(dtype: DType, row: &[u8], k: usize, out: &mut Chunk) {
             let x: &BlockQ3K = block(row, b);
             let d = f16_to_f32(x.d);
             let (g, s) = (c / 4, c % 4);
-            for i in 0..QK {
-                let low = ((x.qs[g * 32 + i] >> (2 * s)) & 3) as i8;
-                let high = ((x.hmask[i] >> c) & 1) as i8;
-                out.v[i] = low - 4 * (1 - high);
+            for ((v, &q), &hm) in out.v.iter_mut().zip(&x.qs[g * 32..g * 32 + 32]).zip(&x.hmask) {
+                let (low, high) = (((q >> (2 * s)) & 3) as i8, ((hm >> c) & 1) as i8);
+                *v = low - 4 * (1 - high);
             }
             for t in 0..2 {
                 let j = 2 * c + t;
@@ -211,10 +211,10 @@ pub fn chunk(dtype: DType, row: &[u8], k: usize, out: &mut Chunk) {
             };
             let (sc, m) = scale_min_k4(scales, c);
             let (g, h) = (c / 2, c % 2);
-            for i in 0..QK {
-                let low = (qs[g * 32 + i] >> (4 * h)) & 0x0F;
-                let high = qh.map_or(0, |qh| ((qh[i] >> c) & 1) << 4);
-                out.v[i] = (low | high) as i8;
+            let q = &qs[g * 32..g * 32 + 32];
+            match qh {
+                None => out.v.iter_mut().zip(q).for_each(|(v, &q)| *v = ((q >> (4 * h)) & 0x0F) as i8),
+                Some(qh) => out.v.iter_mut().zip(q).zip(qh).for_each(|((v, &q), &b)| *v = (((q >> (4 * h)) & 0x0F) | (((b >> c) & 1) << 4)) as i8),
             }
             out.scale = [f16_to_f32(d) * sc as f32; 2];
             out.min = [f16_to_f32(dmin) * m as f32; 2];
@@ -225,10 +225,9 @@ pub fn chunk(dtype: DType, row: &[u8], k: usize, out: &mut Chunk) {
             // weight f = 32c + i lies in half g = f / 128, at r = f % 128
             let (g, s) = (c / 4, c % 4);
             let h = s / 2;
-            for i in 0..QK {
-                let low = (x.ql[g * 64 + (s % 2) * 32 + i] >> (4 * h)) & 0x0F;
-                let high = (x.qh[g * 32 + i] >> (2 * s)) & 3;
-                out.v[i] = (low | (high << 4)) as i8 - 32;
+            let ql = &x.ql[g * 64 + (s % 2) * 32..g * 64 + (s % 2) * 32 + 32];
+            for ((v, &l), &q) in out.v.iter_mut().zip(ql).zip(&x.qh[g * 32..g * 32 + 32]) {
+                *v = (((l >> (4 * h)) & 0x0F) | (((q >> (2 * s)) & 3) << 4)) as i8 - 32;
             }
             for t in 0..2 {
                 out.scale[t] = d * x.scales[2 * c + t] as f32;
@@ -237,8 +236,10 @@ pub fn chunk(dtype: DType, row: &[u8], k: usize, out: &mut Chunk) {
         }
         DType::IQ4_NL => {
             let x: &BlockIQ4NL = block(row, b);
-            for e in 0..QK {
-                out.v[e] = IQ4_VALUES[((x.qs[e % 16] >> (4 * (e / 16))) & 0x0F) as usize];
+            let (lo, hi) = out.v.split_at_mut(16);
+            for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&x.qs) {
+                *l = IQ4_VALUES[(q & 0x0F) as usize];
+                *h = IQ4_VALUES[(q >> 4) as usize];
             }
             out.scale = [f16_to_f32(x.d); 2];
             out.min = [0.0; 2];
@@ -248,8 +249,10 @@ pub fn chunk(dtype: DType, row: &[u8], k: usize, out: &mut Chunk) {
             let low = (x.scales_l[c / 2] >> (4 * (c % 2))) & 0x0F;
             let high = ((x.scales_h >> (2 * c)) & 3) as u8;
             let ls = (low | (high << 4)) as i8 - 32;
-            for e in 0..QK {
-                out.v[e] = IQ4_VALUES[((x.qs[c * 16 + e % 16] >> (4 * (e / 16))) & 0x0F) as usize];
+            let (lo, hi) = out.v.split_at_mut(16);
+            for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&x.qs[c * 16..c * 16 + 16]) {
+                *l = IQ4_VALUES[(q & 0x0F) as usize];
+                *h = IQ4_VALUES[(q >> 4) as usize];
             }
             out.scale = [f16_to_f32(x.d) * ls as f32; 2];
             out.min = [0.0; 2];
@@ -278,9 +281,10 @@ pub fn dot_scalar<const N: usize>(dtype: DType, row: &[u8], a: [&[BlockQ8Act]; N
         for (t, acc) in acc.iter_mut().enumerate() {
             let b = &a[t][k];
             let (mut dot, mut sum) = ([0i32; 2], [0i32; 2]);
-            for i in 0..QK {
-                dot[i / 16] += ch.v[i] as i32 * b.qs[i] as i32;
-                sum[i / 16] += b.qs[i] as i32;
+            for h in 0..2 {
+                let (v, q) = (&ch.v[16 * h..16 * h + 16], &b.qs[16 * h..16 * h + 16]);
+                dot[h] = v.iter().zip(q).map(|(&v, &q)| v as i32 * q as i32).sum();
+                sum[h] = q.iter().map(|&q| q as i32).sum();
             }
             let scaled = ch.scale[0] * dot[0] as f32 + ch.scale[1] * dot[1] as f32;
             let mins = ch.min[0] * sum[0] as f32 + ch.min[1] * sum[1] as f32;
