@@ -284,7 +284,10 @@ pub fn dot_scalar<const N: usize>(dtype: DType, row: &[u8], a: [&[BlockQ8Act]; N
             for h in 0..2 {
                 let (v, q) = (&ch.v[16 * h..16 * h + 16], &b.qs[16 * h..16 * h + 16]);
                 dot[h] = v.iter().zip(q).map(|(&v, &q)| v as i32 * q as i32).sum();
-                sum[h] = q.iter().map(|&q| q as i32).sum();
+                // (only formats with a minimum need the activations' sums)
+                if ch.min[h] != 0.0 {
+                    sum[h] = q.iter().map(|&q| q as i32).sum();
+                }
             }
             let scaled = ch.scale[0] * dot[0] as f32 + ch.scale[1] * dot[1] as f32;
             let mins = ch.min[0] * sum[0] as f32 + ch.min[1] * sum[1] as f32;

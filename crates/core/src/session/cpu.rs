@@ -136,7 +136,7 @@ impl Backend for CpuPass<'_> {
         let CpuPass { model, sessions, rows, s, .. } = self;
         let c = &model.config;
         let (q_dim, kv_dim, hd) = (c.q_dim(), c.kv_dim(), c.head_dim);
-        let caches: Vec<(&KvBuf, &KvBuf)> = rows.iter().map(|&(i, _)| (&sessions[i].k_cache[l], &sessions[i].v_cache[l])).collect();
+        let sessions: &[&mut Session] = sessions;
         let group = c.n_head / c.n_head_kv;
         let scale = 1.0 / (hd as f32).sqrt();
         let q = &s.q;
@@ -146,7 +146,8 @@ impl Backend for CpuPass<'_> {
             let qs = &q[t * q_dim + g * group * hd..t * q_dim + (g + 1) * group * hd];
             // causal: row t attends to positions 0..=its own
             let len = rows[t].1 + 1;
-            let (kc, vc) = caches[t];
+            let se = &sessions[rows[t].0];
+            let (kc, vc) = (&se.k_cache[l], &se.v_cache[l]);
             attend_group(qs, hd, kc.view(len * kv_dim), vc.view(len * kv_dim), len, kv_dim, g * hd, scale, scores, out);
         };
         if rows.len() == 1 {
