@@ -220,8 +220,19 @@ pub(crate) fn dot_row<const N: usize>(w: &QMatrix, r: usize, next: Option<usize>
         DType::Q4_0 => quantized!(BlockQ4_0, crate::avx512::dot_q4_0, crate::avx2::dot_q4_0, quant::dot_q4_0_scalar),
         DType::Q4_1 => quantized!(BlockQ4_1, crate::avx512::dot_q4_1, crate::avx2::dot_q4_1, quant::dot_q4_1_scalar),
         DType::Q8_0 => quantized!(BlockQ8_0, crate::avx512::dot_q8_0, crate::avx2::dot_q8_0, quant::dot_q8_0_scalar),
-        // the k-quant family: scalar for now, whatever the level
-        _ => quant::chunked::dot_scalar(w.dtype, row, t.map(|ti| x.q8_row(ti))),
+        // the k-quant family
+        _ => {
+            let a = t.map(|ti| x.q8_row(ti));
+            match level {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI and AVX2's features.
+                SimdLevel::Avx512 => unsafe { quant::chunked_avx2::dot_vnni(w.dtype, row, a) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: as above.
+                SimdLevel::Avx2 => unsafe { quant::chunked_avx2::dot(w.dtype, row, a) },
+                _ => quant::chunked::dot_scalar(w.dtype, row, a),
+            }
+        }
     }
 }
 

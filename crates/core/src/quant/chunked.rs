@@ -128,12 +128,12 @@ pub struct Chunk {
     pub min: [f32; 2],
 }
 
+/// The types read through `chunk`.
+pub const CHUNKED: [DType; 9] = [DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS];
+
 /// Whether `dtype` is read through `chunk`.
 pub fn is_chunked(dtype: DType) -> bool {
-    matches!(
-        dtype,
-        DType::Q5_0 | DType::Q5_1 | DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::IQ4_NL | DType::IQ4_XS
-    )
+    CHUNKED.contains(&dtype)
 }
 
 fn block<T>(row: &[u8], i: usize) -> &T {
@@ -141,7 +141,7 @@ fn block<T>(row: &[u8], i: usize) -> &T {
 }
 
 /// The 6-bit scale and min of group g of a Q4_K/Q5_K block.
-fn scale_min_k4(s: &[u8; 12], g: usize) -> (u8, u8) {
+pub(super) fn scale_min_k4(s: &[u8; 12], g: usize) -> (u8, u8) {
     if g < 4 {
         (s[g] & 63, s[g + 4] & 63)
     } else {
@@ -309,12 +309,12 @@ pub fn axpy_scalar(dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::quant::{quantize_act, tests::random_vec};
 
     /// Random bytes with small finite f16 scales: a valid block of any chunked type.
-    fn random_row(dtype: DType, n: usize, seed: u64) -> Vec<u8> {
+    pub(crate) fn random_row(dtype: DType, n: usize, seed: u64) -> Vec<u8> {
         let mut rng = crate::sampler::Rng::new(seed);
         let mut row: Vec<u8> = (0..dtype.row_bytes(n)).map(|_| (rng.next_f32() * 256.0) as u8).collect();
         let fields: &[usize] = match dtype {
@@ -336,9 +336,8 @@ mod tests {
     /// The integer dot is the dot of the decoded weights with the decoded int8 activations.
     #[test]
     fn dot_equals_dequantized_dot() {
-        let types = [DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS];
         let n = 512;
-        for (s, dtype) in types.into_iter().enumerate() {
+        for (s, dtype) in CHUNKED.into_iter().enumerate() {
             let row = random_row(dtype, n, 10 + s as u64);
             let mut w = vec![0.0f32; n];
             dequantize_row(dtype, &row, &mut w);

@@ -8,6 +8,8 @@
 use half::{bf16, f16};
 
 pub mod chunked;
+#[cfg(target_arch = "x86_64")]
+pub mod chunked_avx2;
 pub use chunked::{is_chunked, QK_K};
 
 pub const QK: usize = 32;

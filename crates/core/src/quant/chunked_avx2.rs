@@ -1,0 +1,420 @@
+//! AVX2 twins of `chunked`: each format's chunk decoder unpacks 32 weights into one register of
+//! signed bytes (the `Chunk::v` of the scalar decoder, tested equal), and one row loop per
+//! format dots them with N int8 activation rows. With AVX-512 VNNI the product of a chunk is one
+//! `vpdpbusd`; without it, `vpmaddubsw` + `vpmaddwd`.
+//!
+//! Why per chunk and not per 256-weight super-block as ggml does: the activations carry an f32
+//! scale per 32 (`BlockQ8Act`), so every chunk is converted to float once per activation row
+//! anyway; the two halves' scales ride in the two 128-bit lanes of one float vector
+//! ([s0 x 4, s1 x 4]), matching the lanes `vpmaddwd` leaves the two halves' sums in.
+//!
+//! Minima: Q4_K, Q5_K and Q5_1 have one minimum per chunk, so their minimum term is a scalar
+//! `min * BlockQ8Act::s` (the activations' scaled sum, computed at quantization); Q2_K has one
+//! per half and sums its activations in the loop.
+//!
+//! `vpmaddubsw` takes unsigned bytes on one side: signed formats multiply |v| by the activations
+//! with v's sign (`vpsignb`). No pair sum saturates: |v| <= 127 and |a| <= 127 give at most 32258.
+
+#![allow(clippy::missing_safety_doc)]
+
+use std::arch::x86_64::*;
+
+use super::chunked::{BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, IQ4_VALUES};
+use super::{cast_blocks, BlockQ8Act, DType, QK};
+
+/// One decoded chunk: 32 signed weights, the halves' scales as [s0 x 4, s1 x 4], and the
+/// minimum (per chunk in every lane of `min`, or per half in `min_halves`).
+struct Decoded {
+    v: __m256i,
+    scale: __m256,
+    min: __m256,
+    min_halves: __m256,
+}
+
+/// An f16 broadcast to 8 f32 lanes. The broadcast load writes the whole register; a scalar
+/// conversion lets the compiler narrow the load into a 16-bit insert that merges into an
+/// unrelated, often loop-carried register, chaining each chunk to the last (measured 2x).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16(bits: u16) -> __m256 {
+    _mm256_cvtph_ps(_mm_set1_epi16(bits as i16))
+}
+
+/// `d` times a small integer, in every lane.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn times(d: __m256, q: i32) -> __m256 {
+    _mm256_mul_ps(d, _mm256_set1_ps(q as f32))
+}
+
+/// `d` times [a x 4, b x 4]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn halves(d: __m256, a: i32, b: i32) -> __m256 {
+    _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_set_m128i(_mm_set1_epi32(b), _mm_set1_epi32(a))))
+}
+
+/// 16 bytes of nibbles to 32 bytes: the low nibbles, then the high ones.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibbles(p: *const u8) -> __m256i {
+    let q = _mm_loadu_si128(p as *const __m128i);
+    let mask = _mm_set1_epi8(0x0F);
+    _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask))
+}
+
+/// Byte i = 0xFF where bit i of `bits` is set.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn bits_to_bytes(bits: u32) -> __m256i {
+    let q = _mm256_set1_epi32(bits as i32);
+    #[rustfmt::skip]
+    let spread = _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+    );
+    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(q, spread), bit), bit)
+}
+
+/// Bytes of `x` shifted right by `n` bits within each 16-bit lane (the caller masks).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn shr(x: __m256i, n: usize) -> __m256i {
+    _mm256_srl_epi16(x, _mm_cvtsi32_si128(n as i32))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load32(p: *const u8) -> __m256i {
+    _mm256_loadu_si256(p as *const __m256i)
+}
+
+/// 0xFF in the bytes of `x` that have bit `c` set.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn has_bit(x: __m256i, c: usize) -> __m256i {
+    let m = _mm256_set1_epi8((1u8 << c) as i8);
+    _mm256_cmpeq_epi8(_mm256_and_si256(x, m), m)
+}
+
+/// Chunk k of a row of `dtype`: the SIMD twin of `chunked::chunk`. The row loops call the
+/// per-format decoders directly, so that each loop is compiled for one format.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn decode(dtype: DType, row: &[u8], k: usize) -> Decoded {
+    let per_block = chunks_per_block(dtype);
+    let (b, c) = (k / per_block, k % per_block);
+    match dtype {
+        DType::Q5_0 => q5_0(row, b, c),
+        DType::Q5_1 => q5_1(row, b, c),
+        DType::Q2_K => q2_k(row, b, c),
+        DType::Q3_K => q3_k(row, b, c),
+        DType::Q4_K => q4_k(row, b, c),
+        DType::Q5_K => q5_k(row, b, c),
+        DType::Q6_K => q6_k(row, b, c),
+        DType::IQ4_NL => iq4_nl(row, b, c),
+        DType::IQ4_XS => iq4_xs(row, b, c),
+        _ => unreachable!("{} is not a chunked type", dtype.name()),
+    }
+}
+
+/// Chunks per block: 1 for the 32-weight formats, 8 for the 256-weight ones. A constant in
+/// each row loop, so that the loop over a block's chunks unrolls into straight code with
+/// constant shifts, and the block's scales are read once.
+const fn chunks_per_block(dtype: DType) -> usize {
+    match dtype {
+        DType::Q5_0 | DType::Q5_1 | DType::IQ4_NL => 1,
+        _ => super::QK_K / QK,
+    }
+}
+
+const LOW4: i8 = 0x0F;
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_0(row: &[u8], b: usize, _c: usize) -> Decoded {
+    let x = cast_blocks::<BlockQ5_0>(row).get_unchecked(b);
+    let high = _mm256_and_si256(bits_to_bytes(u32::from_le_bytes(x.qh)), _mm256_set1_epi8(0x10));
+    let v = _mm256_sub_epi8(_mm256_or_si256(nibbles(x.qs.as_ptr()), high), _mm256_set1_epi8(16));
+    Decoded { v, scale: f16(x.d), min: _mm256_setzero_ps(), min_halves: _mm256_setzero_ps() }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_1(row: &[u8], b: usize, _c: usize) -> Decoded {
+    let x = cast_blocks::<BlockQ5_1>(row).get_unchecked(b);
+    let high = _mm256_and_si256(bits_to_bytes(u32::from_le_bytes(x.qh)), _mm256_set1_epi8(0x10));
+    let v = _mm256_or_si256(nibbles(x.qs.as_ptr()), high);
+    // (d * q) + m, as d * q - (-m)
+    Decoded { v, scale: f16(x.d), min: _mm256_sub_ps(_mm256_setzero_ps(), f16(x.m)), min_halves: _mm256_setzero_ps() }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q2_k(row: &[u8], b: usize, c: usize) -> Decoded {
+    let x = cast_blocks::<BlockQ2K>(row).get_unchecked(b);
+    let (g, s) = (c / 4, c % 4);
+    let v = _mm256_and_si256(shr(load32(x.qs.as_ptr().add(32 * g)), 2 * s), _mm256_set1_epi8(3));
+    let (d, dmin) = (f16(x.d), f16(x.dmin));
+    let (s0, s1) = (x.scales[2 * c], x.scales[2 * c + 1]);
+    Decoded {
+        v,
+        scale: halves(d, (s0 & 0x0F) as i32, (s1 & 0x0F) as i32),
+        min: _mm256_setzero_ps(),
+        min_halves: halves(dmin, (s0 >> 4) as i32, (s1 >> 4) as i32),
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q3_k(row: &[u8], b: usize, c: usize) -> Decoded {
+    let x = cast_blocks::<BlockQ3K>(row).get_unchecked(b);
+    let (g, s) = (c / 4, c % 4);
+    let low = _mm256_and_si256(shr(load32(x.qs.as_ptr().add(32 * g)), 2 * s), _mm256_set1_epi8(3));
+    // low - 4 where the high bit is clear
+    let high = _mm256_and_si256(has_bit(load32(x.hmask.as_ptr()), c), _mm256_set1_epi8(4));
+    let v = _mm256_sub_epi8(_mm256_add_epi8(low, high), _mm256_set1_epi8(4));
+    let d = f16(x.d);
+    let scale = |j: usize| {
+        let low = (x.scales[j % 8] >> (4 * (j / 8))) & 0x0F;
+        let high = (x.scales[8 + j % 4] >> (2 * (j / 4))) & 3;
+        (low | (high << 4)) as i32 - 32
+    };
+    Decoded { v, scale: halves(d, scale(2 * c), scale(2 * c + 1)), min: _mm256_setzero_ps(), min_halves: _mm256_setzero_ps() }
+}
+
+/// Q4_K's and Q5_K's common part: the low 4 bits, the scale and the minimum.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn k4(d: u16, dmin: u16, scales: &[u8; 12], qs: *const u8, c: usize) -> Decoded {
+    let (sc, m) = super::chunked::scale_min_k4(scales, c);
+    let (g, h) = (c / 2, c % 2);
+    let v = _mm256_and_si256(shr(load32(qs.add(32 * g)), 4 * h), _mm256_set1_epi8(LOW4));
+    Decoded { v, scale: times(f16(d), sc as i32), min: times(f16(dmin), m as i32), min_halves: _mm256_setzero_ps() }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_k(row: &[u8], b: usize, c: usize) -> Decoded {
+    let x = cast_blocks::<BlockQ4K>(row).get_unchecked(b);
+    k4(x.d, x.dmin, &x.scales, x.qs.as_ptr(), c)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_k(row: &[u8], b: usize, c: usize) -> Decoded {
+    let x = cast_blocks::<BlockQ5K>(row).get_unchecked(b);
+    let mut ch = k4(x.d, x.dmin, &x.scales, x.qs.as_ptr(), c);
+    ch.v = _mm256_or_si256(ch.v, _mm256_and_si256(has_bit(load32(x.qh.as_ptr()), c), _mm256_set1_epi8(0x10)));
+    ch
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6_k(row: &[u8], b: usize, c: usize) -> Decoded {
+    let x = cast_blocks::<BlockQ6K>(row).get_unchecked(b);
+    let (g, s) = (c / 4, c % 4);
+    let low = _mm256_and_si256(shr(load32(x.ql.as_ptr().add(64 * g + 32 * (s % 2))), 4 * (s / 2)), _mm256_set1_epi8(LOW4));
+    let high = _mm256_and_si256(shr(load32(x.qh.as_ptr().add(32 * g)), 2 * s), _mm256_set1_epi8(3));
+    let v = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
+    let d = f16(x.d);
+    Decoded { v, scale: halves(d, x.scales[2 * c] as i32, x.scales[2 * c + 1] as i32), min: _mm256_setzero_ps(), min_halves: _mm256_setzero_ps() }
+}
+
+/// 16 bytes of IQ4 nibbles to their grid values.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn iq4(qs: *const u8, scale: __m256) -> Decoded {
+    let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(IQ4_VALUES.as_ptr() as *const __m128i));
+    Decoded { v: _mm256_shuffle_epi8(table, nibbles(qs)), scale, min: _mm256_setzero_ps(), min_halves: _mm256_setzero_ps() }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn iq4_nl(row: &[u8], b: usize, _c: usize) -> Decoded {
+    let x = cast_blocks::<BlockIQ4NL>(row).get_unchecked(b);
+    iq4(x.qs.as_ptr(), f16(x.d))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn iq4_xs(row: &[u8], b: usize, c: usize) -> Decoded {
+    let x = cast_blocks::<BlockIQ4XS>(row).get_unchecked(b);
+    let low = (x.scales_l[c / 2] >> (4 * (c % 2))) & 0x0F;
+    let high = ((x.scales_h >> (2 * c)) & 3) as u8;
+    iq4(x.qs.as_ptr().add(16 * c), times(f16(x.d), (low | (high << 4)) as i32 - 32))
+}
+
+/// Whether the format's weights can be negative (then the product needs `vpsignb`).
+fn signed(dtype: DType) -> bool {
+    !matches!(dtype, DType::Q5_1 | DType::Q2_K | DType::Q4_K | DType::Q5_K)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+}
+
+/// The row loop, written once for every format and both integer products: `$decode(row, k)`
+/// is the format's chunk decoder, `$product(u, s)` sums the products of unsigned bytes u with
+/// signed bytes s into 8 i32 lanes (4 bytes each).
+macro_rules! row_dot {
+    ($dtype:expr, $decode:ident, $row:expr, $a:expr, $product:ident) => {{
+        let (row, a) = ($row, $a);
+        let is_signed = signed($dtype);
+        let has_min = matches!($dtype, DType::Q5_1 | DType::Q4_K | DType::Q5_K);
+        let has_min_halves = $dtype == DType::Q2_K;
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut mins = [_mm256_setzero_ps(); N];
+        const PER_BLOCK: usize = chunks_per_block($dtype);
+        for b in 0..a[0].len() / PER_BLOCK {
+            for c in 0..PER_BLOCK {
+                let ch = $decode(row, b, c);
+                let u = if is_signed { _mm256_sign_epi8(ch.v, ch.v) } else { ch.v };
+                for t in 0..N {
+                    let x: &BlockQ8Act = a[t].get_unchecked(b * PER_BLOCK + c);
+                    let q = _mm256_loadu_si256(x.qs.as_ptr() as *const __m256i);
+                    let s = if is_signed { _mm256_sign_epi8(q, ch.v) } else { q };
+                    let d = _mm256_set1_ps(x.d);
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps($product(u, s)), _mm256_mul_ps(ch.scale, d), acc[t]);
+                    if has_min {
+                        mins[t] = _mm256_fmadd_ps(ch.min, _mm256_set1_ps(x.s), mins[t]);
+                    }
+                    if has_min_halves {
+                        let sums = $product(_mm256_set1_epi8(1), q);
+                        acc[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ch.min_halves, d), acc[t]);
+                    }
+                }
+            }
+        }
+        let mut out = [0.0f32; N];
+        for t in 0..N {
+            // (every lane of mins holds the sum)
+            out[t] = hsum(acc[t]) - _mm256_cvtss_f32(mins[t]);
+        }
+        out
+    }};
+}
+
+/// `row_dot` with the format's decoder picked once per row.
+macro_rules! dispatch {
+    ($dtype:expr, $row:expr, $a:expr, $product:ident) => {
+        match $dtype {
+            DType::Q5_0 => row_dot!(DType::Q5_0, q5_0, $row, $a, $product),
+            DType::Q5_1 => row_dot!(DType::Q5_1, q5_1, $row, $a, $product),
+            DType::Q2_K => row_dot!(DType::Q2_K, q2_k, $row, $a, $product),
+            DType::Q3_K => row_dot!(DType::Q3_K, q3_k, $row, $a, $product),
+            DType::Q4_K => row_dot!(DType::Q4_K, q4_k, $row, $a, $product),
+            DType::Q5_K => row_dot!(DType::Q5_K, q5_k, $row, $a, $product),
+            DType::Q6_K => row_dot!(DType::Q6_K, q6_k, $row, $a, $product),
+            DType::IQ4_NL => row_dot!(DType::IQ4_NL, iq4_nl, $row, $a, $product),
+            DType::IQ4_XS => row_dot!(DType::IQ4_XS, iq4_xs, $row, $a, $product),
+            _ => unreachable!("{} is not a chunked type", $dtype.name()),
+        }
+    };
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn maddubs(u: __m256i, s: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn dpbusd(u: __m256i, s: __m256i) -> __m256i {
+    _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+}
+
+/// One row of a chunked type against N int8 activation rows: the twin of `chunked::dot_scalar`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot<const N: usize>(dtype: DType, row: &[u8], a: [&[BlockQ8Act]; N]) -> [f32; N] {
+    dispatch!(dtype, row, a, maddubs)
+}
+
+/// `dot` with AVX-512 VNNI's one-instruction byte product.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub unsafe fn dot_vnni<const N: usize>(dtype: DType, row: &[u8], a: [&[BlockQ8Act]; N]) -> [f32; N] {
+    dispatch!(dtype, row, a, dpbusd)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::chunked::{chunk, tests::random_row, Chunk, CHUNKED};
+
+    /// Every decoder gives the scalar decoder's bytes, scales and minima.
+    #[test]
+    fn decoders_match_scalar() {
+        if !crate::matmul::detect().has_avx2() {
+            eprintln!("skipping: no AVX2 on this CPU");
+            return;
+        }
+        for (s, dtype) in CHUNKED.into_iter().enumerate() {
+            let row = random_row(dtype, 1024, 40 + s as u64);
+            let mut want = Chunk::default();
+            for k in 0..1024 / QK {
+                chunk(dtype, &row, k, &mut want);
+                // SAFETY: AVX2 checked above
+                let got = unsafe { decode(dtype, &row, k) };
+                let (mut v, mut scale, mut min, mut min_halves) = ([0i8; 32], [0.0f32; 8], [0.0f32; 8], [0.0f32; 8]);
+                unsafe {
+                    _mm256_storeu_si256(v.as_mut_ptr() as *mut __m256i, got.v);
+                    _mm256_storeu_ps(scale.as_mut_ptr(), got.scale);
+                    _mm256_storeu_ps(min.as_mut_ptr(), got.min);
+                    _mm256_storeu_ps(min_halves.as_mut_ptr(), got.min_halves);
+                }
+                assert_eq!(v, want.v, "{dtype:?} chunk {k}");
+                for h in 0..2 {
+                    assert_eq!(scale[4 * h], want.scale[h], "{dtype:?} chunk {k} scale");
+                    let min = if dtype == DType::Q2_K { min_halves[4 * h] } else { min[4 * h] };
+                    assert_eq!(min, want.min[h], "{dtype:?} chunk {k} min");
+                }
+            }
+        }
+    }
+
+    /// The row dots (AVX2, and VNNI where the CPU has it) equal the scalar dot up to float
+    /// summation order, for 1, 2 and 4 activation rows.
+    #[test]
+    fn dots_match_scalar() {
+        use crate::quant::{quantize_act, tests::random_vec};
+        let level = crate::matmul::detect();
+        if !level.has_avx2() {
+            eprintln!("skipping: no AVX2 on this CPU");
+            return;
+        }
+        let n = 768;
+        let acts: Vec<Vec<BlockQ8Act>> = (0..4)
+            .map(|t| {
+                let mut a = vec![BlockQ8Act::default(); n / QK];
+                quantize_act(&random_vec(n, 70 + t), &mut a);
+                a
+            })
+            .collect();
+        let a4 = [&acts[0][..], &acts[1][..], &acts[2][..], &acts[3][..]];
+        for (s, dtype) in CHUNKED.into_iter().enumerate() {
+            let row = random_row(dtype, n, 60 + s as u64);
+            let want = crate::quant::chunked::dot_scalar(dtype, &row, a4);
+            let scale = want.iter().fold(0.0f32, |m, w| m.max(w.abs())).max(1e-3);
+            let close = |got: &[f32], want: &[f32], what: &str| {
+                for (g, w) in got.iter().zip(want) {
+                    assert!((g - w).abs() <= 1e-5 * scale, "{dtype:?} {what}: {g} vs {w}");
+                }
+            };
+            // SAFETY: AVX2 checked above; VNNI only where the level says the CPU has it.
+            unsafe {
+                close(&dot(dtype, &row, [a4[0]]), &want[..1], "avx2 x1");
+                close(&dot(dtype, &row, [a4[2], a4[3]]), &want[2..], "avx2 x2");
+                close(&dot(dtype, &row, a4), &want, "avx2 x4");
+                if level == crate::matmul::SimdLevel::Avx512 {
+                    close(&dot_vnni(dtype, &row, [a4[1]]), &want[1..2], "vnni x1");
+                    close(&dot_vnni(dtype, &row, a4), &want, "vnni x4");
+                }
+            }
+        }
+    }
+}
