@@ -63,12 +63,15 @@ def rmsnorm(x, g, eps):
     return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * g
 
 
-def rope(x, positions, n_heads, head_dim, rope_dim, base, neox):
-    """x: (n, n_heads * head_dim). ggml mode 0 rotates (2i, 2i+1); NeoX rotates (i, i + d/2)."""
+def rope(x, positions, n_heads, head_dim, rope_dim, base, neox, freq_scale=1.0, factors=None):
+    """x: (n, n_heads * head_dim). ggml mode 0 rotates (2i, 2i+1); NeoX rotates (i, i + d/2).
+    Angle i of position p: p * freq_scale * base^(-2i / rope_dim) / factors[i]."""
     n = x.shape[0]
     x = x.reshape(n, n_heads, head_dim).copy()
     half = rope_dim // 2
-    inv = base ** (-np.arange(half, dtype=np.float64) * 2 / rope_dim)
+    inv = freq_scale * base ** (-np.arange(half, dtype=np.float64) * 2 / rope_dim)
+    if factors is not None:
+        inv = inv / factors
     ang = positions[:, None].astype(np.float64) * inv[None, :]  # (n, half)
     c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
     if neox:
@@ -104,17 +107,34 @@ def forward(w: dict, meta: dict, tokens, activation: str | None = None, int8_act
     Families: llama/mistral/qwen2/bamboo (RMSNorm, sequential), falcon (LayerNorm, fused QKV,
     attention and FFN in parallel on the normed layer input, attn_norm_2 for the attention when
     present, NeoX RoPE) and opt (LayerNorm with biases, learned positions offset by 2, no RoPE).
-    A PowerInfer `ffn_down_t` (neuron-major) is used as down = down_t^T."""
+    A PowerInfer `ffn_down_t` (neuron-major) is used as down = down_t^T.
+
+    Also, from the Gemma, Qwen 3, Phi-3 and Llama 3 definitions (Hugging Face's modeling code,
+    read through llama.cpp's GGUF conventions): q/k RMSNorm per head (attn_q_norm), post-block
+    norms (post_attention_norm, post_ffw_norm), embeddings times sqrt(n_embd) and GELU-gated FFNs
+    (gemma*), attention and final soft-capping (gemma2), sliding-window layers (gemma2: even
+    layers; gemma3: five of six, with RoPE base 10 000 and no scaling), fused qkv and gate_up
+    rows (phi3), linear RoPE scaling and rope_freqs factors (llama)."""
     arch = meta["general.architecture"]
     m = lambda k, d=None: meta.get(f"{arch}.{k}", d)
     n_embd, n_layer, n_head = m("embedding_length"), m("block_count"), m("attention.head_count")
     n_kv = m("attention.head_count_kv", n_head)
-    hd = n_embd // n_head
+    hd = m("attention.key_length", n_embd // n_head)
     rope_dim = m("rope.dimension_count", hd)
     base = m("rope.freq_base", 10000.0)
     layer_norm = arch in ("falcon", "opt")
     eps = m("attention.layer_norm_epsilon", 1e-5) if layer_norm else m("attention.layer_norm_rms_epsilon", 1e-5)
-    neox = arch in ("qwen2", "falcon")
+    neox = arch in ("qwen2", "qwen3", "falcon", "gemma", "gemma2", "gemma3", "phi3")
+    gemma = arch in ("gemma", "gemma2", "gemma3")
+    freq_scale = 1.0 / m("rope.scaling.factor", 1.0) if m("rope.scaling.type") == "linear" else 1.0
+    factors = w.get("rope_freqs.weight")
+    window = m("attention.sliding_window", 4096 if arch == "gemma2" else 0) if arch in ("gemma2", "gemma3") else 0
+    pattern = {"gemma2": 2, "gemma3": 6}.get(arch, 0)
+    attn_cap = m("attn_logit_softcapping", 50.0) if arch == "gemma2" else 0.0
+    final_cap = m("final_logit_softcapping", 30.0 if arch == "gemma2" else 0.0)
+
+    def slides(l):
+        return window > 0 and l % pattern < pattern - 1
     powerinfer = meta.get("_magic") == b"PWRI"
     if activation is None:
         activation = m("ffn_activation")
@@ -125,6 +145,8 @@ def forward(w: dict, meta: dict, tokens, activation: str | None = None, int8_act
             activation = "drelu"
         elif arch == "llama" and powerinfer:
             activation = "relu"
+        elif gemma:
+            activation = "geglu"
         else:
             activation = "silu"
     gateless = arch in ("opt", "falcon")
@@ -143,38 +165,64 @@ def forward(w: dict, meta: dict, tokens, activation: str | None = None, int8_act
     n = len(tokens)
     pos = np.arange(n)
     x = w["token_embd.weight"][tokens]
+    if gemma:
+        x = x * np.sqrt(n_embd)
     if arch == "opt":
         x = x + w["position_embd.weight"][pos + 2]
     mask = np.triu(np.full((n, n), -np.inf), k=1)
 
-    def attention(h, p):
-        if arch == "falcon":
+    def head_norm(a, name, heads):
+        return rmsnorm(a.reshape(n, heads, hd), w[name], eps).reshape(n, heads * hd)
+
+    def attention(h, p, l):
+        if p + "attn_qkv.weight" in w:
             qkv = mm(h, p + "attn_qkv.weight")
             q, k, v = qkv[:, : n_head * hd], qkv[:, n_head * hd : (n_head + n_kv) * hd], qkv[:, (n_head + n_kv) * hd :]
         else:
             q = mm(h, p + "attn_q.weight") + w.get(p + "attn_q.bias", 0)
             k = mm(h, p + "attn_k.weight") + w.get(p + "attn_k.bias", 0)
             v = mm(h, p + "attn_v.weight") + w.get(p + "attn_v.bias", 0)
+        if p + "attn_q_norm.weight" in w:
+            q = head_norm(q, p + "attn_q_norm.weight", n_head)
+            k = head_norm(k, p + "attn_k_norm.weight", n_kv)
         if arch != "opt":
-            q = rope(q, pos, n_head, hd, rope_dim, base, neox)
-            k = rope(k, pos, n_kv, hd, rope_dim, base, neox)
+            # gemma3's sliding layers: their own base, unscaled
+            b, fs = (10000.0, 1.0) if arch == "gemma3" and slides(l) else (base, freq_scale)
+            q = rope(q, pos, n_head, hd, rope_dim, b, neox, fs, factors)
+            k = rope(k, pos, n_kv, hd, rope_dim, b, neox, fs, factors)
         q, k, v = q.reshape(n, n_head, hd), k.reshape(n, n_kv, hd), v.reshape(n, n_kv, hd)
         out = np.zeros((n, n_head, hd))
+        layer_mask = mask
+        if slides(l):
+            # query i sees keys j with i - j < window
+            layer_mask = np.where(pos[:, None] - pos[None, :] >= window, -np.inf, mask)
         for hh in range(n_head):
             g = hh // (n_head // n_kv)
-            s = q[:, hh, :] @ k[:, g, :].T / np.sqrt(hd) + mask
+            s = q[:, hh, :] @ k[:, g, :].T / np.sqrt(hd)
+            if attn_cap:
+                s = attn_cap * np.tanh(s / attn_cap)
+            s = s + layer_mask
             s = np.exp(s - s.max(axis=1, keepdims=True))
             s /= s.sum(axis=1, keepdims=True)
             out[:, hh, :] = s @ v[:, g, :]
         return mm(out.reshape(n, n_head * hd), p + "attn_output.weight") + w.get(p + "attn_output.bias", 0)
 
+    def gelu(a):
+        return 0.5 * a * (1 + np.tanh(0.7978845608 * a * (1 + 0.044715 * a * a)))
+
     def ffn(h, p):
         up = mm(h, p + "ffn_up.weight") + w.get(p + "ffn_up.bias", 0)
         if gateless:
-            a = np.maximum(up, 0) if activation == "relu" else 0.5 * up * (1 + np.tanh(0.7978845608 * up * (1 + 0.044715 * up * up)))
+            a = np.maximum(up, 0) if activation == "relu" else gelu(up)
         else:
-            gate = mm(h, p + "ffn_gate.weight")
-            if activation in ("silu", "swiglu"):
+            if p + "ffn_gate.weight" in w:
+                gate = mm(h, p + "ffn_gate.weight")
+            else:
+                # phi3: ffn_up holds [gate; up]
+                gate, up = up[:, : up.shape[1] // 2], up[:, up.shape[1] // 2 :]
+            if activation == "geglu":
+                a = gelu(gate) * up
+            elif activation in ("silu", "swiglu"):
                 a = gate / (1 + np.exp(-gate)) * up
             elif activation in ("relu", "reglu"):
                 a = np.maximum(gate, 0) * up
@@ -192,9 +240,18 @@ def forward(w: dict, meta: dict, tokens, activation: str | None = None, int8_act
         if arch == "falcon":
             h = norm(x, p + "attn_norm")
             ha = norm(x, p + "attn_norm_2") if p + "attn_norm_2.weight" in w else h
-            x = x + attention(ha, p) + ffn(h, p)
+            x = x + attention(ha, p, l) + ffn(h, p)
         else:
-            x = x + attention(norm(x, p + "attn_norm"), p)
-            x = x + ffn(norm(x, p + "ffn_norm"), p)
+            a = attention(norm(x, p + "attn_norm"), p, l)
+            if p + "post_attention_norm.weight" in w:
+                a = norm(a, p + "post_attention_norm")
+            x = x + a
+            f = ffn(norm(x, p + "ffn_norm"), p)
+            if p + "post_ffw_norm.weight" in w:
+                f = norm(f, p + "post_ffw_norm")
+            x = x + f
     x = norm(x, "output_norm")
-    return mm(x, "output.weight" if "output.weight" in w else "token_embd.weight")
+    logits = mm(x, "output.weight" if "output.weight" in w else "token_embd.weight")
+    if final_cap:
+        logits = final_cap * np.tanh(logits / final_cap)
+    return logits

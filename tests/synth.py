@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFWriter
+from gguf import GGUFWriter, RopeScalingType
 from gguf.quants import dequantize, quantize
 
 
@@ -80,6 +80,17 @@ def random_blocks(dtype: Q, rows: int, cols: int, scale: float, rng) -> np.ndarr
     return raw.reshape(rows, -1)
 
 
+# What each architecture's files carry beyond the LLaMA layer, as llama.cpp's converter writes
+# them: q/k norms (qwen3, gemma3), post-block norms (gemma2/3), fused qkv and gate_up (phi3).
+ARCH_FEATURES = {
+    "qwen3": {"qk_norm"},
+    "gemma": set(),
+    "gemma2": {"post_norms"},
+    "gemma3": {"qk_norm", "post_norms"},
+    "phi3": {"fused"},
+}
+
+
 def write_model(
     path,
     arch: str = "llama",
@@ -98,10 +109,19 @@ def write_model(
     skip: tuple[str, ...] = (),
     weight_scale: float = 1.0,
     magic: bytes | None = None,
+    head_dim: int | None = None,
+    sliding_window: int | None = None,
+    rope_scaling: float | None = None,
+    rope_freqs: bool = False,
 ) -> str:
+    """A random model of `arch` (features per ARCH_FEATURES). `head_dim` writes
+    attention.key_length/value_length (q_dim may then differ from n_embd); `sliding_window`
+    the window of gemma2/3's sliding layers; `rope_scaling` a linear rope.scaling.factor;
+    `rope_freqs` Llama 3's per-frequency factors."""
     rng = np.random.default_rng(seed)
     n_vocab = len(tiny_vocab()[0])
-    hd = n_embd // n_head
+    hd = head_dim or n_embd // n_head
+    features = ARCH_FEATURES.get(arch, set())
 
     w = GGUFWriter(str(path), arch)
     w.add_block_count(n_layer)
@@ -113,6 +133,17 @@ def write_model(
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(rope_base)
     w.add_rope_dimension_count(hd)
+    if head_dim is not None:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if sliding_window is not None:
+        w.add_sliding_window(sliding_window)
+    if rope_scaling is not None:
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope_scaling)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(50.0)
+        w.add_final_logit_softcapping(30.0)
     if activation is not None:
         w.add_string(f"{arch}.ffn_activation", activation)
     add_tiny_tokenizer(w)
@@ -135,22 +166,38 @@ def write_model(
             return
         w.add_tensor(name, (around + spread * rng.standard_normal(n)).astype(np.float32))
 
-    mat("token_embd.weight", n_vocab, n_embd, 1.0)
+    # Gemma scales the embeddings by sqrt(n_embd): keep the residual stream's size as elsewhere
+    mat("token_embd.weight", n_vocab, n_embd, 1.0 / np.sqrt(n_embd) if arch.startswith("gemma") else 1.0)
+    if rope_freqs:
+        w.add_tensor("rope_freqs.weight", (1.0 + 7.0 * rng.random(hd // 2)).astype(np.float32))
     for l in range(n_layer):
         p = f"blk.{l}."
         vec(p + "attn_norm.weight", n_embd)
-        mat(p + "attn_q.weight", n_head * hd, n_embd, 0.3)
-        mat(p + "attn_k.weight", n_head_kv * hd, n_embd, 0.3)
-        mat(p + "attn_v.weight", n_head_kv * hd, n_embd, 0.3)
+        if "fused" in features:
+            mat(p + "attn_qkv.weight", (n_head + 2 * n_head_kv) * hd, n_embd, 0.3)
+        else:
+            mat(p + "attn_q.weight", n_head * hd, n_embd, 0.3)
+            mat(p + "attn_k.weight", n_head_kv * hd, n_embd, 0.3)
+            mat(p + "attn_v.weight", n_head_kv * hd, n_embd, 0.3)
+        if "qk_norm" in features:
+            vec(p + "attn_q_norm.weight", hd)
+            vec(p + "attn_k_norm.weight", hd)
         if bias:
             vec(p + "attn_q.bias", n_head * hd, 0.0, 0.2)
             vec(p + "attn_k.bias", n_head_kv * hd, 0.0, 0.2)
             vec(p + "attn_v.bias", n_head_kv * hd, 0.0, 0.2)
         mat(p + "attn_output.weight", n_embd, n_head * hd, 0.15)
+        if "post_norms" in features:
+            vec(p + "post_attention_norm.weight", n_embd)
         vec(p + "ffn_norm.weight", n_embd)
-        mat(p + "ffn_gate.weight", n_ff, n_embd, 0.2)
-        mat(p + "ffn_up.weight", n_ff, n_embd, 0.2)
+        if "fused" in features:
+            mat(p + "ffn_up.weight", 2 * n_ff, n_embd, 0.2)
+        else:
+            mat(p + "ffn_gate.weight", n_ff, n_embd, 0.2)
+            mat(p + "ffn_up.weight", n_ff, n_embd, 0.2)
         mat(p + "ffn_down.weight", n_embd, n_ff, 0.15)
+        if "post_norms" in features:
+            vec(p + "post_ffw_norm.weight", n_embd)
     vec("output_norm.weight", n_embd)
     if not tied:
         mat("output.weight", n_vocab, n_embd, 0.3)

@@ -665,7 +665,8 @@ class Generation:
         k = 0
         while k < limit and tokens[k] == self.prompt_ids[k]:
             k += 1
-        session.truncate(k)
+        # a sliding-window model's ring may keep less than the shared prefix
+        k = session.truncate(k)
         session.take_stats()
         self._session = session
         self._prefilled = k

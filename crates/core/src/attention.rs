@@ -85,9 +85,14 @@ impl KvBuf {
     }
 
     pub fn view(&self, n: usize) -> KvView<'_> {
+        self.view_at(0, n)
+    }
+
+    /// Elements start..start + n.
+    pub fn view_at(&self, start: usize, n: usize) -> KvView<'_> {
         match self {
-            KvBuf::F32(b) => KvView::F32(&b[..n]),
-            KvBuf::F16(b) => KvView::F16(&b[..n]),
+            KvBuf::F32(b) => KvView::F32(&b[start..start + n]),
+            KvBuf::F16(b) => KvView::F16(&b[start..start + n]),
         }
     }
 }
@@ -150,7 +155,8 @@ pub fn group_weighted_sum_scalar(weights: &[f32], n: usize, cache: KvView, strid
 
 /// Causal attention of the query heads that share one KV head (GQA): `qs` holds them back to
 /// back (g x hd), `out` receives theirs likewise. `scores` is scratch (resized here). Each cached
-/// key and value is read once for the whole group.
+/// key and value is read once for the whole group. A non-zero `softcap` squashes each scaled
+/// score s into softcap * tanh(s / softcap) before the softmax (Gemma 2).
 #[allow(clippy::too_many_arguments)]
 pub fn attend_group(
     qs: &[f32],
@@ -161,6 +167,7 @@ pub fn attend_group(
     stride: usize,
     offset: usize,
     scale: f32,
+    softcap: f32,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
@@ -199,6 +206,10 @@ pub fn attend_group(
         }
     } else {
         group_scores_scalar(qs, hd, k, stride, offset, scale, n, scores);
+    }
+    if softcap != 0.0 {
+        // Gemma 2: scores squashed into (-cap, cap)
+        scores.iter_mut().for_each(|s| *s = softcap * (*s / softcap).tanh());
     }
     for row in scores.chunks_exact_mut(n) {
         let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -260,7 +271,7 @@ mod tests {
                     let qs: Vec<f32> = (0..g * hd).map(|_| rng.next_f32() - 0.5).collect();
                     let (k, v) = (kb.view(n * stride), vb.view(n * stride));
                     let mut out = vec![0.0; g * hd];
-                    attend_group(&qs, hd, k, v, n, stride, hd, 0.2, &mut Vec::new(), &mut out);
+                    attend_group(&qs, hd, k, v, n, stride, hd, 0.2, 0.0, &mut Vec::new(), &mut out);
                     for h in 0..g {
                         let one = attend_one(&qs[h * hd..(h + 1) * hd], k, v, n, stride, hd, 0.2);
                         for (x, y) in one.iter().zip(&out[h * hd..(h + 1) * hd]) {
@@ -290,7 +301,7 @@ mod tests {
         let k = [0.0f32, 0.0, 2.0, 0.0];
         let v = [1.0f32, 0.0, 0.0, 1.0];
         let mut out = [0.0; 2];
-        attend_group(&q, 2, KvView::F32(&k), KvView::F32(&v), 2, 2, 0, 1.0, &mut Vec::new(), &mut out);
+        attend_group(&q, 2, KvView::F32(&k), KvView::F32(&v), 2, 2, 0, 1.0, 0.0, &mut Vec::new(), &mut out);
         let (e0, e1) = (1.0f32, 2.0f32.exp());
         assert!((out[0] - e0 / (e0 + e1)).abs() < 1e-6);
         assert!((out[1] - e1 / (e0 + e1)).abs() < 1e-6);

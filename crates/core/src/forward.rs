@@ -5,8 +5,10 @@
 //!
 //! Where each step runs is the `Backend`'s business: the CPU (`session::CpuPass`) or a GPU with
 //! the CPU (`powerinfer_cuda::hybrid`). Architecture differences are `Config` data read here
-//! (sequential or parallel residual, which norm feeds attention). This module computes nothing
-//! itself and must not grow per-backend branches.
+//! (sequential or parallel residual, which norm feeds attention, whether q/k and the block
+//! outputs are normed); finer differences (embedding scale, soft-capping, sliding windows, RoPE
+//! sets) are `Config` data the steps read. This module computes nothing itself and must not
+//! grow per-backend branches.
 
 use crate::model::{Family, Model};
 use crate::Result;
@@ -44,21 +46,28 @@ pub trait Backend {
     fn norm(&mut self, l: usize, which: Norm) -> Result<()>;
     /// q = xb @ wq^T, k = xb @ wk^T, v = xb @ wv^T (+ biases).
     fn qkv(&mut self, l: usize) -> Result<()>;
-    /// q and k turned by each row's position angles.
+    /// Each head of q and of k RMSNormed with the layer's `q_norm`, `k_norm` (head_dim).
+    fn qk_norm(&mut self, l: usize) -> Result<()>;
+    /// q and k turned by each row's position angles (the layer's RoPE set).
     fn rope(&mut self, l: usize) -> Result<()>;
     /// Each row's k and v into its session's layer-l cache, at the row's position.
     fn kv_store(&mut self, l: usize) -> Result<()>;
-    /// att = softmax(q k^T / sqrt(head_dim)) v, each row over its session's cache up to and
-    /// including its own position (causal); the query heads sharing a kv head read it together.
+    /// att = softmax(q k^T * attn_scale) v, each row over its session's cache up to and
+    /// including its own position (causal; in a sliding layer only the window's last positions),
+    /// scores soft-capped where the model says; the query heads sharing a kv head read it
+    /// together.
     fn attend(&mut self, l: usize) -> Result<()>;
     /// attn_out = att @ wo^T (+ bias).
     fn attn_out(&mut self, l: usize) -> Result<()>;
     /// ffn_out = down(act(gate(xb), up(xb))) (+ biases) over the neurons the row's session
     /// selects (`session::Sparsity`; a predictor reads x).
     fn ffn(&mut self, l: usize) -> Result<()>;
+    /// attn_out or ffn_out RMSNormed with the layer's post-block norm (Gemma 2 and 3).
+    fn post_norm(&mut self, l: usize, part: Part) -> Result<()>;
     /// x += layer l's attn_out or ffn_out.
     fn residual(&mut self, l: usize, part: Part) -> Result<()>;
-    /// The final norm and the classifier over the last `m` rows: logits (m, n_vocab).
+    /// The final norm and the classifier over the last `m` rows: logits (m, n_vocab), soft-capped
+    /// where the model says.
     fn logits(&mut self, m: usize) -> Result<Vec<f32>>;
 }
 
@@ -74,23 +83,30 @@ pub fn forward<B: Backend>(b: &mut B, model: &Model, tokens: &[u32], n_logits: u
 
 /// One transformer block.
 fn layer<B: Backend>(b: &mut B, model: &Model, l: usize) -> Result<()> {
-    let has_attn_norm_2 = model.weights.layers[l].attn_norm_2.is_some();
+    let lw = &model.weights.layers[l];
+    let has_attn_norm_2 = lw.attn_norm_2.is_some();
     match model.config.family {
         Family::Llama | Family::Opt => {
-            // attention norm, attention, residual
+            // attention norm, attention, (post-attention norm), residual
             b.norm(l, Norm::Attn)?;
-            attention(b, l)?;
+            attention(b, model, l)?;
+            if lw.attn_post_norm.is_some() {
+                b.post_norm(l, Part::Attn)?;
+            }
             b.residual(l, Part::Attn)?;
 
-            // ffn norm, ffn (its predictor reads the residual x), residual
+            // ffn norm, ffn (its predictor reads the residual x), (post-FFN norm), residual
             b.norm(l, Norm::Ffn)?;
             b.ffn(l)?;
+            if lw.ffn_post_norm.is_some() {
+                b.post_norm(l, Part::Ffn)?;
+            }
             b.residual(l, Part::Ffn)
         }
         Family::Falcon => {
             // attention reads attn_norm_2(x) when the layer has it (Falcon-40B), else attn_norm(x)
             b.norm(l, if has_attn_norm_2 { Norm::Attn2 } else { Norm::Attn })?;
-            attention(b, l)?;
+            attention(b, model, l)?;
 
             // the FFN reads attn_norm(x); its predictor reads the layer input x itself
             if has_attn_norm_2 {
@@ -106,9 +122,12 @@ fn layer<B: Backend>(b: &mut B, model: &Model, l: usize) -> Result<()> {
 }
 
 /// The attention block: xb -> attn_out, extending the KV cache by the rows.
-fn attention<B: Backend>(b: &mut B, l: usize) -> Result<()> {
-    // qkv matmuls, RoPE on q and k, k and v into the cache
+fn attention<B: Backend>(b: &mut B, model: &Model, l: usize) -> Result<()> {
+    // qkv matmuls, (q/k norms), RoPE on q and k, k and v into the cache
     b.qkv(l)?;
+    if model.weights.layers[l].q_norm.is_some() {
+        b.qk_norm(l)?;
+    }
     b.rope(l)?;
     b.kv_store(l)?;
     // multihead attention over the cache, output projection

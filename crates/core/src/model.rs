@@ -2,10 +2,14 @@
 //! the memory map (`Weights`), and the immutable `Model` that owns both plus the thread pool.
 //! A `Model` is shared across threads through `Arc`; everything mutable lives in `Session`.
 //!
-//! Architectures: `llama` and `mistral` (RoPE normal), `qwen2` (RoPE NeoX, q/k/v biases),
-//! `bamboo` (dReLU FFN), `falcon` (LayerNorm, fused QKV, parallel attention and FFN, no gate) and
-//! `opt` (LayerNorm, biases everywhere, learned positions, no gate). The FFN activation comes
-//! from metadata (see `FfnActivation::from_file`).
+//! Architectures: `llama` and `mistral` (RoPE normal; Llama 3's `rope_freqs` and linear RoPE
+//! scaling), `qwen2` (RoPE NeoX, q/k/v biases), `qwen3` (q/k RMSNorm), `gemma`, `gemma2` and
+//! `gemma3` (GELU-gated FFN, scaled embeddings, post-block norms, soft-capping, sliding-window
+//! layers with their own RoPE base, q/k norm), `phi3` (fused qkv and gate_up), `bamboo` (dReLU
+//! FFN), `falcon` (LayerNorm, fused QKV, parallel attention and FFN, no gate) and `opt`
+//! (LayerNorm, biases everywhere, learned positions, no gate). Everything that differs is data
+//! in `Config` and optional weights, read by the one layer in `forward.rs`. The FFN activation
+//! comes from metadata (see `FfnActivation::from_file`).
 //!
 //! PowerInfer files (`PWRI` magic) carry the down projection transposed (`ffn_down_t`, one row
 //! per neuron) and a predictor per layer (`fc1`, `fc2`). Plain files get a neuron-major copy of
@@ -25,6 +29,8 @@ use crate::quant::{self, DType};
 pub enum FfnActivation {
     /// `silu(gate) * up` (LLaMA, Mistral, SmolLM2, Qwen2)
     SwiGlu,
+    /// `gelu(gate) * up`, GELU's tanh form (Gemma)
+    GeGlu,
     /// `relu(gate) * up` (ReluLLaMA, ProSparse)
     ReGlu,
     /// `relu(gate) * relu(up)` (Bamboo)
@@ -39,6 +45,7 @@ impl FfnActivation {
     pub fn name(self) -> &'static str {
         match self {
             FfnActivation::SwiGlu => "swiglu",
+            FfnActivation::GeGlu => "geglu",
             FfnActivation::ReGlu => "reglu",
             FfnActivation::DReGlu => "dreglu",
             FfnActivation::Relu => "relu",
@@ -56,6 +63,7 @@ impl FfnActivation {
     pub fn apply(self, g: f32, u: f32) -> f32 {
         match self {
             FfnActivation::SwiGlu => silu(g) * u,
+            FfnActivation::GeGlu => gelu(g) * u,
             FfnActivation::ReGlu => g.max(0.0) * u,
             FfnActivation::DReGlu => g.max(0.0) * u.max(0.0),
             FfnActivation::Relu => u.max(0.0),
@@ -69,7 +77,7 @@ impl FfnActivation {
     pub fn gate_part(self, g: f32) -> f32 {
         match self {
             FfnActivation::SwiGlu => silu(g),
-            FfnActivation::Gelu => gelu(g),
+            FfnActivation::Gelu | FfnActivation::GeGlu => gelu(g),
             _ => g.max(0.0),
         }
     }
@@ -112,6 +120,7 @@ impl FfnActivation {
             ("falcon", _) => FfnActivation::Gelu,
             ("bamboo", _) => FfnActivation::DReGlu,
             ("llama", Magic::Powerinfer) => FfnActivation::ReGlu,
+            ("gemma" | "gemma2" | "gemma3", _) => FfnActivation::GeGlu,
             _ => FfnActivation::SwiGlu,
         })
     }
@@ -130,7 +139,7 @@ pub enum RopeStyle {
 /// The shape of the transformer block, which picks the forward pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Family {
-    /// Pre-RMSNorm, attention then FFN: llama, mistral, qwen2, bamboo.
+    /// Pre-RMSNorm, attention then FFN: llama, mistral, qwen2, qwen3, gemma 1-3, phi3, bamboo.
     Llama,
     /// LayerNorm; attention and FFN both read the normed layer input and add to it in parallel.
     Falcon,
@@ -164,6 +173,26 @@ pub struct Config {
     pub powerinfer: bool,
     /// Predictor cut-off from `powerinfer.sparse_threshold` (0.0 when absent).
     pub sparse_threshold: f32,
+    /// The embeddings are multiplied by this (Gemma: sqrt(n_embd); otherwise 1).
+    pub embed_scale: f32,
+    /// q . k is multiplied by this: 1 / sqrt(head_dim), except where Gemma's
+    /// `query_pre_attn_scalar` differs (the 27B models: 1 / sqrt(n_embd / n_head)).
+    pub attn_scale: f32,
+    /// Gemma 2: attention scores become cap * tanh(score / cap) before the softmax (0: none).
+    pub attn_softcap: f32,
+    /// Gemma 2: logits become cap * tanh(logit / cap) (0: none).
+    pub final_softcap: f32,
+    /// Sliding-window attention (Gemma 2 and 3): a sliding layer's token attends to the last
+    /// `sliding_window` positions only, itself included (0: no layer slides).
+    pub sliding_window: usize,
+    /// Which layers slide, as llama.cpp's `set_swa_pattern(p)`: layer l slides iff
+    /// l % p < p - 1 (Gemma 2: every other layer from the first; Gemma 3: five of every six).
+    pub swa_pattern: usize,
+    /// RoPE base of the sliding layers (Gemma 3: 10 000, where its global layers use 1 000 000).
+    pub rope_base_swa: f32,
+    /// Linear RoPE scaling of the non-sliding layers: positions are multiplied by this
+    /// (1 / `rope.scaling.factor`).
+    pub rope_freq_scale: f32,
 }
 
 impl Config {
@@ -172,6 +201,50 @@ impl Config {
     }
     pub fn kv_dim(&self) -> usize {
         self.n_head_kv * self.head_dim
+    }
+
+    /// Whether layer l attends over a sliding window.
+    pub fn slides(&self, l: usize) -> bool {
+        self.sliding_window > 0 && (self.swa_pattern <= 1 || l % self.swa_pattern < self.swa_pattern - 1)
+    }
+
+    /// The RoPE frequency set layer l uses: 0 (the model's base and scaling), or 1 (the sliding
+    /// layers' own base, where they have one).
+    pub fn rope_set(&self, l: usize) -> usize {
+        usize::from(self.slides(l) && self.rope_sets() == 2)
+    }
+
+    /// How many RoPE frequency sets the layers use (1 or 2).
+    pub fn rope_sets(&self) -> usize {
+        if self.sliding_window > 0 && (self.rope_base_swa != self.rope_base || self.rope_freq_scale != 1.0) {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// Whether the layers use only what the plain LLaMA layer has (no Gemma, Qwen 3 or Llama 3
+    /// rope features): the GPU executor's kernels cover exactly that.
+    pub fn plain_llama_layer(&self) -> Option<&'static str> {
+        if self.embed_scale != 1.0 {
+            return Some("scaled embeddings");
+        }
+        if self.attn_softcap != 0.0 || self.final_softcap != 0.0 {
+            return Some("soft-capping");
+        }
+        if self.sliding_window > 0 {
+            return Some("sliding-window attention");
+        }
+        if self.rope_freq_scale != 1.0 {
+            return Some("RoPE scaling");
+        }
+        if (self.attn_scale - 1.0 / (self.head_dim as f32).sqrt()).abs() > 1e-7 {
+            return Some("a non-standard attention scale");
+        }
+        if self.ffn_activation == FfnActivation::GeGlu {
+            return Some("a GELU-gated FFN");
+        }
+        None
     }
 }
 
@@ -190,6 +263,8 @@ pub struct LayerWeights<'a> {
     pub attn_norm_2: Option<Vec<f32>>,  // (n_embd), Falcon-40B: separate norm for attention
     pub attn_norm_2_b: Option<Vec<f32>>,
     pub wq: QMatrix<'a>,                // (n_head * head_dim, n_embd)
+    pub q_norm: Option<Vec<f32>>,       // (head_dim), RMSNorm of each q head (qwen3, gemma3)
+    pub k_norm: Option<Vec<f32>>,       // (head_dim), RMSNorm of each k head
     pub wk: QMatrix<'a>,                // (n_head_kv * head_dim, n_embd)
     pub wv: QMatrix<'a>,                // (n_head_kv * head_dim, n_embd)
     pub bq: Option<Vec<f32>>,           // (n_head * head_dim), qwen2, opt
@@ -197,6 +272,8 @@ pub struct LayerWeights<'a> {
     pub bv: Option<Vec<f32>>,           // (n_head_kv * head_dim)
     pub wo: QMatrix<'a>,                // (n_embd, n_head * head_dim)
     pub bo: Option<Vec<f32>>,           // (n_embd), opt
+    pub attn_post_norm: Option<Vec<f32>>, // (n_embd), gemma2/3: RMSNorm of the attention output
+    pub ffn_post_norm: Option<Vec<f32>>,  // (n_embd), gemma2/3: RMSNorm of the FFN output
     pub ffn_norm: Option<Vec<f32>>,     // (n_embd); Falcon has none (the FFN reads attn_norm's output)
     pub ffn_norm_b: Option<Vec<f32>>,   // (n_embd), opt
     pub ffn_gate: Option<QMatrix<'a>>,  // (n_ff, n_embd); none for Falcon and OPT
@@ -215,6 +292,7 @@ pub struct Weights<'a> {
     pub output_norm: Vec<f32>,              // (n_embd)
     pub output_norm_b: Option<Vec<f32>>,    // (n_embd), LayerNorm families
     pub output: QMatrix<'a>,                // (n_vocab, n_embd); token_embd when tied
+    pub rope_freqs: Option<Vec<f32>>,       // (rope_dim / 2), Llama 3: each frequency is divided by its factor
 }
 
 /// Input-major (transposed) copies of one kind of layer matrix, built on first use: for the
@@ -323,7 +401,7 @@ impl Config {
         };
         let (family, rope_style) = match arch.as_str() {
             "llama" | "mistral" | "bamboo" => (Family::Llama, RopeStyle::Normal),
-            "qwen2" => (Family::Llama, RopeStyle::NeoX),
+            "qwen2" | "qwen3" | "gemma" | "gemma2" | "gemma3" | "phi3" => (Family::Llama, RopeStyle::NeoX),
             "falcon" => (Family::Falcon, RopeStyle::NeoX),
             "opt" => (Family::Opt, RopeStyle::None),
             _ => return Err(Error::UnknownArchitecture(arch)),
@@ -366,6 +444,46 @@ impl Config {
             (Family::Opt, Some(t)) => (t.shape()[0] as usize).saturating_sub(OPT_POSITION_OFFSET),
             _ => meta_usize(file, &k("context_length"))?.unwrap_or(2048),
         };
+        let gemma = matches!(arch.as_str(), "gemma" | "gemma2" | "gemma3");
+        // Gemma's query_pre_attn_scalar, as llama.cpp derives it: n_embd / n_head for the 27B
+        // models (Gemma 2: 46 layers, Gemma 3: 62), the head size otherwise
+        let big_gemma = (arch == "gemma2" && n_layer == 46) || (arch == "gemma3" && n_layer == 62);
+        let attn_scale = 1.0 / (if big_gemma { (n_embd / n_head) as f32 } else { head_dim as f32 }).sqrt();
+        let rope_base = meta_f32(file, &k("rope.freq_base"))?.unwrap_or(10000.0);
+        let rope_freq_scale = match file.get(&k("rope.scaling.type")).map(|v| v.as_str()) {
+            None | Some(Some("none")) => 1.0,
+            Some(Some("linear")) => {
+                let factor = meta_f32(file, &k("rope.scaling.factor"))?.unwrap_or(1.0);
+                if factor <= 0.0 {
+                    return Err(Error::Model(format!("{} = {factor} is not a positive factor", k("rope.scaling.factor"))));
+                }
+                1.0 / factor
+            }
+            // llama3 scaling is baked into the file's `rope_freqs` factors
+            Some(Some("llama3")) => 1.0,
+            Some(other) => {
+                return Err(Error::Model(format!(
+                    "{} = {:?} is not supported (supported: none, linear, llama3)",
+                    k("rope.scaling.type"),
+                    other.unwrap_or("a non-string")
+                )))
+            }
+        };
+        if file.tensor("rope_factors_long.weight").is_some() || file.tensor("rope_factors_short.weight").is_some() {
+            return Err(Error::Model(format!("{arch}: long-context RoPE factors (rope_factors_long/short, LongRoPE) are not supported")));
+        }
+        let (sliding_window, swa_pattern) = match arch.as_str() {
+            "gemma2" => (meta_usize(file, &k("attention.sliding_window"))?.unwrap_or(4096), 2),
+            "gemma3" => (meta_usize(file, &k("attention.sliding_window"))?.unwrap_or(0), 6),
+            // llama.cpp runs Phi-3's window as full attention (its ggml-org/llama.cpp#13676)
+            _ => (0, 0),
+        };
+        let softcap = |name: &str, default: f32| -> Result<f32> { Ok(meta_f32(file, &k(name))?.unwrap_or(default)) };
+        let (attn_softcap, final_softcap) = match arch.as_str() {
+            "gemma2" => (softcap("attn_logit_softcapping", 50.0)?, softcap("final_logit_softcapping", 30.0)?),
+            "gemma3" => (0.0, softcap("final_logit_softcapping", 0.0)?),
+            _ => (0.0, 0.0),
+        };
         Ok(Config {
             family,
             n_vocab,
@@ -377,13 +495,21 @@ impl Config {
             head_dim,
             n_ctx_train,
             rope_dim,
-            rope_base: meta_f32(file, &k("rope.freq_base"))?.unwrap_or(10000.0),
+            rope_base,
             rope_style,
             norm_eps,
             ffn_activation: FfnActivation::from_file(file, &arch)?,
             tied_output: file.tensor("output.weight").is_none(),
             powerinfer,
             sparse_threshold: meta_f32(file, "powerinfer.sparse_threshold")?.unwrap_or(0.0),
+            embed_scale: if gemma { (n_embd as f32).sqrt() } else { 1.0 },
+            attn_scale,
+            attn_softcap,
+            final_softcap,
+            sliding_window,
+            swa_pattern,
+            rope_base_swa: if arch == "gemma3" { 10000.0 } else { rope_base },
+            rope_freq_scale,
             architecture: arch,
         })
     }
@@ -470,9 +596,9 @@ impl Weights<'_> {
         let mut layers = Vec::with_capacity(c.n_layer);
         for i in 0..c.n_layer {
             let n = |s: &str| format!("blk.{i}.{s}");
-            // attention projections: separate, or Falcon's fused [q; k; v] rows
+            // attention projections: separate, or fused [q; k; v] rows (Falcon, Phi-3)
             let (wq, wk, wv) = match c.family {
-                Family::Falcon => {
+                _ if file.tensor(&n("attn_qkv.weight")).is_some() => {
                     let qkv = matrix(file, &n("attn_qkv.weight"), c.q_dim() + 2 * c.kv_dim(), c.n_embd)?;
                     let (q, kv) = (c.q_dim(), c.kv_dim());
                     (qkv.rows_range(0, q), qkv.rows_range(q, q + kv), qkv.rows_range(q + kv, q + 2 * kv))
@@ -500,10 +626,16 @@ impl Weights<'_> {
                 Some(b) => Some(b),
                 None => vector(file, &n("ffn_down.bias"), c.n_embd)?,
             };
-            let ffn_gate = if c.ffn_activation.has_gate() {
-                Some(matrix(file, &n("ffn_gate.weight"), c.n_ff, c.n_embd)?)
+            // gate and up: separate, or fused [gate; up] rows in ffn_up (Phi-3)
+            let fused_up = c.ffn_activation.has_gate()
+                && file.tensor(&n("ffn_gate.weight")).is_none()
+                && file.tensor(&n("ffn_up.weight")).is_some_and(|t| t.shape().first() == Some(&(2 * c.n_ff as u64)));
+            let (ffn_gate, ffn_up) = if fused_up {
+                let gate_up = matrix(file, &n("ffn_up.weight"), 2 * c.n_ff, c.n_embd)?;
+                (Some(gate_up.rows_range(0, c.n_ff)), gate_up.rows_range(c.n_ff, 2 * c.n_ff))
             } else {
-                None
+                let gate = if c.ffn_activation.has_gate() { Some(matrix(file, &n("ffn_gate.weight"), c.n_ff, c.n_embd)?) } else { None };
+                (gate, matrix(file, &n("ffn_up.weight"), c.n_ff, c.n_embd)?)
             };
             let ffn_norm = match c.family {
                 Family::Falcon => None,
@@ -515,6 +647,8 @@ impl Weights<'_> {
                 attn_norm_2: vector(file, &n("attn_norm_2.weight"), c.n_embd)?,
                 attn_norm_2_b: vector(file, &n("attn_norm_2.bias"), c.n_embd)?,
                 wq,
+                q_norm: vector(file, &n("attn_q_norm.weight"), c.head_dim)?,
+                k_norm: vector(file, &n("attn_k_norm.weight"), c.head_dim)?,
                 wk,
                 wv,
                 bq: vector(file, &n("attn_q.bias"), c.q_dim())?,
@@ -522,10 +656,12 @@ impl Weights<'_> {
                 bv: vector(file, &n("attn_v.bias"), c.kv_dim())?,
                 wo: matrix(file, &n("attn_output.weight"), c.n_embd, c.q_dim())?,
                 bo: vector(file, &n("attn_output.bias"), c.n_embd)?,
+                attn_post_norm: vector(file, &n("post_attention_norm.weight"), c.n_embd)?,
+                ffn_post_norm: vector(file, &n("post_ffw_norm.weight"), c.n_embd)?,
                 ffn_norm,
                 ffn_norm_b: vector(file, &n("ffn_norm.bias"), c.n_embd)?,
                 ffn_gate,
-                ffn_up: matrix(file, &n("ffn_up.weight"), c.n_ff, c.n_embd)?,
+                ffn_up,
                 ffn_up_b: vector(file, &n("ffn_up.bias"), c.n_ff)?,
                 ffn_down,
                 ffn_down_t,
@@ -548,6 +684,7 @@ impl Weights<'_> {
             output_norm: required_vector(file, "output_norm.weight", c.n_embd)?,
             output_norm_b: vector(file, "output_norm.bias", c.n_embd)?,
             output,
+            rope_freqs: vector(file, "rope_freqs.weight", c.rope_dim / 2)?,
         })
     }
 }

@@ -45,9 +45,12 @@ pub struct Session {
     pub n_ctx: usize,
     /// Every token evaluated so far; `tokens.len()` is the next position.
     pub tokens: Vec<u32>,
-    k_cache: Vec<KvBuf>,     // per layer (n_ctx, n_head_kv * head_dim)
-    v_cache: Vec<KvBuf>,     // per layer (n_ctx, n_head_kv * head_dim)
-    rope_inv_freq: Vec<f32>, // (rope_dim / 2)
+    k_cache: Vec<KvBuf>,     // per layer (rows, n_head_kv * head_dim): n_ctx rows, or a ring's
+    v_cache: Vec<KvBuf>,     // per layer, as k_cache
+    /// Per layer: the ring a sliding-window layer keeps (see `KvRing`), or None (one row per
+    /// position).
+    kv_ring: Vec<Option<KvRing>>,
+    rope_inv_freq: Vec<Vec<f32>>, // per RoPE set (`Config::rope_set`), (rope_dim / 2)
     state: PassState,
     s: Scratch,
 }
@@ -78,17 +81,31 @@ impl Session {
                 c.n_ctx_train
             )));
         }
-        let per_layer = n_ctx
+        n_ctx
             .checked_mul(c.kv_dim())
             .ok_or_else(|| Error::InvalidArgument(format!("n_ctx {n_ctx} is too large")))?;
-        let cache = || (0..c.n_layer).map(|_| KvBuf::new(kv_type, per_layer)).collect::<Result<Vec<_>>>();
-        let rope_inv_freq =
-            (0..c.rope_dim / 2).map(|i| c.rope_base.powf(-2.0 * i as f32 / c.rope_dim as f32)).collect();
+        // sliding layers keep a ring of their window when it is smaller than the context
+        let kv_ring: Vec<Option<KvRing>> =
+            (0..c.n_layer).map(|l| (c.slides(l) && KvRing::rows(c.sliding_window) < n_ctx).then(|| KvRing::new(c.sliding_window))).collect();
+        let rows = |l: usize| kv_ring[l].as_ref().map_or(n_ctx, |r| KvRing::rows(r.window));
+        let cache = || (0..c.n_layer).map(|l| KvBuf::new(kv_type, rows(l) * c.kv_dim())).collect::<Result<Vec<_>>>();
+        // inverse frequencies: scale * base^(-2i / rope_dim) / factor_i (Llama 3's rope_freqs)
+        let factors = model.weights.rope_freqs.as_deref();
+        let inv_freq = |base: f32, scale: f32| -> Vec<f32> {
+            (0..c.rope_dim / 2)
+                .map(|i| scale * base.powf(-2.0 * i as f32 / c.rope_dim as f32) / factors.map_or(1.0, |f| f[i]))
+                .collect()
+        };
+        let mut rope_inv_freq = vec![inv_freq(c.rope_base, c.rope_freq_scale)];
+        if c.rope_sets() == 2 {
+            rope_inv_freq.push(inv_freq(c.rope_base_swa, 1.0));
+        }
         Ok(Session {
             n_ctx,
             tokens: Vec::new(),
             k_cache: cache()?,
             v_cache: cache()?,
+            kv_ring,
             rope_inv_freq,
             state: PassState::new(Sparsity::dense()),
             s: Scratch::default(),
@@ -100,9 +117,15 @@ impl Session {
         self.tokens.len()
     }
 
-    /// Forgets everything after the first `n` tokens (the cache beyond is simply overwritten).
-    pub fn truncate(&mut self, n: usize) {
+    /// Forgets everything after the first `n` tokens (the cache beyond is simply overwritten)
+    /// and returns how many it kept: `n`, or 0 where a sliding layer's ring has already
+    /// overwritten positions that the token after the first n would attend to.
+    pub fn truncate(&mut self, n: usize) -> usize {
+        let n = n.min(self.pos());
+        let keeps = |ring: &KvRing| ring.keeps(n, self.pos());
+        let n = if self.kv_ring.iter().flatten().all(keeps) { n } else { 0 };
         self.tokens.truncate(n);
+        n
     }
 
     pub fn sparsity(&self) -> &Sparsity {
@@ -146,10 +169,32 @@ impl Session {
     pub fn eval(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
         self.check_room(tokens)?;
         let model = Arc::clone(&self.model);
-        let n_logits = if all_logits { tokens.len() } else { 1 };
-        let logits = model.install(|| forward(&mut CpuPass::new(self, tokens.len()), &model, tokens, n_logits))?;
-        self.tokens.extend_from_slice(tokens);
+        // passes of at most a ring's spare rows where a sliding layer keeps a ring
+        let per_pass = if self.kv_ring.iter().any(Option::is_some) { KvRing::PASS_ROWS } else { tokens.len() };
+        let mut logits = Vec::new();
+        for (i, part) in tokens.chunks(per_pass).enumerate() {
+            let last = (i + 1) * per_pass >= tokens.len();
+            let n_logits = if all_logits { part.len() } else { usize::from(last) };
+            logits.extend(model.install(|| forward(&mut CpuPass::new(self, part.len()), &model, part, n_logits))?);
+            self.tokens.extend_from_slice(part);
+        }
         Ok(logits)
+    }
+
+    /// Layer l's cache rows that hold position `pos` (a ring writes each position twice).
+    pub(crate) fn kv_rows(&self, l: usize, pos: usize) -> [Option<usize>; 2] {
+        match &self.kv_ring[l] {
+            None => [Some(pos), None],
+            Some(r) => r.rows_of(pos),
+        }
+    }
+
+    /// The rows layer l's token at `pos` attends to, contiguous: (first row, count).
+    pub(crate) fn kv_window(&self, l: usize, pos: usize) -> (usize, usize) {
+        let c = &self.model.config;
+        let first = if c.slides(l) { (pos + 1).saturating_sub(c.sliding_window) } else { 0 };
+        let row = self.kv_ring[l].as_ref().map_or(first, |r| first % r.slots());
+        (row, pos + 1 - first)
     }
 
     /// Checks that `tokens` can be evaluated next: at least one, each in the vocabulary, and
@@ -169,3 +214,45 @@ impl Session {
         Ok(())
     }
 }
+
+/// The KV cache of a sliding-window layer when the window is smaller than the context: a ring
+/// of `slots` = window + PASS_ROWS positions, position p in slot p % slots. A pass stores its
+/// rows before any of them attends, so the ring has room for a whole pass (at most PASS_ROWS
+/// rows) beyond the window: no row overwrites a position another row of its pass still reads.
+/// Each slot is stored twice, at rows s and s + slots, so that any run of up to `slots`
+/// consecutive positions lies in consecutive rows: attention reads one contiguous range.
+pub(crate) struct KvRing {
+    window: usize,
+}
+
+impl KvRing {
+    /// The most rows one pass over a session with rings evaluates.
+    pub(crate) const PASS_ROWS: usize = 256;
+
+    fn new(window: usize) -> KvRing {
+        KvRing { window }
+    }
+
+    fn slots(&self) -> usize {
+        self.window + Self::PASS_ROWS
+    }
+
+    /// The rows a ring for `window` allocates.
+    fn rows(window: usize) -> usize {
+        2 * (window + Self::PASS_ROWS)
+    }
+
+    fn rows_of(&self, pos: usize) -> [Option<usize>; 2] {
+        let s = pos % self.slots();
+        [Some(s), Some(s + self.slots())]
+    }
+
+    /// Whether, with positions 0..pos stored, the positions the token at n attends to (the
+    /// window before it) are all still in the ring.
+    fn keeps(&self, n: usize, pos: usize) -> bool {
+        // position j is gone once position j + slots has been stored
+        let first_needed = (n + 1).saturating_sub(self.window);
+        pos <= first_needed + self.slots()
+    }
+}
+

@@ -43,21 +43,22 @@ pub fn type_slot(dtype: DType) -> Result<usize> {
 }
 
 /// The activation code the kernels switch on (ACT_* in the .cu file).
-pub fn act_code(act: FfnActivation) -> i32 {
-    match act {
+pub fn act_code(act: FfnActivation) -> Result<i32> {
+    Ok(match act {
         FfnActivation::SwiGlu => 0,
         FfnActivation::ReGlu => 1,
         FfnActivation::DReGlu => 2,
         FfnActivation::Relu => 3,
         FfnActivation::Gelu => 4,
-    }
+        FfnActivation::GeGlu => return Err(CudaError::Unsupported("a GELU-gated FFN".into())),
+    })
 }
 
 /// The activation a kernel's code stands for (the inverse of `act_code`).
 pub fn act_of_code(code: i32) -> Option<FfnActivation> {
     [FfnActivation::SwiGlu, FfnActivation::ReGlu, FfnActivation::DReGlu, FfnActivation::Relu, FfnActivation::Gelu]
         .into_iter()
-        .find(|&a| act_code(a) == code)
+        .find(|&a| act_code(a).ok() == Some(code))
 }
 
 /// A weight matrix in device memory, rows in the file's type and layout.

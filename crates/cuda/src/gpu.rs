@@ -169,7 +169,7 @@ impl<D: Device> Gpu<D> {
         if let Some((counts, slot)) = &selected {
             Self::holds("the selection counters", counts, slot + 1)?;
         }
-        self.dev.ffn_hot(gate, up, bucket, x, up_bias, pred_logits, threshold, selected, act_code(act), h)
+        self.dev.ffn_hot(gate, up, bucket, x, up_bias, pred_logits, threshold, selected, act_code(act)?, h)
     }
 
     /// partial[k, c] = sum over the rows i of chunk k of h[i] * down_t[i, c]; returns the

@@ -144,6 +144,11 @@ pub fn unsupported_reason(model: &Model, mode: Option<SparsityMode>) -> Option<S
         return Some(format!("the GPU executor runs LLaMA-family models; {} runs on the CPU", c.architecture));
     }
     let w = &model.weights;
+    let normed = w.layers.iter().any(|lw| lw.q_norm.is_some() || lw.attn_post_norm.is_some() || lw.ffn_post_norm.is_some());
+    let feature = c.plain_llama_layer().or(normed.then_some("q/k or post-block norms")).or(w.rope_freqs.as_ref().map(|_| "RoPE frequency factors"));
+    if let Some(feature) = feature {
+        return Some(format!("{} uses {feature}, which the GPU executor does not have yet; it runs on the CPU", c.architecture));
+    }
     let mut mats = vec![&w.output];
     for lw in &w.layers {
         mats.extend([&lw.wq, &lw.wk, &lw.wv, &lw.wo, &lw.ffn_up]);
@@ -395,8 +400,9 @@ impl<D: Device> HybridSession<D> {
         self.cpu.pos()
     }
 
-    pub fn truncate(&mut self, n: usize) {
-        self.cpu.truncate(n);
+    /// Keeps the first `n` tokens; returns how many it kept (see `Session::truncate`).
+    pub fn truncate(&mut self, n: usize) -> usize {
+        self.cpu.truncate(n)
     }
 
     /// Dense and predictor modes run on the GPU; threshold mode needs the dense gate of every
@@ -633,6 +639,14 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         Ok(g.rope(&mut dev.k, &dev.cos, &dev.sin, c.n_head_kv, c.head_dim, c.rope_dim, neox)?)
     }
 
+    fn qk_norm(&mut self, l: usize) -> CoreResult<()> {
+        match self.place(l)? {
+            None => self.cpu.qk_norm(l),
+            // `unsupported_reason` keeps such models off the GPU
+            Some(_) => Err(CudaError::Unsupported("q/k norms".into()).into()),
+        }
+    }
+
     fn kv_store(&mut self, l: usize) -> CoreResult<()> {
         if self.place(l)?.is_none() {
             return self.cpu.kv_store(l);
@@ -670,6 +684,14 @@ impl<D: Device> Backend for HybridPass<'_, D> {
                 self.dev.counts.cpu_neurons += (after.neurons - after.skipped) - (before.neurons - before.skipped);
                 Ok(())
             }
+        }
+    }
+
+    fn post_norm(&mut self, l: usize, part: Part) -> CoreResult<()> {
+        match self.place(l)? {
+            None => self.cpu.post_norm(l, part),
+            // `unsupported_reason` keeps such models off the GPU
+            Some(_) => Err(CudaError::Unsupported("post-block norms".into()).into()),
         }
     }
 

@@ -442,10 +442,11 @@ impl PySession {
         Ok(lock(&self.inner)?.cpu_ref().tokens.clone())
     }
 
-    /// Keeps only the first `n` tokens (to reuse a shared prompt prefix, or to reset with 0).
-    fn truncate(&self, n: usize) -> PyResult<()> {
-        lock(&self.inner)?.cpu().truncate(n);
-        Ok(())
+    /// Keeps only the first `n` tokens (to reuse a shared prompt prefix, or to reset with 0)
+    /// and returns how many it kept: fewer (0) where a sliding-window layer's ring no longer
+    /// holds what the next token would attend to.
+    fn truncate(&self, n: usize) -> PyResult<usize> {
+        Ok(lock(&self.inner)?.cpu().truncate(n))
     }
 
     /// Evaluates `tokens`; returns logits of shape (len(tokens), n_vocab) when `all_logits`,

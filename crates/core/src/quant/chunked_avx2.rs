@@ -100,6 +100,7 @@ unsafe fn has_bit(x: __m256i, c: usize) -> __m256i {
 
 /// Chunk k of a row of `dtype`: the SIMD twin of `chunked::chunk`. The row loops call the
 /// per-format decoders directly, so that each loop is compiled for one format.
+#[cfg(test)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn decode(dtype: DType, row: &[u8], k: usize) -> Decoded {
     let per_block = chunks_per_block(dtype);

@@ -40,9 +40,11 @@ impl<'a> CpuPass<'a> {
         &mut self.s.x[..n]
     }
 
-    /// The rows' RoPE angles (cos, sin), (n, rope_dim / 2) each, as `embed` computed them.
+    /// The rows' RoPE angles (cos, sin) of the first RoPE set, (n, rope_dim / 2) each, as
+    /// `embed` computed them.
     pub fn rope_angles(&self) -> (&[f32], &[f32]) {
-        (&self.s.cos, &self.s.sin)
+        let len = self.rows.len() * self.model.config.rope_dim / 2;
+        (&self.s.cos[..len], &self.s.sin[..len])
     }
 
     /// The session of a one-session pass.
@@ -82,6 +84,9 @@ impl Backend for CpuPass<'_> {
         s.resize_for(self.rows.len(), c);
         let positions = || self.rows.iter().map(|&(_, pos)| pos);
         s.embed(&self.model.weights, c.n_embd, tokens, positions());
+        if c.embed_scale != 1.0 {
+            s.x.iter_mut().for_each(|v| *v *= c.embed_scale);
+        }
         // every session of a model has the same RoPE frequencies
         s.rope_angles(&self.sessions[0].rope_inv_freq, positions());
         Ok(())
@@ -115,10 +120,22 @@ impl Backend for CpuPass<'_> {
         Ok(())
     }
 
-    fn rope(&mut self, _l: usize) -> Result<()> {
+    fn qk_norm(&mut self, l: usize) -> Result<()> {
+        let (c, lw, s) = (&self.model.config, &self.model.weights.layers[l], &mut self.s);
+        let missing = || Error::Model(format!("layer {l} has only one of attn_q_norm and attn_k_norm"));
+        rmsnorm_in_place(&mut s.q, lw.q_norm.as_ref().ok_or_else(missing)?, c.norm_eps);
+        rmsnorm_in_place(&mut s.k, lw.k_norm.as_ref().ok_or_else(missing)?, c.norm_eps);
+        Ok(())
+    }
+
+    fn rope(&mut self, l: usize) -> Result<()> {
         let (c, s) = (&self.model.config, &mut self.s);
-        rope(&mut s.q, c.head_dim, c.rope_dim, c.rope_style, &s.cos, &s.sin);
-        rope(&mut s.k, c.head_dim, c.rope_dim, c.rope_style, &s.cos, &s.sin);
+        // this layer's set of angles (sliding layers may have their own base)
+        let len = self.rows.len() * c.rope_dim / 2;
+        let at = c.rope_set(l) * len;
+        let (cos, sin) = (&s.cos[at..at + len], &s.sin[at..at + len]);
+        rope(&mut s.q, c.head_dim, c.rope_dim, c.rope_style, cos, sin);
+        rope(&mut s.k, c.head_dim, c.rope_dim, c.rope_style, cos, sin);
         Ok(())
     }
 
@@ -126,8 +143,10 @@ impl Backend for CpuPass<'_> {
         let kv_dim = self.model.config.kv_dim();
         for (t, &(i, pos)) in self.rows.iter().enumerate() {
             let se = &mut self.sessions[i];
-            se.k_cache[l].write(pos * kv_dim, &self.s.k[t * kv_dim..(t + 1) * kv_dim]);
-            se.v_cache[l].write(pos * kv_dim, &self.s.v[t * kv_dim..(t + 1) * kv_dim]);
+            for row in se.kv_rows(l, pos).into_iter().flatten() {
+                se.k_cache[l].write(row * kv_dim, &self.s.k[t * kv_dim..(t + 1) * kv_dim]);
+                se.v_cache[l].write(row * kv_dim, &self.s.v[t * kv_dim..(t + 1) * kv_dim]);
+            }
         }
         Ok(())
     }
@@ -138,17 +157,17 @@ impl Backend for CpuPass<'_> {
         let (q_dim, kv_dim, hd) = (c.q_dim(), c.kv_dim(), c.head_dim);
         let sessions: &[&mut Session] = sessions;
         let group = c.n_head / c.n_head_kv;
-        let scale = 1.0 / (hd as f32).sqrt();
         let q = &s.q;
         let attend = |idx: usize, out: &mut [f32], scores: &mut Vec<f32>| {
             let (t, g) = (idx / c.n_head_kv, idx % c.n_head_kv);
             // the query heads of kv head g are contiguous: g * group .. (g + 1) * group
             let qs = &q[t * q_dim + g * group * hd..t * q_dim + (g + 1) * group * hd];
-            // causal: row t attends to positions 0..=its own
-            let len = rows[t].1 + 1;
+            // causal: row t attends to positions 0..=its own (the window's in a sliding layer),
+            // which lie in `len` consecutive cache rows from `first`
             let se = &sessions[rows[t].0];
-            let (kc, vc) = (&se.k_cache[l], &se.v_cache[l]);
-            attend_group(qs, hd, kc.view(len * kv_dim), vc.view(len * kv_dim), len, kv_dim, g * hd, scale, scores, out);
+            let (first, len) = se.kv_window(l, rows[t].1);
+            let (k, v) = (se.k_cache[l].view_at(first * kv_dim, len * kv_dim), se.v_cache[l].view_at(first * kv_dim, len * kv_dim));
+            attend_group(qs, hd, k, v, len, kv_dim, g * hd, c.attn_scale, c.attn_softcap, scores, out);
         };
         if rows.len() == 1 {
             // decode: one scores buffer per kv head, kept in the scratch (they only grow with
@@ -202,6 +221,17 @@ impl Backend for CpuPass<'_> {
         Ok(())
     }
 
+    fn post_norm(&mut self, l: usize, part: Part) -> Result<()> {
+        let (c, lw, s) = (&self.model.config, &self.model.weights.layers[l], &mut self.s);
+        let (out, w) = match part {
+            Part::Attn => (&mut s.attn_out, &lw.attn_post_norm),
+            Part::Ffn => (&mut s.ffn_out, &lw.ffn_post_norm),
+        };
+        let w = w.as_ref().ok_or_else(|| Error::Model(format!("layer {l} has no {part:?} post-norm")))?;
+        rmsnorm_in_place(out, w, c.norm_eps);
+        Ok(())
+    }
+
     fn residual(&mut self, _l: usize, part: Part) -> Result<()> {
         let s = &mut self.s;
         add_into(&mut s.x, if part == Part::Attn { &s.attn_out } else { &s.ffn_out });
@@ -211,12 +241,18 @@ impl Backend for CpuPass<'_> {
     fn logits(&mut self, m: usize) -> Result<Vec<f32>> {
         let (c, w, s) = (&self.model.config, &self.model.weights, &mut self.s);
         let (n, dim) = (self.rows.len(), c.n_embd);
+        if m == 0 {
+            return Ok(Vec::new());
+        }
         // final norm and classifier of the last m rows
         let x = &s.x[(n - m) * dim..n * dim];
         norm(c.family, &mut s.xb[..m * dim], x, &w.output_norm, w.output_norm_b.as_deref(), c.norm_eps);
         s.acts.set(&s.xb[..m * dim], m, dim);
         let mut logits = vec![0.0f32; m * c.n_vocab];
         matmul(&w.output, &s.acts, &mut logits);
+        if c.final_softcap != 0.0 {
+            softcap(&mut logits, c.final_softcap);
+        }
         Ok(logits)
     }
 }

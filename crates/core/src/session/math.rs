@@ -13,6 +13,20 @@ pub(crate) fn rmsnorm(out: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
     }
 }
 
+/// RMSNorm of each w.len()-long piece of `x`, in place (q/k heads, block outputs).
+pub(crate) fn rmsnorm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+    for xr in x.chunks_exact_mut(w.len()) {
+        let ss: f32 = xr.iter().map(|v| v * v).sum::<f32>() / w.len() as f32;
+        let scale = 1.0 / (ss + eps).sqrt();
+        xr.iter_mut().zip(w).for_each(|(v, wi)| *v = *v * scale * wi);
+    }
+}
+
+/// Gemma 2's soft-capping: each value squashed into cap * tanh(v / cap).
+pub(crate) fn softcap(x: &mut [f32], cap: f32) {
+    x.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
+}
+
 pub(crate) fn layernorm(out: &mut [f32], x: &[f32], w: &[f32], b: Option<&[f32]>, eps: f32) {
     let n = w.len();
     for (o, xr) in out.chunks_exact_mut(n).zip(x.chunks_exact(n)) {

@@ -49,8 +49,8 @@ pub(crate) struct Scratch {
     pub(crate) acts: Activations,
     pub(crate) pred_acts: Activations,
     pub(crate) sparse: SparseScratch,
-    pub(crate) cos: Vec<f32>,      // (n, rope_dim / 2)
-    pub(crate) sin: Vec<f32>,      // (n, rope_dim / 2)
+    pub(crate) cos: Vec<f32>,      // (RoPE sets, n, rope_dim / 2)
+    pub(crate) sin: Vec<f32>,      // (RoPE sets, n, rope_dim / 2)
 }
 
 impl Scratch {
@@ -79,16 +79,19 @@ impl Scratch {
         }
     }
 
-    /// RoPE angles of each token's position, shared by every layer: cos, sin (n, rope_dim / 2).
-    pub(crate) fn rope_angles(&mut self, inv_freq: &[f32], positions: impl ExactSizeIterator<Item = usize>) {
-        let half = inv_freq.len();
-        self.cos.resize(positions.len() * half, 0.0);
-        self.sin.resize(positions.len() * half, 0.0);
-        for (t, pos) in positions.enumerate() {
-            for (i, f) in inv_freq.iter().enumerate() {
-                let angle = pos as f32 * f;
-                self.cos[t * half + i] = angle.cos();
-                self.sin[t * half + i] = angle.sin();
+    /// RoPE angles of each token's position for every RoPE set (`Config::rope_set`), shared by
+    /// the layers: cos, sin (sets, n, rope_dim / 2).
+    pub(crate) fn rope_angles(&mut self, inv_freq: &[Vec<f32>], positions: impl ExactSizeIterator<Item = usize> + Clone) {
+        let (half, n) = (inv_freq[0].len(), positions.len());
+        self.cos.resize(inv_freq.len() * n * half, 0.0);
+        self.sin.resize(inv_freq.len() * n * half, 0.0);
+        for (set, freqs) in inv_freq.iter().enumerate() {
+            for (t, pos) in positions.clone().enumerate() {
+                for (i, f) in freqs.iter().enumerate() {
+                    let angle = pos as f32 * f;
+                    self.cos[(set * n + t) * half + i] = angle.cos();
+                    self.sin[(set * n + t) * half + i] = angle.sin();
+                }
             }
         }
     }
