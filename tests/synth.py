@@ -37,10 +37,10 @@ def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
 
 
 def add_tiny_tokenizer(w: GGUFWriter) -> None:
-    """The `tiny_vocab` tokenizer keys: gpt2 BPE, BOS 0, EOS 2 (<|im_end|>), no BOS added."""
+    """The `tiny_vocab` tokenizer keys: gpt2 BPE (GPT-2 pre-tokenizer), BOS 0, EOS 2 (<|im_end|>), no BOS added."""
     tokens, types, merges = tiny_vocab()
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
+    w.add_tokenizer_pre("gpt-2")  # the name llama.cpp knows GPT-2's pre-tokenizer by
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
