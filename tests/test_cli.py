@@ -62,6 +62,27 @@ def test_info_lists_metadata_and_tensors(model):
     assert "blk.1.ffn_down.weight" in r.stdout
 
 
+def test_info_shows_the_quantization_mix():
+    """A Q4_K_M file written by llama.cpp's quantizer: each type with its tensor count, bytes
+    and bits per weight, computed here from the file's own tensor table."""
+    from pathlib import Path
+
+    from gguf import GGUFReader
+
+    path = Path(__file__).parent / "fixtures" / "llamacpp" / "llama-Q4_K_M.gguf"
+    r = run_cli("info", str(path))
+    assert r.returncode == 0, r.stderr
+    lines = {ln.split()[0]: ln.split() for ln in r.stdout.split("quantization mix:")[1].splitlines()[1:] if ln.strip()}
+    tensors = GGUFReader(str(path)).tensors
+    for kind in ("Q4_K", "Q6_K", "F32"):
+        mine = [t for t in tensors if t.tensor_type.name == kind]
+        n_bytes = sum(int(t.n_bytes) for t in mine)
+        bits = 8 * n_bytes / sum(int(t.n_elements) for t in mine)
+        assert lines[kind][1] == str(len(mine)), lines[kind]
+        assert abs(float(lines[kind][3]) - n_bytes / 2**20) < 0.01, lines[kind]
+        assert lines[kind][-2] == f"{bits:.2f}", lines[kind]
+
+
 def test_perplexity_command(model, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 40)

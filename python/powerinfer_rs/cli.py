@@ -162,11 +162,21 @@ def cmd_info(a: argparse.Namespace) -> int:
     if a.tensors:
         for t in tensors:
             print(f"  {t['name']:<32} {t['type']:<6} {str(t['shape']):<16} offset={t['offset']}")
-    else:
-        counts: dict[str, int] = {}
-        for t in tensors:
-            counts[t["type"]] = counts.get(t["type"], 0) + 1
-        print("  " + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) + "  (--tensors lists them)")
+    # the quantization mix: a preset such as Q4_K_M mixes several types
+    mix: dict[str, list[int]] = {}
+    for t in tensors:
+        n_elements = 1
+        for d in t["shape"]:
+            n_elements *= d
+        entry = mix.setdefault(t["type"], [0, 0, 0])
+        entry[0] += 1
+        entry[1] += t["n_bytes"]
+        entry[2] += n_elements
+    print("quantization mix:" + ("" if a.tensors else "  (--tensors lists the tensors)"))
+    for name, (count, n_bytes, n_elements) in sorted(mix.items(), key=lambda kv: -kv[1][1]):
+        bits = 8 * n_bytes / max(n_elements, 1)
+        share = n_bytes / max(total, 1)
+        print(f"  {name:<7} {count:>4} tensors  {n_bytes / 2**20:9.2f} MiB  {share:6.1%}  {bits:5.2f} bits/weight")
     return 0
 
 
