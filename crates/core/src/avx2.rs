@@ -29,7 +29,7 @@ unsafe fn hsum(v: __m256) -> f32 {
 /// (measured 2-4x slower).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn splat_f16(bits: u16) -> __m256 {
+pub(crate) unsafe fn splat_f16(bits: u16) -> __m256 {
     _mm256_cvtph_ps(_mm_set1_epi16(bits as i16))
 }
 

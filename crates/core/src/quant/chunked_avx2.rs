@@ -21,6 +21,8 @@ use std::arch::x86_64::*;
 
 use super::chunked::{BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, IQ4_VALUES};
 use super::{cast_blocks, BlockQ8Act, DType, QK};
+// an f16 scale broadcast to 8 f32 lanes (see there why a broadcast)
+use crate::avx2::splat_f16 as f16;
 
 /// One decoded chunk: 32 signed weights, the halves' scales as [s0 x 4, s1 x 4], and the
 /// minimum (per chunk in every lane of `min`, or per half in `min_halves`).
@@ -29,15 +31,6 @@ struct Decoded {
     scale: __m256,
     min: __m256,
     min_halves: __m256,
-}
-
-/// An f16 broadcast to 8 f32 lanes. The broadcast load writes the whole register; a scalar
-/// conversion lets the compiler narrow the load into a 16-bit insert that merges into an
-/// unrelated, often loop-carried register, chaining each chunk to the last (measured 2x).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16(bits: u16) -> __m256 {
-    _mm256_cvtph_ps(_mm_set1_epi16(bits as i16))
 }
 
 /// `d` times a small integer, in every lane.
