@@ -223,9 +223,9 @@ impl Config {
         }
     }
 
-    /// Whether the layers use only what the plain LLaMA layer has (no Gemma, Qwen 3 or Llama 3
-    /// rope features): the GPU executor's kernels cover exactly that.
-    pub fn plain_llama_layer(&self) -> Option<&'static str> {
+    /// The first feature of the layer's configuration beyond the plain LLaMA layer (Gemma's,
+    /// Llama 3's RoPE scaling), if any: the GPU executor's kernels cover only the plain layer.
+    pub fn feature_beyond_llama(&self) -> Option<&'static str> {
         if self.embed_scale != 1.0 {
             return Some("scaled embeddings");
         }

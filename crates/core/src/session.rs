@@ -81,9 +81,10 @@ impl Session {
                 c.n_ctx_train
             )));
         }
-        n_ctx
-            .checked_mul(c.kv_dim())
-            .ok_or_else(|| Error::InvalidArgument(format!("n_ctx {n_ctx} is too large")))?;
+        // every layer's cache has at most n_ctx rows
+        if n_ctx.checked_mul(c.kv_dim()).is_none() {
+            return Err(Error::InvalidArgument(format!("n_ctx {n_ctx} is too large")));
+        }
         // sliding layers keep a ring of their window when it is smaller than the context
         let kv_ring: Vec<Option<KvRing>> =
             (0..c.n_layer).map(|l| (c.slides(l) && KvRing::rows(c.sliding_window) < n_ctx).then(|| KvRing::new(c.sliding_window))).collect();
