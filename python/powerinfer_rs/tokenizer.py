@@ -22,15 +22,66 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 # llama.cpp's token types
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 
-# Pre-tokenizer regexes, by `tokenizer.ggml.pre` (the same expressions llama.cpp applies).
-_LLAMA3_RE = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# Pre-tokenizers of byte-level BPE vocabularies, by `tokenizer.ggml.pre`: the regexes llama.cpp
+# splits a text with, applied one after another (each splits the pieces the one before left;
+# text between matches stays a piece of its own), and whether a piece that is itself a token
+# skips the merges (`ignore_merges`, Llama 3's rule).
+_GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_LLAMA3_RE = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN2_RE = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN35_RE = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_QWEN2_RE = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_UPPER_THEN_LOWER = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+{c}"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*{c}"
 )
+_GPT4O_RE = _UPPER_THEN_LOWER.replace("{c}", _CONTRACTIONS + "?") + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_TEKKEN_RE = _UPPER_THEN_LOWER.replace("{c}", "") + r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_DEEPSEEK_V3 = (
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+)
+
+
+# (names, regexes, ignore_merges, BOS added when the file does not say)
+_PRE_TOKENIZER_TABLE = [
+    (("default",), (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]"), False, False),
+    (
+        ("gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4", "trillion", "granite-docling", "a.x-4.0", "mellum"),
+        (_GPT2_RE,),
+        False,
+        False,
+    ),
+    (
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"),
+        (_LLAMA3_RE,),
+        True,
+        True,
+    ),
+    (("dbrx", "smaug-bpe"), (_LLAMA3_RE,), False, False),
+    (
+        ("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez", "hunyuan", "solar-open", "kormo", "f2llmv2"),
+        (_QWEN2_RE,),
+        False,
+        False,
+    ),
+    (("qwen35",), (_QWEN35_RE,), False, False),
+    (
+        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2"),
+        (r"\p{N}", _GPT2_RE),
+        False,
+        False,
+    ),
+    (("falcon",), (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2_RE, r"[0-9][0-9][0-9]"), False, False),
+    (("deepseek-coder",), (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"), False, False),
+    (("deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"), _DEEPSEEK_V3, False, False),
+    (("gpt-4o", "llama4", "kanana2", "talkie"), (_GPT4O_RE,), False, False),
+    (("tekken",), (_TEKKEN_RE,), True, True),
+]
+_PRE_TOKENIZERS = {name: (regexes, ignore, bos) for names, regexes, ignore, bos in _PRE_TOKENIZER_TABLE for name in names}
 
 # Texts of end-of-generation control tokens that models use besides their declared EOS.
 _END_OF_GENERATION = {"<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "</s>", "<|end_of_text|>", "<end_of_turn>"}
@@ -52,37 +103,36 @@ def _bytes_to_unicode() -> dict[int, str]:
 _BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
 
 
-def _gpt2_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    if pre in (None, "default", "gpt2", "gpt-2"):
-        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("smollm", "starcoder", "refact", "codeshell"):
-        # Every digit alone, then GPT-2's regex.
-        return pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-        )
-    regex = {"llama-bpe": _LLAMA3_RE, "llama3": _LLAMA3_RE, "qwen2": _QWEN2_RE, "deepseek-r1-qwen": _QWEN2_RE}.get(pre)
-    if regex is None:
-        warnings.warn(f"unknown pre-tokenizer {pre!r}; using GPT-2's", stacklevel=3)
-        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    return pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(regex), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-    )
+def _byte_level_pre_tokenizer(regexes: tuple[str, ...]) -> pre_tokenizers.PreTokenizer:
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+    return pre_tokenizers.Sequence(splits + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
-def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
-    """Merges for a SentencePiece BPE vocabulary: every split of a piece into two known pieces,
-    ranked by the merged piece's score (higher merges first), as SentencePiece applies them."""
+def _spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """Merges for a SentencePiece vocabulary: every split of a piece into two pieces, ranked by
+    the merged piece's score (higher first). llama.cpp's SPM tokenizer joins the adjacent pair
+    whose join is the best-scored token of any type, leftmost first among equals. BPE over these
+    merges does the same, except that two different tokens of equal score are ordered by id
+    (SentencePiece gives every normal piece its own score, so only zero-scored specials tie)."""
     vocab = {t: i for i, t in enumerate(tokens)}
     found = []
     for piece, pid in vocab.items():
-        if types[pid] not in (TOKEN_NORMAL, TOKEN_USER_DEFINED) or len(piece) < 2:
-            continue
         for k in range(1, len(piece)):
             left, right = piece[:k], piece[k:]
             if left in vocab and right in vocab:
                 found.append((-scores[pid], pid, vocab[left], vocab[right], left, right))
     found.sort()
     return [(left, right) for *_, left, right in found]
+
+
+def _rstripped_specials(metadata: Mapping[str, Any], tokens: list[str], types: list[int]) -> set[str]:
+    """Special tokens that swallow the whitespace after them. GGUF has no field for this;
+    llama.cpp sets it for Phi-3 by the model's name, and so does this."""
+    name = str(metadata.get("general.name") or "").lower()
+    if "phi-3" not in name and "phi3" not in name:
+        return set()
+    out = {t for t, k in zip(tokens, types) if k in (TOKEN_CONTROL, TOKEN_UNKNOWN, TOKEN_USER_DEFINED)}
+    return (out | {"</s>"}) - {"<unk>", "<s>", "<|endoftext|>"}
 
 
 class GGUFTokenizer:
@@ -101,7 +151,16 @@ class GGUFTokenizer:
         self.types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * n)
         self.bos_token_id: int | None = metadata.get("tokenizer.ggml.bos_token_id")
         self.eos_token_id: int | None = metadata.get("tokenizer.ggml.eos_token_id")
-        default_bos = self.kind == "llama"
+        self.pre: str | None = metadata.get("tokenizer.ggml.pre") if self.kind == "gpt2" else None
+        if self.kind == "gpt2":
+            if self.pre is None:
+                self.pre = "default"  # as llama.cpp does, with a warning
+            if self.pre not in _PRE_TOKENIZERS:
+                raise ValueError(
+                    f"the model's pre-tokenizer tokenizer.ggml.pre={self.pre!r} is not supported; supported: "
+                    + ", ".join(sorted(_PRE_TOKENIZERS))
+                )
+        default_bos = self.kind == "llama" or (self.kind == "gpt2" and _PRE_TOKENIZERS[self.pre][2])
         self.add_bos: bool = bool(metadata.get("tokenizer.ggml.add_bos_token", default_bos))
         self.add_space_prefix: bool = bool(metadata.get("tokenizer.ggml.add_space_prefix", self.kind == "llama"))
         self.chat_template: str | None = metadata.get("tokenizer.chat_template")
@@ -121,8 +180,14 @@ class GGUFTokenizer:
             self._tok = self._build_gpt2(metadata)
         else:
             self._tok = self._build_spm(metadata)
-        specials = [self.tokens[i] for i, t in enumerate(self.types) if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
-        self._tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+        # Texts matched before the tokenizer runs, as llama.cpp does: control and unknown tokens
+        # only when asked to (`special=True`), user-defined ones always.
+        rstrip = _rstripped_specials(metadata, self.tokens, self.types)
+        def added(kinds: tuple[int, ...]) -> list[AddedToken]:
+            return [AddedToken(t, normalized=False, rstrip=t in rstrip) for t, k in zip(self.tokens, self.types) if k in kinds]
+
+        self._tok.add_special_tokens(added((TOKEN_CONTROL, TOKEN_UNKNOWN)))
+        self._tok.add_tokens(added((TOKEN_USER_DEFINED,)))
         self._lock = threading.Lock()
 
     def _piece_bytes(self, i: int) -> bytes:
@@ -147,8 +212,9 @@ class GGUFTokenizer:
                 raise ValueError(f"malformed merge {m!r} in tokenizer.ggml.merges")
             merges.append((a, b))
         vocab = {t: i for i, t in enumerate(self.tokens)}
-        tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=False))
-        tok.pre_tokenizer = _gpt2_pre_tokenizer(metadata.get("tokenizer.ggml.pre"))
+        regexes, ignore_merges, _ = _PRE_TOKENIZERS[self.pre]
+        tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
+        tok.pre_tokenizer = _byte_level_pre_tokenizer(regexes)
         tok.decoder = decoders.ByteLevel()
         return tok
 
@@ -157,7 +223,7 @@ class GGUFTokenizer:
         vocab = {t: i for i, t in enumerate(self.tokens)}
         unk_id = metadata.get("tokenizer.ggml.unknown_token_id", 0)
         tok = Tokenizer(
-            models.BPE(vocab, _spm_merges(self.tokens, scores, self.types), unk_token=self.tokens[unk_id], byte_fallback=True, fuse_unk=True)
+            models.BPE(vocab, _spm_merges(self.tokens, scores), unk_token=self.tokens[unk_id], byte_fallback=True, fuse_unk=True)
         )
         norms = [normalizers.Replace(" ", "\u2581")]
         if self.add_space_prefix:
