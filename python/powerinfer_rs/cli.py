@@ -1,4 +1,4 @@
-"""The `powerinfer-rs` command: run, serve (OpenAI-compatible HTTP), info, perplexity, and the
+"""The `powerinfer-rs` command: run, chat, serve (OpenAI-compatible HTTP), info, perplexity, and the
 offline toolchain (profile, train-predictors, convert, place)."""
 
 from __future__ import annotations
@@ -50,6 +50,30 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vram-budget", default=None, help="GPU memory to use, e.g. 8GiB (default: 90%% of the GPU)")
     p.add_argument("--profile", default=None, help="activation profile for the GPU split when there is no <model>.generated.gpuidx")
     p.add_argument("-ngl", "--gpu-layers", type=int, default=None, help="layer offload instead of the neuron split: the first N layers wholly on the GPU")
+
+
+def _add_sampling(p: argparse.ArgumentParser, n_predict: int) -> None:
+    p.add_argument("-n", "--n-predict", type=int, default=n_predict, help=f"tokens to generate (default {n_predict})")
+    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+
+
+def _sampling_args(a: argparse.Namespace) -> dict:
+    return dict(
+        max_tokens=a.n_predict,
+        temperature=a.temp,
+        top_k=a.top_k,
+        top_p=a.top_p,
+        min_p=a.min_p,
+        repeat_penalty=a.repeat_penalty,
+        seed=a.seed,
+        stop=a.stop or None,
+    )
 
 
 def _sparsity_args(a: argparse.Namespace) -> dict:
@@ -111,16 +135,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     engine = Engine.load(
         _model_path(a.model), threads=a.threads, n_ctx=a.ctx_size, kv_type=a.kv_type, **_sparsity_args(a)
     )
-    kwargs = dict(
-        max_tokens=a.n_predict,
-        temperature=a.temp,
-        top_k=a.top_k,
-        top_p=a.top_p,
-        min_p=a.min_p,
-        repeat_penalty=a.repeat_penalty,
-        seed=a.seed,
-        stop=a.stop or None,
-    )
+    kwargs = _sampling_args(a)
     if a.chat:
         pieces = engine.chat([{"role": "user", "content": prompt}], stream=True, **kwargs)
     else:
@@ -299,6 +314,24 @@ def cmd_place(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chat(a: argparse.Namespace) -> int:
+    import os
+
+    from . import chat
+    from .engine import Engine
+
+    engine = Engine.load(
+        _model_path(a.model), threads=a.threads, n_ctx=a.ctx_size, kv_type=a.kv_type, **_sparsity_args(a)
+    )
+    if a.chat_template:
+        template = a.chat_template
+        if os.path.isfile(template):
+            with open(template, encoding="utf-8") as fh:
+                template = fh.read()
+        engine.chat_template = template
+    return chat.run(engine, _sampling_args(a), system=a.system)
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     import logging
     import os
@@ -332,17 +365,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(r)
     r.add_argument("prompt_pos", nargs="?", metavar="PROMPT", help="the prompt (or -p, or standard input)")
     r.add_argument("-p", "--prompt", default=None)
-    r.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
-    r.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
-    r.add_argument("--top-k", type=int, default=40)
-    r.add_argument("--top-p", type=float, default=0.95)
-    r.add_argument("--min-p", type=float, default=0.05)
-    r.add_argument("--repeat-penalty", type=float, default=1.0)
-    r.add_argument("--seed", type=int, default=None)
-    r.add_argument("--stop", action="append", help="stop string (repeatable)")
+    _add_sampling(r, n_predict=128)
     r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     r.add_argument("--echo", action="store_true", help="print the prompt before the output")
     r.set_defaults(func=cmd_run)
+
+    ch = sub.add_parser("chat", help="talk with the model in the terminal (streaming, history, /reset; Ctrl-C stops an answer)")
+    _add_model(ch)
+    _add_sampling(ch, n_predict=1024)
+    ch.add_argument("-s", "--system", default=None, help="system message")
+    ch.add_argument("--chat-template", default=None, help="Jinja chat template (text or file) instead of the model's")
+    ch.set_defaults(func=cmd_chat)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models)")
     _add_model(sv)

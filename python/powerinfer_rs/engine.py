@@ -405,7 +405,14 @@ class Engine:
 
     @property
     def chat_template(self) -> str | None:
+        """The Jinja chat template: the model's `tokenizer.chat_template`, or one set here."""
         return self.tokenizer.chat_template
+
+    @chat_template.setter
+    def chat_template(self, template: str | None) -> None:
+        if template is not None and not isinstance(template, str):
+            raise TypeError(f"chat_template must be a str or None, not {type(template).__name__}")
+        self.tokenizer.chat_template = template
 
     def metadata(self) -> dict[str, Any]:
         return self._model.metadata()
