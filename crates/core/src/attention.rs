@@ -138,6 +138,30 @@ pub fn weighted_sum_scalar(weights: &[f32], cache: KvView, stride: usize, offset
     }
 }
 
+/// row[i] = e^(row[i] - max) / sum_j e^(row[j] - max). Scalar twin of `avx2::softmax`.
+pub fn softmax_scalar(row: &mut [f32]) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    for s in row.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    let inv = 1.0 / sum;
+    row.iter_mut().for_each(|s| *s *= inv);
+}
+
+/// Softmax in place, SIMD where the CPU has it (a long context spends a good share of
+/// attention's time in e^x otherwise).
+pub fn softmax(row: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if simd_level().has_avx2() {
+        // SAFETY: has_avx2 means the CPU has avx2, fma and f16c.
+        unsafe { crate::avx2::softmax(row) };
+        return;
+    }
+    softmax_scalar(row);
+}
+
 /// Scalar twin of `avx2::attn_scores_group`: scores[h * n + j] for the heads in `qs` (g x hd).
 #[allow(clippy::too_many_arguments)]
 pub fn group_scores_scalar(qs: &[f32], hd: usize, cache: KvView, stride: usize, offset: usize, scale: f32, n: usize, scores: &mut [f32]) {
@@ -212,14 +236,7 @@ pub fn attend_group(
         scores.iter_mut().for_each(|s| *s = softcap * (*s / softcap).tanh());
     }
     for row in scores.chunks_exact_mut(n) {
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0;
-        for s in row.iter_mut() {
-            *s = (*s - max).exp();
-            sum += *s;
-        }
-        let inv = 1.0 / sum;
-        row.iter_mut().for_each(|s| *s *= inv);
+        softmax(row);
     }
     if fast {
         #[cfg(target_arch = "x86_64")]
@@ -258,7 +275,7 @@ mod tests {
     fn grouped_attention_equals_per_head_attention() {
         let mut rng = crate::sampler::Rng::new(9);
         for kind in [KvType::F32, KvType::F16] {
-            for (g, hd) in [(1, 64), (3, 64), (4, 32), (8, 16), (2, 24), (9, 16)] {
+            for (g, hd) in [(1, 64), (3, 64), (2, 48), (4, 32), (8, 16), (2, 24), (9, 16)] {
                 for n in [1, 5, 33] {
                     let n_kv = 2;
                     let stride = n_kv * hd;
@@ -281,6 +298,29 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The SIMD softmax equals its scalar twin: every length around the 8-lane body and tail,
+    /// spreads from tiny to ones where most weights underflow to 0, ties, and one element.
+    #[test]
+    fn softmax_equals_scalar_twin() {
+        let mut rng = crate::sampler::Rng::new(3);
+        for n in [1, 2, 7, 8, 9, 15, 16, 17, 100, 4099] {
+            for spread in [1e-3f32, 1.0, 30.0, 300.0] {
+                let row: Vec<f32> = (0..n).map(|_| (rng.next_f32() - 0.5) * spread).collect();
+                let (mut a, mut b) = (row.clone(), row.clone());
+                softmax(&mut a);
+                softmax_scalar(&mut b);
+                let sum: f32 = a.iter().sum();
+                assert!((sum - 1.0).abs() < 1e-5, "n={n} spread={spread}: sums to {sum}");
+                for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+                    assert!((x - y).abs() <= 1e-5 * y.max(1e-30) + 1e-37, "n={n} spread={spread} [{i}]: {x} vs {y}");
+                }
+            }
+        }
+        let mut ties = vec![2.5f32; 13];
+        softmax(&mut ties);
+        assert!(ties.iter().all(|&x| (x - 1.0 / 13.0).abs() < 1e-7));
     }
 
     #[test]

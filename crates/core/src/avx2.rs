@@ -277,10 +277,73 @@ pub unsafe fn attn_scores_group<const F16: bool, const G: usize>(
     }
 }
 
+/// e^x in 8 lanes: x = n ln 2 + r with |r| <= ln 2 / 2, e^r from Cephes' degree-6 polynomial,
+/// 2^n built in the exponent bits. Relative error about 2e-7 where e^x is a normal float;
+/// below -87.3 the result is 0, which is what a softmax wants of scores far below the maximum.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn exp_ps(x: __m256) -> __m256 {
+    let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.376_26)), _mm256_set1_ps(88.376_26));
+    let n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E), _mm256_set1_ps(0.5)));
+    // r = x - n ln 2, with ln 2 in two parts so the product is exact
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+    let mut y = _mm256_set1_ps(1.987_569_1e-4);
+    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1] {
+        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
+    }
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
+    let pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n))
+}
+
+/// row[i] = e^(row[i] - max) / sum_j e^(row[j] - max), in place. Twin of
+/// `attention::softmax_scalar` (the library's exp, one running sum): they agree to about 1e-6
+/// relative, plus the sum's rounding, which grows with the row.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn softmax(row: &mut [f32]) {
+    let n = row.len();
+    if n == 0 {
+        return;
+    }
+    let p = row.as_mut_ptr();
+    let body = n & !7;
+    let mut vmax = _mm256_set1_ps(f32::NEG_INFINITY);
+    for i in (0..body).step_by(8) {
+        vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(p.add(i)));
+    }
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), vmax);
+    let max = lanes.iter().chain(&row[body..]).copied().fold(f32::NEG_INFINITY, f32::max);
+    let vm = _mm256_set1_ps(max);
+    let mut vsum = _mm256_setzero_ps();
+    for i in (0..body).step_by(8) {
+        let e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), vm));
+        _mm256_storeu_ps(p.add(i), e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    if body < n {
+        // the tail through the same exp, padded with -inf (e^-inf = 0)
+        let mut tail = [f32::NEG_INFINITY; 8];
+        tail[..n - body].copy_from_slice(&row[body..]);
+        let e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(tail.as_ptr()), vm));
+        _mm256_storeu_ps(tail.as_mut_ptr(), e);
+        row[body..].copy_from_slice(&tail[..n - body]);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    let inv = _mm256_set1_ps(1.0 / hsum(vsum));
+    for i in (0..body).step_by(8) {
+        _mm256_storeu_ps(p.add(i), _mm256_mul_ps(_mm256_loadu_ps(p.add(i)), inv));
+    }
+    let inv = 1.0 / hsum(vsum);
+    row[body..].iter_mut().for_each(|x| *x *= inv);
+}
+
 /// `out[h]` (hd each, back to back) = sum_j weights[h * n + j] * row j, for the G heads sharing
-/// one KV head; each value row is loaded once for all of them, 16 dims per pass.
-/// Twin of `attention::group_weighted_sum_scalar`. Safety: as for `attn_scores_group`, with
-/// hd a multiple of 16 and `out.len() == G * hd`.
+/// one KV head; each value row is loaded once for all of them. The dims go in passes as wide as
+/// the registers allow (32 for up to 3 heads, else 16), so a long cache is swept as few times
+/// as possible. Twin of `attention::group_weighted_sum_scalar`. Safety: as for
+/// `attn_scores_group`, with hd a multiple of 16 and `out.len() == G * hd`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn attn_weighted_sum_group<const F16: bool, const G: usize>(
     weights: &[f32],
@@ -291,24 +354,52 @@ pub unsafe fn attn_weighted_sum_group<const F16: bool, const G: usize>(
     out: &mut [f32],
 ) {
     let hd = out.len() / G;
-    let wp = weights.as_ptr();
     let mut d0 = 0;
+    if G <= 3 {
+        while d0 + 32 <= hd {
+            weighted_sum_pass::<F16, G, 4>(weights, cache, stride, offset + d0, n, out, hd, d0);
+            d0 += 32;
+        }
+    }
     while d0 < hd {
-        let mut acc = [[_mm256_setzero_ps(); 2]; G];
-        for j in 0..n {
-            let base = j * stride + offset + d0;
-            let v = [load8_kv::<F16>(cache, base), load8_kv::<F16>(cache, base + 8)];
-            for (h, a) in acc.iter_mut().enumerate() {
-                let w = _mm256_broadcast_ss(&*wp.add(h * n + j));
-                a[0] = _mm256_fmadd_ps(w, v[0], a[0]);
-                a[1] = _mm256_fmadd_ps(w, v[1], a[1]);
+        weighted_sum_pass::<F16, G, 2>(weights, cache, stride, offset + d0, n, out, hd, d0);
+        d0 += 16;
+    }
+}
+
+/// Dims d0..d0 + 8P of `attn_weighted_sum_group`: G x P accumulators.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn weighted_sum_pass<const F16: bool, const G: usize, const P: usize>(
+    weights: &[f32],
+    cache: *const u8,
+    stride: usize,
+    at: usize,
+    n: usize,
+    out: &mut [f32],
+    hd: usize,
+    d0: usize,
+) {
+    let wp = weights.as_ptr();
+    let mut acc = [[_mm256_setzero_ps(); P]; G];
+    for j in 0..n {
+        let base = j * stride + at;
+        let mut v = [_mm256_setzero_ps(); P];
+        for (p, x) in v.iter_mut().enumerate() {
+            *x = load8_kv::<F16>(cache, base + 8 * p);
+        }
+        for (h, a) in acc.iter_mut().enumerate() {
+            let w = _mm256_broadcast_ss(&*wp.add(h * n + j));
+            for p in 0..P {
+                a[p] = _mm256_fmadd_ps(w, v[p], a[p]);
             }
         }
-        for (h, a) in acc.iter().enumerate() {
-            _mm256_storeu_ps(out.as_mut_ptr().add(h * hd + d0), a[0]);
-            _mm256_storeu_ps(out.as_mut_ptr().add(h * hd + d0 + 8), a[1]);
+    }
+    for (h, a) in acc.iter().enumerate() {
+        for (p, x) in a.iter().enumerate() {
+            _mm256_storeu_ps(out.as_mut_ptr().add(h * hd + d0 + 8 * p), *x);
         }
-        d0 += 16;
     }
 }
 
