@@ -245,7 +245,9 @@ pub unsafe fn f32_to_f16_row(src: &[f32], dst: &mut [u16]) {
 
 /// Scores of the G query heads that share one KV head: `qs` holds them back to back (G x hd),
 /// and `scores[h * n + j]` = scale * dot(q_h, row j) for rows 0..n. Each cache row is loaded
-/// (and converted from f16) once for all G heads. Twin of `attention::group_scores_scalar`.
+/// (and converted from f16) once for all G heads, and rows go in blocks (4 for up to 3 heads,
+/// 2 for up to 6), so the horizontal sums at the end are shared by a block.
+/// Twin of `attention::group_scores_scalar`.
 ///
 /// Safety: the cache must hold `(n - 1) * stride + offset + hd` elements, hd a multiple of 8,
 /// `qs.len() == G * hd` and `scores.len() == G * n`.
@@ -259,22 +261,71 @@ pub unsafe fn attn_scores_group<const F16: bool, const G: usize>(
     n: usize,
     scores: &mut [f32],
 ) {
-    let hd = qs.len() / G;
-    let qp = qs.as_ptr();
-    for j in 0..n {
-        let mut acc = [_mm256_setzero_ps(); G];
-        let mut d = 0;
-        while d < hd {
-            let k = load8_kv::<F16>(cache, j * stride + offset + d);
-            for (h, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(h * hd + d)), k, *a);
-            }
-            d += 8;
+    let mut j = 0;
+    if G <= 3 {
+        while j + 4 <= n {
+            scores_block::<F16, G, 4>(qs, cache, stride, offset, scale, n, scores, j);
+            j += 4;
         }
-        for (h, a) in acc.iter().enumerate() {
-            *scores.get_unchecked_mut(h * n + j) = hsum(*a) * scale;
+    } else if G <= 6 {
+        while j + 2 <= n {
+            scores_block::<F16, G, 2>(qs, cache, stride, offset, scale, n, scores, j);
+            j += 2;
         }
     }
+    while j < n {
+        scores_block::<F16, G, 1>(qs, cache, stride, offset, scale, n, scores, j);
+        j += 1;
+    }
+}
+
+/// Rows j0..j0 + R of `attn_scores_group`: G x R accumulators.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn scores_block<const F16: bool, const G: usize, const R: usize>(
+    qs: &[f32],
+    cache: *const u8,
+    stride: usize,
+    offset: usize,
+    scale: f32,
+    n: usize,
+    scores: &mut [f32],
+    j0: usize,
+) {
+    let hd = qs.len() / G;
+    let qp = qs.as_ptr();
+    let mut acc = [[_mm256_setzero_ps(); R]; G];
+    let mut d = 0;
+    while d < hd {
+        let mut k = [_mm256_setzero_ps(); R];
+        for (r, x) in k.iter_mut().enumerate() {
+            *x = load8_kv::<F16>(cache, (j0 + r) * stride + offset + d);
+        }
+        for (h, a) in acc.iter_mut().enumerate() {
+            let q = _mm256_loadu_ps(qp.add(h * hd + d));
+            for r in 0..R {
+                a[r] = _mm256_fmadd_ps(q, k[r], a[r]);
+            }
+        }
+        d += 8;
+    }
+    for (h, a) in acc.iter().enumerate() {
+        let mut four = [_mm256_setzero_ps(); 4];
+        four[..R].copy_from_slice(a);
+        let mut sums = [0f32; 4];
+        _mm_storeu_ps(sums.as_mut_ptr(), _mm_mul_ps(hsum4(four), _mm_set1_ps(scale)));
+        scores[h * n + j0..h * n + j0 + R].copy_from_slice(&sums[..R]);
+    }
+}
+
+/// The lane sums of four vectors, as one 4-lane vector.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum4(v: [__m256; 4]) -> __m128 {
+    // pairs within each 128-bit half, then the halves: lanes [v0, v1, v2, v3] (low and high)
+    let h = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1))
 }
 
 /// e^x in 8 lanes: x = n ln 2 + r with |r| <= ln 2 / 2, e^r from Cephes' degree-6 polynomial,
@@ -289,7 +340,7 @@ unsafe fn exp_ps(x: __m256) -> __m256 {
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
     let mut y = _mm256_set1_ps(1.987_569_1e-4);
-    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1] {
+    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
         y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
     }
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
