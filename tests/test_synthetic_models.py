@@ -86,6 +86,26 @@ def test_incremental_decode_equals_batched_prefill(tmp_path, dtype):
     np.testing.assert_allclose(inc, batched, rtol=0, atol=2e-4 * np.abs(batched).max())
 
 
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+def test_decode_at_long_context_equals_batched_prefill(tmp_path, kv_type):
+    """Past a few hundred cached positions, decode cuts the cache into pieces attended on
+    different threads and merged (flash-decoding); the logits equal one batched pass, which
+    attends row by row, and the float64 reference."""
+    path = write_model(tmp_path / "m.gguf", n_layer=2, n_ctx=1024, n_head=4, n_head_kv=2)
+    model = _core.Model(path, 3)
+    rng = np.random.default_rng(1)
+    ids = [int(t) for t in rng.integers(3, 200, size=700)]
+    batched = _core.Session(model, 1024, kv_type).eval(ids, all_logits=True)
+    s = _core.Session(model, 1024, kv_type)
+    s.eval(ids[:660])
+    steps = np.stack([s.eval([t]) for t in ids[660:]])
+    np.testing.assert_allclose(steps, batched[660:], rtol=0, atol=2e-4 * np.abs(batched).max())
+    w, meta = read_weights(path)
+    ref = forward(w, meta, ids)[660:]
+    rel = np.linalg.norm(steps - ref) / np.linalg.norm(ref)
+    assert rel < (2e-5 if kv_type == "f32" else 5e-3), rel  # f16 rounds each cached value
+
+
 def test_thread_count_does_not_change_results_beyond_rounding(tmp_path):
     path = write_model(tmp_path / "m.gguf", dtype=Q.Q4_1)
     ids = list(range(5, 30))

@@ -84,6 +84,14 @@ impl KvBuf {
         }
     }
 
+    /// Bytes per element.
+    pub fn elem_bytes(&self) -> usize {
+        match self {
+            KvBuf::F32(_) => 4,
+            KvBuf::F16(_) => 2,
+        }
+    }
+
     pub fn view(&self, n: usize) -> KvView<'_> {
         self.view_at(0, n)
     }
@@ -138,28 +146,27 @@ pub fn weighted_sum_scalar(weights: &[f32], cache: KvView, stride: usize, offset
     }
 }
 
-/// row[i] = e^(row[i] - max) / sum_j e^(row[j] - max). Scalar twin of `avx2::softmax`.
-pub fn softmax_scalar(row: &mut [f32]) {
+/// row[i] = e^(row[i] - max); returns (max, sum of the new row). Scalar twin of
+/// `avx2::exp_shifted`.
+pub fn exp_shifted_scalar(row: &mut [f32]) -> (f32, f32) {
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0.0;
     for s in row.iter_mut() {
         *s = (*s - max).exp();
         sum += *s;
     }
-    let inv = 1.0 / sum;
-    row.iter_mut().for_each(|s| *s *= inv);
+    (max, sum)
 }
 
-/// Softmax in place, SIMD where the CPU has it (a long context spends a good share of
+/// `exp_shifted_scalar`, SIMD where the CPU has it (a long context spends a good share of
 /// attention's time in e^x otherwise).
-pub fn softmax(row: &mut [f32]) {
+pub fn exp_shifted(row: &mut [f32]) -> (f32, f32) {
     #[cfg(target_arch = "x86_64")]
     if simd_level().has_avx2() {
         // SAFETY: has_avx2 means the CPU has avx2, fma and f16c.
-        unsafe { crate::avx2::softmax(row) };
-        return;
+        return unsafe { crate::avx2::exp_shifted(row) };
     }
-    softmax_scalar(row);
+    exp_shifted_scalar(row)
 }
 
 /// Scalar twin of `avx2::attn_scores_group`: scores[h * n + j] for the heads in `qs` (g x hd).
@@ -196,7 +203,51 @@ pub fn attend_group(
     out: &mut [f32],
 ) {
     let g = qs.len() / hd;
-    assert!(g >= 1 && qs.len() == g * hd && out.len() == g * hd);
+    let mut parts = [Partial::default(); 8];
+    let mut many = Vec::new();
+    let parts: &mut [Partial] = if g <= 8 { &mut parts[..g] } else { many.resize(g, Partial::default()); &mut many };
+    attend_group_partial(qs, hd, k, v, n, stride, offset, scale, softcap, scores, out, parts);
+    for (o, p) in out.chunks_exact_mut(hd).zip(parts.iter()) {
+        let inv = 1.0 / p.sum;
+        o.iter_mut().for_each(|x| *x *= inv);
+    }
+}
+
+/// Per query head, what `attend_group_partial` leaves besides the unnormalised output: the
+/// largest score and the sum of e^(score - max) over the positions it saw.
+#[derive(Debug, Clone, Copy)]
+pub struct Partial {
+    pub max: f32,
+    pub sum: f32,
+}
+
+impl Default for Partial {
+    fn default() -> Partial {
+        Partial { max: f32::NEG_INFINITY, sum: 0.0 }
+    }
+}
+
+/// Attention over one stretch of the cache without the final division: `out` (g x hd) gets
+/// sum_j e^(s_j - max) v_j per head and `parts` each head's max and sum. Stretches of one
+/// query's cache, computed apart (on different threads), combine exactly with
+/// `merge_partials` (flash-decoding's split of a long context).
+#[allow(clippy::too_many_arguments)]
+pub fn attend_group_partial(
+    qs: &[f32],
+    hd: usize,
+    k: KvView,
+    v: KvView,
+    n: usize,
+    stride: usize,
+    offset: usize,
+    scale: f32,
+    softcap: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+    parts: &mut [Partial],
+) {
+    let g = qs.len() / hd;
+    assert!(g >= 1 && qs.len() == g * hd && out.len() == g * hd && parts.len() == g);
     let needed = if n == 0 { 0 } else { (n - 1) * stride + offset + hd };
     assert!(needed <= k.len() && needed <= v.len(), "attention reads past the KV cache");
     scores.resize(g * n, 0.0);
@@ -235,8 +286,14 @@ pub fn attend_group(
         // Gemma 2: scores squashed into (-cap, cap)
         scores.iter_mut().for_each(|s| *s = softcap * (*s / softcap).tanh());
     }
-    for row in scores.chunks_exact_mut(n) {
-        softmax(row);
+    if n == 0 {
+        out.fill(0.0);
+        parts.fill(Partial::default());
+        return;
+    }
+    for (row, p) in scores.chunks_exact_mut(n).zip(parts.iter_mut()) {
+        let (max, sum) = exp_shifted(row);
+        *p = Partial { max, sum };
     }
     if fast {
         #[cfg(target_arch = "x86_64")]
@@ -249,6 +306,26 @@ pub fn attend_group(
         }
     } else {
         group_weighted_sum_scalar(scores, n, v, stride, offset, out, hd);
+    }
+}
+
+/// Combines the partial results of stretches of one query's cache: `outs[i]` (g x hd) and
+/// `parts[i]` (g) from `attend_group_partial`, into the normalised attention output `out`.
+pub fn merge_partials(outs: &[&[f32]], parts: &[&[Partial]], hd: usize, out: &mut [f32]) {
+    out.fill(0.0);
+    for (h, o) in out.chunks_exact_mut(hd).enumerate() {
+        let max = parts.iter().map(|p| p[h].max).fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0;
+        for (part, po) in parts.iter().zip(outs) {
+            let w = (part[h].max - max).exp();
+            if w == 0.0 {
+                continue;
+            }
+            sum += w * part[h].sum;
+            o.iter_mut().zip(&po[h * hd..(h + 1) * hd]).for_each(|(x, y)| *x += w * y);
+        }
+        let inv = 1.0 / sum;
+        o.iter_mut().for_each(|x| *x *= inv);
     }
 }
 
@@ -300,27 +377,65 @@ mod tests {
         }
     }
 
-    /// The SIMD softmax equals its scalar twin: every length around the 8-lane body and tail,
-    /// spreads from tiny to ones where most weights underflow to 0, ties, and one element.
+    /// The SIMD e^(x - max) equals its scalar twin: every length around the 8-lane body and
+    /// tail, spreads from tiny to ones where most terms underflow to 0, ties, and one element.
     #[test]
-    fn softmax_equals_scalar_twin() {
+    fn exp_shifted_equals_scalar_twin() {
         let mut rng = crate::sampler::Rng::new(3);
         for n in [1, 2, 7, 8, 9, 15, 16, 17, 100, 4099] {
             for spread in [1e-3f32, 1.0, 30.0, 300.0] {
                 let row: Vec<f32> = (0..n).map(|_| (rng.next_f32() - 0.5) * spread).collect();
                 let (mut a, mut b) = (row.clone(), row.clone());
-                softmax(&mut a);
-                softmax_scalar(&mut b);
-                let sum: f32 = a.iter().sum();
-                assert!((sum - 1.0).abs() < 1e-5, "n={n} spread={spread}: sums to {sum}");
+                let (ma, sa) = exp_shifted(&mut a);
+                let (mb, sb) = exp_shifted_scalar(&mut b);
+                assert_eq!(ma, mb);
+                assert!((sa - sb).abs() <= 1e-5 * sb, "n={n} spread={spread}: sum {sa} vs {sb}");
                 for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-                    assert!((x - y).abs() <= 1e-5 * y.max(1e-30) + 1e-37, "n={n} spread={spread} [{i}]: {x} vs {y}");
+                    assert!((x - y).abs() <= 1e-6 * y.max(1e-30) + 1e-37, "n={n} spread={spread} [{i}]: {x} vs {y}");
                 }
             }
         }
         let mut ties = vec![2.5f32; 13];
-        softmax(&mut ties);
-        assert!(ties.iter().all(|&x| (x - 1.0 / 13.0).abs() < 1e-7));
+        assert_eq!(exp_shifted(&mut ties), (2.5, 13.0));
+        assert!(ties.iter().all(|&x| x == 1.0));
+    }
+
+    /// Attention split into stretches, each on its own, then merged, equals attention over the
+    /// whole cache (what decoding a long context on several threads relies on).
+    #[test]
+    fn split_attention_merges_to_the_whole() {
+        let mut rng = crate::sampler::Rng::new(5);
+        let (g, hd, n_kv) = (3, 64, 2);
+        let stride = n_kv * hd;
+        for kind in [KvType::F32, KvType::F16] {
+            for (n, cuts) in [(40, vec![0, 13, 40]), (300, vec![0, 100, 101, 250, 300]), (9, vec![0, 9, 9])] {
+                let mut kb = KvBuf::new(kind, n * stride).unwrap();
+                kb.write(0, &(0..n * stride).map(|_| (rng.next_f32() - 0.5) * 4.0).collect::<Vec<_>>());
+                let mut vb = KvBuf::new(kind, n * stride).unwrap();
+                vb.write(0, &(0..n * stride).map(|_| rng.next_f32() - 0.5).collect::<Vec<_>>());
+                let qs: Vec<f32> = (0..g * hd).map(|_| rng.next_f32() - 0.5).collect();
+                let mut whole = vec![0.0; g * hd];
+                attend_group(&qs, hd, kb.view(n * stride), vb.view(n * stride), n, stride, hd, 0.125, 0.0, &mut Vec::new(), &mut whole);
+                let mut outs = vec![];
+                let mut parts = vec![];
+                for w in cuts.windows(2) {
+                    let (a, len) = (w[0], w[1] - w[0]);
+                    let (k, v) = (kb.view_at(a * stride, len * stride), vb.view_at(a * stride, len * stride));
+                    let mut o = vec![0.0; g * hd];
+                    let mut p = vec![Partial::default(); g];
+                    attend_group_partial(&qs, hd, k, v, len, stride, hd, 0.125, 0.0, &mut Vec::new(), &mut o, &mut p);
+                    outs.push(o);
+                    parts.push(p);
+                }
+                let mut merged = vec![0.0; g * hd];
+                let outs_ref: Vec<&[f32]> = outs.iter().map(|o| o.as_slice()).collect();
+                let parts_ref: Vec<&[Partial]> = parts.iter().map(|p| p.as_slice()).collect();
+                merge_partials(&outs_ref, &parts_ref, hd, &mut merged);
+                for (x, y) in merged.iter().zip(&whole) {
+                    assert!((x - y).abs() < 1e-5, "{kind:?} n={n} {cuts:?}: {x} vs {y}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -348,14 +348,14 @@ unsafe fn exp_ps(x: __m256) -> __m256 {
     _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n))
 }
 
-/// row[i] = e^(row[i] - max) / sum_j e^(row[j] - max), in place. Twin of
-/// `attention::softmax_scalar` (the library's exp, one running sum): they agree to about 1e-6
-/// relative, plus the sum's rounding, which grows with the row.
+/// row[i] = e^(row[i] - max), in place; returns (max, sum of the new row). Twin of
+/// `attention::exp_shifted_scalar` (the library's exp, one running sum): they agree to about
+/// 1e-6 relative, plus the sum's rounding, which grows with the row.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn softmax(row: &mut [f32]) {
+pub unsafe fn exp_shifted(row: &mut [f32]) -> (f32, f32) {
     let n = row.len();
     if n == 0 {
-        return;
+        return (f32::NEG_INFINITY, 0.0);
     }
     let p = row.as_mut_ptr();
     let body = n & !7;
@@ -382,12 +382,7 @@ pub unsafe fn softmax(row: &mut [f32]) {
         row[body..].copy_from_slice(&tail[..n - body]);
         vsum = _mm256_add_ps(vsum, e);
     }
-    let inv = _mm256_set1_ps(1.0 / hsum(vsum));
-    for i in (0..body).step_by(8) {
-        _mm256_storeu_ps(p.add(i), _mm256_mul_ps(_mm256_loadu_ps(p.add(i)), inv));
-    }
-    let inv = 1.0 / hsum(vsum);
-    row[body..].iter_mut().for_each(|x| *x *= inv);
+    (max, hsum(vsum))
 }
 
 /// `out[h]` (hd each, back to back) = sum_j weights[h * n + j] * row j, for the G heads sharing

@@ -170,10 +170,40 @@ impl Backend for CpuPass<'_> {
             attend_group(qs, hd, k, v, len, kv_dim, g * hd, c.attn_scale, c.attn_softcap, scores, out);
         };
         if rows.len() == 1 {
-            // decode: one scores buffer per kv head, kept in the scratch (they only grow with
-            // the context, so a token allocates nothing)
-            s.scores.resize_with(c.n_head_kv, Vec::new);
-            s.att.par_chunks_mut(group * hd).zip(s.scores.par_iter_mut()).enumerate().for_each(|(idx, (out, scores))| attend(idx, out, scores));
+            // Decode: the cache's stretch is cut into pieces of consecutive positions, each a
+            // task over every kv head, so that every thread has work (a few kv heads alone would
+            // leave threads idle) and each task reads whole rows, in order, and few enough that
+            // a piece's keys and values stay in L2 between the kv heads. Scores buffers and
+            // partial results stay in the scratch (they only grow with the context).
+            let (first, len) = sessions[rows[0].0].kv_window(l, rows[0].1);
+            const PIECE_BYTES: usize = 64 << 10;
+            let row_bytes = 2 * kv_dim * sessions[rows[0].0].k_cache[l].elem_bytes();
+            let pieces = (2 * rayon::current_num_threads()).max(len * row_bytes / PIECE_BYTES).min(len / 64).max(1);
+            let w = group * hd;
+            if pieces == 1 {
+                s.scores.resize_with(c.n_head_kv, Vec::new);
+                s.att.par_chunks_mut(w).zip(s.scores.par_iter_mut()).enumerate().for_each(|(idx, (out, scores))| attend(idx, out, scores));
+                return Ok(());
+            }
+            s.scores.resize_with(pieces, Vec::new);
+            s.split_out.resize(pieces * q_dim, 0.0);
+            s.split_parts.resize(pieces * c.n_head, Partial::default());
+            let se = &sessions[rows[0].0];
+            let (kc, vc) = (&se.k_cache[l], &se.v_cache[l]);
+            let tasks = s.split_out.par_chunks_mut(q_dim).zip(s.split_parts.par_chunks_mut(c.n_head)).zip(s.scores.par_iter_mut());
+            tasks.enumerate().for_each(|(piece, ((outs, parts), scores))| {
+                let (a, b) = (piece * len / pieces, (piece + 1) * len / pieces);
+                let (k, v) = (kc.view_at((first + a) * kv_dim, (b - a) * kv_dim), vc.view_at((first + a) * kv_dim, (b - a) * kv_dim));
+                for (g, (out, parts)) in outs.chunks_exact_mut(w).zip(parts.chunks_exact_mut(group)).enumerate() {
+                    let qs = &q[g * w..(g + 1) * w];
+                    attend_group_partial(qs, hd, k, v, b - a, kv_dim, g * hd, c.attn_scale, c.attn_softcap, scores, out, parts);
+                }
+            });
+            for (g, out) in s.att.chunks_exact_mut(w).enumerate() {
+                let outs: Vec<&[f32]> = (0..pieces).map(|p| &s.split_out[p * q_dim + g * w..p * q_dim + (g + 1) * w]).collect();
+                let parts: Vec<&[Partial]> = (0..pieces).map(|p| &s.split_parts[p * c.n_head + g * group..p * c.n_head + (g + 1) * group]).collect();
+                merge_partials(&outs, &parts, hd, out);
+            }
         } else {
             s.att.par_chunks_mut(group * hd).enumerate().for_each_init(Vec::new, |scores, (idx, out)| attend(idx, out, scores));
         }

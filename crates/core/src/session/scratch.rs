@@ -45,7 +45,9 @@ pub(crate) struct Scratch {
     pub(crate) pred_hidden: Vec<f32>, // (n, predictor hidden)
     pub(crate) pred_logits: Vec<f32>, // (n, n_ff)
     pub(crate) masked: Vec<f32>,   // (n, inputs) a projection's input with the skipped inputs zeroed
-    pub(crate) scores: Vec<Vec<f32>>, // decode: per kv head, its query heads' attention scores
+    pub(crate) scores: Vec<Vec<f32>>, // decode: per kv head, or per piece of the cache, attention scores
+    pub(crate) split_out: Vec<f32>, // decode: (pieces, q_dim) unnormalised attention output per piece
+    pub(crate) split_parts: Vec<crate::attention::Partial>, // decode: (pieces, n_head) max and sum per piece
     pub(crate) acts: Activations,
     pub(crate) pred_acts: Activations,
     pub(crate) sparse: SparseScratch,
