@@ -309,14 +309,14 @@ pub fn attend_group_partial(
     }
 }
 
-/// Combines the partial results of stretches of one query's cache: `outs[i]` (g x hd) and
-/// `parts[i]` (g) from `attend_group_partial`, into the normalised attention output `out`.
-pub fn merge_partials(outs: &[&[f32]], parts: &[&[Partial]], hd: usize, out: &mut [f32]) {
+/// Combines the partial results of stretches of one query's cache: each piece's `out` (g x hd)
+/// and `parts` (g) from `attend_group_partial`, into the normalised attention output `out`.
+pub fn merge_partials<'a>(pieces: impl Iterator<Item = (&'a [f32], &'a [Partial])> + Clone, hd: usize, out: &mut [f32]) {
     out.fill(0.0);
     for (h, o) in out.chunks_exact_mut(hd).enumerate() {
-        let max = parts.iter().map(|p| p[h].max).fold(f32::NEG_INFINITY, f32::max);
+        let max = pieces.clone().map(|(_, p)| p[h].max).fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0.0;
-        for (part, po) in parts.iter().zip(outs) {
+        for (po, part) in pieces.clone() {
             let w = (part[h].max - max).exp();
             if w == 0.0 {
                 continue;
@@ -428,9 +428,7 @@ mod tests {
                     parts.push(p);
                 }
                 let mut merged = vec![0.0; g * hd];
-                let outs_ref: Vec<&[f32]> = outs.iter().map(|o| o.as_slice()).collect();
-                let parts_ref: Vec<&[Partial]> = parts.iter().map(|p| p.as_slice()).collect();
-                merge_partials(&outs_ref, &parts_ref, hd, &mut merged);
+                merge_partials(outs.iter().map(|o| o.as_slice()).zip(parts.iter().map(|p| p.as_slice())), hd, &mut merged);
                 for (x, y) in merged.iter().zip(&whole) {
                     assert!((x - y).abs() < 1e-5, "{kind:?} n={n} {cuts:?}: {x} vs {y}");
                 }

@@ -200,9 +200,10 @@ impl Backend for CpuPass<'_> {
                 }
             });
             for (g, out) in s.att.chunks_exact_mut(w).enumerate() {
-                let outs: Vec<&[f32]> = (0..pieces).map(|p| &s.split_out[p * q_dim + g * w..p * q_dim + (g + 1) * w]).collect();
-                let parts: Vec<&[Partial]> = (0..pieces).map(|p| &s.split_parts[p * c.n_head + g * group..p * c.n_head + (g + 1) * group]).collect();
-                merge_partials(&outs, &parts, hd, out);
+                // kv head g's slice of every piece
+                let outs = s.split_out.chunks_exact(q_dim).map(|o| &o[g * w..(g + 1) * w]);
+                let parts = s.split_parts.chunks_exact(c.n_head).map(|p| &p[g * group..(g + 1) * group]);
+                merge_partials(outs.zip(parts), hd, out);
             }
         } else {
             s.att.par_chunks_mut(group * hd).enumerate().for_each_init(Vec::new, |scores, (idx, out)| attend(idx, out, scores));
