@@ -14,7 +14,6 @@ from __future__ import annotations
 import codecs
 import os
 import threading
-import warnings
 from typing import Any, Iterable, Mapping
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -151,15 +150,13 @@ class GGUFTokenizer:
         self.types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * n)
         self.bos_token_id: int | None = metadata.get("tokenizer.ggml.bos_token_id")
         self.eos_token_id: int | None = metadata.get("tokenizer.ggml.eos_token_id")
-        self.pre: str | None = metadata.get("tokenizer.ggml.pre") if self.kind == "gpt2" else None
-        if self.kind == "gpt2":
-            if self.pre is None:
-                self.pre = "default"  # as llama.cpp does, with a warning
-            if self.pre not in _PRE_TOKENIZERS:
-                raise ValueError(
-                    f"the model's pre-tokenizer tokenizer.ggml.pre={self.pre!r} is not supported; supported: "
-                    + ", ".join(sorted(_PRE_TOKENIZERS))
-                )
+        # a BPE file without a pre-tokenizer gets "default", as in llama.cpp
+        self.pre: str | None = metadata.get("tokenizer.ggml.pre", "default") if self.kind == "gpt2" else None
+        if self.kind == "gpt2" and self.pre not in _PRE_TOKENIZERS:
+            raise ValueError(
+                f"the model's pre-tokenizer tokenizer.ggml.pre={self.pre!r} is not supported; supported: "
+                + ", ".join(sorted(_PRE_TOKENIZERS))
+            )
         default_bos = self.kind == "llama" or (self.kind == "gpt2" and _PRE_TOKENIZERS[self.pre][2])
         self.add_bos: bool = bool(metadata.get("tokenizer.ggml.add_bos_token", default_bos))
         self.add_space_prefix: bool = bool(metadata.get("tokenizer.ggml.add_space_prefix", self.kind == "llama"))
