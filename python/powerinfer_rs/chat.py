@@ -8,7 +8,9 @@ written (what was written stays in the conversation), not the program; Ctrl-D or
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 from typing import TextIO
 
 HELP = """commands:
@@ -65,6 +67,10 @@ def run(engine, sampling: dict, system: str | None = None, stdin: TextIO = sys.s
     if not engine.chat_template:
         raise ValueError("the model has no tokenizer.chat_template; give one with --chat-template")
     interactive = stdin.isatty()
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C stops an answer: a process started with SIGINT ignored (as a shell does for
+        # background jobs, or a parent that ignores it) would otherwise never see it
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if interactive:
         try:
             import readline  # noqa: F401  (line editing and history for input())

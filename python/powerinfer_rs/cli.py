@@ -61,6 +61,7 @@ def _add_sampling(p: argparse.ArgumentParser, n_predict: int) -> None:
     p.add_argument("--repeat-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="never sample an end-of-generation token: always generate -n tokens")
 
 
 def _sampling_args(a: argparse.Namespace) -> dict:
@@ -73,6 +74,7 @@ def _sampling_args(a: argparse.Namespace) -> dict:
         repeat_penalty=a.repeat_penalty,
         seed=a.seed,
         stop=a.stop or None,
+        ignore_eos=a.ignore_eos,
     )
 
 

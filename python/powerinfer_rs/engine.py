@@ -501,11 +501,13 @@ class Engine:
         repeat_last_n: int = 64,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
+        ignore_eos: bool = False,
     ) -> "Generation":
         """Generates up to `max_tokens` tokens after `prompt`, yielding text pieces as they are
-        ready. Greedy when temperature is 0. Stops at an end-of-generation token, at any of the
-        `stop` strings (not included in the output), or when the context is full. The returned
-        iterator also tells, once exhausted, why it stopped (`finish_reason`) and its `stats`."""
+        ready. Greedy when temperature is 0. Stops at an end-of-generation token (unless
+        `ignore_eos`: then those tokens are never sampled), at any of the `stop` strings (not
+        included in the output), or when the context is full. The returned iterator also tells,
+        once exhausted, why it stopped (`finish_reason`) and its `stats`."""
         _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
@@ -521,6 +523,7 @@ class Engine:
             repeat_penalty=float(repeat_penalty),
             repeat_last_n=repeat_last_n,
             seed=seed,
+            banned=sorted(self.tokenizer.end_of_generation) if ignore_eos else [],
         )
         return Generation(self, ids, max_tokens, sampler, stops)
 

@@ -3,12 +3,15 @@
 //! a[r] * row r (twin of R calls of `quant::axpy_scalar`), each tested against its scalar twin.
 //! They must only be called after `matmul::simd_level()` reported `Avx512`.
 //!
-//! The dots take four weight blocks per step: two overlapping 64-byte loads cover them, one
-//! word permute gathers their weight bytes into the order of an `ActQuad` (the activations
-//! rearranged once per product, see `quant::ActQuad`) and another broadcasts their scales to
-//! each block's four lanes, so two `vpdpbusd` do 128 multiply-adds. The blocks' offsets (Q4_0's
-//! -8, Q8_0's sign flip) are applied in integers by starting the dot from the activations'
-//! per-block sums; Q4_1's minimum once per block from the activation sums.
+//! The dots take four weight chunks (32 weights each) per step (`dot_steps`), laid out as the
+//! prefill panels lay them out (`quant::panel`) and with the same arithmetic per lane and step,
+//! so a token gets bit for bit the same dot alone, in batched decode and in a prompt. Q4_0,
+//! Q4_1 and Q8_0 are read four blocks at a time: two overlapping 64-byte loads cover them, one
+//! word permute gathers their weight bytes into the order of an `ActQuad` and another
+//! broadcasts their scales to each block's four lanes; the other formats through their AVX2
+//! chunk decoders (`dot_chunked`). A format's offset (Q4_0's -8, the +128 that makes signed
+//! bytes unsigned for `vpdpbusd`) comes off in integers: the dot starts from the activations'
+//! exact per-lane sums (`ActQuad::bias`). A row's last up to three chunks are a zero-padded step.
 //!
 //! 4-bit rows are decoded by table lookup instead of integer-to-float conversion: a block's 16
 //! possible values times the row's coefficient form one 16-lane table (`(q - 8) * d * a` for
@@ -21,6 +24,7 @@
 
 use std::arch::x86_64::*;
 
+use crate::quant::chunked_avx2::Decoded;
 use crate::quant::{ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType};
 
 /// An f16 scale as an f32 broadcast to 16 lanes.
@@ -224,7 +228,7 @@ impl QuadBlocks for BlockQ4_1 {
 /// Q8_0, 34-byte blocks (`qs` at 2 + 34k, 32 signed bytes): elements 0..16 of the four blocks
 /// come from the loads at bytes 0 and 64, elements 16..32 from those at 8 and 72 (136 bytes in
 /// all); the sign bit is flipped (q + 128) for `vpdpbusd`, and 128 * sum(a) comes off through
-/// the activations' bias shifted left by 4 (-2 * 16 = -32 * sum(q) per lane).
+/// the activations' bias shifted left by 4 (-8 * 16 = -128 * the lane's sum).
 impl QuadBlocks for BlockQ8_0 {
     const BYTES: usize = 136;
     const SIGNED: bool = true;
@@ -247,79 +251,184 @@ impl QuadBlocks for BlockQ8_0 {
     }
 }
 
-/// The dot loop shared by the quantized types, four weight blocks per step (see `ActQuad`):
-/// two `vpdpbusd` starting from the activations' bias (the weights' offset, in integers), one
-/// conversion, one FMA with the lane scales, and for Q4_1 one FMA of its minimum with the
-/// activation sums. Up to three last blocks go to `tail`.
+/// Four weight chunks (128 weights) of a row in registers, laid out as `quant::panel` lays them
+/// out in memory: `lo`/`hi` the stored bytes (v + the format's offset, see `dot_steps`), and
+/// per lane the scale and minimum of the lane's 16 weights in `lo` (`scale`, `min`) and `hi`
+/// (`scale_hi`, `min_hi`; the same as `scale`/`min` where they are per 32).
+struct RegQuad {
+    lo: __m512i,
+    hi: __m512i,
+    scale: __m512,
+    scale_hi: __m512,
+    min: __m512,
+    min_hi: __m512,
+}
+
+/// The dot loop of every quantized type, four weight chunks per step: `quad(j)` gives step j's
+/// weights, `OFFSET` what their bytes hold (0: v, 8: v + 8, 128: v + 128), which the
+/// activations' exact per-lane bias takes off in integers. `HALVES`: scales per 16 weights;
+/// `MIN`: minima (per 16 with `HALVES`). Per lane and step this is the arithmetic of
+/// `quant::panel`'s block, in the same order, so a token gets bit for bit the same dots
+/// here as in a prompt's panels.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn dot_quads<B: QuadBlocks, const N: usize>(
-    w: &[B],
-    a: [&[BlockQ8Act]; N],
+unsafe fn dot_steps<const HALVES: bool, const MIN: bool, const OFFSET: i32, const N: usize>(
+    steps: usize,
+    quad: impl Fn(usize) -> RegQuad,
     quads: [&[ActQuad]; N],
     next: &[u8],
-    tail: unsafe fn(&[B], [&[BlockQ8Act]; N]) -> [f32; N],
 ) -> [f32; N] {
-    let n_quads = w.len() / 4;
     let mut acc = [_mm512_setzero_ps(); N];
-    let mut off = [_mm512_setzero_ps(); N];
     // every line of `next` is prefetched, spread evenly over the steps (see `matmul::dot_row`):
-    // after step i, the first (i + 1) * lines / n_quads lines
+    // after step i, the first (i + 1) * lines / steps lines
     let lines = next.len().div_ceil(64);
     let (mut line, mut due) = (0, 0);
-    let base = w.as_ptr() as *const u8;
-    for i in 0..n_quads {
+    for j in 0..steps {
         due += lines;
-        while due >= n_quads && line < lines {
+        while due >= steps && line < lines {
             _mm_prefetch::<_MM_HINT_T0>(next.as_ptr().add(64 * line) as *const i8);
             line += 1;
-            due -= n_quads;
+            due -= steps;
         }
-        let (lo, hi, d, m) = B::unpack(base.add(B::BYTES * i));
-        for j in 0..N {
-            let x = quads[j].get_unchecked(i);
-            let bias = || _mm512_load_si512(x.bias.as_ptr() as *const _);
-            let mut dot = match (B::HAS_MIN, B::SIGNED) {
-                (true, _) => _mm512_setzero_si512(),
-                (false, false) => bias(),
-                (false, true) => _mm512_slli_epi32::<4>(bias()),
-            };
-            dot = _mm512_dpbusd_epi32(dot, lo, _mm512_load_si512(x.lo.as_ptr() as *const _));
-            dot = _mm512_dpbusd_epi32(dot, hi, _mm512_load_si512(x.hi.as_ptr() as *const _));
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_load_ps(x.d.as_ptr())), acc[j]);
-            if B::HAS_MIN {
-                off[j] = _mm512_fmadd_ps(m, _mm512_load_ps(x.s4.as_ptr()), off[j]);
+        let w = quad(j);
+        for t in 0..N {
+            let x = quads[t].get_unchecked(j);
+            let int = |p: &[i32; 16]| _mm512_load_si512(p.as_ptr() as *const _);
+            let bytes = |p: &[i8; 64]| _mm512_load_si512(p.as_ptr() as *const _);
+            let d = _mm512_load_ps(x.d.as_ptr());
+            let a = &mut acc[t];
+            if HALVES {
+                let lo = _mm512_dpbusd_epi32(int(&x.bias_lo), w.lo, bytes(&x.lo));
+                let hi = _mm512_dpbusd_epi32(int(&x.bias_hi), w.hi, bytes(&x.hi));
+                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(w.scale, d), *a);
+                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(w.scale_hi, d), *a);
+                if MIN {
+                    *a = _mm512_fnmadd_ps(w.min, _mm512_load_ps(x.s_lo.as_ptr()), *a);
+                    *a = _mm512_fnmadd_ps(w.min_hi, _mm512_load_ps(x.s_hi.as_ptr()), *a);
+                }
+            } else {
+                let start = match OFFSET {
+                    0 => _mm512_setzero_si512(),
+                    8 => int(&x.bias),
+                    _ => _mm512_slli_epi32::<4>(int(&x.bias)),
+                };
+                let dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, w.lo, bytes(&x.lo)), w.hi, bytes(&x.hi));
+                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w.scale, d), *a);
+                if MIN {
+                    *a = _mm512_fnmadd_ps(w.min, _mm512_load_ps(x.s4.as_ptr()), *a);
+                }
             }
         }
     }
-    let mut out = [0.0f32; N];
-    for j in 0..N {
-        out[j] = hsum(acc[j]) + if B::HAS_MIN { hsum(off[j]) } else { 0.0 };
+    acc.map(|v| hsum(v))
+}
+
+/// The legacy types' loop: four blocks per step straight from the row (`QuadBlocks::unpack`),
+/// the last up to three from a zero-padded copy.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn dot_quads<B: QuadBlocks, const N: usize>(w: &[B], quads: [&[ActQuad]; N], next: &[u8]) -> [f32; N] {
+    let full = w.len() / 4;
+    let block = std::mem::size_of::<B>();
+    // the padded last step; room for the loads past the fourth block (at most 64 bytes)
+    let mut tail = [0u8; 4 * 34 + 64];
+    let rest = w.len() - 4 * full;
+    std::ptr::copy_nonoverlapping((w.as_ptr() as *const u8).add(B::BYTES * full), tail.as_mut_ptr(), rest * block);
+    let base = w.as_ptr() as *const u8;
+    let quad = |j: usize| {
+        let (lo, hi, d, m) = B::unpack(if j < full { base.add(B::BYTES * j) } else { tail.as_ptr() });
+        // Q4_1: w = d * q + m, as d * q - (-m)
+        let min = _mm512_sub_ps(_mm512_setzero_ps(), m);
+        RegQuad { lo, hi, scale: d, scale_hi: d, min, min_hi: min }
+    };
+    let steps = full + (rest > 0) as usize;
+    match (B::HAS_MIN, B::SIGNED) {
+        (true, _) => dot_steps::<false, true, 0, N>(steps, quad, quads, next),
+        (false, false) => dot_steps::<false, false, 8, N>(steps, quad, quads, next),
+        (false, true) => dot_steps::<false, false, 128, N>(steps, quad, quads, next),
     }
-    let done = 4 * n_quads;
-    if done < w.len() {
-        let t = tail(&w[done..], a.map(|r| &r[done..]));
-        for j in 0..N {
-            out[j] += t[j];
-        }
-    }
-    out
 }
 
 /// Twin of `quant::dot_q4_0_scalar`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn dot_q4_0<const N: usize>(w: &[BlockQ4_0], a: [&[BlockQ8Act]; N], quads: [&[ActQuad]; N], next: &[u8]) -> [f32; N] {
-    dot_quads(w, a, quads, next, crate::avx2::dot_q4_0::<N>)
+pub unsafe fn dot_q4_0<const N: usize>(w: &[BlockQ4_0], _a: [&[BlockQ8Act]; N], quads: [&[ActQuad]; N], next: &[u8]) -> [f32; N] {
+    dot_quads(w, quads, next)
 }
 
 /// Twin of `quant::dot_q4_1_scalar`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn dot_q4_1<const N: usize>(w: &[BlockQ4_1], a: [&[BlockQ8Act]; N], quads: [&[ActQuad]; N], next: &[u8]) -> [f32; N] {
-    dot_quads(w, a, quads, next, crate::avx2::dot_q4_1::<N>)
+pub unsafe fn dot_q4_1<const N: usize>(w: &[BlockQ4_1], _a: [&[BlockQ8Act]; N], quads: [&[ActQuad]; N], next: &[u8]) -> [f32; N] {
+    dot_quads(w, quads, next)
 }
 
 /// Twin of `quant::dot_q8_0_scalar`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn dot_q8_0<const N: usize>(w: &[BlockQ8_0], a: [&[BlockQ8Act]; N], quads: [&[ActQuad]; N], next: &[u8]) -> [f32; N] {
-    dot_quads(w, a, quads, next, crate::avx2::dot_q8_0::<N>)
+pub unsafe fn dot_q8_0<const N: usize>(w: &[BlockQ8_0], _a: [&[BlockQ8Act]; N], quads: [&[ActQuad]; N], next: &[u8]) -> [f32; N] {
+    dot_quads(w, quads, next)
+}
+
+/// One row of a chunked type (`quant::chunked`) against N tokens: the format's AVX2 chunk
+/// decoder four times per step, the chunks gathered into one `RegQuad` (v + 128). Twin of
+/// `chunked::dot_scalar`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn dot_chunked<const N: usize>(dtype: DType, row: &[u8], quads: [&[ActQuad]; N], next: &[u8]) -> [f32; N] {
+    use crate::quant::chunked_avx2 as c2;
+    let nb = quads[0].len() * 4; // (padded)
+    let blocks = row.len() / dtype.block_bytes() * (dtype.block_len() / 32);
+    debug_assert!(blocks <= nb && nb < blocks + 4);
+    macro_rules! with {
+        ($decode:path, $dtype:expr) => {{
+            const PER_BLOCK: usize = c2::chunks_per_block($dtype);
+            let quad = |j: usize| {
+                let ch = |c: usize| {
+                    let k = 4 * j + c;
+                    if k < blocks { $decode(row, k / PER_BLOCK, k % PER_BLOCK) } else { Decoded::zero() }
+                };
+                gather([ch(0), ch(1), ch(2), ch(3)])
+            };
+            let (halves, min) = crate::quant::panel::shape($dtype);
+            match (halves, min) {
+                (false, false) => dot_steps::<false, false, 128, N>(quads[0].len(), quad, quads, next),
+                (false, true) => dot_steps::<false, true, 128, N>(quads[0].len(), quad, quads, next),
+                (true, false) => dot_steps::<true, false, 128, N>(quads[0].len(), quad, quads, next),
+                (true, true) => dot_steps::<true, true, 128, N>(quads[0].len(), quad, quads, next),
+            }
+        }};
+    }
+    match dtype {
+        DType::Q5_0 => with!(c2::q5_0, DType::Q5_0),
+        DType::Q5_1 => with!(c2::q5_1, DType::Q5_1),
+        DType::Q2_K => with!(c2::q2_k, DType::Q2_K),
+        DType::Q3_K => with!(c2::q3_k, DType::Q3_K),
+        DType::Q4_K => with!(c2::q4_k, DType::Q4_K),
+        DType::Q5_K => with!(c2::q5_k, DType::Q5_K),
+        DType::Q6_K => with!(c2::q6_k, DType::Q6_K),
+        DType::IQ4_NL => with!(c2::iq4_nl, DType::IQ4_NL),
+        DType::IQ4_XS => with!(c2::iq4_xs, DType::IQ4_XS),
+        _ => unreachable!("{} is not a chunked type", dtype.name()),
+    }
+}
+
+/// Four decoded chunks as one step: chunk c's low 16 bytes (and its first half's scale and
+/// minimum) to lanes 4c..4c + 4 of `lo`, its high 16 to those of `hi`; bytes v + 128.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn gather(ch: [Decoded; 4]) -> RegQuad {
+    let join = |x: __m256i, y: __m256i| _mm512_inserti64x4::<1>(_mm512_castsi256_si512(x), y);
+    // the low 128 bits of each of the four, and the high 128 bits of each
+    let lows = |v: [__m256i; 4]| join(_mm256_permute2x128_si256::<0x20>(v[0], v[1]), _mm256_permute2x128_si256::<0x20>(v[2], v[3]));
+    let highs = |v: [__m256i; 4]| join(_mm256_permute2x128_si256::<0x31>(v[0], v[1]), _mm256_permute2x128_si256::<0x31>(v[2], v[3]));
+    let v = [ch[0].v, ch[1].v, ch[2].v, ch[3].v];
+    let scale = [0, 1, 2, 3].map(|c| _mm256_castps_si256(ch[c].scale));
+    // a format has either a minimum per chunk (all lanes) or one per half; the other is zero
+    let min = [0, 1, 2, 3].map(|c| _mm256_castps_si256(_mm256_add_ps(ch[c].min, ch[c].min_halves)));
+    let flip = _mm512_set1_epi8(-128);
+    RegQuad {
+        lo: _mm512_xor_si512(lows(v), flip),
+        hi: _mm512_xor_si512(highs(v), flip),
+        scale: _mm512_castsi512_ps(lows(scale)),
+        scale_hi: _mm512_castsi512_ps(highs(scale)),
+        min: _mm512_castsi512_ps(lows(min)),
+        min_hi: _mm512_castsi512_ps(highs(min)),
+    }
 }

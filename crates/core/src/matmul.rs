@@ -10,6 +10,8 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
+#[cfg(target_arch = "x86_64")]
+use crate::quant::panel;
 use crate::quant::{self, cast_blocks, ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK};
 
 /// Instruction sets the kernels are written for, in increasing order: each level has every
@@ -126,7 +128,16 @@ pub struct Activations {
     /// With AVX-512: `q8` again, in groups of four blocks as the 512-bit dots read them
     /// (n, cols / 128).
     pub quads: Vec<ActQuad>,
+    /// With AVX-512 and at least `PANEL_MIN_TOKENS` tokens: `q8` as the prefill panels read
+    /// it (n, quads(cols)); empty otherwise (then `quads` holds the activations). Panels give
+    /// every token bit for bit the dots the one-token kernels give it.
+    #[cfg(target_arch = "x86_64")]
+    pub panel: Vec<panel::ActPanel>,
 }
+
+/// Batches from this many tokens up are multiplied through unpacked weight panels
+/// (`quant::panel`): decoding a row once for them all beats decoding it once per four tokens.
+pub const PANEL_MIN_TOKENS: usize = 8;
 
 impl Activations {
     /// Loads `x` (n, cols) and quantizes it; `cols` must be a multiple of 32 when quantized
@@ -147,19 +158,33 @@ impl Activations {
                 SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { crate::avx2::quantize_act(xs, q) },
                 _ => quant::quantize_act(xs, q),
             });
+            #[cfg(target_arch = "x86_64")]
+            {
+                self.panel.clear();
+                if level == SimdLevel::Avx512 && n >= PANEL_MIN_TOKENS {
+                    let nq = panel::quads(cols);
+                    self.panel.resize(n * nq, panel::ActPanel::default());
+                    self.panel.par_chunks_mut(nq).zip(self.q8.par_chunks(nb)).for_each(|(p, q)| panel::arrange_act_panel(q, p));
+                }
+            }
             self.quads.clear();
-            if level == SimdLevel::Avx512 {
-                let nq = nb / 4;
+            // (the panels replace the quads for a batch that has them)
+            #[cfg(target_arch = "x86_64")]
+            let has_panel = !self.panel.is_empty();
+            #[cfg(not(target_arch = "x86_64"))]
+            let has_panel = false;
+            if level == SimdLevel::Avx512 && !has_panel {
+                let nq = quant::act_quads(nb);
                 self.quads.resize(n * nq, ActQuad::default());
-                if nq > 0 {
-                    for (p, q) in self.quads.chunks_mut(nq).zip(self.q8.chunks(nb)) {
-                        quant::arrange_act_quads(q, p);
-                    }
+                for (p, q) in self.quads.chunks_mut(nq).zip(self.q8.chunks(nb)) {
+                    quant::arrange_act_quads(q, p);
                 }
             }
         } else {
             self.q8.clear();
             self.quads.clear();
+            #[cfg(target_arch = "x86_64")]
+            self.panel.clear();
         }
     }
 
@@ -173,7 +198,7 @@ impl Activations {
     }
 
     fn quad_row(&self, t: usize) -> &[ActQuad] {
-        let nq = self.cols / QK / 4;
+        let nq = quant::act_quads(self.cols / QK);
         &self.quads[t * nq..(t + 1) * nq]
     }
 }
@@ -198,11 +223,11 @@ pub(crate) fn dot_row<const N: usize>(w: &QMatrix, r: usize, next: Option<usize>
             match level {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI and
-                // AVX2's features; `quads` is filled whenever the level is Avx512.
-                SimdLevel::Avx512 => unsafe { $simd512(blocks, a, t.map(|ti| x.quad_row(ti)), next) },
+                // AVX2's features; `quads` is filled at this level unless panels replace it.
+                SimdLevel::Avx512 if !x.quads.is_empty() => unsafe { $simd512(blocks, a, t.map(|ti| x.quad_row(ti)), next) },
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
-                SimdLevel::Avx2 => unsafe { $simd(blocks, a) },
+                // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c.
+                SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { $simd(blocks, a) },
                 _ => $scalar(blocks, a),
             }
         }};
@@ -226,10 +251,10 @@ pub(crate) fn dot_row<const N: usize>(w: &QMatrix, r: usize, next: Option<usize>
             match level {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI and AVX2's features.
-                SimdLevel::Avx512 => unsafe { quant::chunked_avx2::dot_vnni(w.dtype, row, a) },
+                SimdLevel::Avx512 if !x.quads.is_empty() => unsafe { crate::avx512::dot_chunked(w.dtype, row, t.map(|ti| x.quad_row(ti)), next) },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as above.
-                SimdLevel::Avx2 => unsafe { quant::chunked_avx2::dot(w.dtype, row, a) },
+                SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { quant::chunked_avx2::dot(w.dtype, row, a) },
                 _ => quant::chunked::dot_scalar(w.dtype, row, a),
             }
         }
@@ -312,6 +337,13 @@ const MAX_MATS: usize = 8;
 /// tokens per pass over the rows, so each weight block is unpacked once for four tokens.
 fn rows_for_all_tokens(w: &QMatrix, rows: std::ops::Range<usize>, x: &Activations, level: SimdLevel, put: impl Fn(usize, usize, f32)) {
     let n = x.n;
+    #[cfg(target_arch = "x86_64")]
+    if level == SimdLevel::Avx512 && w.dtype.is_quantized() && !x.panel.is_empty() {
+        // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI and AVX2's
+        // features; `panel` holds n tokens (filled by `set` at this level).
+        unsafe { panel::rows_all_tokens(w.dtype, |r| w.row(r), w.cols, rows, &x.panel, n, put) };
+        return;
+    }
     let mut t = 0;
     while t + 4 <= n {
         dot_rows(w, rows.clone(), x, [t, t + 1, t + 2, t + 3], level, |r, v| {
@@ -357,7 +389,7 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
     let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr())).collect();
     let level = simd_level();
     let tasks: Vec<(usize, usize)> = (0..mats.len()).flat_map(|i| (0..m.div_ceil(chunk)).map(move |c| (i, c * chunk))).collect();
-    tasks.par_iter().for_each_init(Vec::new, |tokens: &mut Vec<usize>, &(i, k0)| {
+    tasks.par_iter().for_each_init(|| (Vec::new(), Vec::new()), |(tokens, _unpacked), &(i, k0)| {
         let (w, out) = (&mats[i], ptrs[i]);
         let part = &sel[k0..(k0 + chunk).min(m)];
         // SAFETY (both branches): this task alone writes columns k0..k0 + part.len() of matrix
@@ -369,6 +401,12 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
                 tokens.clear();
                 tokens.extend((0..n).filter(|&t| keep[t * w.rows + j]));
                 let (k, next) = (k0 + k, part.get(k + 1).map(|&n| n as usize));
+                #[cfg(target_arch = "x86_64")]
+                if level == SimdLevel::Avx512 && w.dtype.is_quantized() && !x.panel.is_empty() {
+                    // SAFETY: as in `rows_for_all_tokens`.
+                    unsafe { panel::row_tokens(w.dtype, w.row(j), w.cols, &x.panel, tokens, _unpacked, |t, v| put(t, k, v)) };
+                    continue;
+                }
                 let mut g = tokens.chunks_exact(4);
                 for q in &mut g {
                     let v = dot_row(w, j, next, x, [q[0], q[1], q[2], q[3]], level);
@@ -521,6 +559,59 @@ mod tests {
         }
     }
 
+    /// On AVX-512, a token's dots are bit for bit the same whether it goes alone (n = 1), in a
+    /// small batch of one-token kernels or through a batch's weight panels: a session's results
+    /// do not depend on how its tokens were batched (batched decode, prompt pieces) or cached.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn panels_and_one_token_kernels_agree_bit_for_bit() {
+        if simd_level() != SimdLevel::Avx512 {
+            eprintln!("skipping: no AVX-512 VNNI on this CPU");
+            return;
+        }
+        use crate::quant::chunked::tests::random_row;
+        let types = [DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS];
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        for (s, dtype) in types.into_iter().enumerate() {
+            for cols in [96, 256, 576, 1536] {
+                if cols % dtype.block_len() != 0 {
+                    continue;
+                }
+                let (rows, n) = (13, 11);
+                let data: Vec<u8> = (0..rows)
+                    .flat_map(|r| match dtype {
+                        DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => quantize_row(dtype, &random_vec(cols, (50 * s + r) as u64)),
+                        _ => random_row(dtype, cols, (50 * s + r) as u64),
+                    })
+                    .collect();
+                let w = QMatrix { dtype, rows, cols, data: &data };
+                let x_f = random_vec(n * cols, 9 + s as u64);
+                let product = |t0: usize, m: usize| {
+                    let mut x = Activations::default();
+                    x.set(&x_f[t0 * cols..(t0 + m) * cols], m, cols);
+                    assert_eq!(x.panel.is_empty(), m < PANEL_MIN_TOKENS);
+                    let mut out = vec![0.0f32; m * rows];
+                    pool.install(|| matmul(&w, &x, &mut out));
+                    out
+                };
+                // through panels, and in batches of 7, 2 and 1 through the one-token kernels
+                let prompt = product(0, n);
+                let mut batch = product(0, 7);
+                batch.extend(product(7, 2));
+                batch.extend(product(9, 1));
+                batch.extend(product(10, 1));
+                for t in 0..n {
+                    let alone = product(t, 1);
+                    for r in 0..rows {
+                        let p = prompt[t * rows + r];
+                        assert_eq!(p.to_bits(), alone[r].to_bits(), "{dtype:?} cols {cols} token {t} row {r}: panel {p} vs alone {}", alone[r]);
+                        assert_eq!(batch[t * rows + r].to_bits(), alone[r].to_bits(), "{dtype:?} cols {cols} token {t} row {r}: batch");
+                    }
+                }
+            }
+        }
+    }
+
     /// A product over selected rows gives exactly the values the full product gives for those
     /// rows, for every type, batch size and selection shape (empty, runs, scattered, all), and
     /// with a mask exactly those cells and no others.
@@ -534,7 +625,8 @@ mod tests {
             let data: Vec<u8> = w_f.chunks(cols).flat_map(|r| quantize_row(dtype, r)).collect();
             let g = QMatrix { dtype, rows, cols, data: &data };
             let u = QMatrix { dtype, rows, cols, data: &data[..] };
-            for n in [1, 2, 3, 5, 7] {
+            // (from PANEL_MIN_TOKENS tokens up, AVX-512 multiplies through weight panels)
+            for n in [1, 2, 3, 5, 7, 9, 13] {
                 let mut x = Activations::default();
                 x.set(&random_vec(n * cols, n as u64), n, cols);
                 let mut full = vec![0.0; n * rows];

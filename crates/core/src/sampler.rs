@@ -55,11 +55,14 @@ pub struct SamplingParams {
     pub repeat_penalty: f32,
     /// How many recent tokens the penalty looks at.
     pub repeat_last_n: usize,
+    /// Tokens never picked (their logits count as -inf): the end-of-generation tokens when a
+    /// generation ignores them.
+    pub banned: Vec<u32>,
 }
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_k: 40, top_p: 0.95, min_p: 0.05, repeat_penalty: 1.0, repeat_last_n: 64 }
+        SamplingParams { temperature: 0.0, top_k: 40, top_p: 0.95, min_p: 0.05, repeat_penalty: 1.0, repeat_last_n: 64, banned: Vec::new() }
     }
 }
 
@@ -99,6 +102,11 @@ impl Sampler {
     /// tokens seen so far (prompt and generated), newest last.
     pub fn sample(&mut self, logits: &mut [f32], recent: &[u32]) -> u32 {
         let p = &self.params;
+        for &t in &p.banned {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
         if p.repeat_penalty != 1.0 && p.repeat_last_n > 0 {
             let start = recent.len().saturating_sub(p.repeat_last_n);
             let mut seen = std::collections::HashSet::new();
@@ -181,7 +189,7 @@ mod tests {
     use super::*;
 
     fn params(temperature: f32, top_k: usize, top_p: f32, min_p: f32) -> SamplingParams {
-        SamplingParams { temperature, top_k, top_p, min_p, repeat_penalty: 1.0, repeat_last_n: 64 }
+        SamplingParams { temperature, top_k, top_p, min_p, repeat_penalty: 1.0, repeat_last_n: 64, banned: Vec::new() }
     }
 
     #[test]
@@ -247,6 +255,18 @@ mod tests {
         let mut s = Sampler::new(p, 1).unwrap();
         assert_eq!(s.sample(&mut [2.0, 1.5], &[0]), 1);
         assert_eq!(s.sample(&mut [-1.0, -1.5], &[1]), 0);
+    }
+
+    #[test]
+    fn banned_tokens_are_never_picked() {
+        let logits = [1.0f32, 9.0, 0.0, 8.5];
+        let mut p = params(0.0, 0, 1.0, 0.0);
+        p.banned = vec![1, 77];
+        assert_eq!(Sampler::new(p.clone(), 1).unwrap().sample(&mut logits.clone(), &[]), 3);
+        p.temperature = 2.0;
+        let mut s = Sampler::new(p, 1).unwrap();
+        let picks: Vec<u32> = (0..500).map(|_| s.sample(&mut logits.clone(), &[])).collect();
+        assert!(!picks.contains(&1) && picks.contains(&3) && picks.contains(&0));
     }
 
     #[test]

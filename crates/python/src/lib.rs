@@ -237,7 +237,8 @@ struct PySampler {
 #[pymethods]
 impl PySampler {
     #[new]
-    #[pyo3(signature = (temperature = 0.0, top_k = 40, top_p = 0.95, min_p = 0.05, repeat_penalty = 1.0, repeat_last_n = 64, seed = 0))]
+    #[pyo3(signature = (temperature = 0.0, top_k = 40, top_p = 0.95, min_p = 0.05, repeat_penalty = 1.0, repeat_last_n = 64, seed = 0, banned = Vec::new()))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         temperature: f32,
         top_k: usize,
@@ -246,8 +247,9 @@ impl PySampler {
         repeat_penalty: f32,
         repeat_last_n: usize,
         seed: u64,
+        banned: Vec<u32>,
     ) -> PyResult<Self> {
-        let params = SamplingParams { temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n };
+        let params = SamplingParams { temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, banned };
         Ok(PySampler { inner: Mutex::new(Sampler::new(params, seed).map_err(to_py)?) })
     }
 

@@ -1,7 +1,7 @@
 //! AVX2 twins of `chunked`: each format's chunk decoder unpacks 32 weights into one register of
 //! signed bytes (the `Chunk::v` of the scalar decoder, tested equal), and one row loop per
-//! format dots them with N int8 activation rows. With AVX-512 VNNI the product of a chunk is one
-//! `vpdpbusd`; without it, `vpmaddubsw` + `vpmaddwd`.
+//! format dots them with N int8 activation rows (`vpmaddubsw` + `vpmaddwd`). With AVX-512 the
+//! same decoders feed `avx512::dot_chunked` and the prefill panels (`panel`).
 //!
 //! Why per chunk and not per 256-weight super-block as ggml does: the activations carry an f32
 //! scale per 32 (`BlockQ8Act`), so every chunk is converted to float once per activation row
@@ -20,17 +20,26 @@
 use std::arch::x86_64::*;
 
 use super::chunked::{BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, IQ4_VALUES};
-use super::{cast_blocks, BlockQ8Act, DType, QK};
+use super::{cast_blocks, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK};
 // an f16 scale broadcast to 8 f32 lanes (see there why a broadcast)
 use crate::avx2::splat_f16 as f16;
 
 /// One decoded chunk: 32 signed weights, the halves' scales as [s0 x 4, s1 x 4], and the
 /// minimum (per chunk in every lane of `min`, or per half in `min_halves`).
-struct Decoded {
-    v: __m256i,
-    scale: __m256,
-    min: __m256,
-    min_halves: __m256,
+pub(crate) struct Decoded {
+    pub(crate) v: __m256i,
+    pub(crate) scale: __m256,
+    pub(crate) min: __m256,
+    pub(crate) min_halves: __m256,
+}
+
+impl Decoded {
+    /// A chunk of zero weights with zero scales (the padding of a row's last step).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn zero() -> Decoded {
+        Decoded { v: _mm256_setzero_si256(), scale: _mm256_setzero_ps(), min: _mm256_setzero_ps(), min_halves: _mm256_setzero_ps() }
+    }
 }
 
 /// `d` times a small integer, in every lane.
@@ -115,18 +124,42 @@ unsafe fn decode(dtype: DType, row: &[u8], k: usize) -> Decoded {
 /// Chunks per block: 1 for the 32-weight formats, 8 for the 256-weight ones. A constant in
 /// each row loop, so that the loop over a block's chunks unrolls into straight code with
 /// constant shifts, and the block's scales are read once.
-const fn chunks_per_block(dtype: DType) -> usize {
+pub(crate) const fn chunks_per_block(dtype: DType) -> usize {
     match dtype {
-        DType::Q5_0 | DType::Q5_1 | DType::IQ4_NL => 1,
+        DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::Q5_0 | DType::Q5_1 | DType::IQ4_NL => 1,
         _ => super::QK_K / QK,
     }
 }
 
 const LOW4: i8 = 0x0F;
 
+/// Q4_0 (the panels of `panel` read every quantized type through a decoder): q - 8.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q5_0(row: &[u8], b: usize, _c: usize) -> Decoded {
+pub(crate) unsafe fn q4_0(row: &[u8], b: usize, _c: usize) -> Decoded {
+    let x = cast_blocks::<BlockQ4_0>(row).get_unchecked(b);
+    let v = _mm256_sub_epi8(nibbles(x.qs.as_ptr()), _mm256_set1_epi8(8));
+    Decoded { v, scale: f16(x.d), min: _mm256_setzero_ps(), min_halves: _mm256_setzero_ps() }
+}
+
+/// Q4_1: d * q + m, as d * q - (-m).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q4_1(row: &[u8], b: usize, _c: usize) -> Decoded {
+    let x = cast_blocks::<BlockQ4_1>(row).get_unchecked(b);
+    Decoded { v: nibbles(x.qs.as_ptr()), scale: f16(x.d), min: _mm256_sub_ps(_mm256_setzero_ps(), f16(x.m)), min_halves: _mm256_setzero_ps() }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q8_0(row: &[u8], b: usize, _c: usize) -> Decoded {
+    let x = cast_blocks::<BlockQ8_0>(row).get_unchecked(b);
+    Decoded { v: load32(x.qs.as_ptr() as *const u8), scale: f16(x.d), min: _mm256_setzero_ps(), min_halves: _mm256_setzero_ps() }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q5_0(row: &[u8], b: usize, _c: usize) -> Decoded {
     let x = cast_blocks::<BlockQ5_0>(row).get_unchecked(b);
     let high = _mm256_and_si256(bits_to_bytes(u32::from_le_bytes(x.qh)), _mm256_set1_epi8(0x10));
     let v = _mm256_sub_epi8(_mm256_or_si256(nibbles(x.qs.as_ptr()), high), _mm256_set1_epi8(16));
@@ -135,7 +168,7 @@ unsafe fn q5_0(row: &[u8], b: usize, _c: usize) -> Decoded {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q5_1(row: &[u8], b: usize, _c: usize) -> Decoded {
+pub(crate) unsafe fn q5_1(row: &[u8], b: usize, _c: usize) -> Decoded {
     let x = cast_blocks::<BlockQ5_1>(row).get_unchecked(b);
     let high = _mm256_and_si256(bits_to_bytes(u32::from_le_bytes(x.qh)), _mm256_set1_epi8(0x10));
     let v = _mm256_or_si256(nibbles(x.qs.as_ptr()), high);
@@ -145,7 +178,7 @@ unsafe fn q5_1(row: &[u8], b: usize, _c: usize) -> Decoded {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q2_k(row: &[u8], b: usize, c: usize) -> Decoded {
+pub(crate) unsafe fn q2_k(row: &[u8], b: usize, c: usize) -> Decoded {
     let x = cast_blocks::<BlockQ2K>(row).get_unchecked(b);
     let (g, s) = (c / 4, c % 4);
     let v = _mm256_and_si256(shr(load32(x.qs.as_ptr().add(32 * g)), 2 * s), _mm256_set1_epi8(3));
@@ -161,7 +194,7 @@ unsafe fn q2_k(row: &[u8], b: usize, c: usize) -> Decoded {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q3_k(row: &[u8], b: usize, c: usize) -> Decoded {
+pub(crate) unsafe fn q3_k(row: &[u8], b: usize, c: usize) -> Decoded {
     let x = cast_blocks::<BlockQ3K>(row).get_unchecked(b);
     let (g, s) = (c / 4, c % 4);
     let low = _mm256_and_si256(shr(load32(x.qs.as_ptr().add(32 * g)), 2 * s), _mm256_set1_epi8(3));
@@ -189,14 +222,14 @@ unsafe fn k4(d: u16, dmin: u16, scales: &[u8; 12], qs: *const u8, c: usize) -> D
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_k(row: &[u8], b: usize, c: usize) -> Decoded {
+pub(crate) unsafe fn q4_k(row: &[u8], b: usize, c: usize) -> Decoded {
     let x = cast_blocks::<BlockQ4K>(row).get_unchecked(b);
     k4(x.d, x.dmin, &x.scales, x.qs.as_ptr(), c)
 }
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q5_k(row: &[u8], b: usize, c: usize) -> Decoded {
+pub(crate) unsafe fn q5_k(row: &[u8], b: usize, c: usize) -> Decoded {
     let x = cast_blocks::<BlockQ5K>(row).get_unchecked(b);
     let mut ch = k4(x.d, x.dmin, &x.scales, x.qs.as_ptr(), c);
     ch.v = _mm256_or_si256(ch.v, _mm256_and_si256(has_bit(load32(x.qh.as_ptr()), c), _mm256_set1_epi8(0x10)));
@@ -205,7 +238,7 @@ unsafe fn q5_k(row: &[u8], b: usize, c: usize) -> Decoded {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6_k(row: &[u8], b: usize, c: usize) -> Decoded {
+pub(crate) unsafe fn q6_k(row: &[u8], b: usize, c: usize) -> Decoded {
     let x = cast_blocks::<BlockQ6K>(row).get_unchecked(b);
     let (g, s) = (c / 4, c % 4);
     let low = _mm256_and_si256(shr(load32(x.ql.as_ptr().add(64 * g + 32 * (s % 2))), 4 * (s / 2)), _mm256_set1_epi8(LOW4));
@@ -225,14 +258,14 @@ unsafe fn iq4(qs: *const u8, scale: __m256) -> Decoded {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn iq4_nl(row: &[u8], b: usize, _c: usize) -> Decoded {
+pub(crate) unsafe fn iq4_nl(row: &[u8], b: usize, _c: usize) -> Decoded {
     let x = cast_blocks::<BlockIQ4NL>(row).get_unchecked(b);
     iq4(x.qs.as_ptr(), f16(x.d))
 }
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn iq4_xs(row: &[u8], b: usize, c: usize) -> Decoded {
+pub(crate) unsafe fn iq4_xs(row: &[u8], b: usize, c: usize) -> Decoded {
     let x = cast_blocks::<BlockIQ4XS>(row).get_unchecked(b);
     let low = (x.scales_l[c / 2] >> (4 * (c % 2))) & 0x0F;
     let high = ((x.scales_h >> (2 * c)) & 3) as u8;
@@ -317,22 +350,10 @@ unsafe fn maddubs(u: __m256i, s: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
 }
 
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn dpbusd(u: __m256i, s: __m256i) -> __m256i {
-    _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
-}
-
 /// One row of a chunked type against N int8 activation rows: the twin of `chunked::dot_scalar`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot<const N: usize>(dtype: DType, row: &[u8], a: [&[BlockQ8Act]; N]) -> [f32; N] {
     dispatch!(dtype, row, a, maddubs)
-}
-
-/// `dot` with AVX-512 VNNI's one-instruction byte product.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub unsafe fn dot_vnni<const N: usize>(dtype: DType, row: &[u8], a: [&[BlockQ8Act]; N]) -> [f32; N] {
-    dispatch!(dtype, row, a, dpbusd)
 }
 
 #[cfg(test)]
@@ -371,7 +392,7 @@ mod tests {
         }
     }
 
-    /// The row dots (AVX2, and VNNI where the CPU has it) equal the scalar dot up to float
+    /// The row dots equal the scalar dot up to float
     /// summation order, for 1, 2 and 4 activation rows.
     #[test]
     fn dots_match_scalar() {
@@ -399,15 +420,11 @@ mod tests {
                     assert!((g - w).abs() <= 1e-5 * scale, "{dtype:?} {what}: {g} vs {w}");
                 }
             };
-            // SAFETY: AVX2 checked above; VNNI only where the level says the CPU has it.
+            // SAFETY: AVX2 checked above.
             unsafe {
                 close(&dot(dtype, &row, [a4[0]]), &want[..1], "avx2 x1");
                 close(&dot(dtype, &row, [a4[2], a4[3]]), &want[2..], "avx2 x2");
                 close(&dot(dtype, &row, a4), &want, "avx2 x4");
-                if level == crate::matmul::SimdLevel::Avx512 {
-                    close(&dot_vnni(dtype, &row, [a4[1]]), &want[1..2], "vnni x1");
-                    close(&dot_vnni(dtype, &row, a4), &want, "vnni x4");
-                }
             }
         }
     }
