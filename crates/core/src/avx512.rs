@@ -395,18 +395,7 @@ pub unsafe fn dot_chunked<const N: usize>(dtype: DType, row: &[u8], quads: [&[Ac
             }
         }};
     }
-    match dtype {
-        DType::Q5_0 => with!(c2::q5_0, DType::Q5_0),
-        DType::Q5_1 => with!(c2::q5_1, DType::Q5_1),
-        DType::Q2_K => with!(c2::q2_k, DType::Q2_K),
-        DType::Q3_K => with!(c2::q3_k, DType::Q3_K),
-        DType::Q4_K => with!(c2::q4_k, DType::Q4_K),
-        DType::Q5_K => with!(c2::q5_k, DType::Q5_K),
-        DType::Q6_K => with!(c2::q6_k, DType::Q6_K),
-        DType::IQ4_NL => with!(c2::iq4_nl, DType::IQ4_NL),
-        DType::IQ4_XS => with!(c2::iq4_xs, DType::IQ4_XS),
-        _ => unreachable!("{} is not a chunked type", dtype.name()),
-    }
+    c2::with_decoder!(dtype, with)
 }
 
 /// Four decoded chunks as one step: chunk c's low 16 bytes (and its first half's scale and

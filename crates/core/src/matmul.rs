@@ -569,21 +569,15 @@ mod tests {
             eprintln!("skipping: no AVX-512 VNNI on this CPU");
             return;
         }
-        use crate::quant::chunked::tests::random_row;
-        let types = [DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS];
+        use crate::quant::tests::{random_quantized_row, QUANTIZED};
         let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
-        for (s, dtype) in types.into_iter().enumerate() {
+        for (s, dtype) in QUANTIZED.into_iter().enumerate() {
             for cols in [96, 256, 576, 1536] {
                 if cols % dtype.block_len() != 0 {
                     continue;
                 }
                 let (rows, n) = (13, 11);
-                let data: Vec<u8> = (0..rows)
-                    .flat_map(|r| match dtype {
-                        DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => quantize_row(dtype, &random_vec(cols, (50 * s + r) as u64)),
-                        _ => random_row(dtype, cols, (50 * s + r) as u64),
-                    })
-                    .collect();
+                let data: Vec<u8> = (0..rows).flat_map(|r| random_quantized_row(dtype, cols, (50 * s + r) as u64)).collect();
                 let w = QMatrix { dtype, rows, cols, data: &data };
                 let x_f = random_vec(n * cols, 9 + s as u64);
                 let product = |t0: usize, m: usize| {

@@ -272,6 +272,32 @@ pub(crate) unsafe fn iq4_xs(row: &[u8], b: usize, c: usize) -> Decoded {
     iq4(x.qs.as_ptr().add(16 * c), times(f16(x.d), (low | (high << 4)) as i32 - 32))
 }
 
+/// `$then!(decoder, DType)` with `$dtype`'s chunk decoder, for any quantized type: one arm per
+/// format with its DType as a constant, so that the code `$then` expands to compiles for one
+/// format at a time (the prefill panels and the AVX-512 one-token dots).
+macro_rules! with_decoder {
+    ($dtype:expr, $then:ident) => {{
+        use $crate::quant::chunked_avx2 as decoders;
+        use $crate::quant::DType as T;
+        match $dtype {
+            T::Q4_0 => $then!(decoders::q4_0, T::Q4_0),
+            T::Q4_1 => $then!(decoders::q4_1, T::Q4_1),
+            T::Q8_0 => $then!(decoders::q8_0, T::Q8_0),
+            T::Q5_0 => $then!(decoders::q5_0, T::Q5_0),
+            T::Q5_1 => $then!(decoders::q5_1, T::Q5_1),
+            T::Q2_K => $then!(decoders::q2_k, T::Q2_K),
+            T::Q3_K => $then!(decoders::q3_k, T::Q3_K),
+            T::Q4_K => $then!(decoders::q4_k, T::Q4_K),
+            T::Q5_K => $then!(decoders::q5_k, T::Q5_K),
+            T::Q6_K => $then!(decoders::q6_k, T::Q6_K),
+            T::IQ4_NL => $then!(decoders::iq4_nl, T::IQ4_NL),
+            T::IQ4_XS => $then!(decoders::iq4_xs, T::IQ4_XS),
+            other => unreachable!("{} is not a quantized type", other.name()),
+        }
+    }};
+}
+pub(crate) use with_decoder;
+
 /// Whether the format's weights can be negative (then the product needs `vpsignb`).
 fn signed(dtype: DType) -> bool {
     !matches!(dtype, DType::Q5_1 | DType::Q2_K | DType::Q4_K | DType::Q5_K)

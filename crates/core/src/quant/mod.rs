@@ -493,6 +493,17 @@ pub(crate) mod tests {
         (0..n).map(|_| rng.next_f32() * 2.0 - 1.0).collect()
     }
 
+    /// Every quantized type, and a random valid row of `cols` weights of one: the legacy types
+    /// quantized from random values, the chunked ones random blocks with small scales.
+    pub(crate) const QUANTIZED: [DType; 12] = [DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS];
+
+    pub(crate) fn random_quantized_row(dtype: DType, cols: usize, seed: u64) -> Vec<u8> {
+        match dtype {
+            DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => quantize_row(dtype, &random_vec(cols, seed)),
+            _ => chunked::tests::random_row(dtype, cols, seed),
+        }
+    }
+
     #[test]
     fn quantize_dequantize_round_trip_within_step() {
         let x = random_vec(32 * 64, 1);

@@ -137,21 +137,7 @@ pub unsafe fn unpack_row(dtype: DType, row: &[u8], cols: usize, out: &mut [Weigh
             }
         }};
     }
-    match dtype {
-        DType::Q4_0 => each_chunk!(c2::q4_0, DType::Q4_0),
-        DType::Q4_1 => each_chunk!(c2::q4_1, DType::Q4_1),
-        DType::Q8_0 => each_chunk!(c2::q8_0, DType::Q8_0),
-        DType::Q5_0 => each_chunk!(c2::q5_0, DType::Q5_0),
-        DType::Q5_1 => each_chunk!(c2::q5_1, DType::Q5_1),
-        DType::Q2_K => each_chunk!(c2::q2_k, DType::Q2_K),
-        DType::Q3_K => each_chunk!(c2::q3_k, DType::Q3_K),
-        DType::Q4_K => each_chunk!(c2::q4_k, DType::Q4_K),
-        DType::Q5_K => each_chunk!(c2::q5_k, DType::Q5_K),
-        DType::Q6_K => each_chunk!(c2::q6_k, DType::Q6_K),
-        DType::IQ4_NL => each_chunk!(c2::iq4_nl, DType::IQ4_NL),
-        DType::IQ4_XS => each_chunk!(c2::iq4_xs, DType::IQ4_XS),
-        _ => unreachable!("{} is not a quantized type", dtype.name()),
-    }
+    c2::with_decoder!(dtype, each_chunk);
     // -128 * each lane's byte sum: vpdpbusd of 128 (unsigned) with the weights
     let (zero, b128) = (_mm512_setzero_si512(), _mm512_set1_epi8(-128));
     let halves = shape(dtype).0;
@@ -318,7 +304,7 @@ unsafe fn rows_with<'a, const HALVES: bool, const MIN: bool>(
 mod tests {
     use super::*;
     use crate::matmul::{dot_row, Activations, QMatrix, SimdLevel};
-    use crate::quant::{chunked::tests::random_row, quantize_row, tests::random_vec};
+    use crate::quant::tests::{random_quantized_row, random_vec, QUANTIZED};
 
     /// Every quantized type, through panels, equals the scalar dots up to float summation
     /// order: rows and tokens that fill whole R x T steps and ones that do not, rows whose
@@ -329,19 +315,13 @@ mod tests {
             eprintln!("skipping: no AVX-512 VNNI on this CPU");
             return;
         }
-        let types = [DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS];
-        for (s, dtype) in types.into_iter().enumerate() {
+        for (s, dtype) in QUANTIZED.into_iter().enumerate() {
             for cols in [96, 256, 512, 576, 1536] {
                 if cols % dtype.block_len() != 0 {
                     continue;
                 }
                 let (rows, n) = (7, 11);
-                let data: Vec<u8> = (0..rows)
-                    .flat_map(|r| match dtype {
-                        DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => quantize_row(dtype, &random_vec(cols, (100 * s + r) as u64)),
-                        _ => random_row(dtype, cols, (100 * s + r) as u64),
-                    })
-                    .collect();
+                let data: Vec<u8> = (0..rows).flat_map(|r| random_quantized_row(dtype, cols, (100 * s + r) as u64)).collect();
                 let w = QMatrix { dtype, rows, cols, data: &data };
                 let mut x = Activations::default();
                 x.set(&random_vec(n * cols, 5 + s as u64), n, cols);
