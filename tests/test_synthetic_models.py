@@ -106,6 +106,21 @@ def test_decode_at_long_context_equals_batched_prefill(tmp_path, kv_type):
     assert rel < (2e-5 if kv_type == "f32" else 5e-3), rel  # f16 rounds each cached value
 
 
+def test_a_prompt_longer_than_a_pass_equals_any_other_split(tmp_path):
+    """A prompt past `UBATCH` (512) tokens runs in several passes; a token's logits do not
+    depend on which pass it ran in, nor on where the passes begin: bit for bit the same as
+    feeding the prompt in pieces of 300 (panels) or of 6 (the small-batch kernels)."""
+    path = write_model(tmp_path / "m.gguf", dtype=Q.Q8_0, n_layer=2, n_ctx=1200)
+    model = _core.Model(path, 2)
+    rng = np.random.default_rng(3)
+    ids = [int(t) for t in rng.integers(3, 200, size=1100)]
+    whole = _core.Session(model, 1200).eval(ids, all_logits=True)
+    for piece in (300, 6):
+        s = _core.Session(model, 1200)
+        parts = np.vstack([s.eval(ids[i:i + piece], all_logits=True) for i in range(0, len(ids), piece)])
+        np.testing.assert_array_equal(parts, whole, err_msg=f"pieces of {piece}")
+
+
 def test_thread_count_does_not_change_results_beyond_rounding(tmp_path):
     path = write_model(tmp_path / "m.gguf", dtype=Q.Q4_1)
     ids = list(range(5, 30))

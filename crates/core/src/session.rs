@@ -165,13 +165,20 @@ impl Session {
         self.state.stats.add(more);
     }
 
+    /// The most tokens one forward pass evaluates (llama.cpp's default n_ubatch): a longer prompt
+    /// runs in passes of this many, so the activation buffers grow with the pass, not with the
+    /// prompt (at 4,096 tokens they would hold more than the KV cache). The matmuls still reuse
+    /// each unpacked weight row for 512 tokens, and a token's logits do not depend on the pass
+    /// it ran in (the kernels keep one accumulator per token).
+    pub const UBATCH: usize = 512;
+
     /// Evaluates `tokens` at the next positions and returns logits: (n, n_vocab) when
     /// `all_logits`, else only the last token's (n_vocab).
     pub fn eval(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
         self.check_room(tokens)?;
         let model = Arc::clone(&self.model);
-        // passes of at most a ring's spare rows where a sliding layer keeps a ring
-        let per_pass = if self.kv_ring.iter().any(Option::is_some) { KvRing::PASS_ROWS } else { tokens.len() };
+        // passes of at most UBATCH tokens (a ring's spare rows where a sliding layer keeps a ring)
+        let per_pass = if self.kv_ring.iter().any(Option::is_some) { KvRing::PASS_ROWS } else { Self::UBATCH };
         let mut logits = Vec::new();
         for (i, part) in tokens.chunks(per_pass).enumerate() {
             let last = (i + 1) * per_pass >= tokens.len();
