@@ -14,7 +14,7 @@ use crate::quant::{BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType};
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum(v: __m256) -> f32 {
+pub(crate) unsafe fn hsum(v: __m256) -> f32 {
     let lo = _mm256_castps256_ps128(v);
     let hi = _mm256_extractf128_ps(v, 1);
     let s = _mm_add_ps(lo, hi);
@@ -43,7 +43,7 @@ unsafe fn lane0(v: __m256) -> f32 {
 /// 16 bytes of packed nibbles to 32 unsigned bytes in ggml's element order (low nibbles first).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn unpack_nibbles(qs: &[u8; 16]) -> __m256i {
+pub(crate) unsafe fn unpack_nibbles(qs: &[u8; 16]) -> __m256i {
     let q = _mm_loadu_si128(qs.as_ptr() as *const __m128i);
     let mask = _mm_set1_epi8(0x0F);
     let lo = _mm_and_si128(q, mask);

@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
-use crate::quant::panel;
+use crate::quant::{panel, panel_avx2};
 use crate::quant::{self, cast_blocks, ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK};
 
 /// Instruction sets the kernels are written for, in increasing order: each level has every
@@ -136,7 +136,8 @@ pub struct Activations {
 }
 
 /// Batches from this many tokens up are multiplied through unpacked weight panels
-/// (`quant::panel`): decoding a row once for them all beats decoding it once per four tokens.
+/// (`quant::panel` with AVX-512, `quant::panel_avx2` with AVX2): decoding a row once for them all
+/// beats decoding it once per four tokens.
 pub const PANEL_MIN_TOKENS: usize = 8;
 
 impl Activations {
@@ -344,6 +345,12 @@ fn rows_for_all_tokens(w: &QMatrix, rows: std::ops::Range<usize>, x: &Activation
         unsafe { panel::rows_all_tokens(w.dtype, |r| w.row(r), w.cols, rows, &x.panel, n, put) };
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if level == SimdLevel::Avx2 && w.dtype.is_quantized() && n >= PANEL_MIN_TOKENS {
+        // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c; `q8` holds n tokens.
+        unsafe { panel_avx2::rows_all_tokens(w.dtype, |r| w.row(r), w.cols, rows, &x.q8, n, put) };
+        return;
+    }
     let mut t = 0;
     while t + 4 <= n {
         dot_rows(w, rows.clone(), x, [t, t + 1, t + 2, t + 3], level, |r, v| {
@@ -389,7 +396,7 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
     let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr())).collect();
     let level = simd_level();
     let tasks: Vec<(usize, usize)> = (0..mats.len()).flat_map(|i| (0..m.div_ceil(chunk)).map(move |c| (i, c * chunk))).collect();
-    tasks.par_iter().for_each_init(|| (Vec::new(), Vec::new()), |(tokens, _unpacked), &(i, k0)| {
+    tasks.par_iter().for_each_init(|| (Vec::new(), Vec::new(), Vec::new()), |(tokens, _unpacked, _chunks), &(i, k0)| {
         let (w, out) = (&mats[i], ptrs[i]);
         let part = &sel[k0..(k0 + chunk).min(m)];
         // SAFETY (both branches): this task alone writes columns k0..k0 + part.len() of matrix
@@ -405,6 +412,12 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
                 if level == SimdLevel::Avx512 && w.dtype.is_quantized() && !x.panel.is_empty() {
                     // SAFETY: as in `rows_for_all_tokens`.
                     unsafe { panel::row_tokens(w.dtype, w.row(j), w.cols, &x.panel, tokens, _unpacked, |t, v| put(t, k, v)) };
+                    continue;
+                }
+                #[cfg(target_arch = "x86_64")]
+                if level == SimdLevel::Avx2 && w.dtype.is_quantized() && n >= PANEL_MIN_TOKENS {
+                    // SAFETY: as in `rows_for_all_tokens`.
+                    unsafe { panel_avx2::row_tokens(w.dtype, w.row(j), w.cols, &x.q8, tokens, _chunks, |t, v| put(t, k, v)) };
                     continue;
                 }
                 let mut g = tokens.chunks_exact(4);

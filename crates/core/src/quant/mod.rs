@@ -12,6 +12,8 @@ pub mod chunked;
 pub mod chunked_avx2;
 #[cfg(target_arch = "x86_64")]
 pub mod panel;
+#[cfg(target_arch = "x86_64")]
+pub mod panel_avx2;
 pub use chunked::{is_chunked, QK_K};
 
 pub const QK: usize = 32;
