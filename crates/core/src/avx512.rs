@@ -25,7 +25,8 @@
 use std::arch::x86_64::*;
 
 use crate::quant::chunked_avx2::Decoded;
-use crate::quant::{ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType};
+use crate::quant::chunked::{BlockQ4K, BlockQ5K};
+use crate::quant::{cast_blocks, ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType};
 
 /// An f16 scale as an f32 broadcast to 16 lanes.
 #[inline]
@@ -395,7 +396,88 @@ pub unsafe fn dot_chunked<const N: usize>(dtype: DType, row: &[u8], quads: [&[Ac
             }
         }};
     }
-    c2::with_decoder!(dtype, with)
+    match dtype {
+        // straight from the super-block, its scales unpacked once per step instead of per chunk
+        DType::Q4_K => {
+            let x = cast_blocks::<BlockQ4K>(row);
+            let quad = |j: usize| {
+                let b = x.get_unchecked(j / 2);
+                k4_quad(b.d, b.dmin, &b.scales, &b.qs, None, j % 2)
+            };
+            dot_steps::<false, true, 128, N>(quads[0].len(), quad, quads, next)
+        }
+        DType::Q5_K => {
+            let x = cast_blocks::<BlockQ5K>(row);
+            let quad = |j: usize| {
+                let b = x.get_unchecked(j / 2);
+                k4_quad(b.d, b.dmin, &b.scales, &b.qs, Some(&b.qh), j % 2)
+            };
+            dot_steps::<false, true, 128, N>(quads[0].len(), quad, quads, next)
+        }
+        _ => c2::with_decoder!(dtype, with),
+    }
+}
+
+/// Q4_K's and Q5_K's eight 6-bit scales and eight minima of one super-block, unpacked at once
+/// (ggml's `get_scale_min_k4` for every sub-block, four bytes per word): bytes [sc0..=sc7,
+/// m0..=m7].
+#[inline]
+fn k4_scales(s: &[u8; 12]) -> [u32; 4] {
+    let word = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
+    let (w0, w1, w2) = (word(0), word(1), word(2));
+    const LOW6: u32 = 0x3f3f_3f3f;
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const LOW2: u32 = 0x0303_0303;
+    // sub-blocks 0..4: the low 6 bits of bytes 0..4 (scales) and 4..8 (minima); 4..8: a nibble
+    // of bytes 8..12 and the top two bits of bytes 0..4 (scales) or 4..8 (minima)
+    [w0 & LOW6, (w2 & LOW4) | (((w0 >> 6) & LOW2) << 4), w1 & LOW6, ((w2 >> 4) & LOW4) | (((w1 >> 6) & LOW2) << 4)]
+}
+
+/// Per 128-bit lane c of step h of a Q5_K super-block: the bit of `qh` that holds chunk
+/// 4h + c's fifth bits, in every byte.
+const FIFTH_BIT: [[u32; 16]; 2] = {
+    let mut out = [[0u32; 16]; 2];
+    let mut i = 0;
+    while i < 32 {
+        out[i / 16][i % 16] = 0x0101_0101 * (1u32 << (4 * (i / 16) + (i % 16) / 4));
+        i += 1;
+    }
+    out
+};
+
+/// Step h (chunks 4h..4h + 4) of a Q4_K super-block (`qh` None) or a Q5_K one: the bytes,
+/// scales and minima that the AVX2 chunk decoders give and `gather` lays out, bit for bit.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn k4_quad(d: u16, dmin: u16, scales: &[u8; 12], qs: &[u8; 128], qh: Option<&[u8; 32]>, h: usize) -> RegQuad {
+    let sm = k4_scales(scales);
+    let sm = _mm_loadu_si128(sm.as_ptr() as *const __m128i);
+    // byte `first + c` of `sm` to lanes 4c..4c + 4, as f32
+    let pick = |first: usize| {
+        let index = _mm_add_epi8(_mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm_set1_epi8(first as i8));
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(sm, index)))
+    };
+    let scale = _mm512_mul_ps(splat_f16(d), pick(4 * h));
+    // (+ 0: `gather` adds the per-half minima, zero here)
+    let min = _mm512_add_ps(_mm512_mul_ps(splat_f16(dmin), pick(8 + 4 * h)), _mm512_setzero_ps());
+    // chunk 4h + c is the low (c even) or high (c odd) nibbles of 32 bytes at 64h + 32 (c / 2)
+    let q = _mm512_loadu_si512(qs.as_ptr().add(64 * h) as *const _);
+    let low4 = _mm512_set1_epi8(0x0F);
+    let (l, u) = (_mm512_and_si512(q, low4), _mm512_and_si512(_mm512_srli_epi16::<4>(q), low4));
+    let mut lo = _mm512_permutex2var_epi64(l, _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), u);
+    let mut hi = _mm512_permutex2var_epi64(l, _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15), u);
+    if let Some(qh) = qh {
+        let bit = _mm512_loadu_si512(FIFTH_BIT[h].as_ptr() as *const _);
+        let sixteen = _mm512_set1_epi8(0x10);
+        let fifth = |half: usize| {
+            let bytes = _mm512_broadcast_i32x4(_mm_loadu_si128(qh.as_ptr().add(16 * half) as *const __m128i));
+            _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(bytes, bit), sixteen)
+        };
+        lo = _mm512_or_si512(lo, fifth(0));
+        hi = _mm512_or_si512(hi, fifth(1));
+    }
+    let flip = _mm512_set1_epi8(-128);
+    RegQuad { lo: _mm512_xor_si512(lo, flip), hi: _mm512_xor_si512(hi, flip), scale, scale_hi: scale, min, min_hi: min }
 }
 
 /// Four decoded chunks as one step: chunk c's low 16 bytes (and its first half's scale and
