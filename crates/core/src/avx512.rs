@@ -25,7 +25,7 @@
 use std::arch::x86_64::*;
 
 use crate::quant::chunked_avx2::Decoded;
-use crate::quant::chunked::{BlockQ4K, BlockQ5K};
+use crate::quant::chunked::{BlockIQ4NL, BlockIQ4XS, BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ6K, IQ4_VALUES};
 use crate::quant::{cast_blocks, ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType};
 
 /// An f16 scale as an f32 broadcast to 16 lanes.
@@ -385,7 +385,10 @@ pub unsafe fn dot_chunked<const N: usize>(dtype: DType, row: &[u8], quads: [&[Ac
                     let k = 4 * j + c;
                     if k < blocks { $decode(row, k / PER_BLOCK, k % PER_BLOCK) } else { Decoded::zero() }
                 };
-                gather([ch(0), ch(1), ch(2), ch(3)])
+                match direct_quad($dtype, row, j, blocks) {
+                    Some(q) => q,
+                    None => gather([ch(0), ch(1), ch(2), ch(3)]),
+                }
             };
             let (halves, min) = crate::quant::panel::shape($dtype);
             match (halves, min) {
@@ -396,26 +399,147 @@ pub unsafe fn dot_chunked<const N: usize>(dtype: DType, row: &[u8], quads: [&[Ac
             }
         }};
     }
+    c2::with_decoder!(dtype, with)
+}
+
+/// Step j (chunks 4j..4j + 4) of a row of `dtype` read straight from its blocks, for the
+/// formats that have such a reader and a whole step (None: the AVX2 chunk decoders and
+/// `gather`). The decoders unpack a super-block's scales once per chunk, which made these
+/// formats' decode 2-3x slower than Q4_0's; here once per step. The values are the decoders',
+/// bit for bit (the prompt-against-alone test in `matmul` checks it).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn direct_quad(dtype: DType, row: &[u8], j: usize, blocks: usize) -> Option<RegQuad> {
     match dtype {
-        // straight from the super-block, its scales unpacked once per step instead of per chunk
         DType::Q4_K => {
-            let x = cast_blocks::<BlockQ4K>(row);
-            let quad = |j: usize| {
-                let b = x.get_unchecked(j / 2);
-                k4_quad(b.d, b.dmin, &b.scales, &b.qs, None, j % 2)
-            };
-            dot_steps::<false, true, 128, N>(quads[0].len(), quad, quads, next)
+            let b = cast_blocks::<BlockQ4K>(row).get_unchecked(j / 2);
+            Some(k4_quad(b.d, b.dmin, &b.scales, &b.qs, None, j % 2))
         }
         DType::Q5_K => {
-            let x = cast_blocks::<BlockQ5K>(row);
-            let quad = |j: usize| {
-                let b = x.get_unchecked(j / 2);
-                k4_quad(b.d, b.dmin, &b.scales, &b.qs, Some(&b.qh), j % 2)
-            };
-            dot_steps::<false, true, 128, N>(quads[0].len(), quad, quads, next)
+            let b = cast_blocks::<BlockQ5K>(row).get_unchecked(j / 2);
+            Some(k4_quad(b.d, b.dmin, &b.scales, &b.qs, Some(&b.qh), j % 2))
         }
-        _ => c2::with_decoder!(dtype, with),
+        DType::Q6_K => Some(q6_k_quad(cast_blocks::<BlockQ6K>(row).get_unchecked(j / 2), j % 2)),
+        DType::IQ4_XS => Some(iq4_xs_quad(cast_blocks::<BlockIQ4XS>(row).get_unchecked(j / 2), j % 2)),
+        DType::Q5_0 if 4 * j + 4 <= blocks => Some(q5_0_quad(row.as_ptr().add(4 * j * std::mem::size_of::<BlockQ5_0>()))),
+        DType::IQ4_NL if 4 * j + 4 <= blocks => Some(iq4_nl_quad(row.as_ptr().add(4 * j * std::mem::size_of::<BlockIQ4NL>()))),
+        _ => None,
     }
+}
+
+/// Each of four values to four lanes: lane i takes value i / 4.
+const LANES_OF_FOUR: [i32; 16] = [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3];
+
+/// The low and the high nibbles of 64 bytes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn nibble_halves(q: __m512i) -> (__m512i, __m512i) {
+    let low4 = _mm512_set1_epi8(0x0F);
+    (_mm512_and_si512(q, low4), _mm512_and_si512(_mm512_srli_epi16::<4>(q), low4))
+}
+
+/// Four consecutive 32-weight blocks at `p` (`stride` bytes each, an f16 scale first): their 16
+/// bytes at offset `qs` as the four 128-bit lanes, and their scales to lanes 4c..4c + 4.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn four_blocks(p: *const u8, stride: usize, qs: usize) -> (__m512i, __m512) {
+    let q = |k: usize| _mm_loadu_si128(p.add(stride * k + qs) as *const __m128i);
+    let v = _mm512_inserti32x4::<3>(_mm512_inserti32x4::<2>(_mm512_inserti32x4::<1>(_mm512_castsi128_si512(q(0)), q(1)), q(2)), q(3));
+    let word = |k: usize| (p.add(stride * k) as *const u16).read_unaligned() as i64;
+    let four = _mm_cvtph_ps(_mm_cvtsi64_si128(word(0) | word(1) << 16 | word(2) << 32 | word(3) << 48));
+    (v, _mm512_permutexvar_ps(_mm512_loadu_si512(LANES_OF_FOUR.as_ptr() as *const _), _mm512_castps128_ps512(four)))
+}
+
+/// A step with one scale per chunk and no minima, bytes v + 128 from v (signed).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn signed_quad(lo: __m512i, hi: __m512i, scale: __m512) -> RegQuad {
+    let (flip, zero) = (_mm512_set1_epi8(-128), _mm512_setzero_ps());
+    RegQuad { lo: _mm512_xor_si512(lo, flip), hi: _mm512_xor_si512(hi, flip), scale, scale_hi: scale, min: zero, min_hi: zero }
+}
+
+/// Four Q5_0 blocks at `p`: v = (nibble | fifth bit << 4) - 16.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q5_0_quad(p: *const u8) -> RegQuad {
+    const STRIDE: usize = std::mem::size_of::<BlockQ5_0>();
+    let (q, d) = four_blocks(p, STRIDE, 6);
+    let (lo, hi) = nibble_halves(q);
+    // weight i's fifth bit is bit i of the block's qh: bits 0..16 for `lo`, 16..32 for `hi`
+    let (mut bits_lo, mut bits_hi) = (0u64, 0u64);
+    for k in 0..4 {
+        let qh = (p.add(STRIDE * k + 2) as *const u32).read_unaligned() as u64;
+        bits_lo |= (qh & 0xFFFF) << (16 * k);
+        bits_hi |= (qh >> 16) << (16 * k);
+    }
+    let sixteen = _mm512_set1_epi8(0x10);
+    let lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(bits_lo, sixteen));
+    let hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(bits_hi, sixteen));
+    // v + 128 = q + 112
+    let (off, zero) = (_mm512_set1_epi8(112), _mm512_setzero_ps());
+    RegQuad { lo: _mm512_add_epi8(lo, off), hi: _mm512_add_epi8(hi, off), scale: d, scale_hi: d, min: zero, min_hi: zero }
+}
+
+/// IQ4's 16 values in every 128-bit lane.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn iq4_table() -> __m512i {
+    _mm512_broadcast_i32x4(_mm_loadu_si128(IQ4_VALUES.as_ptr() as *const __m128i))
+}
+
+/// Four IQ4_NL blocks at `p`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn iq4_nl_quad(p: *const u8) -> RegQuad {
+    let (q, d) = four_blocks(p, std::mem::size_of::<BlockIQ4NL>(), 2);
+    let (lo, hi) = nibble_halves(q);
+    let table = iq4_table();
+    signed_quad(_mm512_shuffle_epi8(table, lo), _mm512_shuffle_epi8(table, hi), d)
+}
+
+/// Step h (chunks 4h..4h + 4) of an IQ4_XS super-block.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn iq4_xs_quad(b: &BlockIQ4XS, h: usize) -> RegQuad {
+    let (lo, hi) = nibble_halves(_mm512_loadu_si512(b.qs.as_ptr().add(64 * h) as *const _));
+    let table = iq4_table();
+    // chunk c's 6-bit scale - 32: a nibble of scales_l and two bits of scales_h
+    let ls = |c: usize| {
+        let low = (b.scales_l[c / 2] >> (4 * (c % 2))) & 0x0F;
+        let high = ((b.scales_h >> (2 * c)) & 3) as u8;
+        (low | (high << 4)) as i32 - 32
+    };
+    let four = _mm_setr_epi32(ls(4 * h), ls(4 * h + 1), ls(4 * h + 2), ls(4 * h + 3));
+    let lanes = _mm512_permutexvar_epi32(_mm512_loadu_si512(LANES_OF_FOUR.as_ptr() as *const _), _mm512_castsi128_si512(four));
+    signed_quad(_mm512_shuffle_epi8(table, lo), _mm512_shuffle_epi8(table, hi), _mm512_mul_ps(splat_f16(b.d), _mm512_cvtepi32_ps(lanes)))
+}
+
+/// Step g (chunks 4g..4g + 4) of a Q6_K super-block: chunk 4g + s is the low (s < 2) or high
+/// nibbles of 32 bytes of `ql` at 64g + 32 (s % 2), with bits 2s, 2s + 1 of `qh` at 32g on top;
+/// v = that - 32; a scale per 16 weights.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q6_k_quad(b: &BlockQ6K, g: usize) -> RegQuad {
+    let (l, u) = nibble_halves(_mm512_loadu_si512(b.ql.as_ptr().add(64 * g) as *const _));
+    let lo = _mm512_permutex2var_epi64(l, _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13), u);
+    let hi = _mm512_permutex2var_epi64(l, _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15), u);
+    // lane s of each half: qh's bytes shifted right by 2s, two bits, moved to bits 4 and 5
+    let shifts = _mm512_loadu_si512([0u16, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2, 4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6].as_ptr() as *const _);
+    let top = |half: usize| {
+        let bytes = _mm512_broadcast_i32x4(_mm_loadu_si128(b.qh.as_ptr().add(32 * g + 16 * half) as *const __m128i));
+        _mm512_slli_epi16::<4>(_mm512_and_si512(_mm512_srlv_epi16(bytes, shifts), _mm512_set1_epi8(3)))
+    };
+    // v + 128 = q + 96
+    let off = _mm512_set1_epi8(96);
+    let (lo, hi) = (_mm512_add_epi8(_mm512_or_si512(lo, top(0)), off), _mm512_add_epi8(_mm512_or_si512(hi, top(1)), off));
+    // the scales of the chunks' first and second 16 weights: bytes 8g + 2s and 8g + 2s + 1
+    let sc = _mm_loadu_si128(b.scales.as_ptr() as *const __m128i);
+    let pick = |first: usize| {
+        let index = _mm_add_epi8(_mm_setr_epi8(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6), _mm_set1_epi8(first as i8));
+        _mm512_mul_ps(splat_f16(b.d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(sc, index))))
+    };
+    let zero = _mm512_setzero_ps();
+    RegQuad { lo, hi, scale: pick(8 * g), scale_hi: pick(8 * g + 1), min: zero, min_hi: zero }
 }
 
 /// Q4_K's and Q5_K's eight 6-bit scales and eight minima of one super-block, unpacked at once
