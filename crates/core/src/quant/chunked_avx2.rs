@@ -23,6 +23,7 @@ use super::chunked::{BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, Block
 use super::{cast_blocks, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK};
 // an f16 scale broadcast to 8 f32 lanes (see there why a broadcast)
 use crate::avx2::splat_f16 as f16;
+use crate::avx2::hsum;
 
 /// One decoded chunk: 32 signed weights, the halves' scales as [s0 x 4, s1 x 4], and the
 /// minimum (per chunk in every lane of `min`, or per half in `min_halves`).
@@ -299,47 +300,59 @@ macro_rules! with_decoder {
 pub(crate) use with_decoder;
 
 /// Whether the format's weights can be negative (then the product needs `vpsignb`).
-fn signed(dtype: DType) -> bool {
+const fn signed(dtype: DType) -> bool {
     !matches!(dtype, DType::Q5_1 | DType::Q2_K | DType::Q4_K | DType::Q5_K)
 }
 
+/// One chunk against one token, the step of every AVX2 dot of a chunked format, alone or in a
+/// prompt (`panel_avx2`, which the legacy formats share): `u` the unsigned operand of
+/// `vpmaddubsw` (|v| where `SIGNED`, whose signs move onto the activations), `scale` the
+/// halves' scales; `MIN`: `mins` += min * s; `HALVES`: the per-half minima `min_halves` times
+/// the activations' sums of four. One function, so that both give a token the same bits.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn token_step<const SIGNED: bool, const MIN: bool, const HALVES: bool>(
+    u: __m256i,
+    v: __m256i,
+    scale: __m256,
+    min: __m256,
+    min_halves: __m256,
+    x: &BlockQ8Act,
+    acc: &mut __m256,
+    mins: &mut __m256,
+) {
+    let q = _mm256_loadu_si256(x.qs.as_ptr() as *const __m256i);
+    let s = if SIGNED { _mm256_sign_epi8(q, v) } else { q };
+    let d = _mm256_set1_ps(x.d);
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(maddubs(u, s)), _mm256_mul_ps(scale, d), *acc);
+    if MIN {
+        *mins = _mm256_fmadd_ps(min, _mm256_set1_ps(x.s), *mins);
+    }
+    if HALVES {
+        let sums = maddubs(_mm256_set1_epi8(1), q);
+        *acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(min_halves, d), *acc);
+    }
 }
 
-/// The row loop, written once for every format and both integer products: `$decode(row, k)`
-/// is the format's chunk decoder, `$product(u, s)` sums the products of unsigned bytes u with
-/// signed bytes s into 8 i32 lanes (4 bytes each).
+/// The row loop, written once for every format: `$decode(row, b, c)` is the format's chunk
+/// decoder.
 macro_rules! row_dot {
-    ($dtype:expr, $decode:ident, $row:expr, $a:expr, $product:ident) => {{
+    ($dtype:expr, $decode:ident, $row:expr, $a:expr) => {{
         let (row, a) = ($row, $a);
-        let is_signed = signed($dtype);
-        let has_min = matches!($dtype, DType::Q5_1 | DType::Q4_K | DType::Q5_K);
-        let has_min_halves = $dtype == DType::Q2_K;
+        const SIGNED: bool = signed($dtype);
+        const MIN: bool = matches!($dtype, DType::Q5_1 | DType::Q4_K | DType::Q5_K);
+        const HALVES: bool = matches!($dtype, DType::Q2_K);
         let mut acc = [_mm256_setzero_ps(); N];
         let mut mins = [_mm256_setzero_ps(); N];
         const PER_BLOCK: usize = chunks_per_block($dtype);
         for b in 0..a[0].len() / PER_BLOCK {
             for c in 0..PER_BLOCK {
                 let ch = $decode(row, b, c);
-                let u = if is_signed { _mm256_sign_epi8(ch.v, ch.v) } else { ch.v };
+                let u = if SIGNED { _mm256_sign_epi8(ch.v, ch.v) } else { ch.v };
                 for t in 0..N {
                     let x: &BlockQ8Act = a[t].get_unchecked(b * PER_BLOCK + c);
-                    let q = _mm256_loadu_si256(x.qs.as_ptr() as *const __m256i);
-                    let s = if is_signed { _mm256_sign_epi8(q, ch.v) } else { q };
-                    let d = _mm256_set1_ps(x.d);
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps($product(u, s)), _mm256_mul_ps(ch.scale, d), acc[t]);
-                    if has_min {
-                        mins[t] = _mm256_fmadd_ps(ch.min, _mm256_set1_ps(x.s), mins[t]);
-                    }
-                    if has_min_halves {
-                        let sums = $product(_mm256_set1_epi8(1), q);
-                        acc[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ch.min_halves, d), acc[t]);
-                    }
+                    token_step::<SIGNED, MIN, HALVES>(u, ch.v, ch.scale, ch.min, ch.min_halves, x, &mut acc[t], &mut mins[t]);
                 }
             }
         }
@@ -352,24 +365,6 @@ macro_rules! row_dot {
     }};
 }
 
-/// `row_dot` with the format's decoder picked once per row.
-macro_rules! dispatch {
-    ($dtype:expr, $row:expr, $a:expr, $product:ident) => {
-        match $dtype {
-            DType::Q5_0 => row_dot!(DType::Q5_0, q5_0, $row, $a, $product),
-            DType::Q5_1 => row_dot!(DType::Q5_1, q5_1, $row, $a, $product),
-            DType::Q2_K => row_dot!(DType::Q2_K, q2_k, $row, $a, $product),
-            DType::Q3_K => row_dot!(DType::Q3_K, q3_k, $row, $a, $product),
-            DType::Q4_K => row_dot!(DType::Q4_K, q4_k, $row, $a, $product),
-            DType::Q5_K => row_dot!(DType::Q5_K, q5_k, $row, $a, $product),
-            DType::Q6_K => row_dot!(DType::Q6_K, q6_k, $row, $a, $product),
-            DType::IQ4_NL => row_dot!(DType::IQ4_NL, iq4_nl, $row, $a, $product),
-            DType::IQ4_XS => row_dot!(DType::IQ4_XS, iq4_xs, $row, $a, $product),
-            _ => unreachable!("{} is not a chunked type", $dtype.name()),
-        }
-    };
-}
-
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn maddubs(u: __m256i, s: __m256i) -> __m256i {
@@ -379,7 +374,18 @@ unsafe fn maddubs(u: __m256i, s: __m256i) -> __m256i {
 /// One row of a chunked type against N int8 activation rows: the twin of `chunked::dot_scalar`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot<const N: usize>(dtype: DType, row: &[u8], a: [&[BlockQ8Act]; N]) -> [f32; N] {
-    dispatch!(dtype, row, a, maddubs)
+    match dtype {
+        DType::Q5_0 => row_dot!(DType::Q5_0, q5_0, row, a),
+        DType::Q5_1 => row_dot!(DType::Q5_1, q5_1, row, a),
+        DType::Q2_K => row_dot!(DType::Q2_K, q2_k, row, a),
+        DType::Q3_K => row_dot!(DType::Q3_K, q3_k, row, a),
+        DType::Q4_K => row_dot!(DType::Q4_K, q4_k, row, a),
+        DType::Q5_K => row_dot!(DType::Q5_K, q5_k, row, a),
+        DType::Q6_K => row_dot!(DType::Q6_K, q6_k, row, a),
+        DType::IQ4_NL => row_dot!(DType::IQ4_NL, iq4_nl, row, a),
+        DType::IQ4_XS => row_dot!(DType::IQ4_XS, iq4_xs, row, a),
+        _ => unreachable!("{} is not a chunked type", dtype.name()),
+    }
 }
 
 #[cfg(test)]

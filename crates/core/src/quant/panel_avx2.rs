@@ -108,33 +108,20 @@ pub unsafe fn unpack_row(dtype: DType, row: &[u8], cols: usize, out: &mut [Weigh
     }
 }
 
-/// An unpacked row against T tokens' activation blocks: the one-token kernels' steps, per token.
+/// An unpacked row against T tokens' activation blocks: `chunked_avx2::token_step` per chunk and token.
 /// `SIGNED`: move the weights' signs onto the activations; `MIN`: a per-chunk minimum term, which
 /// enters the result times `coef`; `HALVES`: per-half minima (Q2_K).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn block<const SIGNED: bool, const MIN: bool, const HALVES: bool, const T: usize>(w: &[WeightChunk], a: [&[BlockQ8Act]; T], coef: f32) -> [f32; T] {
-    let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); T];
     let mut mins = [_mm256_setzero_ps(); T];
     for (j, c) in w.iter().enumerate() {
         let u = _mm256_load_si256(c.u.as_ptr() as *const __m256i);
         let v = _mm256_load_si256(c.v.as_ptr() as *const __m256i);
-        let scale = _mm256_load_ps(c.scale.as_ptr());
+        let (scale, min, min_halves) = (_mm256_load_ps(c.scale.as_ptr()), _mm256_load_ps(c.min.as_ptr()), _mm256_load_ps(c.min_halves.as_ptr()));
         for t in 0..T {
-            let x = a[t].get_unchecked(j);
-            let q = _mm256_loadu_si256(x.qs.as_ptr() as *const __m256i);
-            let s = if SIGNED { _mm256_sign_epi8(q, v) } else { q };
-            let d = _mm256_set1_ps(x.d);
-            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones);
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(scale, d), acc[t]);
-            if MIN {
-                mins[t] = _mm256_fmadd_ps(_mm256_load_ps(c.min.as_ptr()), _mm256_set1_ps(x.s), mins[t]);
-            }
-            if HALVES {
-                let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), ones);
-                acc[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(_mm256_load_ps(c.min_halves.as_ptr()), d), acc[t]);
-            }
+            c2::token_step::<SIGNED, MIN, HALVES>(u, v, scale, min, min_halves, a[t].get_unchecked(j), &mut acc[t], &mut mins[t]);
         }
     }
     let mut out = [0.0f32; T];
