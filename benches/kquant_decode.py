@@ -20,7 +20,7 @@ from synth import write_model  # noqa: E402
 def main() -> None:
     times = {}
     with tempfile.TemporaryDirectory() as d:
-        for dt in [Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]:
+        for dt in [Q.Q4_0, Q.Q5_0, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]:
             p = write_model(Path(d) / f"{dt.name}.gguf", dtype=dt, n_embd=1024, n_ff=2816, n_layer=4, n_head=8, n_head_kv=8)
             s = _core.Session(_core.Model(p, 1), 64, "f16")
             s.eval([1])

@@ -25,7 +25,7 @@
 use std::arch::x86_64::*;
 
 use crate::quant::chunked_avx2::Decoded;
-use crate::quant::chunked::{BlockIQ4NL, BlockIQ4XS, BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ6K, IQ4_VALUES};
+use crate::quant::chunked::{BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ6K, IQ4_VALUES};
 use crate::quant::{cast_blocks, ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType};
 
 /// An f16 scale as an f32 broadcast to 16 lanes.
@@ -420,6 +420,8 @@ unsafe fn direct_quad(dtype: DType, row: &[u8], j: usize, blocks: usize) -> Opti
             Some(k4_quad(b.d, b.dmin, &b.scales, &b.qs, Some(&b.qh), j % 2))
         }
         DType::Q6_K => Some(q6_k_quad(cast_blocks::<BlockQ6K>(row).get_unchecked(j / 2), j % 2)),
+        DType::Q2_K => Some(q2_k_quad(cast_blocks::<BlockQ2K>(row).get_unchecked(j / 2), j % 2)),
+        DType::Q3_K => Some(q3_k_quad(cast_blocks::<BlockQ3K>(row).get_unchecked(j / 2), j % 2)),
         DType::IQ4_XS => Some(iq4_xs_quad(cast_blocks::<BlockIQ4XS>(row).get_unchecked(j / 2), j % 2)),
         DType::Q5_0 if 4 * j + 4 <= blocks => Some(q5_0_quad(row.as_ptr().add(4 * j * std::mem::size_of::<BlockQ5_0>()))),
         DType::IQ4_NL if 4 * j + 4 <= blocks => Some(iq4_nl_quad(row.as_ptr().add(4 * j * std::mem::size_of::<BlockIQ4NL>()))),
@@ -523,23 +525,107 @@ unsafe fn q6_k_quad(b: &BlockQ6K, g: usize) -> RegQuad {
     let (l, u) = nibble_halves(_mm512_loadu_si512(b.ql.as_ptr().add(64 * g) as *const _));
     let lo = _mm512_permutex2var_epi64(l, _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13), u);
     let hi = _mm512_permutex2var_epi64(l, _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15), u);
-    // lane s of each half: qh's bytes shifted right by 2s, two bits, moved to bits 4 and 5
-    let shifts = _mm512_loadu_si512([0u16, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2, 4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6].as_ptr() as *const _);
-    let top = |half: usize| {
-        let bytes = _mm512_broadcast_i32x4(_mm_loadu_si128(b.qh.as_ptr().add(32 * g + 16 * half) as *const __m128i));
-        _mm512_slli_epi16::<4>(_mm512_and_si512(_mm512_srlv_epi16(bytes, shifts), _mm512_set1_epi8(3)))
-    };
+    // lane s of each half: bits 2s, 2s + 1 of qh's bytes, moved to bits 4 and 5
+    let top = |half: usize| _mm512_slli_epi16::<4>(crumbs(b.qh.as_ptr().add(32 * g + 16 * half)));
     // v + 128 = q + 96
     let off = _mm512_set1_epi8(96);
     let (lo, hi) = (_mm512_add_epi8(_mm512_or_si512(lo, top(0)), off), _mm512_add_epi8(_mm512_or_si512(hi, top(1)), off));
     // the scales of the chunks' first and second 16 weights: bytes 8g + 2s and 8g + 2s + 1
     let sc = _mm_loadu_si128(b.scales.as_ptr() as *const __m128i);
-    let pick = |first: usize| {
-        let index = _mm_add_epi8(_mm_setr_epi8(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6), _mm_set1_epi8(first as i8));
-        _mm512_mul_ps(splat_f16(b.d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(sc, index))))
-    };
+    let pick = |first: usize| signed_scales(b.d, sc, first);
     let zero = _mm512_setzero_ps();
     RegQuad { lo, hi, scale: pick(8 * g), scale_hi: pick(8 * g + 1), min: zero, min_hi: zero }
+}
+
+/// Per 128-bit lane c, the shift of `crumbs`: 2c bits in every 16-bit word.
+const CRUMB_SHIFTS: [u16; 32] = [0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2, 4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6];
+
+/// The 16 bytes at `p`, four times: bits 2c and 2c + 1 of each byte in 128-bit lane c (Q2_K's
+/// and Q3_K's weights, Q6_K's top bits: 32 bytes hold the 2-bit parts of four chunks).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn crumbs(p: *const u8) -> __m512i {
+    let bytes = _mm512_broadcast_i32x4(_mm_loadu_si128(p as *const __m128i));
+    let shifts = _mm512_loadu_si512(CRUMB_SHIFTS.as_ptr() as *const _);
+    _mm512_and_si512(_mm512_srlv_epi16(bytes, shifts), _mm512_set1_epi8(3))
+}
+
+/// Bytes first, first + 2, first + 4, first + 6 of `x`, each four times (a step's four chunks'
+/// scales of one half, from a super-block's 16 per-16-weight scales).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn every_other(x: __m128i, first: usize) -> __m128i {
+    let index = _mm_add_epi8(_mm_setr_epi8(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6), _mm_set1_epi8(first as i8));
+    _mm_shuffle_epi8(x, index)
+}
+
+/// d times the signed bytes `every_other(x, first)`: a step's scales of one half (Q3_K, Q6_K).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn signed_scales(d: u16, x: __m128i, first: usize) -> __m512 {
+    _mm512_mul_ps(splat_f16(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(every_other(x, first))))
+}
+
+/// Step h (chunks 4h..4h + 4) of a Q2_K super-block: chunk 4h + c is bits 2c, 2c + 1 of the
+/// 32 bytes of `qs` at 32h; per 16 weights a scale (low nibble of a `scales` byte) and a
+/// minimum (high nibble).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q2_k_quad(b: &BlockQ2K, h: usize) -> RegQuad {
+    // v + 128 = q | 128
+    let flip = _mm512_set1_epi8(-128);
+    let lo = _mm512_or_si512(crumbs(b.qs.as_ptr().add(32 * h)), flip);
+    let hi = _mm512_or_si512(crumbs(b.qs.as_ptr().add(32 * h + 16)), flip);
+    let sc = _mm_loadu_si128(b.scales.as_ptr() as *const __m128i);
+    let low4 = _mm_set1_epi8(0x0F);
+    let nibble = |first: usize, high: bool| {
+        let bytes = every_other(sc, first);
+        let bytes = if high { _mm_srli_epi16::<4>(bytes) } else { bytes };
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4)))
+    };
+    let (d, dmin, zero) = (splat_f16(b.d), splat_f16(b.dmin), _mm512_setzero_ps());
+    // (+ 0: `gather` adds the per-chunk minima, zero here)
+    RegQuad {
+        lo,
+        hi,
+        scale: _mm512_mul_ps(d, nibble(8 * h, false)),
+        scale_hi: _mm512_mul_ps(d, nibble(8 * h + 1, false)),
+        min: _mm512_add_ps(zero, _mm512_mul_ps(dmin, nibble(8 * h, true))),
+        min_hi: _mm512_add_ps(zero, _mm512_mul_ps(dmin, nibble(8 * h + 1, true))),
+    }
+}
+
+/// Q3_K's sixteen 6-bit scales of one super-block (before the - 32), unpacked at once (ggml's word
+/// trick): scale j is a nibble of byte j % 8 and two bits of byte 8 + j % 4.
+#[inline]
+fn q3_k_scales(s: &[u8; 12]) -> [u32; 4] {
+    let word = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
+    let (w0, w1, w2) = (word(0), word(1), word(2));
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const LOW2: u32 = 0x0303_0303;
+    let six = |low: u32, high: u32| (low & LOW4) | ((high & LOW2) << 4);
+    [six(w0, w2), six(w1, w2 >> 2), six(w0 >> 4, w2 >> 4), six(w1 >> 4, w2 >> 6)]
+}
+
+/// Step h (chunks 4h..4h + 4) of a Q3_K super-block: chunk 4h + c is bits 2c, 2c + 1 of the
+/// 32 bytes of `qs` at 32h, plus 4 where bit 4h + c of the `hmask` byte is set, minus 4; a
+/// signed 6-bit scale per 16 weights.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q3_k_quad(b: &BlockQ3K, h: usize) -> RegQuad {
+    let bit = _mm512_loadu_si512(BIT_OF_CHUNK[h].as_ptr() as *const _);
+    let four = _mm512_set1_epi8(4);
+    // v + 128 = q + high + 124
+    let half = |k: usize| {
+        let hmask = _mm512_broadcast_i32x4(_mm_loadu_si128(b.hmask.as_ptr().add(16 * k) as *const __m128i));
+        let q = _mm512_or_si512(crumbs(b.qs.as_ptr().add(32 * h + 16 * k)), _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(hmask, bit), four));
+        _mm512_add_epi8(q, _mm512_set1_epi8(124))
+    };
+    let sc = q3_k_scales(&b.scales);
+    let sc = _mm_sub_epi8(_mm_loadu_si128(sc.as_ptr() as *const __m128i), _mm_set1_epi8(32));
+    let pick = |first: usize| signed_scales(b.d, sc, first);
+    let zero = _mm512_setzero_ps();
+    RegQuad { lo: half(0), hi: half(1), scale: pick(8 * h), scale_hi: pick(8 * h + 1), min: zero, min_hi: zero }
 }
 
 /// Q4_K's and Q5_K's eight 6-bit scales and eight minima of one super-block, unpacked at once
@@ -557,9 +643,9 @@ fn k4_scales(s: &[u8; 12]) -> [u32; 4] {
     [w0 & LOW6, (w2 & LOW4) | (((w0 >> 6) & LOW2) << 4), w1 & LOW6, ((w2 >> 4) & LOW4) | (((w1 >> 6) & LOW2) << 4)]
 }
 
-/// Per 128-bit lane c of step h of a Q5_K super-block: the bit of `qh` that holds chunk
-/// 4h + c's fifth bits, in every byte.
-const FIFTH_BIT: [[u32; 16]; 2] = {
+/// Per 128-bit lane c of step h of a super-block: bit 4h + c in every byte (the bit of Q5_K's
+/// `qh` and Q3_K's `hmask` bytes that belongs to chunk 4h + c).
+const BIT_OF_CHUNK: [[u32; 16]; 2] = {
     let mut out = [[0u32; 16]; 2];
     let mut i = 0;
     while i < 32 {
@@ -591,7 +677,7 @@ unsafe fn k4_quad(d: u16, dmin: u16, scales: &[u8; 12], qs: &[u8; 128], qh: Opti
     let mut lo = _mm512_permutex2var_epi64(l, _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), u);
     let mut hi = _mm512_permutex2var_epi64(l, _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15), u);
     if let Some(qh) = qh {
-        let bit = _mm512_loadu_si512(FIFTH_BIT[h].as_ptr() as *const _);
+        let bit = _mm512_loadu_si512(BIT_OF_CHUNK[h].as_ptr() as *const _);
         let sixteen = _mm512_set1_epi8(0x10);
         let fifth = |half: usize| {
             let bytes = _mm512_broadcast_i32x4(_mm_loadu_si128(qh.as_ptr().add(16 * half) as *const __m128i));
