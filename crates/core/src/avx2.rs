@@ -546,7 +546,10 @@ pub unsafe fn axpy(dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
 pub unsafe fn axpy_rows<const R: usize>(dtype: DType, rows: [&[u8]; R], a: [f32; R], y: &mut [f32]) {
     let n = y.len();
     let yp = y.as_mut_ptr();
-    let av = a.map(|v| _mm256_set1_ps(v));
+    let mut av = [_mm256_setzero_ps(); R];
+    for r in 0..R {
+        av[r] = _mm256_set1_ps(a[r]);
+    }
     macro_rules! quantized {
         ($block:ty, |$b:ident| $decode:expr, $offset:expr) => {{
             let blocks = rows.map(|r| crate::quant::cast_blocks::<$block>(r));

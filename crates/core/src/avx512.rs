@@ -26,7 +26,7 @@ use std::arch::x86_64::*;
 
 use crate::quant::chunked_avx2::Decoded;
 use crate::quant::chunked::{BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ6K, IQ4_VALUES};
-use crate::quant::{cast_blocks, ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType};
+use crate::quant::{cast_blocks, ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8_0, DType};
 
 /// An f16 scale as an f32 broadcast to 16 lanes.
 #[inline]
@@ -56,7 +56,10 @@ unsafe fn load16(dtype: DType, w: *const u8, k: usize) -> __m512 {
 pub unsafe fn axpy_rows<const R: usize>(dtype: DType, rows: [&[u8]; R], a: [f32; R], y: &mut [f32]) {
     let n = y.len();
     let yp = y.as_mut_ptr();
-    let av = a.map(|v| _mm512_set1_ps(v));
+    let mut av = [_mm512_setzero_ps(); R];
+    for r in 0..R {
+        av[r] = _mm512_set1_ps(a[r]);
+    }
     // the 16 values of a nibble, as f32 lanes: 0..16
     let nibble_values = _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.);
     // 4-bit blocks: `$table` gives the 16 values a nibble stands for, times the row's coefficient
@@ -130,11 +133,19 @@ pub unsafe fn axpy_rows<const R: usize>(dtype: DType, rows: [&[u8]; R], a: [f32;
     }
 }
 
-/// Sum of the 16 lanes.
+/// Every accumulator's sum of 16 lanes. A plain loop: through `array::map`, the closure was
+/// compiled without AVX-512, took each register through memory (a stalled store-to-load) and
+/// cost 40% of a 576-column matrix-vector product.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn hsum(v: __m512) -> f32 {
-    _mm512_reduce_add_ps(v)
+pub(crate) unsafe fn hsums<const R: usize, const N: usize>(acc: &[[__m512; N]; R]) -> [[f32; N]; R] {
+    let mut out = [[0.0f32; N]; R];
+    for r in 0..R {
+        for t in 0..N {
+            out[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+        }
+    }
+    out
 }
 
 /// How a quantized type's four blocks enter `dot_quads`.
@@ -145,9 +156,49 @@ trait QuadBlocks {
     const SIGNED: bool;
     /// Whether the type has a per-block minimum (Q4_1).
     const HAS_MIN: bool;
-    /// From the four blocks at `p`: the weight bytes that meet the activations' `lo` and `hi`
-    /// (unsigned), each lane's weight scale, and each lane's minimum (when `HAS_MIN`).
-    unsafe fn unpack(p: *const u8) -> (__m512i, __m512i, __m512, __m512);
+    /// From the four blocks at `src`: the weight bytes that meet the activations' `lo` and
+    /// `hi` (unsigned), each lane's weight scale, and each lane's minimum (when `HAS_MIN`).
+    unsafe fn unpack<const TAIL: bool>(src: Src) -> (__m512i, __m512i, __m512, __m512);
+}
+
+/// Where `QuadBlocks::unpack` reads a step: four whole blocks, or (`TAIL`) a row's last one to
+/// three, read with masked loads that give zeros from `len` bytes on. The last step was a
+/// zero-padded copy on the stack, and reading it back across the copy's stores stalled every
+/// row (a fifth of a 576-column product).
+#[derive(Clone, Copy)]
+struct Src {
+    p: *const u8,
+    len: usize,
+}
+
+impl Src {
+    /// The first n bytes of 64, as a load mask.
+    #[inline]
+    fn mask(&self, off: usize, width: usize) -> u64 {
+        let n = self.len.saturating_sub(off).min(width);
+        if n == 64 { u64::MAX } else { (1u64 << n) - 1 }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn load64<const TAIL: bool>(self, off: usize) -> __m512i {
+        if TAIL { _mm512_maskz_loadu_epi8(self.mask(off, 64), self.p.add(off) as *const i8) } else { _mm512_loadu_si512(self.p.add(off) as *const _) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn load32<const TAIL: bool>(self, off: usize) -> __m256i {
+        if TAIL {
+            _mm256_maskz_loadu_epi8(self.mask(off, 32) as u32, self.p.add(off) as *const i8)
+        } else {
+            _mm256_loadu_si256(self.p.add(off) as *const __m256i)
+        }
+    }
+
+    #[inline]
+    unsafe fn word<const TAIL: bool>(self, off: usize) -> u16 {
+        if TAIL && off + 2 > self.len { 0 } else { (self.p.add(off) as *const u16).read_unaligned() }
+    }
 }
 
 /// Words `first..first + 8` of each block, block k's from `block_word[k]` of its source (32 +
@@ -202,8 +253,8 @@ impl QuadBlocks for BlockQ4_0 {
     const HAS_MIN: bool = false;
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn unpack(p: *const u8) -> (__m512i, __m512i, __m512, __m512) {
-        let (r0, r1) = (_mm512_loadu_si512(p as *const _), _mm512_loadu_si512(p.add(8) as *const _));
+    unsafe fn unpack<const TAIL: bool>(src: Src) -> (__m512i, __m512i, __m512, __m512) {
+        let (r0, r1) = (src.load64::<TAIL>(0), src.load64::<TAIL>(8));
         let (lo, hi) = nibbles(_mm512_permutex2var_epi16(r0, index(&const { words_of_blocks([1, 10, 19, 32 + 24]) }), r1));
         let d = f16_lanes(_mm512_permutexvar_epi16(index(&const { lanes_of_blocks([0, 9, 18, 27]) }), r0));
         (lo, hi, d, _mm512_setzero_ps())
@@ -217,8 +268,8 @@ impl QuadBlocks for BlockQ4_1 {
     const HAS_MIN: bool = true;
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn unpack(p: *const u8) -> (__m512i, __m512i, __m512, __m512) {
-        let (r0, r1) = (_mm512_loadu_si512(p as *const _), _mm512_loadu_si512(p.add(16) as *const _));
+    unsafe fn unpack<const TAIL: bool>(src: Src) -> (__m512i, __m512i, __m512, __m512) {
+        let (r0, r1) = (src.load64::<TAIL>(0), src.load64::<TAIL>(16));
         let (lo, hi) = nibbles(_mm512_permutex2var_epi16(r0, index(&const { words_of_blocks([2, 12, 22, 32 + 24]) }), r1));
         let d = f16_lanes(_mm512_permutexvar_epi16(index(&const { lanes_of_blocks([0, 10, 20, 30]) }), r0));
         let m = f16_lanes(_mm512_permutexvar_epi16(index(&const { lanes_of_blocks([1, 11, 21, 31]) }), r0));
@@ -236,8 +287,8 @@ impl QuadBlocks for BlockQ8_0 {
     const HAS_MIN: bool = false;
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn unpack(p: *const u8) -> (__m512i, __m512i, __m512, __m512) {
-        let qs = |k: usize| _mm256_loadu_si256(p.add(2 + 34 * k) as *const __m256i);
+    unsafe fn unpack<const TAIL: bool>(src: Src) -> (__m512i, __m512i, __m512, __m512) {
+        let qs = |k: usize| src.load32::<TAIL>(2 + 34 * k);
         // [b0 lo, b0 hi, b1 lo, b1 hi] and [b2 lo, b2 hi, b3 lo, b3 hi] in 128-bit lanes
         let q01 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(qs(0)), qs(1));
         let q23 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(qs(2)), qs(3));
@@ -245,7 +296,7 @@ impl QuadBlocks for BlockQ8_0 {
         let lo = _mm512_shuffle_i64x2::<0b10_00_10_00>(q01, q23);
         let hi = _mm512_shuffle_i64x2::<0b11_01_11_01>(q01, q23);
         // the four scales (bytes 0, 34, 68, 102) as f32, each to its block's four lanes
-        let word = |k: usize| (p.add(34 * k) as *const u16).read_unaligned() as i64;
+        let word = |k: usize| src.word::<TAIL>(34 * k) as i64;
         let four = _mm_cvtph_ps(_mm_cvtsi64_si128(word(0) | word(1) << 16 | word(2) << 32 | word(3) << 48));
         let d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_castps128_ps512(four));
         (_mm512_xor_si512(lo, sign), _mm512_xor_si512(hi, sign), d, _mm512_setzero_ps())
@@ -265,21 +316,23 @@ struct RegQuad {
     min_hi: __m512,
 }
 
-/// The dot loop of every quantized type, four weight chunks per step: `quad(j)` gives step j's
-/// weights, `OFFSET` what their bytes hold (0: v, 8: v + 8, 128: v + 128), which the
+/// The dot loop of every quantized type, four weight chunks per step, R rows against N tokens:
+/// `quad(r, j)` gives row r's step j, `OFFSET` what their bytes hold (0: v, 8: v + 8, 128: v + 128), which the
 /// activations' exact per-lane bias takes off in integers. `HALVES`: scales per 16 weights;
 /// `MIN`: minima (per 16 with `HALVES`). Per lane and step this is the arithmetic of
 /// `quant::panel`'s block, in the same order, so a token gets bit for bit the same dots
-/// here as in a prompt's panels.
+/// here as in a prompt's panels. Several rows per call (decode: four) share the activations'
+/// loads and the call, which on SmolLM2's 576-column rows (4.5 steps) cost as much as the
+/// arithmetic; each row's sums are the same as alone.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn dot_steps<const HALVES: bool, const MIN: bool, const OFFSET: i32, const N: usize>(
+unsafe fn dot_steps<const HALVES: bool, const MIN: bool, const OFFSET: i32, const R: usize, const N: usize>(
     steps: usize,
-    quad: impl Fn(usize) -> RegQuad,
+    quad: impl Fn(usize, usize) -> RegQuad,
     quads: [&[ActQuad]; N],
     next: &[u8],
-) -> [f32; N] {
-    let mut acc = [_mm512_setzero_ps(); N];
+) -> [[f32; N]; R] {
+    let mut acc = [[_mm512_setzero_ps(); N]; R];
     // every line of `next` is prefetched, spread evenly over the steps (see `matmul::dot_row`):
     // after step i, the first (i + 1) * lines / steps lines
     let lines = next.len().div_ceil(64);
@@ -291,96 +344,100 @@ unsafe fn dot_steps<const HALVES: bool, const MIN: bool, const OFFSET: i32, cons
             line += 1;
             due -= steps;
         }
-        let w = quad(j);
-        for t in 0..N {
-            let x = quads[t].get_unchecked(j);
-            let int = |p: &[i32; 16]| _mm512_load_si512(p.as_ptr() as *const _);
-            let bytes = |p: &[i8; 64]| _mm512_load_si512(p.as_ptr() as *const _);
-            let d = _mm512_load_ps(x.d.as_ptr());
-            let a = &mut acc[t];
-            if HALVES {
-                let lo = _mm512_dpbusd_epi32(int(&x.bias_lo), w.lo, bytes(&x.lo));
-                let hi = _mm512_dpbusd_epi32(int(&x.bias_hi), w.hi, bytes(&x.hi));
-                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(w.scale, d), *a);
-                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(w.scale_hi, d), *a);
-                if MIN {
-                    *a = _mm512_fnmadd_ps(w.min, _mm512_load_ps(x.s_lo.as_ptr()), *a);
-                    *a = _mm512_fnmadd_ps(w.min_hi, _mm512_load_ps(x.s_hi.as_ptr()), *a);
-                }
-            } else {
-                let start = match OFFSET {
-                    0 => _mm512_setzero_si512(),
-                    8 => int(&x.bias),
-                    _ => _mm512_slli_epi32::<4>(int(&x.bias)),
-                };
-                let dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, w.lo, bytes(&x.lo)), w.hi, bytes(&x.hi));
-                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w.scale, d), *a);
-                if MIN {
-                    *a = _mm512_fnmadd_ps(w.min, _mm512_load_ps(x.s4.as_ptr()), *a);
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let w = quad(r, j);
+            for t in 0..N {
+                let x = quads[t].get_unchecked(j);
+                let int = |p: &[i32; 16]| _mm512_load_si512(p.as_ptr() as *const _);
+                let bytes = |p: &[i8; 64]| _mm512_load_si512(p.as_ptr() as *const _);
+                let d = _mm512_load_ps(x.d.as_ptr());
+                let a = &mut acc[t];
+                if HALVES {
+                    let lo = _mm512_dpbusd_epi32(int(&x.bias_lo), w.lo, bytes(&x.lo));
+                    let hi = _mm512_dpbusd_epi32(int(&x.bias_hi), w.hi, bytes(&x.hi));
+                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(w.scale, d), *a);
+                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(w.scale_hi, d), *a);
+                    if MIN {
+                        *a = _mm512_fnmadd_ps(w.min, _mm512_load_ps(x.s_lo.as_ptr()), *a);
+                        *a = _mm512_fnmadd_ps(w.min_hi, _mm512_load_ps(x.s_hi.as_ptr()), *a);
+                    }
+                } else {
+                    let start = match OFFSET {
+                        0 => _mm512_setzero_si512(),
+                        8 => int(&x.bias),
+                        _ => _mm512_slli_epi32::<4>(int(&x.bias)),
+                    };
+                    let dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, w.lo, bytes(&x.lo)), w.hi, bytes(&x.hi));
+                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w.scale, d), *a);
+                    if MIN {
+                        *a = _mm512_fnmadd_ps(w.min, _mm512_load_ps(x.s4.as_ptr()), *a);
+                    }
                 }
             }
         }
     }
-    acc.map(|v| hsum(v))
+    hsums(&acc)
 }
 
-/// The legacy types' loop: four blocks per step straight from the row (`QuadBlocks::unpack`),
-/// the last up to three from a zero-padded copy.
+/// The legacy types' loop, R rows: four blocks per step straight from the row
+/// (`QuadBlocks::unpack`), the last up to three through masked loads.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn dot_quads<B: QuadBlocks, const N: usize>(w: &[B], quads: [&[ActQuad]; N], next: &[u8]) -> [f32; N] {
-    let full = w.len() / 4;
-    let block = std::mem::size_of::<B>();
-    // the padded last step; room for the loads past the fourth block (at most 64 bytes)
-    let mut tail = [0u8; 4 * 34 + 64];
-    let rest = w.len() - 4 * full;
-    std::ptr::copy_nonoverlapping((w.as_ptr() as *const u8).add(B::BYTES * full), tail.as_mut_ptr(), rest * block);
-    let base = w.as_ptr() as *const u8;
-    let quad = |j: usize| {
-        let (lo, hi, d, m) = B::unpack(if j < full { base.add(B::BYTES * j) } else { tail.as_ptr() });
+unsafe fn dot_quads<B: QuadBlocks, const R: usize, const N: usize>(w: [&[B]; R], quads: [&[ActQuad]; N], next: &[u8]) -> [[f32; N]; R] {
+    let blocks = w[0].len();
+    debug_assert!(w.iter().all(|row| row.len() == blocks));
+    let (full, rest) = (blocks / 4, blocks % 4);
+    let quad = |r: usize, j: usize| {
+        let p = (w[r].as_ptr() as *const u8).add(B::BYTES * j);
+        let (lo, hi, d, m) = if j < full {
+            B::unpack::<false>(Src { p, len: B::BYTES })
+        } else {
+            B::unpack::<true>(Src { p, len: rest * std::mem::size_of::<B>() })
+        };
         // Q4_1: w = d * q + m, as d * q - (-m)
         let min = _mm512_sub_ps(_mm512_setzero_ps(), m);
         RegQuad { lo, hi, scale: d, scale_hi: d, min, min_hi: min }
     };
     let steps = full + (rest > 0) as usize;
     match (B::HAS_MIN, B::SIGNED) {
-        (true, _) => dot_steps::<false, true, 0, N>(steps, quad, quads, next),
-        (false, false) => dot_steps::<false, false, 8, N>(steps, quad, quads, next),
-        (false, true) => dot_steps::<false, false, 128, N>(steps, quad, quads, next),
+        (true, _) => dot_steps::<false, true, 0, R, N>(steps, quad, quads, next),
+        (false, false) => dot_steps::<false, false, 8, R, N>(steps, quad, quads, next),
+        (false, true) => dot_steps::<false, false, 128, R, N>(steps, quad, quads, next),
     }
 }
 
-/// Twin of `quant::dot_q4_0_scalar`.
+/// Twin of `quant::dot_q4_0_scalar`, for R rows of as many blocks.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn dot_q4_0<const N: usize>(w: &[BlockQ4_0], _a: [&[BlockQ8Act]; N], quads: [&[ActQuad]; N], next: &[u8]) -> [f32; N] {
+pub unsafe fn dot_q4_0<const R: usize, const N: usize>(w: [&[BlockQ4_0]; R], quads: [&[ActQuad]; N], next: &[u8]) -> [[f32; N]; R] {
     dot_quads(w, quads, next)
 }
 
-/// Twin of `quant::dot_q4_1_scalar`.
+/// Twin of `quant::dot_q4_1_scalar`, for R rows of as many blocks.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn dot_q4_1<const N: usize>(w: &[BlockQ4_1], _a: [&[BlockQ8Act]; N], quads: [&[ActQuad]; N], next: &[u8]) -> [f32; N] {
+pub unsafe fn dot_q4_1<const R: usize, const N: usize>(w: [&[BlockQ4_1]; R], quads: [&[ActQuad]; N], next: &[u8]) -> [[f32; N]; R] {
     dot_quads(w, quads, next)
 }
 
-/// Twin of `quant::dot_q8_0_scalar`.
+/// Twin of `quant::dot_q8_0_scalar`, for R rows of as many blocks.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn dot_q8_0<const N: usize>(w: &[BlockQ8_0], _a: [&[BlockQ8Act]; N], quads: [&[ActQuad]; N], next: &[u8]) -> [f32; N] {
+pub unsafe fn dot_q8_0<const R: usize, const N: usize>(w: [&[BlockQ8_0]; R], quads: [&[ActQuad]; N], next: &[u8]) -> [[f32; N]; R] {
     dot_quads(w, quads, next)
 }
 
-/// One row of a chunked type (`quant::chunked`) against N tokens: the format's AVX2 chunk
-/// decoder four times per step, the chunks gathered into one `RegQuad` (v + 128). Twin of
-/// `chunked::dot_scalar`.
+/// R rows of a chunked type (`quant::chunked`) against N tokens: a step straight from the
+/// blocks (`direct_quad`) or the format's AVX2 chunk decoder four times, the chunks gathered
+/// into one `RegQuad` (v + 128). Twin of `chunked::dot_scalar`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn dot_chunked<const N: usize>(dtype: DType, row: &[u8], quads: [&[ActQuad]; N], next: &[u8]) -> [f32; N] {
+pub unsafe fn dot_chunked<const R: usize, const N: usize>(dtype: DType, rows: [&[u8]; R], quads: [&[ActQuad]; N], next: &[u8]) -> [[f32; N]; R] {
     use crate::quant::chunked_avx2 as c2;
     let nb = quads[0].len() * 4; // (padded)
-    let blocks = row.len() / dtype.block_bytes() * (dtype.block_len() / 32);
+    let blocks = rows[0].len() / dtype.block_bytes() * (dtype.block_len() / 32);
     debug_assert!(blocks <= nb && nb < blocks + 4);
     macro_rules! with {
         ($decode:path, $dtype:expr) => {{
             const PER_BLOCK: usize = c2::chunks_per_block($dtype);
-            let quad = |j: usize| {
+            let quad = |r: usize, j: usize| {
+                let row = rows[r];
                 let ch = |c: usize| {
                     let k = 4 * j + c;
                     if k < blocks { $decode(row, k / PER_BLOCK, k % PER_BLOCK) } else { Decoded::zero() }
@@ -392,10 +449,10 @@ pub unsafe fn dot_chunked<const N: usize>(dtype: DType, row: &[u8], quads: [&[Ac
             };
             let (halves, min) = crate::quant::panel::shape($dtype);
             match (halves, min) {
-                (false, false) => dot_steps::<false, false, 128, N>(quads[0].len(), quad, quads, next),
-                (false, true) => dot_steps::<false, true, 128, N>(quads[0].len(), quad, quads, next),
-                (true, false) => dot_steps::<true, false, 128, N>(quads[0].len(), quad, quads, next),
-                (true, true) => dot_steps::<true, true, 128, N>(quads[0].len(), quad, quads, next),
+                (false, false) => dot_steps::<false, false, 128, R, N>(quads[0].len(), quad, quads, next),
+                (false, true) => dot_steps::<false, true, 128, R, N>(quads[0].len(), quad, quads, next),
+                (true, false) => dot_steps::<true, false, 128, R, N>(quads[0].len(), quad, quads, next),
+                (true, true) => dot_steps::<true, true, 128, R, N>(quads[0].len(), quad, quads, next),
             }
         }};
     }
@@ -699,10 +756,13 @@ unsafe fn gather(ch: [Decoded; 4]) -> RegQuad {
     // the low 128 bits of each of the four, and the high 128 bits of each
     let lows = |v: [__m256i; 4]| join(_mm256_permute2x128_si256::<0x20>(v[0], v[1]), _mm256_permute2x128_si256::<0x20>(v[2], v[3]));
     let highs = |v: [__m256i; 4]| join(_mm256_permute2x128_si256::<0x31>(v[0], v[1]), _mm256_permute2x128_si256::<0x31>(v[2], v[3]));
+    // (arrays written out: an `array::map` closure would not be compiled for AVX-512)
     let v = [ch[0].v, ch[1].v, ch[2].v, ch[3].v];
-    let scale = [0, 1, 2, 3].map(|c| _mm256_castps_si256(ch[c].scale));
+    let scale = |c: usize| _mm256_castps_si256(ch[c].scale);
+    let scale = [scale(0), scale(1), scale(2), scale(3)];
     // a format has either a minimum per chunk (all lanes) or one per half; the other is zero
-    let min = [0, 1, 2, 3].map(|c| _mm256_castps_si256(_mm256_add_ps(ch[c].min, ch[c].min_halves)));
+    let min = |c: usize| _mm256_castps_si256(_mm256_add_ps(ch[c].min, ch[c].min_halves));
+    let min = [min(0), min(1), min(2), min(3)];
     let flip = _mm512_set1_epi8(-128);
     RegQuad {
         lo: _mm512_xor_si512(lows(v), flip),

@@ -215,21 +215,29 @@ impl Activations {
 /// Prefetching never changes a value.
 #[inline]
 pub(crate) fn dot_row<const N: usize>(w: &QMatrix, r: usize, next: Option<usize>, x: &Activations, t: [usize; N], level: SimdLevel) -> [f32; N] {
-    let row = w.row(r);
     let next: &[u8] = next.map_or(&[], |n| w.row(n));
+    let [v] = dot_row_group::<1, N>(w, r, next, x, t, level);
+    v
+}
+
+/// Rows r..r + R of `w` against N activation rows: `dot_row` for each, in one kernel call at
+/// the AVX-512 level (the rows share the activations' loads), a row at a time otherwise.
+/// `next`: the bytes the caller reads after these rows (prefetched, see `dot_row`).
+#[inline]
+fn dot_row_group<const R: usize, const N: usize>(w: &QMatrix, r: usize, next: &[u8], x: &Activations, t: [usize; N], level: SimdLevel) -> [[f32; N]; R] {
+    let rows: [&[u8]; R] = std::array::from_fn(|k| w.row(r + k));
     macro_rules! quantized {
         ($block:ty, $simd512:path, $simd:path, $scalar:path) => {{
             let a = t.map(|ti| x.q8_row(ti));
-            let blocks = cast_blocks::<$block>(row);
             match level {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI and
                 // AVX2's features; `quads` is filled at this level unless panels replace it.
-                SimdLevel::Avx512 if !x.quads.is_empty() => unsafe { $simd512(blocks, a, t.map(|ti| x.quad_row(ti)), next) },
+                SimdLevel::Avx512 if !x.quads.is_empty() => unsafe { $simd512(rows.map(|row| cast_blocks::<$block>(row)), t.map(|ti| x.quad_row(ti)), next) },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c.
-                SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { $simd(blocks, a) },
-                _ => $scalar(blocks, a),
+                SimdLevel::Avx2 | SimdLevel::Avx512 => rows.map(|row| unsafe { $simd(cast_blocks::<$block>(row), a) }),
+                _ => rows.map(|row| $scalar(cast_blocks::<$block>(row), a)),
             }
         }};
     }
@@ -239,8 +247,8 @@ pub(crate) fn dot_row<const N: usize>(w: &QMatrix, r: usize, next: Option<usize>
             match level {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as above.
-                SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { crate::avx2::dot_float(w.dtype, row, a, next) },
-                _ => quant::dot_float_scalar(w.dtype, row, a),
+                SimdLevel::Avx2 | SimdLevel::Avx512 => rows.map(|row| unsafe { crate::avx2::dot_float(w.dtype, row, a, next) }),
+                _ => rows.map(|row| quant::dot_float_scalar(w.dtype, row, a)),
             }
         }
         DType::Q4_0 => quantized!(BlockQ4_0, crate::avx512::dot_q4_0, crate::avx2::dot_q4_0, quant::dot_q4_0_scalar),
@@ -252,18 +260,22 @@ pub(crate) fn dot_row<const N: usize>(w: &QMatrix, r: usize, next: Option<usize>
             match level {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI and AVX2's features.
-                SimdLevel::Avx512 if !x.quads.is_empty() => unsafe { crate::avx512::dot_chunked(w.dtype, row, t.map(|ti| x.quad_row(ti)), next) },
+                SimdLevel::Avx512 if !x.quads.is_empty() => unsafe { crate::avx512::dot_chunked(w.dtype, rows, t.map(|ti| x.quad_row(ti)), next) },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as above.
-                SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { quant::chunked_avx2::dot(w.dtype, row, a) },
-                _ => quant::chunked::dot_scalar(w.dtype, row, a),
+                SimdLevel::Avx2 | SimdLevel::Avx512 => rows.map(|row| unsafe { quant::chunked_avx2::dot(w.dtype, row, a) }),
+                _ => rows.map(|row| quant::chunked::dot_scalar(w.dtype, row, a)),
             }
         }
     }
 }
 
+/// Rows of the decode path's group (`dot_row_group`): four rows share a pass over one token's
+/// activations.
+const GROUP_ROWS: usize = 4;
+
 /// Weight rows r0..r1 against N activation rows: `put(r, values)` receives each row's N dot
-/// products.
+/// products. One token (decode) goes four rows per kernel call.
 pub(crate) fn dot_rows<const N: usize>(
     w: &QMatrix,
     rows: std::ops::Range<usize>,
@@ -272,9 +284,21 @@ pub(crate) fn dot_rows<const N: usize>(
     level: SimdLevel,
     mut put: impl FnMut(usize, [f32; N]),
 ) {
-    for r in rows.clone() {
-        let next = (r + 1 < rows.end).then_some(r + 1);
-        put(r, dot_row(w, r, next, x, t, level));
+    let row_bytes = w.row_bytes();
+    // the bytes of rows a..b of this range, for the prefetch (none past the range)
+    let span = |a: usize, b: usize| -> &[u8] { if a < b { &w.data[a * row_bytes..b * row_bytes] } else { &[] } };
+    let mut r = rows.start;
+    if N == 1 && level == SimdLevel::Avx512 && w.dtype.is_quantized() && !x.quads.is_empty() {
+        while r + GROUP_ROWS <= rows.end {
+            let next = span(r + GROUP_ROWS, (r + 2 * GROUP_ROWS).min(rows.end));
+            for (k, v) in dot_row_group::<GROUP_ROWS, N>(w, r, next, x, t, level).into_iter().enumerate() {
+                put(r + k, v);
+            }
+            r += GROUP_ROWS;
+        }
+    }
+    for r in r..rows.end {
+        put(r, dot_row_group::<1, N>(w, r, span(r + 1, (r + 2).min(rows.end)), x, t, level)[0]);
     }
 }
 

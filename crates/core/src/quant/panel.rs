@@ -201,7 +201,7 @@ unsafe fn block<const HALVES: bool, const MIN: bool, const R: usize, const T: us
             }
         }
     }
-    acc.map(|row| row.map(|v| _mm512_reduce_add_ps(v)))
+    crate::avx512::hsums(&acc)
 }
 
 /// Rows per step: each unpacked row is reused for T tokens, each token's panel for R rows.
