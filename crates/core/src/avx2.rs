@@ -60,69 +60,88 @@ unsafe fn dot_u8_i8(w: __m256i, a: &[i8; 32]) -> __m256 {
     _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)))
 }
 
+/// Twin of `quant::dot_q4_0_scalar`, for R rows of as many blocks (decode groups rows so that
+/// they share the activations' loads and their sums do not wait on each other).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q4_0<const N: usize>(w: &[BlockQ4_0], a: [&[BlockQ8Act]; N]) -> [f32; N] {
-    let mut acc = [_mm256_setzero_ps(); N];
+pub unsafe fn dot_q4_0<const R: usize, const N: usize>(w: [&[BlockQ4_0]; R], a: [&[BlockQ8Act]; N]) -> [[f32; N]; R] {
+    let mut acc = [[_mm256_setzero_ps(); N]; R];
     // Every lane of `offset` carries the same running sum of d * s (see `lane0`).
-    let mut offset = [_mm256_setzero_ps(); N];
-    for (i, b) in w.iter().enumerate() {
-        let d = splat_f16(b.d);
-        let wq = unpack_nibbles(&b.qs);
-        for j in 0..N {
-            let ab = a[j].get_unchecked(i);
-            acc[j] = _mm256_fmadd_ps(dot_u8_i8(wq, &ab.qs), _mm256_mul_ps(d, _mm256_set1_ps(ab.d)), acc[j]);
-            offset[j] = _mm256_fmadd_ps(d, _mm256_set1_ps(ab.s), offset[j]);
+    let mut offset = [[_mm256_setzero_ps(); N]; R];
+    for i in 0..w[0].len() {
+        for r in 0..R {
+            let b = w[r].get_unchecked(i);
+            let d = splat_f16(b.d);
+            let wq = unpack_nibbles(&b.qs);
+            for j in 0..N {
+                let ab = a[j].get_unchecked(i);
+                acc[r][j] = _mm256_fmadd_ps(dot_u8_i8(wq, &ab.qs), _mm256_mul_ps(d, _mm256_set1_ps(ab.d)), acc[r][j]);
+                offset[r][j] = _mm256_fmadd_ps(d, _mm256_set1_ps(ab.s), offset[r][j]);
+            }
         }
     }
-    let mut out = [0.0f32; N];
-    for j in 0..N {
-        // Q4_0 stores q + 8: remove 8 * d * sum(a) per block.
-        out[j] = hsum(acc[j]) - 8.0 * lane0(offset[j]);
+    let mut out = [[0.0f32; N]; R];
+    for r in 0..R {
+        for j in 0..N {
+            // Q4_0 stores q + 8: remove 8 * d * sum(a) per block.
+            out[r][j] = hsum(acc[r][j]) - 8.0 * lane0(offset[r][j]);
+        }
     }
     out
 }
 
+/// Twin of `quant::dot_q4_1_scalar`, for R rows of as many blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q4_1<const N: usize>(w: &[BlockQ4_1], a: [&[BlockQ8Act]; N]) -> [f32; N] {
-    let mut acc = [_mm256_setzero_ps(); N];
-    let mut mins = [_mm256_setzero_ps(); N]; // every lane: sum of m * s
-    for (i, b) in w.iter().enumerate() {
-        let d = splat_f16(b.d);
-        let m = splat_f16(b.m);
-        let wq = unpack_nibbles(&b.qs);
-        for j in 0..N {
-            let ab = a[j].get_unchecked(i);
-            acc[j] = _mm256_fmadd_ps(dot_u8_i8(wq, &ab.qs), _mm256_mul_ps(d, _mm256_set1_ps(ab.d)), acc[j]);
-            mins[j] = _mm256_fmadd_ps(m, _mm256_set1_ps(ab.s), mins[j]);
+pub unsafe fn dot_q4_1<const R: usize, const N: usize>(w: [&[BlockQ4_1]; R], a: [&[BlockQ8Act]; N]) -> [[f32; N]; R] {
+    let mut acc = [[_mm256_setzero_ps(); N]; R];
+    let mut mins = [[_mm256_setzero_ps(); N]; R]; // every lane: sum of m * s
+    for i in 0..w[0].len() {
+        for r in 0..R {
+            let b = w[r].get_unchecked(i);
+            let d = splat_f16(b.d);
+            let m = splat_f16(b.m);
+            let wq = unpack_nibbles(&b.qs);
+            for j in 0..N {
+                let ab = a[j].get_unchecked(i);
+                acc[r][j] = _mm256_fmadd_ps(dot_u8_i8(wq, &ab.qs), _mm256_mul_ps(d, _mm256_set1_ps(ab.d)), acc[r][j]);
+                mins[r][j] = _mm256_fmadd_ps(m, _mm256_set1_ps(ab.s), mins[r][j]);
+            }
         }
     }
-    let mut out = [0.0f32; N];
-    for j in 0..N {
-        out[j] = hsum(acc[j]) + lane0(mins[j]);
+    let mut out = [[0.0f32; N]; R];
+    for r in 0..R {
+        for j in 0..N {
+            out[r][j] = hsum(acc[r][j]) + lane0(mins[r][j]);
+        }
     }
     out
 }
 
+/// Twin of `quant::dot_q8_0_scalar`, for R rows of as many blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q8_0<const N: usize>(w: &[BlockQ8_0], a: [&[BlockQ8Act]; N]) -> [f32; N] {
-    let mut acc = [_mm256_setzero_ps(); N];
+pub unsafe fn dot_q8_0<const R: usize, const N: usize>(w: [&[BlockQ8_0]; R], a: [&[BlockQ8Act]; N]) -> [[f32; N]; R] {
+    let mut acc = [[_mm256_setzero_ps(); N]; R];
     let ones = _mm256_set1_epi16(1);
-    for (i, b) in w.iter().enumerate() {
-        let d = splat_f16(b.d);
-        let wq = _mm256_loadu_si256(b.qs.as_ptr() as *const __m256i);
-        // maddubs needs an unsigned operand: |w| times a with w's sign moved onto a.
-        let w_abs = _mm256_sign_epi8(wq, wq);
-        for j in 0..N {
-            let ab = a[j].get_unchecked(i);
-            let av = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
-            let a_signed = _mm256_sign_epi8(av, wq);
-            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, a_signed), ones);
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(d, _mm256_set1_ps(ab.d)), acc[j]);
+    for i in 0..w[0].len() {
+        for r in 0..R {
+            let b = w[r].get_unchecked(i);
+            let d = splat_f16(b.d);
+            let wq = _mm256_loadu_si256(b.qs.as_ptr() as *const __m256i);
+            // maddubs needs an unsigned operand: |w| times a with w's sign moved onto a.
+            let w_abs = _mm256_sign_epi8(wq, wq);
+            for j in 0..N {
+                let ab = a[j].get_unchecked(i);
+                let av = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
+                let a_signed = _mm256_sign_epi8(av, wq);
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, a_signed), ones);
+                acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(d, _mm256_set1_ps(ab.d)), acc[r][j]);
+            }
         }
     }
-    let mut out = [0.0f32; N];
-    for j in 0..N {
-        out[j] = hsum(acc[j]);
+    let mut out = [[0.0f32; N]; R];
+    for r in 0..R {
+        for j in 0..N {
+            out[r][j] = hsum(acc[r][j]);
+        }
     }
     out
 }

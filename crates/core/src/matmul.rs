@@ -236,7 +236,7 @@ fn dot_row_group<const R: usize, const N: usize>(w: &QMatrix, r: usize, next: &[
                 SimdLevel::Avx512 if !x.quads.is_empty() => unsafe { $simd512(rows.map(|row| cast_blocks::<$block>(row)), t.map(|ti| x.quad_row(ti)), next) },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c.
-                SimdLevel::Avx2 | SimdLevel::Avx512 => rows.map(|row| unsafe { $simd(cast_blocks::<$block>(row), a) }),
+                SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { $simd(rows.map(|row| cast_blocks::<$block>(row)), a) },
                 _ => rows.map(|row| $scalar(cast_blocks::<$block>(row), a)),
             }
         }};
@@ -263,7 +263,7 @@ fn dot_row_group<const R: usize, const N: usize>(w: &QMatrix, r: usize, next: &[
                 SimdLevel::Avx512 if !x.quads.is_empty() => unsafe { crate::avx512::dot_chunked(w.dtype, rows, t.map(|ti| x.quad_row(ti)), next) },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as above.
-                SimdLevel::Avx2 | SimdLevel::Avx512 => rows.map(|row| unsafe { quant::chunked_avx2::dot(w.dtype, row, a) }),
+                SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { quant::chunked_avx2::dot(w.dtype, rows, a) },
                 _ => rows.map(|row| quant::chunked::dot_scalar(w.dtype, row, a)),
             }
         }
@@ -288,7 +288,7 @@ pub(crate) fn dot_rows<const N: usize>(
     // the bytes of rows a..b of this range, for the prefetch (none past the range)
     let span = |a: usize, b: usize| -> &[u8] { if a < b { &w.data[a * row_bytes..b * row_bytes] } else { &[] } };
     let mut r = rows.start;
-    if N == 1 && level == SimdLevel::Avx512 && w.dtype.is_quantized() && !x.quads.is_empty() {
+    if N == 1 && level != SimdLevel::Scalar && w.dtype.is_quantized() {
         while r + GROUP_ROWS <= rows.end {
             let next = span(r + GROUP_ROWS, (r + 2 * GROUP_ROWS).min(rows.end));
             for (k, v) in dot_row_group::<GROUP_ROWS, N>(w, r, next, x, t, level).into_iter().enumerate() {
@@ -530,6 +530,16 @@ mod tests {
                         for k in 0..4 {
                             assert!((s4[k] - v4[k]).abs() <= tol, "{level:?} {dtype:?} x4 cols {cols} k {k}: {} vs {}", s4[k], v4[k]);
                             assert!((s4[k] - dot_row(&w, r, None, &x, [k], SimdLevel::Scalar)[0]).abs() <= 1e-5);
+                        }
+                    }
+                }
+                // decode's row groups: each row exactly as alone, at every level
+                for &level in levels {
+                    for t in 0..4 {
+                        let group = dot_row_group::<3, 1>(&w, 0, &[], &x, [t], level);
+                        for (r, v) in group.iter().enumerate() {
+                            let alone = dot_row(&w, r, None, &x, [t], level)[0];
+                            assert_eq!(v[0].to_bits(), alone.to_bits(), "{level:?} {dtype:?} cols {cols} row {r} of a group: {} vs {alone}", v[0]);
                         }
                     }
                 }

@@ -335,31 +335,35 @@ pub(crate) unsafe fn token_step<const SIGNED: bool, const MIN: bool, const HALVE
     }
 }
 
-/// The row loop, written once for every format: `$decode(row, b, c)` is the format's chunk
-/// decoder.
+/// The row loop, written once for every format, R rows at a time: `$decode(row, b, c)` is the
+/// format's chunk decoder.
 macro_rules! row_dot {
-    ($dtype:expr, $decode:ident, $row:expr, $a:expr) => {{
-        let (row, a) = ($row, $a);
+    ($dtype:expr, $decode:ident, $rows:expr, $a:expr) => {{
+        let (rows, a) = ($rows, $a);
         const SIGNED: bool = signed($dtype);
         const MIN: bool = matches!($dtype, DType::Q5_1 | DType::Q4_K | DType::Q5_K);
         const HALVES: bool = matches!($dtype, DType::Q2_K);
-        let mut acc = [_mm256_setzero_ps(); N];
-        let mut mins = [_mm256_setzero_ps(); N];
+        let mut acc = [[_mm256_setzero_ps(); N]; R];
+        let mut mins = [[_mm256_setzero_ps(); N]; R];
         const PER_BLOCK: usize = chunks_per_block($dtype);
         for b in 0..a[0].len() / PER_BLOCK {
             for c in 0..PER_BLOCK {
-                let ch = $decode(row, b, c);
-                let u = if SIGNED { _mm256_sign_epi8(ch.v, ch.v) } else { ch.v };
-                for t in 0..N {
-                    let x: &BlockQ8Act = a[t].get_unchecked(b * PER_BLOCK + c);
-                    token_step::<SIGNED, MIN, HALVES>(u, ch.v, ch.scale, ch.min, ch.min_halves, x, &mut acc[t], &mut mins[t]);
+                for r in 0..R {
+                    let ch = $decode(rows[r], b, c);
+                    let u = if SIGNED { _mm256_sign_epi8(ch.v, ch.v) } else { ch.v };
+                    for t in 0..N {
+                        let x: &BlockQ8Act = a[t].get_unchecked(b * PER_BLOCK + c);
+                        token_step::<SIGNED, MIN, HALVES>(u, ch.v, ch.scale, ch.min, ch.min_halves, x, &mut acc[r][t], &mut mins[r][t]);
+                    }
                 }
             }
         }
-        let mut out = [0.0f32; N];
-        for t in 0..N {
-            // (every lane of mins holds the sum)
-            out[t] = hsum(acc[t]) - _mm256_cvtss_f32(mins[t]);
+        let mut out = [[0.0f32; N]; R];
+        for r in 0..R {
+            for t in 0..N {
+                // (every lane of mins holds the sum)
+                out[r][t] = hsum(acc[r][t]) - _mm256_cvtss_f32(mins[r][t]);
+            }
         }
         out
     }};
@@ -371,19 +375,19 @@ unsafe fn maddubs(u: __m256i, s: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
 }
 
-/// One row of a chunked type against N int8 activation rows: the twin of `chunked::dot_scalar`.
+/// R rows of a chunked type against N int8 activation rows: the twin of `chunked::dot_scalar`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot<const N: usize>(dtype: DType, row: &[u8], a: [&[BlockQ8Act]; N]) -> [f32; N] {
+pub unsafe fn dot<const R: usize, const N: usize>(dtype: DType, rows: [&[u8]; R], a: [&[BlockQ8Act]; N]) -> [[f32; N]; R] {
     match dtype {
-        DType::Q5_0 => row_dot!(DType::Q5_0, q5_0, row, a),
-        DType::Q5_1 => row_dot!(DType::Q5_1, q5_1, row, a),
-        DType::Q2_K => row_dot!(DType::Q2_K, q2_k, row, a),
-        DType::Q3_K => row_dot!(DType::Q3_K, q3_k, row, a),
-        DType::Q4_K => row_dot!(DType::Q4_K, q4_k, row, a),
-        DType::Q5_K => row_dot!(DType::Q5_K, q5_k, row, a),
-        DType::Q6_K => row_dot!(DType::Q6_K, q6_k, row, a),
-        DType::IQ4_NL => row_dot!(DType::IQ4_NL, iq4_nl, row, a),
-        DType::IQ4_XS => row_dot!(DType::IQ4_XS, iq4_xs, row, a),
+        DType::Q5_0 => row_dot!(DType::Q5_0, q5_0, rows, a),
+        DType::Q5_1 => row_dot!(DType::Q5_1, q5_1, rows, a),
+        DType::Q2_K => row_dot!(DType::Q2_K, q2_k, rows, a),
+        DType::Q3_K => row_dot!(DType::Q3_K, q3_k, rows, a),
+        DType::Q4_K => row_dot!(DType::Q4_K, q4_k, rows, a),
+        DType::Q5_K => row_dot!(DType::Q5_K, q5_k, rows, a),
+        DType::Q6_K => row_dot!(DType::Q6_K, q6_k, rows, a),
+        DType::IQ4_NL => row_dot!(DType::IQ4_NL, iq4_nl, rows, a),
+        DType::IQ4_XS => row_dot!(DType::IQ4_XS, iq4_xs, rows, a),
         _ => unreachable!("{} is not a chunked type", dtype.name()),
     }
 }
@@ -444,9 +448,9 @@ mod tests {
             .collect();
         let a4 = [&acts[0][..], &acts[1][..], &acts[2][..], &acts[3][..]];
         for (s, dtype) in CHUNKED.into_iter().enumerate() {
-            let row = random_row(dtype, n, 60 + s as u64);
-            let want = crate::quant::chunked::dot_scalar(dtype, &row, a4);
-            let scale = want.iter().fold(0.0f32, |m, w| m.max(w.abs())).max(1e-3);
+            let rows = [random_row(dtype, n, 60 + s as u64), random_row(dtype, n, 160 + s as u64)];
+            let want = [0, 1].map(|r| crate::quant::chunked::dot_scalar(dtype, &rows[r], a4));
+            let scale = want.iter().flatten().fold(0.0f32, |m, w| m.max(w.abs())).max(1e-3);
             let close = |got: &[f32], want: &[f32], what: &str| {
                 for (g, w) in got.iter().zip(want) {
                     assert!((g - w).abs() <= 1e-5 * scale, "{dtype:?} {what}: {g} vs {w}");
@@ -454,9 +458,14 @@ mod tests {
             };
             // SAFETY: AVX2 checked above.
             unsafe {
-                close(&dot(dtype, &row, [a4[0]]), &want[..1], "avx2 x1");
-                close(&dot(dtype, &row, [a4[2], a4[3]]), &want[2..], "avx2 x2");
-                close(&dot(dtype, &row, a4), &want, "avx2 x4");
+                let [row0, row1] = [&rows[0][..], &rows[1][..]];
+                close(&dot(dtype, [row0], [a4[0]])[0], &want[0][..1], "avx2 x1");
+                close(&dot(dtype, [row0], [a4[2], a4[3]])[0], &want[0][2..], "avx2 x2");
+                close(&dot(dtype, [row0], a4)[0], &want[0], "avx2 x4");
+                // two rows at once, as decode groups them: each as alone
+                let both = dot(dtype, [row0, row1], [a4[1]]);
+                close(&both[0], &want[0][1..2], "avx2 rows 2 of x1");
+                close(&both[1], &want[1][1..2], "avx2 rows 2 of x1, second");
             }
         }
     }
