@@ -652,14 +652,21 @@ unsafe fn q2_k_quad(b: &BlockQ2K, h: usize) -> RegQuad {
     }
 }
 
+/// A k-quant super-block's 12 packed scale bytes as three little-endian words, for unpacking
+/// four scales per operation (`q3_k_scales`, `k4_scales`).
+#[inline]
+fn scale_words(s: &[u8; 12]) -> [u32; 3] {
+    let word = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
+    [word(0), word(1), word(2)]
+}
+const LOW4: u32 = 0x0f0f_0f0f;
+const LOW2: u32 = 0x0303_0303;
+
 /// Q3_K's sixteen 6-bit scales of one super-block (before the - 32), unpacked at once (ggml's word
 /// trick): scale j is a nibble of byte j % 8 and two bits of byte 8 + j % 4.
 #[inline]
 fn q3_k_scales(s: &[u8; 12]) -> [u32; 4] {
-    let word = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
-    let (w0, w1, w2) = (word(0), word(1), word(2));
-    const LOW4: u32 = 0x0f0f_0f0f;
-    const LOW2: u32 = 0x0303_0303;
+    let [w0, w1, w2] = scale_words(s);
     let six = |low: u32, high: u32| (low & LOW4) | ((high & LOW2) << 4);
     [six(w0, w2), six(w1, w2 >> 2), six(w0 >> 4, w2 >> 4), six(w1 >> 4, w2 >> 6)]
 }
@@ -690,11 +697,8 @@ unsafe fn q3_k_quad(b: &BlockQ3K, h: usize) -> RegQuad {
 /// m0..=m7].
 #[inline]
 fn k4_scales(s: &[u8; 12]) -> [u32; 4] {
-    let word = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
-    let (w0, w1, w2) = (word(0), word(1), word(2));
+    let [w0, w1, w2] = scale_words(s);
     const LOW6: u32 = 0x3f3f_3f3f;
-    const LOW4: u32 = 0x0f0f_0f0f;
-    const LOW2: u32 = 0x0303_0303;
     // sub-blocks 0..4: the low 6 bits of bytes 0..4 (scales) and 4..8 (minima); 4..8: a nibble
     // of bytes 8..12 and the top two bits of bytes 0..4 (scales) or 4..8 (minima)
     [w0 & LOW6, (w2 & LOW4) | (((w0 >> 6) & LOW2) << 4), w1 & LOW6, ((w2 >> 4) & LOW4) | (((w1 >> 6) & LOW2) << 4)]
