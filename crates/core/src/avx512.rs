@@ -133,20 +133,6 @@ pub unsafe fn axpy_rows<const R: usize>(dtype: DType, rows: [&[u8]; R], a: [f32;
     }
 }
 
-/// Every accumulator's sum of 16 lanes. A plain loop: through `array::map`, the closure was
-/// compiled without AVX-512, took each register through memory (a stalled store-to-load) and
-/// cost 40% of a 576-column matrix-vector product.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn hsums<const R: usize, const N: usize>(acc: &[[__m512; N]; R]) -> [[f32; N]; R] {
-    let mut out = [[0.0f32; N]; R];
-    for r in 0..R {
-        for t in 0..N {
-            out[r][t] = _mm512_reduce_add_ps(acc[r][t]);
-        }
-    }
-    out
-}
 
 /// How a quantized type's four blocks enter `dot_quads`.
 trait QuadBlocks {
@@ -376,7 +362,7 @@ unsafe fn dot_steps<const HALVES: bool, const MIN: bool, const OFFSET: i32, cons
             }
         }
     }
-    hsums(&acc)
+    crate::quant::panel::hsums(&acc)
 }
 
 /// The legacy types' loop, R rows: four blocks per step straight from the row

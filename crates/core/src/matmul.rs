@@ -297,21 +297,13 @@ pub(crate) fn dot_rows<const N: usize>(
     // the bytes of rows a..b of this range, for the prefetch (none past the range)
     let span = |a: usize, b: usize| -> &[u8] { if a < b { &w.data[a * row_bytes..b * row_bytes] } else { &[] } };
     let mut r = rows.start;
-    macro_rules! groups {
-        ($g:expr) => {
-            while r + $g <= rows.end {
-                let next = span(r + $g, (r + 2 * $g).min(rows.end));
-                for (k, v) in dot_row_group::<{ $g }, N>(w, r, next, x, t, level).into_iter().enumerate() {
-                    put(r + k, v);
-                }
-                r += $g;
+    if N == 1 && group_rows(level, w.dtype) == 4 {
+        while r + 4 <= rows.end {
+            let next = span(r + 4, (r + 8).min(rows.end));
+            for (k, v) in dot_row_group::<4, N>(w, r, next, x, t, level).into_iter().enumerate() {
+                put(r + k, v);
             }
-        };
-    }
-    if N == 1 {
-        match group_rows(level, w.dtype) {
-            4 => groups!(4),
-            _ => {}
+            r += 4;
         }
     }
     for r in r..rows.end {
