@@ -11,6 +11,10 @@ from gguf.quants import dequantize
 
 # block formats whose matrix products take int8 activations (all but the float types)
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+# the 256-weight formats: below AVX-512 their products take activations rounded per 256 (ggml's
+# q8_K pairing) instead of per 32
+Q = GGMLQuantizationType
+SUPERBLOCK_TYPES = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS}
 
 
 def read_weights(path: str) -> tuple[dict, dict]:
@@ -46,6 +50,7 @@ def read_weights(path: str) -> tuple[dict, dict]:
     with open(path, "rb") as f:
         meta["_magic"] = f.read(4)
     meta["_quantized"] = set()
+    meta["_superblock"] = set()
     for t in r.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         qtype = GGMLQuantizationType(t.tensor_type)
@@ -55,6 +60,8 @@ def read_weights(path: str) -> tuple[dict, dict]:
             arr = dequantize(np.asarray(t.data), qtype).astype(np.float64).reshape(shape)
         if qtype not in FLOAT_TYPES:
             meta["_quantized"].add(t.name)
+        if qtype in SUPERBLOCK_TYPES:
+            meta["_superblock"].add(t.name)
         w[t.name] = arr
     return w, meta
 
@@ -92,6 +99,26 @@ def q8_round(x: np.ndarray) -> np.ndarray:
     d = np.abs(b).max(axis=-1, keepdims=True) / 127
     q = np.where(d > 0, np.round(b / np.where(d > 0, d, 1)), 0)
     return (q * d).reshape(x.shape)
+
+
+def q8k_round(x: np.ndarray) -> np.ndarray:
+    """Rounds each row to int8 per block of 256 as ggml's q8_K does: the element of largest
+    magnitude (the first such) maps to -127, the others to the nearest (ties to even) multiple
+    of its scale, at most 127."""
+    b = x.reshape(x.shape[0], -1, 256)
+    first = np.abs(b).argmax(axis=-1)[..., None]
+    peak = np.take_along_axis(b, first, axis=-1)
+    iscale = np.where(peak != 0, -127 / np.where(peak != 0, peak, 1), 0)
+    q = np.minimum(np.rint(b * iscale), 127)
+    return np.where(iscale != 0, q / np.where(iscale != 0, iscale, 1), 0).reshape(x.shape)
+
+
+def superblock_activations() -> bool:
+    """Whether this machine's engine rounds the super-block formats' activations per 256: below
+    AVX-512 (its SIMD level, which `POWERINFER_SIMD` can cap)."""
+    from powerinfer_rs import simd_level
+
+    return simd_level() != "avx512"
 
 
 def layernorm(x, g, b, eps):
@@ -151,8 +178,12 @@ def forward(w: dict, meta: dict, tokens, activation: str | None = None, int8_act
             activation = "silu"
     gateless = arch in ("opt", "falcon")
 
+    per_256 = int8_activations and superblock_activations()
+
     def mm(x, name):
-        if int8_activations and name in meta["_quantized"]:
+        if per_256 and name in meta["_superblock"]:
+            x = q8k_round(x)
+        elif int8_activations and name in meta["_quantized"]:
             x = q8_round(x)
         return x @ w[name].T
 

@@ -25,7 +25,7 @@
 use std::arch::x86_64::*;
 
 use crate::quant::chunked_avx2::Decoded;
-use crate::quant::chunked::{BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ6K, IQ4_VALUES};
+use crate::quant::chunked::{iq4_xs_scale, k4_scales, q3_k_scales, BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ6K, IQ4_VALUES};
 use crate::quant::{cast_blocks, ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8_0, DType};
 
 /// An f16 scale as an f32 broadcast to 16 lanes.
@@ -548,12 +548,7 @@ unsafe fn iq4_nl_quad(p: *const u8) -> RegQuad {
 unsafe fn iq4_xs_quad(b: &BlockIQ4XS, h: usize) -> RegQuad {
     let (lo, hi) = nibble_halves(_mm512_loadu_si512(b.qs.as_ptr().add(64 * h) as *const _));
     let table = iq4_table();
-    // chunk c's 6-bit scale - 32: a nibble of scales_l and two bits of scales_h
-    let ls = |c: usize| {
-        let low = (b.scales_l[c / 2] >> (4 * (c % 2))) & 0x0F;
-        let high = ((b.scales_h >> (2 * c)) & 3) as u8;
-        (low | (high << 4)) as i32 - 32
-    };
+    let ls = |c: usize| iq4_xs_scale(b, c);
     let four = _mm_setr_epi32(ls(4 * h), ls(4 * h + 1), ls(4 * h + 2), ls(4 * h + 3));
     let lanes = _mm512_permutexvar_epi32(_mm512_loadu_si512(LANES_OF_FOUR.as_ptr() as *const _), _mm512_castsi128_si512(four));
     signed_quad(_mm512_shuffle_epi8(table, lo), _mm512_shuffle_epi8(table, hi), _mm512_mul_ps(splat_f16(b.d), _mm512_cvtepi32_ps(lanes)))
@@ -638,25 +633,6 @@ unsafe fn q2_k_quad(b: &BlockQ2K, h: usize) -> RegQuad {
     }
 }
 
-/// A k-quant super-block's 12 packed scale bytes as three little-endian words, for unpacking
-/// four scales per operation (`q3_k_scales`, `k4_scales`).
-#[inline]
-fn scale_words(s: &[u8; 12]) -> [u32; 3] {
-    let word = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
-    [word(0), word(1), word(2)]
-}
-const LOW4: u32 = 0x0f0f_0f0f;
-const LOW2: u32 = 0x0303_0303;
-
-/// Q3_K's sixteen 6-bit scales of one super-block (before the - 32), unpacked at once (ggml's word
-/// trick): scale j is a nibble of byte j % 8 and two bits of byte 8 + j % 4.
-#[inline]
-fn q3_k_scales(s: &[u8; 12]) -> [u32; 4] {
-    let [w0, w1, w2] = scale_words(s);
-    let six = |low: u32, high: u32| (low & LOW4) | ((high & LOW2) << 4);
-    [six(w0, w2), six(w1, w2 >> 2), six(w0 >> 4, w2 >> 4), six(w1 >> 4, w2 >> 6)]
-}
-
 /// Step h (chunks 4h..4h + 4) of a Q3_K super-block: chunk 4h + c is bits 2c, 2c + 1 of the
 /// 32 bytes of `qs` at 32h, plus 4 where bit 4h + c of the `hmask` byte is set, minus 4; a
 /// signed 6-bit scale per 16 weights.
@@ -676,18 +652,6 @@ unsafe fn q3_k_quad(b: &BlockQ3K, h: usize) -> RegQuad {
     let pick = |first: usize| signed_scales(b.d, sc, first);
     let zero = _mm512_setzero_ps();
     RegQuad { lo: half(0), hi: half(1), scale: pick(8 * h), scale_hi: pick(8 * h + 1), min: zero, min_hi: zero }
-}
-
-/// Q4_K's and Q5_K's eight 6-bit scales and eight minima of one super-block, unpacked at once
-/// (ggml's `get_scale_min_k4` for every sub-block, four bytes per word): bytes [sc0..=sc7,
-/// m0..=m7].
-#[inline]
-fn k4_scales(s: &[u8; 12]) -> [u32; 4] {
-    let [w0, w1, w2] = scale_words(s);
-    const LOW6: u32 = 0x3f3f_3f3f;
-    // sub-blocks 0..4: the low 6 bits of bytes 0..4 (scales) and 4..8 (minima); 4..8: a nibble
-    // of bytes 8..12 and the top two bits of bytes 0..4 (scales) or 4..8 (minima)
-    [w0 & LOW6, (w2 & LOW4) | (((w0 >> 6) & LOW2) << 4), w1 & LOW6, ((w2 >> 4) & LOW4) | (((w1 >> 6) & LOW2) << 4)]
 }
 
 /// Per 128-bit lane c of step h of a super-block: bit 4h + c in every byte (the bit of Q5_K's

@@ -12,7 +12,8 @@ use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
 use crate::quant::{panel, panel_avx2};
-use crate::quant::{self, cast_blocks, ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK};
+use crate::quant::superblock::{self, BlockQ8K};
+use crate::quant::{self, cast_blocks, ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK, QK_K};
 
 /// Instruction sets the kernels are written for, in increasing order: each level has every
 /// feature of the ones below it.
@@ -128,6 +129,9 @@ pub struct Activations {
     /// With AVX-512: `q8` again, in groups of four blocks as the 512-bit dots read them
     /// (n, cols / 128).
     pub quads: Vec<ActQuad>,
+    /// The rows quantized per 256, which the super-block formats read below AVX-512 (n,
+    /// cols / 256), see `reads_q8k`; empty where cols is not a multiple of 256.
+    pub q8k: Vec<BlockQ8K>,
     /// With AVX-512 and at least `PANEL_MIN_TOKENS` tokens: `q8` as the prefill panels read
     /// it (n, quads(cols)); empty otherwise (then `quads` holds the activations). Panels give
     /// every token bit for bit the dots the one-token kernels give it.
@@ -168,6 +172,19 @@ impl Activations {
                     self.panel.par_chunks_mut(nq).zip(self.q8.par_chunks(nb)).for_each(|(p, q)| panel::arrange_act_panel(q, p));
                 }
             }
+            self.q8k.clear();
+            // (at every level: the tests read AVX-512 machines' activations at the lower levels
+            // too, and a pass over the row is small beside any product that reads it)
+            if cols % QK_K == 0 {
+                let nk = cols / QK_K;
+                self.q8k.resize(n * nk, BlockQ8K::default());
+                self.q8k.par_chunks_mut(nk * 16).zip(x.par_chunks(cols * 16)).for_each(|(q, xs)| match level {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
+                    SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { superblock::quantize_act_k_avx2(xs, q) },
+                    _ => superblock::quantize_act_k(xs, q),
+                });
+            }
             self.quads.clear();
             // (the panels replace the quads for a batch that has them)
             #[cfg(target_arch = "x86_64")]
@@ -183,6 +200,7 @@ impl Activations {
             }
         } else {
             self.q8.clear();
+            self.q8k.clear();
             self.quads.clear();
             #[cfg(target_arch = "x86_64")]
             self.panel.clear();
@@ -196,6 +214,11 @@ impl Activations {
     fn q8_row(&self, t: usize) -> &[BlockQ8Act] {
         let nb = self.cols / QK;
         &self.q8[t * nb..(t + 1) * nb]
+    }
+
+    fn q8k_row(&self, t: usize) -> &[BlockQ8K] {
+        let nk = self.cols / QK_K;
+        &self.q8k[t * nk..(t + 1) * nk]
     }
 
     fn quad_row(&self, t: usize) -> &[ActQuad] {
@@ -254,7 +277,17 @@ fn dot_row_group<const R: usize, const N: usize>(w: &QMatrix, r: usize, next: &[
         DType::Q4_0 => quantized!(BlockQ4_0, crate::avx512::dot_q4_0, crate::avx2::dot_q4_0, quant::dot_q4_0_scalar),
         DType::Q4_1 => quantized!(BlockQ4_1, crate::avx512::dot_q4_1, crate::avx2::dot_q4_1, quant::dot_q4_1_scalar),
         DType::Q8_0 => quantized!(BlockQ8_0, crate::avx512::dot_q8_0, crate::avx2::dot_q8_0, quant::dot_q8_0_scalar),
-        // the k-quant family
+        // the 256-weight formats below AVX-512
+        dtype if reads_q8k(level, dtype) => {
+            let a = t.map(|ti| x.q8k_row(ti));
+            match level {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
+                SimdLevel::Avx2 => unsafe { quant::superblock_avx2::dot(dtype, rows, a) },
+                _ => rows.map(|row| superblock::dot_scalar(dtype, row, a)),
+            }
+        }
+        // the other chunked formats
         _ => {
             let a = t.map(|ti| x.q8_row(ti));
             match level {
@@ -270,6 +303,12 @@ fn dot_row_group<const R: usize, const N: usize>(w: &QMatrix, r: usize, next: &[
     }
 }
 
+/// Whether products of `dtype` read the per-256 activations (`Activations::q8k`, ggml's
+/// pairing): the super-block formats, below AVX-512, whose direct readers take per-32 ones.
+pub(crate) fn reads_q8k(level: SimdLevel, dtype: DType) -> bool {
+    level != SimdLevel::Avx512 && superblock::is_superblock(dtype)
+}
+
 /// Rows per kernel call in decode (`dot_row_group`), by level and type: four where the rows
 /// share a pass over the token's activations and their sums do not wait on each other (1.3-1.8x
 /// on 576-column rows); one for the chunked formats on AVX2, whose decoded chunks fill the 16
@@ -278,7 +317,7 @@ fn group_rows(level: SimdLevel, dtype: DType) -> usize {
     match level {
         SimdLevel::Scalar => 1,
         _ if !dtype.is_quantized() => 1,
-        SimdLevel::Avx2 if !matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0) => 1,
+        SimdLevel::Avx2 if !matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::Q5_0 | DType::Q5_1 | DType::IQ4_NL) && !superblock::is_superblock(dtype) => 1,
         _ => 4,
     }
 }
@@ -336,6 +375,9 @@ pub fn matmul_many(mats: &[QMatrix], x: &Activations, outs: &mut [&mut [f32]]) {
         if m.dtype.is_quantized() {
             assert_eq!(x.q8.len(), n * x.cols / QK);
         }
+        if reads_q8k(simd_level(), m.dtype) {
+            assert_eq!(x.q8k.len(), n * x.cols / QK_K);
+        }
     }
     let threads = rayon::current_num_threads().max(1);
     let total_rows: usize = mats.iter().map(|m| m.rows).sum();
@@ -379,7 +421,7 @@ fn rows_for_all_tokens(w: &QMatrix, rows: std::ops::Range<usize>, x: &Activation
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if level == SimdLevel::Avx2 && w.dtype.is_quantized() && n >= PANEL_MIN_TOKENS {
+    if level == SimdLevel::Avx2 && w.dtype.is_quantized() && !reads_q8k(level, w.dtype) && n >= PANEL_MIN_TOKENS {
         // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c; `q8` holds n tokens.
         unsafe { panel_avx2::rows_all_tokens(w.dtype, |r| w.row(r), w.cols, rows, &x.q8, n, put) };
         return;
@@ -448,7 +490,7 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
                     continue;
                 }
                 #[cfg(target_arch = "x86_64")]
-                if level == SimdLevel::Avx2 && w.dtype.is_quantized() && n >= PANEL_MIN_TOKENS {
+                if level == SimdLevel::Avx2 && w.dtype.is_quantized() && !reads_q8k(level, w.dtype) && n >= PANEL_MIN_TOKENS {
                     // SAFETY: as in `rows_for_all_tokens`.
                     unsafe { panel_avx2::row_tokens(w.dtype, w.row(j), w.cols, &x.q8, tokens, _chunks, |t, v| put(t, k, v)) };
                     continue;
@@ -524,20 +566,27 @@ mod tests {
                 // AVX-512 where this CPU has it (the activations hold its quads then)
                 let levels: &[SimdLevel] = if simd_level() == SimdLevel::Avx512 { &[SimdLevel::Avx2, SimdLevel::Avx512] } else { &[SimdLevel::Avx2] };
                 for r in 0..3 {
-                    let s1 = dot_row(&w, r, None, &x, [0], SimdLevel::Scalar);
-                    let s2 = dot_row(&w, r, None, &x, [2, 3], SimdLevel::Scalar);
                     let s4 = dot_row(&w, r, None, &x, [0, 1, 2, 3], SimdLevel::Scalar);
+                    // the scalar twin at `level`: the AVX-512 dots read the super-block formats
+                    // with per-32 activations, the lower levels with per-256 ones
+                    let want = |level: SimdLevel, t: usize| {
+                        if reads_q8k(SimdLevel::Scalar, dtype) && !reads_q8k(level, dtype) {
+                            quant::chunked::dot_scalar(dtype, w.row(r), [x.q8_row(t)])[0]
+                        } else {
+                            s4[t]
+                        }
+                    };
                     let tol = 1e-4 * (cols as f32).sqrt();
                     for &level in levels {
                         let v1 = dot_row(&w, r, None, &x, [0], level);
                         let v2 = dot_row(&w, r, None, &x, [2, 3], level);
                         let v4 = dot_row(&w, r, None, &x, [0, 1, 2, 3], level);
-                        assert!((s1[0] - v1[0]).abs() <= tol, "{level:?} {dtype:?} cols {cols}: {} vs {}", s1[0], v1[0]);
+                        assert!((want(level, 0) - v1[0]).abs() <= tol, "{level:?} {dtype:?} cols {cols}: {} vs {}", want(level, 0), v1[0]);
                         for k in 0..2 {
-                            assert!((s2[k] - v2[k]).abs() <= tol, "{level:?} {dtype:?} x2 cols {cols} k {k}");
+                            assert!((want(level, 2 + k) - v2[k]).abs() <= tol, "{level:?} {dtype:?} x2 cols {cols} k {k}");
                         }
                         for k in 0..4 {
-                            assert!((s4[k] - v4[k]).abs() <= tol, "{level:?} {dtype:?} x4 cols {cols} k {k}: {} vs {}", s4[k], v4[k]);
+                            assert!((want(level, k) - v4[k]).abs() <= tol, "{level:?} {dtype:?} x4 cols {cols} k {k}: {} vs {}", want(level, k), v4[k]);
                             assert!((s4[k] - dot_row(&w, r, None, &x, [k], SimdLevel::Scalar)[0]).abs() <= 1e-5);
                         }
                     }
@@ -656,6 +705,35 @@ mod tests {
                         let p = prompt[t * rows + r];
                         assert_eq!(p.to_bits(), alone[r].to_bits(), "{dtype:?} cols {cols} token {t} row {r}: panel {p} vs alone {}", alone[r]);
                         assert_eq!(batch[t * rows + r].to_bits(), alone[r].to_bits(), "{dtype:?} cols {cols} token {t} row {r}: batch");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Below AVX-512 too, a token's dots are bit for bit the same in a prompt (panels, or the
+    /// super-block formats four tokens per call) as alone or two at a time.
+    #[test]
+    fn prompts_and_one_token_kernels_agree_below_avx512() {
+        use crate::quant::tests::{random_quantized_row, QUANTIZED};
+        let levels: &[SimdLevel] = if detect().has_avx2() { &[SimdLevel::Scalar, SimdLevel::Avx2] } else { &[SimdLevel::Scalar] };
+        for &level in levels {
+            for (s, dtype) in QUANTIZED.into_iter().enumerate() {
+                let cols = if dtype.block_len() == QK_K { 512 } else { 96 };
+                let (rows, n) = (6, 11);
+                let data: Vec<u8> = (0..rows).flat_map(|r| random_quantized_row(dtype, cols, (70 * s + r) as u64)).collect();
+                let w = QMatrix { dtype, rows, cols, data: &data };
+                let mut x = Activations::default();
+                x.set(&random_vec(n * cols, 3 + s as u64), n, cols);
+                let prompt = std::sync::Mutex::new(vec![f32::NAN; n * rows]);
+                rows_for_all_tokens(&w, 0..rows, &x, level, |t, r, v| prompt.lock().unwrap()[t * rows + r] = v);
+                let prompt = prompt.into_inner().unwrap();
+                for t in 0..n {
+                    let pair = dot_row(&w, 1, None, &x, [t, (t + 1) % n], level)[0];
+                    assert_eq!(pair.to_bits(), prompt[t * rows + 1].to_bits(), "{level:?} {dtype:?} token {t}: pair");
+                    for r in 0..rows {
+                        let alone = dot_row(&w, r, None, &x, [t], level)[0];
+                        assert_eq!(prompt[t * rows + r].to_bits(), alone.to_bits(), "{level:?} {dtype:?} token {t} row {r}");
                     }
                 }
             }

@@ -149,10 +149,33 @@ pub(super) fn scale_min_k4(s: &[u8; 12], g: usize) -> (u8, u8) {
     }
 }
 
-/// Chunk k (weights 32k..32k + 32) of a row of `dtype` (a chunked type).
+/// 32 consecutive weights as integers: w[i] = d * scale[i / 16] * v[i] - dmin * min[i / 16].
+/// The integer dots (`superblock`) sum scale * v * a per super-block and meet d once.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct IntChunk {
+    pub v: [i8; QK],
+    pub scale: [i32; 2],
+    pub min: [i32; 2],
+    pub d: f32,
+    pub dmin: f32,
+}
+
+/// Chunk k (weights 32k..32k + 32) of a row of `dtype` (a chunked type), in floats. The
+/// products d * scale are the numpy dequantizers' float32 expressions.
 pub fn chunk(dtype: DType, row: &[u8], k: usize, out: &mut Chunk) {
+    let mut ints = IntChunk::default();
+    int_chunk(dtype, row, k, &mut ints);
+    out.v = ints.v;
+    out.scale = ints.scale.map(|s| ints.d * s as f32);
+    out.min = ints.min.map(|m| ints.dmin * m as f32);
+}
+
+/// Chunk k (weights 32k..32k + 32) of a row of `dtype` (a chunked type), in integers.
+pub fn int_chunk(dtype: DType, row: &[u8], k: usize, out: &mut IntChunk) {
     let per_block = dtype.block_len() / QK;
     let (b, c) = (k / per_block, k % per_block); // the block, and the chunk within it
+    out.min = [0; 2];
+    out.dmin = 0.0;
     match dtype {
         DType::Q5_0 | DType::Q5_1 => {
             let (d, m, qh, qs) = if dtype == DType::Q5_0 {
@@ -168,26 +191,26 @@ pub fn chunk(dtype: DType, row: &[u8], k: usize, out: &mut Chunk) {
                 *l = ((q & 0x0F) | ((((qh >> i) & 1) as u8) << 4)) as i8 - offset;
                 *h = ((q >> 4) | ((((qh >> (i + 16)) & 1) as u8) << 4)) as i8 - offset;
             }
-            out.scale = [f16_to_f32(d); 2];
-            // (d * q) + m, as d * q - (-m)
-            out.min = [m.map_or(0.0, |m| -f16_to_f32(m)); 2];
+            (out.d, out.scale) = (f16_to_f32(d), [1; 2]);
+            // (d * q) + m, as d * q - (-m) * 1
+            if let Some(m) = m {
+                (out.dmin, out.min) = (-f16_to_f32(m), [1; 2]);
+            }
         }
         DType::Q2_K => {
             let x: &BlockQ2K = block(row, b);
-            let (d, dmin) = (f16_to_f32(x.d), f16_to_f32(x.dmin));
             let (g, s) = (c / 4, c % 4);
             for (v, &q) in out.v.iter_mut().zip(&x.qs[g * 32..g * 32 + 32]) {
                 *v = ((q >> (2 * s)) & 3) as i8;
             }
             for t in 0..2 {
                 let sc = x.scales[2 * c + t];
-                out.scale[t] = d * (sc & 0x0F) as f32;
-                out.min[t] = dmin * (sc >> 4) as f32;
+                (out.scale[t], out.min[t]) = ((sc & 0x0F) as i32, (sc >> 4) as i32);
             }
+            (out.d, out.dmin) = (f16_to_f32(x.d), f16_to_f32(x.dmin));
         }
         DType::Q3_K => {
             let x: &BlockQ3K = block(row, b);
-            let d = f16_to_f32(x.d);
             let (g, s) = (c / 4, c % 4);
             for ((v, &q), &hm) in out.v.iter_mut().zip(&x.qs[g * 32..g * 32 + 32]).zip(&x.hmask) {
                 let (low, high) = (((q >> (2 * s)) & 3) as i8, ((hm >> c) & 1) as i8);
@@ -197,9 +220,9 @@ pub fn chunk(dtype: DType, row: &[u8], k: usize, out: &mut Chunk) {
                 let j = 2 * c + t;
                 let low = (x.scales[j % 8] >> (4 * (j / 8))) & 0x0F;
                 let high = (x.scales[8 + j % 4] >> (2 * (j / 4))) & 3;
-                out.scale[t] = d * ((low | (high << 4)) as i8 - 32) as f32;
+                out.scale[t] = (low | (high << 4)) as i32 - 32;
             }
-            out.min = [0.0; 2];
+            out.d = f16_to_f32(x.d);
         }
         DType::Q4_K | DType::Q5_K => {
             let (d, dmin, scales, qs, qh) = if dtype == DType::Q4_K {
@@ -216,12 +239,11 @@ pub fn chunk(dtype: DType, row: &[u8], k: usize, out: &mut Chunk) {
                 None => out.v.iter_mut().zip(q).for_each(|(v, &q)| *v = ((q >> (4 * h)) & 0x0F) as i8),
                 Some(qh) => out.v.iter_mut().zip(q).zip(qh).for_each(|((v, &q), &b)| *v = (((q >> (4 * h)) & 0x0F) | (((b >> c) & 1) << 4)) as i8),
             }
-            out.scale = [f16_to_f32(d) * sc as f32; 2];
-            out.min = [f16_to_f32(dmin) * m as f32; 2];
+            (out.scale, out.min) = ([sc as i32; 2], [m as i32; 2]);
+            (out.d, out.dmin) = (f16_to_f32(d), f16_to_f32(dmin));
         }
         DType::Q6_K => {
             let x: &BlockQ6K = block(row, b);
-            let d = f16_to_f32(x.d);
             // weight f = 32c + i lies in half g = f / 128, at r = f % 128
             let (g, s) = (c / 4, c % 4);
             let h = s / 2;
@@ -229,10 +251,8 @@ pub fn chunk(dtype: DType, row: &[u8], k: usize, out: &mut Chunk) {
             for ((v, &l), &q) in out.v.iter_mut().zip(ql).zip(&x.qh[g * 32..g * 32 + 32]) {
                 *v = (((l >> (4 * h)) & 0x0F) | (((q >> (2 * s)) & 3) << 4)) as i8 - 32;
             }
-            for t in 0..2 {
-                out.scale[t] = d * x.scales[2 * c + t] as f32;
-            }
-            out.min = [0.0; 2];
+            out.scale = [x.scales[2 * c] as i32, x.scales[2 * c + 1] as i32];
+            out.d = f16_to_f32(x.d);
         }
         DType::IQ4_NL => {
             let x: &BlockIQ4NL = block(row, b);
@@ -241,24 +261,57 @@ pub fn chunk(dtype: DType, row: &[u8], k: usize, out: &mut Chunk) {
                 *l = IQ4_VALUES[(q & 0x0F) as usize];
                 *h = IQ4_VALUES[(q >> 4) as usize];
             }
-            out.scale = [f16_to_f32(x.d); 2];
-            out.min = [0.0; 2];
+            (out.d, out.scale) = (f16_to_f32(x.d), [1; 2]);
         }
         DType::IQ4_XS => {
             let x: &BlockIQ4XS = block(row, b);
-            let low = (x.scales_l[c / 2] >> (4 * (c % 2))) & 0x0F;
-            let high = ((x.scales_h >> (2 * c)) & 3) as u8;
-            let ls = (low | (high << 4)) as i8 - 32;
             let (lo, hi) = out.v.split_at_mut(16);
             for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&x.qs[c * 16..c * 16 + 16]) {
                 *l = IQ4_VALUES[(q & 0x0F) as usize];
                 *h = IQ4_VALUES[(q >> 4) as usize];
             }
-            out.scale = [f16_to_f32(x.d) * ls as f32; 2];
-            out.min = [0.0; 2];
+            (out.d, out.scale) = (f16_to_f32(x.d), [iq4_xs_scale(x, c); 2]);
         }
         _ => unreachable!("{} is not a chunked type", dtype.name()),
     }
+}
+
+/// The signed 6-bit scale of chunk c of an IQ4_XS block (low 4 bits in `scales_l`, high 2 in
+/// `scales_h`, minus 32).
+pub(crate) fn iq4_xs_scale(x: &BlockIQ4XS, c: usize) -> i32 {
+    let low = (x.scales_l[c / 2] >> (4 * (c % 2))) & 0x0F;
+    let high = ((x.scales_h >> (2 * c)) & 3) as u8;
+    (low | (high << 4)) as i32 - 32
+}
+
+/// A k-quant super-block's 12 packed scale bytes as three little-endian words, for unpacking
+/// four scales per operation (`q3_k_scales`, `k4_scales`).
+#[inline]
+fn scale_words(s: &[u8; 12]) -> [u32; 3] {
+    let word = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
+    [word(0), word(1), word(2)]
+}
+const LOW4: u32 = 0x0f0f_0f0f;
+const LOW2: u32 = 0x0303_0303;
+
+/// Q3_K's sixteen 6-bit scales of one super-block (before the - 32), unpacked at once (ggml's word
+/// trick): scale j is a nibble of byte j % 8 and two bits of byte 8 + j % 4.
+#[inline]
+pub(crate) fn q3_k_scales(s: &[u8; 12]) -> [u32; 4] {
+    let [w0, w1, w2] = scale_words(s);
+    let six = |low: u32, high: u32| (low & LOW4) | ((high & LOW2) << 4);
+    [six(w0, w2), six(w1, w2 >> 2), six(w0 >> 4, w2 >> 4), six(w1 >> 4, w2 >> 6)]
+}
+
+/// Q4_K's and Q5_K's eight 6-bit scales and eight minima of one super-block, unpacked at once
+/// (`scale_min_k4` for every sub-block, four bytes per word): bytes [sc0..=sc7, m0..=m7].
+#[inline]
+pub(crate) fn k4_scales(s: &[u8; 12]) -> [u32; 4] {
+    let [w0, w1, w2] = scale_words(s);
+    const LOW6: u32 = 0x3f3f_3f3f;
+    // sub-blocks 0..4: the low 6 bits of bytes 0..4 (scales) and 4..8 (minima); 4..8: a nibble
+    // of bytes 8..12 and the top two bits of bytes 0..4 (scales) or 4..8 (minima)
+    [w0 & LOW6, (w2 & LOW4) | (((w0 >> 6) & LOW2) << 4), w1 & LOW6, ((w2 >> 4) & LOW4) | (((w1 >> 6) & LOW2) << 4)]
 }
 
 /// Decodes one row of a chunked type into `out[..n]`.

@@ -60,7 +60,7 @@ unsafe fn halves(d: __m256, a: i32, b: i32) -> __m256 {
 /// 16 bytes of nibbles to 32 bytes: the low nibbles, then the high ones.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn nibbles(p: *const u8) -> __m256i {
+pub(super) unsafe fn nibbles(p: *const u8) -> __m256i {
     let q = _mm_loadu_si128(p as *const __m128i);
     let mask = _mm_set1_epi8(0x0F);
     _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask))
@@ -89,14 +89,14 @@ unsafe fn shr(x: __m256i, n: usize) -> __m256i {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn load32(p: *const u8) -> __m256i {
+pub(super) unsafe fn load32(p: *const u8) -> __m256i {
     _mm256_loadu_si256(p as *const __m256i)
 }
 
 /// 0xFF in the bytes of `x` that have bit `c` set.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn has_bit(x: __m256i, c: usize) -> __m256i {
+pub(super) unsafe fn has_bit(x: __m256i, c: usize) -> __m256i {
     let m = _mm256_set1_epi8((1u8 << c) as i8);
     _mm256_cmpeq_epi8(_mm256_and_si256(x, m), m)
 }
@@ -268,9 +268,7 @@ pub(crate) unsafe fn iq4_nl(row: &[u8], b: usize, _c: usize) -> Decoded {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn iq4_xs(row: &[u8], b: usize, c: usize) -> Decoded {
     let x = cast_blocks::<BlockIQ4XS>(row).get_unchecked(b);
-    let low = (x.scales_l[c / 2] >> (4 * (c % 2))) & 0x0F;
-    let high = ((x.scales_h >> (2 * c)) & 3) as u8;
-    iq4(x.qs.as_ptr().add(16 * c), times(f16(x.d), (low | (high << 4)) as i32 - 32))
+    iq4(x.qs.as_ptr().add(16 * c), times(f16(x.d), super::chunked::iq4_xs_scale(x, c)))
 }
 
 /// `$then!(decoder, DType)` with `$dtype`'s chunk decoder, for any quantized type: one arm per

@@ -3,7 +3,8 @@
 //!
 //! Weights keep their file format; activations are quantized per 32-element block to `BlockQ8Act`
 //! (int8 with an f32 scale and the scaled block sum) so quantized weights can use integer dot
-//! products, as llama.cpp does with its q8_0/q8_1 activation blocks.
+//! products, as llama.cpp does with its q8_0/q8_1 activation blocks; below AVX-512 the 256-weight
+//! formats read them per super-block instead (`superblock::BlockQ8K`, ggml's q8_K).
 
 use half::{bf16, f16};
 
@@ -14,6 +15,9 @@ pub mod chunked_avx2;
 pub mod panel;
 #[cfg(target_arch = "x86_64")]
 pub mod panel_avx2;
+pub mod superblock;
+#[cfg(target_arch = "x86_64")]
+pub mod superblock_avx2;
 pub use chunked::{is_chunked, QK_K};
 
 pub const QK: usize = 32;

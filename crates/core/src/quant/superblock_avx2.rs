@@ -1,0 +1,365 @@
+//! AVX2 twins of `superblock::dot_scalar`: R rows of a 256-weight format against N tokens of
+//! Q8_K activations. Per super-block, each 32-weight chunk is decoded once to unsigned bytes u
+//! (< 128) for all N tokens; `vpmaddubsw` multiplies them with a token's activations and
+//! `vpmaddwd` with the chunk's integer scales (one per 16 weights, as 16-bit lanes), and the
+//! block's products sum in eight 32-bit lanes. Then one conversion and an FMA per token and
+//! block, where per-32 activations need one per chunk (`chunked_avx2`).
+//!
+//! Formats with negative weights stay unsigned where an offset makes them so, and the offset
+//! comes off through the activations' sums per 16 (`bsums`): Q3_K's v = u - 4, Q6_K's
+//! v = u - 32. IQ4_XS's grid has no offset: its signs move onto the activations (`vpsignb`).
+//! The minima of Q2_K, Q4_K and Q5_K are one `vpmaddwd` of the minima with `bsums` per block.
+//! No sum saturates: |u| <= 127 and |a| <= 127 make a `vpmaddubsw` pair at most 32258.
+
+#![allow(clippy::missing_safety_doc)]
+
+use std::arch::x86_64::*;
+
+use super::chunked::{iq4_xs_scale, k4_scales, q3_k_scales, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, IQ4_VALUES};
+use super::chunked_avx2::{has_bit, load32, nibbles};
+use super::superblock::BlockQ8K;
+use super::{cast_blocks, DType};
+use crate::avx2::{hsum, splat_f16};
+
+/// One super-block against N tokens: `sums[t]` holds the block's sum of scale * v * a, `mins[t]`
+/// its sum of min * a (formats with minima), both spread over eight 32-bit lanes; the block's
+/// value for token t is d * d_t * sums - dmin * d_t * mins.
+struct Sums<const N: usize> {
+    d: __m256,
+    dmin: __m256,
+    sums: [__m256i; N],
+    mins: [__m256i; N],
+}
+
+/// A 256-weight block format's integer sums.
+trait SuperBlock {
+    /// Whether the format has minima (`Sums::mins` is read).
+    const MIN: bool;
+    unsafe fn sums<const N: usize>(&self, a: [&BlockQ8K; N]) -> Sums<N>;
+}
+
+/// Chunk c (32 activations) of a token.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn acts(a: &BlockQ8K, c: usize) -> __m256i {
+    load32(a.qs.as_ptr().add(32 * c) as *const u8)
+}
+
+/// A token's sums of each 16 activations, as 16-bit lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn bsums(a: &BlockQ8K) -> __m256i {
+    _mm256_loadu_si256(a.bsums.as_ptr() as *const __m256i)
+}
+
+/// The sum over 32 weights of scale * u * a, in eight 32-bit lanes: `scales` holds the first
+/// half's scale in 16-bit lanes 0..8 and the second half's in 8..16, as `vpmaddubsw` leaves the
+/// halves' pair sums.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scaled(u: __m256i, a: __m256i, scales: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), scales)
+}
+
+/// 16-bit lane k of a 128-bit lane (both lanes of `x` alike) in all 16 lanes: one scale per
+/// 32 weights.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn lane16(x: __m256i, k: usize) -> __m256i {
+    _mm256_shuffle_epi8(x, _mm256_set1_epi16((2 * k | (2 * k + 1) << 8) as i16))
+}
+
+/// 16-bit lanes 2k (to lanes 0..8) and 2k + 1 (to lanes 8..16) of a 128-bit lane (both lanes
+/// of `x` alike): one scale per 16 weights.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pair16(x: __m256i, k: usize) -> __m256i {
+    let first = _mm_set1_epi16((4 * k | (4 * k + 1) << 8) as i16);
+    let second = _mm_set1_epi16((4 * k + 2 | (4 * k + 3) << 8) as i16);
+    _mm256_shuffle_epi8(x, _mm256_set_m128i(second, first))
+}
+
+/// Sixteen 16-bit scales as two vectors holding scales 0..8 and 8..16 in both 128-bit lanes
+/// (for `pair16`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn halves(scales: __m256i) -> [__m256i; 2] {
+    [_mm256_permute2x128_si256::<0x00>(scales, scales), _mm256_permute2x128_si256::<0x11>(scales, scales)]
+}
+
+/// Bits 2s and 2s + 1 of every byte of x, as 0..4.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn crumb(x: __m256i, s: usize) -> __m256i {
+    let shifted = match s {
+        0 => x,
+        1 => _mm256_srli_epi16::<2>(x),
+        2 => _mm256_srli_epi16::<4>(x),
+        _ => _mm256_srli_epi16::<6>(x),
+    };
+    _mm256_and_si256(shifted, _mm256_set1_epi8(3))
+}
+
+/// sums[t] += scale * u * a for chunk c of every token.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn add_chunk<const N: usize>(sums: &mut [__m256i; N], u: __m256i, a: [&BlockQ8K; N], c: usize, scales: __m256i) {
+    for t in 0..N {
+        sums[t] = _mm256_add_epi32(sums[t], scaled(u, acts(a[t], c), scales));
+    }
+}
+
+/// Per token, the sum of scale * a per 16 activations (`vpmaddwd` of the scales with `bsums`),
+/// times 2^SHIFT, taken off `sums`: the offset of formats stored as v + 2^SHIFT.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn take_offset<const SHIFT: i32, const N: usize>(sums: &mut [__m256i; N], scales: __m256i, a: [&BlockQ8K; N]) {
+    for t in 0..N {
+        sums[t] = _mm256_sub_epi32(sums[t], _mm256_slli_epi32::<SHIFT>(_mm256_madd_epi16(scales, bsums(a[t]))));
+    }
+}
+
+/// Per token, the minima (16-bit, one per 16 activations) times `bsums`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn mins_of<const N: usize>(mins: __m256i, a: [&BlockQ8K; N]) -> [__m256i; N] {
+    let mut out = [_mm256_setzero_si256(); N];
+    for t in 0..N {
+        out[t] = _mm256_madd_epi16(mins, bsums(a[t]));
+    }
+    out
+}
+
+impl SuperBlock for BlockQ2K {
+    const MIN: bool = true;
+    /// u = 2 bits; per 16 weights a 4-bit scale (low nibble of `scales`) and minimum (high).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn sums<const N: usize>(&self, a: [&BlockQ8K; N]) -> Sums<N> {
+        let packed = _mm_loadu_si128(self.scales.as_ptr() as *const __m128i);
+        let low4 = _mm_set1_epi8(0x0F);
+        let scales = halves(_mm256_cvtepu8_epi16(_mm_and_si128(packed, low4)));
+        let mut sums = [_mm256_setzero_si256(); N];
+        for g in 0..2 {
+            let q = load32(self.qs.as_ptr().add(32 * g));
+            for s in 0..4 {
+                add_chunk(&mut sums, crumb(q, s), a, 4 * g + s, pair16(scales[g], s));
+            }
+        }
+        let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(packed), low4));
+        Sums { d: splat_f16(self.d), dmin: splat_f16(self.dmin), sums, mins: mins_of(mins, a) }
+    }
+}
+
+impl SuperBlock for BlockQ3K {
+    const MIN: bool = false;
+    /// u = 2 low bits + 4 * the `hmask` bit = v + 4; a signed 6-bit scale per 16 weights.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn sums<const N: usize>(&self, a: [&BlockQ8K; N]) -> Sums<N> {
+        let packed = q3_k_scales(&self.scales);
+        let signed = _mm_sub_epi8(_mm_loadu_si128(packed.as_ptr() as *const __m128i), _mm_set1_epi8(32));
+        let all = _mm256_cvtepi8_epi16(signed);
+        let scales = halves(all);
+        let hmask = load32(self.hmask.as_ptr());
+        let four = _mm256_set1_epi8(4);
+        let mut sums = [_mm256_setzero_si256(); N];
+        for g in 0..2 {
+            let q = load32(self.qs.as_ptr().add(32 * g));
+            for s in 0..4 {
+                let c = 4 * g + s;
+                let u = _mm256_or_si256(crumb(q, s), _mm256_and_si256(has_bit(hmask, c), four));
+                add_chunk(&mut sums, u, a, c, pair16(scales[g], s));
+            }
+        }
+        take_offset::<2, N>(&mut sums, all, a);
+        let zero = _mm256_setzero_ps();
+        Sums { d: splat_f16(self.d), dmin: zero, sums, mins: [_mm256_setzero_si256(); N] }
+    }
+}
+
+/// Q4_K's and Q5_K's common part: u = the low 4 bits (and `qh`'s bit c << 4 for Q5_K), an
+/// unsigned 6-bit scale and minimum per 32 weights.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn k4_sums<const N: usize>(d: u16, dmin: u16, packed: &[u8; 12], qs: &[u8; 128], qh: Option<&[u8; 32]>, a: [&BlockQ8K; N]) -> Sums<N> {
+    let sm = k4_scales(packed);
+    let sm = _mm_loadu_si128(sm.as_ptr() as *const __m128i);
+    let scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+    // minimum k for bsums 2k and 2k + 1
+    let mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
+    let low4 = _mm256_set1_epi8(0x0F);
+    let high = qh.map(|qh| load32(qh.as_ptr()));
+    let mut sums = [_mm256_setzero_si256(); N];
+    for g in 0..4 {
+        let q = load32(qs.as_ptr().add(32 * g));
+        let nibbles = [_mm256_and_si256(q, low4), _mm256_and_si256(_mm256_srli_epi16::<4>(q), low4)];
+        for (h, mut u) in nibbles.into_iter().enumerate() {
+            let c = 2 * g + h;
+            if let Some(high) = high {
+                u = _mm256_or_si256(u, _mm256_and_si256(has_bit(high, c), _mm256_set1_epi8(0x10)));
+            }
+            add_chunk(&mut sums, u, a, c, lane16(scales, c));
+        }
+    }
+    Sums { d: splat_f16(d), dmin: splat_f16(dmin), sums, mins: mins_of(mins, a) }
+}
+
+impl SuperBlock for BlockQ4K {
+    const MIN: bool = true;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn sums<const N: usize>(&self, a: [&BlockQ8K; N]) -> Sums<N> {
+        k4_sums(self.d, self.dmin, &self.scales, &self.qs, None, a)
+    }
+}
+
+impl SuperBlock for BlockQ5K {
+    const MIN: bool = true;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn sums<const N: usize>(&self, a: [&BlockQ8K; N]) -> Sums<N> {
+        k4_sums(self.d, self.dmin, &self.scales, &self.qs, Some(&self.qh), a)
+    }
+}
+
+impl SuperBlock for BlockQ6K {
+    const MIN: bool = false;
+    /// u = 4 low bits (`ql`) + 2 high bits (`qh`) << 4 = v + 32; a signed 8-bit scale per 16
+    /// weights. Chunk 4g + s: `ql` bytes 64g + 32 (s % 2), nibble s / 2; `qh` bytes 32g, bits 2s.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn sums<const N: usize>(&self, a: [&BlockQ8K; N]) -> Sums<N> {
+        let all = _mm256_cvtepi8_epi16(_mm_loadu_si128(self.scales.as_ptr() as *const __m128i));
+        let scales = halves(all);
+        let (low4, top2) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
+        let mut sums = [_mm256_setzero_si256(); N];
+        for g in 0..2 {
+            let ql = [load32(self.ql.as_ptr().add(64 * g)), load32(self.ql.as_ptr().add(64 * g + 32))];
+            let qh = load32(self.qh.as_ptr().add(32 * g));
+            for s in 0..4 {
+                let low = if s < 2 { ql[s] } else { _mm256_srli_epi16::<4>(ql[s - 2]) };
+                // bits 2s, 2s + 1 to bits 4, 5
+                let high = match s {
+                    0 => _mm256_slli_epi16::<4>(qh),
+                    1 => _mm256_slli_epi16::<2>(qh),
+                    2 => qh,
+                    _ => _mm256_srli_epi16::<2>(qh),
+                };
+                let u = _mm256_or_si256(_mm256_and_si256(low, low4), _mm256_and_si256(high, top2));
+                add_chunk(&mut sums, u, a, 4 * g + s, pair16(scales[g], s));
+            }
+        }
+        take_offset::<5, N>(&mut sums, all, a);
+        Sums { d: splat_f16(self.d), dmin: _mm256_setzero_ps(), sums, mins: [_mm256_setzero_si256(); N] }
+    }
+}
+
+impl SuperBlock for BlockIQ4XS {
+    const MIN: bool = false;
+    /// v = the grid value of a nibble; a signed 6-bit scale per 32 weights.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn sums<const N: usize>(&self, a: [&BlockQ8K; N]) -> Sums<N> {
+        let mut ls = [0i16; 8];
+        for (c, l) in ls.iter_mut().enumerate() {
+            *l = iq4_xs_scale(self, c) as i16;
+        }
+        let scales = _mm256_broadcastsi128_si256(_mm_loadu_si128(ls.as_ptr() as *const __m128i));
+        let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(IQ4_VALUES.as_ptr() as *const __m128i));
+        let mut sums = [_mm256_setzero_si256(); N];
+        for c in 0..8 {
+            let v = _mm256_shuffle_epi8(table, nibbles(self.qs.as_ptr().add(16 * c)));
+            let (u, sc) = (_mm256_sign_epi8(v, v), lane16(scales, c));
+            for t in 0..N {
+                let signed = _mm256_sign_epi8(acts(a[t], c), v);
+                sums[t] = _mm256_add_epi32(sums[t], scaled(u, signed, sc));
+            }
+        }
+        Sums { d: splat_f16(self.d), dmin: _mm256_setzero_ps(), sums, mins: [_mm256_setzero_si256(); N] }
+    }
+}
+
+/// R rows of format B against N tokens: per block and token d * d_t * sums - dmin * d_t * mins
+/// accumulated in eight float lanes, summed at the end.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_dot<B: SuperBlock, const R: usize, const N: usize>(rows: [&[u8]; R], a: [&[BlockQ8K]; N]) -> [[f32; N]; R] {
+    let w: [&[B]; R] = rows.map(|row| cast_blocks::<B>(row));
+    let mut acc = [[_mm256_setzero_ps(); N]; R];
+    for b in 0..a[0].len() {
+        let at: [&BlockQ8K; N] = std::array::from_fn(|t| a[t].get_unchecked(b));
+        for r in 0..R {
+            let s = w[r].get_unchecked(b).sums(at);
+            for t in 0..N {
+                let d = _mm256_set1_ps(at[t].d);
+                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s.sums[t]), _mm256_mul_ps(s.d, d), acc[r][t]);
+                if B::MIN {
+                    acc[r][t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(s.mins[t]), _mm256_mul_ps(s.dmin, d), acc[r][t]);
+                }
+            }
+        }
+    }
+    let mut out = [[0.0f32; N]; R];
+    for r in 0..R {
+        for t in 0..N {
+            out[r][t] = hsum(acc[r][t]);
+        }
+    }
+    out
+}
+
+/// R rows of a `superblock::SUPERBLOCK` type against N tokens of Q8_K activations.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot<const R: usize, const N: usize>(dtype: DType, rows: [&[u8]; R], a: [&[BlockQ8K]; N]) -> [[f32; N]; R] {
+    match dtype {
+        DType::Q2_K => rows_dot::<BlockQ2K, R, N>(rows, a),
+        DType::Q3_K => rows_dot::<BlockQ3K, R, N>(rows, a),
+        DType::Q4_K => rows_dot::<BlockQ4K, R, N>(rows, a),
+        DType::Q5_K => rows_dot::<BlockQ5K, R, N>(rows, a),
+        DType::Q6_K => rows_dot::<BlockQ6K, R, N>(rows, a),
+        DType::IQ4_XS => rows_dot::<BlockIQ4XS, R, N>(rows, a),
+        _ => unreachable!("{} is not a super-block type", dtype.name()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::chunked::tests::random_row;
+    use crate::quant::superblock::{dot_scalar, tests::q8k, SUPERBLOCK};
+    use crate::quant::tests::random_vec;
+
+    /// Every format's AVX2 dot equals the scalar twin up to float summation order, for 1, 2
+    /// and 4 tokens and 1 and 4 rows per call; a row's value does not depend on the rows or
+    /// tokens beside it in the call, bit for bit.
+    #[test]
+    fn dots_match_scalar() {
+        if !crate::matmul::detect().has_avx2() {
+            eprintln!("skipping: no AVX2 on this CPU");
+            return;
+        }
+        let n = 1024;
+        let acts: Vec<Vec<BlockQ8K>> = (0..4).map(|t| q8k(&random_vec(n, 80 + t))).collect();
+        let a4 = [&acts[0][..], &acts[1][..], &acts[2][..], &acts[3][..]];
+        for (s, dtype) in SUPERBLOCK.into_iter().enumerate() {
+            let rows: Vec<Vec<u8>> = (0..4).map(|r| random_row(dtype, n, 90 + 10 * s as u64 + r)).collect();
+            let rows4 = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
+            // SAFETY: AVX2 checked above.
+            unsafe {
+                let all = dot(dtype, rows4, a4);
+                for r in 0..4 {
+                    let want = dot_scalar(dtype, rows4[r], a4);
+                    let scale = want.iter().fold(0.0f32, |m, w| m.max(w.abs())).max(1e-3);
+                    for t in 0..4 {
+                        assert!((all[r][t] - want[t]).abs() <= 1e-5 * scale, "{dtype:?} row {r} token {t}: {} vs {}", all[r][t], want[t]);
+                        let alone = dot(dtype, [rows4[r]], [a4[t]])[0][0];
+                        assert_eq!(alone.to_bits(), all[r][t].to_bits(), "{dtype:?} row {r} token {t}: alone vs in a group");
+                    }
+                    let two = dot(dtype, [rows4[r]], [a4[1], a4[3]])[0];
+                    assert_eq!([two[0].to_bits(), two[1].to_bits()], [all[r][1].to_bits(), all[r][3].to_bits()], "{dtype:?} two tokens");
+                }
+            }
+        }
+    }
+}
