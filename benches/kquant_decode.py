@@ -1,5 +1,6 @@
-"""Decode time of the k-quant family against Q4_0, one run, same machine, one thread: a 4-layer
-synthetic model (n_embd 1024, n_ff 2816) per format, 16 decode tokens, best of 3.
+"""Decode and prefill time of the k-quant family against Q4_0, one run, same machine, one
+thread: a 4-layer synthetic model (n_embd 1024, n_ff 2816) per format, 16 decode tokens and a
+64-token prompt, best of 3.
 
     python benches/kquant_decode.py
 """
@@ -18,7 +19,7 @@ from synth import write_model  # noqa: E402
 
 
 def main() -> None:
-    times = {}
+    times, prefill = {}, {}
     with tempfile.TemporaryDirectory() as d:
         for dt in [Q.Q4_0, Q.Q5_0, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]:
             p = write_model(Path(d) / f"{dt.name}.gguf", dtype=dt, n_embd=1024, n_ff=2816, n_layer=4, n_head=8, n_head_kv=8)
@@ -32,8 +33,17 @@ def main() -> None:
                     s.eval([5 + i])
                 best = min(best, (time.perf_counter() - t) / 16)
             times[dt.name] = best
+            best = float("inf")
+            for _ in range(3):
+                s.truncate(0)
+                t = time.perf_counter()
+                s.eval(list(range(5, 69)))
+                best = min(best, (time.perf_counter() - t) / 64)
+            prefill[dt.name] = best
+    print("type    decode ms/token       prefill ms/token")
     for name, t in times.items():
-        print(f"{name:7s} {t * 1e3:7.2f} ms/token  {t / times['Q4_0']:6.2f}x Q4_0's time")
+        p = prefill[name]
+        print(f"{name:7s} {t * 1e3:7.2f} ({t / times['Q4_0']:4.2f}x Q4_0)  {p * 1e3:7.3f} ({p / prefill['Q4_0']:4.2f}x Q4_0)")
 
 
 if __name__ == "__main__":
