@@ -40,6 +40,35 @@ unsafe fn lane0(v: __m256) -> f32 {
     _mm256_cvtss_f32(v)
 }
 
+/// Prefetches every line of `next` (the bytes a caller reads after this kernel), spread evenly
+/// over a kernel's `steps` (see `matmul::dot_row` for why): after step i, the first
+/// (i + 1) * lines / steps lines.
+pub(crate) struct Prefetch<'a> {
+    next: &'a [u8],
+    lines: usize,
+    steps: usize,
+    line: usize,
+    due: usize,
+}
+
+impl<'a> Prefetch<'a> {
+    pub(crate) fn new(next: &'a [u8], steps: usize) -> Self {
+        Prefetch { next, lines: next.len().div_ceil(64), steps: steps.max(1), line: 0, due: 0 }
+    }
+
+    /// The lines due by the end of this step.
+    #[inline(always)]
+    pub(crate) fn step(&mut self) {
+        self.due += self.lines;
+        while self.due >= self.steps && self.line < self.lines {
+            // SAFETY: line < lines, so the address lies within `next` (prefetches never fault)
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(self.next.as_ptr().add(64 * self.line) as *const i8) };
+            self.line += 1;
+            self.due -= self.steps;
+        }
+    }
+}
+
 /// 16 bytes of packed nibbles to 32 unsigned bytes in ggml's element order (low nibbles first).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -63,11 +92,13 @@ unsafe fn dot_u8_i8(w: __m256i, a: &[i8; 32]) -> __m256 {
 /// Twin of `quant::dot_q4_0_scalar`, for R rows of as many blocks (decode groups rows so that
 /// they share the activations' loads and their sums do not wait on each other).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q4_0<const R: usize, const N: usize>(w: [&[BlockQ4_0]; R], a: [&[BlockQ8Act]; N]) -> [[f32; N]; R] {
+pub unsafe fn dot_q4_0<const R: usize, const N: usize>(w: [&[BlockQ4_0]; R], a: [&[BlockQ8Act]; N], next: &[u8]) -> [[f32; N]; R] {
+    let mut prefetch = Prefetch::new(next, w[0].len());
     let mut acc = [[_mm256_setzero_ps(); N]; R];
     // Every lane of `offset` carries the same running sum of d * s (see `lane0`).
     let mut offset = [[_mm256_setzero_ps(); N]; R];
     for i in 0..w[0].len() {
+        prefetch.step();
         for r in 0..R {
             let b = w[r].get_unchecked(i);
             let d = splat_f16(b.d);
@@ -91,10 +122,12 @@ pub unsafe fn dot_q4_0<const R: usize, const N: usize>(w: [&[BlockQ4_0]; R], a: 
 
 /// Twin of `quant::dot_q4_1_scalar`, for R rows of as many blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q4_1<const R: usize, const N: usize>(w: [&[BlockQ4_1]; R], a: [&[BlockQ8Act]; N]) -> [[f32; N]; R] {
+pub unsafe fn dot_q4_1<const R: usize, const N: usize>(w: [&[BlockQ4_1]; R], a: [&[BlockQ8Act]; N], next: &[u8]) -> [[f32; N]; R] {
+    let mut prefetch = Prefetch::new(next, w[0].len());
     let mut acc = [[_mm256_setzero_ps(); N]; R];
     let mut mins = [[_mm256_setzero_ps(); N]; R]; // every lane: sum of m * s
     for i in 0..w[0].len() {
+        prefetch.step();
         for r in 0..R {
             let b = w[r].get_unchecked(i);
             let d = splat_f16(b.d);
@@ -118,10 +151,12 @@ pub unsafe fn dot_q4_1<const R: usize, const N: usize>(w: [&[BlockQ4_1]; R], a: 
 
 /// Twin of `quant::dot_q8_0_scalar`, for R rows of as many blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q8_0<const R: usize, const N: usize>(w: [&[BlockQ8_0]; R], a: [&[BlockQ8Act]; N]) -> [[f32; N]; R] {
+pub unsafe fn dot_q8_0<const R: usize, const N: usize>(w: [&[BlockQ8_0]; R], a: [&[BlockQ8Act]; N], next: &[u8]) -> [[f32; N]; R] {
+    let mut prefetch = Prefetch::new(next, w[0].len());
     let mut acc = [[_mm256_setzero_ps(); N]; R];
     let ones = _mm256_set1_epi16(1);
     for i in 0..w[0].len() {
+        prefetch.step();
         for r in 0..R {
             let b = w[r].get_unchecked(i);
             let d = splat_f16(b.d);

@@ -319,17 +319,9 @@ unsafe fn dot_steps<const HALVES: bool, const MIN: bool, const OFFSET: i32, cons
     next: &[u8],
 ) -> [[f32; N]; R] {
     let mut acc = [[_mm512_setzero_ps(); N]; R];
-    // every line of `next` is prefetched, spread evenly over the steps (see `matmul::dot_row`):
-    // after step i, the first (i + 1) * lines / steps lines
-    let lines = next.len().div_ceil(64);
-    let (mut line, mut due) = (0, 0);
+    let mut prefetch = crate::avx2::Prefetch::new(next, steps);
     for j in 0..steps {
-        due += lines;
-        while due >= steps && line < lines {
-            _mm_prefetch::<_MM_HINT_T0>(next.as_ptr().add(64 * line) as *const i8);
-            line += 1;
-            due -= steps;
-        }
+        prefetch.step();
         for (r, acc) in acc.iter_mut().enumerate() {
             let w = quad(r, j);
             for t in 0..N {

@@ -259,7 +259,7 @@ fn dot_row_group<const R: usize, const N: usize>(w: &QMatrix, r: usize, next: &[
                 SimdLevel::Avx512 if !x.quads.is_empty() => unsafe { $simd512(rows.map(|row| cast_blocks::<$block>(row)), t.map(|ti| x.quad_row(ti)), next) },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c.
-                SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { $simd(rows.map(|row| cast_blocks::<$block>(row)), a) },
+                SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { $simd(rows.map(|row| cast_blocks::<$block>(row)), a, next) },
                 _ => rows.map(|row| $scalar(cast_blocks::<$block>(row), a)),
             }
         }};
@@ -283,7 +283,7 @@ fn dot_row_group<const R: usize, const N: usize>(w: &QMatrix, r: usize, next: &[
             match level {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
-                SimdLevel::Avx2 => unsafe { quant::superblock_avx2::dot(dtype, rows, a) },
+                SimdLevel::Avx2 => unsafe { quant::superblock_avx2::dot(dtype, rows, a, next) },
                 _ => rows.map(|row| superblock::dot_scalar(dtype, row, a)),
             }
         }

@@ -19,7 +19,7 @@ use super::chunked::{iq4_xs_scale, k4_scales, q3_k_scales, BlockIQ4XS, BlockQ2K,
 use super::chunked_avx2::{has_bit, load32, nibbles};
 use super::superblock::BlockQ8K;
 use super::{cast_blocks, DType};
-use crate::avx2::{hsum, splat_f16};
+use crate::avx2::{hsum, splat_f16, Prefetch};
 
 /// One super-block against N tokens: `sums[t]` holds the block's sum of scale * v * a, `mins[t]`
 /// its sum of min * a (formats with minima), both spread over eight 32-bit lanes; the block's
@@ -284,10 +284,12 @@ impl SuperBlock for BlockIQ4XS {
 /// accumulated in eight float lanes, summed at the end.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_dot<B: SuperBlock, const R: usize, const N: usize>(rows: [&[u8]; R], a: [&[BlockQ8K]; N]) -> [[f32; N]; R] {
+unsafe fn rows_dot<B: SuperBlock, const R: usize, const N: usize>(rows: [&[u8]; R], a: [&[BlockQ8K]; N], next: &[u8]) -> [[f32; N]; R] {
     let w: [&[B]; R] = rows.map(|row| cast_blocks::<B>(row));
     let mut acc = [[_mm256_setzero_ps(); N]; R];
+    let mut prefetch = Prefetch::new(next, a[0].len());
     for b in 0..a[0].len() {
+        prefetch.step();
         let at: [&BlockQ8K; N] = std::array::from_fn(|t| a[t].get_unchecked(b));
         for r in 0..R {
             let s = w[r].get_unchecked(b).sums(at);
@@ -309,16 +311,17 @@ unsafe fn rows_dot<B: SuperBlock, const R: usize, const N: usize>(rows: [&[u8]; 
     out
 }
 
-/// R rows of a `superblock::SUPERBLOCK` type against N tokens of Q8_K activations.
+/// R rows of a `superblock::SUPERBLOCK` type against N tokens of Q8_K activations; `next`: the
+/// bytes read after these rows (prefetched, see `matmul::dot_row`).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot<const R: usize, const N: usize>(dtype: DType, rows: [&[u8]; R], a: [&[BlockQ8K]; N]) -> [[f32; N]; R] {
+pub unsafe fn dot<const R: usize, const N: usize>(dtype: DType, rows: [&[u8]; R], a: [&[BlockQ8K]; N], next: &[u8]) -> [[f32; N]; R] {
     match dtype {
-        DType::Q2_K => rows_dot::<BlockQ2K, R, N>(rows, a),
-        DType::Q3_K => rows_dot::<BlockQ3K, R, N>(rows, a),
-        DType::Q4_K => rows_dot::<BlockQ4K, R, N>(rows, a),
-        DType::Q5_K => rows_dot::<BlockQ5K, R, N>(rows, a),
-        DType::Q6_K => rows_dot::<BlockQ6K, R, N>(rows, a),
-        DType::IQ4_XS => rows_dot::<BlockIQ4XS, R, N>(rows, a),
+        DType::Q2_K => rows_dot::<BlockQ2K, R, N>(rows, a, next),
+        DType::Q3_K => rows_dot::<BlockQ3K, R, N>(rows, a, next),
+        DType::Q4_K => rows_dot::<BlockQ4K, R, N>(rows, a, next),
+        DType::Q5_K => rows_dot::<BlockQ5K, R, N>(rows, a, next),
+        DType::Q6_K => rows_dot::<BlockQ6K, R, N>(rows, a, next),
+        DType::IQ4_XS => rows_dot::<BlockIQ4XS, R, N>(rows, a, next),
         _ => unreachable!("{} is not a super-block type", dtype.name()),
     }
 }
@@ -347,16 +350,16 @@ mod tests {
             let rows4 = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
             // SAFETY: AVX2 checked above.
             unsafe {
-                let all = dot(dtype, rows4, a4);
+                let all = dot(dtype, rows4, a4, &[]);
                 for r in 0..4 {
                     let want = dot_scalar(dtype, rows4[r], a4);
                     let scale = want.iter().fold(0.0f32, |m, w| m.max(w.abs())).max(1e-3);
                     for t in 0..4 {
                         assert!((all[r][t] - want[t]).abs() <= 1e-5 * scale, "{dtype:?} row {r} token {t}: {} vs {}", all[r][t], want[t]);
-                        let alone = dot(dtype, [rows4[r]], [a4[t]])[0][0];
+                        let alone = dot(dtype, [rows4[r]], [a4[t]], &[])[0][0];
                         assert_eq!(alone.to_bits(), all[r][t].to_bits(), "{dtype:?} row {r} token {t}: alone vs in a group");
                     }
-                    let two = dot(dtype, [rows4[r]], [a4[1], a4[3]])[0];
+                    let two = dot(dtype, [rows4[r]], [a4[1], a4[3]], &[])[0];
                     assert_eq!([two[0].to_bits(), two[1].to_bits()], [all[r][1].to_bits(), all[r][3].to_bits()], "{dtype:?} two tokens");
                 }
             }
