@@ -296,7 +296,7 @@ fn dot_row_group<const R: usize, const N: usize>(w: &QMatrix, r: usize, next: &[
                 SimdLevel::Avx512 if !x.quads.is_empty() => unsafe { crate::avx512::dot_chunked(w.dtype, rows, t.map(|ti| x.quad_row(ti)), next) },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as above.
-                SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { quant::chunked_avx2::dot(w.dtype, rows, a) },
+                SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { quant::chunked_avx2::dot(w.dtype, rows, a, next) },
                 _ => rows.map(|row| quant::chunked::dot_scalar(w.dtype, row, a)),
             }
         }

@@ -23,7 +23,7 @@ use super::chunked::{BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, Block
 use super::{cast_blocks, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK};
 // an f16 scale broadcast to 8 f32 lanes (see there why a broadcast)
 use crate::avx2::splat_f16 as f16;
-use crate::avx2::hsum;
+use crate::avx2::{hsum, Prefetch};
 
 /// One decoded chunk: 32 signed weights, the halves' scales as [s0 x 4, s1 x 4], and the
 /// minimum (per chunk in every lane of `min`, or per half in `min_halves`).
@@ -336,7 +336,7 @@ pub(crate) unsafe fn token_step<const SIGNED: bool, const MIN: bool, const HALVE
 /// The row loop, written once for every format, R rows at a time: `$decode(row, b, c)` is the
 /// format's chunk decoder.
 macro_rules! row_dot {
-    ($dtype:expr, $decode:ident, $rows:expr, $a:expr) => {{
+    ($dtype:expr, $decode:ident, $rows:expr, $a:expr, $next:expr) => {{
         let (rows, a) = ($rows, $a);
         const SIGNED: bool = signed($dtype);
         const MIN: bool = matches!($dtype, DType::Q5_1 | DType::Q4_K | DType::Q5_K);
@@ -344,7 +344,9 @@ macro_rules! row_dot {
         let mut acc = [[_mm256_setzero_ps(); N]; R];
         let mut mins = [[_mm256_setzero_ps(); N]; R];
         const PER_BLOCK: usize = chunks_per_block($dtype);
+        let mut prefetch = Prefetch::new($next, a[0].len() / PER_BLOCK);
         for b in 0..a[0].len() / PER_BLOCK {
+            prefetch.step();
             for c in 0..PER_BLOCK {
                 for r in 0..R {
                     let ch = $decode(rows[r], b, c);
@@ -374,18 +376,19 @@ unsafe fn maddubs(u: __m256i, s: __m256i) -> __m256i {
 }
 
 /// R rows of a chunked type against N int8 activation rows: the twin of `chunked::dot_scalar`.
+/// `next`: the bytes read after these rows (prefetched, see `matmul::dot_row`).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot<const R: usize, const N: usize>(dtype: DType, rows: [&[u8]; R], a: [&[BlockQ8Act]; N]) -> [[f32; N]; R] {
+pub unsafe fn dot<const R: usize, const N: usize>(dtype: DType, rows: [&[u8]; R], a: [&[BlockQ8Act]; N], next: &[u8]) -> [[f32; N]; R] {
     match dtype {
-        DType::Q5_0 => row_dot!(DType::Q5_0, q5_0, rows, a),
-        DType::Q5_1 => row_dot!(DType::Q5_1, q5_1, rows, a),
-        DType::Q2_K => row_dot!(DType::Q2_K, q2_k, rows, a),
-        DType::Q3_K => row_dot!(DType::Q3_K, q3_k, rows, a),
-        DType::Q4_K => row_dot!(DType::Q4_K, q4_k, rows, a),
-        DType::Q5_K => row_dot!(DType::Q5_K, q5_k, rows, a),
-        DType::Q6_K => row_dot!(DType::Q6_K, q6_k, rows, a),
-        DType::IQ4_NL => row_dot!(DType::IQ4_NL, iq4_nl, rows, a),
-        DType::IQ4_XS => row_dot!(DType::IQ4_XS, iq4_xs, rows, a),
+        DType::Q5_0 => row_dot!(DType::Q5_0, q5_0, rows, a, next),
+        DType::Q5_1 => row_dot!(DType::Q5_1, q5_1, rows, a, next),
+        DType::Q2_K => row_dot!(DType::Q2_K, q2_k, rows, a, next),
+        DType::Q3_K => row_dot!(DType::Q3_K, q3_k, rows, a, next),
+        DType::Q4_K => row_dot!(DType::Q4_K, q4_k, rows, a, next),
+        DType::Q5_K => row_dot!(DType::Q5_K, q5_k, rows, a, next),
+        DType::Q6_K => row_dot!(DType::Q6_K, q6_k, rows, a, next),
+        DType::IQ4_NL => row_dot!(DType::IQ4_NL, iq4_nl, rows, a, next),
+        DType::IQ4_XS => row_dot!(DType::IQ4_XS, iq4_xs, rows, a, next),
         _ => unreachable!("{} is not a chunked type", dtype.name()),
     }
 }
@@ -457,11 +460,11 @@ mod tests {
             // SAFETY: AVX2 checked above.
             unsafe {
                 let [row0, row1] = [&rows[0][..], &rows[1][..]];
-                close(&dot(dtype, [row0], [a4[0]])[0], &want[0][..1], "avx2 x1");
-                close(&dot(dtype, [row0], [a4[2], a4[3]])[0], &want[0][2..], "avx2 x2");
-                close(&dot(dtype, [row0], a4)[0], &want[0], "avx2 x4");
+                close(&dot(dtype, [row0], [a4[0]], &[])[0], &want[0][..1], "avx2 x1");
+                close(&dot(dtype, [row0], [a4[2], a4[3]], &[])[0], &want[0][2..], "avx2 x2");
+                close(&dot(dtype, [row0], a4, &[])[0], &want[0], "avx2 x4");
                 // two rows at once, as decode groups them: each as alone
-                let both = dot(dtype, [row0, row1], [a4[1]]);
+                let both = dot(dtype, [row0, row1], [a4[1]], &[]);
                 close(&both[0], &want[0][1..2], "avx2 rows 2 of x1");
                 close(&both[1], &want[1][1..2], "avx2 rows 2 of x1, second");
             }
