@@ -70,17 +70,42 @@ def rmsnorm(x, g, eps):
     return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * g
 
 
-def rope(x, positions, n_heads, head_dim, rope_dim, base, neox, freq_scale=1.0, factors=None):
+def yarn(rope_dim, base, factor, original_ctx, beta_fast=32.0, beta_slow=1.0):
+    """YaRN as Hugging Face's `_compute_yarn_parameters` defines it: per frequency i a mix of
+    the interpolated (1 / factor) and the original inverse frequency, original below the
+    correction range's low end, interpolated above its high end, a linear ramp between; and the
+    magnitude 0.1 ln(factor) + 1 that multiplies cos and sin. Returns (inv_freq, magnitude)."""
+    import math
+
+    def correction_dim(rotations):
+        return rope_dim * math.log(original_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), rope_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(rope_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    original = base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+    inv = original / factor * (1 - extrapolation) + original * extrapolation
+    return inv, (0.1 * math.log(factor) + 1 if factor > 1 else 1.0)
+
+
+def rope(x, positions, n_heads, head_dim, rope_dim, base, neox, freq_scale=1.0, factors=None, yarn_ctx=None):
     """x: (n, n_heads * head_dim). ggml mode 0 rotates (2i, 2i+1); NeoX rotates (i, i + d/2).
-    Angle i of position p: p * freq_scale * base^(-2i / rope_dim) / factors[i]."""
+    Angle i of position p: p * freq_scale * base^(-2i / rope_dim) / factors[i]; with `yarn_ctx`
+    (the original context) YaRN's frequencies and magnitude for the factor 1 / freq_scale."""
     n = x.shape[0]
     x = x.reshape(n, n_heads, head_dim).copy()
     half = rope_dim // 2
     inv = freq_scale * base ** (-np.arange(half, dtype=np.float64) * 2 / rope_dim)
+    magnitude = 1.0
+    if yarn_ctx is not None:
+        inv, magnitude = yarn(rope_dim, base, 1 / freq_scale, yarn_ctx)
     if factors is not None:
         inv = inv / factors
     ang = positions[:, None].astype(np.float64) * inv[None, :]  # (n, half)
-    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    c, s = magnitude * np.cos(ang)[:, None, :], magnitude * np.sin(ang)[:, None, :]
     if neox:
         a, b = x[..., :half].copy(), x[..., half:rope_dim].copy()
         x[..., :half] = a * c - b * s
@@ -153,7 +178,8 @@ def forward(w: dict, meta: dict, tokens, activation: str | None = None, int8_act
     eps = m("attention.layer_norm_epsilon", 1e-5) if layer_norm else m("attention.layer_norm_rms_epsilon", 1e-5)
     neox = arch in ("qwen2", "qwen3", "falcon", "gemma", "gemma2", "gemma3", "phi3")
     gemma = arch in ("gemma", "gemma2", "gemma3")
-    freq_scale = 1.0 / m("rope.scaling.factor", 1.0) if m("rope.scaling.type") == "linear" else 1.0
+    freq_scale = 1.0 / m("rope.scaling.factor", 1.0) if m("rope.scaling.type") in ("linear", "yarn") else 1.0
+    yarn_ctx = m("rope.scaling.original_context_length", m("context_length")) if m("rope.scaling.type") == "yarn" else None
     factors = w.get("rope_freqs.weight")
     window = m("attention.sliding_window", 4096 if arch == "gemma2" else 0) if arch in ("gemma2", "gemma3") else 0
     pattern = {"gemma2": 2, "gemma3": 6}.get(arch, 0)
@@ -218,9 +244,9 @@ def forward(w: dict, meta: dict, tokens, activation: str | None = None, int8_act
             k = head_norm(k, p + "attn_k_norm.weight", n_kv)
         if arch != "opt":
             # gemma3's sliding layers: their own base, unscaled
-            b, fs = (10000.0, 1.0) if arch == "gemma3" and slides(l) else (base, freq_scale)
-            q = rope(q, pos, n_head, hd, rope_dim, b, neox, fs, factors)
-            k = rope(k, pos, n_kv, hd, rope_dim, b, neox, fs, factors)
+            b, fs, yc = (10000.0, 1.0, None) if arch == "gemma3" and slides(l) else (base, freq_scale, yarn_ctx)
+            q = rope(q, pos, n_head, hd, rope_dim, b, neox, fs, factors, yc)
+            k = rope(k, pos, n_kv, hd, rope_dim, b, neox, fs, factors, yc)
         q, k, v = q.reshape(n, n_head, hd), k.reshape(n, n_kv, hd), v.reshape(n, n_kv, hd)
         out = np.zeros((n, n_head, hd))
         layer_mask = mask

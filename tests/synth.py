@@ -113,11 +113,13 @@ def write_model(
     sliding_window: int | None = None,
     rope_scaling: float | None = None,
     rope_freqs: bool = False,
+    yarn_original_ctx: int | None = None,
 ) -> str:
     """A random model of `arch` (features per ARCH_FEATURES). `head_dim` writes
     attention.key_length/value_length (q_dim may then differ from n_embd); `sliding_window`
-    the window of gemma2/3's sliding layers; `rope_scaling` a linear rope.scaling.factor;
-    `rope_freqs` Llama 3's per-frequency factors."""
+    the window of gemma2/3's sliding layers; `rope_scaling` a linear rope.scaling.factor, or
+    YaRN's with `yarn_original_ctx` (its original_context_length); `rope_freqs` Llama 3's
+    per-frequency factors."""
     rng = np.random.default_rng(seed)
     n_vocab = len(tiny_vocab()[0])
     hd = head_dim or n_embd // n_head
@@ -139,8 +141,10 @@ def write_model(
     if sliding_window is not None:
         w.add_sliding_window(sliding_window)
     if rope_scaling is not None:
-        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_type(RopeScalingType.LINEAR if yarn_original_ctx is None else RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope_scaling)
+    if yarn_original_ctx is not None:
+        w.add_rope_scaling_orig_ctx_len(yarn_original_ctx)
     if arch == "gemma2":
         w.add_attn_logit_softcapping(50.0)
         w.add_final_logit_softcapping(30.0)

@@ -1,5 +1,5 @@
 """The architectures whose differences are data inside the one layer: Qwen 3, Gemma 1-3, Phi-3
-and Llama 3's RoPE (frequency factors, linear scaling), each against the independent float64
+Llama 3's RoPE (frequency factors, linear scaling) and YaRN, each against the independent float64
 reference (tests/reference.py) on a tiny random model written as llama.cpp's converter writes
 such files. Sliding-window layers are checked both with the whole context cached and with the
 ring that keeps only the window, over prompts longer than one pass."""
@@ -25,6 +25,8 @@ CASES = {
     ),
     "phi3-fused-qkv-gate-up": dict(arch="phi3", n_head_kv=4),
     "llama3-rope-freqs-linear-scaling": dict(arch="llama", rope_freqs=True, rope_scaling=2.0),
+    # a context of 4x the original 64 positions, over which the low frequencies interpolate
+    "qwen2-yarn": dict(arch="qwen2", bias=True, rope_scaling=4.0, yarn_original_ctx=64),
 }
 
 

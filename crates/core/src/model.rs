@@ -191,8 +191,46 @@ pub struct Config {
     /// RoPE base of the sliding layers (Gemma 3: 10 000, where its global layers use 1 000 000).
     pub rope_base_swa: f32,
     /// Linear RoPE scaling of the non-sliding layers: positions are multiplied by this
-    /// (1 / `rope.scaling.factor`).
+    /// (1 / `rope.scaling.factor`); with YaRN only the frequencies above its correction range.
     pub rope_freq_scale: f32,
+    /// YaRN's mix of scaled and original frequencies for the non-sliding layers, if any.
+    pub rope_yarn: Option<Yarn>,
+    /// The non-sliding layers' cos and sin are multiplied by this (YaRN's 1 + 0.1 ln factor,
+    /// times `rope.scaling.attn_factor`).
+    pub rope_magnitude: f32,
+}
+
+/// YaRN (`rope.scaling.type` = yarn), as ggml's `rope_yarn`: frequency i keeps its original
+/// value below the correction range [low, high] (frequency indices), is scaled by
+/// `rope_freq_scale` above it, with a linear ramp between; `ext_factor` weighs the original.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Yarn {
+    pub low: f32,
+    pub high: f32,
+    pub ext_factor: f32,
+}
+
+impl Yarn {
+    /// ggml's `ggml_rope_yarn_corr_dims`: the frequencies that turn `beta_fast` and `beta_slow`
+    /// times over the original context bound the ramp.
+    fn new(rope_dim: usize, n_ctx_orig: usize, base: f32, beta_fast: f32, beta_slow: f32, ext_factor: f32) -> Yarn {
+        let dim = |rotations: f32| rope_dim as f32 * (n_ctx_orig as f32 / (rotations * 2.0 * std::f32::consts::PI)).ln() / (2.0 * base.ln());
+        Yarn { low: dim(beta_fast).floor().max(0.0), high: dim(beta_slow).ceil().min(rope_dim as f32 - 1.0), ext_factor }
+    }
+
+    /// How much of frequency i stays original (0..=ext_factor).
+    fn original_share(&self, i: usize) -> f32 {
+        let y = (i as f32 - self.low) / (self.high - self.low).max(0.001);
+        (1.0 - y.clamp(0.0, 1.0)) * self.ext_factor
+    }
+}
+
+/// The RoPE of one set of layers (`Config::rope_set`): inverse frequencies (rope_dim / 2) and
+/// the factor on cos and sin.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeSet {
+    pub inv_freq: Vec<f32>,
+    pub magnitude: f32,
 }
 
 impl Config {
@@ -214,9 +252,35 @@ impl Config {
         usize::from(self.slides(l) && self.rope_sets() == 2)
     }
 
+    /// Whether the non-sliding layers' RoPE is scaled (linearly or by YaRN).
+    pub fn rope_scaled(&self) -> bool {
+        self.rope_freq_scale != 1.0 || self.rope_yarn.is_some() || self.rope_magnitude != 1.0
+    }
+
+    /// Set `set`'s RoPE: inverse frequency i is base^(-2i / rope_dim) / factor_i (Llama 3's
+    /// `rope_freqs`), times the scaling of set 0 (linear, or YaRN's mix as ggml computes the
+    /// angle: scaled * (1 - share) + original * share).
+    pub fn rope(&self, set: usize, factors: Option<&[f32]>) -> RopeSet {
+        let base = if set == 0 { self.rope_base } else { self.rope_base_swa };
+        let inv_freq = (0..self.rope_dim / 2)
+            .map(|i| {
+                let original = base.powf(-2.0 * i as f32 / self.rope_dim as f32) / factors.map_or(1.0, |f| f[i]);
+                match (set, self.rope_yarn) {
+                    (0, Some(yarn)) => {
+                        let share = yarn.original_share(i);
+                        self.rope_freq_scale * original * (1.0 - share) + original * share
+                    }
+                    (0, None) => self.rope_freq_scale * original,
+                    _ => original,
+                }
+            })
+            .collect();
+        RopeSet { inv_freq, magnitude: if set == 0 { self.rope_magnitude } else { 1.0 } }
+    }
+
     /// How many RoPE frequency sets the layers use (1 or 2).
     pub fn rope_sets(&self) -> usize {
-        if self.sliding_window > 0 && (self.rope_base_swa != self.rope_base || self.rope_freq_scale != 1.0) {
+        if self.sliding_window > 0 && (self.rope_base_swa != self.rope_base || self.rope_scaled()) {
             2
         } else {
             1
@@ -235,7 +299,7 @@ impl Config {
         if self.sliding_window > 0 {
             return Some("sliding-window attention");
         }
-        if self.rope_freq_scale != 1.0 {
+        if self.rope_scaled() {
             return Some("RoPE scaling");
         }
         if (self.attn_scale - 1.0 / (self.head_dim as f32).sqrt()).abs() > 1e-7 {
@@ -450,25 +514,46 @@ impl Config {
         let big_gemma = (arch == "gemma2" && n_layer == 46) || (arch == "gemma3" && n_layer == 62);
         let attn_scale = 1.0 / (if big_gemma { (n_embd / n_head) as f32 } else { head_dim as f32 }).sqrt();
         let rope_base = meta_f32(file, &k("rope.freq_base"))?.unwrap_or(10000.0);
-        let rope_freq_scale = match file.get(&k("rope.scaling.type")).map(|v| v.as_str()) {
-            None | Some(Some("none")) => 1.0,
-            Some(Some("linear")) => {
-                let factor = meta_f32(file, &k("rope.scaling.factor"))?.unwrap_or(1.0);
-                if factor <= 0.0 {
-                    return Err(Error::Model(format!("{} = {factor} is not a positive factor", k("rope.scaling.factor"))));
-                }
-                1.0 / factor
+        let scaling_type = file.get(&k("rope.scaling.type")).map(|v| v.as_str());
+        let factor = || -> Result<f32> {
+            let factor = meta_f32(file, &k("rope.scaling.factor"))?.unwrap_or(1.0);
+            if factor > 0.0 && factor.is_finite() {
+                Ok(factor)
+            } else {
+                Err(Error::Model(format!("{} = {factor} is not a positive factor", k("rope.scaling.factor"))))
+            }
+        };
+        // llama.cpp's defaults: YaRN's original context is the trained one, beta 32 and 1
+        let yarn_f32 = |key: &str, default: f32| meta_f32(file, &k(&format!("rope.scaling.yarn_{key}"))).map(|v| v.unwrap_or(default));
+        let (rope_freq_scale, rope_yarn) = match scaling_type {
+            None | Some(Some("none")) => (1.0, None),
+            Some(Some("linear")) => (1.0 / factor()?, None),
+            Some(Some("yarn")) => {
+                let n_ctx_orig = meta_usize(file, &k("rope.scaling.original_context_length"))?.unwrap_or(n_ctx_train);
+                let yarn = Yarn::new(rope_dim, n_ctx_orig, rope_base, yarn_f32("beta_fast", 32.0)?, yarn_f32("beta_slow", 1.0)?, yarn_f32("ext_factor", 1.0)?);
+                (1.0 / factor()?, Some(yarn))
             }
             // llama3 scaling is baked into the file's `rope_freqs` factors
-            Some(Some("llama3")) => 1.0,
+            Some(Some("llama3")) => (1.0, None),
             Some(other) => {
                 return Err(Error::Model(format!(
-                    "{} = {:?} is not supported (supported: none, linear, llama3)",
+                    "{} = {:?} is not supported (supported: none, linear, yarn, llama3)",
                     k("rope.scaling.type"),
                     other.unwrap_or("a non-string")
                 )))
             }
         };
+        // the magnitude llama.cpp gives cos and sin: YaRN's attention factor (its
+        // `llama_context` constructor cancels ggml's own 1 + 0.1 ln(1 / freq_scale), then
+        // `rope_yarn` applies it again), times the file's attn_factor
+        let mut rope_magnitude = meta_f32(file, &k("rope.scaling.attn_factor"))?.unwrap_or(1.0);
+        if rope_yarn.is_some_and(|y| y.ext_factor != 0.0) {
+            let factor = 1.0 / rope_freq_scale;
+            let mscale = |m: f32| if factor <= 1.0 { 1.0 } else { 0.1 * m * factor.ln() + 1.0 };
+            let log_mul = meta_f32(file, &k("rope.scaling.yarn_log_multiplier"))?.unwrap_or(0.0);
+            let attn = if log_mul != 0.0 { mscale(1.0) / mscale(log_mul) } else { mscale(1.0) };
+            rope_magnitude *= attn / (1.0 + 0.1 * factor.ln()) * (1.0 + 0.1 * (1.0 / rope_freq_scale).ln());
+        }
         if file.tensor("rope_factors_long.weight").is_some() || file.tensor("rope_factors_short.weight").is_some() {
             return Err(Error::Model(format!("{arch}: long-context RoPE factors (rope_factors_long/short, LongRoPE) are not supported")));
         }
@@ -510,6 +595,8 @@ impl Config {
             swa_pattern,
             rope_base_swa: if arch == "gemma3" { 10000.0 } else { rope_base },
             rope_freq_scale,
+            rope_yarn,
+            rope_magnitude,
             architecture: arch,
         })
     }

@@ -16,7 +16,7 @@ use crate::attention::{attend_group, attend_group_partial, merge_partials, KvBuf
 use crate::error::{Error, Result};
 use crate::forward::forward;
 use crate::matmul::{matmul, matmul_many, matmul_selected, Activations, QMatrix};
-use crate::model::{Config, Family, FfnActivation, InputGroup, LayerWeights, Model, RopeStyle, Weights, OPT_POSITION_OFFSET};
+use crate::model::{Config, Family, FfnActivation, InputGroup, LayerWeights, Model, RopeSet, RopeStyle, Weights, OPT_POSITION_OFFSET};
 use crate::sparse::{down_t_matmul, sparse_ffn, FfnMats, SparseScratch, DENSE_FRACTION};
 
 mod batch;
@@ -50,7 +50,7 @@ pub struct Session {
     /// Per layer: the ring a sliding-window layer keeps (see `KvRing`), or None (one row per
     /// position).
     kv_ring: Vec<Option<KvRing>>,
-    rope_inv_freq: Vec<Vec<f32>>, // per RoPE set (`Config::rope_set`), (rope_dim / 2)
+    rope: Vec<RopeSet>, // per RoPE set (`Config::rope_set`)
     state: PassState,
     s: Scratch,
 }
@@ -90,24 +90,14 @@ impl Session {
             (0..c.n_layer).map(|l| (c.slides(l) && KvRing::rows(c.sliding_window) < n_ctx).then(|| KvRing::new(c.sliding_window))).collect();
         let rows = |l: usize| kv_ring[l].as_ref().map_or(n_ctx, |r| KvRing::rows(r.window));
         let cache = || (0..c.n_layer).map(|l| KvBuf::new(kv_type, rows(l) * c.kv_dim())).collect::<Result<Vec<_>>>();
-        // inverse frequencies: scale * base^(-2i / rope_dim) / factor_i (Llama 3's rope_freqs)
-        let factors = model.weights.rope_freqs.as_deref();
-        let inv_freq = |base: f32, scale: f32| -> Vec<f32> {
-            (0..c.rope_dim / 2)
-                .map(|i| scale * base.powf(-2.0 * i as f32 / c.rope_dim as f32) / factors.map_or(1.0, |f| f[i]))
-                .collect()
-        };
-        let mut rope_inv_freq = vec![inv_freq(c.rope_base, c.rope_freq_scale)];
-        if c.rope_sets() == 2 {
-            rope_inv_freq.push(inv_freq(c.rope_base_swa, 1.0));
-        }
+        let rope = (0..c.rope_sets()).map(|set| c.rope(set, model.weights.rope_freqs.as_deref())).collect();
         Ok(Session {
             n_ctx,
             tokens: Vec::new(),
             k_cache: cache()?,
             v_cache: cache()?,
             kv_ring,
-            rope_inv_freq,
+            rope,
             state: PassState::new(Sparsity::dense()),
             s: Scratch::default(),
             model,

@@ -88,7 +88,7 @@ impl Backend for CpuPass<'_> {
             s.x.iter_mut().for_each(|v| *v *= c.embed_scale);
         }
         // every session of a model has the same RoPE frequencies
-        s.rope_angles(&self.sessions[0].rope_inv_freq, positions());
+        s.rope_angles(&self.sessions[0].rope, positions());
         Ok(())
     }
 

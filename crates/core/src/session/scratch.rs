@@ -83,16 +83,16 @@ impl Scratch {
 
     /// RoPE angles of each token's position for every RoPE set (`Config::rope_set`), shared by
     /// the layers: cos, sin (sets, n, rope_dim / 2).
-    pub(crate) fn rope_angles(&mut self, inv_freq: &[Vec<f32>], positions: impl ExactSizeIterator<Item = usize> + Clone) {
-        let (half, n) = (inv_freq[0].len(), positions.len());
-        self.cos.resize(inv_freq.len() * n * half, 0.0);
-        self.sin.resize(inv_freq.len() * n * half, 0.0);
-        for (set, freqs) in inv_freq.iter().enumerate() {
+    pub(crate) fn rope_angles(&mut self, sets: &[RopeSet], positions: impl ExactSizeIterator<Item = usize> + Clone) {
+        let (half, n) = (sets[0].inv_freq.len(), positions.len());
+        self.cos.resize(sets.len() * n * half, 0.0);
+        self.sin.resize(sets.len() * n * half, 0.0);
+        for (set, rope) in sets.iter().enumerate() {
             for (t, pos) in positions.clone().enumerate() {
-                for (i, f) in freqs.iter().enumerate() {
+                for (i, f) in rope.inv_freq.iter().enumerate() {
                     let angle = pos as f32 * f;
-                    self.cos[(set * n + t) * half + i] = angle.cos();
-                    self.sin[(set * n + t) * half + i] = angle.sin();
+                    self.cos[(set * n + t) * half + i] = angle.cos() * rope.magnitude;
+                    self.sin[(set * n + t) * half + i] = angle.sin() * rope.magnitude;
                 }
             }
         }
