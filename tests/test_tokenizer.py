@@ -150,3 +150,24 @@ def test_tokenizer_json_beside_the_model_wins(tmp_path):
     beside = Engine.load(path).tokenize("the then")
     assert len(beside) == len("the then") and len(from_gguf) < len(beside)
     assert Engine.load(path).detokenize(beside) == "the then"
+
+
+def test_tokenizer_json_beside_the_model_covers_an_unknown_pre_tokenizer(tmp_path):
+    """A GGUF whose tokenizer.ggml.pre the engine does not know loads when its tokenizer.json
+    lies beside it (which defines its own pre-tokenizer), and is refused by name without it."""
+    from gguf import GGUFReader
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from powerinfer_rs.tokenizer import GGUFTokenizer
+
+    path = write_model(tmp_path / "m.gguf")
+    meta = {k: f.contents() for k, f in GGUFReader(path).fields.items() if k.startswith("tokenizer.")}
+    meta["tokenizer.ggml.pre"] = "a-new-family"
+    with pytest.raises(ValueError, match=r"a-new-family.*not supported.*tokenizer.json"):
+        GGUFTokenizer(meta, path)
+    tokens, _, _ = tiny_vocab()
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    ids = GGUFTokenizer(meta, path).encode("the then", add_bos=False)
+    assert [tokens[i] for i in ids] == list("the\u0120then")

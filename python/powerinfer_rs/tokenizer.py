@@ -152,12 +152,17 @@ class GGUFTokenizer:
         self.eos_token_id: int | None = metadata.get("tokenizer.ggml.eos_token_id")
         # a BPE file without a pre-tokenizer gets "default", as in llama.cpp
         self.pre: str | None = metadata.get("tokenizer.ggml.pre", "default") if self.kind == "gpt2" else None
-        if self.kind == "gpt2" and self.pre not in _PRE_TOKENIZERS:
+        # a tokenizer.json beside the model brings its own pre-tokenizer
+        beside = os.path.join(os.path.dirname(os.fspath(model_path)), "tokenizer.json") if model_path else None
+        beside = beside if beside and os.path.isfile(beside) else None
+        known_pre = self.pre in _PRE_TOKENIZERS
+        if self.kind == "gpt2" and not known_pre and beside is None:
             raise ValueError(
                 f"the model's pre-tokenizer tokenizer.ggml.pre={self.pre!r} is not supported; supported: "
                 + ", ".join(sorted(_PRE_TOKENIZERS))
+                + " (or put the model's tokenizer.json beside the GGUF file)"
             )
-        default_bos = self.kind == "llama" or (self.kind == "gpt2" and _PRE_TOKENIZERS[self.pre][2])
+        default_bos = self.kind == "llama" or (self.kind == "gpt2" and known_pre and _PRE_TOKENIZERS[self.pre][2])
         self.add_bos: bool = bool(metadata.get("tokenizer.ggml.add_bos_token", default_bos))
         self.add_space_prefix: bool = bool(metadata.get("tokenizer.ggml.add_space_prefix", self.kind == "llama"))
         self.chat_template: str | None = metadata.get("tokenizer.chat_template")
@@ -170,8 +175,7 @@ class GGUFTokenizer:
                 eog.add(int(metadata[key]))
         self.end_of_generation = frozenset(eog)
 
-        beside = os.path.join(os.path.dirname(os.fspath(model_path)), "tokenizer.json") if model_path else None
-        if beside and os.path.isfile(beside):
+        if beside is not None:
             self._tok = Tokenizer.from_file(beside)
         elif self.kind == "gpt2":
             self._tok = self._build_gpt2(metadata)
