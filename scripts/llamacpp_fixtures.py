@@ -2,7 +2,7 @@
 the oracle tests/test_llamacpp_fixtures.py compares the engine with.
 
 - One F16 model per architecture whose layer differs from LLaMA's (qwen3, gemma, gemma2,
-  gemma3, phi3, llama with Llama 3's rope_freqs and linear RoPE scaling, qwen2 with YaRN),
+  gemma3, phi3, llama with Llama 3's rope_freqs and linear RoPE scaling, qwen2 with YaRN, phi3 with LongRoPE),
   written with the `gguf` package under the keys llama.cpp's converter writes.
 - One F32 llama model (n_embd 256, so that every k-quant fits) quantized by llama.cpp's own
   quantizer into each preset of `llama-quantize`: Q2_K, Q3_K_M, Q4_K_S, Q4_K_M, Q5_K_M, Q6_K,
@@ -37,6 +37,8 @@ ARCHITECTURES = {
     "phi3": dict(arch="phi3", n_head_kv=4),
     "llama3": dict(arch="llama", rope_freqs=True, rope_scaling=2.0),
     "qwen2-yarn": dict(arch="qwen2", bias=True, rope_scaling=4.0, yarn_original_ctx=64),
+    # llama.cpp's context (128) and the test's sessions (64) exceed the original 32: long factors
+    "phi3-longrope": dict(arch="phi3", n_head_kv=4, longrope_original_ctx=32),
 }
 
 PRESETS = {

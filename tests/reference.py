@@ -91,7 +91,7 @@ def yarn(rope_dim, base, factor, original_ctx, beta_fast=32.0, beta_slow=1.0):
     return inv, (0.1 * math.log(factor) + 1 if factor > 1 else 1.0)
 
 
-def rope(x, positions, n_heads, head_dim, rope_dim, base, neox, freq_scale=1.0, factors=None, yarn_ctx=None):
+def rope(x, positions, n_heads, head_dim, rope_dim, base, neox, freq_scale=1.0, factors=None, yarn_ctx=None, magnitude=1.0):
     """x: (n, n_heads * head_dim). ggml mode 0 rotates (2i, 2i+1); NeoX rotates (i, i + d/2).
     Angle i of position p: p * freq_scale * base^(-2i / rope_dim) / factors[i]; with `yarn_ctx`
     (the original context) YaRN's frequencies and magnitude for the factor 1 / freq_scale."""
@@ -99,9 +99,9 @@ def rope(x, positions, n_heads, head_dim, rope_dim, base, neox, freq_scale=1.0, 
     x = x.reshape(n, n_heads, head_dim).copy()
     half = rope_dim // 2
     inv = freq_scale * base ** (-np.arange(half, dtype=np.float64) * 2 / rope_dim)
-    magnitude = 1.0
     if yarn_ctx is not None:
-        inv, magnitude = yarn(rope_dim, base, 1 / freq_scale, yarn_ctx)
+        inv, yarn_magnitude = yarn(rope_dim, base, 1 / freq_scale, yarn_ctx)
+        magnitude *= yarn_magnitude
     if factors is not None:
         inv = inv / factors
     ang = positions[:, None].astype(np.float64) * inv[None, :]  # (n, half)
@@ -152,7 +152,7 @@ def layernorm(x, g, b, eps):
     return (x - mu) / np.sqrt(var + eps) * g + (b if b is not None else 0)
 
 
-def forward(w: dict, meta: dict, tokens, activation: str | None = None, int8_activations: bool = False) -> np.ndarray:
+def forward(w: dict, meta: dict, tokens, activation: str | None = None, int8_activations: bool = False, n_ctx: int | None = None) -> np.ndarray:
     """Logits (len(tokens), n_vocab) in float64. With `int8_activations`, inputs of quantized
     weight matrices are rounded to int8 blocks first (what the engine's integer kernels do).
 
@@ -181,6 +181,13 @@ def forward(w: dict, meta: dict, tokens, activation: str | None = None, int8_act
     freq_scale = 1.0 / m("rope.scaling.factor", 1.0) if m("rope.scaling.type") in ("linear", "yarn") else 1.0
     yarn_ctx = m("rope.scaling.original_context_length", m("context_length")) if m("rope.scaling.type") == "yarn" else None
     factors = w.get("rope_freqs.weight")
+    if factors is None and "rope_factors_long.weight" in w:
+        # LongRoPE: the long factors where the context (`n_ctx`, else the tokens') exceeds the
+        # original one, as Hugging Face's Phi-3 picks them by sequence length and llama.cpp by
+        # context size
+        original = m("rope.scaling.original_context_length", m("context_length"))
+        factors = w["rope_factors_long.weight" if (n_ctx or len(tokens)) > original else "rope_factors_short.weight"]
+    magnitude = m("rope.scaling.attn_factor", 1.0)
     window = m("attention.sliding_window", 4096 if arch == "gemma2" else 0) if arch in ("gemma2", "gemma3") else 0
     pattern = {"gemma2": 2, "gemma3": 6}.get(arch, 0)
     attn_cap = m("attn_logit_softcapping", 50.0) if arch == "gemma2" else 0.0
@@ -244,9 +251,9 @@ def forward(w: dict, meta: dict, tokens, activation: str | None = None, int8_act
             k = head_norm(k, p + "attn_k_norm.weight", n_kv)
         if arch != "opt":
             # gemma3's sliding layers: their own base, unscaled
-            b, fs, yc = (10000.0, 1.0, None) if arch == "gemma3" and slides(l) else (base, freq_scale, yarn_ctx)
-            q = rope(q, pos, n_head, hd, rope_dim, b, neox, fs, factors, yc)
-            k = rope(k, pos, n_kv, hd, rope_dim, b, neox, fs, factors, yc)
+            b, fs, yc, mag = (10000.0, 1.0, None, 1.0) if arch == "gemma3" and slides(l) else (base, freq_scale, yarn_ctx, magnitude)
+            q = rope(q, pos, n_head, hd, rope_dim, b, neox, fs, factors, yc, mag)
+            k = rope(k, pos, n_kv, hd, rope_dim, b, neox, fs, factors, yc, mag)
         q, k, v = q.reshape(n, n_head, hd), k.reshape(n, n_kv, hd), v.reshape(n, n_kv, hd)
         out = np.zeros((n, n_head, hd))
         layer_mask = mask

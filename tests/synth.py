@@ -114,12 +114,14 @@ def write_model(
     rope_scaling: float | None = None,
     rope_freqs: bool = False,
     yarn_original_ctx: int | None = None,
+    longrope_original_ctx: int | None = None,
 ) -> str:
     """A random model of `arch` (features per ARCH_FEATURES). `head_dim` writes
     attention.key_length/value_length (q_dim may then differ from n_embd); `sliding_window`
     the window of gemma2/3's sliding layers; `rope_scaling` a linear rope.scaling.factor, or
     YaRN's with `yarn_original_ctx` (its original_context_length); `rope_freqs` Llama 3's
-    per-frequency factors."""
+    per-frequency factors; `longrope_original_ctx` Phi-3's LongRoPE (short and long factors,
+    the original context and an attention factor, as the Phi-3 128k converter writes them)."""
     rng = np.random.default_rng(seed)
     n_vocab = len(tiny_vocab()[0])
     hd = head_dim or n_embd // n_head
@@ -145,6 +147,9 @@ def write_model(
         w.add_rope_scaling_factor(rope_scaling)
     if yarn_original_ctx is not None:
         w.add_rope_scaling_orig_ctx_len(yarn_original_ctx)
+    if longrope_original_ctx is not None:
+        w.add_rope_scaling_orig_ctx_len(longrope_original_ctx)
+        w.add_rope_scaling_attn_factors(1.19)
     if arch == "gemma2":
         w.add_attn_logit_softcapping(50.0)
         w.add_final_logit_softcapping(30.0)
@@ -174,6 +179,9 @@ def write_model(
     mat("token_embd.weight", n_vocab, n_embd, 1.0 / np.sqrt(n_embd) if arch.startswith("gemma") else 1.0)
     if rope_freqs:
         w.add_tensor("rope_freqs.weight", (1.0 + 7.0 * rng.random(hd // 2)).astype(np.float32))
+    if longrope_original_ctx is not None:
+        w.add_tensor("rope_factors_long.weight", (1.0 + 30.0 * rng.random(hd // 2)).astype(np.float32))
+        w.add_tensor("rope_factors_short.weight", (1.0 + 0.5 * rng.random(hd // 2)).astype(np.float32))
     for l in range(n_layer):
         p = f"blk.{l}."
         vec(p + "attn_norm.weight", n_embd)

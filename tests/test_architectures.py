@@ -1,6 +1,6 @@
-"""The architectures whose differences are data inside the one layer: Qwen 3, Gemma 1-3, Phi-3
-Llama 3's RoPE (frequency factors, linear scaling) and YaRN, each against the independent float64
-reference (tests/reference.py) on a tiny random model written as llama.cpp's converter writes
+"""The architectures whose differences are data inside the one layer: Qwen 3, Gemma 1-3, Phi-3,
+Llama 3's RoPE (frequency factors, linear scaling), YaRN and LongRoPE, each against the independent
+float64 reference (tests/reference.py) on a tiny random model written as llama.cpp's converter writes
 such files. Sliding-window layers are checked both with the whole context cached and with the
 ring that keeps only the window, over prompts longer than one pass."""
 
@@ -27,6 +27,8 @@ CASES = {
     "llama3-rope-freqs-linear-scaling": dict(arch="llama", rope_freqs=True, rope_scaling=2.0),
     # a context of 4x the original 64 positions, over which the low frequencies interpolate
     "qwen2-yarn": dict(arch="qwen2", bias=True, rope_scaling=4.0, yarn_original_ctx=64),
+    # sessions of 64 positions: beyond the original 32, so the long factors
+    "phi3-longrope": dict(arch="phi3", n_head_kv=4, longrope_original_ctx=32),
 }
 
 
@@ -40,7 +42,7 @@ def test_logits_match_float64_reference(tmp_path, case):
     model = _core.Model(path, 2)
     ids = np.random.default_rng(1).integers(0, model.config()["n_vocab"], size=40).tolist()
     w, meta = read_weights(path)
-    ref = forward(w, meta, ids)
+    ref = forward(w, meta, ids, n_ctx=64)
     # prefill, then the same tokens one at a time
     got = _core.Session(model, 64, "f32").eval(ids, all_logits=True)
     rel = relative_error(got, ref)
@@ -54,7 +56,7 @@ def test_logits_match_float64_reference(tmp_path, case):
     arch = meta["general.architecture"]
     plain_meta = {k.replace(f"{arch}.", "llama.", 1): v for k, v in meta.items() if "rope.scaling" not in k}
     plain_meta["general.architecture"] = "llama"
-    extra = ("rope_freqs", "_norm.weight", "post_")
+    extra = ("rope_freqs", "rope_factors", "_norm.weight", "post_")
     plain_w = {k: v for k, v in w.items() if not any(e in k for e in extra) or "attn_norm" in k or "ffn_norm" in k or "output_norm" in k}
     plain_rel = relative_error(got, forward(plain_w, plain_meta, ids, activation="silu"))
     assert plain_rel > 20 * FLOAT_TOL, f"a plain llama layer is only {plain_rel:.2e} away"
@@ -116,3 +118,17 @@ def test_gpu_refuses_the_new_features_by_name(tmp_path):
     path = write_model(tmp_path / "m.gguf", arch="gemma3", tied=True, n_layer=7, sliding_window=8)
     reason = _core.gpu_unsupported_reason(_core.Model(path, 1), "dense")
     assert reason is not None and "gemma3" in reason and "CPU" in reason
+
+
+def test_longrope_picks_its_factors_by_the_session_context(tmp_path):
+    """LongRoPE's short factors for a session within the original context (32), the long ones
+    beyond it, each matching the reference and far from the other."""
+    path = write_model(tmp_path / "m.gguf", arch="phi3", n_head_kv=4, longrope_original_ctx=32)
+    model = _core.Model(path, 2)
+    ids = np.random.default_rng(3).integers(0, model.config()["n_vocab"], size=20).tolist()
+    w, meta = read_weights(path)
+    short, long = forward(w, meta, ids, n_ctx=32), forward(w, meta, ids, n_ctx=64)
+    assert relative_error(short, long) > 20 * FLOAT_TOL
+    for n_ctx, ref in [(32, short), (64, long)]:
+        got = _core.Session(model, n_ctx, "f32").eval(ids, all_logits=True)
+        assert relative_error(got, ref) < FLOAT_TOL, f"n_ctx {n_ctx}"

@@ -16,7 +16,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "llamacpp"
 LOGITS = np.load(FIXTURES / "logits.npz")
 IDS = LOGITS["ids"].tolist()
 
-ARCHITECTURES = ["qwen3", "gemma", "gemma2", "gemma3", "phi3", "llama3", "qwen2-yarn"]
+ARCHITECTURES = ["qwen3", "gemma", "gemma2", "gemma3", "phi3", "llama3", "qwen2-yarn", "phi3-longrope"]
 # preset -> the tensor types llama.cpp's quantizer wrote for it (besides F32 norms)
 PRESETS = {
     "Q2_K": {"Q2_K", "Q3_K", "Q6_K"},

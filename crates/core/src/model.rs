@@ -162,6 +162,10 @@ pub struct Config {
     pub n_head_kv: usize,
     pub head_dim: usize,
     pub n_ctx_train: usize,
+    /// The context the RoPE was trained for before any scaling (`rope.scaling.
+    /// original_context_length`, else `n_ctx_train`): YaRN's correction range, and which of
+    /// LongRoPE's factor sets a session uses.
+    pub rope_ctx_orig: usize,
     pub rope_dim: usize,
     pub rope_base: f32,
     pub rope_style: RopeStyle,
@@ -357,6 +361,21 @@ pub struct Weights<'a> {
     pub output_norm_b: Option<Vec<f32>>,    // (n_embd), LayerNorm families
     pub output: QMatrix<'a>,                // (n_vocab, n_embd); token_embd when tied
     pub rope_freqs: Option<Vec<f32>>,       // (rope_dim / 2), Llama 3: each frequency is divided by its factor
+    /// LongRoPE (Phi-3 128k): frequency factors as `rope_freqs`, [short, long] (rope_dim / 2
+    /// each): the long ones for sessions whose context exceeds `Config::rope_ctx_orig`.
+    pub rope_factors: Option<[Vec<f32>; 2]>,
+}
+
+impl Weights<'_> {
+    /// The frequency factors a session of `n_ctx` positions uses, if any (llama.cpp's
+    /// `get_rope_factors`).
+    pub fn rope_factors(&self, c: &Config, n_ctx: usize) -> Option<&[f32]> {
+        match (&self.rope_freqs, &self.rope_factors) {
+            (Some(f), _) => Some(f),
+            (None, Some([short, long])) => Some(if n_ctx > c.rope_ctx_orig { long } else { short }),
+            (None, None) => None,
+        }
+    }
 }
 
 /// Input-major (transposed) copies of one kind of layer matrix, built on first use: for the
@@ -523,14 +542,14 @@ impl Config {
                 Err(Error::Model(format!("{} = {factor} is not a positive factor", k("rope.scaling.factor"))))
             }
         };
+        let rope_ctx_orig = meta_usize(file, &k("rope.scaling.original_context_length"))?.unwrap_or(n_ctx_train);
         // llama.cpp's defaults: YaRN's original context is the trained one, beta 32 and 1
         let yarn_f32 = |key: &str, default: f32| meta_f32(file, &k(&format!("rope.scaling.yarn_{key}"))).map(|v| v.unwrap_or(default));
         let (rope_freq_scale, rope_yarn) = match scaling_type {
             None | Some(Some("none")) => (1.0, None),
             Some(Some("linear")) => (1.0 / factor()?, None),
             Some(Some("yarn")) => {
-                let n_ctx_orig = meta_usize(file, &k("rope.scaling.original_context_length"))?.unwrap_or(n_ctx_train);
-                let yarn = Yarn::new(rope_dim, n_ctx_orig, rope_base, yarn_f32("beta_fast", 32.0)?, yarn_f32("beta_slow", 1.0)?, yarn_f32("ext_factor", 1.0)?);
+                let yarn = Yarn::new(rope_dim, rope_ctx_orig, rope_base, yarn_f32("beta_fast", 32.0)?, yarn_f32("beta_slow", 1.0)?, yarn_f32("ext_factor", 1.0)?);
                 (1.0 / factor()?, Some(yarn))
             }
             // llama3 scaling is baked into the file's `rope_freqs` factors
@@ -554,8 +573,8 @@ impl Config {
             let attn = if log_mul != 0.0 { mscale(1.0) / mscale(log_mul) } else { mscale(1.0) };
             rope_magnitude *= attn / (1.0 + 0.1 * factor.ln()) * (1.0 + 0.1 * (1.0 / rope_freq_scale).ln());
         }
-        if file.tensor("rope_factors_long.weight").is_some() || file.tensor("rope_factors_short.weight").is_some() {
-            return Err(Error::Model(format!("{arch}: long-context RoPE factors (rope_factors_long/short, LongRoPE) are not supported")));
+        if file.tensor("rope_factors_long.weight").is_some() != file.tensor("rope_factors_short.weight").is_some() {
+            return Err(Error::Model(format!("{arch}: LongRoPE needs both rope_factors_long and rope_factors_short")));
         }
         let (sliding_window, swa_pattern) = match arch.as_str() {
             "gemma2" => (meta_usize(file, &k("attention.sliding_window"))?.unwrap_or(4096), 2),
@@ -579,6 +598,7 @@ impl Config {
             n_head_kv,
             head_dim,
             n_ctx_train,
+            rope_ctx_orig,
             rope_dim,
             rope_base,
             rope_style,
@@ -772,6 +792,10 @@ impl Weights<'_> {
             output_norm_b: vector(file, "output_norm.bias", c.n_embd)?,
             output,
             rope_freqs: vector(file, "rope_freqs.weight", c.rope_dim / 2)?,
+            rope_factors: match (vector(file, "rope_factors_short.weight", c.rope_dim / 2)?, vector(file, "rope_factors_long.weight", c.rope_dim / 2)?) {
+                (Some(short), Some(long)) => Some([short, long]),
+                _ => None,
+            },
         })
     }
 }

@@ -90,7 +90,7 @@ impl Session {
             (0..c.n_layer).map(|l| (c.slides(l) && KvRing::rows(c.sliding_window) < n_ctx).then(|| KvRing::new(c.sliding_window))).collect();
         let rows = |l: usize| kv_ring[l].as_ref().map_or(n_ctx, |r| KvRing::rows(r.window));
         let cache = || (0..c.n_layer).map(|l| KvBuf::new(kv_type, rows(l) * c.kv_dim())).collect::<Result<Vec<_>>>();
-        let rope = (0..c.rope_sets()).map(|set| c.rope(set, model.weights.rope_freqs.as_deref())).collect();
+        let rope = (0..c.rope_sets()).map(|set| c.rope(set, model.weights.rope_factors(c, n_ctx))).collect();
         Ok(Session {
             n_ctx,
             tokens: Vec::new(),

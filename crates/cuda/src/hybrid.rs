@@ -145,7 +145,7 @@ pub fn unsupported_reason(model: &Model, mode: Option<SparsityMode>) -> Option<S
     }
     let w = &model.weights;
     let normed = w.layers.iter().any(|lw| lw.q_norm.is_some() || lw.attn_post_norm.is_some() || lw.ffn_post_norm.is_some());
-    let feature = c.feature_beyond_llama().or(normed.then_some("q/k or post-block norms")).or(w.rope_freqs.as_ref().map(|_| "RoPE frequency factors"));
+    let feature = c.feature_beyond_llama().or(normed.then_some("q/k or post-block norms")).or((w.rope_freqs.is_some() || w.rope_factors.is_some()).then_some("RoPE frequency factors"));
     if let Some(feature) = feature {
         return Some(format!("{} uses {feature}, which the GPU executor does not have yet; it runs on the CPU", c.architecture));
     }
