@@ -115,13 +115,16 @@ def write_model(
     rope_freqs: bool = False,
     yarn_original_ctx: int | None = None,
     longrope_original_ctx: int | None = None,
+    extra_meta: dict | None = None,
 ) -> str:
     """A random model of `arch` (features per ARCH_FEATURES). `head_dim` writes
     attention.key_length/value_length (q_dim may then differ from n_embd); `sliding_window`
     the window of gemma2/3's sliding layers; `rope_scaling` a linear rope.scaling.factor, or
     YaRN's with `yarn_original_ctx` (its original_context_length); `rope_freqs` Llama 3's
     per-frequency factors; `longrope_original_ctx` Phi-3's LongRoPE (short and long factors,
-    the original context and an attention factor, as the Phi-3 128k converter writes them)."""
+    the original context and an attention factor, as the Phi-3 128k converter writes them);
+    `extra_meta` more keys (str or float values, "{arch}." prefixed), replacing those of the
+    same name."""
     rng = np.random.default_rng(seed)
     n_vocab = len(tiny_vocab()[0])
     hd = head_dim or n_embd // n_head
@@ -180,8 +183,10 @@ def write_model(
     if rope_freqs:
         w.add_tensor("rope_freqs.weight", (1.0 + 7.0 * rng.random(hd // 2)).astype(np.float32))
     if longrope_original_ctx is not None:
-        w.add_tensor("rope_factors_long.weight", (1.0 + 30.0 * rng.random(hd // 2)).astype(np.float32))
-        w.add_tensor("rope_factors_short.weight", (1.0 + 0.5 * rng.random(hd // 2)).astype(np.float32))
+        long, short = (1.0 + 30.0 * rng.random(hd // 2)).astype(np.float32), (1.0 + 0.5 * rng.random(hd // 2)).astype(np.float32)
+        for name, factors in [("rope_factors_long.weight", long), ("rope_factors_short.weight", short)]:
+            if name not in skip:
+                w.add_tensor(name, factors)
     for l in range(n_layer):
         p = f"blk.{l}."
         vec(p + "attn_norm.weight", n_embd)
@@ -214,6 +219,9 @@ def write_model(
     if not tied:
         mat("output.weight", n_vocab, n_embd, 0.3)
 
+    for key, value in (extra_meta or {}).items():
+        # (later values replace earlier ones of the same key)
+        (w.add_string if isinstance(value, str) else w.add_float32)(f"{arch}.{key}", value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

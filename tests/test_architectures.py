@@ -132,3 +132,19 @@ def test_longrope_picks_its_factors_by_the_session_context(tmp_path):
     for n_ctx, ref in [(32, short), (64, long)]:
         got = _core.Session(model, n_ctx, "f32").eval(ids, all_logits=True)
         assert relative_error(got, ref) < FLOAT_TOL, f"n_ctx {n_ctx}"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(extra_meta={"rope.scaling.type": "ntk-by-parts"}), r"rope.scaling.type = .ntk-by-parts. is not supported \(supported: none, linear, yarn"),
+        (dict(rope_scaling=0.0, yarn_original_ctx=64), r"rope.scaling.factor = 0 is not a positive factor"),
+        (dict(extra_meta={"rope.scaling.type": "longrope"}), r"longrope. is not supported"),
+        (dict(longrope_original_ctx=32, skip=("rope_factors_short.weight",)), r"LongRoPE needs both rope_factors_long and rope_factors_short"),
+    ],
+    ids=["unknown-type", "yarn-zero-factor", "longrope-without-factors", "longrope-half"],
+)
+def test_bad_rope_scaling_is_named(tmp_path, kwargs, message):
+    path = write_model(tmp_path / "m.gguf", arch="phi3", n_head_kv=4, **kwargs)
+    with pytest.raises(ValueError, match=message):
+        _core.Model(path, 2)

@@ -552,11 +552,13 @@ impl Config {
                 let yarn = Yarn::new(rope_dim, rope_ctx_orig, rope_base, yarn_f32("beta_fast", 32.0)?, yarn_f32("beta_slow", 1.0)?, yarn_f32("ext_factor", 1.0)?);
                 (1.0 / factor()?, Some(yarn))
             }
-            // llama3 scaling is baked into the file's `rope_freqs` factors
+            // llama3 scaling is baked into the file's `rope_freqs` factors, LongRoPE's into
+            // `rope_factors_short/long`
             Some(Some("llama3")) => (1.0, None),
+            Some(Some("longrope")) if file.tensor("rope_factors_long.weight").is_some() => (1.0, None),
             Some(other) => {
                 return Err(Error::Model(format!(
-                    "{} = {:?} is not supported (supported: none, linear, yarn, llama3)",
+                    "{} = {:?} is not supported (supported: none, linear, yarn, llama3, longrope)",
                     k("rope.scaling.type"),
                     other.unwrap_or("a non-string")
                 )))
