@@ -506,7 +506,7 @@ unsafe fn weighted_sum_pass<const F16: bool, const G: usize, const P: usize>(
 /// 32 signed bytes to four vectors of 8 f32 lanes, in element order.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn i8x32_to_f32x4(q: __m256i) -> [__m256; 4] {
+pub(crate) unsafe fn i8x32_to_f32x4(q: __m256i) -> [__m256; 4] {
     halves_to_f32x4(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1))
 }
 
@@ -588,8 +588,8 @@ pub unsafe fn axpy(dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
                 axpy_block(yp.add(32 * i), i8x32_to_f32x4(_mm256_loadu_si256(b.qs.as_ptr() as *const __m256i)), _mm256_mul_ps(av, splat_f16(b.d)), None);
             }
         }
-        // the k-quant family: scalar for now
-        _ => crate::quant::axpy_scalar(dtype, row, a, y),
+        // the chunked formats
+        _ => crate::quant::chunked_avx2::axpy_rows::<1>(dtype, [row], [a], y),
     }
 }
 
@@ -659,12 +659,8 @@ pub unsafe fn axpy_rows<const R: usize>(dtype: DType, rows: [&[u8]; R], a: [f32;
         }
         DType::Q4_1 => quantized!(BlockQ4_1, |b| nibbles_to_f32x4(&b.qs, _mm_setzero_si128()), true),
         DType::Q8_0 => quantized!(BlockQ8_0, |b| i8x32_to_f32x4(_mm256_loadu_si256(b.qs.as_ptr() as *const __m256i)), false),
-        // the k-quant family: scalar for now
-        _ => {
-            for r in 0..R {
-                crate::quant::axpy_scalar(dtype, rows[r], a[r], y);
-            }
-        }
+        // the chunked formats
+        _ => crate::quant::chunked_avx2::axpy_rows::<R>(dtype, rows, a, y),
     }
 }
 

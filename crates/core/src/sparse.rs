@@ -379,6 +379,15 @@ mod tests {
         random_vec(rows * cols, seed).chunks(cols).flat_map(|r| quantize_row(dtype, r)).collect()
     }
 
+    /// A row of any type: quantized from random values, or random valid blocks (chunked types).
+    fn any_row(dtype: DType, n: usize, seed: u64) -> Vec<u8> {
+        if quant::is_chunked(dtype) {
+            crate::quant::chunked::tests::random_row(dtype, n, seed)
+        } else {
+            quantize_row(dtype, &random_vec(n, seed))
+        }
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx2_axpy_matches_scalar() {
@@ -386,9 +395,12 @@ mod tests {
             eprintln!("skipping: no AVX2 on this CPU");
             return;
         }
-        for dtype in ALL {
+        for dtype in ALL.into_iter().chain(quant::chunked::CHUNKED) {
             for n in [32, 64, 96, 576, 4096] {
-                let row = quantize_row(dtype, &random_vec(n, n as u64));
+                if n % dtype.block_len() != 0 {
+                    continue;
+                }
+                let row = any_row(dtype, n, n as u64);
                 let y0 = random_vec(n, 99);
                 let (mut ys, mut yv) = (y0.clone(), y0.clone());
                 quant::axpy_scalar(dtype, &row, 0.37, &mut ys);
@@ -399,9 +411,12 @@ mod tests {
             }
         }
         // four rows at once
-        for dtype in ALL {
+        for dtype in ALL.into_iter().chain(quant::chunked::CHUNKED) {
             for n in [32, 96, 4096] {
-                let rows: Vec<Vec<u8>> = (0..4).map(|r| quantize_row(dtype, &random_vec(n, 40 + r))).collect();
+                if n % dtype.block_len() != 0 {
+                    continue;
+                }
+                let rows: Vec<Vec<u8>> = (0..4).map(|r| any_row(dtype, n, 40 + r)).collect();
                 let a = [0.5, -1.25, 2.0, 0.125];
                 let y0 = random_vec(n, 98);
                 let (mut ys, mut yv) = (y0.clone(), y0.clone());
@@ -432,9 +447,12 @@ mod tests {
             eprintln!("skipping: no AVX-512 VNNI on this CPU");
             return;
         }
-        for dtype in ALL {
+        for dtype in ALL.into_iter().chain(quant::chunked::CHUNKED) {
             for n in [32, 64, 96, 576, 4096] {
-                let rows: Vec<Vec<u8>> = (0..4).map(|r| quantize_row(dtype, &random_vec(n, 60 + r + n as u64))).collect();
+                if n % dtype.block_len() != 0 {
+                    continue;
+                }
+                let rows: Vec<Vec<u8>> = (0..4).map(|r| any_row(dtype, n, 60 + r + n as u64)).collect();
                 let a = [0.5, -1.25, 2.0, 0.125];
                 let y0 = random_vec(n, 97);
                 let (mut ys, mut y1, mut y4) = (y0.clone(), y0.clone(), y0.clone());

@@ -393,6 +393,40 @@ pub unsafe fn dot<const R: usize, const N: usize>(dtype: DType, rows: [&[u8]; R]
     }
 }
 
+/// y += sum over r of a[r] * row r, for R rows of a chunked type (the sparse down projection):
+/// each chunk decoded, its weights scale * v - min widened to floats. The SIMD twin of R calls
+/// of `chunked::axpy_scalar` (each weight rounded as there; the sum fused).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn axpy_rows<const R: usize>(dtype: DType, rows: [&[u8]; R], a: [f32; R], y: &mut [f32]) {
+    let (n, yp) = (y.len(), y.as_mut_ptr());
+    macro_rules! rows_axpy {
+        ($decode:path, $dtype:expr) => {{
+            const PER_BLOCK: usize = chunks_per_block($dtype);
+            for k in 0..n / QK {
+                let p = yp.add(QK * k);
+                let mut acc = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))];
+                for r in 0..R {
+                    let ch = $decode(rows[r], k / PER_BLOCK, k % PER_BLOCK);
+                    // the halves' scales and minima ([h0 x 4, h1 x 4]) to all lanes each
+                    let min = _mm256_add_ps(ch.min, ch.min_halves);
+                    let scale = [_mm256_permute2f128_ps::<0x00>(ch.scale, ch.scale), _mm256_permute2f128_ps::<0x11>(ch.scale, ch.scale)];
+                    let min = [_mm256_permute2f128_ps::<0x00>(min, min), _mm256_permute2f128_ps::<0x11>(min, min)];
+                    let w = crate::avx2::i8x32_to_f32x4(ch.v);
+                    let ar = _mm256_set1_ps(a[r]);
+                    for j in 0..4 {
+                        let weight = _mm256_sub_ps(_mm256_mul_ps(scale[j / 2], w[j]), min[j / 2]);
+                        acc[j] = _mm256_fmadd_ps(weight, ar, acc[j]);
+                    }
+                }
+                for (j, v) in acc.into_iter().enumerate() {
+                    _mm256_storeu_ps(p.add(8 * j), v);
+                }
+            }
+        }};
+    }
+    with_decoder!(dtype, rows_axpy)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
