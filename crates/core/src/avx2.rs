@@ -90,31 +90,33 @@ unsafe fn dot_u8_i8(w: __m256i, a: &[i8; 32]) -> __m256 {
 }
 
 /// Twin of `quant::dot_q4_0_scalar`, for R rows of as many blocks (decode groups rows so that
-/// they share the activations' loads and their sums do not wait on each other).
+/// they share the activations' loads and their sums do not wait on each other). The weights
+/// q - 8 go in signed, as Q8_0's do: |q - 8| times the activations with q - 8's sign, so the
+/// offset stays in the integer sum (no float term per block for it).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q4_0<const R: usize, const N: usize>(w: [&[BlockQ4_0]; R], a: [&[BlockQ8Act]; N], next: &[u8]) -> [[f32; N]; R] {
     let mut prefetch = Prefetch::new(next, w[0].len());
     let mut acc = [[_mm256_setzero_ps(); N]; R];
-    // Every lane of `offset` carries the same running sum of d * s (see `lane0`).
-    let mut offset = [[_mm256_setzero_ps(); N]; R];
+    let (eight, ones) = (_mm256_set1_epi8(8), _mm256_set1_epi16(1));
     for i in 0..w[0].len() {
         prefetch.step();
         for r in 0..R {
             let b = w[r].get_unchecked(i);
             let d = splat_f16(b.d);
-            let wq = unpack_nibbles(&b.qs);
+            let v = _mm256_sub_epi8(unpack_nibbles(&b.qs), eight);
+            let u = _mm256_sign_epi8(v, v);
             for j in 0..N {
                 let ab = a[j].get_unchecked(i);
-                acc[r][j] = _mm256_fmadd_ps(dot_u8_i8(wq, &ab.qs), _mm256_mul_ps(d, _mm256_set1_ps(ab.d)), acc[r][j]);
-                offset[r][j] = _mm256_fmadd_ps(d, _mm256_set1_ps(ab.s), offset[r][j]);
+                let s = _mm256_sign_epi8(_mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i), v);
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones);
+                acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(d, _mm256_set1_ps(ab.d)), acc[r][j]);
             }
         }
     }
     let mut out = [[0.0f32; N]; R];
     for r in 0..R {
         for j in 0..N {
-            // Q4_0 stores q + 8: remove 8 * d * sum(a) per block.
-            out[r][j] = hsum(acc[r][j]) - 8.0 * lane0(offset[r][j]);
+            out[r][j] = hsum(acc[r][j]);
         }
     }
     out

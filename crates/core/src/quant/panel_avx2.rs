@@ -47,8 +47,6 @@ impl Default for WeightChunk {
 /// has per-half minima (Q2_K).
 const fn form(dtype: DType) -> (bool, Option<f32>, bool) {
     match dtype {
-        // `avx2::dot_q4_0` keeps the nibbles unsigned and takes 8 * d * s per block off at the end
-        DType::Q4_0 => (false, Some(-8.0), false),
         DType::Q4_1 => (false, Some(1.0), false),
         // the chunked decoders store the minima of Q5_1, Q4_K and Q5_K as subtrahends
         DType::Q5_1 | DType::Q4_K | DType::Q5_K => (false, Some(-1.0), false),
@@ -77,9 +75,10 @@ pub unsafe fn unpack_row(dtype: DType, row: &[u8], cols: usize, out: &mut [Weigh
     let zero = _mm256_setzero_ps();
     match dtype {
         DType::Q4_0 => {
+            // q - 8, signed (as `avx2::dot_q4_0` takes it)
+            let eight = _mm256_set1_epi8(8);
             for (o, b) in out.iter_mut().zip(cast_blocks::<BlockQ4_0>(row)) {
-                let d = splat_f16(b.d);
-                store(o, unpack_nibbles(&b.qs), false, d, d, zero);
+                store(o, _mm256_sub_epi8(unpack_nibbles(&b.qs), eight), true, splat_f16(b.d), zero, zero);
             }
         }
         DType::Q4_1 => {
