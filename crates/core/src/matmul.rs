@@ -421,7 +421,13 @@ fn rows_for_all_tokens(w: &QMatrix, rows: std::ops::Range<usize>, x: &Activation
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if level == SimdLevel::Avx2 && w.dtype.is_quantized() && !reads_q8k(level, w.dtype) && n >= PANEL_MIN_TOKENS {
+    if level == SimdLevel::Avx2 && reads_q8k(level, w.dtype) && n >= PANEL_MIN_TOKENS {
+        // SAFETY: as below; `q8k` holds n tokens (cols is a multiple of 256 for these types).
+        unsafe { quant::superblock_avx2::rows_all_tokens(w.dtype, |r| w.row(r), w.cols, rows, &x.q8k, n, put) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if level == SimdLevel::Avx2 && w.dtype.is_quantized() && n >= PANEL_MIN_TOKENS {
         // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c; `q8` holds n tokens.
         unsafe { panel_avx2::rows_all_tokens(w.dtype, |r| w.row(r), w.cols, rows, &x.q8, n, put) };
         return;

@@ -10,6 +10,12 @@
 //! v = u - 32. IQ4_XS's grid has no offset: its signs move onto the activations (`vpsignb`).
 //! The minima of Q2_K, Q4_K and Q5_K are one `vpmaddwd` of the minima with `bsums` per block.
 //! No sum saturates: |u| <= 127 and |a| <= 127 make a `vpmaddubsw` pair at most 32258.
+//!
+//! One decoder per format (`SuperBlock::decode`) feeds both the one-token dots (`dot`, which
+//! decode a block per four rows or tokens) and prompts (`rows_all_tokens`, which decode a row
+//! once into `UnpackedBlock`s and dot them with four tokens per step). A token's integer sums
+//! are exact in any order and its float steps are the same, so its dots are bit for bit the
+//! same alone and in a prompt.
 
 #![allow(clippy::missing_safety_doc)]
 
@@ -20,23 +26,6 @@ use super::chunked_avx2::{has_bit, load32, nibbles};
 use super::superblock::BlockQ8K;
 use super::{cast_blocks, DType};
 use crate::avx2::{hsum, splat_f16, Prefetch};
-
-/// One super-block against N tokens: `sums[t]` holds the block's sum of scale * v * a, `mins[t]`
-/// its sum of min * a (formats with minima), both spread over eight 32-bit lanes; the block's
-/// value for token t is d * d_t * sums - dmin * d_t * mins.
-struct Sums<const N: usize> {
-    d: __m256,
-    dmin: __m256,
-    sums: [__m256i; N],
-    mins: [__m256i; N],
-}
-
-/// A 256-weight block format's integer sums.
-trait SuperBlock {
-    /// Whether the format has minima (`Sums::mins` is read).
-    const MIN: bool;
-    unsafe fn sums<const N: usize>(&self, a: [&BlockQ8K; N]) -> Sums<N>;
-}
 
 /// Chunk c (32 activations) of a token.
 #[inline]
@@ -100,81 +89,114 @@ unsafe fn crumb(x: __m256i, s: usize) -> __m256i {
     _mm256_and_si256(shifted, _mm256_set1_epi8(3))
 }
 
-/// sums[t] += scale * u * a for chunk c of every token.
+/// What a super-block contributes besides its chunks: its float factors, and 16 16-bit values
+/// (one per 16 weights) that meet the activations' `bsums`: the minima (`SuperBlock::MIN`), or
+/// the scales of a format stored as v + 2^`OFFSET_SHIFT`.
+#[derive(Clone, Copy)]
+struct Block {
+    d: __m256,
+    dmin: __m256,
+    extra: __m256i,
+}
+
+/// A 256-weight block format, decoded chunk by chunk.
+trait SuperBlock {
+    /// Whether the format has minima: d * sums - dmin * (minima . bsums).
+    const MIN: bool;
+    /// Stored as v + 2^OFFSET_SHIFT (0: not offset): (scales . bsums) << OFFSET_SHIFT comes off.
+    const OFFSET_SHIFT: i32;
+    /// Whether weights are negative as stored (IQ4_XS): u = |v|, v's signs go to the activations.
+    const SIGNED: bool;
+    /// Calls `each(c, u, v, scales)` for the block's chunks c = 0..8 in order: u the unsigned
+    /// operand of `vpmaddubsw`, v the signed weights (`SIGNED`; else u again), scales the
+    /// chunk's 16-bit scales as `scaled` takes them.
+    unsafe fn decode(&self, each: impl FnMut(usize, __m256i, __m256i, __m256i)) -> Block;
+}
+
+/// sums[t] += scale * v * a for chunk c of every token.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn add_chunk<const N: usize>(sums: &mut [__m256i; N], u: __m256i, a: [&BlockQ8K; N], c: usize, scales: __m256i) {
+unsafe fn add_chunk<const N: usize>(signed: bool, sums: &mut [__m256i; N], u: __m256i, v: __m256i, scales: __m256i, a: [&BlockQ8K; N], c: usize) {
     for t in 0..N {
-        sums[t] = _mm256_add_epi32(sums[t], scaled(u, acts(a[t], c), scales));
+        let x = if signed { _mm256_sign_epi8(acts(a[t], c), v) } else { acts(a[t], c) };
+        sums[t] = _mm256_add_epi32(sums[t], scaled(u, x, scales));
     }
 }
 
-/// Per token, the sum of scale * a per 16 activations (`vpmaddwd` of the scales with `bsums`),
-/// times 2^SHIFT, taken off `sums`: the offset of formats stored as v + 2^SHIFT.
+/// The block's extra term per token: the offset comes off `sums`; the minima's sums are returned.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn take_offset<const SHIFT: i32, const N: usize>(sums: &mut [__m256i; N], scales: __m256i, a: [&BlockQ8K; N]) {
+unsafe fn extras<B: SuperBlock, const N: usize>(blk: &Block, sums: &mut [__m256i; N], a: [&BlockQ8K; N]) -> [__m256i; N] {
+    let mut mins = [_mm256_setzero_si256(); N];
     for t in 0..N {
-        sums[t] = _mm256_sub_epi32(sums[t], _mm256_slli_epi32::<SHIFT>(_mm256_madd_epi16(scales, bsums(a[t]))));
+        if B::MIN {
+            mins[t] = _mm256_madd_epi16(blk.extra, bsums(a[t]));
+        } else if B::OFFSET_SHIFT > 0 {
+            let offset = _mm256_sll_epi32(_mm256_madd_epi16(blk.extra, bsums(a[t])), _mm_cvtsi32_si128(B::OFFSET_SHIFT));
+            sums[t] = _mm256_sub_epi32(sums[t], offset);
+        }
     }
+    mins
 }
 
-/// Per token, the minima (16-bit, one per 16 activations) times `bsums`.
+/// acc += d * d_a * sums - dmin * d_a * mins: a block's one float step for a token, the same
+/// whether the token goes alone or in a prompt.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn mins_of<const N: usize>(mins: __m256i, a: [&BlockQ8K; N]) -> [__m256i; N] {
-    let mut out = [_mm256_setzero_si256(); N];
-    for t in 0..N {
-        out[t] = _mm256_madd_epi16(mins, bsums(a[t]));
+unsafe fn float_step(min: bool, acc: &mut __m256, blk: &Block, sums: __m256i, mins: __m256i, d_a: f32) {
+    let d = _mm256_set1_ps(d_a);
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(blk.d, d), *acc);
+    if min {
+        *acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(blk.dmin, d), *acc);
     }
-    out
 }
 
 impl SuperBlock for BlockQ2K {
     const MIN: bool = true;
+    const OFFSET_SHIFT: i32 = 0;
+    const SIGNED: bool = false;
     /// u = 2 bits; per 16 weights a 4-bit scale (low nibble of `scales`) and minimum (high).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn sums<const N: usize>(&self, a: [&BlockQ8K; N]) -> Sums<N> {
+    unsafe fn decode(&self, mut each: impl FnMut(usize, __m256i, __m256i, __m256i)) -> Block {
         let packed = _mm_loadu_si128(self.scales.as_ptr() as *const __m128i);
         let low4 = _mm_set1_epi8(0x0F);
         let scales = halves(_mm256_cvtepu8_epi16(_mm_and_si128(packed, low4)));
-        let mut sums = [_mm256_setzero_si256(); N];
         for g in 0..2 {
             let q = load32(self.qs.as_ptr().add(32 * g));
             for s in 0..4 {
-                add_chunk(&mut sums, crumb(q, s), a, 4 * g + s, pair16(scales[g], s));
+                let u = crumb(q, s);
+                each(4 * g + s, u, u, pair16(scales[g], s));
             }
         }
         let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(packed), low4));
-        Sums { d: splat_f16(self.d), dmin: splat_f16(self.dmin), sums, mins: mins_of(mins, a) }
+        Block { d: splat_f16(self.d), dmin: splat_f16(self.dmin), extra: mins }
     }
 }
 
 impl SuperBlock for BlockQ3K {
     const MIN: bool = false;
+    const OFFSET_SHIFT: i32 = 2;
+    const SIGNED: bool = false;
     /// u = 2 low bits + 4 * the `hmask` bit = v + 4; a signed 6-bit scale per 16 weights.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn sums<const N: usize>(&self, a: [&BlockQ8K; N]) -> Sums<N> {
+    unsafe fn decode(&self, mut each: impl FnMut(usize, __m256i, __m256i, __m256i)) -> Block {
         let packed = q3_k_scales(&self.scales);
         let signed = _mm_sub_epi8(_mm_loadu_si128(packed.as_ptr() as *const __m128i), _mm_set1_epi8(32));
         let all = _mm256_cvtepi8_epi16(signed);
         let scales = halves(all);
         let hmask = load32(self.hmask.as_ptr());
         let four = _mm256_set1_epi8(4);
-        let mut sums = [_mm256_setzero_si256(); N];
         for g in 0..2 {
             let q = load32(self.qs.as_ptr().add(32 * g));
             for s in 0..4 {
                 let c = 4 * g + s;
                 let u = _mm256_or_si256(crumb(q, s), _mm256_and_si256(has_bit(hmask, c), four));
-                add_chunk(&mut sums, u, a, c, pair16(scales[g], s));
+                each(c, u, u, pair16(scales[g], s));
             }
         }
-        take_offset::<2, N>(&mut sums, all, a);
-        let zero = _mm256_setzero_ps();
-        Sums { d: splat_f16(self.d), dmin: zero, sums, mins: [_mm256_setzero_si256(); N] }
+        Block { d: splat_f16(self.d), dmin: _mm256_setzero_ps(), extra: all }
     }
 }
 
@@ -182,15 +204,12 @@ impl SuperBlock for BlockQ3K {
 /// unsigned 6-bit scale and minimum per 32 weights.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn k4_sums<const N: usize>(d: u16, dmin: u16, packed: &[u8; 12], qs: &[u8; 128], qh: Option<&[u8; 32]>, a: [&BlockQ8K; N]) -> Sums<N> {
+unsafe fn k4_decode(d: u16, dmin: u16, packed: &[u8; 12], qs: &[u8; 128], qh: Option<&[u8; 32]>, mut each: impl FnMut(usize, __m256i, __m256i, __m256i)) -> Block {
     let sm = k4_scales(packed);
     let sm = _mm_loadu_si128(sm.as_ptr() as *const __m128i);
     let scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
-    // minimum k for bsums 2k and 2k + 1
-    let mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
     let low4 = _mm256_set1_epi8(0x0F);
     let high = qh.map(|qh| load32(qh.as_ptr()));
-    let mut sums = [_mm256_setzero_si256(); N];
     for g in 0..4 {
         let q = load32(qs.as_ptr().add(32 * g));
         let nibbles = [_mm256_and_si256(q, low4), _mm256_and_si256(_mm256_srli_epi16::<4>(q), low4)];
@@ -199,41 +218,48 @@ unsafe fn k4_sums<const N: usize>(d: u16, dmin: u16, packed: &[u8; 12], qs: &[u8
             if let Some(high) = high {
                 u = _mm256_or_si256(u, _mm256_and_si256(has_bit(high, c), _mm256_set1_epi8(0x10)));
             }
-            add_chunk(&mut sums, u, a, c, lane16(scales, c));
+            each(c, u, u, lane16(scales, c));
         }
     }
-    Sums { d: splat_f16(d), dmin: splat_f16(dmin), sums, mins: mins_of(mins, a) }
+    // minimum k for bsums 2k and 2k + 1
+    let mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
+    Block { d: splat_f16(d), dmin: splat_f16(dmin), extra: mins }
 }
 
 impl SuperBlock for BlockQ4K {
     const MIN: bool = true;
+    const OFFSET_SHIFT: i32 = 0;
+    const SIGNED: bool = false;
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn sums<const N: usize>(&self, a: [&BlockQ8K; N]) -> Sums<N> {
-        k4_sums(self.d, self.dmin, &self.scales, &self.qs, None, a)
+    unsafe fn decode(&self, each: impl FnMut(usize, __m256i, __m256i, __m256i)) -> Block {
+        k4_decode(self.d, self.dmin, &self.scales, &self.qs, None, each)
     }
 }
 
 impl SuperBlock for BlockQ5K {
     const MIN: bool = true;
+    const OFFSET_SHIFT: i32 = 0;
+    const SIGNED: bool = false;
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn sums<const N: usize>(&self, a: [&BlockQ8K; N]) -> Sums<N> {
-        k4_sums(self.d, self.dmin, &self.scales, &self.qs, Some(&self.qh), a)
+    unsafe fn decode(&self, each: impl FnMut(usize, __m256i, __m256i, __m256i)) -> Block {
+        k4_decode(self.d, self.dmin, &self.scales, &self.qs, Some(&self.qh), each)
     }
 }
 
 impl SuperBlock for BlockQ6K {
     const MIN: bool = false;
+    const OFFSET_SHIFT: i32 = 5;
+    const SIGNED: bool = false;
     /// u = 4 low bits (`ql`) + 2 high bits (`qh`) << 4 = v + 32; a signed 8-bit scale per 16
     /// weights. Chunk 4g + s: `ql` bytes 64g + 32 (s % 2), nibble s / 2; `qh` bytes 32g, bits 2s.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn sums<const N: usize>(&self, a: [&BlockQ8K; N]) -> Sums<N> {
+    unsafe fn decode(&self, mut each: impl FnMut(usize, __m256i, __m256i, __m256i)) -> Block {
         let all = _mm256_cvtepi8_epi16(_mm_loadu_si128(self.scales.as_ptr() as *const __m128i));
         let scales = halves(all);
         let (low4, top2) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
-        let mut sums = [_mm256_setzero_si256(); N];
         for g in 0..2 {
             let ql = [load32(self.ql.as_ptr().add(64 * g)), load32(self.ql.as_ptr().add(64 * g + 32))];
             let qh = load32(self.qh.as_ptr().add(32 * g));
@@ -247,41 +273,37 @@ impl SuperBlock for BlockQ6K {
                     _ => _mm256_srli_epi16::<2>(qh),
                 };
                 let u = _mm256_or_si256(_mm256_and_si256(low, low4), _mm256_and_si256(high, top2));
-                add_chunk(&mut sums, u, a, 4 * g + s, pair16(scales[g], s));
+                each(4 * g + s, u, u, pair16(scales[g], s));
             }
         }
-        take_offset::<5, N>(&mut sums, all, a);
-        Sums { d: splat_f16(self.d), dmin: _mm256_setzero_ps(), sums, mins: [_mm256_setzero_si256(); N] }
+        Block { d: splat_f16(self.d), dmin: _mm256_setzero_ps(), extra: all }
     }
 }
 
 impl SuperBlock for BlockIQ4XS {
     const MIN: bool = false;
+    const OFFSET_SHIFT: i32 = 0;
+    const SIGNED: bool = true;
     /// v = the grid value of a nibble; a signed 6-bit scale per 32 weights.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn sums<const N: usize>(&self, a: [&BlockQ8K; N]) -> Sums<N> {
+    unsafe fn decode(&self, mut each: impl FnMut(usize, __m256i, __m256i, __m256i)) -> Block {
         let mut ls = [0i16; 8];
         for (c, l) in ls.iter_mut().enumerate() {
             *l = iq4_xs_scale(self, c) as i16;
         }
         let scales = _mm256_broadcastsi128_si256(_mm_loadu_si128(ls.as_ptr() as *const __m128i));
         let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(IQ4_VALUES.as_ptr() as *const __m128i));
-        let mut sums = [_mm256_setzero_si256(); N];
         for c in 0..8 {
             let v = _mm256_shuffle_epi8(table, nibbles(self.qs.as_ptr().add(16 * c)));
-            let (u, sc) = (_mm256_sign_epi8(v, v), lane16(scales, c));
-            for t in 0..N {
-                let signed = _mm256_sign_epi8(acts(a[t], c), v);
-                sums[t] = _mm256_add_epi32(sums[t], scaled(u, signed, sc));
-            }
+            each(c, _mm256_sign_epi8(v, v), v, lane16(scales, c));
         }
-        Sums { d: splat_f16(self.d), dmin: _mm256_setzero_ps(), sums, mins: [_mm256_setzero_si256(); N] }
+        Block { d: splat_f16(self.d), dmin: _mm256_setzero_ps(), extra: _mm256_setzero_si256() }
     }
 }
 
-/// R rows of format B against N tokens: per block and token d * d_t * sums - dmin * d_t * mins
-/// accumulated in eight float lanes, summed at the end.
+/// R rows of format B against N tokens: per block and token `float_step`, in eight float
+/// lanes summed at the end.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn rows_dot<B: SuperBlock, const R: usize, const N: usize>(rows: [&[u8]; R], a: [&[BlockQ8K]; N], next: &[u8]) -> [[f32; N]; R] {
@@ -292,13 +314,11 @@ unsafe fn rows_dot<B: SuperBlock, const R: usize, const N: usize>(rows: [&[u8]; 
         prefetch.step();
         let at: [&BlockQ8K; N] = std::array::from_fn(|t| a[t].get_unchecked(b));
         for r in 0..R {
-            let s = w[r].get_unchecked(b).sums(at);
+            let mut sums = [_mm256_setzero_si256(); N];
+            let blk = w[r].get_unchecked(b).decode(|c, u, v, scales| add_chunk(B::SIGNED, &mut sums, u, v, scales, at, c));
+            let mins = extras::<B, N>(&blk, &mut sums, at);
             for t in 0..N {
-                let d = _mm256_set1_ps(at[t].d);
-                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s.sums[t]), _mm256_mul_ps(s.d, d), acc[r][t]);
-                if B::MIN {
-                    acc[r][t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(s.mins[t]), _mm256_mul_ps(s.dmin, d), acc[r][t]);
-                }
+                float_step(B::MIN, &mut acc[r][t], &blk, sums[t], mins[t], at[t].d);
             }
         }
     }
@@ -322,6 +342,120 @@ pub unsafe fn dot<const R: usize, const N: usize>(dtype: DType, rows: [&[u8]; R]
         DType::Q5_K => rows_dot::<BlockQ5K, R, N>(rows, a, next),
         DType::Q6_K => rows_dot::<BlockQ6K, R, N>(rows, a, next),
         DType::IQ4_XS => rows_dot::<BlockIQ4XS, R, N>(rows, a, next),
+        _ => unreachable!("{} is not a super-block type", dtype.name()),
+    }
+}
+
+/// A super-block decoded once for all of a prompt's tokens: what `SuperBlock::decode` gives,
+/// in memory.
+#[repr(C, align(32))]
+#[derive(Clone, Copy)]
+pub struct UnpackedBlock {
+    u: [[u8; 32]; 8],
+    v: [[i8; 32]; 8],
+    scales: [[i16; 16]; 8],
+    extra: [i16; 16],
+    d: [f32; 8],
+    dmin: [f32; 8],
+}
+const _: () = assert!(std::mem::size_of::<UnpackedBlock>() == 864);
+
+impl Default for UnpackedBlock {
+    fn default() -> Self {
+        UnpackedBlock { u: [[0; 32]; 8], v: [[0; 32]; 8], scales: [[0; 16]; 8], extra: [0; 16], d: [0.0; 8], dmin: [0.0; 8] }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn store(p: *mut u8, x: __m256i) {
+    _mm256_store_si256(p as *mut __m256i, x)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load(p: *const u8) -> __m256i {
+    _mm256_load_si256(p as *const __m256i)
+}
+
+/// Decodes a row of format B into `out` (a block each).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn unpack_row<B: SuperBlock>(row: &[u8], out: &mut [UnpackedBlock]) {
+    for (o, x) in out.iter_mut().zip(cast_blocks::<B>(row)) {
+        let blk = x.decode(|c, u, v, scales| {
+            store(o.u[c].as_mut_ptr(), u);
+            if B::SIGNED {
+                store(o.v[c].as_mut_ptr() as *mut u8, v);
+            }
+            store(o.scales[c].as_mut_ptr() as *mut u8, scales);
+        });
+        store(o.extra.as_mut_ptr() as *mut u8, blk.extra);
+        _mm256_store_ps(o.d.as_mut_ptr(), blk.d);
+        _mm256_store_ps(o.dmin.as_mut_ptr(), blk.dmin);
+    }
+}
+
+/// An unpacked row against T tokens: `rows_dot`'s arithmetic per token, bit for bit (the
+/// integer sums are exact in any order; the float steps are the same).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn unpacked_dot<B: SuperBlock, const T: usize>(w: &[UnpackedBlock], a: [&[BlockQ8K]; T]) -> [f32; T] {
+    let mut acc = [_mm256_setzero_ps(); T];
+    for (b, x) in w.iter().enumerate() {
+        let at: [&BlockQ8K; T] = std::array::from_fn(|t| a[t].get_unchecked(b));
+        let mut sums = [_mm256_setzero_si256(); T];
+        for c in 0..8 {
+            let (u, v, scales) = (load(x.u[c].as_ptr()), load(x.v[c].as_ptr() as *const u8), load(x.scales[c].as_ptr() as *const u8));
+            add_chunk(B::SIGNED, &mut sums, u, v, scales, at, c);
+        }
+        let blk = Block { d: _mm256_load_ps(x.d.as_ptr()), dmin: _mm256_load_ps(x.dmin.as_ptr()), extra: load(x.extra.as_ptr() as *const u8) };
+        let mins = extras::<B, T>(&blk, &mut sums, at);
+        for t in 0..T {
+            float_step(B::MIN, &mut acc[t], &blk, sums[t], mins[t], at[t].d);
+        }
+    }
+    let mut out = [0.0f32; T];
+    for t in 0..T {
+        out[t] = hsum(acc[t]);
+    }
+    out
+}
+
+/// Rows `rows` of a weight matrix of format B (`row(r)` its bytes, `cols` wide) against `n`
+/// tokens (`q8k`: n * cols / 256): put(t, r, value). Each row is decoded once for all tokens,
+/// then dotted with four tokens per step.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_tokens<'a, B: SuperBlock>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8k: &[BlockQ8K], n: usize, put: impl Fn(usize, usize, f32)) {
+    let nb = cols / super::QK_K;
+    assert_eq!(q8k.len(), n * nb, "activations: wrong size for {n} tokens of {cols}");
+    let token = |t: usize| &q8k[t * nb..(t + 1) * nb];
+    let mut unpacked = vec![UnpackedBlock::default(); nb];
+    for r in rows {
+        unpack_row::<B>(row(r), &mut unpacked);
+        let mut t = 0;
+        while t + 4 <= n {
+            let v = unpacked_dot::<B, 4>(&unpacked, [token(t), token(t + 1), token(t + 2), token(t + 3)]);
+            v.iter().enumerate().for_each(|(k, &x)| put(t + k, r, x));
+            t += 4;
+        }
+        for t in t..n {
+            put(t, r, unpacked_dot::<B, 1>(&unpacked, [token(t)])[0]);
+        }
+    }
+}
+
+/// A prompt's product with rows of a `superblock::SUPERBLOCK` type (`rows_tokens`).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn rows_all_tokens<'a>(dtype: DType, row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8k: &[BlockQ8K], n: usize, put: impl Fn(usize, usize, f32)) {
+    match dtype {
+        DType::Q2_K => rows_tokens::<BlockQ2K>(row, cols, rows, q8k, n, put),
+        DType::Q3_K => rows_tokens::<BlockQ3K>(row, cols, rows, q8k, n, put),
+        DType::Q4_K => rows_tokens::<BlockQ4K>(row, cols, rows, q8k, n, put),
+        DType::Q5_K => rows_tokens::<BlockQ5K>(row, cols, rows, q8k, n, put),
+        DType::Q6_K => rows_tokens::<BlockQ6K>(row, cols, rows, q8k, n, put),
+        DType::IQ4_XS => rows_tokens::<BlockIQ4XS>(row, cols, rows, q8k, n, put),
         _ => unreachable!("{} is not a super-block type", dtype.name()),
     }
 }
