@@ -6,6 +6,11 @@ Prints prefill and decode tok/s, their ratios (> 1: powerinfer-rs faster), how m
 tokens agree, and the relative difference of the last prompt token's logits.
 
     python benches/presets_vs_llamacpp.py --threads 2
+    python benches/presets_vs_llamacpp.py --threads 2 --wide
+
+SmolLM2's rows are 576 wide, so most of its tensors fall back to 32-weight formats; `--wide`
+instead quantizes a random 4-layer llama of n_embd 2048, n_ff 5632 (Llama 3.2 1B's widths,
+every tensor a k-quant), written in F32 with the `gguf` package (tests/synth.py).
 
 The presets are requantized from the bundled Q4_1 file (`allow_requantize`): the same file for
 both engines, which is what a speed comparison needs. Needs llama-cpp-python built from source.
@@ -44,20 +49,30 @@ def main() -> None:
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--presets", default=",".join(PRESETS))
+    ap.add_argument("--wide", action="store_true", help="a random 2048-wide model instead of SmolLM2")
     args = ap.parse_args()
 
     from powerinfer_rs import Engine, default_model_path
 
-    src = default_model_path()
     n_ctx = args.prompt_tokens + args.gen_tokens + 16
-    ids = Engine.load(src, threads=1, device="cpu").tokenize(prompt_text())[: args.prompt_tokens]
-    print(f"SmolLM2-135M, threads {args.threads}, prompt {args.prompt_tokens} tokens, decode {args.gen_tokens}, median of {args.repeats}")
-    print("| preset | MiB | prefill tok/s ours / llama.cpp | ratio | decode tok/s ours / llama.cpp | ratio | greedy tokens equal | logits diff |")
-    print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as d:
-        for preset in args.presets.split(","):
-            path = src if preset == "Q4_1" else str(Path(d) / f"{preset}.gguf")
-            if preset != "Q4_1":
+        if args.wide:
+            sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+            from gguf import GGMLQuantizationType
+            from synth import write_model
+
+            src, name = str(Path(d) / "f32.gguf"), "random llama, 4 layers of 2048 x 5632"
+            write_model(src, arch="llama", dtype=GGMLQuantizationType.F32, n_embd=2048, n_ff=5632, n_layer=4, n_head=16, n_head_kv=4, n_ctx=1024, seed=3)
+            presets = [p for p in args.presets.split(",") if p != "Q4_1"]
+        else:
+            src, name, presets = default_model_path(), "SmolLM2-135M", args.presets.split(",")
+        ids = Engine.load(src, threads=1, device="cpu").tokenize(prompt_text())[: args.prompt_tokens]
+        print(f"{name}, threads {args.threads}, prompt {args.prompt_tokens} tokens, decode {args.gen_tokens}, median of {args.repeats}")
+        print("| preset | MiB | prefill tok/s ours / llama.cpp | ratio | decode tok/s ours / llama.cpp | ratio | greedy tokens equal | logits diff |")
+        print("|---|---|---|---|---|---|---|---|")
+        for preset in presets:
+            path = src if preset == "Q4_1" and not args.wide else str(Path(d) / f"{preset}.gguf")
+            if path != src:
                 requantize(src, path, preset)
             ours, theirs = Ours(path, args.threads, n_ctx), LlamaCpp(path, args.threads, n_ctx, args.prompt_tokens)
             engines = [ours, theirs]

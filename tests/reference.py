@@ -11,8 +11,8 @@ from gguf.quants import dequantize
 
 # block formats whose matrix products take int8 activations (all but the float types)
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
-# the 256-weight formats: below AVX-512 their products take activations rounded per 256 (ggml's
-# q8_K pairing) instead of per 32
+# the 256-weight formats: their products take activations rounded per 256 (ggml's q8_K pairing)
+# instead of per 32, but for IQ4_XS on AVX-512
 Q = GGMLQuantizationType
 SUPERBLOCK_TYPES = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS}
 
@@ -60,7 +60,7 @@ def read_weights(path: str) -> tuple[dict, dict]:
             arr = dequantize(np.asarray(t.data), qtype).astype(np.float64).reshape(shape)
         if qtype not in FLOAT_TYPES:
             meta["_quantized"].add(t.name)
-        if qtype in SUPERBLOCK_TYPES:
+        if qtype in per_256_types():
             meta["_superblock"].add(t.name)
         w[t.name] = arr
     return w, meta
@@ -138,12 +138,12 @@ def q8k_round(x: np.ndarray) -> np.ndarray:
     return np.where(iscale != 0, q / np.where(iscale != 0, iscale, 1), 0).reshape(x.shape)
 
 
-def superblock_activations() -> bool:
-    """Whether this machine's engine rounds the super-block formats' activations per 256: below
-    AVX-512 (its SIMD level, which `POWERINFER_SIMD` can cap)."""
+def per_256_types() -> set:
+    """The types whose activations this machine's engine rounds per 256: the super-block
+    formats, but IQ4_XS at the AVX-512 level (its SIMD level, which `POWERINFER_SIMD` caps)."""
     from powerinfer_rs import simd_level
 
-    return simd_level() != "avx512"
+    return SUPERBLOCK_TYPES - ({Q.IQ4_XS} if simd_level() == "avx512" else set())
 
 
 def layernorm(x, g, b, eps):
@@ -211,10 +211,8 @@ def forward(w: dict, meta: dict, tokens, activation: str | None = None, int8_act
             activation = "silu"
     gateless = arch in ("opt", "falcon")
 
-    per_256 = int8_activations and superblock_activations()
-
     def mm(x, name):
-        if per_256 and name in meta["_superblock"]:
+        if int8_activations and name in meta["_superblock"]:
             x = q8k_round(x)
         elif int8_activations and name in meta["_quantized"]:
             x = q8_round(x)

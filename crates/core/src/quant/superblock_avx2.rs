@@ -347,8 +347,8 @@ pub unsafe fn dot<const R: usize, const N: usize>(dtype: DType, rows: [&[u8]; R]
 }
 
 /// A super-block decoded once for all of a prompt's tokens: what `SuperBlock::decode` gives,
-/// in memory.
-#[repr(C, align(32))]
+/// in memory (64-byte aligned: the AVX-512 steps load two chunks at a time).
+#[repr(C, align(64))]
 #[derive(Clone, Copy)]
 pub struct UnpackedBlock {
     u: [[u8; 32]; 8],
@@ -358,7 +358,7 @@ pub struct UnpackedBlock {
     d: [f32; 8],
     dmin: [f32; 8],
 }
-const _: () = assert!(std::mem::size_of::<UnpackedBlock>() == 864);
+const _: () = assert!(std::mem::size_of::<UnpackedBlock>() == 896);
 
 impl Default for UnpackedBlock {
     fn default() -> Self {
@@ -422,12 +422,55 @@ unsafe fn unpacked_dot<B: SuperBlock, const T: usize>(w: &[UnpackedBlock], a: [&
     out
 }
 
+/// `unpacked_dot` with AVX-512 BW: two chunks per instruction (a block's chunks 2p and 2p + 1
+/// lie side by side in `UnpackedBlock` and in the activations), the 16 lanes folded to 8 per
+/// block. Lane l of chunk c's sum lands in lane l either way, so the integer sums and float
+/// steps are `unpacked_dot`'s and `dot`'s, bit for bit.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn unpacked_dot_avx512<B: SuperBlock, const T: usize>(w: &[UnpackedBlock], a: [&[BlockQ8K]; T]) -> [f32; T] {
+    let mut acc = [_mm256_setzero_ps(); T];
+    let zero = _mm512_setzero_si512();
+    for (b, x) in w.iter().enumerate() {
+        let at: [&BlockQ8K; T] = std::array::from_fn(|t| a[t].get_unchecked(b));
+        let mut wide = [zero; T];
+        for p in 0..4 {
+            let u = _mm512_load_si512(x.u[2 * p].as_ptr() as *const _);
+            let scales = _mm512_load_si512(x.scales[2 * p].as_ptr() as *const _);
+            // (no vpsignb at 512 bits: negate the activations where v < 0; |v| is 0 where v is)
+            let negative = if B::SIGNED { _mm512_movepi8_mask(_mm512_load_si512(x.v[2 * p].as_ptr() as *const _)) } else { 0 };
+            for t in 0..T {
+                let mut act = _mm512_loadu_si512(at[t].qs.as_ptr().add(64 * p) as *const _);
+                if B::SIGNED {
+                    act = _mm512_mask_sub_epi8(act, negative, zero, act);
+                }
+                // (VNNI: the scales' multiply and the sum in one instruction)
+                wide[t] = _mm512_dpwssd_epi32(wide[t], _mm512_maddubs_epi16(u, act), scales);
+            }
+        }
+        let mut sums = [_mm256_setzero_si256(); T];
+        for t in 0..T {
+            sums[t] = _mm256_add_epi32(_mm512_castsi512_si256(wide[t]), _mm512_extracti64x4_epi64::<1>(wide[t]));
+        }
+        let blk = Block { d: _mm256_load_ps(x.d.as_ptr()), dmin: _mm256_load_ps(x.dmin.as_ptr()), extra: load(x.extra.as_ptr() as *const u8) };
+        let mins = extras::<B, T>(&blk, &mut sums, at);
+        for t in 0..T {
+            float_step(B::MIN, &mut acc[t], &blk, sums[t], mins[t], at[t].d);
+        }
+    }
+    let mut out = [0.0f32; T];
+    for t in 0..T {
+        out[t] = hsum(acc[t]);
+    }
+    out
+}
+
 /// Rows `rows` of a weight matrix of format B (`row(r)` its bytes, `cols` wide) against `n`
 /// tokens (`q8k`: n * cols / 256): put(t, r, value). Each row is decoded once for all tokens,
-/// then dotted with four tokens per step.
+/// then dotted with four tokens per step (`WIDE`: with AVX-512, `unpacked_dot_avx512`).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_tokens<'a, B: SuperBlock>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8k: &[BlockQ8K], n: usize, put: impl Fn(usize, usize, f32)) {
+unsafe fn rows_tokens<'a, B: SuperBlock, const WIDE: bool>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8k: &[BlockQ8K], n: usize, put: impl Fn(usize, usize, f32)) {
     let nb = cols / super::QK_K;
     assert_eq!(q8k.len(), n * nb, "activations: wrong size for {n} tokens of {cols}");
     let token = |t: usize| &q8k[t * nb..(t + 1) * nb];
@@ -436,26 +479,39 @@ unsafe fn rows_tokens<'a, B: SuperBlock>(row: impl Fn(usize) -> &'a [u8], cols: 
         unpack_row::<B>(row(r), &mut unpacked);
         let mut t = 0;
         while t + 4 <= n {
-            let v = unpacked_dot::<B, 4>(&unpacked, [token(t), token(t + 1), token(t + 2), token(t + 3)]);
+            let four = [token(t), token(t + 1), token(t + 2), token(t + 3)];
+            let v = if WIDE { unpacked_dot_avx512::<B, 4>(&unpacked, four) } else { unpacked_dot::<B, 4>(&unpacked, four) };
             v.iter().enumerate().for_each(|(k, &x)| put(t + k, r, x));
             t += 4;
         }
         for t in t..n {
-            put(t, r, unpacked_dot::<B, 1>(&unpacked, [token(t)])[0]);
+            let v = if WIDE { unpacked_dot_avx512::<B, 1>(&unpacked, [token(t)]) } else { unpacked_dot::<B, 1>(&unpacked, [token(t)]) };
+            put(t, r, v[0]);
         }
     }
 }
 
-/// A prompt's product with rows of a `superblock::SUPERBLOCK` type (`rows_tokens`).
+/// A prompt's product with rows of a `superblock::SUPERBLOCK` type (`rows_tokens`); `wide`:
+/// the AVX-512 steps (only where the CPU has AVX-512 F/BW/VL/VNNI).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn rows_all_tokens<'a>(dtype: DType, row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8k: &[BlockQ8K], n: usize, put: impl Fn(usize, usize, f32)) {
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn rows_all_tokens<'a>(dtype: DType, wide: bool, row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8k: &[BlockQ8K], n: usize, put: impl Fn(usize, usize, f32)) {
+    macro_rules! by_width {
+        ($block:ty) => {
+            if wide {
+                rows_tokens::<$block, true>(row, cols, rows, q8k, n, put)
+            } else {
+                rows_tokens::<$block, false>(row, cols, rows, q8k, n, put)
+            }
+        };
+    }
     match dtype {
-        DType::Q2_K => rows_tokens::<BlockQ2K>(row, cols, rows, q8k, n, put),
-        DType::Q3_K => rows_tokens::<BlockQ3K>(row, cols, rows, q8k, n, put),
-        DType::Q4_K => rows_tokens::<BlockQ4K>(row, cols, rows, q8k, n, put),
-        DType::Q5_K => rows_tokens::<BlockQ5K>(row, cols, rows, q8k, n, put),
-        DType::Q6_K => rows_tokens::<BlockQ6K>(row, cols, rows, q8k, n, put),
-        DType::IQ4_XS => rows_tokens::<BlockIQ4XS>(row, cols, rows, q8k, n, put),
+        DType::Q2_K => by_width!(BlockQ2K),
+        DType::Q3_K => by_width!(BlockQ3K),
+        DType::Q4_K => by_width!(BlockQ4K),
+        DType::Q5_K => by_width!(BlockQ5K),
+        DType::Q6_K => by_width!(BlockQ6K),
+        DType::IQ4_XS => by_width!(BlockIQ4XS),
         _ => unreachable!("{} is not a super-block type", dtype.name()),
     }
 }
