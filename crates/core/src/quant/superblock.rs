@@ -73,11 +73,26 @@ pub unsafe fn quantize_act_k_avx2(x: &[f32], out: &mut [BlockQ8K]) {
     quantize_act_k(x, out)
 }
 
+/// A super-block's one float step for a token: acc + sums * (d * d_a) - mins * (dmin * d_a),
+/// each product fused into the sum, from the block's exact integer sums of scale * v * a and of
+/// min * a. Every path (one token, prompts, AVX2, AVX-512, this module's twin) takes it in
+/// this form, so a dot is bit for bit the same in all of them.
+#[inline(always)]
+pub(crate) fn block_step(min: bool, acc: f32, sums: i32, mins: i32, d: f32, dmin: f32, d_a: f32) -> f32 {
+    let acc = (sums as f32).mul_add(d * d_a, acc);
+    if min {
+        (-(mins as f32)).mul_add(dmin * d_a, acc)
+    } else {
+        acc
+    }
+}
+
 /// Scalar dot of one row of a `SUPERBLOCK` type with N rows of Q8_K activations: per
 /// super-block the integer sums of scale * v * a and of min * a (from `bsums`), then
-/// d * d_a * sums - dmin * d_a * mins in floats. The twin of `superblock_avx2::dot`.
+/// `block_step`. The twin of `superblock_avx2::dot`, bit for bit.
 pub fn dot_scalar<const N: usize>(dtype: DType, row: &[u8], a: [&[BlockQ8K]; N]) -> [f32; N] {
     const CHUNKS: usize = QK_K / QK;
+    let has_min = matches!(dtype, DType::Q2_K | DType::Q4_K | DType::Q5_K);
     let mut ch = IntChunk::default();
     let mut acc = [0.0f32; N];
     for b in 0..a[0].len() {
@@ -95,8 +110,7 @@ pub fn dot_scalar<const N: usize>(dtype: DType, row: &[u8], a: [&[BlockQ8K]; N])
             }
         }
         for t in 0..N {
-            let d = a[t][b].d;
-            acc[t] += ch.d * d * sums[t] as f32 - ch.dmin * d * mins[t] as f32;
+            acc[t] = block_step(has_min, acc[t], sums[t], mins[t], ch.d, ch.dmin, a[t][b].d);
         }
     }
     acc

@@ -25,7 +25,8 @@ use super::chunked::{iq4_xs_scale, k4_scales, q3_k_scales, BlockIQ4XS, BlockQ2K,
 use super::chunked_avx2::{has_bit, load32, nibbles};
 use super::superblock::BlockQ8K;
 use super::{cast_blocks, DType};
-use crate::avx2::{hsum, splat_f16, Prefetch};
+use super::superblock::block_step;
+use crate::avx2::Prefetch;
 
 /// Chunk c (32 activations) of a token.
 #[inline]
@@ -94,8 +95,8 @@ unsafe fn crumb(x: __m256i, s: usize) -> __m256i {
 /// the scales of a format stored as v + 2^`OFFSET_SHIFT`.
 #[derive(Clone, Copy)]
 struct Block {
-    d: __m256,
-    dmin: __m256,
+    d: f32,
+    dmin: f32,
     extra: __m256i,
 }
 
@@ -139,16 +140,28 @@ unsafe fn extras<B: SuperBlock, const N: usize>(blk: &Block, sums: &mut [__m256i
     mins
 }
 
-/// acc += d * d_a * sums - dmin * d_a * mins: a block's one float step for a token, the same
-/// whether the token goes alone or in a prompt.
+/// The sum of eight 32-bit lanes (exact).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn float_step(min: bool, acc: &mut __m256, blk: &Block, sums: __m256i, mins: __m256i, d_a: f32) {
-    let d = _mm256_set1_ps(d_a);
-    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(blk.d, d), *acc);
-    if min {
-        *acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(blk.dmin, d), *acc);
-    }
+unsafe fn hsum_i32(v: __m256i) -> i32 {
+    let x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let x = _mm_add_epi32(x, _mm_unpackhi_epi64(x, x));
+    _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32::<0b01>(x)))
+}
+
+/// `superblock::block_step` from the lanes of a block's sums for a token.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn float_step(min: bool, acc: &mut f32, blk: &Block, sums: __m256i, mins: __m256i, d_a: f32) {
+    let m = if min { hsum_i32(mins) } else { 0 };
+    *acc = block_step(min, *acc, hsum_i32(sums), m, blk.d, blk.dmin, d_a);
+}
+
+/// An f16 as f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16(bits: u16) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
 }
 
 impl SuperBlock for BlockQ2K {
@@ -170,7 +183,7 @@ impl SuperBlock for BlockQ2K {
             }
         }
         let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(packed), low4));
-        Block { d: splat_f16(self.d), dmin: splat_f16(self.dmin), extra: mins }
+        Block { d: f16(self.d), dmin: f16(self.dmin), extra: mins }
     }
 }
 
@@ -196,7 +209,7 @@ impl SuperBlock for BlockQ3K {
                 each(c, u, u, pair16(scales[g], s));
             }
         }
-        Block { d: splat_f16(self.d), dmin: _mm256_setzero_ps(), extra: all }
+        Block { d: f16(self.d), dmin: 0.0, extra: all }
     }
 }
 
@@ -223,7 +236,7 @@ unsafe fn k4_decode(d: u16, dmin: u16, packed: &[u8; 12], qs: &[u8; 128], qh: Op
     }
     // minimum k for bsums 2k and 2k + 1
     let mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
-    Block { d: splat_f16(d), dmin: splat_f16(dmin), extra: mins }
+    Block { d: f16(d), dmin: f16(dmin), extra: mins }
 }
 
 impl SuperBlock for BlockQ4K {
@@ -276,7 +289,7 @@ impl SuperBlock for BlockQ6K {
                 each(4 * g + s, u, u, pair16(scales[g], s));
             }
         }
-        Block { d: splat_f16(self.d), dmin: _mm256_setzero_ps(), extra: all }
+        Block { d: f16(self.d), dmin: 0.0, extra: all }
     }
 }
 
@@ -298,7 +311,7 @@ impl SuperBlock for BlockIQ4XS {
             let v = _mm256_shuffle_epi8(table, nibbles(self.qs.as_ptr().add(16 * c)));
             each(c, _mm256_sign_epi8(v, v), v, lane16(scales, c));
         }
-        Block { d: splat_f16(self.d), dmin: _mm256_setzero_ps(), extra: _mm256_setzero_si256() }
+        Block { d: f16(self.d), dmin: 0.0, extra: _mm256_setzero_si256() }
     }
 }
 
@@ -308,27 +321,57 @@ impl SuperBlock for BlockIQ4XS {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn rows_dot<B: SuperBlock, const R: usize, const N: usize>(rows: [&[u8]; R], a: [&[BlockQ8K]; N], next: &[u8]) -> [[f32; N]; R] {
     let w: [&[B]; R] = rows.map(|row| cast_blocks::<B>(row));
-    let mut acc = [[_mm256_setzero_ps(); N]; R];
+    let mut acc = [[0.0f32; N]; R];
+    // four rows: their float steps side by side in the lanes of one vector per token
+    let mut acc4 = [_mm_setzero_ps(); N];
     let mut prefetch = Prefetch::new(next, a[0].len());
     for b in 0..a[0].len() {
         prefetch.step();
         let at: [&BlockQ8K; N] = std::array::from_fn(|t| a[t].get_unchecked(b));
+        let mut sums = [[_mm256_setzero_si256(); N]; R];
+        let mut mins = [[_mm256_setzero_si256(); N]; R];
+        let mut blks = [Block { d: 0.0, dmin: 0.0, extra: _mm256_setzero_si256() }; R];
         for r in 0..R {
-            let mut sums = [_mm256_setzero_si256(); N];
-            let blk = w[r].get_unchecked(b).decode(|c, u, v, scales| add_chunk(B::SIGNED, &mut sums, u, v, scales, at, c));
-            let mins = extras::<B, N>(&blk, &mut sums, at);
-            for t in 0..N {
-                float_step(B::MIN, &mut acc[r][t], &blk, sums[t], mins[t], at[t].d);
+            let sr = &mut sums[r];
+            blks[r] = w[r].get_unchecked(b).decode(|c, u, v, scales| add_chunk(B::SIGNED, sr, u, v, scales, at, c));
+            mins[r] = extras::<B, N>(&blks[r], &mut sums[r], at);
+        }
+        for t in 0..N {
+            if R == 4 {
+                let d_a = _mm_set1_ps(at[t].d);
+                let d = _mm_setr_ps(blks[0].d, blks[1].d, blks[2].d, blks[3].d);
+                let total = hsum4([sums[0][t], sums[1][t], sums[2][t], sums[3][t]]);
+                acc4[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(total), _mm_mul_ps(d, d_a), acc4[t]);
+                if B::MIN {
+                    let dmin = _mm_setr_ps(blks[0].dmin, blks[1].dmin, blks[2].dmin, blks[3].dmin);
+                    let total = hsum4([mins[0][t], mins[1][t], mins[2][t], mins[3][t]]);
+                    acc4[t] = _mm_fnmadd_ps(_mm_cvtepi32_ps(total), _mm_mul_ps(dmin, d_a), acc4[t]);
+                }
+            } else {
+                for r in 0..R {
+                    float_step(B::MIN, &mut acc[r][t], &blks[r], sums[r][t], mins[r][t], at[t].d);
+                }
             }
         }
     }
-    let mut out = [[0.0f32; N]; R];
-    for r in 0..R {
+    if R == 4 {
         for t in 0..N {
-            out[r][t] = hsum(acc[r][t]);
+            let mut lanes = [0.0f32; 4];
+            _mm_storeu_ps(lanes.as_mut_ptr(), acc4[t]);
+            for r in 0..R {
+                acc[r][t] = lanes[r];
+            }
         }
     }
-    out
+    acc
+}
+
+/// The lane sums of four vectors, as the four lanes of one (exact).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum4(v: [__m256i; 4]) -> __m128i {
+    let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h))
 }
 
 /// R rows of a `superblock::SUPERBLOCK` type against N tokens of Q8_K activations; `next`: the
@@ -355,14 +398,14 @@ pub struct UnpackedBlock {
     v: [[i8; 32]; 8],
     scales: [[i16; 16]; 8],
     extra: [i16; 16],
-    d: [f32; 8],
-    dmin: [f32; 8],
+    d: f32,
+    dmin: f32,
 }
-const _: () = assert!(std::mem::size_of::<UnpackedBlock>() == 896);
+const _: () = assert!(std::mem::size_of::<UnpackedBlock>() == 832);
 
 impl Default for UnpackedBlock {
     fn default() -> Self {
-        UnpackedBlock { u: [[0; 32]; 8], v: [[0; 32]; 8], scales: [[0; 16]; 8], extra: [0; 16], d: [0.0; 8], dmin: [0.0; 8] }
+        UnpackedBlock { u: [[0; 32]; 8], v: [[0; 32]; 8], scales: [[0; 16]; 8], extra: [0; 16], d: 0.0, dmin: 0.0 }
     }
 }
 
@@ -391,8 +434,7 @@ unsafe fn unpack_row<B: SuperBlock>(row: &[u8], out: &mut [UnpackedBlock]) {
             store(o.scales[c].as_mut_ptr() as *mut u8, scales);
         });
         store(o.extra.as_mut_ptr() as *mut u8, blk.extra);
-        _mm256_store_ps(o.d.as_mut_ptr(), blk.d);
-        _mm256_store_ps(o.dmin.as_mut_ptr(), blk.dmin);
+        (o.d, o.dmin) = (blk.d, blk.dmin);
     }
 }
 
@@ -401,7 +443,7 @@ unsafe fn unpack_row<B: SuperBlock>(row: &[u8], out: &mut [UnpackedBlock]) {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn unpacked_dot<B: SuperBlock, const T: usize>(w: &[UnpackedBlock], a: [&[BlockQ8K]; T]) -> [f32; T] {
-    let mut acc = [_mm256_setzero_ps(); T];
+    let mut acc = [0.0f32; T];
     for (b, x) in w.iter().enumerate() {
         let at: [&BlockQ8K; T] = std::array::from_fn(|t| a[t].get_unchecked(b));
         let mut sums = [_mm256_setzero_si256(); T];
@@ -409,17 +451,13 @@ unsafe fn unpacked_dot<B: SuperBlock, const T: usize>(w: &[UnpackedBlock], a: [&
             let (u, v, scales) = (load(x.u[c].as_ptr()), load(x.v[c].as_ptr() as *const u8), load(x.scales[c].as_ptr() as *const u8));
             add_chunk(B::SIGNED, &mut sums, u, v, scales, at, c);
         }
-        let blk = Block { d: _mm256_load_ps(x.d.as_ptr()), dmin: _mm256_load_ps(x.dmin.as_ptr()), extra: load(x.extra.as_ptr() as *const u8) };
+        let blk = Block { d: x.d, dmin: x.dmin, extra: load(x.extra.as_ptr() as *const u8) };
         let mins = extras::<B, T>(&blk, &mut sums, at);
         for t in 0..T {
             float_step(B::MIN, &mut acc[t], &blk, sums[t], mins[t], at[t].d);
         }
     }
-    let mut out = [0.0f32; T];
-    for t in 0..T {
-        out[t] = hsum(acc[t]);
-    }
-    out
+    acc
 }
 
 /// `unpacked_dot` with AVX-512 BW: two chunks per instruction (a block's chunks 2p and 2p + 1
@@ -429,7 +467,7 @@ unsafe fn unpacked_dot<B: SuperBlock, const T: usize>(w: &[UnpackedBlock], a: [&
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn unpacked_dot_avx512<B: SuperBlock, const T: usize>(w: &[UnpackedBlock], a: [&[BlockQ8K]; T]) -> [f32; T] {
-    let mut acc = [_mm256_setzero_ps(); T];
+    let mut acc = [0.0f32; T];
     let zero = _mm512_setzero_si512();
     for (b, x) in w.iter().enumerate() {
         let at: [&BlockQ8K; T] = std::array::from_fn(|t| a[t].get_unchecked(b));
@@ -452,17 +490,13 @@ unsafe fn unpacked_dot_avx512<B: SuperBlock, const T: usize>(w: &[UnpackedBlock]
         for t in 0..T {
             sums[t] = _mm256_add_epi32(_mm512_castsi512_si256(wide[t]), _mm512_extracti64x4_epi64::<1>(wide[t]));
         }
-        let blk = Block { d: _mm256_load_ps(x.d.as_ptr()), dmin: _mm256_load_ps(x.dmin.as_ptr()), extra: load(x.extra.as_ptr() as *const u8) };
+        let blk = Block { d: x.d, dmin: x.dmin, extra: load(x.extra.as_ptr() as *const u8) };
         let mins = extras::<B, T>(&blk, &mut sums, at);
         for t in 0..T {
             float_step(B::MIN, &mut acc[t], &blk, sums[t], mins[t], at[t].d);
         }
     }
-    let mut out = [0.0f32; T];
-    for t in 0..T {
-        out[t] = hsum(acc[t]);
-    }
-    out
+    acc
 }
 
 /// Rows `rows` of a weight matrix of format B (`row(r)` its bytes, `cols` wide) against `n`
@@ -523,9 +557,8 @@ mod tests {
     use crate::quant::superblock::{dot_scalar, tests::q8k, SUPERBLOCK};
     use crate::quant::tests::random_vec;
 
-    /// Every format's AVX2 dot equals the scalar twin up to float summation order, for 1, 2
-    /// and 4 tokens and 1 and 4 rows per call; a row's value does not depend on the rows or
-    /// tokens beside it in the call, bit for bit.
+    /// Every format's AVX2 dot equals the scalar twin bit for bit (the same exact integer sums
+    /// and the same float steps), for 1, 2 and 4 tokens and 1 and 4 rows per call.
     #[test]
     fn dots_match_scalar() {
         if !crate::matmul::detect().has_avx2() {
@@ -543,9 +576,8 @@ mod tests {
                 let all = dot(dtype, rows4, a4, &[]);
                 for r in 0..4 {
                     let want = dot_scalar(dtype, rows4[r], a4);
-                    let scale = want.iter().fold(0.0f32, |m, w| m.max(w.abs())).max(1e-3);
                     for t in 0..4 {
-                        assert!((all[r][t] - want[t]).abs() <= 1e-5 * scale, "{dtype:?} row {r} token {t}: {} vs {}", all[r][t], want[t]);
+                        assert_eq!(all[r][t].to_bits(), want[t].to_bits(), "{dtype:?} row {r} token {t}: {} vs {}", all[r][t], want[t]);
                         let alone = dot(dtype, [rows4[r]], [a4[t]], &[])[0][0];
                         assert_eq!(alone.to_bits(), all[r][t].to_bits(), "{dtype:?} row {r} token {t}: alone vs in a group");
                     }
