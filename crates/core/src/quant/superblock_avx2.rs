@@ -24,7 +24,7 @@ use std::arch::x86_64::*;
 use super::chunked::{iq4_xs_scale, k4_scales, q3_k_scales, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, IQ4_VALUES};
 use super::chunked_avx2::{has_bit, load32, nibbles};
 use super::superblock::BlockQ8K;
-use super::{cast_blocks, DType};
+use super::{cast_blocks, DType, QK_K};
 use super::superblock::block_step;
 use crate::avx2::Prefetch;
 
@@ -390,8 +390,8 @@ pub unsafe fn dot<const R: usize, const N: usize>(dtype: DType, rows: [&[u8]; R]
 }
 
 /// A super-block decoded once for all of a prompt's tokens: what `SuperBlock::decode` gives,
-/// in memory (64-byte aligned: the AVX-512 steps load two chunks at a time).
-#[repr(C, align(64))]
+/// in memory.
+#[repr(C, align(32))]
 #[derive(Clone, Copy)]
 pub struct UnpackedBlock {
     u: [[u8; 32]; 8],
@@ -460,51 +460,152 @@ unsafe fn unpacked_dot<B: SuperBlock, const T: usize>(w: &[UnpackedBlock], a: [&
     acc
 }
 
-/// `unpacked_dot` with AVX-512 BW: two chunks per instruction (a block's chunks 2p and 2p + 1
-/// lie side by side in `UnpackedBlock` and in the activations), the 16 lanes folded to 8 per
-/// block. Lane l of chunk c's sum lands in lane l either way, so the integer sums and float
-/// steps are `unpacked_dot`'s and `dot`'s, bit for bit.
+/// Rows per `RowGroupBlock`: one per 32-bit lane of an AVX-512 register.
+const GROUP: usize = 16;
+
+/// One super-block of 16 rows decoded for a prompt with the rows across the lanes (ggml's
+/// repacked layout, built here from any file): step k holds weights 4k..4k + 4 of every row, row
+/// r's four bytes in 32-bit lane r, so one `vpmaddubsw` with a token's four activations
+/// broadcast serves 16 rows, and a block's float step is one vector for all of them.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+pub struct RowGroupBlock {
+    u: [[u8; 64]; QK_K / 4],
+    /// sub-block h (16 weights): row r's scale, twice, in lane r (as `vpdpwssd` pairs it)
+    scales: [[i16; 32]; 16],
+    /// sub-blocks 2j and 2j + 1: row r's two extras (minima or offset scales) in lane r
+    extra: [[i16; 32]; 8],
+    d: [f32; GROUP],
+    dmin: [f32; GROUP],
+}
+const _: () = assert!(std::mem::size_of::<RowGroupBlock>() == 5760);
+
+impl Default for RowGroupBlock {
+    fn default() -> Self {
+        RowGroupBlock { u: [[0; 64]; QK_K / 4], scales: [[0; 32]; 16], extra: [[0; 32]; 8], d: [0.0; GROUP], dmin: [0.0; GROUP] }
+    }
+}
+
+/// Decodes rows of format B (`rows.len()` <= 16; lanes past them stay zero) into `out`, a
+/// `RowGroupBlock` per super-block.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn unpack_group<'a, B: SuperBlock>(rows: impl Iterator<Item = &'a [u8]>, out: &mut [RowGroupBlock]) {
+    out.fill(RowGroupBlock::default());
+    for (r, row) in rows.enumerate() {
+        for (o, x) in out.iter_mut().zip(cast_blocks::<B>(row)) {
+            let blk = x.decode(|c, u, _v, scales| {
+                let mut bytes = [0u32; 8];
+                _mm256_storeu_si256(bytes.as_mut_ptr() as *mut __m256i, u);
+                for (j, &word) in bytes.iter().enumerate() {
+                    o.u[8 * c + j][4 * r..4 * r + 4].copy_from_slice(&word.to_le_bytes());
+                }
+                let mut sc = [0i16; 16];
+                _mm256_storeu_si256(sc.as_mut_ptr() as *mut __m256i, scales);
+                // the halves' scales: lanes 0..8 and 8..16
+                for (h, s) in [sc[0], sc[8]].into_iter().enumerate() {
+                    o.scales[2 * c + h][2 * r..2 * r + 2].copy_from_slice(&[s, s]);
+                }
+            });
+            let mut extra = [0i16; 16];
+            _mm256_storeu_si256(extra.as_mut_ptr() as *mut __m256i, blk.extra);
+            for j in 0..8 {
+                o.extra[j][2 * r..2 * r + 2].copy_from_slice(&extra[2 * j..2 * j + 2]);
+            }
+            (o.d[r], o.dmin[r]) = (blk.d, blk.dmin);
+        }
+    }
+}
+
+/// A group of 16 unpacked rows against T tokens: lane r of the result is row r's dot, bit for
+/// bit `dot`'s (the same exact integer sums, the same `block_step` per lane).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn unpacked_dot_avx512<B: SuperBlock, const T: usize>(w: &[UnpackedBlock], a: [&[BlockQ8K]; T]) -> [f32; T] {
-    let mut acc = [0.0f32; T];
-    let zero = _mm512_setzero_si512();
-    for (b, x) in w.iter().enumerate() {
+unsafe fn group_dot<B: SuperBlock, const T: usize>(g: &[RowGroupBlock], a: [&[BlockQ8K]; T]) -> [__m512; T] {
+    let mut acc = [_mm512_setzero_ps(); T];
+    let word = |p: *const i8| (p as *const i32).read_unaligned();
+    for (b, x) in g.iter().enumerate() {
         let at: [&BlockQ8K; T] = std::array::from_fn(|t| a[t].get_unchecked(b));
-        let mut wide = [zero; T];
-        for p in 0..4 {
-            let u = _mm512_load_si512(x.u[2 * p].as_ptr() as *const _);
-            let scales = _mm512_load_si512(x.scales[2 * p].as_ptr() as *const _);
-            // (no vpsignb at 512 bits: negate the activations where v < 0; |v| is 0 where v is)
-            let negative = if B::SIGNED { _mm512_movepi8_mask(_mm512_load_si512(x.v[2 * p].as_ptr() as *const _)) } else { 0 };
-            for t in 0..T {
-                let mut act = _mm512_loadu_si512(at[t].qs.as_ptr().add(64 * p) as *const _);
-                if B::SIGNED {
-                    act = _mm512_mask_sub_epi8(act, negative, zero, act);
+        let mut sums = [_mm512_setzero_si512(); T];
+        for h in 0..16 {
+            let scales = _mm512_load_si512(x.scales[h].as_ptr() as *const _);
+            for k in 4 * h..4 * h + 4 {
+                let u = _mm512_load_si512(x.u[k].as_ptr() as *const _);
+                for t in 0..T {
+                    let act = _mm512_set1_epi32(word(at[t].qs.as_ptr().add(4 * k)));
+                    sums[t] = _mm512_dpwssd_epi32(sums[t], _mm512_maddubs_epi16(u, act), scales);
                 }
-                // (VNNI: the scales' multiply and the sum in one instruction)
-                wide[t] = _mm512_dpwssd_epi32(wide[t], _mm512_maddubs_epi16(u, act), scales);
             }
         }
-        let mut sums = [_mm256_setzero_si256(); T];
-        for t in 0..T {
-            sums[t] = _mm256_add_epi32(_mm512_castsi512_si256(wide[t]), _mm512_extracti64x4_epi64::<1>(wide[t]));
+        let mut mins = [_mm512_setzero_si512(); T];
+        if B::MIN || B::OFFSET_SHIFT > 0 {
+            for t in 0..T {
+                let mut e = _mm512_setzero_si512();
+                for j in 0..8 {
+                    let pair = _mm512_set1_epi32(word(at[t].bsums.as_ptr().add(2 * j) as *const i8));
+                    e = _mm512_dpwssd_epi32(e, _mm512_load_si512(x.extra[j].as_ptr() as *const _), pair);
+                }
+                if B::MIN {
+                    mins[t] = e;
+                } else {
+                    sums[t] = _mm512_sub_epi32(sums[t], _mm512_sll_epi32(e, _mm_cvtsi32_si128(B::OFFSET_SHIFT)));
+                }
+            }
         }
-        let blk = Block { d: x.d, dmin: x.dmin, extra: load(x.extra.as_ptr() as *const u8) };
-        let mins = extras::<B, T>(&blk, &mut sums, at);
+        let (d, dmin) = (_mm512_load_ps(x.d.as_ptr()), _mm512_load_ps(x.dmin.as_ptr()));
         for t in 0..T {
-            float_step(B::MIN, &mut acc[t], &blk, sums[t], mins[t], at[t].d);
+            let d_a = _mm512_set1_ps(at[t].d);
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t]), _mm512_mul_ps(d, d_a), acc[t]);
+            if B::MIN {
+                acc[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[t]), _mm512_mul_ps(dmin, d_a), acc[t]);
+            }
         }
     }
     acc
 }
 
+/// `rows_tokens` on AVX-512: rows in groups of 16 (`RowGroupBlock`), four tokens per step.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn rows_tokens_grouped<'a, B: SuperBlock>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8k: &[BlockQ8K], n: usize, put: impl Fn(usize, usize, f32)) {
+    let nb = cols / super::QK_K;
+    assert_eq!(q8k.len(), n * nb, "activations: wrong size for {n} tokens of {cols}");
+    let token = |t: usize| &q8k[t * nb..(t + 1) * nb];
+    let mut group = vec![RowGroupBlock::default(); nb];
+    let mut r0 = rows.start;
+    while r0 < rows.end {
+        let r1 = (r0 + GROUP).min(rows.end);
+        unpack_group::<B>((r0..r1).map(&row), &mut group);
+        let emit = |t: usize, v: __m512| {
+            let mut lanes = [0.0f32; GROUP];
+            _mm512_storeu_ps(lanes.as_mut_ptr(), v);
+            for r in r0..r1 {
+                put(t, r, lanes[r - r0]);
+            }
+        };
+        let mut t = 0;
+        while t + 4 <= n {
+            let v = group_dot::<B, 4>(&group, [token(t), token(t + 1), token(t + 2), token(t + 3)]);
+            v.into_iter().enumerate().for_each(|(k, x)| emit(t + k, x));
+            t += 4;
+        }
+        for t in t..n {
+            emit(t, group_dot::<B, 1>(&group, [token(t)])[0]);
+        }
+        r0 = r1;
+    }
+}
+
 /// Rows `rows` of a weight matrix of format B (`row(r)` its bytes, `cols` wide) against `n`
 /// tokens (`q8k`: n * cols / 256): put(t, r, value). Each row is decoded once for all tokens,
-/// then dotted with four tokens per step (`WIDE`: with AVX-512, `unpacked_dot_avx512`).
+/// then dotted with four tokens per step (`WIDE`: with AVX-512, 16 rows at a time,
+/// `rows_tokens_grouped`, but for IQ4_XS, whose signs AVX-512 has no `vpsignb` for).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn rows_tokens<'a, B: SuperBlock, const WIDE: bool>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8k: &[BlockQ8K], n: usize, put: impl Fn(usize, usize, f32)) {
+    if WIDE && !B::SIGNED {
+        return rows_tokens_grouped::<B>(row, cols, rows, q8k, n, put);
+    }
     let nb = cols / super::QK_K;
     assert_eq!(q8k.len(), n * nb, "activations: wrong size for {n} tokens of {cols}");
     let token = |t: usize| &q8k[t * nb..(t + 1) * nb];
@@ -514,13 +615,12 @@ unsafe fn rows_tokens<'a, B: SuperBlock, const WIDE: bool>(row: impl Fn(usize) -
         let mut t = 0;
         while t + 4 <= n {
             let four = [token(t), token(t + 1), token(t + 2), token(t + 3)];
-            let v = if WIDE { unpacked_dot_avx512::<B, 4>(&unpacked, four) } else { unpacked_dot::<B, 4>(&unpacked, four) };
+            let v = unpacked_dot::<B, 4>(&unpacked, four);
             v.iter().enumerate().for_each(|(k, &x)| put(t + k, r, x));
             t += 4;
         }
         for t in t..n {
-            let v = if WIDE { unpacked_dot_avx512::<B, 1>(&unpacked, [token(t)]) } else { unpacked_dot::<B, 1>(&unpacked, [token(t)]) };
-            put(t, r, v[0]);
+            put(t, r, unpacked_dot::<B, 1>(&unpacked, [token(t)])[0]);
         }
     }
 }
