@@ -460,57 +460,59 @@ unsafe fn unpacked_dot<B: SuperBlock, const T: usize>(w: &[UnpackedBlock], a: [&
     acc
 }
 
-/// Rows per `RowGroupBlock`: one per 32-bit lane of an AVX-512 register.
-const GROUP: usize = 16;
-
-/// One super-block of 16 rows decoded for a prompt with the rows across the lanes (ggml's
+/// One super-block of G rows decoded for a prompt with the rows across the lanes (ggml's
 /// repacked layout, built here from any file): step k holds weights 4k..4k + 4 of every row, row
 /// r's four bytes in 32-bit lane r, so one `vpmaddubsw` with a token's four activations
-/// broadcast serves 16 rows, and a block's float step is one vector for all of them.
+/// broadcast serves G rows (8 with AVX2, 16 with AVX-512), and a block's float step is one
+/// vector for all of them.
 #[repr(C, align(64))]
 #[derive(Clone, Copy)]
-pub struct RowGroupBlock {
-    u: [[u8; 64]; QK_K / 4],
-    /// sub-block h (16 weights): row r's scale, twice, in lane r (as `vpdpwssd` pairs it)
-    scales: [[i16; 32]; 16],
-    /// sub-blocks 2j and 2j + 1: row r's two extras (minima or offset scales) in lane r
-    extra: [[i16; 32]; 8],
-    d: [f32; GROUP],
-    dmin: [f32; GROUP],
+pub struct RowGroupBlock<const G: usize> {
+    u: [[u32; G]; QK_K / 4],
+    /// sub-block h (16 weights): row r's 16-bit scale, twice, in lane r (as `vpmaddwd` pairs it)
+    scales: [[u32; G]; 16],
+    /// sub-blocks 2j and 2j + 1: row r's two 16-bit extras (minima or offset scales) in lane r
+    extra: [[u32; G]; 8],
+    d: [f32; G],
+    dmin: [f32; G],
 }
-const _: () = assert!(std::mem::size_of::<RowGroupBlock>() == 5760);
+const _: () = assert!(std::mem::size_of::<RowGroupBlock<16>>() == 5760);
+const _: () = assert!(std::mem::size_of::<RowGroupBlock<8>>() == 2880);
 
-impl Default for RowGroupBlock {
+impl<const G: usize> Default for RowGroupBlock<G> {
     fn default() -> Self {
-        RowGroupBlock { u: [[0; 64]; QK_K / 4], scales: [[0; 32]; 16], extra: [[0; 32]; 8], d: [0.0; GROUP], dmin: [0.0; GROUP] }
+        RowGroupBlock { u: [[0; G]; QK_K / 4], scales: [[0; G]; 16], extra: [[0; G]; 8], d: [0.0; G], dmin: [0.0; G] }
     }
 }
 
-/// Decodes rows of format B (`rows.len()` <= 16; lanes past them stay zero) into `out`, a
+/// Two 16-bit values in one 32-bit lane, `lo` first (as `vpmaddwd` pairs them).
+fn pair(lo: i16, hi: i16) -> u32 {
+    lo as u16 as u32 | (hi as u16 as u32) << 16
+}
+
+/// Decodes rows of format B (at most G; lanes past them stay zero) into `out`, a
 /// `RowGroupBlock` per super-block.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn unpack_group<'a, B: SuperBlock>(rows: impl Iterator<Item = &'a [u8]>, out: &mut [RowGroupBlock]) {
+unsafe fn unpack_group<'a, B: SuperBlock, const G: usize>(rows: impl Iterator<Item = &'a [u8]>, out: &mut [RowGroupBlock<G>]) {
     out.fill(RowGroupBlock::default());
     for (r, row) in rows.enumerate() {
         for (o, x) in out.iter_mut().zip(cast_blocks::<B>(row)) {
             let blk = x.decode(|c, u, _v, scales| {
-                let mut bytes = [0u32; 8];
-                _mm256_storeu_si256(bytes.as_mut_ptr() as *mut __m256i, u);
-                for (j, &word) in bytes.iter().enumerate() {
-                    o.u[8 * c + j][4 * r..4 * r + 4].copy_from_slice(&word.to_le_bytes());
+                let mut words = [0u32; 8];
+                _mm256_storeu_si256(words.as_mut_ptr() as *mut __m256i, u);
+                for (j, &word) in words.iter().enumerate() {
+                    o.u[8 * c + j][r] = word;
                 }
                 let mut sc = [0i16; 16];
                 _mm256_storeu_si256(sc.as_mut_ptr() as *mut __m256i, scales);
                 // the halves' scales: lanes 0..8 and 8..16
-                for (h, s) in [sc[0], sc[8]].into_iter().enumerate() {
-                    o.scales[2 * c + h][2 * r..2 * r + 2].copy_from_slice(&[s, s]);
-                }
+                (o.scales[2 * c][r], o.scales[2 * c + 1][r]) = (pair(sc[0], sc[0]), pair(sc[8], sc[8]));
             });
             let mut extra = [0i16; 16];
             _mm256_storeu_si256(extra.as_mut_ptr() as *mut __m256i, blk.extra);
             for j in 0..8 {
-                o.extra[j][2 * r..2 * r + 2].copy_from_slice(&extra[2 * j..2 * j + 2]);
+                o.extra[j][r] = pair(extra[2 * j], extra[2 * j + 1]);
             }
             (o.d[r], o.dmin[r]) = (blk.d, blk.dmin);
         }
@@ -521,7 +523,7 @@ unsafe fn unpack_group<'a, B: SuperBlock>(rows: impl Iterator<Item = &'a [u8]>, 
 /// bit `dot`'s (the same exact integer sums, the same `block_step` per lane).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn group_dot<B: SuperBlock, const T: usize>(g: &[RowGroupBlock], a: [&[BlockQ8K]; T]) -> [__m512; T] {
+unsafe fn group_dot<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<16>], a: [&[BlockQ8K]; T]) -> [__m512; T] {
     let mut acc = [_mm512_setzero_ps(); T];
     let word = |p: *const i8| (p as *const i32).read_unaligned();
     for (b, x) in g.iter().enumerate() {
@@ -564,33 +566,94 @@ unsafe fn group_dot<B: SuperBlock, const T: usize>(g: &[RowGroupBlock], a: [&[Bl
     acc
 }
 
-/// `rows_tokens` on AVX-512: rows in groups of 16 (`RowGroupBlock`), four tokens per step.
+/// A group of 8 unpacked rows against T tokens with AVX2: `group_dot`'s arithmetic, its
+/// `vpdpwssd` as `vpmaddwd` + `vpaddd` (the same exact sums).
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn rows_tokens_grouped<'a, B: SuperBlock>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8k: &[BlockQ8K], n: usize, put: impl Fn(usize, usize, f32)) {
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn group_dot_avx2<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<8>], a: [&[BlockQ8K]; T]) -> [__m256; T] {
+    let mut acc = [_mm256_setzero_ps(); T];
+    let word = |p: *const i8| (p as *const i32).read_unaligned();
+    for (b, x) in g.iter().enumerate() {
+        let at: [&BlockQ8K; T] = std::array::from_fn(|t| a[t].get_unchecked(b));
+        let mut sums = [_mm256_setzero_si256(); T];
+        for h in 0..16 {
+            let scales = load(x.scales[h].as_ptr() as *const u8);
+            for k in 4 * h..4 * h + 4 {
+                let u = load(x.u[k].as_ptr() as *const u8);
+                for t in 0..T {
+                    let act = _mm256_set1_epi32(word(at[t].qs.as_ptr().add(4 * k)));
+                    sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(_mm256_maddubs_epi16(u, act), scales));
+                }
+            }
+        }
+        let mut mins = [_mm256_setzero_si256(); T];
+        if B::MIN || B::OFFSET_SHIFT > 0 {
+            for t in 0..T {
+                let mut e = _mm256_setzero_si256();
+                for j in 0..8 {
+                    let pair = _mm256_set1_epi32(word(at[t].bsums.as_ptr().add(2 * j) as *const i8));
+                    e = _mm256_add_epi32(e, _mm256_madd_epi16(load(x.extra[j].as_ptr() as *const u8), pair));
+                }
+                if B::MIN {
+                    mins[t] = e;
+                } else {
+                    sums[t] = _mm256_sub_epi32(sums[t], _mm256_sll_epi32(e, _mm_cvtsi32_si128(B::OFFSET_SHIFT)));
+                }
+            }
+        }
+        let (d, dmin) = (_mm256_load_ps(x.d.as_ptr()), _mm256_load_ps(x.dmin.as_ptr()));
+        for t in 0..T {
+            let d_a = _mm256_set1_ps(at[t].d);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(d, d_a), acc[t]);
+            if B::MIN {
+                acc[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins[t]), _mm256_mul_ps(dmin, d_a), acc[t]);
+            }
+        }
+    }
+    acc
+}
+
+/// A group's dots with T tokens, row r's in lane r of each token's array: `group_dot` for
+/// 16-row groups (AVX-512), `group_dot_avx2` for 8-row ones.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn group_dots<B: SuperBlock, const G: usize, const T: usize>(g: &[RowGroupBlock<G>], a: [&[BlockQ8K]; T]) -> [[f32; G]; T] {
+    let mut out = [[0.0f32; G]; T];
+    if G == 16 {
+        // SAFETY (the cast): G is 16, the same type
+        let v = group_dot::<B, T>(&*(g as *const [RowGroupBlock<G>] as *const [RowGroupBlock<16>]), a);
+        (0..T).for_each(|t| _mm512_storeu_ps(out[t].as_mut_ptr(), v[t]));
+    } else {
+        assert_eq!(G, 8);
+        // SAFETY (the cast): G is 8, the same type
+        let v = group_dot_avx2::<B, T>(&*(g as *const [RowGroupBlock<G>] as *const [RowGroupBlock<8>]), a);
+        (0..T).for_each(|t| _mm256_storeu_ps(out[t].as_mut_ptr(), v[t]));
+    }
+    out
+}
+
+/// `rows_tokens` in groups of G rows (`RowGroupBlock`: 16 with AVX-512, 8 with AVX2), four
+/// tokens per step.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_tokens_grouped<'a, B: SuperBlock, const G: usize>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8k: &[BlockQ8K], n: usize, put: impl Fn(usize, usize, f32)) {
     let nb = cols / super::QK_K;
     assert_eq!(q8k.len(), n * nb, "activations: wrong size for {n} tokens of {cols}");
     let token = |t: usize| &q8k[t * nb..(t + 1) * nb];
-    let mut group = vec![RowGroupBlock::default(); nb];
+    let mut group = vec![RowGroupBlock::<G>::default(); nb];
     let mut r0 = rows.start;
     while r0 < rows.end {
-        let r1 = (r0 + GROUP).min(rows.end);
-        unpack_group::<B>((r0..r1).map(&row), &mut group);
-        let emit = |t: usize, v: __m512| {
-            let mut lanes = [0.0f32; GROUP];
-            _mm512_storeu_ps(lanes.as_mut_ptr(), v);
-            for r in r0..r1 {
-                put(t, r, lanes[r - r0]);
-            }
-        };
+        let r1 = (r0 + G).min(rows.end);
+        unpack_group::<B, G>((r0..r1).map(&row), &mut group);
+        let emit = |t: usize, lanes: &[f32; G]| (r0..r1).for_each(|r| put(t, r, lanes[r - r0]));
         let mut t = 0;
         while t + 4 <= n {
-            let v = group_dot::<B, 4>(&group, [token(t), token(t + 1), token(t + 2), token(t + 3)]);
-            v.into_iter().enumerate().for_each(|(k, x)| emit(t + k, x));
+            let dots = group_dots::<B, G, 4>(&group, [token(t), token(t + 1), token(t + 2), token(t + 3)]);
+            dots.iter().enumerate().for_each(|(k, lanes)| emit(t + k, lanes));
             t += 4;
         }
         for t in t..n {
-            emit(t, group_dot::<B, 1>(&group, [token(t)])[0]);
+            emit(t, &group_dots::<B, G, 1>(&group, [token(t)])[0]);
         }
         r0 = r1;
     }
@@ -603,8 +666,8 @@ unsafe fn rows_tokens_grouped<'a, B: SuperBlock>(row: impl Fn(usize) -> &'a [u8]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn rows_tokens<'a, B: SuperBlock, const WIDE: bool>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8k: &[BlockQ8K], n: usize, put: impl Fn(usize, usize, f32)) {
-    if WIDE && !B::SIGNED {
-        return rows_tokens_grouped::<B>(row, cols, rows, q8k, n, put);
+    if !B::SIGNED {
+        return if WIDE { rows_tokens_grouped::<B, 16>(row, cols, rows, q8k, n, put) } else { rows_tokens_grouped::<B, 8>(row, cols, rows, q8k, n, put) };
     }
     let nb = cols / super::QK_K;
     assert_eq!(q8k.len(), n * nb, "activations: wrong size for {n} tokens of {cols}");
