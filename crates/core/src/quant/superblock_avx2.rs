@@ -1,9 +1,9 @@
-//! AVX2 twins of `superblock::dot_scalar`: R rows of a 256-weight format against N tokens of
-//! Q8_K activations. Per super-block, each 32-weight chunk is decoded once to unsigned bytes u
-//! (< 128) for all N tokens; `vpmaddubsw` multiplies them with a token's activations and
+//! AVX2 (and, for prompts, AVX-512) kernels of the 256-weight formats against Q8_K activations,
+//! twins of `superblock::dot_scalar`. Per super-block, each 32-weight chunk is decoded to
+//! unsigned bytes u (< 128); `vpmaddubsw` multiplies them with a token's activations and
 //! `vpmaddwd` with the chunk's integer scales (one per 16 weights, as 16-bit lanes), and the
-//! block's products sum in eight 32-bit lanes. Then one conversion and an FMA per token and
-//! block, where per-32 activations need one per chunk (`chunked_avx2`).
+//! block's products sum exactly in 32-bit lanes. Then one float step per block and token
+//! (`superblock::block_step`), where per-32 activations need one per chunk (`chunked_avx2`).
 //!
 //! Formats with negative weights stay unsigned where an offset makes them so, and the offset
 //! comes off through the activations' sums per 16 (`bsums`): Q3_K's v = u - 4, Q6_K's
@@ -11,11 +11,12 @@
 //! The minima of Q2_K, Q4_K and Q5_K are one `vpmaddwd` of the minima with `bsums` per block.
 //! No sum saturates: |u| <= 127 and |a| <= 127 make a `vpmaddubsw` pair at most 32258.
 //!
-//! One decoder per format (`SuperBlock::decode`) feeds both the one-token dots (`dot`, which
-//! decode a block per four rows or tokens) and prompts (`rows_all_tokens`, which decode a row
-//! once into `UnpackedBlock`s and dot them with four tokens per step). A token's integer sums
-//! are exact in any order and its float steps are the same, so its dots are bit for bit the
-//! same alone and in a prompt.
+//! One decoder per format (`SuperBlock::decode`) feeds both the one-token dots (`dot`: a block
+//! decoded per four rows or tokens, four rows' float steps side by side) and prompts
+//! (`rows_all_tokens`: 8 or 16 rows decoded once into a row-interleaved `RowGroupBlock`, a row
+//! per 32-bit lane, dotted with four tokens per step). A block's integer sums are exact in any
+//! order and its float step is the same scalar operation in every lane, so a token's dots are
+//! bit for bit the same alone, in a prompt and in the scalar twin.
 
 #![allow(clippy::missing_safety_doc)]
 
@@ -389,75 +390,10 @@ pub unsafe fn dot<const R: usize, const N: usize>(dtype: DType, rows: [&[u8]; R]
     }
 }
 
-/// A super-block decoded once for all of a prompt's tokens: what `SuperBlock::decode` gives,
-/// in memory.
-#[repr(C, align(32))]
-#[derive(Clone, Copy)]
-pub struct UnpackedBlock {
-    u: [[u8; 32]; 8],
-    v: [[i8; 32]; 8],
-    scales: [[i16; 16]; 8],
-    extra: [i16; 16],
-    d: f32,
-    dmin: f32,
-}
-const _: () = assert!(std::mem::size_of::<UnpackedBlock>() == 832);
-
-impl Default for UnpackedBlock {
-    fn default() -> Self {
-        UnpackedBlock { u: [[0; 32]; 8], v: [[0; 32]; 8], scales: [[0; 16]; 8], extra: [0; 16], d: 0.0, dmin: 0.0 }
-    }
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn store(p: *mut u8, x: __m256i) {
-    _mm256_store_si256(p as *mut __m256i, x)
-}
-
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn load(p: *const u8) -> __m256i {
     _mm256_load_si256(p as *const __m256i)
-}
-
-/// Decodes a row of format B into `out` (a block each).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn unpack_row<B: SuperBlock>(row: &[u8], out: &mut [UnpackedBlock]) {
-    for (o, x) in out.iter_mut().zip(cast_blocks::<B>(row)) {
-        let blk = x.decode(|c, u, v, scales| {
-            store(o.u[c].as_mut_ptr(), u);
-            if B::SIGNED {
-                store(o.v[c].as_mut_ptr() as *mut u8, v);
-            }
-            store(o.scales[c].as_mut_ptr() as *mut u8, scales);
-        });
-        store(o.extra.as_mut_ptr() as *mut u8, blk.extra);
-        (o.d, o.dmin) = (blk.d, blk.dmin);
-    }
-}
-
-/// An unpacked row against T tokens: `rows_dot`'s arithmetic per token, bit for bit (the
-/// integer sums are exact in any order; the float steps are the same).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn unpacked_dot<B: SuperBlock, const T: usize>(w: &[UnpackedBlock], a: [&[BlockQ8K]; T]) -> [f32; T] {
-    let mut acc = [0.0f32; T];
-    for (b, x) in w.iter().enumerate() {
-        let at: [&BlockQ8K; T] = std::array::from_fn(|t| a[t].get_unchecked(b));
-        let mut sums = [_mm256_setzero_si256(); T];
-        for c in 0..8 {
-            let (u, v, scales) = (load(x.u[c].as_ptr()), load(x.v[c].as_ptr() as *const u8), load(x.scales[c].as_ptr() as *const u8));
-            add_chunk(B::SIGNED, &mut sums, u, v, scales, at, c);
-        }
-        let blk = Block { d: x.d, dmin: x.dmin, extra: load(x.extra.as_ptr() as *const u8) };
-        let mins = extras::<B, T>(&blk, &mut sums, at);
-        for t in 0..T {
-            float_step(B::MIN, &mut acc[t], &blk, sums[t], mins[t], at[t].d);
-        }
-    }
-    acc
 }
 
 /// One super-block of G rows decoded for a prompt with the rows across the lanes (ggml's
@@ -469,6 +405,8 @@ unsafe fn unpacked_dot<B: SuperBlock, const T: usize>(w: &[UnpackedBlock], a: [&
 #[derive(Clone, Copy)]
 pub struct RowGroupBlock<const G: usize> {
     u: [[u32; G]; QK_K / 4],
+    /// the signed weights, where u is their magnitude (`SuperBlock::SIGNED`)
+    v: [[u32; G]; QK_K / 4],
     /// sub-block h (16 weights): row r's 16-bit scale, twice, in lane r (as `vpmaddwd` pairs it)
     scales: [[u32; G]; 16],
     /// sub-blocks 2j and 2j + 1: row r's two 16-bit extras (minima or offset scales) in lane r
@@ -476,12 +414,12 @@ pub struct RowGroupBlock<const G: usize> {
     d: [f32; G],
     dmin: [f32; G],
 }
-const _: () = assert!(std::mem::size_of::<RowGroupBlock<16>>() == 5760);
-const _: () = assert!(std::mem::size_of::<RowGroupBlock<8>>() == 2880);
+const _: () = assert!(std::mem::size_of::<RowGroupBlock<16>>() == 9856);
+const _: () = assert!(std::mem::size_of::<RowGroupBlock<8>>() == 4928);
 
 impl<const G: usize> Default for RowGroupBlock<G> {
     fn default() -> Self {
-        RowGroupBlock { u: [[0; G]; QK_K / 4], scales: [[0; G]; 16], extra: [[0; G]; 8], d: [0.0; G], dmin: [0.0; G] }
+        RowGroupBlock { u: [[0; G]; QK_K / 4], v: [[0; G]; QK_K / 4], scales: [[0; G]; 16], extra: [[0; G]; 8], d: [0.0; G], dmin: [0.0; G] }
     }
 }
 
@@ -490,19 +428,27 @@ fn pair(lo: i16, hi: i16) -> u32 {
     lo as u16 as u32 | (hi as u16 as u32) << 16
 }
 
-/// Decodes rows of format B (at most G; lanes past them stay zero) into `out`, a
-/// `RowGroupBlock` per super-block.
+/// Decodes `count` rows of format B into `out`, a `RowGroupBlock` per super-block; lanes past
+/// them are zero (no weights, no scales).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn unpack_group<'a, B: SuperBlock, const G: usize>(rows: impl Iterator<Item = &'a [u8]>, out: &mut [RowGroupBlock<G>]) {
-    out.fill(RowGroupBlock::default());
+unsafe fn unpack_group<'a, B: SuperBlock, const G: usize>(rows: impl Iterator<Item = &'a [u8]>, count: usize, out: &mut [RowGroupBlock<G>]) {
+    if count < G {
+        out.fill(RowGroupBlock::default());
+    }
     for (r, row) in rows.enumerate() {
         for (o, x) in out.iter_mut().zip(cast_blocks::<B>(row)) {
-            let blk = x.decode(|c, u, _v, scales| {
+            let blk = x.decode(|c, u, v, scales| {
                 let mut words = [0u32; 8];
                 _mm256_storeu_si256(words.as_mut_ptr() as *mut __m256i, u);
                 for (j, &word) in words.iter().enumerate() {
                     o.u[8 * c + j][r] = word;
+                }
+                if B::SIGNED {
+                    _mm256_storeu_si256(words.as_mut_ptr() as *mut __m256i, v);
+                    for (j, &word) in words.iter().enumerate() {
+                        o.v[8 * c + j][r] = word;
+                    }
                 }
                 let mut sc = [0i16; 16];
                 _mm256_storeu_si256(sc.as_mut_ptr() as *mut __m256i, scales);
@@ -533,8 +479,13 @@ unsafe fn group_dot<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<16>], a: [
             let scales = _mm512_load_si512(x.scales[h].as_ptr() as *const _);
             for k in 4 * h..4 * h + 4 {
                 let u = _mm512_load_si512(x.u[k].as_ptr() as *const _);
+                // (no vpsignb at 512 bits: negate the activations where v < 0; u is 0 where v is)
+                let negative = if B::SIGNED { _mm512_movepi8_mask(_mm512_load_si512(x.v[k].as_ptr() as *const _)) } else { 0 };
                 for t in 0..T {
-                    let act = _mm512_set1_epi32(word(at[t].qs.as_ptr().add(4 * k)));
+                    let mut act = _mm512_set1_epi32(word(at[t].qs.as_ptr().add(4 * k)));
+                    if B::SIGNED {
+                        act = _mm512_mask_sub_epi8(act, negative, _mm512_setzero_si512(), act);
+                    }
                     sums[t] = _mm512_dpwssd_epi32(sums[t], _mm512_maddubs_epi16(u, act), scales);
                 }
             }
@@ -580,8 +531,12 @@ unsafe fn group_dot_avx2<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<8>], 
             let scales = load(x.scales[h].as_ptr() as *const u8);
             for k in 4 * h..4 * h + 4 {
                 let u = load(x.u[k].as_ptr() as *const u8);
+                let v = if B::SIGNED { load(x.v[k].as_ptr() as *const u8) } else { u };
                 for t in 0..T {
-                    let act = _mm256_set1_epi32(word(at[t].qs.as_ptr().add(4 * k)));
+                    let mut act = _mm256_set1_epi32(word(at[t].qs.as_ptr().add(4 * k)));
+                    if B::SIGNED {
+                        act = _mm256_sign_epi8(act, v);
+                    }
                     sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(_mm256_maddubs_epi16(u, act), scales));
                 }
             }
@@ -632,8 +587,8 @@ unsafe fn group_dots<B: SuperBlock, const G: usize, const T: usize>(g: &[RowGrou
     out
 }
 
-/// `rows_tokens` in groups of G rows (`RowGroupBlock`: 16 with AVX-512, 8 with AVX2), four
-/// tokens per step.
+/// A prompt's product in groups of G rows (`RowGroupBlock`: 16 with AVX-512, 8 with AVX2),
+/// each group decoded once for all tokens, four tokens per step.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn rows_tokens_grouped<'a, B: SuperBlock, const G: usize>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8k: &[BlockQ8K], n: usize, put: impl Fn(usize, usize, f32)) {
@@ -644,7 +599,7 @@ unsafe fn rows_tokens_grouped<'a, B: SuperBlock, const G: usize>(row: impl Fn(us
     let mut r0 = rows.start;
     while r0 < rows.end {
         let r1 = (r0 + G).min(rows.end);
-        unpack_group::<B, G>((r0..r1).map(&row), &mut group);
+        unpack_group::<B, G>((r0..r1).map(&row), r1 - r0, &mut group);
         let emit = |t: usize, lanes: &[f32; G]| (r0..r1).for_each(|r| put(t, r, lanes[r - r0]));
         let mut t = 0;
         while t + 4 <= n {
@@ -659,46 +614,19 @@ unsafe fn rows_tokens_grouped<'a, B: SuperBlock, const G: usize>(row: impl Fn(us
     }
 }
 
-/// Rows `rows` of a weight matrix of format B (`row(r)` its bytes, `cols` wide) against `n`
-/// tokens (`q8k`: n * cols / 256): put(t, r, value). Each row is decoded once for all tokens,
-/// then dotted with four tokens per step (`WIDE`: with AVX-512, 16 rows at a time,
-/// `rows_tokens_grouped`, but for IQ4_XS, whose signs AVX-512 has no `vpsignb` for).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_tokens<'a, B: SuperBlock, const WIDE: bool>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8k: &[BlockQ8K], n: usize, put: impl Fn(usize, usize, f32)) {
-    if !B::SIGNED {
-        return if WIDE { rows_tokens_grouped::<B, 16>(row, cols, rows, q8k, n, put) } else { rows_tokens_grouped::<B, 8>(row, cols, rows, q8k, n, put) };
-    }
-    let nb = cols / super::QK_K;
-    assert_eq!(q8k.len(), n * nb, "activations: wrong size for {n} tokens of {cols}");
-    let token = |t: usize| &q8k[t * nb..(t + 1) * nb];
-    let mut unpacked = vec![UnpackedBlock::default(); nb];
-    for r in rows {
-        unpack_row::<B>(row(r), &mut unpacked);
-        let mut t = 0;
-        while t + 4 <= n {
-            let four = [token(t), token(t + 1), token(t + 2), token(t + 3)];
-            let v = unpacked_dot::<B, 4>(&unpacked, four);
-            v.iter().enumerate().for_each(|(k, &x)| put(t + k, r, x));
-            t += 4;
-        }
-        for t in t..n {
-            put(t, r, unpacked_dot::<B, 1>(&unpacked, [token(t)])[0]);
-        }
-    }
-}
-
-/// A prompt's product with rows of a `superblock::SUPERBLOCK` type (`rows_tokens`); `wide`:
-/// the AVX-512 steps (only where the CPU has AVX-512 F/BW/VL/VNNI).
+/// A prompt's product with rows of a `superblock::SUPERBLOCK` type: `rows` of a weight matrix
+/// (`row(r)` its bytes, `cols` wide) against `n` tokens (`q8k`: n * cols / 256), put(t, r,
+/// value); `wide`: in 16-row groups with AVX-512 (only where the CPU has AVX-512 F/BW/VL/VNNI),
+/// else in 8-row groups with AVX2.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn rows_all_tokens<'a>(dtype: DType, wide: bool, row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8k: &[BlockQ8K], n: usize, put: impl Fn(usize, usize, f32)) {
     macro_rules! by_width {
         ($block:ty) => {
             if wide {
-                rows_tokens::<$block, true>(row, cols, rows, q8k, n, put)
+                rows_tokens_grouped::<$block, 16>(row, cols, rows, q8k, n, put)
             } else {
-                rows_tokens::<$block, false>(row, cols, rows, q8k, n, put)
+                rows_tokens_grouped::<$block, 8>(row, cols, rows, q8k, n, put)
             }
         };
     }
