@@ -109,6 +109,10 @@ trait SuperBlock {
     const OFFSET_SHIFT: i32;
     /// Whether weights are negative as stored (IQ4_XS): u = |v|, v's signs go to the activations.
     const SIGNED: bool;
+    /// How many 4-weight steps' sums of u * a (|a| <= 127) surely fit 16 bits: 4 (a whole
+    /// sub-block) for u < 16, 2 for u < 32, else 0. Those VNNI's `vpdpbusd` sums before the scale
+    /// multiplies them.
+    const STEPS_IN_16_BITS: usize = 0;
     /// Calls `each(c, u, v, scales)` for the block's chunks c = 0..8 in order: u the unsigned
     /// operand of `vpmaddubsw`, v the signed weights (`SIGNED`; else u again), scales the
     /// chunk's 16-bit scales as `scaled` takes them.
@@ -166,6 +170,7 @@ unsafe fn f16(bits: u16) -> f32 {
 }
 
 impl SuperBlock for BlockQ2K {
+    const STEPS_IN_16_BITS: usize = 4;
     const MIN: bool = true;
     const OFFSET_SHIFT: i32 = 0;
     const SIGNED: bool = false;
@@ -189,6 +194,7 @@ impl SuperBlock for BlockQ2K {
 }
 
 impl SuperBlock for BlockQ3K {
+    const STEPS_IN_16_BITS: usize = 4;
     const MIN: bool = false;
     const OFFSET_SHIFT: i32 = 2;
     const SIGNED: bool = false;
@@ -241,6 +247,7 @@ unsafe fn k4_decode(d: u16, dmin: u16, packed: &[u8; 12], qs: &[u8; 128], qh: Op
 }
 
 impl SuperBlock for BlockQ4K {
+    const STEPS_IN_16_BITS: usize = 4;
     const MIN: bool = true;
     const OFFSET_SHIFT: i32 = 0;
     const SIGNED: bool = false;
@@ -252,6 +259,7 @@ impl SuperBlock for BlockQ4K {
 }
 
 impl SuperBlock for BlockQ5K {
+    const STEPS_IN_16_BITS: usize = 2;
     const MIN: bool = true;
     const OFFSET_SHIFT: i32 = 0;
     const SIGNED: bool = false;
@@ -477,6 +485,24 @@ unsafe fn group_dot<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<16>], a: [
         let mut sums = [_mm512_setzero_si512(); T];
         for h in 0..16 {
             let scales = _mm512_load_si512(x.scales[h].as_ptr() as *const _);
+            if B::STEPS_IN_16_BITS > 0 {
+                // a few steps' products per row in one 32-bit lane (< 2^15 in size), then
+                // times the scale in the lane's low 16 bits
+                let scale = _mm512_and_si512(scales, _mm512_set1_epi32(0xFFFF));
+                for k0 in (4 * h..4 * h + 4).step_by(B::STEPS_IN_16_BITS) {
+                    let mut part = [_mm512_setzero_si512(); T];
+                    for k in k0..k0 + B::STEPS_IN_16_BITS {
+                        let u = _mm512_load_si512(x.u[k].as_ptr() as *const _);
+                        for t in 0..T {
+                            part[t] = _mm512_dpbusd_epi32(part[t], u, _mm512_set1_epi32(word(at[t].qs.as_ptr().add(4 * k))));
+                        }
+                    }
+                    for t in 0..T {
+                        sums[t] = _mm512_dpwssd_epi32(sums[t], part[t], scale);
+                    }
+                }
+                continue;
+            }
             for k in 4 * h..4 * h + 4 {
                 let u = _mm512_load_si512(x.u[k].as_ptr() as *const _);
                 // (no vpsignb at 512 bits: negate the activations where v < 0; u is 0 where v is)
