@@ -25,7 +25,7 @@
 use std::arch::x86_64::*;
 
 use crate::quant::chunked_avx2::Decoded;
-use crate::quant::chunked::{iq4_xs_scale, k4_scales, q3_k_scales, BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ6K, IQ4_VALUES};
+use crate::quant::chunked::{iq4_xs_scale, k4_scales, q3_k_scales, BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, IQ4_VALUES};
 use crate::quant::{cast_blocks, ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8_0, DType};
 
 /// An f16 scale as an f32 broadcast to 16 lanes.
@@ -455,6 +455,7 @@ unsafe fn direct_quad(dtype: DType, row: &[u8], j: usize, blocks: usize) -> Opti
         DType::Q3_K => Some(q3_k_quad(cast_blocks::<BlockQ3K>(row).get_unchecked(j / 2), j % 2)),
         DType::IQ4_XS => Some(iq4_xs_quad(cast_blocks::<BlockIQ4XS>(row).get_unchecked(j / 2), j % 2)),
         DType::Q5_0 if 4 * j + 4 <= blocks => Some(q5_0_quad(row.as_ptr().add(4 * j * std::mem::size_of::<BlockQ5_0>()))),
+        DType::Q5_1 if 4 * j + 4 <= blocks => Some(q5_1_quad(row.as_ptr().add(4 * j * std::mem::size_of::<BlockQ5_1>()))),
         DType::IQ4_NL if 4 * j + 4 <= blocks => Some(iq4_nl_quad(row.as_ptr().add(4 * j * std::mem::size_of::<BlockIQ4NL>()))),
         _ => None,
     }
@@ -478,9 +479,32 @@ unsafe fn nibble_halves(q: __m512i) -> (__m512i, __m512i) {
 unsafe fn four_blocks(p: *const u8, stride: usize, qs: usize) -> (__m512i, __m512) {
     let q = |k: usize| _mm_loadu_si128(p.add(stride * k + qs) as *const __m128i);
     let v = _mm512_inserti32x4::<3>(_mm512_inserti32x4::<2>(_mm512_inserti32x4::<1>(_mm512_castsi128_si512(q(0)), q(1)), q(2)), q(3));
-    let word = |k: usize| (p.add(stride * k) as *const u16).read_unaligned() as i64;
+    (v, block_f16_lanes(p, stride, 0))
+}
+
+/// The f16 at `offset` of each of four blocks at `p` (`stride` bytes each), block c's to lanes
+/// 4c..4c + 4.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn block_f16_lanes(p: *const u8, stride: usize, offset: usize) -> __m512 {
+    let word = |k: usize| (p.add(stride * k + offset) as *const u16).read_unaligned() as i64;
     let four = _mm_cvtph_ps(_mm_cvtsi64_si128(word(0) | word(1) << 16 | word(2) << 32 | word(3) << 48));
-    (v, _mm512_permutexvar_ps(_mm512_loadu_si512(LANES_OF_FOUR.as_ptr() as *const _), _mm512_castps128_ps512(four)))
+    _mm512_permutexvar_ps(_mm512_loadu_si512(LANES_OF_FOUR.as_ptr() as *const _), _mm512_castps128_ps512(four))
+}
+
+/// The fifth bits of four Q5_0/Q5_1 blocks at `p` (`qh` at offset `qh`) as byte masks of the
+/// weights in `nibble_halves` order: weight i's bit is bit i of its block's qh, bits 0..16
+/// for the low nibbles, 16..32 for the high ones.
+#[inline]
+fn fifth_bits(p: *const u8, stride: usize, qh: usize) -> (u64, u64) {
+    let (mut lo, mut hi) = (0u64, 0u64);
+    for k in 0..4 {
+        // SAFETY (the read): the caller's four blocks are in bounds
+        let bits = unsafe { (p.add(stride * k + qh) as *const u32).read_unaligned() } as u64;
+        lo |= (bits & 0xFFFF) << (16 * k);
+        hi |= (bits >> 16) << (16 * k);
+    }
+    (lo, hi)
 }
 
 /// A step with one scale per chunk and no minima, bytes v + 128 from v (signed).
@@ -498,19 +522,31 @@ unsafe fn q5_0_quad(p: *const u8) -> RegQuad {
     const STRIDE: usize = std::mem::size_of::<BlockQ5_0>();
     let (q, d) = four_blocks(p, STRIDE, 6);
     let (lo, hi) = nibble_halves(q);
-    // weight i's fifth bit is bit i of the block's qh: bits 0..16 for `lo`, 16..32 for `hi`
-    let (mut bits_lo, mut bits_hi) = (0u64, 0u64);
-    for k in 0..4 {
-        let qh = (p.add(STRIDE * k + 2) as *const u32).read_unaligned() as u64;
-        bits_lo |= (qh & 0xFFFF) << (16 * k);
-        bits_hi |= (qh >> 16) << (16 * k);
-    }
+    let (bits_lo, bits_hi) = fifth_bits(p, STRIDE, 2);
     let sixteen = _mm512_set1_epi8(0x10);
     let lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(bits_lo, sixteen));
     let hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(bits_hi, sixteen));
     // v + 128 = q + 112
     let (off, zero) = (_mm512_set1_epi8(112), _mm512_setzero_ps());
     RegQuad { lo: _mm512_add_epi8(lo, off), hi: _mm512_add_epi8(hi, off), scale: d, scale_hi: d, min: zero, min_hi: zero }
+}
+
+/// Four Q5_1 blocks at `p`: v = nibble | fifth bit << 4, weight d * v + m; the minimum lanes
+/// hold -m, as the chunk decoder gives it (and `gather` adds the per-half minima, zero here).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q5_1_quad(p: *const u8) -> RegQuad {
+    const STRIDE: usize = std::mem::size_of::<BlockQ5_1>();
+    let (q, d) = four_blocks(p, STRIDE, 8);
+    let (lo, hi) = nibble_halves(q);
+    let (bits_lo, bits_hi) = fifth_bits(p, STRIDE, 4);
+    let sixteen = _mm512_set1_epi8(0x10);
+    let lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(bits_lo, sixteen));
+    let hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(bits_hi, sixteen));
+    let zero = _mm512_setzero_ps();
+    let min = _mm512_add_ps(_mm512_sub_ps(zero, block_f16_lanes(p, STRIDE, 2)), zero);
+    let flip = _mm512_set1_epi8(-128);
+    RegQuad { lo: _mm512_xor_si512(lo, flip), hi: _mm512_xor_si512(hi, flip), scale: d, scale_hi: d, min, min_hi: min }
 }
 
 /// IQ4's 16 values in every 128-bit lane.
