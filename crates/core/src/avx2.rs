@@ -590,8 +590,8 @@ pub unsafe fn axpy(dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
                 axpy_block(yp.add(32 * i), i8x32_to_f32x4(_mm256_loadu_si256(b.qs.as_ptr() as *const __m256i)), _mm256_mul_ps(av, splat_f16(b.d)), None);
             }
         }
-        // the chunked formats
-        _ => crate::quant::chunked_avx2::axpy_rows::<1>(dtype, [row], [a], y),
+        // the chunked formats (`sparse::axpy` sends them to `chunked_avx2::axpy_rows`)
+        _ => crate::quant::axpy_scalar(dtype, row, a, y),
     }
 }
 
@@ -661,8 +661,12 @@ pub unsafe fn axpy_rows<const R: usize>(dtype: DType, rows: [&[u8]; R], a: [f32;
         }
         DType::Q4_1 => quantized!(BlockQ4_1, |b| nibbles_to_f32x4(&b.qs, _mm_setzero_si128()), true),
         DType::Q8_0 => quantized!(BlockQ8_0, |b| i8x32_to_f32x4(_mm256_loadu_si256(b.qs.as_ptr() as *const __m256i)), false),
-        // the chunked formats
-        _ => crate::quant::chunked_avx2::axpy_rows::<R>(dtype, rows, a, y),
+        // the chunked formats (`sparse::axpy4` sends them to `chunked_avx2::axpy_rows`)
+        _ => {
+            for r in 0..R {
+                crate::quant::axpy_scalar(dtype, rows[r], a[r], y);
+            }
+        }
     }
 }
 

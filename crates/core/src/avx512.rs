@@ -124,8 +124,12 @@ pub unsafe fn axpy_rows<const R: usize>(dtype: DType, rows: [&[u8]; R], a: [f32;
                 _mm512_storeu_ps(p.add(16), hi);
             }
         }
-        // the chunked formats, through their AVX2 decoders
-        _ => crate::quant::chunked_avx2::axpy_rows::<R>(dtype, rows, a, y),
+        // the chunked formats (`sparse::axpy4` sends them to `chunked_avx2::axpy_rows`)
+        _ => {
+            for r in 0..R {
+                crate::quant::axpy_scalar(dtype, rows[r], a[r], y);
+            }
+        }
     }
 }
 

@@ -62,6 +62,9 @@ pub const DENSE_FRACTION: f64 = 0.9;
 pub fn axpy(level: SimdLevel, dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
     match level {
         #[cfg(target_arch = "x86_64")]
+        // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c.
+        SimdLevel::Avx2 | SimdLevel::Avx512 if quant::is_chunked(dtype) => unsafe { quant::chunked_avx2::axpy_rows::<1>(dtype, [row], [a], y) },
+        #[cfg(target_arch = "x86_64")]
         // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI and AVX2's features.
         SimdLevel::Avx512 => unsafe { crate::avx512::axpy_rows::<1>(dtype, [row], [a], y) },
         #[cfg(target_arch = "x86_64")]
@@ -75,6 +78,9 @@ pub fn axpy(level: SimdLevel, dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
 #[inline]
 pub fn axpy4(level: SimdLevel, dtype: DType, rows: [&[u8]; 4], a: [f32; 4], y: &mut [f32]) {
     match level {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c.
+        SimdLevel::Avx2 | SimdLevel::Avx512 if quant::is_chunked(dtype) => unsafe { quant::chunked_avx2::axpy_rows::<4>(dtype, rows, a, y) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         SimdLevel::Avx512 => unsafe { crate::avx512::axpy_rows::<4>(dtype, rows, a, y) },
@@ -404,7 +410,7 @@ mod tests {
                 let y0 = random_vec(n, 99);
                 let (mut ys, mut yv) = (y0.clone(), y0.clone());
                 quant::axpy_scalar(dtype, &row, 0.37, &mut ys);
-                unsafe { crate::avx2::axpy(dtype, &row, 0.37, &mut yv) };
+                axpy(SimdLevel::Avx2, dtype, &row, 0.37, &mut yv);
                 for i in 0..n {
                     assert!((ys[i] - yv[i]).abs() <= 1e-6, "{dtype:?} n={n} i={i}: {} vs {}", ys[i], yv[i]);
                 }
@@ -424,7 +430,7 @@ mod tests {
                     quant::axpy_scalar(dtype, &rows[r], a[r], &mut ys);
                 }
                 let rr = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
-                unsafe { crate::avx2::axpy_rows::<4>(dtype, rr, a, &mut yv) };
+                axpy4(SimdLevel::Avx2, dtype, rr, a, &mut yv);
                 for i in 0..n {
                     assert!((ys[i] - yv[i]).abs() <= 1e-5, "x4 {dtype:?} n={n} i={i}: {} vs {}", ys[i], yv[i]);
                 }
@@ -458,10 +464,10 @@ mod tests {
                 let (mut ys, mut y1, mut y4) = (y0.clone(), y0.clone(), y0.clone());
                 for r in 0..4 {
                     quant::axpy_scalar(dtype, &rows[r], a[r], &mut ys);
-                    unsafe { crate::avx512::axpy_rows::<1>(dtype, [&rows[r][..]], [a[r]], &mut y1) };
+                    axpy(SimdLevel::Avx512, dtype, &rows[r], a[r], &mut y1);
                 }
                 let rr = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
-                unsafe { crate::avx512::axpy_rows::<4>(dtype, rr, a, &mut y4) };
+                axpy4(SimdLevel::Avx512, dtype, rr, a, &mut y4);
                 for i in 0..n {
                     assert!((ys[i] - y1[i]).abs() <= 1e-5, "x1 {dtype:?} n={n} i={i}: {} vs {}", ys[i], y1[i]);
                     assert!((ys[i] - y4[i]).abs() <= 1e-5, "x4 {dtype:?} n={n} i={i}: {} vs {}", ys[i], y4[i]);
