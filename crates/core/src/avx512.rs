@@ -25,7 +25,7 @@
 use std::arch::x86_64::*;
 
 use crate::quant::chunked_avx2::Decoded;
-use crate::quant::chunked::{iq4_xs_scale, k4_scales, q3_k_scales, BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, IQ4_VALUES};
+use crate::quant::chunked::{iq4_xs_scale, BlockIQ4NL, BlockIQ4XS, BlockQ5_0, BlockQ5_1, IQ4_VALUES};
 use crate::quant::{cast_blocks, ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8_0, DType};
 
 /// An f16 scale as an f32 broadcast to 16 lanes.
@@ -404,7 +404,8 @@ pub unsafe fn dot_q8_0<const R: usize, const N: usize>(w: [&[BlockQ8_0]; R], qua
 
 /// R rows of a chunked type (`quant::chunked`) against N tokens: a step straight from the
 /// blocks (`direct_quad`) or the format's AVX2 chunk decoder four times, the chunks gathered
-/// into one `RegQuad` (v + 128). Twin of `chunked::dot_scalar`.
+/// into one `RegQuad` (v + 128). Twin of `chunked::dot_scalar`. (The super-block formats but
+/// IQ4_XS go through `quant::superblock_avx2` at this level, see `matmul::reads_q8k`.)
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub unsafe fn dot_chunked<const R: usize, const N: usize>(dtype: DType, rows: [&[u8]; R], quads: [&[ActQuad]; N], next: &[u8]) -> [[f32; N]; R] {
     use crate::quant::chunked_avx2 as c2;
@@ -446,17 +447,6 @@ pub unsafe fn dot_chunked<const R: usize, const N: usize>(dtype: DType, rows: [&
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn direct_quad(dtype: DType, row: &[u8], j: usize, blocks: usize) -> Option<RegQuad> {
     match dtype {
-        DType::Q4_K => {
-            let b = cast_blocks::<BlockQ4K>(row).get_unchecked(j / 2);
-            Some(k4_quad(b.d, b.dmin, &b.scales, &b.qs, None, j % 2))
-        }
-        DType::Q5_K => {
-            let b = cast_blocks::<BlockQ5K>(row).get_unchecked(j / 2);
-            Some(k4_quad(b.d, b.dmin, &b.scales, &b.qs, Some(&b.qh), j % 2))
-        }
-        DType::Q6_K => Some(q6_k_quad(cast_blocks::<BlockQ6K>(row).get_unchecked(j / 2), j % 2)),
-        DType::Q2_K => Some(q2_k_quad(cast_blocks::<BlockQ2K>(row).get_unchecked(j / 2), j % 2)),
-        DType::Q3_K => Some(q3_k_quad(cast_blocks::<BlockQ3K>(row).get_unchecked(j / 2), j % 2)),
         DType::IQ4_XS => Some(iq4_xs_quad(cast_blocks::<BlockIQ4XS>(row).get_unchecked(j / 2), j % 2)),
         DType::Q5_0 if 4 * j + 4 <= blocks => Some(q5_0_quad(row.as_ptr().add(4 * j * std::mem::size_of::<BlockQ5_0>()))),
         DType::Q5_1 if 4 * j + 4 <= blocks => Some(q5_1_quad(row.as_ptr().add(4 * j * std::mem::size_of::<BlockQ5_1>()))),
@@ -519,34 +509,35 @@ unsafe fn signed_quad(lo: __m512i, hi: __m512i, scale: __m512) -> RegQuad {
     RegQuad { lo: _mm512_xor_si512(lo, flip), hi: _mm512_xor_si512(hi, flip), scale, scale_hi: scale, min: zero, min_hi: zero }
 }
 
-/// Four Q5_0 blocks at `p`: v = (nibble | fifth bit << 4) - 16.
+/// Four Q5_0 or Q5_1 blocks at `p` (`stride` bytes each, `qh` and `qs` at those offsets):
+/// q = nibble | fifth bit << 4, in `nibble_halves` order, and the blocks' scales.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn five_bit_blocks(p: *const u8, stride: usize, qh: usize, qs: usize) -> (__m512i, __m512i, __m512) {
+    let (q, d) = four_blocks(p, stride, qs);
+    let (lo, hi) = nibble_halves(q);
+    let (bits_lo, bits_hi) = fifth_bits(p, stride, qh);
+    let sixteen = _mm512_set1_epi8(0x10);
+    (_mm512_or_si512(lo, _mm512_maskz_mov_epi8(bits_lo, sixteen)), _mm512_or_si512(hi, _mm512_maskz_mov_epi8(bits_hi, sixteen)), d)
+}
+
+/// Four Q5_0 blocks at `p`: v = q - 16.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn q5_0_quad(p: *const u8) -> RegQuad {
-    const STRIDE: usize = std::mem::size_of::<BlockQ5_0>();
-    let (q, d) = four_blocks(p, STRIDE, 6);
-    let (lo, hi) = nibble_halves(q);
-    let (bits_lo, bits_hi) = fifth_bits(p, STRIDE, 2);
-    let sixteen = _mm512_set1_epi8(0x10);
-    let lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(bits_lo, sixteen));
-    let hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(bits_hi, sixteen));
+    let (lo, hi, d) = five_bit_blocks(p, std::mem::size_of::<BlockQ5_0>(), 2, 6);
     // v + 128 = q + 112
     let (off, zero) = (_mm512_set1_epi8(112), _mm512_setzero_ps());
     RegQuad { lo: _mm512_add_epi8(lo, off), hi: _mm512_add_epi8(hi, off), scale: d, scale_hi: d, min: zero, min_hi: zero }
 }
 
-/// Four Q5_1 blocks at `p`: v = nibble | fifth bit << 4, weight d * v + m; the minimum lanes
-/// hold -m, as the chunk decoder gives it (and `gather` adds the per-half minima, zero here).
+/// Four Q5_1 blocks at `p`: v = q, weight d * v + m; the minimum lanes hold -m, as the chunk
+/// decoder gives it (and `gather` adds the per-half minima, zero here).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn q5_1_quad(p: *const u8) -> RegQuad {
     const STRIDE: usize = std::mem::size_of::<BlockQ5_1>();
-    let (q, d) = four_blocks(p, STRIDE, 8);
-    let (lo, hi) = nibble_halves(q);
-    let (bits_lo, bits_hi) = fifth_bits(p, STRIDE, 4);
-    let sixteen = _mm512_set1_epi8(0x10);
-    let lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(bits_lo, sixteen));
-    let hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(bits_hi, sixteen));
+    let (lo, hi, d) = five_bit_blocks(p, STRIDE, 4, 8);
     let zero = _mm512_setzero_ps();
     let min = _mm512_add_ps(_mm512_sub_ps(zero, block_f16_lanes(p, STRIDE, 2)), zero);
     let flip = _mm512_set1_epi8(-128);
@@ -580,153 +571,6 @@ unsafe fn iq4_xs_quad(b: &BlockIQ4XS, h: usize) -> RegQuad {
     let four = _mm_setr_epi32(ls(4 * h), ls(4 * h + 1), ls(4 * h + 2), ls(4 * h + 3));
     let lanes = _mm512_permutexvar_epi32(_mm512_loadu_si512(LANES_OF_FOUR.as_ptr() as *const _), _mm512_castsi128_si512(four));
     signed_quad(_mm512_shuffle_epi8(table, lo), _mm512_shuffle_epi8(table, hi), _mm512_mul_ps(splat_f16(b.d), _mm512_cvtepi32_ps(lanes)))
-}
-
-/// Step g (chunks 4g..4g + 4) of a Q6_K super-block: chunk 4g + s is the low (s < 2) or high
-/// nibbles of 32 bytes of `ql` at 64g + 32 (s % 2), with bits 2s, 2s + 1 of `qh` at 32g on top;
-/// v = that - 32; a scale per 16 weights.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn q6_k_quad(b: &BlockQ6K, g: usize) -> RegQuad {
-    let (l, u) = nibble_halves(_mm512_loadu_si512(b.ql.as_ptr().add(64 * g) as *const _));
-    let lo = _mm512_permutex2var_epi64(l, _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13), u);
-    let hi = _mm512_permutex2var_epi64(l, _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15), u);
-    // lane s of each half: bits 2s, 2s + 1 of qh's bytes, moved to bits 4 and 5
-    let top = |half: usize| _mm512_slli_epi16::<4>(crumbs(b.qh.as_ptr().add(32 * g + 16 * half)));
-    // v + 128 = q + 96
-    let off = _mm512_set1_epi8(96);
-    let (lo, hi) = (_mm512_add_epi8(_mm512_or_si512(lo, top(0)), off), _mm512_add_epi8(_mm512_or_si512(hi, top(1)), off));
-    // the scales of the chunks' first and second 16 weights: bytes 8g + 2s and 8g + 2s + 1
-    let sc = _mm_loadu_si128(b.scales.as_ptr() as *const __m128i);
-    let pick = |first: usize| signed_scales(b.d, sc, first);
-    let zero = _mm512_setzero_ps();
-    RegQuad { lo, hi, scale: pick(8 * g), scale_hi: pick(8 * g + 1), min: zero, min_hi: zero }
-}
-
-/// Per 128-bit lane c, the shift of `crumbs`: 2c bits in every 16-bit word.
-const CRUMB_SHIFTS: [u16; 32] = [0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2, 4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6];
-
-/// The 16 bytes at `p`, four times: bits 2c and 2c + 1 of each byte in 128-bit lane c (Q2_K's
-/// and Q3_K's weights, Q6_K's top bits: 32 bytes hold the 2-bit parts of four chunks).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn crumbs(p: *const u8) -> __m512i {
-    let bytes = _mm512_broadcast_i32x4(_mm_loadu_si128(p as *const __m128i));
-    let shifts = _mm512_loadu_si512(CRUMB_SHIFTS.as_ptr() as *const _);
-    _mm512_and_si512(_mm512_srlv_epi16(bytes, shifts), _mm512_set1_epi8(3))
-}
-
-/// Bytes first, first + 2, first + 4, first + 6 of `x`, each four times (a step's four chunks'
-/// scales of one half, from a super-block's 16 per-16-weight scales).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn every_other(x: __m128i, first: usize) -> __m128i {
-    let index = _mm_add_epi8(_mm_setr_epi8(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6), _mm_set1_epi8(first as i8));
-    _mm_shuffle_epi8(x, index)
-}
-
-/// d times the signed bytes `every_other(x, first)`: a step's scales of one half (Q3_K, Q6_K).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn signed_scales(d: u16, x: __m128i, first: usize) -> __m512 {
-    _mm512_mul_ps(splat_f16(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(every_other(x, first))))
-}
-
-/// Step h (chunks 4h..4h + 4) of a Q2_K super-block: chunk 4h + c is bits 2c, 2c + 1 of the
-/// 32 bytes of `qs` at 32h; per 16 weights a scale (low nibble of a `scales` byte) and a
-/// minimum (high nibble).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn q2_k_quad(b: &BlockQ2K, h: usize) -> RegQuad {
-    // v + 128 = q | 128
-    let flip = _mm512_set1_epi8(-128);
-    let lo = _mm512_or_si512(crumbs(b.qs.as_ptr().add(32 * h)), flip);
-    let hi = _mm512_or_si512(crumbs(b.qs.as_ptr().add(32 * h + 16)), flip);
-    let sc = _mm_loadu_si128(b.scales.as_ptr() as *const __m128i);
-    let low4 = _mm_set1_epi8(0x0F);
-    let nibble = |first: usize, high: bool| {
-        let bytes = every_other(sc, first);
-        let bytes = if high { _mm_srli_epi16::<4>(bytes) } else { bytes };
-        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4)))
-    };
-    let (d, dmin, zero) = (splat_f16(b.d), splat_f16(b.dmin), _mm512_setzero_ps());
-    // (+ 0: `gather` adds the per-chunk minima, zero here)
-    RegQuad {
-        lo,
-        hi,
-        scale: _mm512_mul_ps(d, nibble(8 * h, false)),
-        scale_hi: _mm512_mul_ps(d, nibble(8 * h + 1, false)),
-        min: _mm512_add_ps(zero, _mm512_mul_ps(dmin, nibble(8 * h, true))),
-        min_hi: _mm512_add_ps(zero, _mm512_mul_ps(dmin, nibble(8 * h + 1, true))),
-    }
-}
-
-/// Step h (chunks 4h..4h + 4) of a Q3_K super-block: chunk 4h + c is bits 2c, 2c + 1 of the
-/// 32 bytes of `qs` at 32h, plus 4 where bit 4h + c of the `hmask` byte is set, minus 4; a
-/// signed 6-bit scale per 16 weights.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn q3_k_quad(b: &BlockQ3K, h: usize) -> RegQuad {
-    let bit = _mm512_loadu_si512(BIT_OF_CHUNK[h].as_ptr() as *const _);
-    let four = _mm512_set1_epi8(4);
-    // v + 128 = q + high + 124
-    let half = |k: usize| {
-        let hmask = _mm512_broadcast_i32x4(_mm_loadu_si128(b.hmask.as_ptr().add(16 * k) as *const __m128i));
-        let q = _mm512_or_si512(crumbs(b.qs.as_ptr().add(32 * h + 16 * k)), _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(hmask, bit), four));
-        _mm512_add_epi8(q, _mm512_set1_epi8(124))
-    };
-    let sc = q3_k_scales(&b.scales);
-    let sc = _mm_sub_epi8(_mm_loadu_si128(sc.as_ptr() as *const __m128i), _mm_set1_epi8(32));
-    let pick = |first: usize| signed_scales(b.d, sc, first);
-    let zero = _mm512_setzero_ps();
-    RegQuad { lo: half(0), hi: half(1), scale: pick(8 * h), scale_hi: pick(8 * h + 1), min: zero, min_hi: zero }
-}
-
-/// Per 128-bit lane c of step h of a super-block: bit 4h + c in every byte (the bit of Q5_K's
-/// `qh` and Q3_K's `hmask` bytes that belongs to chunk 4h + c).
-const BIT_OF_CHUNK: [[u32; 16]; 2] = {
-    let mut out = [[0u32; 16]; 2];
-    let mut i = 0;
-    while i < 32 {
-        out[i / 16][i % 16] = 0x0101_0101 * (1u32 << (4 * (i / 16) + (i % 16) / 4));
-        i += 1;
-    }
-    out
-};
-
-/// Step h (chunks 4h..4h + 4) of a Q4_K super-block (`qh` None) or a Q5_K one: the bytes,
-/// scales and minima that the AVX2 chunk decoders give and `gather` lays out, bit for bit.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn k4_quad(d: u16, dmin: u16, scales: &[u8; 12], qs: &[u8; 128], qh: Option<&[u8; 32]>, h: usize) -> RegQuad {
-    let sm = k4_scales(scales);
-    let sm = _mm_loadu_si128(sm.as_ptr() as *const __m128i);
-    // byte `first + c` of `sm` to lanes 4c..4c + 4, as f32
-    let pick = |first: usize| {
-        let index = _mm_add_epi8(_mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm_set1_epi8(first as i8));
-        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(sm, index)))
-    };
-    let scale = _mm512_mul_ps(splat_f16(d), pick(4 * h));
-    // (+ 0: `gather` adds the per-half minima, zero here)
-    let min = _mm512_add_ps(_mm512_mul_ps(splat_f16(dmin), pick(8 + 4 * h)), _mm512_setzero_ps());
-    // chunk 4h + c is the low (c even) or high (c odd) nibbles of 32 bytes at 64h + 32 (c / 2)
-    let q = _mm512_loadu_si512(qs.as_ptr().add(64 * h) as *const _);
-    let low4 = _mm512_set1_epi8(0x0F);
-    let (l, u) = (_mm512_and_si512(q, low4), _mm512_and_si512(_mm512_srli_epi16::<4>(q), low4));
-    let mut lo = _mm512_permutex2var_epi64(l, _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), u);
-    let mut hi = _mm512_permutex2var_epi64(l, _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15), u);
-    if let Some(qh) = qh {
-        let bit = _mm512_loadu_si512(BIT_OF_CHUNK[h].as_ptr() as *const _);
-        let sixteen = _mm512_set1_epi8(0x10);
-        let fifth = |half: usize| {
-            let bytes = _mm512_broadcast_i32x4(_mm_loadu_si128(qh.as_ptr().add(16 * half) as *const __m128i));
-            _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(bytes, bit), sixteen)
-        };
-        lo = _mm512_or_si512(lo, fifth(0));
-        hi = _mm512_or_si512(hi, fifth(1));
-    }
-    let flip = _mm512_set1_epi8(-128);
-    RegQuad { lo: _mm512_xor_si512(lo, flip), hi: _mm512_xor_si512(hi, flip), scale, scale_hi: scale, min, min_hi: min }
 }
 
 /// Four decoded chunks as one step: chunk c's low 16 bytes (and its first half's scale and

@@ -398,12 +398,6 @@ pub unsafe fn dot<const R: usize, const N: usize>(dtype: DType, rows: [&[u8]; R]
     }
 }
 
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn load(p: *const u8) -> __m256i {
-    _mm256_load_si256(p as *const __m256i)
-}
-
 /// One super-block of G rows decoded for a prompt with the rows across the lanes (ggml's
 /// repacked layout, built here from any file): step k holds weights 4k..4k + 4 of every row, row
 /// r's four bytes in 32-bit lane r, so one `vpmaddubsw` with a token's four activations
@@ -554,10 +548,10 @@ unsafe fn group_dot_avx2<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<8>], 
         let at: [&BlockQ8K; T] = std::array::from_fn(|t| a[t].get_unchecked(b));
         let mut sums = [_mm256_setzero_si256(); T];
         for h in 0..16 {
-            let scales = load(x.scales[h].as_ptr() as *const u8);
+            let scales = load32(x.scales[h].as_ptr() as *const u8);
             for k in 4 * h..4 * h + 4 {
-                let u = load(x.u[k].as_ptr() as *const u8);
-                let v = if B::SIGNED { load(x.v[k].as_ptr() as *const u8) } else { u };
+                let u = load32(x.u[k].as_ptr() as *const u8);
+                let v = if B::SIGNED { load32(x.v[k].as_ptr() as *const u8) } else { u };
                 for t in 0..T {
                     let mut act = _mm256_set1_epi32(word(at[t].qs.as_ptr().add(4 * k)));
                     if B::SIGNED {
@@ -573,7 +567,7 @@ unsafe fn group_dot_avx2<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<8>], 
                 let mut e = _mm256_setzero_si256();
                 for j in 0..8 {
                     let pair = _mm256_set1_epi32(word(at[t].bsums.as_ptr().add(2 * j) as *const i8));
-                    e = _mm256_add_epi32(e, _mm256_madd_epi16(load(x.extra[j].as_ptr() as *const u8), pair));
+                    e = _mm256_add_epi32(e, _mm256_madd_epi16(load32(x.extra[j].as_ptr() as *const u8), pair));
                 }
                 if B::MIN {
                     mins[t] = e;
