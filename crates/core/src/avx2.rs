@@ -69,6 +69,47 @@ impl<'a> Prefetch<'a> {
     }
 }
 
+/// Prefetches every line of up to G byte ranges in turn into L2 (the rows a prompt kernel
+/// decodes next), spread evenly over `steps` (its passes over the tokens): rows that the
+/// kernel reads a few at a time are too short for the hardware prefetchers to catch on.
+pub(crate) struct PrefetchRows<'a, const G: usize> {
+    rows: [&'a [u8]; G],
+    count: usize,
+    lines: usize,
+    steps: usize,
+    row: usize,
+    line: usize,
+    due: usize,
+}
+
+impl<'a, const G: usize> PrefetchRows<'a, G> {
+    pub(crate) fn new(rows: impl Iterator<Item = &'a [u8]>, steps: usize) -> Self {
+        let mut p = PrefetchRows { rows: [&[][..]; G], count: 0, lines: 0, steps: steps.max(1), row: 0, line: 0, due: 0 };
+        for r in rows.take(G) {
+            p.rows[p.count] = r;
+            p.lines += r.len().div_ceil(64);
+            p.count += 1;
+        }
+        p
+    }
+
+    /// The lines due by the end of this step.
+    #[inline(always)]
+    pub(crate) fn step(&mut self) {
+        self.due += self.lines;
+        while self.due >= self.steps && self.row < self.count {
+            let row = self.rows[self.row];
+            // SAFETY: 64 * line < row.len(), so the address lies within the row (prefetches never fault)
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(row.as_ptr().add(64 * self.line) as *const i8) };
+            self.line += 1;
+            if 64 * self.line >= row.len() {
+                (self.row, self.line) = (self.row + 1, 0);
+            }
+            self.due -= self.steps;
+        }
+    }
+}
+
 /// 16 bytes of packed nibbles to 32 unsigned bytes in ggml's element order (low nibbles first).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]

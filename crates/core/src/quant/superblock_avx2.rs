@@ -27,7 +27,7 @@ use super::chunked_avx2::{has_bit, load32, nibbles};
 use super::superblock::BlockQ8K;
 use super::{cast_blocks, DType, QK_K};
 use super::superblock::block_step;
-use crate::avx2::Prefetch;
+use crate::avx2::{Prefetch, PrefetchRows};
 
 /// Chunk c (32 activations) of a token.
 #[inline]
@@ -113,6 +113,8 @@ trait SuperBlock {
     /// sub-block) for u < 16, 2 for u < 32, else 0. Those VNNI's `vpdpbusd` sums before the scale
     /// multiplies them.
     const STEPS_IN_16_BITS: usize = 0;
+    /// Weights per scale: 16, or 32 where both halves of a chunk share one (Q4_K, Q5_K, IQ4_XS).
+    const SCALE_WEIGHTS: usize = 16;
     /// Calls `each(c, u, v, scales)` for the block's chunks c = 0..8 in order: u the unsigned
     /// operand of `vpmaddubsw`, v the signed weights (`SIGNED`; else u again), scales the
     /// chunk's 16-bit scales as `scaled` takes them.
@@ -247,6 +249,7 @@ unsafe fn k4_decode(d: u16, dmin: u16, packed: &[u8; 12], qs: &[u8; 128], qh: Op
 }
 
 impl SuperBlock for BlockQ4K {
+    const SCALE_WEIGHTS: usize = 32;
     const STEPS_IN_16_BITS: usize = 4;
     const MIN: bool = true;
     const OFFSET_SHIFT: i32 = 0;
@@ -259,6 +262,7 @@ impl SuperBlock for BlockQ4K {
 }
 
 impl SuperBlock for BlockQ5K {
+    const SCALE_WEIGHTS: usize = 32;
     const STEPS_IN_16_BITS: usize = 2;
     const MIN: bool = true;
     const OFFSET_SHIFT: i32 = 0;
@@ -303,6 +307,7 @@ impl SuperBlock for BlockQ6K {
 }
 
 impl SuperBlock for BlockIQ4XS {
+    const SCALE_WEIGHTS: usize = 32;
     const MIN: bool = false;
     const OFFSET_SHIFT: i32 = 0;
     const SIGNED: bool = true;
@@ -431,39 +436,109 @@ fn pair(lo: i16, hi: i16) -> u32 {
 }
 
 /// Decodes `count` rows of format B into `out`, a `RowGroupBlock` per super-block; lanes past
-/// them are zero (no weights, no scales).
+/// them are zero (no weights, no scales). Block by block, the rows' chunks are decoded side by
+/// side into `staged` and turned into the group's row-per-lane order by `transpose_chunk`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn unpack_group<'a, B: SuperBlock, const G: usize>(rows: impl Iterator<Item = &'a [u8]>, count: usize, out: &mut [RowGroupBlock<G>]) {
     if count < G {
         out.fill(RowGroupBlock::default());
     }
+    let mut blocks: [&[B]; G] = [&[]; G];
     for (r, row) in rows.enumerate() {
-        for (o, x) in out.iter_mut().zip(cast_blocks::<B>(row)) {
-            let blk = x.decode(|c, u, v, scales| {
-                let mut words = [0u32; 8];
-                _mm256_storeu_si256(words.as_mut_ptr() as *mut __m256i, u);
-                for (j, &word) in words.iter().enumerate() {
-                    o.u[8 * c + j][r] = word;
-                }
+        blocks[r] = cast_blocks::<B>(row);
+    }
+    // chunk c of row r at staged[c][slot(r)]: see `transpose_chunk`; rows past `count` stay 0
+    let mut staged = [[[0u32; 8]; G]; 8];
+    let mut staged_v = [[[0u32; 8]; G]; 8];
+    for (b, o) in out.iter_mut().enumerate() {
+        for r in 0..count {
+            let slot = transpose_slot::<G>(r);
+            let blk = blocks[r].get_unchecked(b).decode(|c, u, v, scales| {
+                _mm256_storeu_si256(staged[c][slot].as_mut_ptr() as *mut __m256i, u);
                 if B::SIGNED {
-                    _mm256_storeu_si256(words.as_mut_ptr() as *mut __m256i, v);
-                    for (j, &word) in words.iter().enumerate() {
-                        o.v[8 * c + j][r] = word;
-                    }
+                    _mm256_storeu_si256(staged_v[c][slot].as_mut_ptr() as *mut __m256i, v);
                 }
-                let mut sc = [0i16; 16];
-                _mm256_storeu_si256(sc.as_mut_ptr() as *mut __m256i, scales);
-                // the halves' scales: lanes 0..8 and 8..16
-                (o.scales[2 * c][r], o.scales[2 * c + 1][r]) = (pair(sc[0], sc[0]), pair(sc[8], sc[8]));
+                // the halves' scales: lanes 0 and 8
+                let first = _mm256_extract_epi16::<0>(scales) as i16;
+                let second = _mm256_extract_epi16::<8>(scales) as i16;
+                (o.scales[2 * c][r], o.scales[2 * c + 1][r]) = (pair(first, first), pair(second, second));
             });
-            let mut extra = [0i16; 16];
+            let mut extra = [0u32; 8];
             _mm256_storeu_si256(extra.as_mut_ptr() as *mut __m256i, blk.extra);
             for j in 0..8 {
-                o.extra[j][r] = pair(extra[2 * j], extra[2 * j + 1]);
+                o.extra[j][r] = extra[j];
             }
             (o.d[r], o.dmin[r]) = (blk.d, blk.dmin);
         }
+        for c in 0..8 {
+            transpose_chunk::<G>(&staged[c], &mut o.u[8 * c..8 * c + 8]);
+            if B::SIGNED {
+                transpose_chunk::<G>(&staged_v[c], &mut o.v[8 * c..8 * c + 8]);
+            }
+        }
+    }
+}
+
+/// Where `transpose_chunk` wants row r's chunk: rows paired k, k + 4 (and k + 8, k + 12) so
+/// that each 512-bit load holds two rows whose words end up in the right 128-bit lanes.
+#[inline(always)]
+fn transpose_slot<const G: usize>(r: usize) -> usize {
+    if G == 16 {
+        (r & 8) + 2 * (r % 4) + (r & 4) / 4
+    } else {
+        r
+    }
+}
+
+/// One chunk (8 words) of G rows, `staged` in `transpose_slot` order, to `out[j]` = word j of
+/// every row, row r in lane r: an 8 x 8 (AVX2) or two 8 x 8 (AVX-512) word transposes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn transpose_chunk<const G: usize>(staged: &[[u32; 8]; G], out: &mut [[u32; G]]) {
+    if G == 16 {
+        transpose_chunk_16(&*(staged as *const [[u32; 8]; G] as *const [[u32; 8]; 16]), &mut *(out as *mut [[u32; G]] as *mut [[u32; 16]]));
+        return;
+    }
+    let x: [__m256i; 8] = std::array::from_fn(|k| _mm256_loadu_si256(staged[k].as_ptr() as *const __m256i));
+    // per 128-bit lane: rows (0, 1), (2, 3).. interleaved by words, then by pairs of words
+    let t: [__m256i; 8] = std::array::from_fn(|k| {
+        let (a, b) = (x[2 * (k / 2)], x[2 * (k / 2) + 1]);
+        if k % 2 == 0 { _mm256_unpacklo_epi32(a, b) } else { _mm256_unpackhi_epi32(a, b) }
+    });
+    // s[4h + j]: words j (lane 0) and j + 4 (lane 1) of rows 4h..4h + 4
+    let s: [__m256i; 8] = std::array::from_fn(|k| {
+        let (h, j) = (k / 4, k % 4);
+        let (a, b) = (t[4 * h + j / 2], t[4 * h + 2 + j / 2]);
+        if j % 2 == 0 { _mm256_unpacklo_epi64(a, b) } else { _mm256_unpackhi_epi64(a, b) }
+    });
+    for j in 0..4 {
+        _mm256_storeu_si256(out[j].as_mut_ptr() as *mut __m256i, _mm256_permute2x128_si256::<0x20>(s[j], s[4 + j]));
+        _mm256_storeu_si256(out[j + 4].as_mut_ptr() as *mut __m256i, _mm256_permute2x128_si256::<0x31>(s[j], s[4 + j]));
+    }
+}
+
+/// `transpose_chunk` for 16 rows: each load holds rows k, k + 4 (or k + 8, k + 12), so the
+/// 8 x 8 steps leave words j and j + 4 of rows 0..4, 4..8 (8..12, 12..16) in the four 128-bit
+/// lanes, and one lane shuffle puts them in row order.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn transpose_chunk_16(staged: &[[u32; 8]; 16], out: &mut [[u32; 16]]) {
+    let x: [__m512i; 8] = std::array::from_fn(|k| _mm512_loadu_si512(staged[2 * k].as_ptr() as *const _));
+    let t: [__m512i; 8] = std::array::from_fn(|k| {
+        let (a, b) = (x[2 * (k / 2)], x[2 * (k / 2) + 1]);
+        if k % 2 == 0 { _mm512_unpacklo_epi32(a, b) } else { _mm512_unpackhi_epi32(a, b) }
+    });
+    // s[4h + j]: words j and j + 4 of rows 4 (2h)..4 (2h) + 4, then of rows 4 (2h + 1).. (lanes 0..4)
+    let s: [__m512i; 8] = std::array::from_fn(|k| {
+        let (h, j) = (k / 4, k % 4);
+        let (a, b) = (t[4 * h + j / 2], t[4 * h + 2 + j / 2]);
+        if j % 2 == 0 { _mm512_unpacklo_epi64(a, b) } else { _mm512_unpackhi_epi64(a, b) }
+    });
+    for j in 0..4 {
+        // lanes 0, 2 of s[j] (rows 0..4, 4..8) and of s[4 + j] (rows 8..12, 12..16)
+        _mm512_storeu_si512(out[j].as_mut_ptr() as *mut _, _mm512_shuffle_i32x4::<0b10_00_10_00>(s[j], s[4 + j]));
+        _mm512_storeu_si512(out[j + 4].as_mut_ptr() as *mut _, _mm512_shuffle_i32x4::<0b11_01_11_01>(s[j], s[4 + j]));
     }
 }
 
@@ -477,27 +552,39 @@ unsafe fn group_dot<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<16>], a: [
     for (b, x) in g.iter().enumerate() {
         let at: [&BlockQ8K; T] = std::array::from_fn(|t| a[t].get_unchecked(b));
         let mut sums = [_mm512_setzero_si512(); T];
-        for h in 0..16 {
+        // steps (4 weights) per scale, and per `vpdpbusd` run: a run's products per row sum in
+        // one 32-bit lane, then meet the scale, by `vpdpwssd` where they surely fit 16 bits and
+        // the run is as long as the scale's (its low 16 bits times the scale), else by `vpmulld`
+        let scale_steps = B::SCALE_WEIGHTS / 4;
+        let by_16_bits = B::STEPS_IN_16_BITS >= scale_steps || (B::STEPS_IN_16_BITS > 0 && scale_steps == 4);
+        let run = if by_16_bits { B::STEPS_IN_16_BITS } else { scale_steps };
+        for h in (0..16).step_by(scale_steps / 4) {
             let scales = _mm512_load_si512(x.scales[h].as_ptr() as *const _);
-            if B::STEPS_IN_16_BITS > 0 {
-                // a few steps' products per row in one 32-bit lane (< 2^15 in size), then
-                // times the scale in the lane's low 16 bits
-                let scale = _mm512_and_si512(scales, _mm512_set1_epi32(0xFFFF));
-                for k0 in (4 * h..4 * h + 4).step_by(B::STEPS_IN_16_BITS) {
+            if !B::SIGNED {
+                for k0 in (4 * h..4 * h + scale_steps).step_by(run) {
                     let mut part = [_mm512_setzero_si512(); T];
-                    for k in k0..k0 + B::STEPS_IN_16_BITS {
+                    for k in k0..k0 + run {
                         let u = _mm512_load_si512(x.u[k].as_ptr() as *const _);
                         for t in 0..T {
                             part[t] = _mm512_dpbusd_epi32(part[t], u, _mm512_set1_epi32(word(at[t].qs.as_ptr().add(4 * k))));
                         }
                     }
-                    for t in 0..T {
-                        sums[t] = _mm512_dpwssd_epi32(sums[t], part[t], scale);
+                    if by_16_bits {
+                        let scale = _mm512_and_si512(scales, _mm512_set1_epi32(0xFFFF));
+                        for t in 0..T {
+                            sums[t] = _mm512_dpwssd_epi32(sums[t], part[t], scale);
+                        }
+                    } else {
+                        // (the lane's high 16 bits hold the scale too, sign-extended here)
+                        let scale = _mm512_srai_epi32::<16>(scales);
+                        for t in 0..T {
+                            sums[t] = _mm512_add_epi32(sums[t], _mm512_mullo_epi32(part[t], scale));
+                        }
                     }
                 }
                 continue;
             }
-            for k in 4 * h..4 * h + 4 {
+            for k in 4 * h..4 * h + scale_steps {
                 let u = _mm512_load_si512(x.u[k].as_ptr() as *const _);
                 // (no vpsignb at 512 bits: negate the activations where v < 0; u is 0 where v is)
                 let negative = if B::SIGNED { _mm512_movepi8_mask(_mm512_load_si512(x.v[k].as_ptr() as *const _)) } else { 0 };
@@ -621,13 +708,25 @@ unsafe fn rows_tokens_grouped<'a, B: SuperBlock, const G: usize>(row: impl Fn(us
         let r1 = (r0 + G).min(rows.end);
         unpack_group::<B, G>((r0..r1).map(&row), r1 - r0, &mut group);
         let emit = |t: usize, lanes: &[f32; G]| (r0..r1).for_each(|r| put(t, r, lanes[r - r0]));
+        let mut prefetch = PrefetchRows::<G>::new((r1..(r1 + G).min(rows.end)).map(&row), n / 4 + n % 4);
         let mut t = 0;
+        // with AVX-512, eight tokens per pass: eight independent chains of `vpdpbusd` (their
+        // latency, not their throughput, bounds four), in 32 registers
+        while G == 16 && t + 8 <= n {
+            prefetch.step();
+            prefetch.step();
+            let dots = group_dots::<B, G, 8>(&group, std::array::from_fn(|k| token(t + k)));
+            dots.iter().enumerate().for_each(|(k, lanes)| emit(t + k, lanes));
+            t += 8;
+        }
         while t + 4 <= n {
+            prefetch.step();
             let dots = group_dots::<B, G, 4>(&group, [token(t), token(t + 1), token(t + 2), token(t + 3)]);
             dots.iter().enumerate().for_each(|(k, lanes)| emit(t + k, lanes));
             t += 4;
         }
         for t in t..n {
+            prefetch.step();
             emit(t, &group_dots::<B, G, 1>(&group, [token(t)])[0]);
         }
         r0 = r1;
