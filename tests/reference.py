@@ -12,7 +12,7 @@ from gguf.quants import dequantize
 # block formats whose matrix products take int8 activations (all but the float types)
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 # the 256-weight formats: their products take activations rounded per 256 (ggml's q8_K pairing)
-# instead of per 32, but for IQ4_XS on AVX-512
+# instead of per 32
 Q = GGMLQuantizationType
 SUPERBLOCK_TYPES = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS}
 
@@ -139,11 +139,9 @@ def q8k_round(x: np.ndarray) -> np.ndarray:
 
 
 def per_256_types() -> set:
-    """The types whose activations this machine's engine rounds per 256: the super-block
-    formats, but IQ4_XS at the AVX-512 level (its SIMD level, which `POWERINFER_SIMD` caps)."""
-    from powerinfer_rs import simd_level
-
-    return SUPERBLOCK_TYPES - ({Q.IQ4_XS} if simd_level() == "avx512" else set())
+    """The types whose activations the engine rounds per 256: the super-block formats, at every
+    SIMD level."""
+    return SUPERBLOCK_TYPES
 
 
 def layernorm(x, g, b, eps):

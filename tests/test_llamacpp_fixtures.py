@@ -52,11 +52,10 @@ def test_architecture_matches_llama_cpp(arch):
 def test_preset_is_as_close_to_the_float_function_as_llama_cpp(preset):
     """Each preset file as llama.cpp's quantizer wrote it loads with the types it holds, and the
     engine's logits are at least as close to the file's float64 function (weights dequantized,
-    activations exact) as llama.cpp's: both round activations to int8, the engine's AVX-512
-    kernels per 32 values where llama.cpp's k-quant kernels use one scale per 256 (Q8_K). The
-    engine reads these formats with Q8_K too (but IQ4_XS on AVX-512): then it rounds as
-    llama.cpp does and is as close up to the rest of the float rounding (measured within 3% of
-    llama.cpp's error either way). The engines differ from each other by a few percent on these weights."""
+    activations exact) as llama.cpp's: both round activations to int8, per 32 values for the
+    32-weight formats and per 256 (Q8_K) for the k-quants and IQ4_XS, as llama.cpp does, and are
+    as close up to the rest of the float rounding (measured within 3% of llama.cpp's error either
+    way). The engines differ from each other by a few percent on these weights."""
     name = f"llama-{preset}"
     path = str(FIXTURES / f"{name}.gguf")
     types = {t.tensor_type.name for t in GGUFReader(path).tensors} - {"F32"}

@@ -25,8 +25,8 @@
 use std::arch::x86_64::*;
 
 use crate::quant::chunked_avx2::Decoded;
-use crate::quant::chunked::{iq4_xs_scale, BlockIQ4NL, BlockIQ4XS, BlockQ5_0, BlockQ5_1, IQ4_VALUES};
-use crate::quant::{cast_blocks, ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8_0, DType};
+use crate::quant::chunked::{BlockIQ4NL, BlockQ5_0, BlockQ5_1, IQ4_VALUES};
+use crate::quant::{ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8_0, DType};
 
 /// An f16 scale as an f32 broadcast to 16 lanes.
 #[inline]
@@ -404,8 +404,8 @@ pub unsafe fn dot_q8_0<const R: usize, const N: usize>(w: [&[BlockQ8_0]; R], qua
 
 /// R rows of a chunked type (`quant::chunked`) against N tokens: a step straight from the
 /// blocks (`direct_quad`) or the format's AVX2 chunk decoder four times, the chunks gathered
-/// into one `RegQuad` (v + 128). Twin of `chunked::dot_scalar`. (The super-block formats but
-/// IQ4_XS go through `quant::superblock_avx2` at this level, see `matmul::reads_q8k`.)
+/// into one `RegQuad` (v + 128). Twin of `chunked::dot_scalar`. (The super-block formats go
+/// through `quant::superblock_avx2`, see `matmul::reads_q8k`.)
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub unsafe fn dot_chunked<const R: usize, const N: usize>(dtype: DType, rows: [&[u8]; R], quads: [&[ActQuad]; N], next: &[u8]) -> [[f32; N]; R] {
     use crate::quant::chunked_avx2 as c2;
@@ -447,7 +447,6 @@ pub unsafe fn dot_chunked<const R: usize, const N: usize>(dtype: DType, rows: [&
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn direct_quad(dtype: DType, row: &[u8], j: usize, blocks: usize) -> Option<RegQuad> {
     match dtype {
-        DType::IQ4_XS => Some(iq4_xs_quad(cast_blocks::<BlockIQ4XS>(row).get_unchecked(j / 2), j % 2)),
         DType::Q5_0 if 4 * j + 4 <= blocks => Some(q5_0_quad(row.as_ptr().add(4 * j * std::mem::size_of::<BlockQ5_0>()))),
         DType::Q5_1 if 4 * j + 4 <= blocks => Some(q5_1_quad(row.as_ptr().add(4 * j * std::mem::size_of::<BlockQ5_1>()))),
         DType::IQ4_NL if 4 * j + 4 <= blocks => Some(iq4_nl_quad(row.as_ptr().add(4 * j * std::mem::size_of::<BlockIQ4NL>()))),
@@ -559,18 +558,6 @@ unsafe fn iq4_nl_quad(p: *const u8) -> RegQuad {
     let (lo, hi) = nibble_halves(q);
     let table = iq4_table();
     signed_quad(_mm512_shuffle_epi8(table, lo), _mm512_shuffle_epi8(table, hi), d)
-}
-
-/// Step h (chunks 4h..4h + 4) of an IQ4_XS super-block.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn iq4_xs_quad(b: &BlockIQ4XS, h: usize) -> RegQuad {
-    let (lo, hi) = nibble_halves(_mm512_loadu_si512(b.qs.as_ptr().add(64 * h) as *const _));
-    let table = iq4_table();
-    let ls = |c: usize| iq4_xs_scale(b, c);
-    let four = _mm_setr_epi32(ls(4 * h), ls(4 * h + 1), ls(4 * h + 2), ls(4 * h + 3));
-    let lanes = _mm512_permutexvar_epi32(_mm512_loadu_si512(LANES_OF_FOUR.as_ptr() as *const _), _mm512_castsi128_si512(four));
-    signed_quad(_mm512_shuffle_epi8(table, lo), _mm512_shuffle_epi8(table, hi), _mm512_mul_ps(splat_f16(b.d), _mm512_cvtepi32_ps(lanes)))
 }
 
 /// Four decoded chunks as one step: chunk c's low 16 bytes (and its first half's scale and

@@ -278,12 +278,12 @@ fn dot_row_group<const R: usize, const N: usize>(w: &QMatrix, r: usize, next: &[
         DType::Q4_1 => quantized!(BlockQ4_1, crate::avx512::dot_q4_1, crate::avx2::dot_q4_1, quant::dot_q4_1_scalar),
         DType::Q8_0 => quantized!(BlockQ8_0, crate::avx512::dot_q8_0, crate::avx2::dot_q8_0, quant::dot_q8_0_scalar),
         // the super-block formats with per-256 activations
-        dtype if reads_q8k(level, dtype) => {
+        dtype if reads_q8k(dtype) => {
             let a = t.map(|ti| x.q8k_row(ti));
             match level {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
-                SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { quant::superblock_avx2::dot(dtype, rows, a, next) },
+                SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { quant::superblock_avx2::dot(dtype, level == SimdLevel::Avx512, rows, a, next) },
                 _ => rows.map(|row| superblock::dot_scalar(dtype, row, a)),
             }
         }
@@ -304,11 +304,9 @@ fn dot_row_group<const R: usize, const N: usize>(w: &QMatrix, r: usize, next: &[
 }
 
 /// Whether products of `dtype` read the per-256 activations (`Activations::q8k`, ggml's
-/// pairing, `quant::superblock`): the super-block formats, but for IQ4_XS on AVX-512, whose
-/// per-32 readers are faster there (kquant_decode, one thread: decode 2.43 against 2.75 ms
-/// per token, prompts 0.57 against 0.87).
-pub(crate) fn reads_q8k(level: SimdLevel, dtype: DType) -> bool {
-    superblock::is_superblock(dtype) && !(level == SimdLevel::Avx512 && dtype == DType::IQ4_XS)
+/// pairing, `quant::superblock`): the super-block formats, at every level.
+pub(crate) fn reads_q8k(dtype: DType) -> bool {
+    superblock::is_superblock(dtype)
 }
 
 /// Rows per kernel call in decode (`dot_row_group`), by level and type: four where the rows
@@ -377,7 +375,7 @@ pub fn matmul_many(mats: &[QMatrix], x: &Activations, outs: &mut [&mut [f32]]) {
         if m.dtype.is_quantized() {
             assert_eq!(x.q8.len(), n * x.cols / QK);
         }
-        if reads_q8k(simd_level(), m.dtype) {
+        if reads_q8k(m.dtype) {
             assert_eq!(x.q8k.len(), n * x.cols / QK_K);
         }
     }
@@ -416,14 +414,14 @@ const MAX_MATS: usize = 8;
 fn rows_for_all_tokens(w: &QMatrix, rows: std::ops::Range<usize>, x: &Activations, level: SimdLevel, put: impl Fn(usize, usize, f32)) {
     let n = x.n;
     #[cfg(target_arch = "x86_64")]
-    if level == SimdLevel::Avx512 && w.dtype.is_quantized() && !reads_q8k(level, w.dtype) && !x.panel.is_empty() {
+    if level == SimdLevel::Avx512 && w.dtype.is_quantized() && !reads_q8k(w.dtype) && !x.panel.is_empty() {
         // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI and AVX2's
         // features; `panel` holds n tokens (filled by `set` at this level).
         unsafe { panel::rows_all_tokens(w.dtype, |r| w.row(r), w.cols, rows, &x.panel, n, put) };
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if level.has_avx2() && reads_q8k(level, w.dtype) && n >= PANEL_MIN_TOKENS {
+    if level.has_avx2() && reads_q8k(w.dtype) && n >= PANEL_MIN_TOKENS {
         // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c, Avx512
         // when it has AVX-512 F/BW/VL/VNNI too; `q8k` holds n tokens (cols is a multiple of 256
         // for these types).
@@ -495,13 +493,13 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
                 tokens.extend((0..n).filter(|&t| keep[t * w.rows + j]));
                 let (k, next) = (k0 + k, part.get(k + 1).map(|&n| n as usize));
                 #[cfg(target_arch = "x86_64")]
-                if level == SimdLevel::Avx512 && w.dtype.is_quantized() && !reads_q8k(level, w.dtype) && !x.panel.is_empty() {
+                if level == SimdLevel::Avx512 && w.dtype.is_quantized() && !reads_q8k(w.dtype) && !x.panel.is_empty() {
                     // SAFETY: as in `rows_for_all_tokens`.
                     unsafe { panel::row_tokens(w.dtype, w.row(j), w.cols, &x.panel, tokens, _unpacked, |t, v| put(t, k, v)) };
                     continue;
                 }
                 #[cfg(target_arch = "x86_64")]
-                if level == SimdLevel::Avx2 && w.dtype.is_quantized() && !reads_q8k(level, w.dtype) && n >= PANEL_MIN_TOKENS {
+                if level == SimdLevel::Avx2 && w.dtype.is_quantized() && !reads_q8k(w.dtype) && n >= PANEL_MIN_TOKENS {
                     // SAFETY: as in `rows_for_all_tokens`.
                     unsafe { panel_avx2::row_tokens(w.dtype, w.row(j), w.cols, &x.q8, tokens, _chunks, |t, v| put(t, k, v)) };
                     continue;
@@ -578,15 +576,8 @@ mod tests {
                 let levels: &[SimdLevel] = if simd_level() == SimdLevel::Avx512 { &[SimdLevel::Avx2, SimdLevel::Avx512] } else { &[SimdLevel::Avx2] };
                 for r in 0..3 {
                     let s4 = dot_row(&w, r, None, &x, [0, 1, 2, 3], SimdLevel::Scalar);
-                    // the scalar twin at `level`: the AVX-512 dots read the super-block formats
-                    // with per-32 activations, the lower levels with per-256 ones
-                    let want = |level: SimdLevel, t: usize| {
-                        if reads_q8k(SimdLevel::Scalar, dtype) && !reads_q8k(level, dtype) {
-                            quant::chunked::dot_scalar(dtype, w.row(r), [x.q8_row(t)])[0]
-                        } else {
-                            s4[t]
-                        }
-                    };
+                    // the scalar twin (every level reads the same activations)
+                    let want = |_level: SimdLevel, t: usize| s4[t];
                     let tol = 1e-4 * (cols as f32).sqrt();
                     for &level in levels {
                         let v1 = dot_row(&w, r, None, &x, [0], level);

@@ -22,7 +22,7 @@
 
 use std::arch::x86_64::*;
 
-use super::chunked::{iq4_xs_scale, k4_scales, q3_k_scales, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, IQ4_VALUES};
+use super::chunked::{k4_scales, q3_k_scales, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, IQ4_VALUES};
 use super::chunked_avx2::{has_bit, load32, nibbles};
 use super::superblock::BlockQ8K;
 use super::{cast_blocks, DType, QK_K};
@@ -306,26 +306,43 @@ impl SuperBlock for BlockQ6K {
     }
 }
 
+/// Eight 32-bit scales (one per 32 weights) as sixteen 16-bit ones (one per 16 weights).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn per_16(scales: __m256i) -> __m256i {
+    _mm256_or_si256(_mm256_and_si256(scales, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32::<16>(scales))
+}
+
+/// The eight 6-bit scales of an IQ4_XS block, less 32 (`chunked::iq4_xs_scale`), in 32-bit
+/// lanes: nibble c of `scales_l` and bits 2c, 2c + 1 of `scales_h` for lane c.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn iq4_xs_scales(x: &BlockIQ4XS) -> __m256i {
+    let low = _mm256_srlv_epi32(_mm256_set1_epi32(u32::from_le_bytes(x.scales_l) as i32), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    let high = _mm256_srlv_epi32(_mm256_set1_epi32(x.scales_h as i32), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+    let six = _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi32(0x0F)), _mm256_slli_epi32::<4>(_mm256_and_si256(high, _mm256_set1_epi32(3))));
+    _mm256_sub_epi32(six, _mm256_set1_epi32(32))
+}
+
 impl SuperBlock for BlockIQ4XS {
     const SCALE_WEIGHTS: usize = 32;
     const MIN: bool = false;
     const OFFSET_SHIFT: i32 = 0;
     const SIGNED: bool = true;
-    /// v = the grid value of a nibble; a signed 6-bit scale per 32 weights.
+    /// v = the grid value of a nibble; a signed 6-bit scale per 32 weights (`extra`: per 16, for
+    /// `group_dot`, whose weights go in as v + 128).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn decode(&self, mut each: impl FnMut(usize, __m256i, __m256i, __m256i)) -> Block {
-        let mut ls = [0i16; 8];
-        for (c, l) in ls.iter_mut().enumerate() {
-            *l = iq4_xs_scale(self, c) as i16;
-        }
-        let scales = _mm256_broadcastsi128_si256(_mm_loadu_si128(ls.as_ptr() as *const __m128i));
+        let ls = iq4_xs_scales(self);
+        // as 16-bit lanes 0..8, in both 128-bit lanes
+        let scales = _mm256_permute4x64_epi64::<0b10_00_10_00>(_mm256_packs_epi32(ls, ls));
         let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(IQ4_VALUES.as_ptr() as *const __m128i));
         for c in 0..8 {
             let v = _mm256_shuffle_epi8(table, nibbles(self.qs.as_ptr().add(16 * c)));
             each(c, _mm256_sign_epi8(v, v), v, lane16(scales, c));
         }
-        Block { d: f16(self.d), dmin: 0.0, extra: _mm256_setzero_si256() }
+        Block { d: f16(self.d), dmin: 0.0, extra: per_16(ls) }
     }
 }
 
@@ -335,9 +352,7 @@ impl SuperBlock for BlockIQ4XS {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn rows_dot<B: SuperBlock, const R: usize, const N: usize>(rows: [&[u8]; R], a: [&[BlockQ8K]; N], next: &[u8]) -> [[f32; N]; R] {
     let w: [&[B]; R] = rows.map(|row| cast_blocks::<B>(row));
-    let mut acc = [[0.0f32; N]; R];
-    // four rows: their float steps side by side in the lanes of one vector per token
-    let mut acc4 = [_mm_setzero_ps(); N];
+    let mut steps = FloatSteps::<R, N>::new();
     let mut prefetch = Prefetch::new(next, a[0].len());
     for b in 0..a[0].len() {
         prefetch.step();
@@ -350,34 +365,108 @@ unsafe fn rows_dot<B: SuperBlock, const R: usize, const N: usize>(rows: [&[u8]; 
             blks[r] = w[r].get_unchecked(b).decode(|c, u, v, scales| add_chunk(B::SIGNED, sr, u, v, scales, at, c));
             mins[r] = extras::<B, N>(&blks[r], &mut sums[r], at);
         }
+        steps.add(B::MIN, &blks, &sums, &mins, at);
+    }
+    steps.finish()
+}
+
+/// IQ4_XS rows against N tokens with AVX-512 VNNI: two chunks per 512-bit step, the grid
+/// values stored + 128 (unsigned, for `vpdpbusd`) and the 128 taken off through the
+/// activations' sums; the same exact integer sums and float steps as `rows_dot`'s.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn rows_dot_iq4_xs_512<const R: usize, const N: usize>(rows: [&[u8]; R], a: [&[BlockQ8K]; N], next: &[u8]) -> [[f32; N]; R] {
+    let w: [&[BlockIQ4XS]; R] = rows.map(|row| cast_blocks::<BlockIQ4XS>(row));
+    let biased = _mm_xor_si128(_mm_loadu_si128(IQ4_VALUES.as_ptr() as *const __m128i), _mm_set1_epi8(-128));
+    let table = _mm512_broadcast_i32x4(biased);
+    let low4 = _mm512_set1_epi8(0x0F);
+    // 32 bytes of nibbles (chunks 2h, 2h + 1) to 128-bit lanes: low, high nibbles of chunk 2h, of 2h + 1
+    let spread = _mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3);
+    let mut steps = FloatSteps::<R, N>::new();
+    let mut prefetch = Prefetch::new(next, a[0].len());
+    for b in 0..a[0].len() {
+        prefetch.step();
+        let at: [&BlockQ8K; N] = std::array::from_fn(|t| a[t].get_unchecked(b));
+        let mut sums = [[_mm256_setzero_si256(); N]; R];
+        let mut blks = [Block { d: 0.0, dmin: 0.0, extra: _mm256_setzero_si256() }; R];
+        for r in 0..R {
+            let x = w[r].get_unchecked(b);
+            let ls = _mm512_castsi256_si512(iq4_xs_scales(x));
+            let mut wide = [_mm512_setzero_si512(); N];
+            for h in 0..4 {
+                let q = _mm512_permutexvar_epi64(spread, _mm512_castsi256_si512(load32(x.qs.as_ptr().add(32 * h))));
+                let u = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_mask_blend_epi64(0b1100_1100, q, _mm512_srli_epi16::<4>(q)), low4));
+                // chunk 2h's scale in lanes 0..8, 2h + 1's in 8..16
+                let which = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(2 * h as i32), _mm512_set1_epi32(2 * h as i32 + 1));
+                let scale = _mm512_permutexvar_epi32(which, ls);
+                for t in 0..N {
+                    let part = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(at[t].qs.as_ptr().add(64 * h) as *const _));
+                    wide[t] = _mm512_add_epi32(wide[t], _mm512_mullo_epi32(part, scale));
+                }
+            }
+            blks[r] = Block { d: f16(x.d), dmin: 0.0, extra: per_16(_mm512_castsi512_si256(ls)) };
+            for t in 0..N {
+                let offset = _mm256_slli_epi32::<7>(_mm256_madd_epi16(blks[r].extra, bsums(at[t])));
+                let folded = _mm256_add_epi32(_mm512_castsi512_si256(wide[t]), _mm512_extracti64x4_epi64::<1>(wide[t]));
+                sums[r][t] = _mm256_sub_epi32(folded, offset);
+            }
+        }
+        steps.add(false, &blks, &sums, &[[_mm256_setzero_si256(); N]; R], at);
+    }
+    steps.finish()
+}
+
+/// Per block and token, `superblock::block_step` of R rows: four rows side by side in the
+/// lanes of one vector per token, else one by one.
+struct FloatSteps<const R: usize, const N: usize> {
+    acc: [[f32; N]; R],
+    acc4: [__m128; N],
+}
+
+impl<const R: usize, const N: usize> FloatSteps<R, N> {
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn new() -> Self {
+        FloatSteps { acc: [[0.0; N]; R], acc4: [_mm_setzero_ps(); N] }
+    }
+
+    /// A block's steps from its exact integer sums (and minima's sums, `min`).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn add(&mut self, min: bool, blks: &[Block; R], sums: &[[__m256i; N]; R], mins: &[[__m256i; N]; R], at: [&BlockQ8K; N]) {
         for t in 0..N {
             if R == 4 {
                 let d_a = _mm_set1_ps(at[t].d);
                 let d = _mm_setr_ps(blks[0].d, blks[1].d, blks[2].d, blks[3].d);
                 let total = hsum4([sums[0][t], sums[1][t], sums[2][t], sums[3][t]]);
-                acc4[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(total), _mm_mul_ps(d, d_a), acc4[t]);
-                if B::MIN {
+                self.acc4[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(total), _mm_mul_ps(d, d_a), self.acc4[t]);
+                if min {
                     let dmin = _mm_setr_ps(blks[0].dmin, blks[1].dmin, blks[2].dmin, blks[3].dmin);
                     let total = hsum4([mins[0][t], mins[1][t], mins[2][t], mins[3][t]]);
-                    acc4[t] = _mm_fnmadd_ps(_mm_cvtepi32_ps(total), _mm_mul_ps(dmin, d_a), acc4[t]);
+                    self.acc4[t] = _mm_fnmadd_ps(_mm_cvtepi32_ps(total), _mm_mul_ps(dmin, d_a), self.acc4[t]);
                 }
             } else {
                 for r in 0..R {
-                    float_step(B::MIN, &mut acc[r][t], &blks[r], sums[r][t], mins[r][t], at[t].d);
+                    float_step(min, &mut self.acc[r][t], &blks[r], sums[r][t], mins[r][t], at[t].d);
                 }
             }
         }
     }
-    if R == 4 {
-        for t in 0..N {
-            let mut lanes = [0.0f32; 4];
-            _mm_storeu_ps(lanes.as_mut_ptr(), acc4[t]);
-            for r in 0..R {
-                acc[r][t] = lanes[r];
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn finish(mut self) -> [[f32; N]; R] {
+        if R == 4 {
+            for t in 0..N {
+                let mut lanes = [0.0f32; 4];
+                _mm_storeu_ps(lanes.as_mut_ptr(), self.acc4[t]);
+                for r in 0..R {
+                    self.acc[r][t] = lanes[r];
+                }
             }
         }
+        self.acc
     }
-    acc
 }
 
 /// The lane sums of four vectors, as the four lanes of one (exact).
@@ -389,10 +478,12 @@ unsafe fn hsum4(v: [__m256i; 4]) -> __m128i {
 }
 
 /// R rows of a `superblock::SUPERBLOCK` type against N tokens of Q8_K activations; `next`: the
-/// bytes read after these rows (prefetched, see `matmul::dot_row`).
+/// bytes read after these rows (prefetched, see `matmul::dot_row`); `wide`: IQ4_XS with
+/// AVX-512 VNNI (only where the CPU has AVX-512 F/BW/VL/VNNI).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot<const R: usize, const N: usize>(dtype: DType, rows: [&[u8]; R], a: [&[BlockQ8K]; N], next: &[u8]) -> [[f32; N]; R] {
+pub unsafe fn dot<const R: usize, const N: usize>(dtype: DType, wide: bool, rows: [&[u8]; R], a: [&[BlockQ8K]; N], next: &[u8]) -> [[f32; N]; R] {
     match dtype {
+        DType::IQ4_XS if wide => rows_dot_iq4_xs_512::<R, N>(rows, a, next),
         DType::Q2_K => rows_dot::<BlockQ2K, R, N>(rows, a, next),
         DType::Q3_K => rows_dot::<BlockQ3K, R, N>(rows, a, next),
         DType::Q4_K => rows_dot::<BlockQ4K, R, N>(rows, a, next),
@@ -560,45 +651,37 @@ unsafe fn group_dot<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<16>], a: [
         let run = if by_16_bits { B::STEPS_IN_16_BITS } else { scale_steps };
         for h in (0..16).step_by(scale_steps / 4) {
             let scales = _mm512_load_si512(x.scales[h].as_ptr() as *const _);
-            if !B::SIGNED {
-                for k0 in (4 * h..4 * h + scale_steps).step_by(run) {
-                    let mut part = [_mm512_setzero_si512(); T];
-                    for k in k0..k0 + run {
-                        let u = _mm512_load_si512(x.u[k].as_ptr() as *const _);
-                        for t in 0..T {
-                            part[t] = _mm512_dpbusd_epi32(part[t], u, _mm512_set1_epi32(word(at[t].qs.as_ptr().add(4 * k))));
-                        }
-                    }
-                    if by_16_bits {
-                        let scale = _mm512_and_si512(scales, _mm512_set1_epi32(0xFFFF));
-                        for t in 0..T {
-                            sums[t] = _mm512_dpwssd_epi32(sums[t], part[t], scale);
-                        }
+            for k0 in (4 * h..4 * h + scale_steps).step_by(run) {
+                let mut part = [_mm512_setzero_si512(); T];
+                for k in k0..k0 + run {
+                    // signed weights go in as v + 128 (the 128 comes off below)
+                    let u = if B::SIGNED {
+                        _mm512_xor_si512(_mm512_load_si512(x.v[k].as_ptr() as *const _), _mm512_set1_epi8(-128))
                     } else {
-                        // (the lane's high 16 bits hold the scale too, sign-extended here)
-                        let scale = _mm512_srai_epi32::<16>(scales);
-                        for t in 0..T {
-                            sums[t] = _mm512_add_epi32(sums[t], _mm512_mullo_epi32(part[t], scale));
-                        }
+                        _mm512_load_si512(x.u[k].as_ptr() as *const _)
+                    };
+                    for t in 0..T {
+                        part[t] = _mm512_dpbusd_epi32(part[t], u, _mm512_set1_epi32(word(at[t].qs.as_ptr().add(4 * k))));
                     }
                 }
-                continue;
-            }
-            for k in 4 * h..4 * h + scale_steps {
-                let u = _mm512_load_si512(x.u[k].as_ptr() as *const _);
-                // (no vpsignb at 512 bits: negate the activations where v < 0; u is 0 where v is)
-                let negative = if B::SIGNED { _mm512_movepi8_mask(_mm512_load_si512(x.v[k].as_ptr() as *const _)) } else { 0 };
-                for t in 0..T {
-                    let mut act = _mm512_set1_epi32(word(at[t].qs.as_ptr().add(4 * k)));
-                    if B::SIGNED {
-                        act = _mm512_mask_sub_epi8(act, negative, _mm512_setzero_si512(), act);
+                if by_16_bits {
+                    let scale = _mm512_and_si512(scales, _mm512_set1_epi32(0xFFFF));
+                    for t in 0..T {
+                        sums[t] = _mm512_dpwssd_epi32(sums[t], part[t], scale);
                     }
-                    sums[t] = _mm512_dpwssd_epi32(sums[t], _mm512_maddubs_epi16(u, act), scales);
+                } else {
+                    // (the lane's high 16 bits hold the scale too, sign-extended here)
+                    let scale = _mm512_srai_epi32::<16>(scales);
+                    for t in 0..T {
+                        sums[t] = _mm512_add_epi32(sums[t], _mm512_mullo_epi32(part[t], scale));
+                    }
                 }
             }
         }
         let mut mins = [_mm512_setzero_si512(); T];
-        if B::MIN || B::OFFSET_SHIFT > 0 {
+        // the offset's shift: signed formats' 128 here, else the format's own
+        let shift = if B::SIGNED { 7 } else { B::OFFSET_SHIFT };
+        if B::MIN || shift > 0 {
             for t in 0..T {
                 let mut e = _mm512_setzero_si512();
                 for j in 0..8 {
@@ -608,7 +691,7 @@ unsafe fn group_dot<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<16>], a: [
                 if B::MIN {
                     mins[t] = e;
                 } else {
-                    sums[t] = _mm512_sub_epi32(sums[t], _mm512_sll_epi32(e, _mm_cvtsi32_si128(B::OFFSET_SHIFT)));
+                    sums[t] = _mm512_sub_epi32(sums[t], _mm512_sll_epi32(e, _mm_cvtsi32_si128(shift)));
                 }
             }
         }
@@ -767,32 +850,36 @@ mod tests {
     use crate::quant::superblock::{dot_scalar, tests::q8k, SUPERBLOCK};
     use crate::quant::tests::random_vec;
 
-    /// Every format's AVX2 dot equals the scalar twin bit for bit (the same exact integer sums
-    /// and the same float steps), for 1, 2 and 4 tokens and 1 and 4 rows per call.
+    /// Every format's AVX2 dot (and the AVX-512 IQ4_XS one, where the CPU has it) equals the
+    /// scalar twin bit for bit (the same exact integer sums and the same float steps), for 1, 2
+    /// and 4 tokens and 1 and 4 rows per call.
     #[test]
     fn dots_match_scalar() {
         if !crate::matmul::detect().has_avx2() {
             eprintln!("skipping: no AVX2 on this CPU");
             return;
         }
+        let widths: &[bool] = if crate::matmul::detect() == crate::matmul::SimdLevel::Avx512 { &[false, true] } else { &[false] };
         let n = 1024;
         let acts: Vec<Vec<BlockQ8K>> = (0..4).map(|t| q8k(&random_vec(n, 80 + t))).collect();
         let a4 = [&acts[0][..], &acts[1][..], &acts[2][..], &acts[3][..]];
         for (s, dtype) in SUPERBLOCK.into_iter().enumerate() {
             let rows: Vec<Vec<u8>> = (0..4).map(|r| random_row(dtype, n, 90 + 10 * s as u64 + r)).collect();
             let rows4 = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
-            // SAFETY: AVX2 checked above.
-            unsafe {
-                let all = dot(dtype, rows4, a4, &[]);
-                for r in 0..4 {
-                    let want = dot_scalar(dtype, rows4[r], a4);
-                    for t in 0..4 {
-                        assert_eq!(all[r][t].to_bits(), want[t].to_bits(), "{dtype:?} row {r} token {t}: {} vs {}", all[r][t], want[t]);
-                        let alone = dot(dtype, [rows4[r]], [a4[t]], &[])[0][0];
-                        assert_eq!(alone.to_bits(), all[r][t].to_bits(), "{dtype:?} row {r} token {t}: alone vs in a group");
+            for &wide in widths {
+                // SAFETY: AVX2 checked above, AVX-512 where `wide`.
+                unsafe {
+                    let all = dot(dtype, wide, rows4, a4, &[]);
+                    for r in 0..4 {
+                        let want = dot_scalar(dtype, rows4[r], a4);
+                        for t in 0..4 {
+                            assert_eq!(all[r][t].to_bits(), want[t].to_bits(), "{dtype:?} wide {wide} row {r} token {t}: {} vs {}", all[r][t], want[t]);
+                            let alone = dot(dtype, wide, [rows4[r]], [a4[t]], &[])[0][0];
+                            assert_eq!(alone.to_bits(), all[r][t].to_bits(), "{dtype:?} wide {wide} row {r} token {t}: alone vs in a group");
+                        }
+                        let two = dot(dtype, wide, [rows4[r]], [a4[1], a4[3]], &[])[0];
+                        assert_eq!([two[0].to_bits(), two[1].to_bits()], [all[r][1].to_bits(), all[r][3].to_bits()], "{dtype:?} wide {wide} two tokens");
                     }
-                    let two = dot(dtype, [rows4[r]], [a4[1], a4[3]], &[])[0];
-                    assert_eq!([two[0].to_bits(), two[1].to_bits()], [all[r][1].to_bits(), all[r][3].to_bits()], "{dtype:?} two tokens");
                 }
             }
         }
