@@ -402,22 +402,24 @@ pub fn matmul_many(mats: &[QMatrix], x: &Activations, outs: &mut [&mut [f32]]) {
         let rows = w.rows;
         // SAFETY: this task alone writes rows r0..r1 of matrix i, for every token; the
         // buffer length n * rows was asserted above.
-        rows_for_all_tokens(w, r0..r1, x, level, |t, r, v| unsafe { *out.at(t * rows + r) = v });
+        rows_for_all_tokens(w, r0..r1, x, level, |t, r, v| unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), out.at(t * rows + r), v.len()) });
     });
 }
 
 /// Most matrices one `matmul_many` call takes (q, k, v and a few more).
 const MAX_MATS: usize = 8;
 
-/// Dots of the weight rows `rows` with every token of `x`: put(token, row, value). Four
-/// tokens per pass over the rows, so each weight block is unpacked once for four tokens.
-fn rows_for_all_tokens(w: &QMatrix, rows: std::ops::Range<usize>, x: &Activations, level: SimdLevel, put: impl Fn(usize, usize, f32)) {
+/// Dots of the weight rows `rows` with every token of `x`: put(token, first row, values of
+/// consecutive rows from it; a row group's at once, so that the stores to an output line not
+/// yet in cache are one, not one per value). Four tokens per pass over the rows, so each
+/// weight block is unpacked once for four tokens.
+fn rows_for_all_tokens(w: &QMatrix, rows: std::ops::Range<usize>, x: &Activations, level: SimdLevel, put: impl Fn(usize, usize, &[f32])) {
     let n = x.n;
     #[cfg(target_arch = "x86_64")]
     if level == SimdLevel::Avx512 && w.dtype.is_quantized() && !reads_q8k(w.dtype) && !x.panel.is_empty() {
         // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI and AVX2's
         // features; `panel` holds n tokens (filled by `set` at this level).
-        unsafe { panel::rows_all_tokens(w.dtype, |r| w.row(r), w.cols, rows, &x.panel, n, put) };
+        unsafe { panel::rows_all_tokens(w.dtype, |r| w.row(r), w.cols, rows, &x.panel, n, |t, r, v| put(t, r, &[v])) };
         return;
     }
     #[cfg(target_arch = "x86_64")]
@@ -432,14 +434,14 @@ fn rows_for_all_tokens(w: &QMatrix, rows: std::ops::Range<usize>, x: &Activation
     #[cfg(target_arch = "x86_64")]
     if level == SimdLevel::Avx2 && w.dtype.is_quantized() && n >= PANEL_MIN_TOKENS {
         // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c; `q8` holds n tokens.
-        unsafe { panel_avx2::rows_all_tokens(w.dtype, |r| w.row(r), w.cols, rows, &x.q8, n, put) };
+        unsafe { panel_avx2::rows_all_tokens(w.dtype, |r| w.row(r), w.cols, rows, &x.q8, n, |t, r, v| put(t, r, &[v])) };
         return;
     }
     let mut t = 0;
     while t + 4 <= n {
         dot_rows(w, rows.clone(), x, [t, t + 1, t + 2, t + 3], level, |r, v| {
             for (k, vk) in v.into_iter().enumerate() {
-                put(t + k, r, vk);
+                put(t + k, r, &[vk]);
             }
         });
         t += 4;
@@ -448,13 +450,13 @@ fn rows_for_all_tokens(w: &QMatrix, rows: std::ops::Range<usize>, x: &Activation
     // weights once per pair); per token the arithmetic is the same as alone
     while t + 2 <= n {
         dot_rows(w, rows.clone(), x, [t, t + 1], level, |r, v| {
-            put(t, r, v[0]);
-            put(t + 1, r, v[1]);
+            put(t, r, &[v[0]]);
+            put(t + 1, r, &[v[1]]);
         });
         t += 2;
     }
     while t < n {
-        dot_rows(w, rows.clone(), x, [t], level, |r, v| put(t, r, v[0]));
+        dot_rows(w, rows.clone(), x, [t], level, |r, v| put(t, r, &[v[0]]));
         t += 1;
     }
 }
@@ -517,7 +519,7 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
         }
         for (k, rows) in runs(part) {
             let (base, start) = (k0 + k, rows.start);
-            rows_for_all_tokens(w, rows, x, level, |t, r, v| put(t, base + r - start, v));
+            rows_for_all_tokens(w, rows, x, level, |t, r, v| v.iter().enumerate().for_each(|(i, &vi)| put(t, base + r + i - start, vi)));
         }
     });
 }
@@ -728,7 +730,7 @@ mod tests {
                 let mut x = Activations::default();
                 x.set(&random_vec(n * cols, 3 + s as u64), n, cols);
                 let prompt = std::sync::Mutex::new(vec![f32::NAN; n * rows]);
-                rows_for_all_tokens(&w, 0..rows, &x, level, |t, r, v| prompt.lock().unwrap()[t * rows + r] = v);
+                rows_for_all_tokens(&w, 0..rows, &x, level, |t, r, v| prompt.lock().unwrap()[t * rows + r..][..v.len()].copy_from_slice(v));
                 let prompt = prompt.into_inner().unwrap();
                 for t in 0..n {
                     let pair = dot_row(&w, 1, None, &x, [t, (t + 1) % n], level)[0];

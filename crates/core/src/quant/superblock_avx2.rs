@@ -781,7 +781,7 @@ unsafe fn group_dots<B: SuperBlock, const G: usize, const T: usize>(g: &[RowGrou
 /// each group decoded once for all tokens, four tokens per step.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_tokens_grouped<'a, B: SuperBlock, const G: usize>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8k: &[BlockQ8K], n: usize, put: impl Fn(usize, usize, f32)) {
+unsafe fn rows_tokens_grouped<'a, B: SuperBlock, const G: usize>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8k: &[BlockQ8K], n: usize, put: impl Fn(usize, usize, &[f32])) {
     let nb = cols / super::QK_K;
     assert_eq!(q8k.len(), n * nb, "activations: wrong size for {n} tokens of {cols}");
     let token = |t: usize| &q8k[t * nb..(t + 1) * nb];
@@ -790,7 +790,7 @@ unsafe fn rows_tokens_grouped<'a, B: SuperBlock, const G: usize>(row: impl Fn(us
     while r0 < rows.end {
         let r1 = (r0 + G).min(rows.end);
         unpack_group::<B, G>((r0..r1).map(&row), r1 - r0, &mut group);
-        let emit = |t: usize, lanes: &[f32; G]| (r0..r1).for_each(|r| put(t, r, lanes[r - r0]));
+        let emit = |t: usize, lanes: &[f32; G]| put(t, r0, &lanes[..r1 - r0]);
         let mut prefetch = PrefetchRows::<G>::new((r1..(r1 + G).min(rows.end)).map(&row), n / 4 + n % 4);
         let mut t = 0;
         // with AVX-512, eight tokens per pass: eight independent chains of `vpdpbusd` (their
@@ -818,11 +818,11 @@ unsafe fn rows_tokens_grouped<'a, B: SuperBlock, const G: usize>(row: impl Fn(us
 
 /// A prompt's product with rows of a `superblock::SUPERBLOCK` type: `rows` of a weight matrix
 /// (`row(r)` its bytes, `cols` wide) against `n` tokens (`q8k`: n * cols / 256), put(t, r,
-/// value); `wide`: in 16-row groups with AVX-512 (only where the CPU has AVX-512 F/BW/VL/VNNI),
+/// values of rows r, r + 1, ..); `wide`: in 16-row groups with AVX-512 (only where the CPU has AVX-512 F/BW/VL/VNNI),
 /// else in 8-row groups with AVX2.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn rows_all_tokens<'a>(dtype: DType, wide: bool, row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8k: &[BlockQ8K], n: usize, put: impl Fn(usize, usize, f32)) {
+pub unsafe fn rows_all_tokens<'a>(dtype: DType, wide: bool, row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8k: &[BlockQ8K], n: usize, put: impl Fn(usize, usize, &[f32])) {
     macro_rules! by_width {
         ($block:ty) => {
             if wide {

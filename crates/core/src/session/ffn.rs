@@ -53,15 +53,16 @@ pub(crate) fn ffn(model: &Model, st: &mut PassState, s: &mut Scratch, l: usize, 
     // weight bytes: a sparse mode reads the selected neurons' gate rows (all of them when
     // the threshold needs the dense gate), up rows and neuron-major down rows (at most:
     // a ReLU gate at or below zero spares the up and down rows too)
-    let down_t = model.down_t(l);
-    let down_bytes = lw.ffn_down.map_or(down_t.data.len(), |d| d.data.len());
+    // (the neuron-major copy only where it is read: building it costs a pass over the weights
+    // and memory a dense pass does not need)
+    let down_bytes = lw.ffn_down.map_or_else(|| model.down_t(l).data.len(), |d| d.data.len());
     let gate_bytes = lw.ffn_gate.map_or(0, |g| g.data.len());
     st.stats.weight_bytes += (n * (gate_bytes + lw.ffn_up.data.len() + down_bytes)) as u64;
     st.stats.weight_bytes_read += match mode {
         SparsityMode::Dense => n * (gate_bytes + lw.ffn_up.data.len() + down_bytes),
         _ => {
             let gate_read = if gate_ready { n * gate_bytes } else { selected * lw.ffn_gate.map_or(0, |g| g.row_bytes()) };
-            gate_read + selected * (lw.ffn_up.row_bytes() + down_t.row_bytes())
+            gate_read + selected * (lw.ffn_up.row_bytes() + model.down_t(l).row_bytes())
         }
     } as u64;
     let track_recall = sp.track_recall && mode == SparsityMode::Predictor;
