@@ -148,6 +148,18 @@ impl Activations {
     /// Loads `x` (n, cols) and quantizes it; `cols` must be a multiple of 32 when quantized
     /// weights will read it (the model loader guarantees that).
     pub fn set(&mut self, x: &[f32], n: usize, cols: usize) {
+        self.set_rounded(x, n, cols, true, true);
+    }
+
+    /// `set` for the products with `readers` alone: it rounds the activations per 32 and per
+    /// 256 only if one of them reads that form (an all-k-quant layer needs no per-32 blocks).
+    pub fn set_for(&mut self, x: &[f32], n: usize, cols: usize, readers: &[QMatrix]) {
+        let per_256 = readers.iter().any(|m| reads_q8k(m.dtype));
+        let per_32 = readers.iter().any(|m| m.dtype.is_quantized() && !reads_q8k(m.dtype));
+        self.set_rounded(x, n, cols, per_32, per_256);
+    }
+
+    fn set_rounded(&mut self, x: &[f32], n: usize, cols: usize, per_32: bool, per_256: bool) {
         assert_eq!(x.len(), n * cols);
         self.n = n;
         self.cols = cols;
@@ -155,18 +167,21 @@ impl Activations {
         self.f32s.extend_from_slice(x);
         if cols % QK == 0 {
             let nb = cols / QK;
-            self.q8.resize(n * nb, BlockQ8Act::default());
             let level = simd_level();
-            self.q8.par_chunks_mut(nb * 16).zip(x.par_chunks(cols * 16)).for_each(|(q, xs)| match level {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c.
-                SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { crate::avx2::quantize_act(xs, q) },
-                _ => quant::quantize_act(xs, q),
-            });
+            self.q8.clear();
+            if per_32 {
+                self.q8.resize(n * nb, BlockQ8Act::default());
+                self.q8.par_chunks_mut(nb * 16).zip(x.par_chunks(cols * 16)).for_each(|(q, xs)| match level {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c.
+                    SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { crate::avx2::quantize_act(xs, q) },
+                    _ => quant::quantize_act(xs, q),
+                });
+            }
             #[cfg(target_arch = "x86_64")]
             {
                 self.panel.clear();
-                if level == SimdLevel::Avx512 && n >= PANEL_MIN_TOKENS {
+                if level == SimdLevel::Avx512 && n >= PANEL_MIN_TOKENS && per_32 {
                     let nq = panel::quads(cols);
                     self.panel.resize(n * nq, panel::ActPanel::default());
                     self.panel.par_chunks_mut(nq).zip(self.q8.par_chunks(nb)).for_each(|(p, q)| panel::arrange_act_panel(q, p));
@@ -175,7 +190,7 @@ impl Activations {
             self.q8k.clear();
             // (at every level: the tests read AVX-512 machines' activations at the lower levels
             // too, and a pass over the row is small beside any product that reads it)
-            if cols % QK_K == 0 {
+            if cols % QK_K == 0 && per_256 {
                 let nk = cols / QK_K;
                 self.q8k.resize(n * nk, BlockQ8K::default());
                 self.q8k.par_chunks_mut(nk * 16).zip(x.par_chunks(cols * 16)).for_each(|(q, xs)| match level {
@@ -191,7 +206,7 @@ impl Activations {
             let has_panel = !self.panel.is_empty();
             #[cfg(not(target_arch = "x86_64"))]
             let has_panel = false;
-            if level == SimdLevel::Avx512 && !has_panel {
+            if level == SimdLevel::Avx512 && !has_panel && per_32 {
                 let nq = quant::act_quads(nb);
                 self.quads.resize(n * nq, ActQuad::default());
                 for (p, q) in self.quads.chunks_mut(nq).zip(self.q8.chunks(nb)) {
@@ -372,7 +387,7 @@ pub fn matmul_many(mats: &[QMatrix], x: &Activations, outs: &mut [&mut [f32]]) {
     for (m, o) in mats.iter().zip(outs.iter()) {
         assert_eq!(m.cols, x.cols, "matmul: weight has {} columns, input has {}", m.cols, x.cols);
         assert_eq!(o.len(), n * m.rows, "matmul: output buffer has the wrong size");
-        if m.dtype.is_quantized() {
+        if m.dtype.is_quantized() && !reads_q8k(m.dtype) {
             assert_eq!(x.q8.len(), n * x.cols / QK);
         }
         if reads_q8k(m.dtype) {

@@ -502,8 +502,10 @@ pub unsafe fn dot<const R: usize, const N: usize>(dtype: DType, wide: bool, rows
 #[repr(C, align(64))]
 #[derive(Clone, Copy)]
 pub struct RowGroupBlock<const G: usize> {
+    /// the unsigned weights; for a `SuperBlock::SIGNED` format their magnitudes (8 rows, AVX2)
+    /// or v + 128 (16 rows, AVX-512 VNNI)
     u: [[u32; G]; QK_K / 4],
-    /// the signed weights, where u is their magnitude (`SuperBlock::SIGNED`)
+    /// the signed weights, for `SuperBlock::SIGNED` formats in 8-row groups
     v: [[u32; G]; QK_K / 4],
     /// sub-block h (16 weights): row r's 16-bit scale, twice, in lane r (as `vpmaddwd` pairs it)
     scales: [[u32; G]; 16],
@@ -546,8 +548,13 @@ unsafe fn unpack_group<'a, B: SuperBlock, const G: usize>(rows: impl Iterator<It
         for r in 0..count {
             let slot = transpose_slot::<G>(r);
             let blk = blocks[r].get_unchecked(b).decode(|c, u, v, scales| {
-                _mm256_storeu_si256(staged[c][slot].as_mut_ptr() as *mut __m256i, u);
-                if B::SIGNED {
+                if B::SIGNED && G == 16 {
+                    // `group_dot` takes signed weights as v + 128 in `u`
+                    _mm256_storeu_si256(staged[c][slot].as_mut_ptr() as *mut __m256i, _mm256_xor_si256(v, _mm256_set1_epi8(-128)));
+                } else {
+                    _mm256_storeu_si256(staged[c][slot].as_mut_ptr() as *mut __m256i, u);
+                }
+                if B::SIGNED && G == 8 {
                     _mm256_storeu_si256(staged_v[c][slot].as_mut_ptr() as *mut __m256i, v);
                 }
                 // the halves' scales: lanes 0 and 8
@@ -564,7 +571,7 @@ unsafe fn unpack_group<'a, B: SuperBlock, const G: usize>(rows: impl Iterator<It
         }
         for c in 0..8 {
             transpose_chunk::<G>(&staged[c], &mut o.u[8 * c..8 * c + 8]);
-            if B::SIGNED {
+            if B::SIGNED && G == 8 {
                 transpose_chunk::<G>(&staged_v[c], &mut o.v[8 * c..8 * c + 8]);
             }
         }
@@ -591,18 +598,25 @@ unsafe fn transpose_chunk<const G: usize>(staged: &[[u32; 8]; G], out: &mut [[u3
         transpose_chunk_16(&*(staged as *const [[u32; 8]; G] as *const [[u32; 8]; 16]), &mut *(out as *mut [[u32; G]] as *mut [[u32; 16]]));
         return;
     }
-    let x: [__m256i; 8] = std::array::from_fn(|k| _mm256_loadu_si256(staged[k].as_ptr() as *const __m256i));
+    // (loops, not `array::from_fn`: its closures would not be compiled for these features)
+    let mut x = [_mm256_setzero_si256(); 8];
+    for k in 0..8 {
+        x[k] = _mm256_loadu_si256(staged[k].as_ptr() as *const __m256i);
+    }
     // per 128-bit lane: rows (0, 1), (2, 3).. interleaved by words, then by pairs of words
-    let t: [__m256i; 8] = std::array::from_fn(|k| {
-        let (a, b) = (x[2 * (k / 2)], x[2 * (k / 2) + 1]);
-        if k % 2 == 0 { _mm256_unpacklo_epi32(a, b) } else { _mm256_unpackhi_epi32(a, b) }
-    });
+    let mut t = [_mm256_setzero_si256(); 8];
+    for k in (0..8).step_by(2) {
+        t[k] = _mm256_unpacklo_epi32(x[k], x[k + 1]);
+        t[k + 1] = _mm256_unpackhi_epi32(x[k], x[k + 1]);
+    }
     // s[4h + j]: words j (lane 0) and j + 4 (lane 1) of rows 4h..4h + 4
-    let s: [__m256i; 8] = std::array::from_fn(|k| {
-        let (h, j) = (k / 4, k % 4);
-        let (a, b) = (t[4 * h + j / 2], t[4 * h + 2 + j / 2]);
-        if j % 2 == 0 { _mm256_unpacklo_epi64(a, b) } else { _mm256_unpackhi_epi64(a, b) }
-    });
+    let mut s = [_mm256_setzero_si256(); 8];
+    for h in 0..2 {
+        for j in 0..4 {
+            let (a, b) = (t[4 * h + j / 2], t[4 * h + 2 + j / 2]);
+            s[4 * h + j] = if j % 2 == 0 { _mm256_unpacklo_epi64(a, b) } else { _mm256_unpackhi_epi64(a, b) };
+        }
+    }
     for j in 0..4 {
         _mm256_storeu_si256(out[j].as_mut_ptr() as *mut __m256i, _mm256_permute2x128_si256::<0x20>(s[j], s[4 + j]));
         _mm256_storeu_si256(out[j + 4].as_mut_ptr() as *mut __m256i, _mm256_permute2x128_si256::<0x31>(s[j], s[4 + j]));
@@ -615,17 +629,23 @@ unsafe fn transpose_chunk<const G: usize>(staged: &[[u32; 8]; G], out: &mut [[u3
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn transpose_chunk_16(staged: &[[u32; 8]; 16], out: &mut [[u32; 16]]) {
-    let x: [__m512i; 8] = std::array::from_fn(|k| _mm512_loadu_si512(staged[2 * k].as_ptr() as *const _));
-    let t: [__m512i; 8] = std::array::from_fn(|k| {
-        let (a, b) = (x[2 * (k / 2)], x[2 * (k / 2) + 1]);
-        if k % 2 == 0 { _mm512_unpacklo_epi32(a, b) } else { _mm512_unpackhi_epi32(a, b) }
-    });
+    let mut x = [_mm512_setzero_si512(); 8];
+    for k in 0..8 {
+        x[k] = _mm512_loadu_si512(staged[2 * k].as_ptr() as *const _);
+    }
+    let mut t = [_mm512_setzero_si512(); 8];
+    for k in (0..8).step_by(2) {
+        t[k] = _mm512_unpacklo_epi32(x[k], x[k + 1]);
+        t[k + 1] = _mm512_unpackhi_epi32(x[k], x[k + 1]);
+    }
     // s[4h + j]: words j and j + 4 of rows 4 (2h)..4 (2h) + 4, then of rows 4 (2h + 1).. (lanes 0..4)
-    let s: [__m512i; 8] = std::array::from_fn(|k| {
-        let (h, j) = (k / 4, k % 4);
-        let (a, b) = (t[4 * h + j / 2], t[4 * h + 2 + j / 2]);
-        if j % 2 == 0 { _mm512_unpacklo_epi64(a, b) } else { _mm512_unpackhi_epi64(a, b) }
-    });
+    let mut s = [_mm512_setzero_si512(); 8];
+    for h in 0..2 {
+        for j in 0..4 {
+            let (a, b) = (t[4 * h + j / 2], t[4 * h + 2 + j / 2]);
+            s[4 * h + j] = if j % 2 == 0 { _mm512_unpacklo_epi64(a, b) } else { _mm512_unpackhi_epi64(a, b) };
+        }
+    }
     for j in 0..4 {
         // lanes 0, 2 of s[j] (rows 0..4, 4..8) and of s[4 + j] (rows 8..12, 12..16)
         _mm512_storeu_si512(out[j].as_mut_ptr() as *mut _, _mm512_shuffle_i32x4::<0b10_00_10_00>(s[j], s[4 + j]));
@@ -637,7 +657,7 @@ unsafe fn transpose_chunk_16(staged: &[[u32; 8]; 16], out: &mut [[u32; 16]]) {
 /// bit `dot`'s (the same exact integer sums, the same `block_step` per lane).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn group_dot<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<16>], a: [&[BlockQ8K]; T]) -> [__m512; T] {
+unsafe fn group_dot<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<16>], a: [&[BlockQ8K]; T], out: &mut [[f32; 16]; T]) {
     let mut acc = [_mm512_setzero_ps(); T];
     let word = |p: *const i8| (p as *const i32).read_unaligned();
     for (b, x) in g.iter().enumerate() {
@@ -654,12 +674,8 @@ unsafe fn group_dot<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<16>], a: [
             for k0 in (4 * h..4 * h + scale_steps).step_by(run) {
                 let mut part = [_mm512_setzero_si512(); T];
                 for k in k0..k0 + run {
-                    // signed weights go in as v + 128 (the 128 comes off below)
-                    let u = if B::SIGNED {
-                        _mm512_xor_si512(_mm512_load_si512(x.v[k].as_ptr() as *const _), _mm512_set1_epi8(-128))
-                    } else {
-                        _mm512_load_si512(x.u[k].as_ptr() as *const _)
-                    };
+                    // (signed weights are v + 128 here, the 128 comes off below)
+                    let u = _mm512_load_si512(x.u[k].as_ptr() as *const _);
                     for t in 0..T {
                         part[t] = _mm512_dpbusd_epi32(part[t], u, _mm512_set1_epi32(word(at[t].qs.as_ptr().add(4 * k))));
                     }
@@ -704,7 +720,9 @@ unsafe fn group_dot<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<16>], a: [
             }
         }
     }
-    acc
+    for t in 0..T {
+        _mm512_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+    }
 }
 
 /// A group of 8 unpacked rows against T tokens with AVX2: `group_dot`'s arithmetic, its
@@ -765,9 +783,9 @@ unsafe fn group_dot_avx2<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<8>], 
 unsafe fn group_dots<B: SuperBlock, const G: usize, const T: usize>(g: &[RowGroupBlock<G>], a: [&[BlockQ8K]; T]) -> [[f32; G]; T] {
     let mut out = [[0.0f32; G]; T];
     if G == 16 {
-        // SAFETY (the cast): G is 16, the same type
-        let v = group_dot::<B, T>(&*(g as *const [RowGroupBlock<G>] as *const [RowGroupBlock<16>]), a);
-        (0..T).for_each(|t| _mm512_storeu_ps(out[t].as_mut_ptr(), v[t]));
+        // SAFETY (the casts): G is 16, the same types
+        let out16 = &mut *(&mut out as *mut [[f32; G]; T] as *mut [[f32; 16]; T]);
+        group_dot::<B, T>(&*(g as *const [RowGroupBlock<G>] as *const [RowGroupBlock<16>]), a, out16);
     } else {
         assert_eq!(G, 8);
         // SAFETY (the cast): G is 8, the same type

@@ -278,7 +278,7 @@ impl Backend for CpuPass<'_> {
         // final norm and classifier of the last m rows
         let x = &s.x[(n - m) * dim..n * dim];
         norm(c.family, &mut s.xb[..m * dim], x, &w.output_norm, w.output_norm_b.as_deref(), c.norm_eps);
-        s.acts.set(&s.xb[..m * dim], m, dim);
+        s.acts.set_for(&s.xb[..m * dim], m, dim, &[w.output]);
         let mut logits = vec![0.0f32; m * c.n_vocab];
         matmul(&w.output, &s.acts, &mut logits);
         if c.final_softcap != 0.0 {

@@ -15,7 +15,7 @@ pub(crate) fn ffn(model: &Model, st: &mut PassState, s: &mut Scratch, l: usize, 
     let c = &model.config;
     let (dim, n_ff, act) = (c.n_embd, c.n_ff, c.ffn_activation);
     let sp = &st.sparsity;
-    s.acts.set(&s.xb, n, dim);
+    s.acts.set_for(&s.xb, n, dim, &[lw.ffn_gate.unwrap_or(lw.ffn_up), lw.ffn_up]);
     s.gate.resize(n * n_ff, 0.0);
     s.up.resize(n * n_ff, 0.0);
     let mode = sp.mode;
@@ -117,7 +117,7 @@ pub(crate) fn ffn(model: &Model, st: &mut PassState, s: &mut Scratch, l: usize, 
         }
         match &lw.ffn_down {
             Some(down) => {
-                s.acts.set(&s.gate, n, n_ff);
+                s.acts.set_for(&s.gate, n, n_ff, &[*down]);
                 matmul(down, &s.acts, &mut s.ffn_out);
             }
             None => down_t_matmul(&model.down_t(l), &s.gate, n, &mut s.ffn_out, &mut s.sparse),

@@ -33,7 +33,7 @@ pub(crate) fn project(
     stats.weight_bytes += (n * dense_bytes) as u64;
     match cut {
         None => {
-            acts.set(x, n, x.len() / n);
+            acts.set_for(x, n, x.len() / n, row_major);
             matmul_many(row_major, acts, outs);
             stats.weight_bytes_read += (n * dense_bytes) as u64;
         }
