@@ -10,7 +10,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::quant::{BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType};
+use crate::quant::{f16_to_f32, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType};
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -131,36 +131,77 @@ unsafe fn dot_u8_i8(w: __m256i, a: &[i8; 32]) -> __m256 {
 }
 
 /// Twin of `quant::dot_q4_0_scalar`, for R rows of as many blocks (decode groups rows so that
-/// they share the activations' loads and their sums do not wait on each other). The weights
-/// q - 8 go in signed, as Q8_0's do: |q - 8| times the activations with q - 8's sign, so the
-/// offset stays in the integer sum (no float term per block for it).
+/// they share the activations' loads). The weights q - 8 go in signed, as Q8_0's do: |q - 8|
+/// times the activations with q - 8's sign, so the offset stays in the integer sum. A block's
+/// products sum exactly in integers, then one float step per block, row and token:
+/// acc = fma(sum, d * d_a, acc), the step the prompts' row groups (`q4_0_groups`) take in each
+/// lane, so that a token's dot is bit for bit the same in a prompt as alone.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q4_0<const R: usize, const N: usize>(w: [&[BlockQ4_0]; R], a: [&[BlockQ8Act]; N], next: &[u8]) -> [[f32; N]; R] {
     let mut prefetch = Prefetch::new(next, w[0].len());
-    let mut acc = [[_mm256_setzero_ps(); N]; R];
-    let (eight, ones) = (_mm256_set1_epi8(8), _mm256_set1_epi16(1));
+    let mut acc = [[0.0f32; N]; R];
+    // four rows: their float steps side by side in the lanes of one vector per token
+    let mut acc4 = [_mm_setzero_ps(); N];
+    let eight = _mm256_set1_epi8(8);
     for i in 0..w[0].len() {
         prefetch.step();
+        let mut u = [_mm256_setzero_si256(); R];
+        let mut v = [_mm256_setzero_si256(); R];
         for r in 0..R {
-            let b = w[r].get_unchecked(i);
-            let d = splat_f16(b.d);
-            let v = _mm256_sub_epi8(unpack_nibbles(&b.qs), eight);
-            let u = _mm256_sign_epi8(v, v);
-            for j in 0..N {
-                let ab = a[j].get_unchecked(i);
-                let s = _mm256_sign_epi8(_mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i), v);
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones);
-                acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(d, _mm256_set1_ps(ab.d)), acc[r][j]);
+            v[r] = _mm256_sub_epi8(unpack_nibbles(&w[r].get_unchecked(i).qs), eight);
+            u[r] = _mm256_sign_epi8(v[r], v[r]);
+        }
+        for j in 0..N {
+            let ab = a[j].get_unchecked(i);
+            let q = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
+            // pair sums of |q - 8| * a <= 2 * 8 * 128: a row's 16 of them sum in 16 bits
+            let mut p = [_mm256_setzero_si256(); R];
+            for r in 0..R {
+                p[r] = _mm256_maddubs_epi16(u[r], _mm256_sign_epi8(q, v[r]));
+            }
+            if R == 4 {
+                let d = _mm_cvtph_ps(_mm_setr_epi16(w[0].get_unchecked(i).d as i16, w[1].get_unchecked(i).d as i16, w[2].get_unchecked(i).d as i16, w[3].get_unchecked(i).d as i16, 0, 0, 0, 0));
+                let sums = row_sums4_i16([p[0], p[1], p[2], p[3]]);
+                acc4[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums), _mm_mul_ps(d, _mm_set1_ps(ab.d)), acc4[j]);
+            } else {
+                for r in 0..R {
+                    let sum = _mm_cvtsi32_ss(_mm_setzero_ps(), hsum_i16(p[r]));
+                    let dd = _mm_set_ss(f16_to_f32(w[r].get_unchecked(i).d) * ab.d);
+                    acc[r][j] = _mm_cvtss_f32(_mm_fmadd_ss(sum, dd, _mm_set_ss(acc[r][j])));
+                }
             }
         }
     }
-    let mut out = [[0.0f32; N]; R];
-    for r in 0..R {
+    if R == 4 {
         for j in 0..N {
-            out[r][j] = hsum(acc[r][j]);
+            let mut lanes = [0.0f32; 4];
+            _mm_storeu_ps(lanes.as_mut_ptr(), acc4[j]);
+            for r in 0..R {
+                acc[r][j] = lanes[r];
+            }
         }
     }
-    out
+    acc
+}
+
+/// The sums of four vectors' 16-bit lanes (each sum within 16 bits by fours), as the four 32-bit
+/// lanes of one (exact): two rounds of `vphaddw` and one `vpmaddwd`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn row_sums4_i16(p: [__m256i; 4]) -> __m128i {
+    let h = _mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3]));
+    let s = _mm256_madd_epi16(h, _mm256_set1_epi16(1));
+    _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s))
+}
+
+/// The sum of sixteen 16-bit lanes, as i32 (exact).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum_i16(p: __m256i) -> i32 {
+    let s = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+    let x = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+    let x = _mm_add_epi32(x, _mm_unpackhi_epi64(x, x));
+    _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32::<0b01>(x)))
 }
 
 /// Twin of `quant::dot_q4_1_scalar`, for R rows of as many blocks.

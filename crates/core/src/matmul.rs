@@ -447,6 +447,12 @@ fn rows_for_all_tokens(w: &QMatrix, rows: std::ops::Range<usize>, x: &Activation
         return;
     }
     #[cfg(target_arch = "x86_64")]
+    if level == SimdLevel::Avx2 && w.dtype == DType::Q4_0 && n >= PANEL_MIN_TOKENS {
+        // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c; `q8` holds n tokens.
+        unsafe { panel_avx2::q4_0_rows_all_tokens(|r| w.row(r), w.cols, rows, &x.q8, n, put) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if level == SimdLevel::Avx2 && w.dtype.is_quantized() && n >= PANEL_MIN_TOKENS {
         // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c; `q8` holds n tokens.
         unsafe { panel_avx2::rows_all_tokens(w.dtype, |r| w.row(r), w.cols, rows, &x.q8, n, |t, r, v| put(t, r, &[v])) };
@@ -516,7 +522,7 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
                     continue;
                 }
                 #[cfg(target_arch = "x86_64")]
-                if level == SimdLevel::Avx2 && w.dtype.is_quantized() && !reads_q8k(w.dtype) && n >= PANEL_MIN_TOKENS {
+                if level == SimdLevel::Avx2 && w.dtype.is_quantized() && !reads_q8k(w.dtype) && w.dtype != DType::Q4_0 && n >= PANEL_MIN_TOKENS {
                     // SAFETY: as in `rows_for_all_tokens`.
                     unsafe { panel_avx2::row_tokens(w.dtype, w.row(j), w.cols, &x.q8, tokens, _chunks, |t, v| put(t, k, v)) };
                     continue;

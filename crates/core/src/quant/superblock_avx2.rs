@@ -593,7 +593,7 @@ fn transpose_slot<const G: usize>(r: usize) -> usize {
 /// every row, row r in lane r: an 8 x 8 (AVX2) or two 8 x 8 (AVX-512) word transposes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn transpose_chunk<const G: usize>(staged: &[[u32; 8]; G], out: &mut [[u32; G]]) {
+pub(crate) unsafe fn transpose_chunk<const G: usize>(staged: &[[u32; 8]; G], out: &mut [[u32; G]]) {
     if G == 16 {
         transpose_chunk_16(&*(staged as *const [[u32; 8]; G] as *const [[u32; 8]; 16]), &mut *(out as *mut [[u32; G]] as *mut [[u32; 16]]));
         return;
