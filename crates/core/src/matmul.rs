@@ -13,6 +13,8 @@ use rayon::prelude::*;
 #[cfg(target_arch = "x86_64")]
 use crate::quant::{panel, panel_avx2};
 use crate::quant::superblock::{self, BlockQ8K};
+#[cfg(target_arch = "x86_64")]
+use crate::quant::superblock_avx2::GroupWidth;
 use crate::quant::{self, cast_blocks, ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK, QK_K};
 
 /// Instruction sets the kernels are written for, in increasing order: each level has every
@@ -41,18 +43,35 @@ impl SimdLevel {
     }
 }
 
-/// Best instruction set on this CPU, decided once. `POWERINFER_SIMD=scalar` or `avx2` caps it
-/// (for checking results and measuring what each level buys).
+/// Best instruction set on this CPU, decided once. `POWERINFER_SIMD=scalar`, `avx2` or
+/// `avxvnni` (AVX2 with AVX-VNNI where the CPU has it) caps it (for checking results and
+/// measuring what each level buys).
 pub fn simd_level() -> SimdLevel {
     static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
     *LEVEL.get_or_init(|| {
         let cap = match std::env::var("POWERINFER_SIMD").as_deref() {
             Ok("scalar") => SimdLevel::Scalar,
-            Ok("avx2") => SimdLevel::Avx2,
+            Ok("avx2" | "avxvnni") => SimdLevel::Avx2,
             _ => SimdLevel::Avx512,
         };
         detect().min(cap)
     })
+}
+
+/// Whether `level` takes AVX-VNNI (`vpdpbusd` without AVX-512: Alder Lake and later Intel
+/// cores, AMD Zen 5) for prompts (row groups): at the AVX2 level, where the CPU has it and
+/// `POWERINFER_SIMD` is not `avx2`. Its sums are the AVX2 kernels' exactly, so results do not
+/// change with it.
+pub fn avx_vnni(level: SimdLevel) -> bool {
+    static VNNI: OnceLock<bool> = OnceLock::new();
+    level == SimdLevel::Avx2
+        && *VNNI.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            let has = is_x86_feature_detected!("avxvnni");
+            #[cfg(not(target_arch = "x86_64"))]
+            let has = false;
+            has && std::env::var("POWERINFER_SIMD").as_deref() != Ok("avx2")
+        })
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -442,14 +461,19 @@ fn rows_for_all_tokens(w: &QMatrix, rows: std::ops::Range<usize>, x: &Activation
         // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c, Avx512
         // when it has AVX-512 F/BW/VL/VNNI too; `q8k` holds n tokens (cols is a multiple of 256
         // for these types).
-        let wide = level == SimdLevel::Avx512;
-        unsafe { quant::superblock_avx2::rows_all_tokens(w.dtype, wide, |r| w.row(r), w.cols, rows, &x.q8k, n, put) };
+        let width = match level {
+            SimdLevel::Avx512 => GroupWidth::Avx512,
+            _ if avx_vnni(level) => GroupWidth::AvxVnni,
+            _ => GroupWidth::Avx2,
+        };
+        unsafe { quant::superblock_avx2::rows_all_tokens(w.dtype, width, |r| w.row(r), w.cols, rows, &x.q8k, n, put) };
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if level == SimdLevel::Avx2 && w.dtype == DType::Q4_0 && n >= PANEL_MIN_TOKENS {
-        // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c; `q8` holds n tokens.
-        unsafe { panel_avx2::q4_0_rows_all_tokens(|r| w.row(r), w.cols, rows, &x.q8, n, put) };
+        // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c, `avx_vnni` when it
+        // has AVX-VNNI; `q8` holds n tokens.
+        unsafe { panel_avx2::q4_0_rows_all_tokens(|r| w.row(r), w.cols, rows, &x.q8, n, avx_vnni(level), put) };
         return;
     }
     #[cfg(target_arch = "x86_64")]

@@ -229,12 +229,42 @@ unsafe fn q4_0_group_dot<const T: usize>(g: &[Q4_0Group], a: [&[BlockQ8Act]; T])
     out
 }
 
+/// `q4_0_group_dot` with AVX-VNNI: `vpdpbusd` sums each step into 32 bits; the same exact
+/// sums, the same float steps.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn q4_0_group_dot_vnni<const T: usize>(g: &[Q4_0Group], a: [&[BlockQ8Act]; T]) -> [[f32; 8]; T] {
+    let mut acc = [_mm256_setzero_ps(); T];
+    let word = |p: *const i8| (p as *const i32).read_unaligned();
+    for (b, x) in g.iter().enumerate() {
+        let mut sums = [_mm256_setzero_si256(); T];
+        for k in 0..8 {
+            let u = _mm256_load_si256(x.u[k].as_ptr() as *const __m256i);
+            let v = _mm256_load_si256(x.v[k].as_ptr() as *const __m256i);
+            for t in 0..T {
+                let act = _mm256_set1_epi32(word(a[t].get_unchecked(b).qs.as_ptr().add(4 * k)));
+                sums[t] = _mm256_dpbusd_avx_epi32(sums[t], u, _mm256_sign_epi8(act, v));
+            }
+        }
+        let d = _mm256_load_ps(x.d.as_ptr());
+        for t in 0..T {
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(d, _mm256_set1_ps(a[t].get_unchecked(b).d)), acc[t]);
+        }
+    }
+    let mut out = [[0.0f32; 8]; T];
+    for t in 0..T {
+        _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+    }
+    out
+}
+
 /// A prompt's product with Q4_0 rows in groups of eight (`Q4_0Group`), each group decoded once
 /// for all tokens, four tokens per step: `rows` of a weight matrix (`row(r)` its bytes, `cols`
 /// wide) against `n` tokens' activation blocks (`q8`: n * cols / 32), put(t, r, values of
-/// rows r, r + 1, ..).
+/// rows r, r + 1, ..); `vnni`: with AVX-VNNI (only where the CPU has it).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn q4_0_rows_all_tokens<'a>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8: &[BlockQ8Act], n: usize, put: impl Fn(usize, usize, &[f32])) {
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn q4_0_rows_all_tokens<'a>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8: &[BlockQ8Act], n: usize, vnni: bool, put: impl Fn(usize, usize, &[f32])) {
     let nb = cols / QK;
     assert_eq!(q8.len(), n * nb, "activations: wrong size for {n} tokens of {cols}");
     let token = |t: usize| &q8[t * nb..(t + 1) * nb];
@@ -251,7 +281,8 @@ pub unsafe fn q4_0_rows_all_tokens<'a>(row: impl Fn(usize) -> &'a [u8], cols: us
         let mut t = 0;
         while t + 4 <= n {
             prefetch.step();
-            let dots = q4_0_group_dot::<4>(&group, [token(t), token(t + 1), token(t + 2), token(t + 3)]);
+            let four = [token(t), token(t + 1), token(t + 2), token(t + 3)];
+            let dots = if vnni { q4_0_group_dot_vnni::<4>(&group, four) } else { q4_0_group_dot::<4>(&group, four) };
             for (k, lanes) in dots.iter().enumerate() {
                 put(t + k, r0, &lanes[..r1 - r0]);
             }
@@ -259,7 +290,8 @@ pub unsafe fn q4_0_rows_all_tokens<'a>(row: impl Fn(usize) -> &'a [u8], cols: us
         }
         for t in t..n {
             prefetch.step();
-            put(t, r0, &q4_0_group_dot::<1>(&group, [token(t)])[0][..r1 - r0]);
+            let one = if vnni { q4_0_group_dot_vnni::<1>(&group, [token(t)]) } else { q4_0_group_dot::<1>(&group, [token(t)]) };
+            put(t, r0, &one[0][..r1 - r0]);
         }
         r0 = r1;
     }
@@ -399,7 +431,14 @@ mod tests {
                 // SAFETY: AVX2 checked above
                 unsafe {
                     if dtype == DType::Q4_0 {
-                        q4_0_rows_all_tokens(|r| w.row(r), cols, 1..rows, &x.q8, n, |t, r, v| cell.borrow_mut()[t * rows + r..][..v.len()].copy_from_slice(v));
+                        q4_0_rows_all_tokens(|r| w.row(r), cols, 1..rows, &x.q8, n, false, |t, r, v| cell.borrow_mut()[t * rows + r..][..v.len()].copy_from_slice(v));
+                        if is_x86_feature_detected!("avxvnni") {
+                            // with AVX-VNNI: the same values
+                            let vnni = std::cell::RefCell::new(vec![f32::NAN; n * rows]);
+                            q4_0_rows_all_tokens(|r| w.row(r), cols, 1..rows, &x.q8, n, true, |t, r, v| vnni.borrow_mut()[t * rows + r..][..v.len()].copy_from_slice(v));
+                            let same = vnni.borrow().iter().zip(cell.borrow().iter()).all(|(a, b)| a.to_bits() == b.to_bits());
+                            assert!(same, "Q4_0 cols {cols}: AVX-VNNI groups differ from AVX2 ones");
+                        }
                     } else {
                         rows_all_tokens(dtype, |r| w.row(r), cols, 1..rows, &x.q8, n, |t, r, v| cell.borrow_mut()[t * rows + r] = v);
                     }

@@ -776,11 +776,81 @@ unsafe fn group_dot_avx2<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<8>], 
     acc
 }
 
+/// A group of 8 unpacked rows against T tokens with AVX-VNNI (the VEX `vpdpbusd` of AVX2-only
+/// CPUs that have it): `group_dot`'s runs of `vpdpbusd` at 256 bits, the signs of a signed
+/// format moved onto the activations as `group_dot_avx2` does; the same exact sums.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn group_dot_vnni<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<8>], a: [&[BlockQ8K]; T]) -> [__m256; T] {
+    let mut acc = [_mm256_setzero_ps(); T];
+    let word = |p: *const i8| (p as *const i32).read_unaligned();
+    // (as in `group_dot`)
+    let scale_steps = B::SCALE_WEIGHTS / 4;
+    let by_16_bits = B::STEPS_IN_16_BITS >= scale_steps || (B::STEPS_IN_16_BITS > 0 && scale_steps == 4);
+    let run = if by_16_bits { B::STEPS_IN_16_BITS } else { scale_steps };
+    for (b, x) in g.iter().enumerate() {
+        let at: [&BlockQ8K; T] = std::array::from_fn(|t| a[t].get_unchecked(b));
+        let mut sums = [_mm256_setzero_si256(); T];
+        for h in (0..16).step_by(scale_steps / 4) {
+            let scales = load32(x.scales[h].as_ptr() as *const u8);
+            for k0 in (4 * h..4 * h + scale_steps).step_by(run) {
+                let mut part = [_mm256_setzero_si256(); T];
+                for k in k0..k0 + run {
+                    let u = load32(x.u[k].as_ptr() as *const u8);
+                    let v = if B::SIGNED { load32(x.v[k].as_ptr() as *const u8) } else { u };
+                    for t in 0..T {
+                        let mut act = _mm256_set1_epi32(word(at[t].qs.as_ptr().add(4 * k)));
+                        if B::SIGNED {
+                            act = _mm256_sign_epi8(act, v);
+                        }
+                        part[t] = _mm256_dpbusd_avx_epi32(part[t], u, act);
+                    }
+                }
+                if by_16_bits {
+                    let scale = _mm256_and_si256(scales, _mm256_set1_epi32(0xFFFF));
+                    for t in 0..T {
+                        sums[t] = _mm256_dpwssd_avx_epi32(sums[t], part[t], scale);
+                    }
+                } else {
+                    let scale = _mm256_srai_epi32::<16>(scales);
+                    for t in 0..T {
+                        sums[t] = _mm256_add_epi32(sums[t], _mm256_mullo_epi32(part[t], scale));
+                    }
+                }
+            }
+        }
+        let mut mins = [_mm256_setzero_si256(); T];
+        if B::MIN || B::OFFSET_SHIFT > 0 {
+            for t in 0..T {
+                let mut e = _mm256_setzero_si256();
+                for j in 0..8 {
+                    let pair = _mm256_set1_epi32(word(at[t].bsums.as_ptr().add(2 * j) as *const i8));
+                    e = _mm256_dpwssd_avx_epi32(e, load32(x.extra[j].as_ptr() as *const u8), pair);
+                }
+                if B::MIN {
+                    mins[t] = e;
+                } else {
+                    sums[t] = _mm256_sub_epi32(sums[t], _mm256_sll_epi32(e, _mm_cvtsi32_si128(B::OFFSET_SHIFT)));
+                }
+            }
+        }
+        let (d, dmin) = (_mm256_load_ps(x.d.as_ptr()), _mm256_load_ps(x.dmin.as_ptr()));
+        for t in 0..T {
+            let d_a = _mm256_set1_ps(at[t].d);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(d, d_a), acc[t]);
+            if B::MIN {
+                acc[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins[t]), _mm256_mul_ps(dmin, d_a), acc[t]);
+            }
+        }
+    }
+    acc
+}
+
 /// A group's dots with T tokens, row r's in lane r of each token's array: `group_dot` for
 /// 16-row groups (AVX-512), `group_dot_avx2` for 8-row ones.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn group_dots<B: SuperBlock, const G: usize, const T: usize>(g: &[RowGroupBlock<G>], a: [&[BlockQ8K]; T]) -> [[f32; G]; T] {
+unsafe fn group_dots<B: SuperBlock, const G: usize, const T: usize>(g: &[RowGroupBlock<G>], a: [&[BlockQ8K]; T], vnni: bool) -> [[f32; G]; T] {
     let mut out = [[0.0f32; G]; T];
     if G == 16 {
         // SAFETY (the casts): G is 16, the same types
@@ -789,7 +859,8 @@ unsafe fn group_dots<B: SuperBlock, const G: usize, const T: usize>(g: &[RowGrou
     } else {
         assert_eq!(G, 8);
         // SAFETY (the cast): G is 8, the same type
-        let v = group_dot_avx2::<B, T>(&*(g as *const [RowGroupBlock<G>] as *const [RowGroupBlock<8>]), a);
+        let g8 = &*(g as *const [RowGroupBlock<G>] as *const [RowGroupBlock<8>]);
+        let v = if vnni { group_dot_vnni::<B, T>(g8, a) } else { group_dot_avx2::<B, T>(g8, a) };
         (0..T).for_each(|t| _mm256_storeu_ps(out[t].as_mut_ptr(), v[t]));
     }
     out
@@ -799,7 +870,8 @@ unsafe fn group_dots<B: SuperBlock, const G: usize, const T: usize>(g: &[RowGrou
 /// each group decoded once for all tokens, four tokens per step.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_tokens_grouped<'a, B: SuperBlock, const G: usize>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8k: &[BlockQ8K], n: usize, put: impl Fn(usize, usize, &[f32])) {
+#[allow(clippy::too_many_arguments)]
+unsafe fn rows_tokens_grouped<'a, B: SuperBlock, const G: usize>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8k: &[BlockQ8K], n: usize, vnni: bool, put: impl Fn(usize, usize, &[f32])) {
     let nb = cols / super::QK_K;
     assert_eq!(q8k.len(), n * nb, "activations: wrong size for {n} tokens of {cols}");
     let token = |t: usize| &q8k[t * nb..(t + 1) * nb];
@@ -816,37 +888,47 @@ unsafe fn rows_tokens_grouped<'a, B: SuperBlock, const G: usize>(row: impl Fn(us
         while G == 16 && t + 8 <= n {
             prefetch.step();
             prefetch.step();
-            let dots = group_dots::<B, G, 8>(&group, std::array::from_fn(|k| token(t + k)));
+            let dots = group_dots::<B, G, 8>(&group, std::array::from_fn(|k| token(t + k)), vnni);
             dots.iter().enumerate().for_each(|(k, lanes)| emit(t + k, lanes));
             t += 8;
         }
         while t + 4 <= n {
             prefetch.step();
-            let dots = group_dots::<B, G, 4>(&group, [token(t), token(t + 1), token(t + 2), token(t + 3)]);
+            let dots = group_dots::<B, G, 4>(&group, [token(t), token(t + 1), token(t + 2), token(t + 3)], vnni);
             dots.iter().enumerate().for_each(|(k, lanes)| emit(t + k, lanes));
             t += 4;
         }
         for t in t..n {
             prefetch.step();
-            emit(t, &group_dots::<B, G, 1>(&group, [token(t)])[0]);
+            emit(t, &group_dots::<B, G, 1>(&group, [token(t)], vnni)[0]);
         }
         r0 = r1;
     }
 }
 
+/// How a prompt's row groups are dotted: 16 rows with AVX-512 VNNI, 8 with AVX-VNNI's 256-bit
+/// `vpdpbusd`, or 8 with AVX2's `vpmaddubsw` (all three the same exact sums).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GroupWidth {
+    Avx2,
+    AvxVnni,
+    Avx512,
+}
+
 /// A prompt's product with rows of a `superblock::SUPERBLOCK` type: `rows` of a weight matrix
 /// (`row(r)` its bytes, `cols` wide) against `n` tokens (`q8k`: n * cols / 256), put(t, r,
-/// values of rows r, r + 1, ..); `wide`: in 16-row groups with AVX-512 (only where the CPU has AVX-512 F/BW/VL/VNNI),
-/// else in 8-row groups with AVX2.
+/// values of rows r, r + 1, ..); `width`: 16-row groups with AVX-512 (only where the CPU has
+/// AVX-512 F/BW/VL/VNNI), else 8-row groups with AVX2, and AVX-VNNI where `width` says so (only
+/// where the CPU has it).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn rows_all_tokens<'a>(dtype: DType, wide: bool, row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8k: &[BlockQ8K], n: usize, put: impl Fn(usize, usize, &[f32])) {
+pub unsafe fn rows_all_tokens<'a>(dtype: DType, width: GroupWidth, row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8k: &[BlockQ8K], n: usize, put: impl Fn(usize, usize, &[f32])) {
     macro_rules! by_width {
         ($block:ty) => {
-            if wide {
-                rows_tokens_grouped::<$block, 16>(row, cols, rows, q8k, n, put)
-            } else {
-                rows_tokens_grouped::<$block, 8>(row, cols, rows, q8k, n, put)
+            match width {
+                GroupWidth::Avx512 => rows_tokens_grouped::<$block, 16>(row, cols, rows, q8k, n, false, put),
+                GroupWidth::AvxVnni => rows_tokens_grouped::<$block, 8>(row, cols, rows, q8k, n, true, put),
+                GroupWidth::Avx2 => rows_tokens_grouped::<$block, 8>(row, cols, rows, q8k, n, false, put),
             }
         };
     }
@@ -898,6 +980,44 @@ mod tests {
                         let two = dot(dtype, wide, [rows4[r]], [a4[1], a4[3]], &[])[0];
                         assert_eq!([two[0].to_bits(), two[1].to_bits()], [all[r][1].to_bits(), all[r][3].to_bits()], "{dtype:?} wide {wide} two tokens");
                     }
+                }
+            }
+        }
+    }
+
+    /// A prompt's row groups give every row and token bit for bit the one-token dot, at every
+    /// width this CPU has (AVX2, AVX-VNNI, AVX-512), for whole and partial groups and passes of
+    /// 8, 4 and 1 tokens.
+    #[test]
+    fn row_groups_equal_one_token_dots_at_every_width() {
+        if !crate::matmul::detect().has_avx2() {
+            eprintln!("skipping: no AVX2 on this CPU");
+            return;
+        }
+        let mut widths = vec![GroupWidth::Avx2];
+        if is_x86_feature_detected!("avxvnni") {
+            widths.push(GroupWidth::AvxVnni);
+        }
+        if crate::matmul::detect() == crate::matmul::SimdLevel::Avx512 {
+            widths.push(GroupWidth::Avx512);
+        }
+        let (cols, rows, n) = (512, 19, 13);
+        let acts: Vec<BlockQ8K> = (0..n).flat_map(|t| q8k(&random_vec(cols, 300 + t as u64))).collect();
+        let token = |t: usize| &acts[t * 2..(t + 1) * 2];
+        for (s, dtype) in SUPERBLOCK.into_iter().enumerate() {
+            let data: Vec<Vec<u8>> = (0..rows).map(|r| random_row(dtype, cols, 400 + 30 * s as u64 + r as u64)).collect();
+            for &width in &widths {
+                let got = std::cell::RefCell::new(vec![f32::NAN; n * rows]);
+                // SAFETY: each width only where the CPU has it (above)
+                unsafe { rows_all_tokens(dtype, width, |r| &data[r][..], cols, 1..rows, &acts, n, |t, r, v| got.borrow_mut()[t * rows + r..][..v.len()].copy_from_slice(v)) };
+                let got = got.into_inner();
+                for t in 0..n {
+                    for r in 1..rows {
+                        // SAFETY: AVX2 checked above, AVX-512 where the width is
+                        let alone = unsafe { dot(dtype, width == GroupWidth::Avx512, [&data[r][..]], [token(t)], &[])[0][0] };
+                        assert_eq!(got[t * rows + r].to_bits(), alone.to_bits(), "{dtype:?} {width:?} row {r} token {t}");
+                    }
+                    assert!(got[t * rows].is_nan(), "{dtype:?} {width:?}: row 0 was not asked for");
                 }
             }
         }
