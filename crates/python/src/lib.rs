@@ -677,9 +677,16 @@ fn read_gpu_index<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, Py
     Ok(d)
 }
 
+/// The SIMD level the kernels run at: "scalar", "avx2", "avxvnni" (AVX2 with AVX-VNNI) or
+/// "avx512".
 #[pyfunction]
 fn simd_level() -> &'static str {
-    powerinfer_core::matmul::simd_level().name()
+    let level = powerinfer_core::matmul::simd_level();
+    if powerinfer_core::matmul::avx_vnni(level) {
+        "avxvnni"
+    } else {
+        level.name()
+    }
 }
 
 /// Why the GPU executor cannot run `model` in sparsity `mode` ("dense", "predictor",
