@@ -436,8 +436,22 @@ pub fn matmul_many(mats: &[QMatrix], x: &Activations, outs: &mut [&mut [f32]]) {
         let rows = w.rows;
         // SAFETY: this task alone writes rows r0..r1 of matrix i, for every token; the
         // buffer length n * rows was asserted above.
-        rows_for_all_tokens(w, r0..r1, x, level, |t, r, v| unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), out.at(t * rows + r), v.len()) });
+        rows_for_all_tokens(w, r0..r1, x, level, |t, r, v| unsafe { copy_values(v, out.at(t * rows + r)) });
     });
+}
+
+/// Copies `v` to `dst`: a whole row group's values (16 or 8) as one fixed-size move, which
+/// compiles to vector stores rather than a `memcpy` call.
+///
+/// # Safety
+/// `dst` must be valid for `v.len()` writes.
+#[inline(always)]
+unsafe fn copy_values(v: &[f32], dst: *mut f32) {
+    match v.len() {
+        16 => (dst as *mut [f32; 16]).write_unaligned(*(v.as_ptr() as *const [f32; 16])),
+        8 => (dst as *mut [f32; 8]).write_unaligned(*(v.as_ptr() as *const [f32; 8])),
+        len => std::ptr::copy_nonoverlapping(v.as_ptr(), dst, len),
+    }
 }
 
 /// Most matrices one `matmul_many` call takes (q, k, v and a few more).

@@ -888,7 +888,7 @@ unsafe fn rows_tokens_grouped<'a, B: SuperBlock, const G: usize>(row: impl Fn(us
         while G == 16 && t + 8 <= n {
             prefetch.step();
             prefetch.step();
-            let dots = group_dots::<B, G, 8>(&group, std::array::from_fn(|k| token(t + k)), vnni);
+            let dots = group_dots::<B, G, 8>(&group, [token(t), token(t + 1), token(t + 2), token(t + 3), token(t + 4), token(t + 5), token(t + 6), token(t + 7)], vnni);
             dots.iter().enumerate().for_each(|(k, lanes)| emit(t + k, lanes));
             t += 8;
         }
