@@ -33,13 +33,6 @@ pub(crate) unsafe fn splat_f16(bits: u16) -> __m256 {
     _mm256_cvtph_ps(_mm_set1_epi16(bits as i16))
 }
 
-/// Lane 0 of a vector whose lanes all hold the same sum.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn lane0(v: __m256) -> f32 {
-    _mm256_cvtss_f32(v)
-}
-
 /// Prefetches every line of `next` (the bytes a caller reads after this kernel), spread evenly
 /// over a kernel's `steps` (see `matmul::dot_row` for why): after step i, the first
 /// (i + 1) * lines / steps lines.
@@ -121,15 +114,6 @@ pub(crate) unsafe fn unpack_nibbles(qs: &[u8; 16]) -> __m256i {
     _mm256_set_m128i(hi, lo)
 }
 
-/// Integer dot of 32 unsigned weight bytes (< 128) with 32 signed activation bytes, as 8 f32 lanes.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_u8_i8(w: __m256i, a: &[i8; 32]) -> __m256 {
-    let av = _mm256_loadu_si256(a.as_ptr() as *const __m256i);
-    let p16 = _mm256_maddubs_epi16(w, av);
-    _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)))
-}
-
 /// Twin of `quant::dot_q4_0_scalar`, for R rows of as many blocks (decode groups rows so that
 /// they share the activations' loads). The weights q - 8 go in signed, as Q8_0's do: |q - 8|
 /// times the activations with q - 8's sign, so the offset stays in the integer sum. A block's
@@ -204,30 +188,66 @@ unsafe fn hsum_i16(p: __m256i) -> i32 {
     _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32::<0b01>(x)))
 }
 
-/// Twin of `quant::dot_q4_1_scalar`, for R rows of as many blocks.
+/// Twin of `quant::dot_q4_1_scalar`, for R rows of as many blocks, with `dot_q4_0`'s steps:
+/// a block's products sum exactly in integers, then per block, row and token
+/// acc = fma(sum, d * d_a, acc) and min = fma(m, s_a, min) (s_a: the activations' scaled sum),
+/// the result acc + min; the prompts' row groups take the same steps in each lane.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q4_1<const R: usize, const N: usize>(w: [&[BlockQ4_1]; R], a: [&[BlockQ8Act]; N], next: &[u8]) -> [[f32; N]; R] {
     let mut prefetch = Prefetch::new(next, w[0].len());
-    let mut acc = [[_mm256_setzero_ps(); N]; R];
-    let mut mins = [[_mm256_setzero_ps(); N]; R]; // every lane: sum of m * s
+    let (mut acc, mut mins) = ([[0.0f32; N]; R], [[0.0f32; N]; R]);
+    // four rows: their steps side by side in the lanes of one vector per token
+    let (mut acc4, mut mins4) = ([_mm_setzero_ps(); N], [_mm_setzero_ps(); N]);
     for i in 0..w[0].len() {
         prefetch.step();
+        let mut q = [_mm256_setzero_si256(); R];
         for r in 0..R {
-            let b = w[r].get_unchecked(i);
-            let d = splat_f16(b.d);
-            let m = splat_f16(b.m);
-            let wq = unpack_nibbles(&b.qs);
-            for j in 0..N {
-                let ab = a[j].get_unchecked(i);
-                acc[r][j] = _mm256_fmadd_ps(dot_u8_i8(wq, &ab.qs), _mm256_mul_ps(d, _mm256_set1_ps(ab.d)), acc[r][j]);
-                mins[r][j] = _mm256_fmadd_ps(m, _mm256_set1_ps(ab.s), mins[r][j]);
+            q[r] = unpack_nibbles(&w[r].get_unchecked(i).qs);
+        }
+        // (written out: a closure would not be compiled for these features)
+        let (mut d4, mut m4) = (_mm_setzero_ps(), _mm_setzero_ps());
+        if R == 4 {
+            let b = [w[0].get_unchecked(i), w[1].get_unchecked(i), w[2].get_unchecked(i), w[3].get_unchecked(i)];
+            d4 = _mm_cvtph_ps(_mm_setr_epi16(b[0].d as i16, b[1].d as i16, b[2].d as i16, b[3].d as i16, 0, 0, 0, 0));
+            m4 = _mm_cvtph_ps(_mm_setr_epi16(b[0].m as i16, b[1].m as i16, b[2].m as i16, b[3].m as i16, 0, 0, 0, 0));
+        }
+        for j in 0..N {
+            let ab = a[j].get_unchecked(i);
+            let x = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
+            // pair sums of q * a <= 2 * 15 * 127: a row's 16 of them sum in 16 bits by fours
+            let mut p = [_mm256_setzero_si256(); R];
+            for r in 0..R {
+                p[r] = _mm256_maddubs_epi16(q[r], x);
+            }
+            if R == 4 {
+                let sums = row_sums4_i16([p[0], p[1], p[2], p[3]]);
+                acc4[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums), _mm_mul_ps(d4, _mm_set1_ps(ab.d)), acc4[j]);
+                mins4[j] = _mm_fmadd_ps(m4, _mm_set1_ps(ab.s), mins4[j]);
+            } else {
+                for r in 0..R {
+                    let b = w[r].get_unchecked(i);
+                    let sum = _mm_cvtsi32_ss(_mm_setzero_ps(), hsum_i16(p[r]));
+                    let dd = _mm_set_ss(f16_to_f32(b.d) * ab.d);
+                    acc[r][j] = _mm_cvtss_f32(_mm_fmadd_ss(sum, dd, _mm_set_ss(acc[r][j])));
+                    mins[r][j] = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(f16_to_f32(b.m)), _mm_set_ss(ab.s), _mm_set_ss(mins[r][j])));
+                }
+            }
+        }
+    }
+    if R == 4 {
+        for j in 0..N {
+            let (mut lanes, mut m) = ([0.0f32; 4], [0.0f32; 4]);
+            _mm_storeu_ps(lanes.as_mut_ptr(), acc4[j]);
+            _mm_storeu_ps(m.as_mut_ptr(), mins4[j]);
+            for r in 0..R {
+                (acc[r][j], mins[r][j]) = (lanes[r], m[r]);
             }
         }
     }
     let mut out = [[0.0f32; N]; R];
     for r in 0..R {
         for j in 0..N {
-            out[r][j] = hsum(acc[r][j]) + lane0(mins[r][j]);
+            out[r][j] = acc[r][j] + mins[r][j];
         }
     }
     out

@@ -484,10 +484,10 @@ fn rows_for_all_tokens(w: &QMatrix, rows: std::ops::Range<usize>, x: &Activation
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if level == SimdLevel::Avx2 && w.dtype == DType::Q4_0 && n >= PANEL_MIN_TOKENS {
+    if level == SimdLevel::Avx2 && panel_avx2::groups_rows(w.dtype) && n >= PANEL_MIN_TOKENS {
         // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c, `avx_vnni` when it
         // has AVX-VNNI; `q8` holds n tokens.
-        unsafe { panel_avx2::q4_0_rows_all_tokens(|r| w.row(r), w.cols, rows, &x.q8, n, avx_vnni(level), put) };
+        unsafe { panel_avx2::legacy_rows_all_tokens(w.dtype, |r| w.row(r), w.cols, rows, &x.q8, n, avx_vnni(level), put) };
         return;
     }
     #[cfg(target_arch = "x86_64")]
@@ -560,7 +560,7 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
                     continue;
                 }
                 #[cfg(target_arch = "x86_64")]
-                if level == SimdLevel::Avx2 && w.dtype.is_quantized() && !reads_q8k(w.dtype) && w.dtype != DType::Q4_0 && n >= PANEL_MIN_TOKENS {
+                if level == SimdLevel::Avx2 && w.dtype.is_quantized() && !reads_q8k(w.dtype) && !panel_avx2::groups_rows(w.dtype) && n >= PANEL_MIN_TOKENS {
                     // SAFETY: as in `rows_for_all_tokens`.
                     unsafe { panel_avx2::row_tokens(w.dtype, w.row(j), w.cols, &x.q8, tokens, _chunks, |t, v| put(t, k, v)) };
                     continue;

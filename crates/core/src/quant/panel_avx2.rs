@@ -68,20 +68,15 @@ unsafe fn store(out: &mut WeightChunk, v: __m256i, signed: bool, scale: __m256, 
     _mm256_store_ps(out.min_halves.as_mut_ptr(), min_halves);
 }
 
-/// Decodes a row of `cols` weights of `dtype` (any quantized type but Q4_0, whose prompts go
-/// in row groups, `q4_0_rows_all_tokens`) into `out[..cols / 32]`, as the format's one-token
-/// kernel decodes it.
+/// Decodes a row of `cols` weights of `dtype` (any quantized type but Q4_0 and Q4_1, whose
+/// prompts go in row groups, `legacy_rows_all_tokens`) into `out[..cols / 32]`, as the
+/// format's one-token kernel decodes it.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn unpack_row(dtype: DType, row: &[u8], cols: usize, out: &mut [WeightChunk]) {
     let nb = cols / QK;
     let out = &mut out[..nb];
     let zero = _mm256_setzero_ps();
     match dtype {
-        DType::Q4_1 => {
-            for (o, b) in out.iter_mut().zip(cast_blocks::<BlockQ4_1>(row)) {
-                store(o, unpack_nibbles(&b.qs), false, splat_f16(b.d), splat_f16(b.m), zero);
-            }
-        }
         DType::Q8_0 => {
             for (o, b) in out.iter_mut().zip(cast_blocks::<BlockQ8_0>(row)) {
                 store(o, _mm256_loadu_si256(b.qs.as_ptr() as *const __m256i), true, splat_f16(b.d), zero, zero);
@@ -127,114 +122,98 @@ unsafe fn block<const SIGNED: bool, const MIN: bool, const HALVES: bool, const T
     out
 }
 
-/// `block` for two rows of a format without minima: each token's activation block is loaded
-/// once for both rows, which halves what a prompt reads from L2 per row (its activations are
-/// larger than L1), with every row's and token's arithmetic `block`'s.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn block_pair<const SIGNED: bool, const T: usize>(w: [&[WeightChunk]; 2], a: [&[BlockQ8Act]; T]) -> [[f32; T]; 2] {
-    let mut acc = [[_mm256_setzero_ps(); T]; 2];
-    let ones = _mm256_set1_epi16(1);
-    for j in 0..w[0].len() {
-        let c = [w[0].get_unchecked(j), w[1].get_unchecked(j)];
-        let u = [_mm256_load_si256(c[0].u.as_ptr() as *const __m256i), _mm256_load_si256(c[1].u.as_ptr() as *const __m256i)];
-        let v = [_mm256_load_si256(c[0].v.as_ptr() as *const __m256i), _mm256_load_si256(c[1].v.as_ptr() as *const __m256i)];
-        for t in 0..T {
-            let x = a[t].get_unchecked(j);
-            let q = _mm256_loadu_si256(x.qs.as_ptr() as *const __m256i);
-            let d = _mm256_set1_ps(x.d);
-            for r in 0..2 {
-                // `chunked_avx2::token_step`, without minima
-                let s = if SIGNED { _mm256_sign_epi8(q, v[r]) } else { q };
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(u[r], s), ones);
-                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(_mm256_load_ps(c[r].scale.as_ptr()), d), acc[r][t]);
-            }
-        }
-    }
-    let mut out = [[0.0f32; T]; 2];
-    for r in 0..2 {
-        for t in 0..T {
-            out[r][t] = hsum(acc[r][t]);
-        }
-    }
-    out
-}
-
-/// Eight rows' Q4_0 block for a prompt, rows across the lanes (as
+/// Eight rows' Q4_0 or Q4_1 block for a prompt, rows across the lanes (as
 /// `superblock_avx2::RowGroupBlock`): step k holds weights 4k..4k + 4 of each row, row r's
 /// four bytes in 32-bit lane r, so one `vpmaddubsw` with a token's four activations broadcast
 /// serves eight rows, and a block's float step is one vector for all of them.
 #[repr(C, align(32))]
 #[derive(Clone, Copy, Default)]
-struct Q4_0Group {
-    /// |q - 8|
+struct LegacyGroup {
+    /// |q - 8| (Q4_0) or q (Q4_1)
     u: [[u32; 8]; 8],
-    /// q - 8
+    /// q - 8 (Q4_0)
     v: [[u32; 8]; 8],
     d: [f32; 8],
+    /// Q4_1's minima
+    m: [f32; 8],
 }
 
-/// Decodes up to eight rows of Q4_0 into `out`, a `Q4_0Group` per block; lanes past them are
-/// zero (no weights, no scales).
+/// Decodes up to eight rows of Q4_0 (or Q4_1, `MIN`) into `out`, a `LegacyGroup` per block;
+/// lanes past them are zero (no weights, no scales).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn unpack_q4_0_group(rows: &[&[BlockQ4_0]], out: &mut [Q4_0Group]) {
+unsafe fn unpack_legacy_group<const MIN: bool>(rows: &[&[u8]], out: &mut [LegacyGroup]) {
     if rows.len() < 8 {
-        out.fill(Q4_0Group::default());
+        out.fill(LegacyGroup::default());
     }
     let eight = _mm256_set1_epi8(8);
     let (mut staged_u, mut staged_v) = ([[0u32; 8]; 8], [[0u32; 8]; 8]);
     for (b, o) in out.iter_mut().enumerate() {
         for (r, row) in rows.iter().enumerate() {
-            let blk = row.get_unchecked(b);
-            let v = _mm256_sub_epi8(unpack_nibbles(&blk.qs), eight);
-            _mm256_storeu_si256(staged_v[r].as_mut_ptr() as *mut __m256i, v);
-            _mm256_storeu_si256(staged_u[r].as_mut_ptr() as *mut __m256i, _mm256_sign_epi8(v, v));
-            o.d[r] = f16_to_f32(blk.d);
+            if MIN {
+                let blk = cast_blocks::<BlockQ4_1>(row).get_unchecked(b);
+                _mm256_storeu_si256(staged_u[r].as_mut_ptr() as *mut __m256i, unpack_nibbles(&blk.qs));
+                (o.d[r], o.m[r]) = (f16_to_f32(blk.d), f16_to_f32(blk.m));
+            } else {
+                let blk = cast_blocks::<BlockQ4_0>(row).get_unchecked(b);
+                let v = _mm256_sub_epi8(unpack_nibbles(&blk.qs), eight);
+                _mm256_storeu_si256(staged_v[r].as_mut_ptr() as *mut __m256i, v);
+                _mm256_storeu_si256(staged_u[r].as_mut_ptr() as *mut __m256i, _mm256_sign_epi8(v, v));
+                o.d[r] = f16_to_f32(blk.d);
+            }
         }
         transpose_chunk::<8>(&staged_u, &mut o.u);
-        transpose_chunk::<8>(&staged_v, &mut o.v);
+        if !MIN {
+            transpose_chunk::<8>(&staged_v, &mut o.v);
+        }
     }
 }
 
-/// A group of eight Q4_0 rows against T tokens: lane r is row r's dot, bit for bit
-/// `avx2::dot_q4_0`'s (the same exact integer sum per block, the same float step per lane).
+/// A group of eight Q4_0 (or Q4_1, `MIN`) rows against T tokens: lane r is row r's dot, bit
+/// for bit `avx2::dot_q4_0`'s (`dot_q4_1`'s): the same exact integer sum per block, the same
+/// float steps per lane.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_0_group_dot<const T: usize>(g: &[Q4_0Group], a: [&[BlockQ8Act]; T]) -> [[f32; 8]; T] {
-    let mut acc = [_mm256_setzero_ps(); T];
+unsafe fn legacy_group_dot<const MIN: bool, const T: usize>(g: &[LegacyGroup], a: [&[BlockQ8Act]; T]) -> [[f32; 8]; T] {
+    let (mut acc, mut mins) = ([_mm256_setzero_ps(); T], [_mm256_setzero_ps(); T]);
     let ones = _mm256_set1_epi16(1);
     let word = |p: *const i8| (p as *const i32).read_unaligned();
     for (b, x) in g.iter().enumerate() {
-        // pair sums of |q - 8| * a <= 2 * 8 * 128: a block's eight steps sum in 16 bits
+        // pair sums of |q - 8| * a <= 2 * 8 * 127 (q * a <= 2 * 15 * 127): a block's eight
+        // steps sum in 16 bits
         let mut sums = [_mm256_setzero_si256(); T];
         for k in 0..8 {
             let u = _mm256_load_si256(x.u[k].as_ptr() as *const __m256i);
             let v = _mm256_load_si256(x.v[k].as_ptr() as *const __m256i);
             for t in 0..T {
                 let act = _mm256_set1_epi32(word(a[t].get_unchecked(b).qs.as_ptr().add(4 * k)));
-                sums[t] = _mm256_add_epi16(sums[t], _mm256_maddubs_epi16(u, _mm256_sign_epi8(act, v)));
+                let act = if MIN { act } else { _mm256_sign_epi8(act, v) };
+                sums[t] = _mm256_add_epi16(sums[t], _mm256_maddubs_epi16(u, act));
             }
         }
         let d = _mm256_load_ps(x.d.as_ptr());
         for t in 0..T {
+            let ab = a[t].get_unchecked(b);
             let total = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[t], ones));
-            acc[t] = _mm256_fmadd_ps(total, _mm256_mul_ps(d, _mm256_set1_ps(a[t].get_unchecked(b).d)), acc[t]);
+            acc[t] = _mm256_fmadd_ps(total, _mm256_mul_ps(d, _mm256_set1_ps(ab.d)), acc[t]);
+            if MIN {
+                mins[t] = _mm256_fmadd_ps(_mm256_load_ps(x.m.as_ptr()), _mm256_set1_ps(ab.s), mins[t]);
+            }
         }
     }
     let mut out = [[0.0f32; 8]; T];
     for t in 0..T {
-        _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+        _mm256_storeu_ps(out[t].as_mut_ptr(), if MIN { _mm256_add_ps(acc[t], mins[t]) } else { acc[t] });
     }
     out
 }
 
-/// `q4_0_group_dot` with AVX-VNNI: `vpdpbusd` sums each step into 32 bits; the same exact
+/// `legacy_group_dot` with AVX-VNNI: `vpdpbusd` sums each step into 32 bits; the same exact
 /// sums, the same float steps.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-unsafe fn q4_0_group_dot_vnni<const T: usize>(g: &[Q4_0Group], a: [&[BlockQ8Act]; T]) -> [[f32; 8]; T] {
-    let mut acc = [_mm256_setzero_ps(); T];
+unsafe fn legacy_group_dot_vnni<const MIN: bool, const T: usize>(g: &[LegacyGroup], a: [&[BlockQ8Act]; T]) -> [[f32; 8]; T] {
+    let (mut acc, mut mins) = ([_mm256_setzero_ps(); T], [_mm256_setzero_ps(); T]);
     let word = |p: *const i8| (p as *const i32).read_unaligned();
     for (b, x) in g.iter().enumerate() {
         let mut sums = [_mm256_setzero_si256(); T];
@@ -243,46 +222,68 @@ unsafe fn q4_0_group_dot_vnni<const T: usize>(g: &[Q4_0Group], a: [&[BlockQ8Act]
             let v = _mm256_load_si256(x.v[k].as_ptr() as *const __m256i);
             for t in 0..T {
                 let act = _mm256_set1_epi32(word(a[t].get_unchecked(b).qs.as_ptr().add(4 * k)));
-                sums[t] = _mm256_dpbusd_avx_epi32(sums[t], u, _mm256_sign_epi8(act, v));
+                let act = if MIN { act } else { _mm256_sign_epi8(act, v) };
+                sums[t] = _mm256_dpbusd_avx_epi32(sums[t], u, act);
             }
         }
         let d = _mm256_load_ps(x.d.as_ptr());
         for t in 0..T {
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(d, _mm256_set1_ps(a[t].get_unchecked(b).d)), acc[t]);
+            let ab = a[t].get_unchecked(b);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(d, _mm256_set1_ps(ab.d)), acc[t]);
+            if MIN {
+                mins[t] = _mm256_fmadd_ps(_mm256_load_ps(x.m.as_ptr()), _mm256_set1_ps(ab.s), mins[t]);
+            }
         }
     }
     let mut out = [[0.0f32; 8]; T];
     for t in 0..T {
-        _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+        _mm256_storeu_ps(out[t].as_mut_ptr(), if MIN { _mm256_add_ps(acc[t], mins[t]) } else { acc[t] });
     }
     out
 }
 
-/// A prompt's product with Q4_0 rows in groups of eight (`Q4_0Group`), each group decoded once
-/// for all tokens, four tokens per step: `rows` of a weight matrix (`row(r)` its bytes, `cols`
-/// wide) against `n` tokens' activation blocks (`q8`: n * cols / 32), put(t, r, values of
-/// rows r, r + 1, ..); `vnni`: with AVX-VNNI (only where the CPU has it).
+/// Whether a type's AVX2 prompts go in row groups (`legacy_rows_all_tokens`) rather than
+/// panels.
+pub fn groups_rows(dtype: DType) -> bool {
+    matches!(dtype, DType::Q4_0 | DType::Q4_1)
+}
+
+/// A prompt's product with Q4_0 or Q4_1 rows in groups of eight (`LegacyGroup`), each group
+/// decoded once for all tokens, four tokens per step: `rows` of a weight matrix (`row(r)` its
+/// bytes, `cols` wide) against `n` tokens' activation blocks (`q8`: n * cols / 32), put(t, r,
+/// values of rows r, r + 1, ..); `vnni`: with AVX-VNNI (only where the CPU has it).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn q4_0_rows_all_tokens<'a>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8: &[BlockQ8Act], n: usize, vnni: bool, put: impl Fn(usize, usize, &[f32])) {
+pub unsafe fn legacy_rows_all_tokens<'a>(dtype: DType, row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8: &[BlockQ8Act], n: usize, vnni: bool, put: impl Fn(usize, usize, &[f32])) {
+    match dtype {
+        DType::Q4_0 => legacy_rows::<false>(row, cols, rows, q8, n, vnni, put),
+        DType::Q4_1 => legacy_rows::<true>(row, cols, rows, q8, n, vnni, put),
+        _ => unreachable!("{} has no row groups", dtype.name()),
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn legacy_rows<'a, const MIN: bool>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8: &[BlockQ8Act], n: usize, vnni: bool, put: impl Fn(usize, usize, &[f32])) {
     let nb = cols / QK;
     assert_eq!(q8.len(), n * nb, "activations: wrong size for {n} tokens of {cols}");
     let token = |t: usize| &q8[t * nb..(t + 1) * nb];
-    let mut group = vec![Q4_0Group::default(); nb];
+    let mut group = vec![LegacyGroup::default(); nb];
     let mut r0 = rows.start;
     while r0 < rows.end {
         let r1 = (r0 + 8).min(rows.end);
-        let mut blocks: [&[BlockQ4_0]; 8] = [&[]; 8];
+        let mut bytes: [&[u8]; 8] = [&[]; 8];
         for r in r0..r1 {
-            blocks[r - r0] = cast_blocks::<BlockQ4_0>(row(r));
+            bytes[r - r0] = row(r);
         }
-        unpack_q4_0_group(&blocks[..r1 - r0], &mut group);
+        unpack_legacy_group::<MIN>(&bytes[..r1 - r0], &mut group);
         let mut prefetch = PrefetchRows::<8>::new((r1..(r1 + 8).min(rows.end)).map(&row), n / 4 + n % 4);
         let mut t = 0;
         while t + 4 <= n {
             prefetch.step();
             let four = [token(t), token(t + 1), token(t + 2), token(t + 3)];
-            let dots = if vnni { q4_0_group_dot_vnni::<4>(&group, four) } else { q4_0_group_dot::<4>(&group, four) };
+            let dots = if vnni { legacy_group_dot_vnni::<MIN, 4>(&group, four) } else { legacy_group_dot::<MIN, 4>(&group, four) };
             for (k, lanes) in dots.iter().enumerate() {
                 put(t + k, r0, &lanes[..r1 - r0]);
             }
@@ -290,7 +291,7 @@ pub unsafe fn q4_0_rows_all_tokens<'a>(row: impl Fn(usize) -> &'a [u8], cols: us
         }
         for t in t..n {
             prefetch.step();
-            let one = if vnni { q4_0_group_dot_vnni::<1>(&group, [token(t)]) } else { q4_0_group_dot::<1>(&group, [token(t)]) };
+            let one = if vnni { legacy_group_dot_vnni::<MIN, 1>(&group, [token(t)]) } else { legacy_group_dot::<MIN, 1>(&group, [token(t)]) };
             put(t, r0, &one[0][..r1 - r0]);
         }
         r0 = r1;
@@ -330,32 +331,8 @@ pub unsafe fn rows_all_tokens<'a>(
     let coef = form(dtype).1.unwrap_or(0.0);
     let token = |t: usize| &q8[t * nb..(t + 1) * nb];
     let mut unpacked = vec![WeightChunk::default(); nb];
-    let mut second = vec![WeightChunk::default(); nb];
-    let mut rows = rows;
     macro_rules! with {
         ($signed:expr, $min:expr, $halves:expr) => {{
-            // formats without minima: two rows per pass over the tokens
-            while !$min && !$halves && rows.len() >= 2 {
-                let r = rows.start;
-                unpack_row(dtype, row(r), cols, &mut unpacked);
-                unpack_row(dtype, row(r + 1), cols, &mut second);
-                let w = [&unpacked[..], &second[..]];
-                let mut t = 0;
-                while t + T <= n {
-                    let v = block_pair::<$signed, T>(w, [token(t), token(t + 1), token(t + 2), token(t + 3)]);
-                    for k in 0..T {
-                        put(t + k, r, v[0][k]);
-                        put(t + k, r + 1, v[1][k]);
-                    }
-                    t += T;
-                }
-                for t in t..n {
-                    let v = block_pair::<$signed, 1>(w, [token(t)]);
-                    put(t, r, v[0][0]);
-                    put(t, r + 1, v[1][0]);
-                }
-                rows.start += 2;
-            }
             for r in rows {
                 unpack_row(dtype, row(r), cols, &mut unpacked);
                 let mut t = 0;
@@ -430,14 +407,14 @@ mod tests {
                 let cell = std::cell::RefCell::new(&mut got);
                 // SAFETY: AVX2 checked above
                 unsafe {
-                    if dtype == DType::Q4_0 {
-                        q4_0_rows_all_tokens(|r| w.row(r), cols, 1..rows, &x.q8, n, false, |t, r, v| cell.borrow_mut()[t * rows + r..][..v.len()].copy_from_slice(v));
+                    if groups_rows(dtype) {
+                        legacy_rows_all_tokens(dtype, |r| w.row(r), cols, 1..rows, &x.q8, n, false, |t, r, v| cell.borrow_mut()[t * rows + r..][..v.len()].copy_from_slice(v));
                         if is_x86_feature_detected!("avxvnni") {
                             // with AVX-VNNI: the same values
                             let vnni = std::cell::RefCell::new(vec![f32::NAN; n * rows]);
-                            q4_0_rows_all_tokens(|r| w.row(r), cols, 1..rows, &x.q8, n, true, |t, r, v| vnni.borrow_mut()[t * rows + r..][..v.len()].copy_from_slice(v));
+                            legacy_rows_all_tokens(dtype, |r| w.row(r), cols, 1..rows, &x.q8, n, true, |t, r, v| vnni.borrow_mut()[t * rows + r..][..v.len()].copy_from_slice(v));
                             let same = vnni.borrow().iter().zip(cell.borrow().iter()).all(|(a, b)| a.to_bits() == b.to_bits());
-                            assert!(same, "Q4_0 cols {cols}: AVX-VNNI groups differ from AVX2 ones");
+                            assert!(same, "{dtype:?} cols {cols}: AVX-VNNI groups differ from AVX2 ones");
                         }
                     } else {
                         rows_all_tokens(dtype, |r| w.row(r), cols, 1..rows, &x.q8, n, |t, r, v| cell.borrow_mut()[t * rows + r] = v);
@@ -446,7 +423,7 @@ mod tests {
                 let tokens = [0, 2, 3, 5, 6, 9, 10];
                 let mut picked = vec![f32::NAN; n];
                 let mut scratch = Vec::new();
-                if dtype != DType::Q4_0 {
+                if !groups_rows(dtype) {
                     // SAFETY: as above
                     unsafe { row_tokens(dtype, w.row(3), cols, &x.q8, &tokens, &mut scratch, |t, v| picked[t] = v) };
                 } else {
