@@ -169,6 +169,32 @@ unsafe fn unpack_legacy_group<const MIN: bool>(rows: &[&[u8]], out: &mut [Legacy
     }
 }
 
+/// A block's float steps per lane from its exact 32-bit sums (`legacy_group_dot` and its
+/// AVX-VNNI twin): acc = fma(sum, d * d_a, acc), and for Q4_1 min = fma(m, s_a, min).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn legacy_block_end<const MIN: bool, const T: usize>(x: &LegacyGroup, a: [&[BlockQ8Act]; T], b: usize, sums: &[__m256i; T], acc: &mut [__m256; T], mins: &mut [__m256; T]) {
+    let d = _mm256_load_ps(x.d.as_ptr());
+    for t in 0..T {
+        let ab = a[t].get_unchecked(b);
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(d, _mm256_set1_ps(ab.d)), acc[t]);
+        if MIN {
+            mins[t] = _mm256_fmadd_ps(_mm256_load_ps(x.m.as_ptr()), _mm256_set1_ps(ab.s), mins[t]);
+        }
+    }
+}
+
+/// Each token's lanes: acc (+ min for Q4_1).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn legacy_result<const MIN: bool, const T: usize>(acc: &[__m256; T], mins: &[__m256; T]) -> [[f32; 8]; T] {
+    let mut out = [[0.0f32; 8]; T];
+    for t in 0..T {
+        _mm256_storeu_ps(out[t].as_mut_ptr(), if MIN { _mm256_add_ps(acc[t], mins[t]) } else { acc[t] });
+    }
+    out
+}
+
 /// A group of eight Q4_0 (or Q4_1, `MIN`) rows against T tokens: lane r is row r's dot, bit
 /// for bit `avx2::dot_q4_0`'s (`dot_q4_1`'s): the same exact integer sum per block, the same
 /// float steps per lane.
@@ -191,21 +217,12 @@ unsafe fn legacy_group_dot<const MIN: bool, const T: usize>(g: &[LegacyGroup], a
                 sums[t] = _mm256_add_epi16(sums[t], _mm256_maddubs_epi16(u, act));
             }
         }
-        let d = _mm256_load_ps(x.d.as_ptr());
         for t in 0..T {
-            let ab = a[t].get_unchecked(b);
-            let total = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[t], ones));
-            acc[t] = _mm256_fmadd_ps(total, _mm256_mul_ps(d, _mm256_set1_ps(ab.d)), acc[t]);
-            if MIN {
-                mins[t] = _mm256_fmadd_ps(_mm256_load_ps(x.m.as_ptr()), _mm256_set1_ps(ab.s), mins[t]);
-            }
+            sums[t] = _mm256_madd_epi16(sums[t], ones);
         }
+        legacy_block_end::<MIN, T>(x, a, b, &sums, &mut acc, &mut mins);
     }
-    let mut out = [[0.0f32; 8]; T];
-    for t in 0..T {
-        _mm256_storeu_ps(out[t].as_mut_ptr(), if MIN { _mm256_add_ps(acc[t], mins[t]) } else { acc[t] });
-    }
-    out
+    legacy_result::<MIN, T>(&acc, &mins)
 }
 
 /// `legacy_group_dot` with AVX-VNNI: `vpdpbusd` sums each step into 32 bits; the same exact
@@ -226,20 +243,9 @@ unsafe fn legacy_group_dot_vnni<const MIN: bool, const T: usize>(g: &[LegacyGrou
                 sums[t] = _mm256_dpbusd_avx_epi32(sums[t], u, act);
             }
         }
-        let d = _mm256_load_ps(x.d.as_ptr());
-        for t in 0..T {
-            let ab = a[t].get_unchecked(b);
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(d, _mm256_set1_ps(ab.d)), acc[t]);
-            if MIN {
-                mins[t] = _mm256_fmadd_ps(_mm256_load_ps(x.m.as_ptr()), _mm256_set1_ps(ab.s), mins[t]);
-            }
-        }
+        legacy_block_end::<MIN, T>(x, a, b, &sums, &mut acc, &mut mins);
     }
-    let mut out = [[0.0f32; 8]; T];
-    for t in 0..T {
-        _mm256_storeu_ps(out[t].as_mut_ptr(), if MIN { _mm256_add_ps(acc[t], mins[t]) } else { acc[t] });
-    }
-    out
+    legacy_result::<MIN, T>(&acc, &mins)
 }
 
 /// Whether a type's AVX2 prompts go in row groups (`legacy_rows_all_tokens`) rather than

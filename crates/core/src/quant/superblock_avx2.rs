@@ -725,6 +725,37 @@ unsafe fn group_dot<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<16>], a: [
     }
 }
 
+/// The end of a block of an 8-row group (`group_dot_avx2`, `group_dot_vnni`): the minima's
+/// sums or the offset from the activations' sums per 16, then the block's float step per lane.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_end_8<B: SuperBlock, const T: usize>(x: &RowGroupBlock<8>, at: [&BlockQ8K; T], sums: &mut [__m256i; T], acc: &mut [__m256; T]) {
+    let word = |p: *const i8| (p as *const i32).read_unaligned();
+    let mut mins = [_mm256_setzero_si256(); T];
+    if B::MIN || B::OFFSET_SHIFT > 0 {
+        for t in 0..T {
+            let mut e = _mm256_setzero_si256();
+            for j in 0..8 {
+                let pair = _mm256_set1_epi32(word(at[t].bsums.as_ptr().add(2 * j) as *const i8));
+                e = _mm256_add_epi32(e, _mm256_madd_epi16(load32(x.extra[j].as_ptr() as *const u8), pair));
+            }
+            if B::MIN {
+                mins[t] = e;
+            } else {
+                sums[t] = _mm256_sub_epi32(sums[t], _mm256_sll_epi32(e, _mm_cvtsi32_si128(B::OFFSET_SHIFT)));
+            }
+        }
+    }
+    let (d, dmin) = (_mm256_load_ps(x.d.as_ptr()), _mm256_load_ps(x.dmin.as_ptr()));
+    for t in 0..T {
+        let d_a = _mm256_set1_ps(at[t].d);
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(d, d_a), acc[t]);
+        if B::MIN {
+            acc[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins[t]), _mm256_mul_ps(dmin, d_a), acc[t]);
+        }
+    }
+}
+
 /// A group of 8 unpacked rows against T tokens with AVX2: `group_dot`'s arithmetic, its
 /// `vpdpwssd` as `vpmaddwd` + `vpaddd` (the same exact sums).
 #[inline]
@@ -749,29 +780,7 @@ unsafe fn group_dot_avx2<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<8>], 
                 }
             }
         }
-        let mut mins = [_mm256_setzero_si256(); T];
-        if B::MIN || B::OFFSET_SHIFT > 0 {
-            for t in 0..T {
-                let mut e = _mm256_setzero_si256();
-                for j in 0..8 {
-                    let pair = _mm256_set1_epi32(word(at[t].bsums.as_ptr().add(2 * j) as *const i8));
-                    e = _mm256_add_epi32(e, _mm256_madd_epi16(load32(x.extra[j].as_ptr() as *const u8), pair));
-                }
-                if B::MIN {
-                    mins[t] = e;
-                } else {
-                    sums[t] = _mm256_sub_epi32(sums[t], _mm256_sll_epi32(e, _mm_cvtsi32_si128(B::OFFSET_SHIFT)));
-                }
-            }
-        }
-        let (d, dmin) = (_mm256_load_ps(x.d.as_ptr()), _mm256_load_ps(x.dmin.as_ptr()));
-        for t in 0..T {
-            let d_a = _mm256_set1_ps(at[t].d);
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(d, d_a), acc[t]);
-            if B::MIN {
-                acc[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins[t]), _mm256_mul_ps(dmin, d_a), acc[t]);
-            }
-        }
+        block_end_8::<B, T>(x, at, &mut sums, &mut acc);
     }
     acc
 }
@@ -819,29 +828,7 @@ unsafe fn group_dot_vnni<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<8>], 
                 }
             }
         }
-        let mut mins = [_mm256_setzero_si256(); T];
-        if B::MIN || B::OFFSET_SHIFT > 0 {
-            for t in 0..T {
-                let mut e = _mm256_setzero_si256();
-                for j in 0..8 {
-                    let pair = _mm256_set1_epi32(word(at[t].bsums.as_ptr().add(2 * j) as *const i8));
-                    e = _mm256_dpwssd_avx_epi32(e, load32(x.extra[j].as_ptr() as *const u8), pair);
-                }
-                if B::MIN {
-                    mins[t] = e;
-                } else {
-                    sums[t] = _mm256_sub_epi32(sums[t], _mm256_sll_epi32(e, _mm_cvtsi32_si128(B::OFFSET_SHIFT)));
-                }
-            }
-        }
-        let (d, dmin) = (_mm256_load_ps(x.d.as_ptr()), _mm256_load_ps(x.dmin.as_ptr()));
-        for t in 0..T {
-            let d_a = _mm256_set1_ps(at[t].d);
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(d, d_a), acc[t]);
-            if B::MIN {
-                acc[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins[t]), _mm256_mul_ps(dmin, d_a), acc[t]);
-            }
-        }
+        block_end_8::<B, T>(x, at, &mut sums, &mut acc);
     }
     acc
 }
