@@ -114,43 +114,74 @@ pub(crate) unsafe fn unpack_nibbles(qs: &[u8; 16]) -> __m256i {
     _mm256_set_m128i(hi, lo)
 }
 
-/// Twin of `quant::dot_q4_0_scalar`, for R rows of as many blocks (decode groups rows so that
-/// they share the activations' loads). The weights q - 8 go in signed, as Q8_0's do: |q - 8|
-/// times the activations with q - 8's sign, so the offset stays in the integer sum. A block's
-/// products sum exactly in integers, then one float step per block, row and token:
-/// acc = fma(sum, d * d_a, acc), the step the prompts' row groups (`q4_0_groups`) take in each
-/// lane, so that a token's dot is bit for bit the same in a prompt as alone.
+/// A 32-weight block format whose weights are small signed integers (|v| <= 16) times one
+/// f16 scale: Q4_0 (q - 8) and Q5_0 (q - 16), read by `dot_signed` and the prompts' row groups
+/// (`panel_avx2::legacy_rows_all_tokens`).
+pub(crate) trait SignedBlock {
+    fn scale_bits(&self) -> u16;
+    /// The block's 32 weights v as signed bytes, in element order.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2.
+    unsafe fn weights(&self) -> __m256i;
+}
+
+impl SignedBlock for BlockQ4_0 {
+    fn scale_bits(&self) -> u16 {
+        self.d
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn weights(&self) -> __m256i {
+        _mm256_sub_epi8(unpack_nibbles(&self.qs), _mm256_set1_epi8(8))
+    }
+}
+
+/// Twin of `quant::dot_q4_0_scalar` (and of the chunked scalar dot for Q5_0), for R rows of as
+/// many blocks (decode groups rows so that they share the activations' loads). The weights go
+/// in signed, as Q8_0's do: |v| times the activations with v's sign, so Q4_0's and Q5_0's
+/// offsets stay in the integer sum. A block's products sum exactly in integers, then one float
+/// step per block, row and token: acc = fma(sum, d * d_a, acc), the step the prompts' row
+/// groups (`panel_avx2::legacy_rows_all_tokens`) take in each lane, so that a token's dot is
+/// bit for bit the same in a prompt as alone.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q4_0<const R: usize, const N: usize>(w: [&[BlockQ4_0]; R], a: [&[BlockQ8Act]; N], next: &[u8]) -> [[f32; N]; R] {
+    dot_signed(w, a, next)
+}
+
+/// `dot_q4_0` for any `SignedBlock` format.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_signed<B: SignedBlock, const R: usize, const N: usize>(w: [&[B]; R], a: [&[BlockQ8Act]; N], next: &[u8]) -> [[f32; N]; R] {
     let mut prefetch = Prefetch::new(next, w[0].len());
     let mut acc = [[0.0f32; N]; R];
     // four rows: their float steps side by side in the lanes of one vector per token
     let mut acc4 = [_mm_setzero_ps(); N];
-    let eight = _mm256_set1_epi8(8);
     for i in 0..w[0].len() {
         prefetch.step();
         let mut u = [_mm256_setzero_si256(); R];
         let mut v = [_mm256_setzero_si256(); R];
         for r in 0..R {
-            v[r] = _mm256_sub_epi8(unpack_nibbles(&w[r].get_unchecked(i).qs), eight);
+            v[r] = w[r].get_unchecked(i).weights();
             u[r] = _mm256_sign_epi8(v[r], v[r]);
         }
         for j in 0..N {
             let ab = a[j].get_unchecked(i);
             let q = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
-            // pair sums of |q - 8| * a <= 2 * 8 * 128: a row's 16 of them sum in 16 bits
+            // pair sums of |v| * a <= 2 * 16 * 127: a row's 16 of them sum in 16 bits by fours
             let mut p = [_mm256_setzero_si256(); R];
             for r in 0..R {
                 p[r] = _mm256_maddubs_epi16(u[r], _mm256_sign_epi8(q, v[r]));
             }
             if R == 4 {
-                let d = _mm_cvtph_ps(_mm_setr_epi16(w[0].get_unchecked(i).d as i16, w[1].get_unchecked(i).d as i16, w[2].get_unchecked(i).d as i16, w[3].get_unchecked(i).d as i16, 0, 0, 0, 0));
+                let bits = |r: usize| w[r].get_unchecked(i).scale_bits() as i16;
+                let d = _mm_cvtph_ps(_mm_setr_epi16(bits(0), bits(1), bits(2), bits(3), 0, 0, 0, 0));
                 let sums = row_sums4_i16([p[0], p[1], p[2], p[3]]);
                 acc4[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums), _mm_mul_ps(d, _mm_set1_ps(ab.d)), acc4[j]);
             } else {
                 for r in 0..R {
                     let sum = _mm_cvtsi32_ss(_mm_setzero_ps(), hsum_i16(p[r]));
-                    let dd = _mm_set_ss(f16_to_f32(w[r].get_unchecked(i).d) * ab.d);
+                    let dd = _mm_set_ss(f16_to_f32(w[r].get_unchecked(i).scale_bits()) * ab.d);
                     acc[r][j] = _mm_cvtss_f32(_mm_fmadd_ss(sum, dd, _mm_set_ss(acc[r][j])));
                 }
             }

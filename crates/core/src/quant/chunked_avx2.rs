@@ -158,6 +158,20 @@ pub(crate) unsafe fn q8_0(row: &[u8], b: usize, _c: usize) -> Decoded {
     Decoded { v: load32(x.qs.as_ptr() as *const u8), scale: f16(x.d), min: _mm256_setzero_ps(), min_halves: _mm256_setzero_ps() }
 }
 
+impl crate::avx2::SignedBlock for BlockQ5_0 {
+    fn scale_bits(&self) -> u16 {
+        self.d
+    }
+
+    /// q - 16 (the fifth bits from `qh`), as `q5_0` decodes it.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn weights(&self) -> __m256i {
+        let high = _mm256_and_si256(bits_to_bytes(u32::from_le_bytes(self.qh)), _mm256_set1_epi8(0x10));
+        _mm256_sub_epi8(_mm256_or_si256(nibbles(self.qs.as_ptr()), high), _mm256_set1_epi8(16))
+    }
+}
+
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn q5_0(row: &[u8], b: usize, _c: usize) -> Decoded {

@@ -19,7 +19,8 @@ use super::chunked_avx2 as c2;
 use super::{cast_blocks, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK};
 use super::f16_to_f32;
 use super::superblock_avx2::transpose_chunk;
-use crate::avx2::{hsum, splat_f16, unpack_nibbles, PrefetchRows};
+use super::chunked::BlockQ5_0;
+use crate::avx2::{hsum, splat_f16, unpack_nibbles, PrefetchRows, SignedBlock};
 
 /// One 32-weight chunk of a row, decoded.
 #[repr(C, align(32))]
@@ -68,7 +69,7 @@ unsafe fn store(out: &mut WeightChunk, v: __m256i, signed: bool, scale: __m256, 
     _mm256_store_ps(out.min_halves.as_mut_ptr(), min_halves);
 }
 
-/// Decodes a row of `cols` weights of `dtype` (any quantized type but Q4_0 and Q4_1, whose
+/// Decodes a row of `cols` weights of `dtype` (any quantized type but Q4_0, Q5_0 and Q4_1, whose
 /// prompts go in row groups, `legacy_rows_all_tokens`) into `out[..cols / 32]`, as the
 /// format's one-token kernel decodes it.
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -122,31 +123,30 @@ unsafe fn block<const SIGNED: bool, const MIN: bool, const HALVES: bool, const T
     out
 }
 
-/// Eight rows' Q4_0 or Q4_1 block for a prompt, rows across the lanes (as
+/// Eight rows' Q4_0, Q5_0 or Q4_1 block for a prompt, rows across the lanes (as
 /// `superblock_avx2::RowGroupBlock`): step k holds weights 4k..4k + 4 of each row, row r's
 /// four bytes in 32-bit lane r, so one `vpmaddubsw` with a token's four activations broadcast
 /// serves eight rows, and a block's float step is one vector for all of them.
 #[repr(C, align(32))]
 #[derive(Clone, Copy, Default)]
 struct LegacyGroup {
-    /// |q - 8| (Q4_0) or q (Q4_1)
+    /// |v| (Q4_0's q - 8, Q5_0's q - 16) or q (Q4_1)
     u: [[u32; 8]; 8],
-    /// q - 8 (Q4_0)
+    /// v (Q4_0, Q5_0)
     v: [[u32; 8]; 8],
     d: [f32; 8],
     /// Q4_1's minima
     m: [f32; 8],
 }
 
-/// Decodes up to eight rows of Q4_0 (or Q4_1, `MIN`) into `out`, a `LegacyGroup` per block;
-/// lanes past them are zero (no weights, no scales).
+/// Decodes up to eight rows of Q4_0 or Q5_0 (`SignedBlock` B; Q4_1 where `MIN`) into `out`, a
+/// `LegacyGroup` per block; lanes past them are zero (no weights, no scales).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn unpack_legacy_group<const MIN: bool>(rows: &[&[u8]], out: &mut [LegacyGroup]) {
+unsafe fn unpack_legacy_group<B: SignedBlock, const MIN: bool>(rows: &[&[u8]], out: &mut [LegacyGroup]) {
     if rows.len() < 8 {
         out.fill(LegacyGroup::default());
     }
-    let eight = _mm256_set1_epi8(8);
     let (mut staged_u, mut staged_v) = ([[0u32; 8]; 8], [[0u32; 8]; 8]);
     for (b, o) in out.iter_mut().enumerate() {
         for (r, row) in rows.iter().enumerate() {
@@ -155,11 +155,11 @@ unsafe fn unpack_legacy_group<const MIN: bool>(rows: &[&[u8]], out: &mut [Legacy
                 _mm256_storeu_si256(staged_u[r].as_mut_ptr() as *mut __m256i, unpack_nibbles(&blk.qs));
                 (o.d[r], o.m[r]) = (f16_to_f32(blk.d), f16_to_f32(blk.m));
             } else {
-                let blk = cast_blocks::<BlockQ4_0>(row).get_unchecked(b);
-                let v = _mm256_sub_epi8(unpack_nibbles(&blk.qs), eight);
+                let blk = cast_blocks::<B>(row).get_unchecked(b);
+                let v = blk.weights();
                 _mm256_storeu_si256(staged_v[r].as_mut_ptr() as *mut __m256i, v);
                 _mm256_storeu_si256(staged_u[r].as_mut_ptr() as *mut __m256i, _mm256_sign_epi8(v, v));
-                o.d[r] = f16_to_f32(blk.d);
+                o.d[r] = f16_to_f32(blk.scale_bits());
             }
         }
         transpose_chunk::<8>(&staged_u, &mut o.u);
@@ -195,7 +195,7 @@ unsafe fn legacy_result<const MIN: bool, const T: usize>(acc: &[__m256; T], mins
     out
 }
 
-/// A group of eight Q4_0 (or Q4_1, `MIN`) rows against T tokens: lane r is row r's dot, bit
+/// A group of eight Q4_0 or Q5_0 (Q4_1, `MIN`) rows against T tokens: lane r is row r's dot, bit
 /// for bit `avx2::dot_q4_0`'s (`dot_q4_1`'s): the same exact integer sum per block, the same
 /// float steps per lane.
 #[inline]
@@ -205,8 +205,8 @@ unsafe fn legacy_group_dot<const MIN: bool, const T: usize>(g: &[LegacyGroup], a
     let ones = _mm256_set1_epi16(1);
     let word = |p: *const i8| (p as *const i32).read_unaligned();
     for (b, x) in g.iter().enumerate() {
-        // pair sums of |q - 8| * a <= 2 * 8 * 127 (q * a <= 2 * 15 * 127): a block's eight
-        // steps sum in 16 bits
+        // pair sums of |v| * a <= 2 * 16 * 127 (q * a <= 2 * 15 * 127): a block's eight steps
+        // sum in 16 bits
         let mut sums = [_mm256_setzero_si256(); T];
         for k in 0..8 {
             let u = _mm256_load_si256(x.u[k].as_ptr() as *const __m256i);
@@ -251,10 +251,10 @@ unsafe fn legacy_group_dot_vnni<const MIN: bool, const T: usize>(g: &[LegacyGrou
 /// Whether a type's AVX2 prompts go in row groups (`legacy_rows_all_tokens`) rather than
 /// panels.
 pub fn groups_rows(dtype: DType) -> bool {
-    matches!(dtype, DType::Q4_0 | DType::Q4_1)
+    matches!(dtype, DType::Q4_0 | DType::Q5_0 | DType::Q4_1)
 }
 
-/// A prompt's product with Q4_0 or Q4_1 rows in groups of eight (`LegacyGroup`), each group
+/// A prompt's product with Q4_0, Q5_0 or Q4_1 rows in groups of eight (`LegacyGroup`), each group
 /// decoded once for all tokens, four tokens per step: `rows` of a weight matrix (`row(r)` its
 /// bytes, `cols` wide) against `n` tokens' activation blocks (`q8`: n * cols / 32), put(t, r,
 /// values of rows r, r + 1, ..); `vnni`: with AVX-VNNI (only where the CPU has it).
@@ -262,8 +262,10 @@ pub fn groups_rows(dtype: DType) -> bool {
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn legacy_rows_all_tokens<'a>(dtype: DType, row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8: &[BlockQ8Act], n: usize, vnni: bool, put: impl Fn(usize, usize, &[f32])) {
     match dtype {
-        DType::Q4_0 => legacy_rows::<false>(row, cols, rows, q8, n, vnni, put),
-        DType::Q4_1 => legacy_rows::<true>(row, cols, rows, q8, n, vnni, put),
+        DType::Q4_0 => legacy_rows::<BlockQ4_0, false>(row, cols, rows, q8, n, vnni, put),
+        DType::Q5_0 => legacy_rows::<BlockQ5_0, false>(row, cols, rows, q8, n, vnni, put),
+        // (Q4_1 is not a `SignedBlock`; B is unused with `MIN`)
+        DType::Q4_1 => legacy_rows::<BlockQ4_0, true>(row, cols, rows, q8, n, vnni, put),
         _ => unreachable!("{} has no row groups", dtype.name()),
     }
 }
@@ -271,7 +273,7 @@ pub unsafe fn legacy_rows_all_tokens<'a>(dtype: DType, row: impl Fn(usize) -> &'
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn legacy_rows<'a, const MIN: bool>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8: &[BlockQ8Act], n: usize, vnni: bool, put: impl Fn(usize, usize, &[f32])) {
+unsafe fn legacy_rows<'a, B: SignedBlock, const MIN: bool>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8: &[BlockQ8Act], n: usize, vnni: bool, put: impl Fn(usize, usize, &[f32])) {
     let nb = cols / QK;
     assert_eq!(q8.len(), n * nb, "activations: wrong size for {n} tokens of {cols}");
     let token = |t: usize| &q8[t * nb..(t + 1) * nb];
@@ -283,7 +285,7 @@ unsafe fn legacy_rows<'a, const MIN: bool>(row: impl Fn(usize) -> &'a [u8], cols
         for r in r0..r1 {
             bytes[r - r0] = row(r);
         }
-        unpack_legacy_group::<MIN>(&bytes[..r1 - r0], &mut group);
+        unpack_legacy_group::<B, MIN>(&bytes[..r1 - r0], &mut group);
         let mut prefetch = PrefetchRows::<8>::new((r1..(r1 + 8).min(rows.end)).map(&row), n / 4 + n % 4);
         let mut t = 0;
         while t + 4 <= n {
