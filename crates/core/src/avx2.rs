@@ -118,6 +118,10 @@ pub(crate) unsafe fn unpack_nibbles(qs: &[u8; 16]) -> __m256i {
 /// f16 scale: Q4_0 (q - 8) and Q5_0 (q - 16), read by `dot_signed` and the prompts' row groups
 /// (`panel_avx2::legacy_rows_all_tokens`).
 pub(crate) trait SignedBlock {
+    /// Whether |v| reaches 127 (Q8_0, IQ4_NL): then a `vpmaddubsw` pair sum fills 16 bits and
+    /// pairs widen to 32 bits before they are added; else (|v| <= 16) a block's sums stay within
+    /// 16 bits.
+    const WIDE: bool = false;
     fn scale_bits(&self) -> u16;
     /// The block's 32 weights v as signed bytes, in element order.
     ///
@@ -150,6 +154,19 @@ pub unsafe fn dot_q4_0<const R: usize, const N: usize>(w: [&[BlockQ4_0]; R], a: 
     dot_signed(w, a, next)
 }
 
+impl SignedBlock for BlockQ8_0 {
+    const WIDE: bool = true;
+    fn scale_bits(&self) -> u16 {
+        self.d
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn weights(&self) -> __m256i {
+        _mm256_loadu_si256(self.qs.as_ptr() as *const __m256i)
+    }
+}
+
 /// `dot_q4_0` for any `SignedBlock` format.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dot_signed<B: SignedBlock, const R: usize, const N: usize>(w: [&[B]; R], a: [&[BlockQ8Act]; N], next: &[u8]) -> [[f32; N]; R] {
@@ -169,6 +186,7 @@ pub(crate) unsafe fn dot_signed<B: SignedBlock, const R: usize, const N: usize>(
             let ab = a[j].get_unchecked(i);
             let q = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
             // pair sums of |v| * a <= 2 * 16 * 127: a row's 16 of them sum in 16 bits by fours
+            // (`WIDE` formats' in 32 bits)
             let mut p = [_mm256_setzero_si256(); R];
             for r in 0..R {
                 p[r] = _mm256_maddubs_epi16(u[r], _mm256_sign_epi8(q, v[r]));
@@ -176,7 +194,7 @@ pub(crate) unsafe fn dot_signed<B: SignedBlock, const R: usize, const N: usize>(
             if R == 4 {
                 let bits = |r: usize| w[r].get_unchecked(i).scale_bits() as i16;
                 let d = _mm_cvtph_ps(_mm_setr_epi16(bits(0), bits(1), bits(2), bits(3), 0, 0, 0, 0));
-                let sums = row_sums4_i16([p[0], p[1], p[2], p[3]]);
+                let sums = if B::WIDE { row_sums4_i32([p[0], p[1], p[2], p[3]]) } else { row_sums4_i16([p[0], p[1], p[2], p[3]]) };
                 acc4[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums), _mm_mul_ps(d, _mm_set1_ps(ab.d)), acc4[j]);
             } else {
                 for r in 0..R {
@@ -207,6 +225,17 @@ unsafe fn row_sums4_i16(p: [__m256i; 4]) -> __m128i {
     let h = _mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3]));
     let s = _mm256_madd_epi16(h, _mm256_set1_epi16(1));
     _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s))
+}
+
+/// `row_sums4_i16` for 16-bit lanes whose pairs may not sum within 16 bits: pairs widen to
+/// 32 bits first (exact).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn row_sums4_i32(p: [__m256i; 4]) -> __m128i {
+    let ones = _mm256_set1_epi16(1);
+    let q = [_mm256_madd_epi16(p[0], ones), _mm256_madd_epi16(p[1], ones), _mm256_madd_epi16(p[2], ones), _mm256_madd_epi16(p[3], ones)];
+    let h = _mm256_hadd_epi32(_mm256_hadd_epi32(q[0], q[1]), _mm256_hadd_epi32(q[2], q[3]));
+    _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h))
 }
 
 /// The sum of sixteen 16-bit lanes, as i32 (exact).
@@ -284,36 +313,10 @@ pub unsafe fn dot_q4_1<const R: usize, const N: usize>(w: [&[BlockQ4_1]; R], a: 
     out
 }
 
-/// Twin of `quant::dot_q8_0_scalar`, for R rows of as many blocks.
+/// Twin of `quant::dot_q8_0_scalar`, for R rows of as many blocks: `dot_signed`'s steps.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q8_0<const R: usize, const N: usize>(w: [&[BlockQ8_0]; R], a: [&[BlockQ8Act]; N], next: &[u8]) -> [[f32; N]; R] {
-    let mut prefetch = Prefetch::new(next, w[0].len());
-    let mut acc = [[_mm256_setzero_ps(); N]; R];
-    let ones = _mm256_set1_epi16(1);
-    for i in 0..w[0].len() {
-        prefetch.step();
-        for r in 0..R {
-            let b = w[r].get_unchecked(i);
-            let d = splat_f16(b.d);
-            let wq = _mm256_loadu_si256(b.qs.as_ptr() as *const __m256i);
-            // maddubs needs an unsigned operand: |w| times a with w's sign moved onto a.
-            let w_abs = _mm256_sign_epi8(wq, wq);
-            for j in 0..N {
-                let ab = a[j].get_unchecked(i);
-                let av = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
-                let a_signed = _mm256_sign_epi8(av, wq);
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, a_signed), ones);
-                acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(d, _mm256_set1_ps(ab.d)), acc[r][j]);
-            }
-        }
-    }
-    let mut out = [[0.0f32; N]; R];
-    for r in 0..R {
-        for j in 0..N {
-            out[r][j] = hsum(acc[r][j]);
-        }
-    }
-    out
+    dot_signed(w, a, next)
 }
 
 /// Loads 8 weights of a float type as f32 lanes.

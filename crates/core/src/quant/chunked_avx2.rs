@@ -158,6 +158,21 @@ pub(crate) unsafe fn q8_0(row: &[u8], b: usize, _c: usize) -> Decoded {
     Decoded { v: load32(x.qs.as_ptr() as *const u8), scale: f16(x.d), min: _mm256_setzero_ps(), min_halves: _mm256_setzero_ps() }
 }
 
+impl crate::avx2::SignedBlock for BlockIQ4NL {
+    const WIDE: bool = true;
+    fn scale_bits(&self) -> u16 {
+        self.d
+    }
+
+    /// The grid values of the nibbles, as `iq4_nl` decodes them.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn weights(&self) -> __m256i {
+        let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(IQ4_VALUES.as_ptr() as *const __m128i));
+        _mm256_shuffle_epi8(table, nibbles(self.qs.as_ptr()))
+    }
+}
+
 impl crate::avx2::SignedBlock for BlockQ5_0 {
     fn scale_bits(&self) -> u16 {
         self.d

@@ -19,7 +19,7 @@ use super::chunked_avx2 as c2;
 use super::{cast_blocks, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK};
 use super::f16_to_f32;
 use super::superblock_avx2::transpose_chunk;
-use super::chunked::BlockQ5_0;
+use super::chunked::{BlockIQ4NL, BlockQ5_0};
 use crate::avx2::{hsum, splat_f16, unpack_nibbles, PrefetchRows, SignedBlock};
 
 /// One 32-weight chunk of a row, decoded.
@@ -200,13 +200,13 @@ unsafe fn legacy_result<const MIN: bool, const T: usize>(acc: &[__m256; T], mins
 /// float steps per lane.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn legacy_group_dot<const MIN: bool, const T: usize>(g: &[LegacyGroup], a: [&[BlockQ8Act]; T]) -> [[f32; 8]; T] {
+unsafe fn legacy_group_dot<B: SignedBlock, const MIN: bool, const T: usize>(g: &[LegacyGroup], a: [&[BlockQ8Act]; T]) -> [[f32; 8]; T] {
     let (mut acc, mut mins) = ([_mm256_setzero_ps(); T], [_mm256_setzero_ps(); T]);
     let ones = _mm256_set1_epi16(1);
     let word = |p: *const i8| (p as *const i32).read_unaligned();
     for (b, x) in g.iter().enumerate() {
         // pair sums of |v| * a <= 2 * 16 * 127 (q * a <= 2 * 15 * 127): a block's eight steps
-        // sum in 16 bits
+        // sum in 16 bits (`SignedBlock::WIDE`: |v| <= 127, pairs widen to 32 bits at each step)
         let mut sums = [_mm256_setzero_si256(); T];
         for k in 0..8 {
             let u = _mm256_load_si256(x.u[k].as_ptr() as *const __m256i);
@@ -214,11 +214,14 @@ unsafe fn legacy_group_dot<const MIN: bool, const T: usize>(g: &[LegacyGroup], a
             for t in 0..T {
                 let act = _mm256_set1_epi32(word(a[t].get_unchecked(b).qs.as_ptr().add(4 * k)));
                 let act = if MIN { act } else { _mm256_sign_epi8(act, v) };
-                sums[t] = _mm256_add_epi16(sums[t], _mm256_maddubs_epi16(u, act));
+                let pairs = _mm256_maddubs_epi16(u, act);
+                sums[t] = if B::WIDE { _mm256_add_epi32(sums[t], _mm256_madd_epi16(pairs, ones)) } else { _mm256_add_epi16(sums[t], pairs) };
             }
         }
-        for t in 0..T {
-            sums[t] = _mm256_madd_epi16(sums[t], ones);
+        if !B::WIDE {
+            for t in 0..T {
+                sums[t] = _mm256_madd_epi16(sums[t], ones);
+            }
         }
         legacy_block_end::<MIN, T>(x, a, b, &sums, &mut acc, &mut mins);
     }
@@ -251,7 +254,7 @@ unsafe fn legacy_group_dot_vnni<const MIN: bool, const T: usize>(g: &[LegacyGrou
 /// Whether a type's AVX2 prompts go in row groups (`legacy_rows_all_tokens`) rather than
 /// panels.
 pub fn groups_rows(dtype: DType) -> bool {
-    matches!(dtype, DType::Q4_0 | DType::Q5_0 | DType::Q4_1)
+    matches!(dtype, DType::Q4_0 | DType::Q5_0 | DType::Q8_0 | DType::IQ4_NL | DType::Q4_1)
 }
 
 /// A prompt's product with Q4_0, Q5_0 or Q4_1 rows in groups of eight (`LegacyGroup`), each group
@@ -264,6 +267,8 @@ pub unsafe fn legacy_rows_all_tokens<'a>(dtype: DType, row: impl Fn(usize) -> &'
     match dtype {
         DType::Q4_0 => legacy_rows::<BlockQ4_0, false>(row, cols, rows, q8, n, vnni, put),
         DType::Q5_0 => legacy_rows::<BlockQ5_0, false>(row, cols, rows, q8, n, vnni, put),
+        DType::Q8_0 => legacy_rows::<BlockQ8_0, false>(row, cols, rows, q8, n, vnni, put),
+        DType::IQ4_NL => legacy_rows::<BlockIQ4NL, false>(row, cols, rows, q8, n, vnni, put),
         // (Q4_1 is not a `SignedBlock`; B is unused with `MIN`)
         DType::Q4_1 => legacy_rows::<BlockQ4_0, true>(row, cols, rows, q8, n, vnni, put),
         _ => unreachable!("{} has no row groups", dtype.name()),
@@ -291,7 +296,7 @@ unsafe fn legacy_rows<'a, B: SignedBlock, const MIN: bool>(row: impl Fn(usize) -
         while t + 4 <= n {
             prefetch.step();
             let four = [token(t), token(t + 1), token(t + 2), token(t + 3)];
-            let dots = if vnni { legacy_group_dot_vnni::<MIN, 4>(&group, four) } else { legacy_group_dot::<MIN, 4>(&group, four) };
+            let dots = if vnni { legacy_group_dot_vnni::<MIN, 4>(&group, four) } else { legacy_group_dot::<B, MIN, 4>(&group, four) };
             for (k, lanes) in dots.iter().enumerate() {
                 put(t + k, r0, &lanes[..r1 - r0]);
             }
@@ -299,7 +304,7 @@ unsafe fn legacy_rows<'a, B: SignedBlock, const MIN: bool>(row: impl Fn(usize) -
         }
         for t in t..n {
             prefetch.step();
-            let one = if vnni { legacy_group_dot_vnni::<MIN, 1>(&group, [token(t)]) } else { legacy_group_dot::<MIN, 1>(&group, [token(t)]) };
+            let one = if vnni { legacy_group_dot_vnni::<MIN, 1>(&group, [token(t)]) } else { legacy_group_dot::<B, MIN, 1>(&group, [token(t)]) };
             put(t, r0, &one[0][..r1 - r0]);
         }
         r0 = r1;
