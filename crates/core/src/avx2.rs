@@ -114,23 +114,28 @@ pub(crate) unsafe fn unpack_nibbles(qs: &[u8; 16]) -> __m256i {
     _mm256_set_m128i(hi, lo)
 }
 
-/// A 32-weight block format whose weights are small signed integers (|v| <= 16) times one
-/// f16 scale: Q4_0 (q - 8) and Q5_0 (q - 16), read by `dot_signed` and the prompts' row groups
-/// (`panel_avx2::legacy_rows_all_tokens`).
-pub(crate) trait SignedBlock {
-    /// Whether |v| reaches 127 (Q8_0, IQ4_NL): then a `vpmaddubsw` pair sum fills 16 bits and
-    /// pairs widen to 32 bits before they are added; else (|v| <= 16) a block's sums stay within
-    /// 16 bits.
+/// A 32-weight block format read by `dot_legacy` and the prompts' row groups
+/// (`panel_avx2::legacy_rows_all_tokens`): signed weights v times one f16 scale (Q4_0's q - 8,
+/// Q5_0's q - 16, Q8_0, IQ4_NL's grid values), or with `MIN` unsigned q times the scale plus an
+/// f16 minimum (Q4_1, Q5_1).
+pub(crate) trait LegacyBlock {
+    /// Whether w = d q + m (q unsigned); else w = d v (v signed).
+    const MIN: bool = false;
+    /// Whether a row group's eight steps of pair sums may overflow 16 bits (|v| up to 127, or
+    /// q up to 31): then pairs widen to 32 bits before they are added.
     const WIDE: bool = false;
     fn scale_bits(&self) -> u16;
-    /// The block's 32 weights v as signed bytes, in element order.
+    fn min_bits(&self) -> u16 {
+        0
+    }
+    /// The block's 32 weights (v signed, or q with `MIN`) as bytes, in element order.
     ///
     /// # Safety
     /// The CPU must have AVX2.
     unsafe fn weights(&self) -> __m256i;
 }
 
-impl SignedBlock for BlockQ4_0 {
+impl LegacyBlock for BlockQ4_0 {
     fn scale_bits(&self) -> u16 {
         self.d
     }
@@ -142,19 +147,7 @@ impl SignedBlock for BlockQ4_0 {
     }
 }
 
-/// Twin of `quant::dot_q4_0_scalar` (and of the chunked scalar dot for Q5_0), for R rows of as
-/// many blocks (decode groups rows so that they share the activations' loads). The weights go
-/// in signed, as Q8_0's do: |v| times the activations with v's sign, so Q4_0's and Q5_0's
-/// offsets stay in the integer sum. A block's products sum exactly in integers, then one float
-/// step per block, row and token: acc = fma(sum, d * d_a, acc), the step the prompts' row
-/// groups (`panel_avx2::legacy_rows_all_tokens`) take in each lane, so that a token's dot is
-/// bit for bit the same in a prompt as alone.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q4_0<const R: usize, const N: usize>(w: [&[BlockQ4_0]; R], a: [&[BlockQ8Act]; N], next: &[u8]) -> [[f32; N]; R] {
-    dot_signed(w, a, next)
-}
-
-impl SignedBlock for BlockQ8_0 {
+impl LegacyBlock for BlockQ8_0 {
     const WIDE: bool = true;
     fn scale_bits(&self) -> u16 {
         self.d
@@ -167,50 +160,114 @@ impl SignedBlock for BlockQ8_0 {
     }
 }
 
-/// `dot_q4_0` for any `SignedBlock` format.
+impl LegacyBlock for BlockQ4_1 {
+    const MIN: bool = true;
+    fn scale_bits(&self) -> u16 {
+        self.d
+    }
+
+    fn min_bits(&self) -> u16 {
+        self.m
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn weights(&self) -> __m256i {
+        unpack_nibbles(&self.qs)
+    }
+}
+
+/// Twin of `quant::dot_q4_0_scalar`: `dot_legacy`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dot_signed<B: SignedBlock, const R: usize, const N: usize>(w: [&[B]; R], a: [&[BlockQ8Act]; N], next: &[u8]) -> [[f32; N]; R] {
+pub unsafe fn dot_q4_0<const R: usize, const N: usize>(w: [&[BlockQ4_0]; R], a: [&[BlockQ8Act]; N], next: &[u8]) -> [[f32; N]; R] {
+    dot_legacy(w, a, next)
+}
+
+/// Twin of `quant::dot_q4_1_scalar`: `dot_legacy`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q4_1<const R: usize, const N: usize>(w: [&[BlockQ4_1]; R], a: [&[BlockQ8Act]; N], next: &[u8]) -> [[f32; N]; R] {
+    dot_legacy(w, a, next)
+}
+
+/// Twin of `quant::dot_q8_0_scalar`: `dot_legacy`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q8_0<const R: usize, const N: usize>(w: [&[BlockQ8_0]; R], a: [&[BlockQ8Act]; N], next: &[u8]) -> [[f32; N]; R] {
+    dot_legacy(w, a, next)
+}
+
+/// R rows of a `LegacyBlock` format against N tokens (decode groups rows so that they share
+/// the activations' loads); the twins are the formats' scalar dots. Signed weights go in as
+/// Q8_0's do, |v| times the activations with v's sign, so Q4_0's and Q5_0's offsets stay in
+/// the integer sum. A block's products sum exactly in integers, then one float step per block,
+/// row and token: acc = fma(sum, d * d_a, acc), and with minima min = fma(m, s_a, min) (s_a:
+/// the activations' scaled sum), the result acc (+ min): the steps the prompts' row groups
+/// (`panel_avx2::legacy_rows_all_tokens`) take in each lane, so that a token's dot is bit for
+/// bit the same in a prompt as alone.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_legacy<B: LegacyBlock, const R: usize, const N: usize>(w: [&[B]; R], a: [&[BlockQ8Act]; N], next: &[u8]) -> [[f32; N]; R] {
     let mut prefetch = Prefetch::new(next, w[0].len());
-    let mut acc = [[0.0f32; N]; R];
+    let (mut acc, mut mins) = ([[0.0f32; N]; R], [[0.0f32; N]; R]);
     // four rows: their float steps side by side in the lanes of one vector per token
-    let mut acc4 = [_mm_setzero_ps(); N];
+    let (mut acc4, mut mins4) = ([_mm_setzero_ps(); N], [_mm_setzero_ps(); N]);
     for i in 0..w[0].len() {
         prefetch.step();
         let mut u = [_mm256_setzero_si256(); R];
         let mut v = [_mm256_setzero_si256(); R];
         for r in 0..R {
             v[r] = w[r].get_unchecked(i).weights();
-            u[r] = _mm256_sign_epi8(v[r], v[r]);
+            u[r] = if B::MIN { v[r] } else { _mm256_sign_epi8(v[r], v[r]) };
+        }
+        // (written out: a closure would not be compiled for these features)
+        let (mut d4, mut m4) = (_mm_setzero_ps(), _mm_setzero_ps());
+        if R == 4 {
+            let b = [w[0].get_unchecked(i), w[1].get_unchecked(i), w[2].get_unchecked(i), w[3].get_unchecked(i)];
+            d4 = _mm_cvtph_ps(_mm_setr_epi16(b[0].scale_bits() as i16, b[1].scale_bits() as i16, b[2].scale_bits() as i16, b[3].scale_bits() as i16, 0, 0, 0, 0));
+            if B::MIN {
+                m4 = _mm_cvtph_ps(_mm_setr_epi16(b[0].min_bits() as i16, b[1].min_bits() as i16, b[2].min_bits() as i16, b[3].min_bits() as i16, 0, 0, 0, 0));
+            }
         }
         for j in 0..N {
             let ab = a[j].get_unchecked(i);
             let q = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
-            // pair sums of |v| * a <= 2 * 16 * 127: a row's 16 of them sum in 16 bits by fours
-            // (`WIDE` formats' in 32 bits)
+            // pair sums of |v| * a <= 2 * 16 * 127 (q * a <= 2 * 31 * 127): a row's 16 of them
+            // sum in 16 bits by fours (`WIDE` formats' in 32 bits)
             let mut p = [_mm256_setzero_si256(); R];
             for r in 0..R {
-                p[r] = _mm256_maddubs_epi16(u[r], _mm256_sign_epi8(q, v[r]));
+                p[r] = _mm256_maddubs_epi16(u[r], if B::MIN { q } else { _mm256_sign_epi8(q, v[r]) });
             }
             if R == 4 {
-                let bits = |r: usize| w[r].get_unchecked(i).scale_bits() as i16;
-                let d = _mm_cvtph_ps(_mm_setr_epi16(bits(0), bits(1), bits(2), bits(3), 0, 0, 0, 0));
                 let sums = if B::WIDE { row_sums4_i32([p[0], p[1], p[2], p[3]]) } else { row_sums4_i16([p[0], p[1], p[2], p[3]]) };
-                acc4[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums), _mm_mul_ps(d, _mm_set1_ps(ab.d)), acc4[j]);
+                acc4[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums), _mm_mul_ps(d4, _mm_set1_ps(ab.d)), acc4[j]);
+                if B::MIN {
+                    mins4[j] = _mm_fmadd_ps(m4, _mm_set1_ps(ab.s), mins4[j]);
+                }
             } else {
                 for r in 0..R {
+                    let b = w[r].get_unchecked(i);
                     let sum = _mm_cvtsi32_ss(_mm_setzero_ps(), hsum_i16(p[r]));
-                    let dd = _mm_set_ss(f16_to_f32(w[r].get_unchecked(i).scale_bits()) * ab.d);
+                    let dd = _mm_set_ss(f16_to_f32(b.scale_bits()) * ab.d);
                     acc[r][j] = _mm_cvtss_f32(_mm_fmadd_ss(sum, dd, _mm_set_ss(acc[r][j])));
+                    if B::MIN {
+                        mins[r][j] = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(f16_to_f32(b.min_bits())), _mm_set_ss(ab.s), _mm_set_ss(mins[r][j])));
+                    }
                 }
             }
         }
     }
     if R == 4 {
         for j in 0..N {
-            let mut lanes = [0.0f32; 4];
+            let (mut lanes, mut m) = ([0.0f32; 4], [0.0f32; 4]);
             _mm_storeu_ps(lanes.as_mut_ptr(), acc4[j]);
+            _mm_storeu_ps(m.as_mut_ptr(), mins4[j]);
             for r in 0..R {
-                acc[r][j] = lanes[r];
+                (acc[r][j], mins[r][j]) = (lanes[r], m[r]);
+            }
+        }
+    }
+    if B::MIN {
+        for r in 0..R {
+            for j in 0..N {
+                acc[r][j] += mins[r][j];
             }
         }
     }
@@ -246,77 +303,6 @@ unsafe fn hsum_i16(p: __m256i) -> i32 {
     let x = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
     let x = _mm_add_epi32(x, _mm_unpackhi_epi64(x, x));
     _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32::<0b01>(x)))
-}
-
-/// Twin of `quant::dot_q4_1_scalar`, for R rows of as many blocks, with `dot_q4_0`'s steps:
-/// a block's products sum exactly in integers, then per block, row and token
-/// acc = fma(sum, d * d_a, acc) and min = fma(m, s_a, min) (s_a: the activations' scaled sum),
-/// the result acc + min; the prompts' row groups take the same steps in each lane.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q4_1<const R: usize, const N: usize>(w: [&[BlockQ4_1]; R], a: [&[BlockQ8Act]; N], next: &[u8]) -> [[f32; N]; R] {
-    let mut prefetch = Prefetch::new(next, w[0].len());
-    let (mut acc, mut mins) = ([[0.0f32; N]; R], [[0.0f32; N]; R]);
-    // four rows: their steps side by side in the lanes of one vector per token
-    let (mut acc4, mut mins4) = ([_mm_setzero_ps(); N], [_mm_setzero_ps(); N]);
-    for i in 0..w[0].len() {
-        prefetch.step();
-        let mut q = [_mm256_setzero_si256(); R];
-        for r in 0..R {
-            q[r] = unpack_nibbles(&w[r].get_unchecked(i).qs);
-        }
-        // (written out: a closure would not be compiled for these features)
-        let (mut d4, mut m4) = (_mm_setzero_ps(), _mm_setzero_ps());
-        if R == 4 {
-            let b = [w[0].get_unchecked(i), w[1].get_unchecked(i), w[2].get_unchecked(i), w[3].get_unchecked(i)];
-            d4 = _mm_cvtph_ps(_mm_setr_epi16(b[0].d as i16, b[1].d as i16, b[2].d as i16, b[3].d as i16, 0, 0, 0, 0));
-            m4 = _mm_cvtph_ps(_mm_setr_epi16(b[0].m as i16, b[1].m as i16, b[2].m as i16, b[3].m as i16, 0, 0, 0, 0));
-        }
-        for j in 0..N {
-            let ab = a[j].get_unchecked(i);
-            let x = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
-            // pair sums of q * a <= 2 * 15 * 127: a row's 16 of them sum in 16 bits by fours
-            let mut p = [_mm256_setzero_si256(); R];
-            for r in 0..R {
-                p[r] = _mm256_maddubs_epi16(q[r], x);
-            }
-            if R == 4 {
-                let sums = row_sums4_i16([p[0], p[1], p[2], p[3]]);
-                acc4[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums), _mm_mul_ps(d4, _mm_set1_ps(ab.d)), acc4[j]);
-                mins4[j] = _mm_fmadd_ps(m4, _mm_set1_ps(ab.s), mins4[j]);
-            } else {
-                for r in 0..R {
-                    let b = w[r].get_unchecked(i);
-                    let sum = _mm_cvtsi32_ss(_mm_setzero_ps(), hsum_i16(p[r]));
-                    let dd = _mm_set_ss(f16_to_f32(b.d) * ab.d);
-                    acc[r][j] = _mm_cvtss_f32(_mm_fmadd_ss(sum, dd, _mm_set_ss(acc[r][j])));
-                    mins[r][j] = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(f16_to_f32(b.m)), _mm_set_ss(ab.s), _mm_set_ss(mins[r][j])));
-                }
-            }
-        }
-    }
-    if R == 4 {
-        for j in 0..N {
-            let (mut lanes, mut m) = ([0.0f32; 4], [0.0f32; 4]);
-            _mm_storeu_ps(lanes.as_mut_ptr(), acc4[j]);
-            _mm_storeu_ps(m.as_mut_ptr(), mins4[j]);
-            for r in 0..R {
-                (acc[r][j], mins[r][j]) = (lanes[r], m[r]);
-            }
-        }
-    }
-    let mut out = [[0.0f32; N]; R];
-    for r in 0..R {
-        for j in 0..N {
-            out[r][j] = acc[r][j] + mins[r][j];
-        }
-    }
-    out
-}
-
-/// Twin of `quant::dot_q8_0_scalar`, for R rows of as many blocks: `dot_signed`'s steps.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q8_0<const R: usize, const N: usize>(w: [&[BlockQ8_0]; R], a: [&[BlockQ8Act]; N], next: &[u8]) -> [[f32; N]; R] {
-    dot_signed(w, a, next)
 }
 
 /// Loads 8 weights of a float type as f32 lanes.

@@ -311,18 +311,25 @@ fn dot_row_group<const R: usize, const N: usize>(w: &QMatrix, r: usize, next: &[
         DType::Q4_0 => quantized!(BlockQ4_0, crate::avx512::dot_q4_0, crate::avx2::dot_q4_0, quant::dot_q4_0_scalar),
         DType::Q4_1 => quantized!(BlockQ4_1, crate::avx512::dot_q4_1, crate::avx2::dot_q4_1, quant::dot_q4_1_scalar),
         DType::Q8_0 => quantized!(BlockQ8_0, crate::avx512::dot_q8_0, crate::avx2::dot_q8_0, quant::dot_q8_0_scalar),
-        // Q5_0 and IQ4_NL on AVX2 as Q4_0 (integer block sums, the row groups' float steps)
+        // Q5_0, Q5_1 and IQ4_NL on AVX2 as Q4_0 and Q4_1 (integer block sums, the row groups'
+        // float steps)
         #[cfg(target_arch = "x86_64")]
         DType::Q5_0 if level == SimdLevel::Avx2 => {
             let a = t.map(|ti| x.q8_row(ti));
             // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
-            unsafe { crate::avx2::dot_signed(rows.map(|row| cast_blocks::<quant::chunked::BlockQ5_0>(row)), a, next) }
+            unsafe { crate::avx2::dot_legacy(rows.map(|row| cast_blocks::<quant::chunked::BlockQ5_0>(row)), a, next) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        DType::Q5_1 if level == SimdLevel::Avx2 => {
+            let a = t.map(|ti| x.q8_row(ti));
+            // SAFETY: as above.
+            unsafe { crate::avx2::dot_legacy(rows.map(|row| cast_blocks::<quant::chunked::BlockQ5_1>(row)), a, next) }
         }
         #[cfg(target_arch = "x86_64")]
         DType::IQ4_NL if level == SimdLevel::Avx2 => {
             let a = t.map(|ti| x.q8_row(ti));
             // SAFETY: as above.
-            unsafe { crate::avx2::dot_signed(rows.map(|row| cast_blocks::<quant::chunked::BlockIQ4NL>(row)), a, next) }
+            unsafe { crate::avx2::dot_legacy(rows.map(|row| cast_blocks::<quant::chunked::BlockIQ4NL>(row)), a, next) }
         }
         // the super-block formats with per-256 activations
         dtype if reads_q8k(dtype) => {

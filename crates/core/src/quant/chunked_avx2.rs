@@ -158,7 +158,7 @@ pub(crate) unsafe fn q8_0(row: &[u8], b: usize, _c: usize) -> Decoded {
     Decoded { v: load32(x.qs.as_ptr() as *const u8), scale: f16(x.d), min: _mm256_setzero_ps(), min_halves: _mm256_setzero_ps() }
 }
 
-impl crate::avx2::SignedBlock for BlockIQ4NL {
+impl crate::avx2::LegacyBlock for BlockIQ4NL {
     const WIDE: bool = true;
     fn scale_bits(&self) -> u16 {
         self.d
@@ -173,7 +173,27 @@ impl crate::avx2::SignedBlock for BlockIQ4NL {
     }
 }
 
-impl crate::avx2::SignedBlock for BlockQ5_0 {
+impl crate::avx2::LegacyBlock for BlockQ5_1 {
+    const MIN: bool = true;
+    const WIDE: bool = true;
+    fn scale_bits(&self) -> u16 {
+        self.d
+    }
+
+    fn min_bits(&self) -> u16 {
+        self.m
+    }
+
+    /// q (the fifth bits from `qh`), as `q5_1` decodes it.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn weights(&self) -> __m256i {
+        let high = _mm256_and_si256(bits_to_bytes(u32::from_le_bytes(self.qh)), _mm256_set1_epi8(0x10));
+        _mm256_or_si256(nibbles(self.qs.as_ptr()), high)
+    }
+}
+
+impl crate::avx2::LegacyBlock for BlockQ5_0 {
     fn scale_bits(&self) -> u16 {
         self.d
     }

@@ -19,8 +19,8 @@ use super::chunked_avx2 as c2;
 use super::{cast_blocks, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK};
 use super::f16_to_f32;
 use super::superblock_avx2::transpose_chunk;
-use super::chunked::{BlockIQ4NL, BlockQ5_0};
-use crate::avx2::{hsum, splat_f16, unpack_nibbles, PrefetchRows, SignedBlock};
+use super::chunked::{BlockIQ4NL, BlockQ5_0, BlockQ5_1};
+use crate::avx2::{hsum, splat_f16, LegacyBlock, PrefetchRows};
 
 /// One 32-weight chunk of a row, decoded.
 #[repr(C, align(32))]
@@ -123,47 +123,46 @@ unsafe fn block<const SIGNED: bool, const MIN: bool, const HALVES: bool, const T
     out
 }
 
-/// Eight rows' Q4_0, Q5_0 or Q4_1 block for a prompt, rows across the lanes (as
+/// Eight rows' block of a `LegacyBlock` format for a prompt, rows across the lanes (as
 /// `superblock_avx2::RowGroupBlock`): step k holds weights 4k..4k + 4 of each row, row r's
 /// four bytes in 32-bit lane r, so one `vpmaddubsw` with a token's four activations broadcast
 /// serves eight rows, and a block's float step is one vector for all of them.
 #[repr(C, align(32))]
 #[derive(Clone, Copy, Default)]
 struct LegacyGroup {
-    /// |v| (Q4_0's q - 8, Q5_0's q - 16) or q (Q4_1)
+    /// |v| for signed weights, q for formats with minima
     u: [[u32; 8]; 8],
-    /// v (Q4_0, Q5_0)
+    /// v, for signed weights
     v: [[u32; 8]; 8],
     d: [f32; 8],
-    /// Q4_1's minima
+    /// the minima (Q4_1, Q5_1)
     m: [f32; 8],
 }
 
-/// Decodes up to eight rows of Q4_0 or Q5_0 (`SignedBlock` B; Q4_1 where `MIN`) into `out`, a
-/// `LegacyGroup` per block; lanes past them are zero (no weights, no scales).
+/// Decodes up to eight rows of a `LegacyBlock` format into `out`, a `LegacyGroup` per block;
+/// lanes past them are zero (no weights, no scales).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn unpack_legacy_group<B: SignedBlock, const MIN: bool>(rows: &[&[u8]], out: &mut [LegacyGroup]) {
+unsafe fn unpack_legacy_group<B: LegacyBlock>(rows: &[&[u8]], out: &mut [LegacyGroup]) {
     if rows.len() < 8 {
         out.fill(LegacyGroup::default());
     }
     let (mut staged_u, mut staged_v) = ([[0u32; 8]; 8], [[0u32; 8]; 8]);
     for (b, o) in out.iter_mut().enumerate() {
         for (r, row) in rows.iter().enumerate() {
-            if MIN {
-                let blk = cast_blocks::<BlockQ4_1>(row).get_unchecked(b);
-                _mm256_storeu_si256(staged_u[r].as_mut_ptr() as *mut __m256i, unpack_nibbles(&blk.qs));
-                (o.d[r], o.m[r]) = (f16_to_f32(blk.d), f16_to_f32(blk.m));
+            let blk = cast_blocks::<B>(row).get_unchecked(b);
+            let v = blk.weights();
+            if B::MIN {
+                _mm256_storeu_si256(staged_u[r].as_mut_ptr() as *mut __m256i, v);
+                o.m[r] = f16_to_f32(blk.min_bits());
             } else {
-                let blk = cast_blocks::<B>(row).get_unchecked(b);
-                let v = blk.weights();
                 _mm256_storeu_si256(staged_v[r].as_mut_ptr() as *mut __m256i, v);
                 _mm256_storeu_si256(staged_u[r].as_mut_ptr() as *mut __m256i, _mm256_sign_epi8(v, v));
-                o.d[r] = f16_to_f32(blk.scale_bits());
             }
+            o.d[r] = f16_to_f32(blk.scale_bits());
         }
         transpose_chunk::<8>(&staged_u, &mut o.u);
-        if !MIN {
+        if !B::MIN {
             transpose_chunk::<8>(&staged_v, &mut o.v);
         }
     }
@@ -173,12 +172,12 @@ unsafe fn unpack_legacy_group<B: SignedBlock, const MIN: bool>(rows: &[&[u8]], o
 /// AVX-VNNI twin): acc = fma(sum, d * d_a, acc), and for Q4_1 min = fma(m, s_a, min).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn legacy_block_end<const MIN: bool, const T: usize>(x: &LegacyGroup, a: [&[BlockQ8Act]; T], b: usize, sums: &[__m256i; T], acc: &mut [__m256; T], mins: &mut [__m256; T]) {
+unsafe fn legacy_block_end<B: LegacyBlock, const T: usize>(x: &LegacyGroup, a: [&[BlockQ8Act]; T], b: usize, sums: &[__m256i; T], acc: &mut [__m256; T], mins: &mut [__m256; T]) {
     let d = _mm256_load_ps(x.d.as_ptr());
     for t in 0..T {
         let ab = a[t].get_unchecked(b);
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(d, _mm256_set1_ps(ab.d)), acc[t]);
-        if MIN {
+        if B::MIN {
             mins[t] = _mm256_fmadd_ps(_mm256_load_ps(x.m.as_ptr()), _mm256_set1_ps(ab.s), mins[t]);
         }
     }
@@ -187,33 +186,34 @@ unsafe fn legacy_block_end<const MIN: bool, const T: usize>(x: &LegacyGroup, a: 
 /// Each token's lanes: acc (+ min for Q4_1).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn legacy_result<const MIN: bool, const T: usize>(acc: &[__m256; T], mins: &[__m256; T]) -> [[f32; 8]; T] {
+unsafe fn legacy_result<B: LegacyBlock, const T: usize>(acc: &[__m256; T], mins: &[__m256; T]) -> [[f32; 8]; T] {
     let mut out = [[0.0f32; 8]; T];
     for t in 0..T {
-        _mm256_storeu_ps(out[t].as_mut_ptr(), if MIN { _mm256_add_ps(acc[t], mins[t]) } else { acc[t] });
+        _mm256_storeu_ps(out[t].as_mut_ptr(), if B::MIN { _mm256_add_ps(acc[t], mins[t]) } else { acc[t] });
     }
     out
 }
 
-/// A group of eight Q4_0 or Q5_0 (Q4_1, `MIN`) rows against T tokens: lane r is row r's dot, bit
-/// for bit `avx2::dot_q4_0`'s (`dot_q4_1`'s): the same exact integer sum per block, the same
-/// float steps per lane.
+/// A group of eight rows of a `LegacyBlock` format against T tokens: lane r is row r's dot, bit
+/// for bit `avx2::dot_legacy`'s: the same exact integer sum per block, the same float steps per
+/// lane.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn legacy_group_dot<B: SignedBlock, const MIN: bool, const T: usize>(g: &[LegacyGroup], a: [&[BlockQ8Act]; T]) -> [[f32; 8]; T] {
+unsafe fn legacy_group_dot<B: LegacyBlock, const T: usize>(g: &[LegacyGroup], a: [&[BlockQ8Act]; T]) -> [[f32; 8]; T] {
     let (mut acc, mut mins) = ([_mm256_setzero_ps(); T], [_mm256_setzero_ps(); T]);
     let ones = _mm256_set1_epi16(1);
     let word = |p: *const i8| (p as *const i32).read_unaligned();
     for (b, x) in g.iter().enumerate() {
-        // pair sums of |v| * a <= 2 * 16 * 127 (q * a <= 2 * 15 * 127): a block's eight steps
-        // sum in 16 bits (`SignedBlock::WIDE`: |v| <= 127, pairs widen to 32 bits at each step)
+        // pair sums of |v| * a <= 2 * 16 * 127 (Q4_1's q * a <= 2 * 15 * 127): a block's eight steps
+        // sum in 16 bits (`LegacyBlock::WIDE`: |v| <= 127 or q <= 31, pairs widen to 32 bits at
+        // each step)
         let mut sums = [_mm256_setzero_si256(); T];
         for k in 0..8 {
             let u = _mm256_load_si256(x.u[k].as_ptr() as *const __m256i);
             let v = _mm256_load_si256(x.v[k].as_ptr() as *const __m256i);
             for t in 0..T {
                 let act = _mm256_set1_epi32(word(a[t].get_unchecked(b).qs.as_ptr().add(4 * k)));
-                let act = if MIN { act } else { _mm256_sign_epi8(act, v) };
+                let act = if B::MIN { act } else { _mm256_sign_epi8(act, v) };
                 let pairs = _mm256_maddubs_epi16(u, act);
                 sums[t] = if B::WIDE { _mm256_add_epi32(sums[t], _mm256_madd_epi16(pairs, ones)) } else { _mm256_add_epi16(sums[t], pairs) };
             }
@@ -223,16 +223,16 @@ unsafe fn legacy_group_dot<B: SignedBlock, const MIN: bool, const T: usize>(g: &
                 sums[t] = _mm256_madd_epi16(sums[t], ones);
             }
         }
-        legacy_block_end::<MIN, T>(x, a, b, &sums, &mut acc, &mut mins);
+        legacy_block_end::<B, T>(x, a, b, &sums, &mut acc, &mut mins);
     }
-    legacy_result::<MIN, T>(&acc, &mins)
+    legacy_result::<B, T>(&acc, &mins)
 }
 
 /// `legacy_group_dot` with AVX-VNNI: `vpdpbusd` sums each step into 32 bits; the same exact
 /// sums, the same float steps.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-unsafe fn legacy_group_dot_vnni<const MIN: bool, const T: usize>(g: &[LegacyGroup], a: [&[BlockQ8Act]; T]) -> [[f32; 8]; T] {
+unsafe fn legacy_group_dot_vnni<B: LegacyBlock, const T: usize>(g: &[LegacyGroup], a: [&[BlockQ8Act]; T]) -> [[f32; 8]; T] {
     let (mut acc, mut mins) = ([_mm256_setzero_ps(); T], [_mm256_setzero_ps(); T]);
     let word = |p: *const i8| (p as *const i32).read_unaligned();
     for (b, x) in g.iter().enumerate() {
@@ -242,19 +242,19 @@ unsafe fn legacy_group_dot_vnni<const MIN: bool, const T: usize>(g: &[LegacyGrou
             let v = _mm256_load_si256(x.v[k].as_ptr() as *const __m256i);
             for t in 0..T {
                 let act = _mm256_set1_epi32(word(a[t].get_unchecked(b).qs.as_ptr().add(4 * k)));
-                let act = if MIN { act } else { _mm256_sign_epi8(act, v) };
+                let act = if B::MIN { act } else { _mm256_sign_epi8(act, v) };
                 sums[t] = _mm256_dpbusd_avx_epi32(sums[t], u, act);
             }
         }
-        legacy_block_end::<MIN, T>(x, a, b, &sums, &mut acc, &mut mins);
+        legacy_block_end::<B, T>(x, a, b, &sums, &mut acc, &mut mins);
     }
-    legacy_result::<MIN, T>(&acc, &mins)
+    legacy_result::<B, T>(&acc, &mins)
 }
 
 /// Whether a type's AVX2 prompts go in row groups (`legacy_rows_all_tokens`) rather than
 /// panels.
 pub fn groups_rows(dtype: DType) -> bool {
-    matches!(dtype, DType::Q4_0 | DType::Q5_0 | DType::Q8_0 | DType::IQ4_NL | DType::Q4_1)
+    matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::IQ4_NL)
 }
 
 /// A prompt's product with Q4_0, Q5_0 or Q4_1 rows in groups of eight (`LegacyGroup`), each group
@@ -265,12 +265,12 @@ pub fn groups_rows(dtype: DType) -> bool {
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn legacy_rows_all_tokens<'a>(dtype: DType, row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8: &[BlockQ8Act], n: usize, vnni: bool, put: impl Fn(usize, usize, &[f32])) {
     match dtype {
-        DType::Q4_0 => legacy_rows::<BlockQ4_0, false>(row, cols, rows, q8, n, vnni, put),
-        DType::Q5_0 => legacy_rows::<BlockQ5_0, false>(row, cols, rows, q8, n, vnni, put),
-        DType::Q8_0 => legacy_rows::<BlockQ8_0, false>(row, cols, rows, q8, n, vnni, put),
-        DType::IQ4_NL => legacy_rows::<BlockIQ4NL, false>(row, cols, rows, q8, n, vnni, put),
-        // (Q4_1 is not a `SignedBlock`; B is unused with `MIN`)
-        DType::Q4_1 => legacy_rows::<BlockQ4_0, true>(row, cols, rows, q8, n, vnni, put),
+        DType::Q4_0 => legacy_rows::<BlockQ4_0>(row, cols, rows, q8, n, vnni, put),
+        DType::Q4_1 => legacy_rows::<BlockQ4_1>(row, cols, rows, q8, n, vnni, put),
+        DType::Q5_0 => legacy_rows::<BlockQ5_0>(row, cols, rows, q8, n, vnni, put),
+        DType::Q5_1 => legacy_rows::<BlockQ5_1>(row, cols, rows, q8, n, vnni, put),
+        DType::Q8_0 => legacy_rows::<BlockQ8_0>(row, cols, rows, q8, n, vnni, put),
+        DType::IQ4_NL => legacy_rows::<BlockIQ4NL>(row, cols, rows, q8, n, vnni, put),
         _ => unreachable!("{} has no row groups", dtype.name()),
     }
 }
@@ -278,7 +278,7 @@ pub unsafe fn legacy_rows_all_tokens<'a>(dtype: DType, row: impl Fn(usize) -> &'
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn legacy_rows<'a, B: SignedBlock, const MIN: bool>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8: &[BlockQ8Act], n: usize, vnni: bool, put: impl Fn(usize, usize, &[f32])) {
+unsafe fn legacy_rows<'a, B: LegacyBlock>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8: &[BlockQ8Act], n: usize, vnni: bool, put: impl Fn(usize, usize, &[f32])) {
     let nb = cols / QK;
     assert_eq!(q8.len(), n * nb, "activations: wrong size for {n} tokens of {cols}");
     let token = |t: usize| &q8[t * nb..(t + 1) * nb];
@@ -290,13 +290,13 @@ unsafe fn legacy_rows<'a, B: SignedBlock, const MIN: bool>(row: impl Fn(usize) -
         for r in r0..r1 {
             bytes[r - r0] = row(r);
         }
-        unpack_legacy_group::<B, MIN>(&bytes[..r1 - r0], &mut group);
+        unpack_legacy_group::<B>(&bytes[..r1 - r0], &mut group);
         let mut prefetch = PrefetchRows::<8>::new((r1..(r1 + 8).min(rows.end)).map(&row), n / 4 + n % 4);
         let mut t = 0;
         while t + 4 <= n {
             prefetch.step();
             let four = [token(t), token(t + 1), token(t + 2), token(t + 3)];
-            let dots = if vnni { legacy_group_dot_vnni::<MIN, 4>(&group, four) } else { legacy_group_dot::<B, MIN, 4>(&group, four) };
+            let dots = if vnni { legacy_group_dot_vnni::<B, 4>(&group, four) } else { legacy_group_dot::<B, 4>(&group, four) };
             for (k, lanes) in dots.iter().enumerate() {
                 put(t + k, r0, &lanes[..r1 - r0]);
             }
@@ -304,7 +304,7 @@ unsafe fn legacy_rows<'a, B: SignedBlock, const MIN: bool>(row: impl Fn(usize) -
         }
         for t in t..n {
             prefetch.step();
-            let one = if vnni { legacy_group_dot_vnni::<MIN, 1>(&group, [token(t)]) } else { legacy_group_dot::<B, MIN, 1>(&group, [token(t)]) };
+            let one = if vnni { legacy_group_dot_vnni::<B, 1>(&group, [token(t)]) } else { legacy_group_dot::<B, 1>(&group, [token(t)]) };
             put(t, r0, &one[0][..r1 - r0]);
         }
         r0 = r1;
