@@ -115,7 +115,7 @@ pub(crate) unsafe fn unpack_nibbles(qs: &[u8; 16]) -> __m256i {
 }
 
 /// A 32-weight block format read by `dot_legacy` and the prompts' row groups
-/// (`panel_avx2::legacy_rows_all_tokens`): signed weights v times one f16 scale (Q4_0's q - 8,
+/// (`legacy_avx2::legacy_rows_all_tokens`): signed weights v times one f16 scale (Q4_0's q - 8,
 /// Q5_0's q - 16, Q8_0, IQ4_NL's grid values), or with `MIN` unsigned q times the scale plus an
 /// f16 minimum (Q4_1, Q5_1).
 pub(crate) trait LegacyBlock {
@@ -201,7 +201,7 @@ pub unsafe fn dot_q8_0<const R: usize, const N: usize>(w: [&[BlockQ8_0]; R], a: 
 /// the integer sum. A block's products sum exactly in integers, then one float step per block,
 /// row and token: acc = fma(sum, d * d_a, acc), and with minima min = fma(m, s_a, min) (s_a:
 /// the activations' scaled sum), the result acc (+ min): the steps the prompts' row groups
-/// (`panel_avx2::legacy_rows_all_tokens`) take in each lane, so that a token's dot is bit for
+/// (`legacy_avx2::legacy_rows_all_tokens`) take in each lane, so that a token's dot is bit for
 /// bit the same in a prompt as alone.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dot_legacy<B: LegacyBlock, const R: usize, const N: usize>(w: [&[B]; R], a: [&[BlockQ8Act]; N], next: &[u8]) -> [[f32; N]; R] {

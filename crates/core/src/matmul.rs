@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
-use crate::quant::{panel, panel_avx2};
+use crate::quant::{legacy_avx2, panel};
 use crate::quant::superblock::{self, BlockQ8K};
 #[cfg(target_arch = "x86_64")]
 use crate::quant::superblock_avx2::GroupWidth;
@@ -158,9 +158,9 @@ pub struct Activations {
     pub panel: Vec<panel::ActPanel>,
 }
 
-/// Batches from this many tokens up are multiplied through unpacked weight panels
-/// (`quant::panel` with AVX-512, `quant::panel_avx2` with AVX2): decoding a row once for them all
-/// beats decoding it once per four tokens.
+/// Batches from this many tokens up are multiplied through unpacked weights (`quant::panel`
+/// with AVX-512, row groups `quant::superblock_avx2` and `quant::legacy_avx2`): decoding a row
+/// once for them all beats decoding it once per four tokens.
 pub const PANEL_MIN_TOKENS: usize = 8;
 
 impl Activations {
@@ -504,16 +504,10 @@ fn rows_for_all_tokens(w: &QMatrix, rows: std::ops::Range<usize>, x: &Activation
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if level == SimdLevel::Avx2 && panel_avx2::groups_rows(w.dtype) && n >= PANEL_MIN_TOKENS {
+    if level == SimdLevel::Avx2 && legacy_avx2::groups_rows(w.dtype) && n >= PANEL_MIN_TOKENS {
         // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c, `avx_vnni` when it
         // has AVX-VNNI; `q8` holds n tokens.
-        unsafe { panel_avx2::legacy_rows_all_tokens(w.dtype, |r| w.row(r), w.cols, rows, &x.q8, n, avx_vnni(level), put) };
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if level == SimdLevel::Avx2 && w.dtype.is_quantized() && n >= PANEL_MIN_TOKENS {
-        // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c; `q8` holds n tokens.
-        unsafe { panel_avx2::rows_all_tokens(w.dtype, |r| w.row(r), w.cols, rows, &x.q8, n, |t, r, v| put(t, r, &[v])) };
+        unsafe { legacy_avx2::legacy_rows_all_tokens(w.dtype, |r| w.row(r), w.cols, rows, &x.q8, n, avx_vnni(level), put) };
         return;
     }
     let mut t = 0;
@@ -561,7 +555,7 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
     let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr())).collect();
     let level = simd_level();
     let tasks: Vec<(usize, usize)> = (0..mats.len()).flat_map(|i| (0..m.div_ceil(chunk)).map(move |c| (i, c * chunk))).collect();
-    tasks.par_iter().for_each_init(|| (Vec::new(), Vec::new(), Vec::new()), |(tokens, _unpacked, _chunks), &(i, k0)| {
+    tasks.par_iter().for_each_init(|| (Vec::new(), Vec::new()), |(tokens, _unpacked), &(i, k0)| {
         let (w, out) = (&mats[i], ptrs[i]);
         let part = &sel[k0..(k0 + chunk).min(m)];
         // SAFETY (both branches): this task alone writes columns k0..k0 + part.len() of matrix
@@ -577,12 +571,6 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
                 if level == SimdLevel::Avx512 && w.dtype.is_quantized() && !reads_q8k(w.dtype) && !x.panel.is_empty() {
                     // SAFETY: as in `rows_for_all_tokens`.
                     unsafe { panel::row_tokens(w.dtype, w.row(j), w.cols, &x.panel, tokens, _unpacked, |t, v| put(t, k, v)) };
-                    continue;
-                }
-                #[cfg(target_arch = "x86_64")]
-                if level == SimdLevel::Avx2 && w.dtype.is_quantized() && !reads_q8k(w.dtype) && !panel_avx2::groups_rows(w.dtype) && n >= PANEL_MIN_TOKENS {
-                    // SAFETY: as in `rows_for_all_tokens`.
-                    unsafe { panel_avx2::row_tokens(w.dtype, w.row(j), w.cols, &x.q8, tokens, _chunks, |t, v| put(t, k, v)) };
                     continue;
                 }
                 let mut g = tokens.chunks_exact(4);

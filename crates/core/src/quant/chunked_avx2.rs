@@ -351,15 +351,14 @@ const fn signed(dtype: DType) -> bool {
     !matches!(dtype, DType::Q5_1 | DType::Q2_K | DType::Q4_K | DType::Q5_K)
 }
 
-/// One chunk against one token, the step of every AVX2 dot of a chunked format, alone or in a
-/// prompt (`panel_avx2`, which the legacy formats share): `u` the unsigned operand of
-/// `vpmaddubsw` (|v| where `SIGNED`, whose signs move onto the activations), `scale` the
-/// halves' scales; `MIN`: `mins` += min * s; `HALVES`: the per-half minima `min_halves` times
-/// the activations' sums of four. One function, so that both give a token the same bits.
+/// One chunk against one token, the step of `dot` (the per-32 reader of every chunked format,
+/// which the AVX-512 level falls back on): `u` the unsigned operand of `vpmaddubsw` (|v| where
+/// `SIGNED`, whose signs move onto the activations), `scale` the halves' scales; `MIN`: `mins`
+/// += min * s; `HALVES`: the per-half minima `min_halves` times the activations' sums of four.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn token_step<const SIGNED: bool, const MIN: bool, const HALVES: bool>(
+unsafe fn token_step<const SIGNED: bool, const MIN: bool, const HALVES: bool>(
     u: __m256i,
     v: __m256i,
     scale: __m256,

@@ -14,7 +14,7 @@ pub mod chunked_avx2;
 #[cfg(target_arch = "x86_64")]
 pub mod panel;
 #[cfg(target_arch = "x86_64")]
-pub mod panel_avx2;
+pub mod legacy_avx2;
 pub mod superblock;
 #[cfg(target_arch = "x86_64")]
 pub mod superblock_avx2;

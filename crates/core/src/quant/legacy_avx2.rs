@@ -1,0 +1,258 @@
+//! Prompts of the 32-weight formats on AVX2 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; the AVX-512
+//! panels are in `panel`, the 256-weight formats' groups in `superblock_avx2`): eight weight
+//! rows decoded once per product into a row-interleaved `LegacyGroup`, a row per 32-bit lane,
+//! dotted with four tokens per step, so one `vpmaddubsw` (or AVX-VNNI's `vpdpbusd`) serves
+//! eight rows and a block's float step is one vector.
+//!
+//! Each lane takes `avx2::dot_legacy`'s steps: a block's products summed exactly in integers,
+//! then acc = fma(sum, d * d_a, acc) (and the minimum's step for Q4_1 and Q5_1). So a token's
+//! dot is bit for bit the same in a prompt as alone or in a small batch (the tests check it for
+//! every format). The activations are `Activations::q8`, as those kernels read them: a prompt
+//! needs no second copy.
+
+#![allow(clippy::missing_safety_doc)]
+
+use std::arch::x86_64::*;
+
+use super::chunked::{BlockIQ4NL, BlockQ5_0, BlockQ5_1};
+use super::f16_to_f32;
+use super::superblock_avx2::transpose_chunk;
+use super::{cast_blocks, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK};
+use crate::avx2::{LegacyBlock, PrefetchRows};
+
+/// Eight rows' block of a `LegacyBlock` format for a prompt, rows across the lanes (as
+/// `superblock_avx2::RowGroupBlock`): step k holds weights 4k..4k + 4 of each row, row r's
+/// four bytes in 32-bit lane r, so one `vpmaddubsw` with a token's four activations broadcast
+/// serves eight rows, and a block's float step is one vector for all of them.
+#[repr(C, align(32))]
+#[derive(Clone, Copy, Default)]
+struct LegacyGroup {
+    /// |v| for signed weights, q for formats with minima
+    u: [[u32; 8]; 8],
+    /// v, for signed weights
+    v: [[u32; 8]; 8],
+    d: [f32; 8],
+    /// the minima (Q4_1, Q5_1)
+    m: [f32; 8],
+}
+
+/// Decodes up to eight rows of a `LegacyBlock` format into `out`, a `LegacyGroup` per block;
+/// lanes past them are zero (no weights, no scales).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn unpack_legacy_group<B: LegacyBlock>(rows: &[&[u8]], out: &mut [LegacyGroup]) {
+    if rows.len() < 8 {
+        out.fill(LegacyGroup::default());
+    }
+    let (mut staged_u, mut staged_v) = ([[0u32; 8]; 8], [[0u32; 8]; 8]);
+    for (b, o) in out.iter_mut().enumerate() {
+        for (r, row) in rows.iter().enumerate() {
+            let blk = cast_blocks::<B>(row).get_unchecked(b);
+            let v = blk.weights();
+            if B::MIN {
+                _mm256_storeu_si256(staged_u[r].as_mut_ptr() as *mut __m256i, v);
+                o.m[r] = f16_to_f32(blk.min_bits());
+            } else {
+                _mm256_storeu_si256(staged_v[r].as_mut_ptr() as *mut __m256i, v);
+                _mm256_storeu_si256(staged_u[r].as_mut_ptr() as *mut __m256i, _mm256_sign_epi8(v, v));
+            }
+            o.d[r] = f16_to_f32(blk.scale_bits());
+        }
+        transpose_chunk::<8>(&staged_u, &mut o.u);
+        if !B::MIN {
+            transpose_chunk::<8>(&staged_v, &mut o.v);
+        }
+    }
+}
+
+/// A block's float steps per lane from its exact 32-bit sums (`legacy_group_dot` and its
+/// AVX-VNNI twin): acc = fma(sum, d * d_a, acc), and for Q4_1 min = fma(m, s_a, min).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn legacy_block_end<B: LegacyBlock, const T: usize>(x: &LegacyGroup, a: [&[BlockQ8Act]; T], b: usize, sums: &[__m256i; T], acc: &mut [__m256; T], mins: &mut [__m256; T]) {
+    let d = _mm256_load_ps(x.d.as_ptr());
+    for t in 0..T {
+        let ab = a[t].get_unchecked(b);
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(d, _mm256_set1_ps(ab.d)), acc[t]);
+        if B::MIN {
+            mins[t] = _mm256_fmadd_ps(_mm256_load_ps(x.m.as_ptr()), _mm256_set1_ps(ab.s), mins[t]);
+        }
+    }
+}
+
+/// Each token's lanes: acc (+ min for Q4_1).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn legacy_result<B: LegacyBlock, const T: usize>(acc: &[__m256; T], mins: &[__m256; T]) -> [[f32; 8]; T] {
+    let mut out = [[0.0f32; 8]; T];
+    for t in 0..T {
+        _mm256_storeu_ps(out[t].as_mut_ptr(), if B::MIN { _mm256_add_ps(acc[t], mins[t]) } else { acc[t] });
+    }
+    out
+}
+
+/// A group of eight rows of a `LegacyBlock` format against T tokens: lane r is row r's dot, bit
+/// for bit `avx2::dot_legacy`'s: the same exact integer sum per block, the same float steps per
+/// lane.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn legacy_group_dot<B: LegacyBlock, const T: usize>(g: &[LegacyGroup], a: [&[BlockQ8Act]; T]) -> [[f32; 8]; T] {
+    let (mut acc, mut mins) = ([_mm256_setzero_ps(); T], [_mm256_setzero_ps(); T]);
+    let ones = _mm256_set1_epi16(1);
+    let word = |p: *const i8| (p as *const i32).read_unaligned();
+    for (b, x) in g.iter().enumerate() {
+        // pair sums of |v| * a <= 2 * 16 * 127 (Q4_1's q * a <= 2 * 15 * 127): a block's eight steps
+        // sum in 16 bits (`LegacyBlock::WIDE`: |v| <= 127 or q <= 31, pairs widen to 32 bits at
+        // each step)
+        let mut sums = [_mm256_setzero_si256(); T];
+        for k in 0..8 {
+            let u = _mm256_load_si256(x.u[k].as_ptr() as *const __m256i);
+            let v = _mm256_load_si256(x.v[k].as_ptr() as *const __m256i);
+            for t in 0..T {
+                let act = _mm256_set1_epi32(word(a[t].get_unchecked(b).qs.as_ptr().add(4 * k)));
+                let act = if B::MIN { act } else { _mm256_sign_epi8(act, v) };
+                let pairs = _mm256_maddubs_epi16(u, act);
+                sums[t] = if B::WIDE { _mm256_add_epi32(sums[t], _mm256_madd_epi16(pairs, ones)) } else { _mm256_add_epi16(sums[t], pairs) };
+            }
+        }
+        if !B::WIDE {
+            for t in 0..T {
+                sums[t] = _mm256_madd_epi16(sums[t], ones);
+            }
+        }
+        legacy_block_end::<B, T>(x, a, b, &sums, &mut acc, &mut mins);
+    }
+    legacy_result::<B, T>(&acc, &mins)
+}
+
+/// `legacy_group_dot` with AVX-VNNI: `vpdpbusd` sums each step into 32 bits; the same exact
+/// sums, the same float steps.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn legacy_group_dot_vnni<B: LegacyBlock, const T: usize>(g: &[LegacyGroup], a: [&[BlockQ8Act]; T]) -> [[f32; 8]; T] {
+    let (mut acc, mut mins) = ([_mm256_setzero_ps(); T], [_mm256_setzero_ps(); T]);
+    let word = |p: *const i8| (p as *const i32).read_unaligned();
+    for (b, x) in g.iter().enumerate() {
+        let mut sums = [_mm256_setzero_si256(); T];
+        for k in 0..8 {
+            let u = _mm256_load_si256(x.u[k].as_ptr() as *const __m256i);
+            let v = _mm256_load_si256(x.v[k].as_ptr() as *const __m256i);
+            for t in 0..T {
+                let act = _mm256_set1_epi32(word(a[t].get_unchecked(b).qs.as_ptr().add(4 * k)));
+                let act = if B::MIN { act } else { _mm256_sign_epi8(act, v) };
+                sums[t] = _mm256_dpbusd_avx_epi32(sums[t], u, act);
+            }
+        }
+        legacy_block_end::<B, T>(x, a, b, &sums, &mut acc, &mut mins);
+    }
+    legacy_result::<B, T>(&acc, &mins)
+}
+
+/// Whether a type's AVX2 prompts go in row groups (`legacy_rows_all_tokens`) rather than
+/// panels.
+pub fn groups_rows(dtype: DType) -> bool {
+    matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::IQ4_NL)
+}
+
+/// A prompt's product with Q4_0, Q5_0 or Q4_1 rows in groups of eight (`LegacyGroup`), each group
+/// decoded once for all tokens, four tokens per step: `rows` of a weight matrix (`row(r)` its
+/// bytes, `cols` wide) against `n` tokens' activation blocks (`q8`: n * cols / 32), put(t, r,
+/// values of rows r, r + 1, ..); `vnni`: with AVX-VNNI (only where the CPU has it).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn legacy_rows_all_tokens<'a>(dtype: DType, row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8: &[BlockQ8Act], n: usize, vnni: bool, put: impl Fn(usize, usize, &[f32])) {
+    match dtype {
+        DType::Q4_0 => legacy_rows::<BlockQ4_0>(row, cols, rows, q8, n, vnni, put),
+        DType::Q4_1 => legacy_rows::<BlockQ4_1>(row, cols, rows, q8, n, vnni, put),
+        DType::Q5_0 => legacy_rows::<BlockQ5_0>(row, cols, rows, q8, n, vnni, put),
+        DType::Q5_1 => legacy_rows::<BlockQ5_1>(row, cols, rows, q8, n, vnni, put),
+        DType::Q8_0 => legacy_rows::<BlockQ8_0>(row, cols, rows, q8, n, vnni, put),
+        DType::IQ4_NL => legacy_rows::<BlockIQ4NL>(row, cols, rows, q8, n, vnni, put),
+        _ => unreachable!("{} has no row groups", dtype.name()),
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn legacy_rows<'a, B: LegacyBlock>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8: &[BlockQ8Act], n: usize, vnni: bool, put: impl Fn(usize, usize, &[f32])) {
+    let nb = cols / QK;
+    assert_eq!(q8.len(), n * nb, "activations: wrong size for {n} tokens of {cols}");
+    let token = |t: usize| &q8[t * nb..(t + 1) * nb];
+    let mut group = vec![LegacyGroup::default(); nb];
+    let mut r0 = rows.start;
+    while r0 < rows.end {
+        let r1 = (r0 + 8).min(rows.end);
+        let mut bytes: [&[u8]; 8] = [&[]; 8];
+        for r in r0..r1 {
+            bytes[r - r0] = row(r);
+        }
+        unpack_legacy_group::<B>(&bytes[..r1 - r0], &mut group);
+        let mut prefetch = PrefetchRows::<8>::new((r1..(r1 + 8).min(rows.end)).map(&row), n / 4 + n % 4);
+        let mut t = 0;
+        while t + 4 <= n {
+            prefetch.step();
+            let four = [token(t), token(t + 1), token(t + 2), token(t + 3)];
+            let dots = if vnni { legacy_group_dot_vnni::<B, 4>(&group, four) } else { legacy_group_dot::<B, 4>(&group, four) };
+            for (k, lanes) in dots.iter().enumerate() {
+                put(t + k, r0, &lanes[..r1 - r0]);
+            }
+            t += 4;
+        }
+        for t in t..n {
+            prefetch.step();
+            let one = if vnni { legacy_group_dot_vnni::<B, 1>(&group, [token(t)]) } else { legacy_group_dot::<B, 1>(&group, [token(t)]) };
+            put(t, r0, &one[0][..r1 - r0]);
+        }
+        r0 = r1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::matmul::{dot_row, Activations, QMatrix, SimdLevel};
+    use crate::quant::tests::{random_quantized_row, random_vec, QUANTIZED};
+
+    /// Every 32-weight format, through the row groups (with and, where the CPU has it, without
+    /// AVX-VNNI), gives bit for bit the AVX2 one-token kernels' dots (which are tested against
+    /// the scalar twins), for whole and partial groups and steps of tokens.
+    #[test]
+    fn groups_equal_one_token_kernels_bit_for_bit() {
+        if !crate::matmul::detect().has_avx2() {
+            eprintln!("skipping: no AVX2 on this CPU");
+            return;
+        }
+        for (s, dtype) in QUANTIZED.into_iter().enumerate() {
+            if !groups_rows(dtype) {
+                // read per super-block at this level (`superblock_avx2`)
+                continue;
+            }
+            for cols in [96, 256, 576, 1536] {
+                let (rows, n) = (11, 11);
+                let data: Vec<u8> = (0..rows).flat_map(|r| random_quantized_row(dtype, cols, (100 * s + r) as u64)).collect();
+                let w = QMatrix { dtype, rows, cols, data: &data };
+                let mut x = Activations::default();
+                x.set(&random_vec(n * cols, 5 + s as u64), n, cols);
+                let mut widths = vec![false];
+                if is_x86_feature_detected!("avxvnni") {
+                    widths.push(true);
+                }
+                for vnni in widths {
+                    let got = std::cell::RefCell::new(vec![f32::NAN; n * rows]);
+                    // SAFETY: AVX2 checked above, AVX-VNNI where `vnni`
+                    unsafe { legacy_rows_all_tokens(dtype, |r| w.row(r), cols, 1..rows, &x.q8, n, vnni, |t, r, v| got.borrow_mut()[t * rows + r..][..v.len()].copy_from_slice(v)) };
+                    let got = got.into_inner();
+                    for t in 0..n {
+                        assert!(got[t * rows].is_nan(), "{dtype:?}: row 0 was not asked for");
+                        for r in 1..rows {
+                            let alone = dot_row(&w, r, None, &x, [t], SimdLevel::Avx2)[0];
+                            let v = got[t * rows + r];
+                            assert_eq!(v.to_bits(), alone.to_bits(), "{dtype:?} cols {cols} vnni {vnni} row {r} token {t}: {v} vs {alone}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
