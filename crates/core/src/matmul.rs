@@ -562,6 +562,26 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
         // i's output, for every token; the buffer length n * m was asserted above.
         let put = |t: usize, k: usize, v: f32| unsafe { *out.at(t * m + k) = v };
         if let Some(keep) = keep {
+            #[cfg(target_arch = "x86_64")]
+            if level == SimdLevel::Avx2 && legacy_avx2::groups_rows(w.dtype) && n >= PANEL_MIN_TOKENS {
+                // The row groups serve these rows for every token, and only the kept cells are
+                // written: cheaper than a row's selected tokens four at a time unless the mask
+                // keeps few of them (the values are the same, bit for bit).
+                let kept = part.iter().map(|&j| (0..n).filter(|&t| keep[t * w.rows + j as usize]).count()).sum::<usize>();
+                if 4 * kept >= part.len() * n {
+                    let row = |r: usize| w.row(part[r] as usize);
+                    let put_kept = |t: usize, r: usize, v: &[f32]| {
+                        for (i, &vi) in v.iter().enumerate() {
+                            if keep[t * w.rows + part[r + i] as usize] {
+                                put(t, k0 + r + i, vi);
+                            }
+                        }
+                    };
+                    // SAFETY: as in `rows_for_all_tokens`.
+                    unsafe { legacy_avx2::legacy_rows_all_tokens(w.dtype, row, w.cols, 0..part.len(), &x.q8, n, avx_vnni(level), put_kept) };
+                    return;
+                }
+            }
             for (k, &j) in part.iter().enumerate() {
                 let j = j as usize;
                 tokens.clear();
