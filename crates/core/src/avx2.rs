@@ -290,17 +290,29 @@ unsafe fn row_sums4_i16(p: [__m256i; 4]) -> __m128i {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn row_sums4_i32(p: [__m256i; 4]) -> __m128i {
     let ones = _mm256_set1_epi16(1);
-    let q = [_mm256_madd_epi16(p[0], ones), _mm256_madd_epi16(p[1], ones), _mm256_madd_epi16(p[2], ones), _mm256_madd_epi16(p[3], ones)];
-    let h = _mm256_hadd_epi32(_mm256_hadd_epi32(q[0], q[1]), _mm256_hadd_epi32(q[2], q[3]));
-    _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h))
+    hsum4_i32([_mm256_madd_epi16(p[0], ones), _mm256_madd_epi16(p[1], ones), _mm256_madd_epi16(p[2], ones), _mm256_madd_epi16(p[3], ones)])
 }
 
 /// The sum of sixteen 16-bit lanes, as i32 (exact).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn hsum_i16(p: __m256i) -> i32 {
-    let s = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-    let x = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+    hsum_i32(_mm256_madd_epi16(p, _mm256_set1_epi16(1)))
+}
+
+/// The lane sums of four vectors of 32-bit lanes, as the four lanes of one (exact).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn hsum4_i32(v: [__m256i; 4]) -> __m128i {
+    let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h))
+}
+
+/// The sum of eight 32-bit lanes (exact).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn hsum_i32(v: __m256i) -> i32 {
+    let x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
     let x = _mm_add_epi32(x, _mm_unpackhi_epi64(x, x));
     _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32::<0b01>(x)))
 }

@@ -23,7 +23,7 @@ use super::chunked::{BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, Block
 use super::{cast_blocks, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK};
 // an f16 scale broadcast to 8 f32 lanes (see there why a broadcast)
 use crate::avx2::splat_f16 as f16;
-use crate::avx2::{hsum, Prefetch};
+use crate::avx2::{hsum, LegacyBlock, Prefetch};
 
 /// One decoded chunk: 32 signed weights, the halves' scales as [s0 x 4, s1 x 4], and the
 /// minimum (per chunk in every lane of `min`, or per half in `min_halves`).
@@ -158,7 +158,7 @@ pub(crate) unsafe fn q8_0(row: &[u8], b: usize, _c: usize) -> Decoded {
     Decoded { v: load32(x.qs.as_ptr() as *const u8), scale: f16(x.d), min: _mm256_setzero_ps(), min_halves: _mm256_setzero_ps() }
 }
 
-impl crate::avx2::LegacyBlock for BlockIQ4NL {
+impl LegacyBlock for BlockIQ4NL {
     const WIDE: bool = true;
     fn scale_bits(&self) -> u16 {
         self.d
@@ -173,7 +173,15 @@ impl crate::avx2::LegacyBlock for BlockIQ4NL {
     }
 }
 
-impl crate::avx2::LegacyBlock for BlockQ5_1 {
+/// A Q5_0/Q5_1 block's 32 unsigned 5-bit values: the nibbles of `qs` and bit i of `qh` as 16.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn five_bits(qs: &[u8; QK / 2], qh: [u8; 4]) -> __m256i {
+    let high = _mm256_and_si256(bits_to_bytes(u32::from_le_bytes(qh)), _mm256_set1_epi8(0x10));
+    _mm256_or_si256(nibbles(qs.as_ptr()), high)
+}
+
+impl LegacyBlock for BlockQ5_1 {
     const MIN: bool = true;
     const WIDE: bool = true;
     fn scale_bits(&self) -> u16 {
@@ -184,26 +192,24 @@ impl crate::avx2::LegacyBlock for BlockQ5_1 {
         self.m
     }
 
-    /// q (the fifth bits from `qh`), as `q5_1` decodes it.
+    /// q (the fifth bits from `qh`).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn weights(&self) -> __m256i {
-        let high = _mm256_and_si256(bits_to_bytes(u32::from_le_bytes(self.qh)), _mm256_set1_epi8(0x10));
-        _mm256_or_si256(nibbles(self.qs.as_ptr()), high)
+        five_bits(&self.qs, self.qh)
     }
 }
 
-impl crate::avx2::LegacyBlock for BlockQ5_0 {
+impl LegacyBlock for BlockQ5_0 {
     fn scale_bits(&self) -> u16 {
         self.d
     }
 
-    /// q - 16 (the fifth bits from `qh`), as `q5_0` decodes it.
+    /// q - 16 (the fifth bits from `qh`).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn weights(&self) -> __m256i {
-        let high = _mm256_and_si256(bits_to_bytes(u32::from_le_bytes(self.qh)), _mm256_set1_epi8(0x10));
-        _mm256_sub_epi8(_mm256_or_si256(nibbles(self.qs.as_ptr()), high), _mm256_set1_epi8(16))
+        _mm256_sub_epi8(five_bits(&self.qs, self.qh), _mm256_set1_epi8(16))
     }
 }
 
@@ -211,8 +217,7 @@ impl crate::avx2::LegacyBlock for BlockQ5_0 {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn q5_0(row: &[u8], b: usize, _c: usize) -> Decoded {
     let x = cast_blocks::<BlockQ5_0>(row).get_unchecked(b);
-    let high = _mm256_and_si256(bits_to_bytes(u32::from_le_bytes(x.qh)), _mm256_set1_epi8(0x10));
-    let v = _mm256_sub_epi8(_mm256_or_si256(nibbles(x.qs.as_ptr()), high), _mm256_set1_epi8(16));
+    let v = x.weights();
     Decoded { v, scale: f16(x.d), min: _mm256_setzero_ps(), min_halves: _mm256_setzero_ps() }
 }
 
@@ -220,8 +225,7 @@ pub(crate) unsafe fn q5_0(row: &[u8], b: usize, _c: usize) -> Decoded {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn q5_1(row: &[u8], b: usize, _c: usize) -> Decoded {
     let x = cast_blocks::<BlockQ5_1>(row).get_unchecked(b);
-    let high = _mm256_and_si256(bits_to_bytes(u32::from_le_bytes(x.qh)), _mm256_set1_epi8(0x10));
-    let v = _mm256_or_si256(nibbles(x.qs.as_ptr()), high);
+    let v = x.weights();
     // (d * q) + m, as d * q - (-m)
     Decoded { v, scale: f16(x.d), min: _mm256_sub_ps(_mm256_setzero_ps(), f16(x.m)), min_halves: _mm256_setzero_ps() }
 }

@@ -27,7 +27,7 @@ use super::chunked_avx2::{has_bit, load32, nibbles};
 use super::superblock::BlockQ8K;
 use super::{cast_blocks, DType, QK_K};
 use super::superblock::block_step;
-use crate::avx2::{Prefetch, PrefetchRows};
+use crate::avx2::{hsum4_i32, hsum_i32, Prefetch, PrefetchRows};
 
 /// Chunk c (32 activations) of a token.
 #[inline]
@@ -145,15 +145,6 @@ unsafe fn extras<B: SuperBlock, const N: usize>(blk: &Block, sums: &mut [__m256i
         }
     }
     mins
-}
-
-/// The sum of eight 32-bit lanes (exact).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum_i32(v: __m256i) -> i32 {
-    let x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
-    let x = _mm_add_epi32(x, _mm_unpackhi_epi64(x, x));
-    _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32::<0b01>(x)))
 }
 
 /// `superblock::block_step` from the lanes of a block's sums for a token.
@@ -438,11 +429,11 @@ impl<const R: usize, const N: usize> FloatSteps<R, N> {
             if R == 4 {
                 let d_a = _mm_set1_ps(at[t].d);
                 let d = _mm_setr_ps(blks[0].d, blks[1].d, blks[2].d, blks[3].d);
-                let total = hsum4([sums[0][t], sums[1][t], sums[2][t], sums[3][t]]);
+                let total = hsum4_i32([sums[0][t], sums[1][t], sums[2][t], sums[3][t]]);
                 self.acc4[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(total), _mm_mul_ps(d, d_a), self.acc4[t]);
                 if min {
                     let dmin = _mm_setr_ps(blks[0].dmin, blks[1].dmin, blks[2].dmin, blks[3].dmin);
-                    let total = hsum4([mins[0][t], mins[1][t], mins[2][t], mins[3][t]]);
+                    let total = hsum4_i32([mins[0][t], mins[1][t], mins[2][t], mins[3][t]]);
                     self.acc4[t] = _mm_fnmadd_ps(_mm_cvtepi32_ps(total), _mm_mul_ps(dmin, d_a), self.acc4[t]);
                 }
             } else {
@@ -467,14 +458,6 @@ impl<const R: usize, const N: usize> FloatSteps<R, N> {
         }
         self.acc
     }
-}
-
-/// The lane sums of four vectors, as the four lanes of one (exact).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum4(v: [__m256i; 4]) -> __m128i {
-    let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h))
 }
 
 /// R rows of a `superblock::SUPERBLOCK` type against N tokens of Q8_K activations; `next`: the
