@@ -289,72 +289,130 @@ impl QuadBlocks for BlockQ8_0 {
     }
 }
 
-/// Four weight chunks (128 weights) of a row in registers, laid out as `quant::panel` lays them
-/// out in memory: `lo`/`hi` the stored bytes (v + the format's offset, see `dot_steps`), and
-/// per lane the scale and minimum of the lane's 16 weights in `lo` (`scale`, `min`) and `hi`
-/// (`scale_hi`, `min_hi`; the same as `scale`/`min` where they are per 32).
+/// Four 32-weight blocks of a row in registers, laid out as an `ActQuad`: `lo`/`hi` the bytes
+/// (v + the format's offset, see `dot_steps`) of block c's elements 0..16 / 16..32 in lanes
+/// 4c..4c + 4, and each lane's block scale and minimum (`min`: m of w = d q + m, else zero).
+#[derive(Clone, Copy)]
 struct RegQuad {
     lo: __m512i,
     hi: __m512i,
     scale: __m512,
-    scale_hi: __m512,
     min: __m512,
-    min_hi: __m512,
 }
 
-/// The dot loop of every quantized type, four weight chunks per step, R rows against N tokens:
-/// `quad(r, j)` gives row r's step j, `OFFSET` what their bytes hold (0: v, 8: v + 8, 128: v + 128), which the
-/// activations' exact per-lane bias takes off in integers. `HALVES`: scales per 16 weights;
-/// `MIN`: minima (per 16 with `HALVES`). Per lane and step this is the arithmetic of
-/// `quant::panel`'s block, in the same order, so a token gets bit for bit the same dots
-/// here as in a prompt's panels. Several rows per call (decode: four) share the activations'
-/// loads and the call, which on SmolLM2's 576-column rows (4.5 steps) cost as much as the
-/// arithmetic; each row's sums are the same as alone.
+/// The exact integer sums of four rows' steps (lanes 4c..4c + 4 of `s[r]` hold block c's
+/// partial sums) gathered into one vector, block c of row r in lane 4c + r.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn dot_steps<const HALVES: bool, const MIN: bool, const OFFSET: i32, const R: usize, const N: usize>(
+unsafe fn block_sums4(s: [__m512i; 4]) -> __m512i {
+    let pairs = |a: __m512i, b: __m512i| _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    let (s01, s23) = (pairs(s[0], s[1]), pairs(s[2], s[3]));
+    _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23))
+}
+
+/// One row's step sums with each block's total in all four of its lanes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn block_sums1(s: __m512i) -> __m512i {
+    let s = _mm512_add_epi32(s, _mm512_shuffle_epi32::<0b01_00_11_10>(s));
+    _mm512_add_epi32(s, _mm512_shuffle_epi32::<0b10_11_00_01>(s))
+}
+
+/// Lane 4c + r from `v[r]` (whose four lanes of block c hold one value): four rows' per-block
+/// values in `block_sums4`'s order.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn rows_by_lane(v: [__m512; 4]) -> __m512 {
+    let x = _mm512_mask_blend_ps(0x2222, v[0], v[1]);
+    let x = _mm512_mask_blend_ps(0x4444, x, v[2]);
+    _mm512_mask_blend_ps(0x8888, x, v[3])
+}
+
+/// The float steps of a step's four blocks, per lane, from their exact sums `sums` (block c's
+/// in lanes 4c..4c + 4): p_c = sum_c * (d_c * d_a,c) (+ m_c * s_a,c: a single rounding of the
+/// sum, `fma`), and the step's total (p_0 + p_1) + (p_2 + p_3) in the lanes of block 0. These
+/// are the steps of the prompts' row groups (`legacy_avx2::legacy_rows_all_tokens` with
+/// AVX-512), lane for lane.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn step_total<const MIN: bool>(sums: __m512i, d: __m512, m: __m512, x: &ActQuad) -> __m512 {
+    let dd = _mm512_mul_ps(d, _mm512_load_ps(x.d.as_ptr()));
+    let p = if MIN { _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), dd, _mm512_mul_ps(m, _mm512_load_ps(x.s.as_ptr()))) } else { _mm512_mul_ps(_mm512_cvtepi32_ps(sums), dd) };
+    let p = _mm512_add_ps(p, _mm512_shuffle_f32x4::<0b10_11_00_01>(p, p));
+    _mm512_add_ps(p, _mm512_shuffle_f32x4::<0b01_00_11_10>(p, p))
+}
+
+/// The dot loop of the 32-weight formats, four blocks per step, R rows against N tokens:
+/// `quad(r, j)` gives row r's step j, `OFFSET` what its bytes hold (0: v, 8: v + 8, 128:
+/// v + 128), which the activations' exact per-lane bias takes off in integers; `MIN`: minima.
+/// Each block's products sum exactly in integers, then `step_total`, then acc += the step's
+/// total: a prompt's row groups take the same steps per lane, so a token gets bit for bit the
+/// same dots alone, in batched decode and in a prompt. Four rows (decode) share the
+/// activations' loads and one vector of float steps (`block_sums4`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn dot_steps<const MIN: bool, const OFFSET: i32, const R: usize, const N: usize>(
     steps: usize,
     quad: impl Fn(usize, usize) -> RegQuad,
     quads: [&[ActQuad]; N],
     next: &[u8],
 ) -> [[f32; N]; R] {
+    // R = 4: one vector per token, row r's total in lane r; else one per row and token (lane 0)
     let mut acc = [[_mm512_setzero_ps(); N]; R];
     let mut prefetch = crate::avx2::Prefetch::new(next, steps);
+    let zero = RegQuad { lo: _mm512_setzero_si512(), hi: _mm512_setzero_si512(), scale: _mm512_setzero_ps(), min: _mm512_setzero_ps() };
     for j in 0..steps {
         prefetch.step();
-        for (r, acc) in acc.iter_mut().enumerate() {
-            let w = quad(r, j);
-            for t in 0..N {
-                let x = quads[t].get_unchecked(j);
-                let int = |p: &[i32; 16]| _mm512_load_si512(p.as_ptr() as *const _);
-                let bytes = |p: &[i8; 64]| _mm512_load_si512(p.as_ptr() as *const _);
-                let d = _mm512_load_ps(x.d.as_ptr());
-                let a = &mut acc[t];
-                if HALVES {
-                    let lo = _mm512_dpbusd_epi32(int(&x.bias_lo), w.lo, bytes(&x.lo));
-                    let hi = _mm512_dpbusd_epi32(int(&x.bias_hi), w.hi, bytes(&x.hi));
-                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(w.scale, d), *a);
-                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(w.scale_hi, d), *a);
-                    if MIN {
-                        *a = _mm512_fnmadd_ps(w.min, _mm512_load_ps(x.s_lo.as_ptr()), *a);
-                        *a = _mm512_fnmadd_ps(w.min_hi, _mm512_load_ps(x.s_hi.as_ptr()), *a);
-                    }
-                } else {
-                    let start = match OFFSET {
-                        0 => _mm512_setzero_si512(),
-                        8 => int(&x.bias),
-                        _ => _mm512_slli_epi32::<4>(int(&x.bias)),
-                    };
-                    let dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, w.lo, bytes(&x.lo)), w.hi, bytes(&x.hi));
-                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w.scale, d), *a);
-                    if MIN {
-                        *a = _mm512_fnmadd_ps(w.min, _mm512_load_ps(x.s4.as_ptr()), *a);
-                    }
+        // (a loop, not `array::from_fn`: its closure would not be compiled for these features)
+        let mut w = [zero; R];
+        for (r, w) in w.iter_mut().enumerate() {
+            *w = quad(r, j);
+        }
+        let (d4, m4) = if R == 4 {
+            (rows_by_lane([w[0].scale, w[1].scale, w[2].scale, w[3].scale]), rows_by_lane([w[0].min, w[1].min, w[2].min, w[3].min]))
+        } else {
+            (zero.scale, zero.min)
+        };
+        for t in 0..N {
+            let x = quads[t].get_unchecked(j);
+            let bytes = |p: &[i8; 64]| _mm512_load_si512(p.as_ptr() as *const _);
+            let bias = _mm512_load_si512(x.bias.as_ptr() as *const _);
+            let start = match OFFSET {
+                0 => _mm512_setzero_si512(),
+                8 => bias,
+                _ => _mm512_slli_epi32::<4>(bias),
+            };
+            let (a_lo, a_hi) = (bytes(&x.lo), bytes(&x.hi));
+            let mut sums = [_mm512_setzero_si512(); R];
+            for r in 0..R {
+                sums[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, w[r].lo, a_lo), w[r].hi, a_hi);
+            }
+            if R == 4 {
+                let total = step_total::<MIN>(block_sums4([sums[0], sums[1], sums[2], sums[3]]), d4, m4, x);
+                acc[0][t] = _mm512_add_ps(acc[0][t], total);
+            } else {
+                for r in 0..R {
+                    let total = step_total::<MIN>(block_sums1(sums[r]), w[r].scale, w[r].min, x);
+                    acc[r][t] = _mm512_add_ps(acc[r][t], total);
                 }
             }
         }
     }
-    crate::quant::panel::hsums(&acc)
+    let mut out = [[0.0f32; N]; R];
+    for t in 0..N {
+        if R == 4 {
+            let mut lanes = [0.0f32; 16];
+            _mm512_storeu_ps(lanes.as_mut_ptr(), acc[0][t]);
+            for r in 0..R {
+                out[r][t] = lanes[r];
+            }
+        } else {
+            for r in 0..R {
+                out[r][t] = _mm512_cvtss_f32(acc[r][t]);
+            }
+        }
+    }
+    out
 }
 
 /// The legacy types' loop, R rows: four blocks per step straight from the row
@@ -372,15 +430,13 @@ unsafe fn dot_quads<B: QuadBlocks, const R: usize, const N: usize>(w: [&[B]; R],
         } else {
             B::unpack::<true>(Src { p, len: rest * std::mem::size_of::<B>() })
         };
-        // Q4_1: w = d * q + m, as d * q - (-m)
-        let min = _mm512_sub_ps(_mm512_setzero_ps(), m);
-        RegQuad { lo, hi, scale: d, scale_hi: d, min, min_hi: min }
+        RegQuad { lo, hi, scale: d, min: m }
     };
     let steps = full + (rest > 0) as usize;
     match (B::HAS_MIN, B::SIGNED) {
-        (true, _) => dot_steps::<false, true, 0, R, N>(steps, quad, quads, next),
-        (false, false) => dot_steps::<false, false, 8, R, N>(steps, quad, quads, next),
-        (false, true) => dot_steps::<false, false, 128, R, N>(steps, quad, quads, next),
+        (true, _) => dot_steps::<true, 0, R, N>(steps, quad, quads, next),
+        (false, false) => dot_steps::<false, 8, R, N>(steps, quad, quads, next),
+        (false, true) => dot_steps::<false, 128, R, N>(steps, quad, quads, next),
     }
 }
 
@@ -426,12 +482,10 @@ pub unsafe fn dot_chunked<const R: usize, const N: usize>(dtype: DType, rows: [&
                     None => gather([ch(0), ch(1), ch(2), ch(3)]),
                 }
             };
-            let (halves, min) = crate::quant::panel::shape($dtype);
-            match (halves, min) {
-                (false, false) => dot_steps::<false, false, 128, R, N>(quads[0].len(), quad, quads, next),
-                (false, true) => dot_steps::<false, true, 128, R, N>(quads[0].len(), quad, quads, next),
-                (true, false) => dot_steps::<true, false, 128, R, N>(quads[0].len(), quad, quads, next),
-                (true, true) => dot_steps::<true, true, 128, R, N>(quads[0].len(), quad, quads, next),
+            if $dtype == DType::Q5_1 {
+                dot_steps::<true, 128, R, N>(quads[0].len(), quad, quads, next)
+            } else {
+                dot_steps::<false, 128, R, N>(quads[0].len(), quad, quads, next)
             }
         }};
     }
@@ -504,8 +558,8 @@ fn fifth_bits(p: *const u8, stride: usize, qh: usize) -> (u64, u64) {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn signed_quad(lo: __m512i, hi: __m512i, scale: __m512) -> RegQuad {
-    let (flip, zero) = (_mm512_set1_epi8(-128), _mm512_setzero_ps());
-    RegQuad { lo: _mm512_xor_si512(lo, flip), hi: _mm512_xor_si512(hi, flip), scale, scale_hi: scale, min: zero, min_hi: zero }
+    let flip = _mm512_set1_epi8(-128);
+    RegQuad { lo: _mm512_xor_si512(lo, flip), hi: _mm512_xor_si512(hi, flip), scale, min: _mm512_setzero_ps() }
 }
 
 /// Four Q5_0 or Q5_1 blocks at `p` (`stride` bytes each, `qh` and `qs` at those offsets):
@@ -526,21 +580,18 @@ unsafe fn five_bit_blocks(p: *const u8, stride: usize, qh: usize, qs: usize) -> 
 unsafe fn q5_0_quad(p: *const u8) -> RegQuad {
     let (lo, hi, d) = five_bit_blocks(p, std::mem::size_of::<BlockQ5_0>(), 2, 6);
     // v + 128 = q + 112
-    let (off, zero) = (_mm512_set1_epi8(112), _mm512_setzero_ps());
-    RegQuad { lo: _mm512_add_epi8(lo, off), hi: _mm512_add_epi8(hi, off), scale: d, scale_hi: d, min: zero, min_hi: zero }
+    let off = _mm512_set1_epi8(112);
+    RegQuad { lo: _mm512_add_epi8(lo, off), hi: _mm512_add_epi8(hi, off), scale: d, min: _mm512_setzero_ps() }
 }
 
-/// Four Q5_1 blocks at `p`: v = q, weight d * v + m; the minimum lanes hold -m, as the chunk
-/// decoder gives it (and `gather` adds the per-half minima, zero here).
+/// Four Q5_1 blocks at `p`: v = q, weight d * v + m.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn q5_1_quad(p: *const u8) -> RegQuad {
     const STRIDE: usize = std::mem::size_of::<BlockQ5_1>();
     let (lo, hi, d) = five_bit_blocks(p, STRIDE, 4, 8);
-    let zero = _mm512_setzero_ps();
-    let min = _mm512_add_ps(_mm512_sub_ps(zero, block_f16_lanes(p, STRIDE, 2)), zero);
     let flip = _mm512_set1_epi8(-128);
-    RegQuad { lo: _mm512_xor_si512(lo, flip), hi: _mm512_xor_si512(hi, flip), scale: d, scale_hi: d, min, min_hi: min }
+    RegQuad { lo: _mm512_xor_si512(lo, flip), hi: _mm512_xor_si512(hi, flip), scale: d, min: block_f16_lanes(p, STRIDE, 2) }
 }
 
 /// IQ4's 16 values in every 128-bit lane.
@@ -573,16 +624,9 @@ unsafe fn gather(ch: [Decoded; 4]) -> RegQuad {
     let v = [ch[0].v, ch[1].v, ch[2].v, ch[3].v];
     let scale = |c: usize| _mm256_castps_si256(ch[c].scale);
     let scale = [scale(0), scale(1), scale(2), scale(3)];
-    // a format has either a minimum per chunk (all lanes) or one per half; the other is zero
-    let min = |c: usize| _mm256_castps_si256(_mm256_add_ps(ch[c].min, ch[c].min_halves));
+    // (the decoders give a minimum as -m, per chunk; `RegQuad` holds m)
+    let min = |c: usize| _mm256_castps_si256(_mm256_sub_ps(_mm256_setzero_ps(), ch[c].min));
     let min = [min(0), min(1), min(2), min(3)];
     let flip = _mm512_set1_epi8(-128);
-    RegQuad {
-        lo: _mm512_xor_si512(lows(v), flip),
-        hi: _mm512_xor_si512(highs(v), flip),
-        scale: _mm512_castsi512_ps(lows(scale)),
-        scale_hi: _mm512_castsi512_ps(highs(scale)),
-        min: _mm512_castsi512_ps(lows(min)),
-        min_hi: _mm512_castsi512_ps(highs(min)),
-    }
+    RegQuad { lo: _mm512_xor_si512(lows(v), flip), hi: _mm512_xor_si512(highs(v), flip), scale: _mm512_castsi512_ps(lows(scale)), min: _mm512_castsi512_ps(lows(min)) }
 }

@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
-use crate::quant::{legacy_avx2, panel};
+use crate::quant::legacy_avx2;
 use crate::quant::superblock::{self, BlockQ8K};
 #[cfg(target_arch = "x86_64")]
 use crate::quant::superblock_avx2::GroupWidth;
@@ -145,22 +145,17 @@ pub struct Activations {
     pub cols: usize,
     pub f32s: Vec<f32>,
     pub q8: Vec<BlockQ8Act>,
-    /// With AVX-512: `q8` again, in groups of four blocks as the 512-bit dots read them
-    /// (n, cols / 128).
+    /// With AVX-512: `q8` again, in groups of four blocks as the 512-bit one-token dots read
+    /// them (n, cols / 128).
     pub quads: Vec<ActQuad>,
     /// The rows quantized per 256, which the super-block formats read (n, cols / 256), see
     /// `reads_q8k`; empty where cols is not a multiple of 256.
     pub q8k: Vec<BlockQ8K>,
-    /// With AVX-512 and at least `PANEL_MIN_TOKENS` tokens: `q8` as the prefill panels read
-    /// it (n, quads(cols)); empty otherwise (then `quads` holds the activations). Panels give
-    /// every token bit for bit the dots the one-token kernels give it.
-    #[cfg(target_arch = "x86_64")]
-    pub panel: Vec<panel::ActPanel>,
 }
 
-/// Batches from this many tokens up are multiplied through unpacked weights (`quant::panel`
-/// with AVX-512, row groups `quant::superblock_avx2` and `quant::legacy_avx2`): decoding a row
-/// once for them all beats decoding it once per four tokens.
+/// Batches from this many tokens up are multiplied through unpacked weights (row groups,
+/// `quant::superblock_avx2` and `quant::legacy_avx2`): decoding a row once for them all beats
+/// decoding it once per four tokens.
 pub const PANEL_MIN_TOKENS: usize = 8;
 
 impl Activations {
@@ -197,15 +192,6 @@ impl Activations {
                     _ => quant::quantize_act(xs, q),
                 });
             }
-            #[cfg(target_arch = "x86_64")]
-            {
-                self.panel.clear();
-                if level == SimdLevel::Avx512 && n >= PANEL_MIN_TOKENS && per_32 {
-                    let nq = panel::quads(cols);
-                    self.panel.resize(n * nq, panel::ActPanel::default());
-                    self.panel.par_chunks_mut(nq).zip(self.q8.par_chunks(nb)).for_each(|(p, q)| panel::arrange_act_panel(q, p));
-                }
-            }
             self.q8k.clear();
             // (at every level: the tests read AVX-512 machines' activations at the lower levels
             // too, and a pass over the row is small beside any product that reads it)
@@ -220,24 +206,21 @@ impl Activations {
                 });
             }
             self.quads.clear();
-            // (the panels replace the quads for a batch that has them)
-            #[cfg(target_arch = "x86_64")]
-            let has_panel = !self.panel.is_empty();
-            #[cfg(not(target_arch = "x86_64"))]
-            let has_panel = false;
-            if level == SimdLevel::Avx512 && !has_panel && per_32 {
+            // (a prompt's row groups read `q8`; the quads serve its masked products' one-token
+            // kernels)
+            if level == SimdLevel::Avx512 && per_32 {
                 let nq = quant::act_quads(nb);
                 self.quads.resize(n * nq, ActQuad::default());
-                for (p, q) in self.quads.chunks_mut(nq).zip(self.q8.chunks(nb)) {
-                    quant::arrange_act_quads(q, p);
-                }
+                self.quads.par_chunks_mut(nq * 16).zip(self.q8.par_chunks(nb * 16)).for_each(|(p, q)| {
+                    for (p, q) in p.chunks_mut(nq).zip(q.chunks(nb)) {
+                        quant::arrange_act_quads(q, p);
+                    }
+                });
             }
         } else {
             self.q8.clear();
             self.q8k.clear();
             self.quads.clear();
-            #[cfg(target_arch = "x86_64")]
-            self.panel.clear();
         }
     }
 
@@ -283,54 +266,43 @@ pub(crate) fn dot_row<const N: usize>(w: &QMatrix, r: usize, next: Option<usize>
 #[inline]
 fn dot_row_group<const R: usize, const N: usize>(w: &QMatrix, r: usize, next: &[u8], x: &Activations, t: [usize; N], level: SimdLevel) -> [[f32; N]; R] {
     let rows: [&[u8]; R] = std::array::from_fn(|k| w.row(r + k));
-    macro_rules! quantized {
-        ($block:ty, $simd512:path, $simd:path, $scalar:path) => {{
+    // the 32-weight formats: `$avx512` the AVX-512 kernel's call (`quads` the tokens'
+    // `ActQuad`s), the AVX2 one `avx2::dot_legacy`, `$scalar(row, a)` the scalar twin
+    macro_rules! legacy {
+        ($block:ty, |$quads:ident| $avx512:expr, $scalar:expr) => {{
             let a = t.map(|ti| x.q8_row(ti));
             match level {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI and
-                // AVX2's features; `quads` is filled at this level unless panels replace it.
-                SimdLevel::Avx512 if !x.quads.is_empty() => unsafe { $simd512(rows.map(|row| cast_blocks::<$block>(row)), t.map(|ti| x.quad_row(ti)), next) },
+                // AVX2's features; `quads` is filled at this level.
+                SimdLevel::Avx512 => unsafe {
+                    let $quads = t.map(|ti| x.quad_row(ti));
+                    $avx512
+                },
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c.
-                SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { $simd(rows.map(|row| cast_blocks::<$block>(row)), a, next) },
-                _ => rows.map(|row| $scalar(cast_blocks::<$block>(row), a)),
+                // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
+                SimdLevel::Avx2 => unsafe { crate::avx2::dot_legacy(rows.map(|row| cast_blocks::<$block>(row)), a, next) },
+                _ => rows.map(|row| $scalar(row, a)),
             }
         }};
     }
+    use quant::chunked::{dot_scalar, BlockIQ4NL, BlockQ5_0, BlockQ5_1};
     match w.dtype {
         DType::F32 | DType::F16 | DType::BF16 => {
             let a = t.map(|ti| x.f32_row(ti));
             match level {
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: as above.
+                // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c.
                 SimdLevel::Avx2 | SimdLevel::Avx512 => rows.map(|row| unsafe { crate::avx2::dot_float(w.dtype, row, a, next) }),
                 _ => rows.map(|row| quant::dot_float_scalar(w.dtype, row, a)),
             }
         }
-        DType::Q4_0 => quantized!(BlockQ4_0, crate::avx512::dot_q4_0, crate::avx2::dot_q4_0, quant::dot_q4_0_scalar),
-        DType::Q4_1 => quantized!(BlockQ4_1, crate::avx512::dot_q4_1, crate::avx2::dot_q4_1, quant::dot_q4_1_scalar),
-        DType::Q8_0 => quantized!(BlockQ8_0, crate::avx512::dot_q8_0, crate::avx2::dot_q8_0, quant::dot_q8_0_scalar),
-        // Q5_0, Q5_1 and IQ4_NL on AVX2 as Q4_0 and Q4_1 (integer block sums, the row groups'
-        // float steps)
-        #[cfg(target_arch = "x86_64")]
-        DType::Q5_0 if level == SimdLevel::Avx2 => {
-            let a = t.map(|ti| x.q8_row(ti));
-            // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
-            unsafe { crate::avx2::dot_legacy(rows.map(|row| cast_blocks::<quant::chunked::BlockQ5_0>(row)), a, next) }
-        }
-        #[cfg(target_arch = "x86_64")]
-        DType::Q5_1 if level == SimdLevel::Avx2 => {
-            let a = t.map(|ti| x.q8_row(ti));
-            // SAFETY: as above.
-            unsafe { crate::avx2::dot_legacy(rows.map(|row| cast_blocks::<quant::chunked::BlockQ5_1>(row)), a, next) }
-        }
-        #[cfg(target_arch = "x86_64")]
-        DType::IQ4_NL if level == SimdLevel::Avx2 => {
-            let a = t.map(|ti| x.q8_row(ti));
-            // SAFETY: as above.
-            unsafe { crate::avx2::dot_legacy(rows.map(|row| cast_blocks::<quant::chunked::BlockIQ4NL>(row)), a, next) }
-        }
+        DType::Q4_0 => legacy!(BlockQ4_0, |q| crate::avx512::dot_q4_0(rows.map(|row| cast_blocks(row)), q, next), |row, a| quant::dot_q4_0_scalar(cast_blocks(row), a)),
+        DType::Q4_1 => legacy!(BlockQ4_1, |q| crate::avx512::dot_q4_1(rows.map(|row| cast_blocks(row)), q, next), |row, a| quant::dot_q4_1_scalar(cast_blocks(row), a)),
+        DType::Q8_0 => legacy!(BlockQ8_0, |q| crate::avx512::dot_q8_0(rows.map(|row| cast_blocks(row)), q, next), |row, a| quant::dot_q8_0_scalar(cast_blocks(row), a)),
+        DType::Q5_0 => legacy!(BlockQ5_0, |q| crate::avx512::dot_chunked(w.dtype, rows, q, next), |row, a| dot_scalar(w.dtype, row, a)),
+        DType::Q5_1 => legacy!(BlockQ5_1, |q| crate::avx512::dot_chunked(w.dtype, rows, q, next), |row, a| dot_scalar(w.dtype, row, a)),
+        DType::IQ4_NL => legacy!(BlockIQ4NL, |q| crate::avx512::dot_chunked(w.dtype, rows, q, next), |row, a| dot_scalar(w.dtype, row, a)),
         // the super-block formats with per-256 activations
         dtype if reads_q8k(dtype) => {
             let a = t.map(|ti| x.q8k_row(ti));
@@ -341,19 +313,7 @@ fn dot_row_group<const R: usize, const N: usize>(w: &QMatrix, r: usize, next: &[
                 _ => rows.map(|row| superblock::dot_scalar(dtype, row, a)),
             }
         }
-        // the other chunked formats
-        _ => {
-            let a = t.map(|ti| x.q8_row(ti));
-            match level {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI and AVX2's features.
-                SimdLevel::Avx512 if !x.quads.is_empty() => unsafe { crate::avx512::dot_chunked(w.dtype, rows, t.map(|ti| x.quad_row(ti)), next) },
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: as above.
-                SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { quant::chunked_avx2::dot(w.dtype, rows, a, next) },
-                _ => rows.map(|row| quant::chunked::dot_scalar(w.dtype, row, a)),
-            }
-        }
+        dtype => unreachable!("{} has no dot product", dtype.name()),
     }
 }
 
@@ -477,6 +437,16 @@ unsafe fn copy_values(v: &[f32], dst: *mut f32) {
 /// Most matrices one `matmul_many` call takes (q, k, v and a few more).
 const MAX_MATS: usize = 8;
 
+/// How a prompt's row groups are dotted at `level` (x86_64 only).
+#[cfg(target_arch = "x86_64")]
+fn group_width(level: SimdLevel) -> GroupWidth {
+    match level {
+        SimdLevel::Avx512 => GroupWidth::Avx512,
+        _ if avx_vnni(level) => GroupWidth::AvxVnni,
+        _ => GroupWidth::Avx2,
+    }
+}
+
 /// Dots of the weight rows `rows` with every token of `x`: put(token, first row, values of
 /// consecutive rows from it; a row group's at once, so that the stores to an output line not
 /// yet in cache are one, not one per value). Four tokens per pass over the rows, so each
@@ -484,30 +454,17 @@ const MAX_MATS: usize = 8;
 fn rows_for_all_tokens(w: &QMatrix, rows: std::ops::Range<usize>, x: &Activations, level: SimdLevel, put: impl Fn(usize, usize, &[f32])) {
     let n = x.n;
     #[cfg(target_arch = "x86_64")]
-    if level == SimdLevel::Avx512 && w.dtype.is_quantized() && !reads_q8k(w.dtype) && !x.panel.is_empty() {
-        // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI and AVX2's
-        // features; `panel` holds n tokens (filled by `set` at this level).
-        unsafe { panel::rows_all_tokens(w.dtype, |r| w.row(r), w.cols, rows, &x.panel, n, |t, r, v| put(t, r, &[v])) };
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
     if level.has_avx2() && reads_q8k(w.dtype) && n >= PANEL_MIN_TOKENS {
         // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c, Avx512
-        // when it has AVX-512 F/BW/VL/VNNI too; `q8k` holds n tokens (cols is a multiple of 256
-        // for these types).
-        let width = match level {
-            SimdLevel::Avx512 => GroupWidth::Avx512,
-            _ if avx_vnni(level) => GroupWidth::AvxVnni,
-            _ => GroupWidth::Avx2,
-        };
-        unsafe { quant::superblock_avx2::rows_all_tokens(w.dtype, width, |r| w.row(r), w.cols, rows, &x.q8k, n, put) };
+        // when it has AVX-512 F/BW/VL/VNNI too, `avx_vnni` when it has AVX-VNNI; `q8k` holds n
+        // tokens (cols is a multiple of 256 for these types).
+        unsafe { quant::superblock_avx2::rows_all_tokens(w.dtype, group_width(level), |r| w.row(r), w.cols, rows, &x.q8k, n, put) };
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if level == SimdLevel::Avx2 && legacy_avx2::groups_rows(w.dtype) && n >= PANEL_MIN_TOKENS {
-        // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c, `avx_vnni` when it
-        // has AVX-VNNI; `q8` holds n tokens.
-        unsafe { legacy_avx2::legacy_rows_all_tokens(w.dtype, |r| w.row(r), w.cols, rows, &x.q8, n, avx_vnni(level), put) };
+    if level.has_avx2() && legacy_avx2::groups_rows(w.dtype) && n >= PANEL_MIN_TOKENS {
+        // SAFETY: as above; `q8` holds n tokens.
+        unsafe { legacy_avx2::legacy_rows_all_tokens(w.dtype, group_width(level), |r| w.row(r), w.cols, rows, &x.q8, n, put) };
         return;
     }
     let mut t = 0;
@@ -555,7 +512,7 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
     let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr())).collect();
     let level = simd_level();
     let tasks: Vec<(usize, usize)> = (0..mats.len()).flat_map(|i| (0..m.div_ceil(chunk)).map(move |c| (i, c * chunk))).collect();
-    tasks.par_iter().for_each_init(|| (Vec::new(), Vec::new()), |(tokens, _unpacked), &(i, k0)| {
+    tasks.par_iter().for_each_init(Vec::new, |tokens, &(i, k0)| {
         let (w, out) = (&mats[i], ptrs[i]);
         let part = &sel[k0..(k0 + chunk).min(m)];
         // SAFETY (both branches): this task alone writes columns k0..k0 + part.len() of matrix
@@ -563,7 +520,7 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
         let put = |t: usize, k: usize, v: f32| unsafe { *out.at(t * m + k) = v };
         if let Some(keep) = keep {
             #[cfg(target_arch = "x86_64")]
-            if level == SimdLevel::Avx2 && legacy_avx2::groups_rows(w.dtype) && n >= PANEL_MIN_TOKENS {
+            if level.has_avx2() && legacy_avx2::groups_rows(w.dtype) && n >= PANEL_MIN_TOKENS {
                 // The row groups serve these rows for every token, and only the kept cells are
                 // written: cheaper than a row's selected tokens four at a time unless the mask
                 // keeps few of them (the values are the same, bit for bit).
@@ -578,7 +535,7 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
                         }
                     };
                     // SAFETY: as in `rows_for_all_tokens`.
-                    unsafe { legacy_avx2::legacy_rows_all_tokens(w.dtype, row, w.cols, 0..part.len(), &x.q8, n, avx_vnni(level), put_kept) };
+                    unsafe { legacy_avx2::legacy_rows_all_tokens(w.dtype, group_width(level), row, w.cols, 0..part.len(), &x.q8, n, put_kept) };
                     return;
                 }
             }
@@ -587,12 +544,6 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
                 tokens.clear();
                 tokens.extend((0..n).filter(|&t| keep[t * w.rows + j]));
                 let (k, next) = (k0 + k, part.get(k + 1).map(|&n| n as usize));
-                #[cfg(target_arch = "x86_64")]
-                if level == SimdLevel::Avx512 && w.dtype.is_quantized() && !reads_q8k(w.dtype) && !x.panel.is_empty() {
-                    // SAFETY: as in `rows_for_all_tokens`.
-                    unsafe { panel::row_tokens(w.dtype, w.row(j), w.cols, &x.panel, tokens, _unpacked, |t, v| put(t, k, v)) };
-                    continue;
-                }
                 let mut g = tokens.chunks_exact(4);
                 for q in &mut g {
                     let v = dot_row(w, j, next, x, [q[0], q[1], q[2], q[3]], level);
@@ -756,11 +707,11 @@ mod tests {
     }
 
     /// On AVX-512, a token's dots are bit for bit the same whether it goes alone (n = 1), in a
-    /// small batch of one-token kernels or through a batch's weight panels: a session's results
+    /// small batch of one-token kernels or through a prompt's row groups: a session's results
     /// do not depend on how its tokens were batched (batched decode, prompt pieces) or cached.
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn panels_and_one_token_kernels_agree_bit_for_bit() {
+    fn prompts_and_one_token_kernels_agree_bit_for_bit() {
         if simd_level() != SimdLevel::Avx512 {
             eprintln!("skipping: no AVX-512 VNNI on this CPU");
             return;
@@ -779,12 +730,11 @@ mod tests {
                 let product = |t0: usize, m: usize| {
                     let mut x = Activations::default();
                     x.set(&x_f[t0 * cols..(t0 + m) * cols], m, cols);
-                    assert_eq!(x.panel.is_empty(), m < PANEL_MIN_TOKENS);
                     let mut out = vec![0.0f32; m * rows];
                     pool.install(|| matmul(&w, &x, &mut out));
                     out
                 };
-                // through panels, and in batches of 7, 2 and 1 through the one-token kernels
+                // through row groups, and in batches of 7, 2 and 1 through the one-token kernels
                 let prompt = product(0, n);
                 let mut batch = product(0, 7);
                 batch.extend(product(7, 2));
@@ -794,7 +744,7 @@ mod tests {
                     let alone = product(t, 1);
                     for r in 0..rows {
                         let p = prompt[t * rows + r];
-                        assert_eq!(p.to_bits(), alone[r].to_bits(), "{dtype:?} cols {cols} token {t} row {r}: panel {p} vs alone {}", alone[r]);
+                        assert_eq!(p.to_bits(), alone[r].to_bits(), "{dtype:?} cols {cols} token {t} row {r}: prompt {p} vs alone {}", alone[r]);
                         assert_eq!(batch[t * rows + r].to_bits(), alone[r].to_bits(), "{dtype:?} cols {cols} token {t} row {r}: batch");
                     }
                 }
@@ -802,8 +752,8 @@ mod tests {
         }
     }
 
-    /// Below AVX-512 too, a token's dots are bit for bit the same in a prompt (panels, or the
-    /// super-block formats four tokens per call) as alone or two at a time.
+    /// Below AVX-512 too, a token's dots are bit for bit the same in a prompt (row groups, or
+    /// four tokens per call) as alone or two at a time.
     #[test]
     fn prompts_and_one_token_kernels_agree_below_avx512() {
         use crate::quant::tests::{random_quantized_row, QUANTIZED};
@@ -844,7 +794,7 @@ mod tests {
             let data: Vec<u8> = w_f.chunks(cols).flat_map(|r| quantize_row(dtype, r)).collect();
             let g = QMatrix { dtype, rows, cols, data: &data };
             let u = QMatrix { dtype, rows, cols, data: &data[..] };
-            // (from PANEL_MIN_TOKENS tokens up, AVX-512 multiplies through weight panels)
+            // (from PANEL_MIN_TOKENS tokens up, the quantized types go through row groups)
             for n in [1, 2, 3, 5, 7, 9, 13] {
                 let mut x = Activations::default();
                 x.set(&random_vec(n * cols, n as u64), n, cols);

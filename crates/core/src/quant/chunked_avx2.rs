@@ -20,10 +20,10 @@
 use std::arch::x86_64::*;
 
 use super::chunked::{BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, IQ4_VALUES};
-use super::{cast_blocks, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK};
+use super::{cast_blocks, BlockQ4_0, BlockQ4_1, BlockQ8_0, DType, QK};
 // an f16 scale broadcast to 8 f32 lanes (see there why a broadcast)
 use crate::avx2::splat_f16 as f16;
-use crate::avx2::{hsum, LegacyBlock, Prefetch};
+use crate::avx2::LegacyBlock;
 
 /// One decoded chunk: 32 signed weights, the halves' scales as [s0 x 4, s1 x 4], and the
 /// minimum (per chunk in every lane of `min`, or per half in `min_halves`).
@@ -350,101 +350,6 @@ macro_rules! with_decoder {
 }
 pub(crate) use with_decoder;
 
-/// Whether the format's weights can be negative (then the product needs `vpsignb`).
-const fn signed(dtype: DType) -> bool {
-    !matches!(dtype, DType::Q5_1 | DType::Q2_K | DType::Q4_K | DType::Q5_K)
-}
-
-/// One chunk against one token, the step of `dot` (the per-32 reader of every chunked format,
-/// which the AVX-512 level falls back on): `u` the unsigned operand of `vpmaddubsw` (|v| where
-/// `SIGNED`, whose signs move onto the activations), `scale` the halves' scales; `MIN`: `mins`
-/// += min * s; `HALVES`: the per-half minima `min_halves` times the activations' sums of four.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn token_step<const SIGNED: bool, const MIN: bool, const HALVES: bool>(
-    u: __m256i,
-    v: __m256i,
-    scale: __m256,
-    min: __m256,
-    min_halves: __m256,
-    x: &BlockQ8Act,
-    acc: &mut __m256,
-    mins: &mut __m256,
-) {
-    let q = _mm256_loadu_si256(x.qs.as_ptr() as *const __m256i);
-    let s = if SIGNED { _mm256_sign_epi8(q, v) } else { q };
-    let d = _mm256_set1_ps(x.d);
-    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(maddubs(u, s)), _mm256_mul_ps(scale, d), *acc);
-    if MIN {
-        *mins = _mm256_fmadd_ps(min, _mm256_set1_ps(x.s), *mins);
-    }
-    if HALVES {
-        let sums = maddubs(_mm256_set1_epi8(1), q);
-        *acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(min_halves, d), *acc);
-    }
-}
-
-/// The row loop, written once for every format, R rows at a time: `$decode(row, b, c)` is the
-/// format's chunk decoder.
-macro_rules! row_dot {
-    ($dtype:expr, $decode:ident, $rows:expr, $a:expr, $next:expr) => {{
-        let (rows, a) = ($rows, $a);
-        const SIGNED: bool = signed($dtype);
-        const MIN: bool = matches!($dtype, DType::Q5_1 | DType::Q4_K | DType::Q5_K);
-        const HALVES: bool = matches!($dtype, DType::Q2_K);
-        let mut acc = [[_mm256_setzero_ps(); N]; R];
-        let mut mins = [[_mm256_setzero_ps(); N]; R];
-        const PER_BLOCK: usize = chunks_per_block($dtype);
-        let mut prefetch = Prefetch::new($next, a[0].len() / PER_BLOCK);
-        for b in 0..a[0].len() / PER_BLOCK {
-            prefetch.step();
-            for c in 0..PER_BLOCK {
-                for r in 0..R {
-                    let ch = $decode(rows[r], b, c);
-                    let u = if SIGNED { _mm256_sign_epi8(ch.v, ch.v) } else { ch.v };
-                    for t in 0..N {
-                        let x: &BlockQ8Act = a[t].get_unchecked(b * PER_BLOCK + c);
-                        token_step::<SIGNED, MIN, HALVES>(u, ch.v, ch.scale, ch.min, ch.min_halves, x, &mut acc[r][t], &mut mins[r][t]);
-                    }
-                }
-            }
-        }
-        let mut out = [[0.0f32; N]; R];
-        for r in 0..R {
-            for t in 0..N {
-                // (every lane of mins holds the sum)
-                out[r][t] = hsum(acc[r][t]) - _mm256_cvtss_f32(mins[r][t]);
-            }
-        }
-        out
-    }};
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn maddubs(u: __m256i, s: __m256i) -> __m256i {
-    _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
-}
-
-/// R rows of a chunked type against N int8 activation rows: the twin of `chunked::dot_scalar`.
-/// `next`: the bytes read after these rows (prefetched, see `matmul::dot_row`).
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot<const R: usize, const N: usize>(dtype: DType, rows: [&[u8]; R], a: [&[BlockQ8Act]; N], next: &[u8]) -> [[f32; N]; R] {
-    match dtype {
-        DType::Q5_0 => row_dot!(DType::Q5_0, q5_0, rows, a, next),
-        DType::Q5_1 => row_dot!(DType::Q5_1, q5_1, rows, a, next),
-        DType::Q2_K => row_dot!(DType::Q2_K, q2_k, rows, a, next),
-        DType::Q3_K => row_dot!(DType::Q3_K, q3_k, rows, a, next),
-        DType::Q4_K => row_dot!(DType::Q4_K, q4_k, rows, a, next),
-        DType::Q5_K => row_dot!(DType::Q5_K, q5_k, rows, a, next),
-        DType::Q6_K => row_dot!(DType::Q6_K, q6_k, rows, a, next),
-        DType::IQ4_NL => row_dot!(DType::IQ4_NL, iq4_nl, rows, a, next),
-        DType::IQ4_XS => row_dot!(DType::IQ4_XS, iq4_xs, rows, a, next),
-        _ => unreachable!("{} is not a chunked type", dtype.name()),
-    }
-}
-
 /// y += sum over r of a[r] * row r, for R rows of a chunked type (the sparse down projection):
 /// each chunk decoded, its weights scale * v - min widened to floats. The SIMD twin of R calls
 /// of `chunked::axpy_scalar` (each weight rounded as there; the sum fused).
@@ -511,48 +416,6 @@ mod tests {
                     let min = if dtype == DType::Q2_K { min_halves[4 * h] } else { min[4 * h] };
                     assert_eq!(min, want.min[h], "{dtype:?} chunk {k} min");
                 }
-            }
-        }
-    }
-
-    /// The row dots equal the scalar dot up to float
-    /// summation order, for 1, 2 and 4 activation rows.
-    #[test]
-    fn dots_match_scalar() {
-        use crate::quant::{quantize_act, tests::random_vec};
-        let level = crate::matmul::detect();
-        if !level.has_avx2() {
-            eprintln!("skipping: no AVX2 on this CPU");
-            return;
-        }
-        let n = 768;
-        let acts: Vec<Vec<BlockQ8Act>> = (0..4)
-            .map(|t| {
-                let mut a = vec![BlockQ8Act::default(); n / QK];
-                quantize_act(&random_vec(n, 70 + t), &mut a);
-                a
-            })
-            .collect();
-        let a4 = [&acts[0][..], &acts[1][..], &acts[2][..], &acts[3][..]];
-        for (s, dtype) in CHUNKED.into_iter().enumerate() {
-            let rows = [random_row(dtype, n, 60 + s as u64), random_row(dtype, n, 160 + s as u64)];
-            let want = [0, 1].map(|r| crate::quant::chunked::dot_scalar(dtype, &rows[r], a4));
-            let scale = want.iter().flatten().fold(0.0f32, |m, w| m.max(w.abs())).max(1e-3);
-            let close = |got: &[f32], want: &[f32], what: &str| {
-                for (g, w) in got.iter().zip(want) {
-                    assert!((g - w).abs() <= 1e-5 * scale, "{dtype:?} {what}: {g} vs {w}");
-                }
-            };
-            // SAFETY: AVX2 checked above.
-            unsafe {
-                let [row0, row1] = [&rows[0][..], &rows[1][..]];
-                close(&dot(dtype, [row0], [a4[0]], &[])[0], &want[0][..1], "avx2 x1");
-                close(&dot(dtype, [row0], [a4[2], a4[3]], &[])[0], &want[0][2..], "avx2 x2");
-                close(&dot(dtype, [row0], a4, &[])[0], &want[0], "avx2 x4");
-                // two rows at once, as decode groups them: each as alone
-                let both = dot(dtype, [row0, row1], [a4[1]], &[]);
-                close(&both[0], &want[0][1..2], "avx2 rows 2 of x1");
-                close(&both[1], &want[1][1..2], "avx2 rows 2 of x1, second");
             }
         }
     }

@@ -1,14 +1,16 @@
-//! Prompts of the 32-weight formats on AVX2 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; the AVX-512
-//! panels are in `panel`, the 256-weight formats' groups in `superblock_avx2`): eight weight
-//! rows decoded once per product into a row-interleaved `LegacyGroup`, a row per 32-bit lane,
-//! dotted with four tokens per step, so one `vpmaddubsw` (or AVX-VNNI's `vpdpbusd`) serves
-//! eight rows and a block's float step is one vector.
+//! Prompts of the 32-weight formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; the 256-weight
+//! formats' groups are in `superblock_avx2`): weight rows decoded once per product into
+//! row-interleaved groups, a row per 32-bit lane, dotted with several tokens per step, so one
+//! `vpmaddubsw` (AVX2), 256-bit `vpdpbusd` (AVX-VNNI; eight rows, `LegacyGroup`) or 512-bit
+//! `vpdpbusd` (AVX-512 VNNI; sixteen rows, `LegacyGroup16`) serves a group and a block's float
+//! step is one vector.
 //!
-//! Each lane takes `avx2::dot_legacy`'s steps: a block's products summed exactly in integers,
-//! then acc = fma(sum, d * d_a, acc) (and the minimum's step for Q4_1 and Q5_1). So a token's
-//! dot is bit for bit the same in a prompt as alone or in a small batch (the tests check it for
-//! every format). The activations are `Activations::q8`, as those kernels read them: a prompt
-//! needs no second copy.
+//! Each lane takes the one-token kernels' steps at its level: a block's products summed exactly
+//! in integers, then with AVX2 `avx2::dot_legacy`'s acc = fma(sum, d * d_a, acc) (and the
+//! minimum's step for Q4_1 and Q5_1), with AVX-512 `avx512::dot_steps`'s per-block products
+//! summed four blocks at a time. So a token's dot is bit for bit the same in a prompt as alone
+//! or in a small batch (the tests check it for every format). The activations are
+//! `Activations::q8`: a prompt needs no second copy.
 
 #![allow(clippy::missing_safety_doc)]
 
@@ -16,7 +18,7 @@ use std::arch::x86_64::*;
 
 use super::chunked::{BlockIQ4NL, BlockQ5_0, BlockQ5_1};
 use super::f16_to_f32;
-use super::superblock_avx2::transpose_chunk;
+use super::superblock_avx2::{transpose_chunk, transpose_slot, GroupWidth};
 use super::{cast_blocks, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK};
 use crate::avx2::{LegacyBlock, PrefetchRows};
 
@@ -148,6 +150,160 @@ unsafe fn legacy_group_dot_vnni<B: LegacyBlock, const T: usize>(g: &[LegacyGroup
     legacy_result::<B, T>(&acc, &mins)
 }
 
+/// Sixteen rows' block of a `LegacyBlock` format for AVX-512 VNNI: as `LegacyGroup`, the
+/// weights unsigned (q for formats with minima, else v + 128, whose 128 the activations' sums
+/// take off) so that `vpdpbusd` reads them as they are.
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Default)]
+struct LegacyGroup16 {
+    u: [[u32; 16]; 8],
+    d: [f32; 16],
+    m: [f32; 16],
+}
+const _: () = assert!(std::mem::size_of::<LegacyGroup16>() == 640);
+
+/// Decodes up to sixteen rows of a `LegacyBlock` format into `out`, a `LegacyGroup16` per
+/// block; lanes past them are zero.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn unpack_legacy_group16<B: LegacyBlock>(rows: &[&[u8]], out: &mut [LegacyGroup16]) {
+    if rows.len() < 16 {
+        out.fill(LegacyGroup16::default());
+    }
+    let mut staged = [[0u32; 8]; 16];
+    for (b, o) in out.iter_mut().enumerate() {
+        for (r, row) in rows.iter().enumerate() {
+            let blk = cast_blocks::<B>(row).get_unchecked(b);
+            let v = blk.weights();
+            let u = if B::MIN { v } else { _mm256_xor_si256(v, _mm256_set1_epi8(-128)) };
+            _mm256_storeu_si256(staged[transpose_slot::<16>(r)].as_mut_ptr() as *mut __m256i, u);
+            o.d[r] = f16_to_f32(blk.scale_bits());
+            if B::MIN {
+                o.m[r] = f16_to_f32(blk.min_bits());
+            }
+        }
+        transpose_chunk::<16>(&staged, &mut o.u);
+    }
+}
+
+/// A group of sixteen rows against T tokens with AVX-512 VNNI: lane r is row r's dot, bit for
+/// bit `avx512::dot_steps`'s: per block the exact integer sum (from -128 times the
+/// activations' sum, `bias`, for signed formats), p = sum * (d * d_a) (+ m * s_a in one
+/// rounding), and per four blocks acc += (p0 + p1) + (p2 + p3), a row's missing last blocks
+/// counting as +0.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn legacy_group_dot_512<B: LegacyBlock, const T: usize>(g: &[LegacyGroup16], a: [&[BlockQ8Act]; T], bias: [&[i32]; T], out: &mut [[f32; 16]; T]) {
+    let mut acc = [_mm512_setzero_ps(); T];
+    let word = |p: *const i8| (p as *const i32).read_unaligned();
+    for q in (0..g.len()).step_by(4) {
+        // (p0 + p1), then p2 (+ p3)
+        let (mut first, mut second) = ([_mm512_setzero_ps(); T], [_mm512_setzero_ps(); T]);
+        for b in q..(q + 4).min(g.len()) {
+            let x = g.get_unchecked(b);
+            let mut sums = [_mm512_setzero_si512(); T];
+            if !B::MIN {
+                for t in 0..T {
+                    sums[t] = _mm512_set1_epi32(*bias[t].get_unchecked(b));
+                }
+            }
+            for k in 0..8 {
+                let u = _mm512_load_si512(x.u[k].as_ptr() as *const _);
+                for t in 0..T {
+                    sums[t] = _mm512_dpbusd_epi32(sums[t], u, _mm512_set1_epi32(word(a[t].get_unchecked(b).qs.as_ptr().add(4 * k))));
+                }
+            }
+            let (d, m) = (_mm512_load_ps(x.d.as_ptr()), _mm512_load_ps(x.m.as_ptr()));
+            for t in 0..T {
+                let ab = a[t].get_unchecked(b);
+                let dd = _mm512_mul_ps(d, _mm512_set1_ps(ab.d));
+                let p = if B::MIN { _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t]), dd, _mm512_mul_ps(m, _mm512_set1_ps(ab.s))) } else { _mm512_mul_ps(_mm512_cvtepi32_ps(sums[t]), dd) };
+                match b - q {
+                    0 => first[t] = p,
+                    1 => first[t] = _mm512_add_ps(first[t], p),
+                    2 => second[t] = p,
+                    _ => second[t] = _mm512_add_ps(second[t], p),
+                }
+            }
+        }
+        for t in 0..T {
+            // missing blocks add +0 where the one-token kernels add their zero padding's +0
+            let zero = _mm512_setzero_ps();
+            let first = if q + 1 < g.len() { first[t] } else { _mm512_add_ps(first[t], zero) };
+            let second = if q + 3 < g.len() { second[t] } else { _mm512_add_ps(second[t], zero) };
+            acc[t] = _mm512_add_ps(acc[t], _mm512_add_ps(first, second));
+        }
+    }
+    for t in 0..T {
+        _mm512_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+    }
+}
+
+/// Each token's activation sums times -128 (`legacy_group_dot_512`'s start for signed
+/// weights stored as v + 128), per block: n * cols / 32 of them.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn activation_bias(q8: &[BlockQ8Act]) -> Vec<i32> {
+    let (flip, zero) = (_mm256_set1_epi8(-128), _mm256_setzero_si256());
+    q8.iter()
+        .map(|blk| {
+            // sum(a + 128) of 32 bytes by `vpsadbw`, then less 32 * 128
+            let sad = _mm256_sad_epu8(_mm256_xor_si256(_mm256_loadu_si256(blk.qs.as_ptr() as *const __m256i), flip), zero);
+            let total = crate::avx2::hsum_i32(sad) - 32 * 128;
+            -128 * total
+        })
+        .collect()
+}
+
+/// `legacy_rows` with AVX-512 VNNI: groups of sixteen rows, eight tokens per step.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn legacy_rows_16<'a, B: LegacyBlock>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8: &[BlockQ8Act], n: usize, put: impl Fn(usize, usize, &[f32])) {
+    let nb = cols / QK;
+    assert_eq!(q8.len(), n * nb, "activations: wrong size for {n} tokens of {cols}");
+    let bias = if B::MIN { Vec::new() } else { activation_bias(q8) };
+    let token = |t: usize| &q8[t * nb..(t + 1) * nb];
+    let bias_of = |t: usize| if B::MIN { &bias[..] } else { &bias[t * nb..(t + 1) * nb] };
+    let mut group = vec![LegacyGroup16::default(); nb];
+    let mut r0 = rows.start;
+    while r0 < rows.end {
+        let r1 = (r0 + 16).min(rows.end);
+        let mut bytes: [&[u8]; 16] = [&[]; 16];
+        for r in r0..r1 {
+            bytes[r - r0] = row(r);
+        }
+        unpack_legacy_group16::<B>(&bytes[..r1 - r0], &mut group);
+        let mut prefetch = PrefetchRows::<16>::new((r1..(r1 + 16).min(rows.end)).map(&row), n / 4 + n % 4);
+        let mut t = 0;
+        macro_rules! tokens {
+            ($T:literal) => {{
+                let mut out = [[0.0f32; 16]; $T];
+                let a: [&[BlockQ8Act]; $T] = std::array::from_fn(|k| token(t + k));
+                let b: [&[i32]; $T] = std::array::from_fn(|k| bias_of(t + k));
+                legacy_group_dot_512::<B, $T>(&group, a, b, &mut out);
+                for (k, lanes) in out.iter().enumerate() {
+                    put(t + k, r0, &lanes[..r1 - r0]);
+                }
+                t += $T;
+            }};
+        }
+        while t + 8 <= n {
+            prefetch.step();
+            prefetch.step();
+            tokens!(8);
+        }
+        while t + 4 <= n {
+            prefetch.step();
+            tokens!(4);
+        }
+        while t < n {
+            prefetch.step();
+            tokens!(1);
+        }
+        r0 = r1;
+    }
+}
+
 /// Whether a type's AVX2 prompts go in row groups (`legacy_rows_all_tokens`) rather than
 /// panels.
 pub fn groups_rows(dtype: DType) -> bool {
@@ -157,17 +313,28 @@ pub fn groups_rows(dtype: DType) -> bool {
 /// A prompt's product with Q4_0, Q5_0 or Q4_1 rows in groups of eight (`LegacyGroup`), each group
 /// decoded once for all tokens, four tokens per step: `rows` of a weight matrix (`row(r)` its
 /// bytes, `cols` wide) against `n` tokens' activation blocks (`q8`: n * cols / 32), put(t, r,
-/// values of rows r, r + 1, ..); `vnni`: with AVX-VNNI (only where the CPU has it).
+/// values of rows r, r + 1, ..); `width`: 16-row groups with AVX-512 (only where the CPU has
+/// AVX-512 F/BW/VL/VNNI), else 8-row groups with AVX2, and AVX-VNNI where `width` says so (only
+/// where the CPU has it).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn legacy_rows_all_tokens<'a>(dtype: DType, row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8: &[BlockQ8Act], n: usize, vnni: bool, put: impl Fn(usize, usize, &[f32])) {
+pub unsafe fn legacy_rows_all_tokens<'a>(dtype: DType, width: GroupWidth, row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8: &[BlockQ8Act], n: usize, put: impl Fn(usize, usize, &[f32])) {
+    macro_rules! by_width {
+        ($block:ty) => {
+            match width {
+                GroupWidth::Avx512 => legacy_rows_16::<$block>(row, cols, rows, q8, n, put),
+                GroupWidth::AvxVnni => legacy_rows::<$block>(row, cols, rows, q8, n, true, put),
+                GroupWidth::Avx2 => legacy_rows::<$block>(row, cols, rows, q8, n, false, put),
+            }
+        };
+    }
     match dtype {
-        DType::Q4_0 => legacy_rows::<BlockQ4_0>(row, cols, rows, q8, n, vnni, put),
-        DType::Q4_1 => legacy_rows::<BlockQ4_1>(row, cols, rows, q8, n, vnni, put),
-        DType::Q5_0 => legacy_rows::<BlockQ5_0>(row, cols, rows, q8, n, vnni, put),
-        DType::Q5_1 => legacy_rows::<BlockQ5_1>(row, cols, rows, q8, n, vnni, put),
-        DType::Q8_0 => legacy_rows::<BlockQ8_0>(row, cols, rows, q8, n, vnni, put),
-        DType::IQ4_NL => legacy_rows::<BlockIQ4NL>(row, cols, rows, q8, n, vnni, put),
+        DType::Q4_0 => by_width!(BlockQ4_0),
+        DType::Q4_1 => by_width!(BlockQ4_1),
+        DType::Q5_0 => by_width!(BlockQ5_0),
+        DType::Q5_1 => by_width!(BlockQ5_1),
+        DType::Q8_0 => by_width!(BlockQ8_0),
+        DType::IQ4_NL => by_width!(BlockIQ4NL),
         _ => unreachable!("{} has no row groups", dtype.name()),
     }
 }
@@ -214,9 +381,10 @@ mod tests {
     use crate::matmul::{dot_row, Activations, QMatrix, SimdLevel};
     use crate::quant::tests::{random_quantized_row, random_vec, QUANTIZED};
 
-    /// Every 32-weight format, through the row groups (with and, where the CPU has it, without
-    /// AVX-VNNI), gives bit for bit the AVX2 one-token kernels' dots (which are tested against
-    /// the scalar twins), for whole and partial groups and steps of tokens.
+    /// Every 32-weight format, through the row groups at every width this CPU has (AVX2, and
+    /// AVX-VNNI, AVX-512 VNNI where it has them), gives bit for bit the one-token kernels' dots
+    /// at that level (which are tested against the scalar twins), for whole and partial groups,
+    /// whole and partial steps of four blocks, and steps of tokens.
     #[test]
     fn groups_equal_one_token_kernels_bit_for_bit() {
         if !crate::matmul::detect().has_avx2() {
@@ -229,26 +397,30 @@ mod tests {
                 continue;
             }
             for cols in [96, 256, 576, 1536] {
-                let (rows, n) = (11, 11);
+                let (rows, n) = (19, 13);
                 let data: Vec<u8> = (0..rows).flat_map(|r| random_quantized_row(dtype, cols, (100 * s + r) as u64)).collect();
                 let w = QMatrix { dtype, rows, cols, data: &data };
                 let mut x = Activations::default();
                 x.set(&random_vec(n * cols, 5 + s as u64), n, cols);
-                let mut widths = vec![false];
+                let mut widths = vec![(GroupWidth::Avx2, SimdLevel::Avx2)];
                 if is_x86_feature_detected!("avxvnni") {
-                    widths.push(true);
+                    widths.push((GroupWidth::AvxVnni, SimdLevel::Avx2));
                 }
-                for vnni in widths {
+                // (the activations hold the AVX-512 kernels' quads where that is the level)
+                if crate::matmul::simd_level() == SimdLevel::Avx512 {
+                    widths.push((GroupWidth::Avx512, SimdLevel::Avx512));
+                }
+                for (width, level) in widths {
                     let got = std::cell::RefCell::new(vec![f32::NAN; n * rows]);
-                    // SAFETY: AVX2 checked above, AVX-VNNI where `vnni`
-                    unsafe { legacy_rows_all_tokens(dtype, |r| w.row(r), cols, 1..rows, &x.q8, n, vnni, |t, r, v| got.borrow_mut()[t * rows + r..][..v.len()].copy_from_slice(v)) };
+                    // SAFETY: AVX2 checked above, AVX-VNNI and AVX-512 where the CPU has them
+                    unsafe { legacy_rows_all_tokens(dtype, width, |r| w.row(r), cols, 1..rows, &x.q8, n, |t, r, v| got.borrow_mut()[t * rows + r..][..v.len()].copy_from_slice(v)) };
                     let got = got.into_inner();
                     for t in 0..n {
                         assert!(got[t * rows].is_nan(), "{dtype:?}: row 0 was not asked for");
                         for r in 1..rows {
-                            let alone = dot_row(&w, r, None, &x, [t], SimdLevel::Avx2)[0];
+                            let alone = dot_row(&w, r, None, &x, [t], level)[0];
                             let v = got[t * rows + r];
-                            assert_eq!(v.to_bits(), alone.to_bits(), "{dtype:?} cols {cols} vnni {vnni} row {r} token {t}: {v} vs {alone}");
+                            assert_eq!(v.to_bits(), alone.to_bits(), "{dtype:?} cols {cols} {width:?} row {r} token {t}: {v} vs {alone}");
                         }
                     }
                 }

@@ -12,7 +12,6 @@ pub mod chunked;
 #[cfg(target_arch = "x86_64")]
 pub mod chunked_avx2;
 #[cfg(target_arch = "x86_64")]
-pub mod panel;
 #[cfg(target_arch = "x86_64")]
 pub mod legacy_avx2;
 pub mod superblock;
@@ -206,13 +205,10 @@ impl Default for BlockQ8Act {
 /// weight blocks per step (see `avx512`): `lo` holds each block's elements 0..16 (block k at
 /// bytes 16k..16k + 16), `hi` its elements 16..32, which is where a Q4_0 block's low and high
 /// nibbles land. `vpdpbusd` sums each 4 bytes into one of 16 i32 lanes, so lanes 4k..4k + 4
-/// belong to block k. Per lane: `d` its block's scale, `s4` the block's `s / 4`, `s_lo` and
-/// `s_hi` d * the sum of its half's q / 4 (per-16 minima), and, from the lane's own bytes
-/// exactly, `bias` = -8 * their sum in `lo` and `hi`, `bias_lo`/`bias_hi` = -128 * their sum in
-/// `lo` or `hi` alone: weights stored with an offset (Q4_0's q = v + 8, v + 128 elsewhere) start
-/// their dots there. Every lane's integer dot is then exactly sum(v * q) over its bytes, the
-/// value `quant::panel` computes for the same lane, so both sum the same numbers in the same
-/// order (see `avx512`). A row whose block count is not a multiple of four ends in a quad
+/// belong to block k. Per lane: `d` and `s` its block's, and, from the lane's own bytes
+/// exactly, `bias` = -8 * their sum in `lo` and `hi`: weights stored with an offset (Q4_0's
+/// q = v + 8; v + 128 takes it times 16) start their dots there, so that a block's lanes sum
+/// exactly to sum(v * q). A row whose block count is not a multiple of four ends in a quad
 /// padded with zero blocks.
 #[repr(C, align(64))]
 #[derive(Clone, Copy, Debug)]
@@ -220,18 +216,14 @@ pub struct ActQuad {
     pub lo: [i8; 64],
     pub hi: [i8; 64],
     pub d: [f32; 16],
-    pub s4: [f32; 16],
-    pub s_lo: [f32; 16],
-    pub s_hi: [f32; 16],
+    pub s: [f32; 16],
     pub bias: [i32; 16],
-    pub bias_lo: [i32; 16],
-    pub bias_hi: [i32; 16],
 }
-const _: () = assert!(std::mem::size_of::<ActQuad>() == 576);
+const _: () = assert!(std::mem::size_of::<ActQuad>() == 320);
 
 impl Default for ActQuad {
     fn default() -> Self {
-        ActQuad { lo: [0; 64], hi: [0; 64], d: [0.0; 16], s4: [0.0; 16], s_lo: [0.0; 16], s_hi: [0.0; 16], bias: [0; 16], bias_lo: [0; 16], bias_hi: [0; 16] }
+        ActQuad { lo: [0; 64], hi: [0; 64], d: [0.0; 16], s: [0.0; 16], bias: [0; 16] }
     }
 }
 
@@ -247,16 +239,11 @@ pub fn arrange_act_quads(blocks: &[BlockQ8Act], out: &mut [ActQuad]) {
         let (o, k) = (&mut out[i / 4], i % 4);
         o.lo[16 * k..16 * k + 16].copy_from_slice(&b.qs[..16]);
         o.hi[16 * k..16 * k + 16].copy_from_slice(&b.qs[16..]);
-        let half = |h: usize| b.d * b.qs[16 * h..16 * h + 16].iter().map(|&q| q as i32).sum::<i32>() as f32 / 4.0;
-        let (s_lo, s_hi) = (half(0), half(1));
         for lane in 4 * k..4 * k + 4 {
             let bytes = 4 * (lane - 4 * k);
             let sum = |h: usize| b.qs[16 * h + bytes..16 * h + bytes + 4].iter().map(|&q| q as i32).sum::<i32>();
-            o.d[lane] = b.d;
-            o.s4[lane] = b.s / 4.0;
-            (o.s_lo[lane], o.s_hi[lane]) = (s_lo, s_hi);
+            (o.d[lane], o.s[lane]) = (b.d, b.s);
             o.bias[lane] = -8 * (sum(0) + sum(1));
-            (o.bias_lo[lane], o.bias_hi[lane]) = (-128 * sum(0), -128 * sum(1));
         }
     }
 }

@@ -564,7 +564,7 @@ unsafe fn unpack_group<'a, B: SuperBlock, const G: usize>(rows: impl Iterator<It
 /// Where `transpose_chunk` wants row r's chunk: rows paired k, k + 4 (and k + 8, k + 12) so
 /// that each 512-bit load holds two rows whose words end up in the right 128-bit lanes.
 #[inline(always)]
-fn transpose_slot<const G: usize>(r: usize) -> usize {
+pub(crate) fn transpose_slot<const G: usize>(r: usize) -> usize {
     if G == 16 {
         (r & 8) + 2 * (r % 4) + (r & 4) / 4
     } else {
