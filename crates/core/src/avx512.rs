@@ -3,15 +3,18 @@
 //! a[r] * row r (twin of R calls of `quant::axpy_scalar`), each tested against its scalar twin.
 //! They must only be called after `matmul::simd_level()` reported `Avx512`.
 //!
-//! The dots take four weight chunks (32 weights each) per step (`dot_steps`), laid out as the
-//! prefill panels lay them out (`quant::panel`) and with the same arithmetic per lane and step,
-//! so a token gets bit for bit the same dot alone, in batched decode and in a prompt. Q4_0,
+//! The dots take four 32-weight blocks per step (`dot_steps`), laid out as an `ActQuad`. Q4_0,
 //! Q4_1 and Q8_0 are read four blocks at a time: two overlapping 64-byte loads cover them, one
 //! word permute gathers their weight bytes into the order of an `ActQuad` and another
-//! broadcasts their scales to each block's four lanes; the other formats through their AVX2
-//! chunk decoders (`dot_chunked`). A format's offset (Q4_0's -8, the +128 that makes signed
-//! bytes unsigned for `vpdpbusd`) comes off in integers: the dot starts from the activations'
-//! exact per-lane sums (`ActQuad::bias`). A row's last up to three chunks are a zero-padded step.
+//! broadcasts their scales to each block's four lanes; Q5_0, Q5_1 and IQ4_NL by their own
+//! four-block readers (`direct_quad`), a row's last one to three blocks through the AVX2 chunk
+//! decoders. A format's offset (Q4_0's -8, the +128 that makes signed bytes unsigned for
+//! `vpdpbusd`) comes off in integers: the dot starts from the activations' exact per-lane sums
+//! (`ActQuad::bias`). Each block's products sum exactly in integers and take one float step
+//! per block; a step's four are summed pairwise, as a prompt's row groups
+//! (`quant::legacy_avx2`) sum them in each lane, so a token gets bit for bit the same dot
+//! alone, in batched decode and in a prompt. A row's last up to three blocks are a zero-padded
+//! step.
 //!
 //! 4-bit rows are decoded by table lookup instead of integer-to-float conversion: a block's 16
 //! possible values times the row's coefficient form one 16-lane table (`(q - 8) * d * a` for

@@ -1,19 +1,10 @@
-//! AVX2 twins of `chunked`: each format's chunk decoder unpacks 32 weights into one register of
-//! signed bytes (the `Chunk::v` of the scalar decoder, tested equal), and one row loop per
-//! format dots them with N int8 activation rows (`vpmaddubsw` + `vpmaddwd`). With AVX-512 the
-//! same decoders feed `avx512::dot_chunked` and the prefill panels (`panel`).
-//!
-//! Why per chunk and not per 256-weight super-block as ggml does: the activations carry an f32
-//! scale per 32 (`BlockQ8Act`), so every chunk is converted to float once per activation row
-//! anyway; the two halves' scales ride in the two 128-bit lanes of one float vector
-//! ([s0 x 4, s1 x 4]), matching the lanes `vpmaddwd` leaves the two halves' sums in.
-//!
-//! Minima: Q4_K, Q5_K and Q5_1 have one minimum per chunk, so their minimum term is a scalar
-//! `min * BlockQ8Act::s` (the activations' scaled sum, computed at quantization); Q2_K has one
-//! per half and sums its activations in the loop.
-//!
-//! `vpmaddubsw` takes unsigned bytes on one side: signed formats multiply |v| by the activations
-//! with v's sign (`vpsignb`). No pair sum saturates: |v| <= 127 and |a| <= 127 give at most 32258.
+//! AVX2 twins of `chunked`'s chunk decoders: each format's decoder unpacks 32 weights into one
+//! register of signed bytes (the `Chunk::v` of the scalar decoder, tested equal) with the
+//! halves' scales as [s0 x 4, s1 x 4] and the minimum. They serve the sparse down projection
+//! (`axpy_rows`) of every chunked format and the last blocks of a row in the AVX-512 dots
+//! (`avx512::dot_chunked`). The dot products read whole blocks elsewhere: the 32-weight formats
+//! through `avx2::LegacyBlock` (this module implements it for Q5_0, Q5_1 and IQ4_NL), the
+//! super-block formats per 256 (`superblock_avx2`).
 
 #![allow(clippy::missing_safety_doc)]
 

@@ -11,19 +11,22 @@ use super::chunked::{int_chunk, IntChunk, QK_K};
 use super::{DType, QK};
 
 /// ggml block_q8_K: 256 activations = d * qs, and bsums[g] = the sum of qs[16g..16g + 16]
-/// (what the minimum and offset terms of a dot need).
+/// (what the minimum and offset terms of a dot need); here also the sums per 32, `bsums32`,
+/// which the prompts' row groups pair with the formats that have one minimum or scale per 32
+/// weights (half the multiplies of pairing per 16).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct BlockQ8K {
     pub d: f32,
     pub qs: [i8; QK_K],
     pub bsums: [i16; QK_K / 16],
+    pub bsums32: [i16; QK_K / 32],
 }
-const _: () = assert!(std::mem::size_of::<BlockQ8K>() == 292);
+const _: () = assert!(std::mem::size_of::<BlockQ8K>() == 308);
 
 impl Default for BlockQ8K {
     fn default() -> Self {
-        BlockQ8K { d: 0.0, qs: [0; QK_K], bsums: [0; QK_K / 16] }
+        BlockQ8K { d: 0.0, qs: [0; QK_K], bsums: [0; QK_K / 16], bsums32: [0; QK_K / 32] }
     }
 }
 
@@ -61,6 +64,9 @@ pub fn quantize_act_k(x: &[f32], out: &mut [BlockQ8K]) {
         }
         for (s, q) in o.bsums.iter_mut().zip(o.qs.chunks_exact(16)) {
             *s = q.iter().map(|&q| q as i16).sum();
+        }
+        for (s, pair) in o.bsums32.iter_mut().zip(o.bsums.chunks_exact(2)) {
+            *s = pair[0] + pair[1];
         }
         o.d = 1.0 / iscale;
     }

@@ -492,7 +492,9 @@ pub struct RowGroupBlock<const G: usize> {
     v: [[u32; G]; QK_K / 4],
     /// sub-block h (16 weights): row r's 16-bit scale, twice, in lane r (as `vpmaddwd` pairs it)
     scales: [[u32; G]; 16],
-    /// sub-blocks 2j and 2j + 1: row r's two 16-bit extras (minima or offset scales) in lane r
+    /// sub-blocks 2j and 2j + 1: row r's two 16-bit extras (minima or offset scales) in lane r;
+    /// for the formats with one per 32 weights (`SuperBlock::SCALE_WEIGHTS`), those of 32-weight
+    /// sub-blocks 2j and 2j + 1 in the first four (`extra_pairs`)
     extra: [[u32; G]; 8],
     d: [f32; G],
     dmin: [f32; G],
@@ -548,7 +550,9 @@ unsafe fn unpack_group<'a, B: SuperBlock, const G: usize>(rows: impl Iterator<It
             let mut extra = [0u32; 8];
             _mm256_storeu_si256(extra.as_mut_ptr() as *mut __m256i, blk.extra);
             for j in 0..8 {
-                o.extra[j][r] = extra[j];
+                // (per 32: both halves of lane j hold sub-block j's, as the one-token kernels
+                // pair them with the sums per 16)
+                o.extra[j][r] = if B::SCALE_WEIGHTS == 32 { if j < 4 { extra[2 * j] & 0xFFFF | extra[2 * j + 1] << 16 } else { 0 } } else { extra[j] };
             }
             (o.d[r], o.dmin[r]) = (blk.d, blk.dmin);
         }
@@ -683,8 +687,9 @@ unsafe fn group_dot<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<16>], a: [
         if B::MIN || shift > 0 {
             for t in 0..T {
                 let mut e = _mm512_setzero_si512();
-                for j in 0..8 {
-                    let pair = _mm512_set1_epi32(word(at[t].bsums.as_ptr().add(2 * j) as *const i8));
+                let (pairs, sums_of) = extra_pairs::<B>(at[t]);
+                for j in 0..pairs {
+                    let pair = _mm512_set1_epi32(word(sums_of.add(2 * j) as *const i8));
                     e = _mm512_dpwssd_epi32(e, _mm512_load_si512(x.extra[j].as_ptr() as *const _), pair);
                 }
                 if B::MIN {
@@ -708,6 +713,14 @@ unsafe fn group_dot<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<16>], a: [
     }
 }
 
+/// How a row group's extras (`RowGroupBlock::extra`) pair with a token's activation sums: four
+/// pairs with the sums per 32 for the formats with one minimum or scale per 32 weights, else
+/// eight with the sums per 16 (the same exact integer sum).
+#[inline(always)]
+fn extra_pairs<B: SuperBlock>(a: &BlockQ8K) -> (usize, *const i16) {
+    if B::SCALE_WEIGHTS == 32 { (4, a.bsums32.as_ptr()) } else { (8, a.bsums.as_ptr()) }
+}
+
 /// The end of a block of an 8-row group (`group_dot_avx2`, `group_dot_vnni`): the minima's
 /// sums or the offset from the activations' sums per 16, then the block's float step per lane.
 #[inline]
@@ -718,8 +731,9 @@ unsafe fn block_end_8<B: SuperBlock, const T: usize>(x: &RowGroupBlock<8>, at: [
     if B::MIN || B::OFFSET_SHIFT > 0 {
         for t in 0..T {
             let mut e = _mm256_setzero_si256();
-            for j in 0..8 {
-                let pair = _mm256_set1_epi32(word(at[t].bsums.as_ptr().add(2 * j) as *const i8));
+            let (pairs, sums_of) = extra_pairs::<B>(at[t]);
+            for j in 0..pairs {
+                let pair = _mm256_set1_epi32(word(sums_of.add(2 * j) as *const i8));
                 e = _mm256_add_epi32(e, _mm256_madd_epi16(load32(x.extra[j].as_ptr() as *const u8), pair));
             }
             if B::MIN {
