@@ -361,6 +361,222 @@ unsafe fn rows_dot<B: SuperBlock, const R: usize, const N: usize>(rows: [&[u8]; 
     steps.finish()
 }
 
+/// A super-block format decoded two chunks per 512-bit register, for the one-token dots with
+/// AVX-512 VNNI (`rows_dot_512`): formats whose u times four activations surely fit 16 bits
+/// (u < 64), so that a `vpdpbusd` step's lanes meet their scale by `vpdpwssd`.
+trait SuperBlock512: SuperBlock {
+    /// The chunks in the two halves of each register, in the order `decode512` gives them.
+    const PAIRS: [[usize; 2]; 4];
+    /// Calls `each(p, u, scales)` for p = 0..4: u the unsigned weights of chunks PAIRS[p] (low
+    /// half, high half), scales each 32-bit lane's (four weights') 16-bit scale in its low
+    /// word, zero in the high one.
+    unsafe fn decode512(&self, each: impl FnMut(usize, __m512i, __m512i)) -> Block;
+}
+
+/// The `vpermd` index that puts scale `of(c, h)` (of chunk c's half h: 16 weights) in the four
+/// lanes of that half, for the two chunks of each of `pairs`.
+const fn pair_scale_index(pairs: [[usize; 2]; 4], per_32: bool) -> [[i32; 16]; 4] {
+    let mut idx = [[0i32; 16]; 4];
+    let mut p = 0;
+    while p < 4 {
+        let mut lane = 0;
+        while lane < 16 {
+            let c = pairs[p][lane / 8];
+            let h = (lane / 4) % 2;
+            idx[p][lane] = if per_32 { c as i32 } else { (2 * c + h) as i32 };
+            lane += 1;
+        }
+        p += 1;
+    }
+    idx
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn index16(idx: &[i32; 16]) -> __m512i {
+    _mm512_loadu_si512(idx.as_ptr() as *const _)
+}
+
+/// Chunks 0..4 and 4..8 of two 2-bit formats (Q2_K, Q3_K): 64 bytes of `qs`, crumb s of each.
+const CRUMB_PAIRS: [[usize; 2]; 4] = [[0, 4], [1, 5], [2, 6], [3, 7]];
+/// Q4_K, Q5_K: low and high nibbles of 64 bytes of `qs` (chunks 2g, 2g + 1 in each 32).
+const NIBBLE_PAIRS: [[usize; 2]; 4] = [[0, 2], [1, 3], [4, 6], [5, 7]];
+
+/// Where bit `c0` of each byte (low half) and `c1` (high half) is set, as a byte mask.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn bits_of_pair(x: __m512i, [c0, c1]: [usize; 2]) -> __mmask64 {
+    let bits = _mm512_inserti64x4::<1>(_mm512_set1_epi8((1u8 << c0) as i8), _mm256_set1_epi8((1u8 << c1) as i8));
+    _mm512_test_epi8_mask(x, bits)
+}
+
+/// 32 bytes in both halves.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn both_halves(p: *const u8) -> __m512i {
+    _mm512_broadcast_i64x4(load32(p))
+}
+
+impl SuperBlock512 for BlockQ2K {
+    const PAIRS: [[usize; 2]; 4] = CRUMB_PAIRS;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn decode512(&self, mut each: impl FnMut(usize, __m512i, __m512i)) -> Block {
+        const IDX: [[i32; 16]; 4] = pair_scale_index(CRUMB_PAIRS, false);
+        let packed = _mm_loadu_si128(self.scales.as_ptr() as *const __m128i);
+        let low4 = _mm_set1_epi8(0x0F);
+        let scales = _mm512_cvtepu8_epi32(_mm_and_si128(packed, low4));
+        let q = _mm512_loadu_si512(self.qs.as_ptr() as *const _);
+        let three = _mm512_set1_epi8(3);
+        each(0, _mm512_and_si512(q, three), _mm512_permutexvar_epi32(index16(&IDX[0]), scales));
+        each(1, _mm512_and_si512(_mm512_srli_epi16::<2>(q), three), _mm512_permutexvar_epi32(index16(&IDX[1]), scales));
+        each(2, _mm512_and_si512(_mm512_srli_epi16::<4>(q), three), _mm512_permutexvar_epi32(index16(&IDX[2]), scales));
+        each(3, _mm512_and_si512(_mm512_srli_epi16::<6>(q), three), _mm512_permutexvar_epi32(index16(&IDX[3]), scales));
+        let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(packed), low4));
+        Block { d: f16(self.d), dmin: f16(self.dmin), extra: mins }
+    }
+}
+
+impl SuperBlock512 for BlockQ3K {
+    const PAIRS: [[usize; 2]; 4] = CRUMB_PAIRS;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn decode512(&self, mut each: impl FnMut(usize, __m512i, __m512i)) -> Block {
+        const IDX: [[i32; 16]; 4] = pair_scale_index(CRUMB_PAIRS, false);
+        let packed = q3_k_scales(&self.scales);
+        let signed = _mm_sub_epi8(_mm_loadu_si128(packed.as_ptr() as *const __m128i), _mm_set1_epi8(32));
+        // (the high words zero: `vpdpwssd` pairs them with the sums' high words)
+        let scales = _mm512_and_si512(_mm512_cvtepi8_epi32(signed), _mm512_set1_epi32(0xFFFF));
+        let q = _mm512_loadu_si512(self.qs.as_ptr() as *const _);
+        let hmask = both_halves(self.hmask.as_ptr());
+        let (three, four) = (_mm512_set1_epi8(3), _mm512_set1_epi8(4));
+        let crumbs = [q, _mm512_srli_epi16::<2>(q), _mm512_srli_epi16::<4>(q), _mm512_srli_epi16::<6>(q)];
+        for (p, crumb) in crumbs.into_iter().enumerate() {
+            let low = _mm512_and_si512(crumb, three);
+            let u = _mm512_mask_add_epi8(low, bits_of_pair(hmask, CRUMB_PAIRS[p]), low, four);
+            each(p, u, _mm512_permutexvar_epi32(index16(&IDX[p]), scales));
+        }
+        Block { d: f16(self.d), dmin: 0.0, extra: _mm256_cvtepi8_epi16(signed) }
+    }
+}
+
+/// Q4_K's and Q5_K's `decode512`: the nibbles of `qs` (and `qh`'s bit c << 4 for Q5_K).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn k4_decode512(d: u16, dmin: u16, packed: &[u8; 12], qs: &[u8; 128], qh: Option<&[u8; 32]>, mut each: impl FnMut(usize, __m512i, __m512i)) -> Block {
+    const IDX: [[i32; 16]; 4] = pair_scale_index(NIBBLE_PAIRS, true);
+    let sm = k4_scales(packed);
+    let sm = _mm_loadu_si128(sm.as_ptr() as *const __m128i);
+    // lanes 0..8: the scales (6 bits: the high words are zero)
+    let scales = _mm512_cvtepu8_epi32(sm);
+    let low4 = _mm512_set1_epi8(0x0F);
+    let high = qh.map(|qh| both_halves(qh.as_ptr()));
+    for g in 0..2 {
+        let q = _mm512_loadu_si512(qs.as_ptr().add(64 * g) as *const _);
+        let nibbles = [_mm512_and_si512(q, low4), _mm512_and_si512(_mm512_srli_epi16::<4>(q), low4)];
+        for (h, mut u) in nibbles.into_iter().enumerate() {
+            let p = 2 * g + h;
+            if let Some(high) = high {
+                u = _mm512_mask_add_epi8(u, bits_of_pair(high, NIBBLE_PAIRS[p]), u, _mm512_set1_epi8(0x10));
+            }
+            each(p, u, _mm512_permutexvar_epi32(index16(&IDX[p]), scales));
+        }
+    }
+    let mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
+    Block { d: f16(d), dmin: f16(dmin), extra: mins }
+}
+
+impl SuperBlock512 for BlockQ4K {
+    const PAIRS: [[usize; 2]; 4] = NIBBLE_PAIRS;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn decode512(&self, each: impl FnMut(usize, __m512i, __m512i)) -> Block {
+        k4_decode512(self.d, self.dmin, &self.scales, &self.qs, None, each)
+    }
+}
+
+impl SuperBlock512 for BlockQ5K {
+    const PAIRS: [[usize; 2]; 4] = NIBBLE_PAIRS;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn decode512(&self, each: impl FnMut(usize, __m512i, __m512i)) -> Block {
+        k4_decode512(self.d, self.dmin, &self.scales, &self.qs, Some(&self.qh), each)
+    }
+}
+
+/// Q6_K: chunks 4g, 4g + 1 are the low nibbles of `ql` bytes 64g..64g + 64, 4g + 2, 4g + 3 the
+/// high ones; their top two bits are bits (0, 1), (2, 3), (4, 5), (6, 7) of `qh` bytes 32g..
+const SIXES_PAIRS: [[usize; 2]; 4] = [[0, 1], [2, 3], [4, 5], [6, 7]];
+
+impl SuperBlock512 for BlockQ6K {
+    const PAIRS: [[usize; 2]; 4] = SIXES_PAIRS;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn decode512(&self, mut each: impl FnMut(usize, __m512i, __m512i)) -> Block {
+        const IDX: [[i32; 16]; 4] = pair_scale_index(SIXES_PAIRS, false);
+        let all = _mm_loadu_si128(self.scales.as_ptr() as *const __m128i);
+        let scales = _mm512_and_si512(_mm512_cvtepi8_epi32(all), _mm512_set1_epi32(0xFFFF));
+        let (low4, top2) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x30));
+        // bits (0, 1) | (2, 3) to bits 4, 5: left by 4 | 2; bits (4, 5) | (6, 7): right by 0 | 2
+        let (left, right) = (_mm512_inserti64x4::<1>(_mm512_set1_epi16(4), _mm256_set1_epi16(2)), _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(2)));
+        for g in 0..2 {
+            let ql = _mm512_loadu_si512(self.ql.as_ptr().add(64 * g) as *const _);
+            let qh = both_halves(self.qh.as_ptr().add(32 * g));
+            let first = _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_and_si512(_mm512_sllv_epi16(qh, left), top2));
+            let second = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(ql), low4), _mm512_and_si512(_mm512_srlv_epi16(qh, right), top2));
+            each(2 * g, first, _mm512_permutexvar_epi32(index16(&IDX[2 * g]), scales));
+            each(2 * g + 1, second, _mm512_permutexvar_epi32(index16(&IDX[2 * g + 1]), scales));
+        }
+        Block { d: f16(self.d), dmin: 0.0, extra: _mm256_cvtepi8_epi16(all) }
+    }
+}
+
+/// A pair of chunks against N tokens: wide[t] += scales * (u . a), four weights per lane.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn add_pair<const N: usize>(wide: &mut [__m512i; N], u: __m512i, scales: __m512i, acts: &[__m512i; N]) {
+    for t in 0..N {
+        let part = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, acts[t]);
+        wide[t] = _mm512_dpwssd_epi32(wide[t], part, scales);
+    }
+}
+
+/// R rows of a `SuperBlock512` format against N tokens with AVX-512 VNNI: two chunks per
+/// 512-bit step, `vpdpbusd` (its lanes fit 16 bits) then `vpdpwssd` with the scales; the same
+/// exact integer sums and float steps as `rows_dot`'s.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn rows_dot_512<B: SuperBlock512, const R: usize, const N: usize>(rows: [&[u8]; R], a: [&[BlockQ8K]; N], next: &[u8]) -> [[f32; N]; R] {
+    let w: [&[B]; R] = rows.map(|row| cast_blocks::<B>(row));
+    let mut steps = FloatSteps::<R, N>::new();
+    let mut prefetch = Prefetch::new(next, a[0].len());
+    for b in 0..a[0].len() {
+        prefetch.step();
+        let at: [&BlockQ8K; N] = std::array::from_fn(|t| a[t].get_unchecked(b));
+        // each token's activations in the format's pairs of chunks
+        let mut acts = [[_mm512_setzero_si512(); N]; 4];
+        for (p, [c0, c1]) in B::PAIRS.into_iter().enumerate() {
+            for t in 0..N {
+                let q = at[t].qs.as_ptr() as *const u8;
+                acts[p][t] = if c1 == c0 + 1 { _mm512_loadu_si512(q.add(32 * c0) as *const _) } else { _mm512_inserti64x4::<1>(_mm512_castsi256_si512(load32(q.add(32 * c0))), load32(q.add(32 * c1))) };
+            }
+        }
+        let mut sums = [[_mm256_setzero_si256(); N]; R];
+        let mut mins = [[_mm256_setzero_si256(); N]; R];
+        let mut blks = [Block { d: 0.0, dmin: 0.0, extra: _mm256_setzero_si256() }; R];
+        for r in 0..R {
+            let mut wide = [_mm512_setzero_si512(); N];
+            blks[r] = w[r].get_unchecked(b).decode512(|p, u, scales| add_pair(&mut wide, u, scales, &acts[p]));
+            for t in 0..N {
+                sums[r][t] = _mm256_add_epi32(_mm512_castsi512_si256(wide[t]), _mm512_extracti64x4_epi64::<1>(wide[t]));
+            }
+            mins[r] = extras::<B, N>(&blks[r], &mut sums[r], at);
+        }
+        steps.add(B::MIN, &blks, &sums, &mins, at);
+    }
+    steps.finish()
+}
+
 /// IQ4_XS rows against N tokens with AVX-512 VNNI: two chunks per 512-bit step, the grid
 /// values stored + 128 (unsigned, for `vpdpbusd`) and the 128 taken off through the
 /// activations' sums; the same exact integer sums and float steps as `rows_dot`'s.
@@ -461,12 +677,17 @@ impl<const R: usize, const N: usize> FloatSteps<R, N> {
 }
 
 /// R rows of a `superblock::SUPERBLOCK` type against N tokens of Q8_K activations; `next`: the
-/// bytes read after these rows (prefetched, see `matmul::dot_row`); `wide`: IQ4_XS with
+/// bytes read after these rows (prefetched, see `matmul::dot_row`); `wide`: with
 /// AVX-512 VNNI (only where the CPU has AVX-512 F/BW/VL/VNNI).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot<const R: usize, const N: usize>(dtype: DType, wide: bool, rows: [&[u8]; R], a: [&[BlockQ8K]; N], next: &[u8]) -> [[f32; N]; R] {
     match dtype {
         DType::IQ4_XS if wide => rows_dot_iq4_xs_512::<R, N>(rows, a, next),
+        DType::Q2_K if wide => rows_dot_512::<BlockQ2K, R, N>(rows, a, next),
+        DType::Q3_K if wide => rows_dot_512::<BlockQ3K, R, N>(rows, a, next),
+        DType::Q4_K if wide => rows_dot_512::<BlockQ4K, R, N>(rows, a, next),
+        DType::Q5_K if wide => rows_dot_512::<BlockQ5K, R, N>(rows, a, next),
+        DType::Q6_K if wide => rows_dot_512::<BlockQ6K, R, N>(rows, a, next),
         DType::Q2_K => rows_dot::<BlockQ2K, R, N>(rows, a, next),
         DType::Q3_K => rows_dot::<BlockQ3K, R, N>(rows, a, next),
         DType::Q4_K => rows_dot::<BlockQ4K, R, N>(rows, a, next),
@@ -934,7 +1155,7 @@ mod tests {
     use crate::quant::superblock::{dot_scalar, tests::q8k, SUPERBLOCK};
     use crate::quant::tests::random_vec;
 
-    /// Every format's AVX2 dot (and the AVX-512 IQ4_XS one, where the CPU has it) equals the
+    /// Every format's AVX2 dot (and the AVX-512 one, where the CPU has it) equals the
     /// scalar twin bit for bit (the same exact integer sums and the same float steps), for 1, 2
     /// and 4 tokens and 1 and 4 rows per call.
     #[test]
