@@ -337,28 +337,44 @@ impl SuperBlock for BlockIQ4XS {
     }
 }
 
-/// R rows of format B against N tokens: per block and token `float_step`, in eight float
-/// lanes summed at the end.
+/// The one-token dots' loop, written once: R rows of format B against N tokens, per block
+/// `prepare(at)` once (what every row reads of the tokens), then per row
+/// `row_block(block, prepared, at, sums)`, which adds the row's exact sums of scale * v * a to
+/// each token's lanes and gives the block's `Block`; then the minima's or offset's sums and
+/// the float steps (`FloatSteps`). `next`: the bytes read after these rows (prefetched).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_dot<B: SuperBlock, const R: usize, const N: usize>(rows: [&[u8]; R], a: [&[BlockQ8K]; N], next: &[u8]) -> [[f32; N]; R] {
+unsafe fn rows_dot_with<B: SuperBlock, P, const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    a: [&[BlockQ8K]; N],
+    next: &[u8],
+    prepare: impl Fn([&BlockQ8K; N]) -> P,
+    row_block: impl Fn(&B, &P, [&BlockQ8K; N], &mut [__m256i; N]) -> Block,
+) -> [[f32; N]; R] {
     let w: [&[B]; R] = rows.map(|row| cast_blocks::<B>(row));
     let mut steps = FloatSteps::<R, N>::new();
     let mut prefetch = Prefetch::new(next, a[0].len());
     for b in 0..a[0].len() {
         prefetch.step();
         let at: [&BlockQ8K; N] = std::array::from_fn(|t| a[t].get_unchecked(b));
+        let prepared = prepare(at);
         let mut sums = [[_mm256_setzero_si256(); N]; R];
         let mut mins = [[_mm256_setzero_si256(); N]; R];
         let mut blks = [Block { d: 0.0, dmin: 0.0, extra: _mm256_setzero_si256() }; R];
         for r in 0..R {
-            let sr = &mut sums[r];
-            blks[r] = w[r].get_unchecked(b).decode(|c, u, v, scales| add_chunk(B::SIGNED, sr, u, v, scales, at, c));
+            blks[r] = row_block(w[r].get_unchecked(b), &prepared, at, &mut sums[r]);
             mins[r] = extras::<B, N>(&blks[r], &mut sums[r], at);
         }
         steps.add(B::MIN, &blks, &sums, &mins, at);
     }
     steps.finish()
+}
+
+/// R rows of format B against N tokens with AVX2, a chunk per `vpmaddubsw`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_dot<B: SuperBlock, const R: usize, const N: usize>(rows: [&[u8]; R], a: [&[BlockQ8K]; N], next: &[u8]) -> [[f32; N]; R] {
+    rows_dot_with::<B, (), R, N>(rows, a, next, |_| (), |x, _, at, sums| x.decode(|c, u, v, scales| add_chunk(B::SIGNED, sums, u, v, scales, at, c)))
 }
 
 /// A super-block format decoded two chunks per 512-bit register, for the one-token dots with
@@ -541,40 +557,41 @@ unsafe fn add_pair<const N: usize>(wide: &mut [__m512i; N], u: __m512i, scales: 
     }
 }
 
+/// A pair of chunks' activations for every token, in a format's pairs (`SuperBlock512::PAIRS`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn paired_acts<B: SuperBlock512, const N: usize>(at: [&BlockQ8K; N]) -> [[__m512i; N]; 4] {
+    let mut acts = [[_mm512_setzero_si512(); N]; 4];
+    for (p, [c0, c1]) in B::PAIRS.into_iter().enumerate() {
+        for t in 0..N {
+            let q = at[t].qs.as_ptr() as *const u8;
+            acts[p][t] = if c1 == c0 + 1 { _mm512_loadu_si512(q.add(32 * c0) as *const _) } else { _mm512_inserti64x4::<1>(_mm512_castsi256_si512(load32(q.add(32 * c0))), load32(q.add(32 * c1))) };
+        }
+    }
+    acts
+}
+
+/// The 256-bit halves of each token's lanes added (exact integers).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn fold<const N: usize>(wide: &[__m512i; N], sums: &mut [__m256i; N]) {
+    for t in 0..N {
+        sums[t] = _mm256_add_epi32(sums[t], _mm256_add_epi32(_mm512_castsi512_si256(wide[t]), _mm512_extracti64x4_epi64::<1>(wide[t])));
+    }
+}
+
 /// R rows of a `SuperBlock512` format against N tokens with AVX-512 VNNI: two chunks per
 /// 512-bit step, `vpdpbusd` (its lanes fit 16 bits) then `vpdpwssd` with the scales; the same
 /// exact integer sums and float steps as `rows_dot`'s.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn rows_dot_512<B: SuperBlock512, const R: usize, const N: usize>(rows: [&[u8]; R], a: [&[BlockQ8K]; N], next: &[u8]) -> [[f32; N]; R] {
-    let w: [&[B]; R] = rows.map(|row| cast_blocks::<B>(row));
-    let mut steps = FloatSteps::<R, N>::new();
-    let mut prefetch = Prefetch::new(next, a[0].len());
-    for b in 0..a[0].len() {
-        prefetch.step();
-        let at: [&BlockQ8K; N] = std::array::from_fn(|t| a[t].get_unchecked(b));
-        // each token's activations in the format's pairs of chunks
-        let mut acts = [[_mm512_setzero_si512(); N]; 4];
-        for (p, [c0, c1]) in B::PAIRS.into_iter().enumerate() {
-            for t in 0..N {
-                let q = at[t].qs.as_ptr() as *const u8;
-                acts[p][t] = if c1 == c0 + 1 { _mm512_loadu_si512(q.add(32 * c0) as *const _) } else { _mm512_inserti64x4::<1>(_mm512_castsi256_si512(load32(q.add(32 * c0))), load32(q.add(32 * c1))) };
-            }
-        }
-        let mut sums = [[_mm256_setzero_si256(); N]; R];
-        let mut mins = [[_mm256_setzero_si256(); N]; R];
-        let mut blks = [Block { d: 0.0, dmin: 0.0, extra: _mm256_setzero_si256() }; R];
-        for r in 0..R {
-            let mut wide = [_mm512_setzero_si512(); N];
-            blks[r] = w[r].get_unchecked(b).decode512(|p, u, scales| add_pair(&mut wide, u, scales, &acts[p]));
-            for t in 0..N {
-                sums[r][t] = _mm256_add_epi32(_mm512_castsi512_si256(wide[t]), _mm512_extracti64x4_epi64::<1>(wide[t]));
-            }
-            mins[r] = extras::<B, N>(&blks[r], &mut sums[r], at);
-        }
-        steps.add(B::MIN, &blks, &sums, &mins, at);
-    }
-    steps.finish()
+    rows_dot_with::<B, _, R, N>(rows, a, next, |at| paired_acts::<B, N>(at), |x, acts, _, sums| {
+        let mut wide = [_mm512_setzero_si512(); N];
+        let blk = x.decode512(|p, u, scales| add_pair(&mut wide, u, scales, &acts[p]));
+        fold(&wide, sums);
+        blk
+    })
 }
 
 /// IQ4_XS rows against N tokens with AVX-512 VNNI: two chunks per 512-bit step, the grid
@@ -583,44 +600,33 @@ unsafe fn rows_dot_512<B: SuperBlock512, const R: usize, const N: usize>(rows: [
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn rows_dot_iq4_xs_512<const R: usize, const N: usize>(rows: [&[u8]; R], a: [&[BlockQ8K]; N], next: &[u8]) -> [[f32; N]; R] {
-    let w: [&[BlockIQ4XS]; R] = rows.map(|row| cast_blocks::<BlockIQ4XS>(row));
     let biased = _mm_xor_si128(_mm_loadu_si128(IQ4_VALUES.as_ptr() as *const __m128i), _mm_set1_epi8(-128));
     let table = _mm512_broadcast_i32x4(biased);
     let low4 = _mm512_set1_epi8(0x0F);
     // 32 bytes of nibbles (chunks 2h, 2h + 1) to 128-bit lanes: low, high nibbles of chunk 2h, of 2h + 1
     let spread = _mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3);
-    let mut steps = FloatSteps::<R, N>::new();
-    let mut prefetch = Prefetch::new(next, a[0].len());
-    for b in 0..a[0].len() {
-        prefetch.step();
-        let at: [&BlockQ8K; N] = std::array::from_fn(|t| a[t].get_unchecked(b));
-        let mut sums = [[_mm256_setzero_si256(); N]; R];
-        let mut blks = [Block { d: 0.0, dmin: 0.0, extra: _mm256_setzero_si256() }; R];
-        for r in 0..R {
-            let x = w[r].get_unchecked(b);
-            let ls = _mm512_castsi256_si512(iq4_xs_scales(x));
-            let mut wide = [_mm512_setzero_si512(); N];
-            for h in 0..4 {
-                let q = _mm512_permutexvar_epi64(spread, _mm512_castsi256_si512(load32(x.qs.as_ptr().add(32 * h))));
-                let u = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_mask_blend_epi64(0b1100_1100, q, _mm512_srli_epi16::<4>(q)), low4));
-                // chunk 2h's scale in lanes 0..8, 2h + 1's in 8..16
-                let which = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(2 * h as i32), _mm512_set1_epi32(2 * h as i32 + 1));
-                let scale = _mm512_permutexvar_epi32(which, ls);
-                for t in 0..N {
-                    let part = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(at[t].qs.as_ptr().add(64 * h) as *const _));
-                    wide[t] = _mm512_add_epi32(wide[t], _mm512_mullo_epi32(part, scale));
-                }
-            }
-            blks[r] = Block { d: f16(x.d), dmin: 0.0, extra: per_16(_mm512_castsi512_si256(ls)) };
+    rows_dot_with::<BlockIQ4XS, (), R, N>(rows, a, next, |_| (), |x, _, at, sums| {
+        let ls = _mm512_castsi256_si512(iq4_xs_scales(x));
+        let mut wide = [_mm512_setzero_si512(); N];
+        for h in 0..4 {
+            let q = _mm512_permutexvar_epi64(spread, _mm512_castsi256_si512(load32(x.qs.as_ptr().add(32 * h))));
+            let u = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_mask_blend_epi64(0b1100_1100, q, _mm512_srli_epi16::<4>(q)), low4));
+            // chunk 2h's scale in lanes 0..8, 2h + 1's in 8..16
+            let which = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(2 * h as i32), _mm512_set1_epi32(2 * h as i32 + 1));
+            let scale = _mm512_permutexvar_epi32(which, ls);
             for t in 0..N {
-                let offset = _mm256_slli_epi32::<7>(_mm256_madd_epi16(blks[r].extra, bsums(at[t])));
-                let folded = _mm256_add_epi32(_mm512_castsi512_si256(wide[t]), _mm512_extracti64x4_epi64::<1>(wide[t]));
-                sums[r][t] = _mm256_sub_epi32(folded, offset);
+                let part = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(at[t].qs.as_ptr().add(64 * h) as *const _));
+                wide[t] = _mm512_add_epi32(wide[t], _mm512_mullo_epi32(part, scale));
             }
         }
-        steps.add(false, &blks, &sums, &[[_mm256_setzero_si256(); N]; R], at);
-    }
-    steps.finish()
+        let blk = Block { d: f16(x.d), dmin: 0.0, extra: per_16(_mm512_castsi512_si256(ls)) };
+        fold(&wide, sums);
+        // the 128 of the grid values, through the activations' sums
+        for t in 0..N {
+            sums[t] = _mm256_sub_epi32(sums[t], _mm256_slli_epi32::<7>(_mm256_madd_epi16(blk.extra, bsums(at[t]))));
+        }
+        blk
+    })
 }
 
 /// Per block and token, `superblock::block_step` of R rows: four rows side by side in the
