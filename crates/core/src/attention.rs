@@ -213,6 +213,50 @@ pub fn attend_group(
     }
 }
 
+/// Causal attention of `b` consecutive queries of one sequence whose rows start at the same
+/// cache row (a prompt's tokens): `qs` holds each query's `g` heads that share one KV head, query
+/// by query (b x g x hd), and query i sees the first `len0 + i` rows. All b * g heads go through
+/// the group kernels together, so each cached key and value is read (and converted) once for
+/// the block instead of once per query; a query's rows past its own weigh exactly 0 (score -inf,
+/// e^-inf = 0), so each query's output is bit for bit `attend_group`'s over its own rows (the
+/// scores, e^x and sums per position and lane do not depend on the group's size). `out` receives
+/// the queries' heads likewise (b x g x hd).
+#[allow(clippy::too_many_arguments)]
+pub fn attend_block(
+    qs: &[f32],
+    hd: usize,
+    b: usize,
+    k: KvView,
+    v: KvView,
+    len0: usize,
+    stride: usize,
+    offset: usize,
+    scale: f32,
+    softcap: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let g = qs.len() / hd / b;
+    assert!(b >= 1 && len0 >= 1 && qs.len() == b * g * hd && out.len() == qs.len(), "attention block: wrong shapes");
+    // (in pieces of as many queries as the group kernels take heads: a larger group would take
+    // the scalar path, whose sums are ordered otherwise)
+    let per_piece = (8 / g).max(1);
+    for i0 in (0..b).step_by(per_piece) {
+        let bb = per_piece.min(b - i0);
+        let (rows, len) = (bb * g, len0 + i0);
+        let n = len + bb - 1;
+        let (q, o) = (&qs[i0 * g * hd..(i0 + bb) * g * hd], &mut out[i0 * g * hd..(i0 + bb) * g * hd]);
+        let mut parts = [Partial::default(); 8];
+        let mut many = Vec::new();
+        let parts: &mut [Partial] = if rows <= 8 { &mut parts[..rows] } else { many.resize(rows, Partial::default()); &mut many };
+        attend_group_masked(q, hd, k, v, n, stride, offset, scale, softcap, scores, o, parts, |r| len + r / g);
+        for (o, p) in o.chunks_exact_mut(hd).zip(parts.iter()) {
+            let inv = 1.0 / p.sum;
+            o.iter_mut().for_each(|x| *x *= inv);
+        }
+    }
+}
+
 /// Per query head, what `attend_group_partial` leaves besides the unnormalised output: the
 /// largest score and the sum of e^(score - max) over the positions it saw.
 #[derive(Debug, Clone, Copy)]
@@ -245,6 +289,27 @@ pub fn attend_group_partial(
     scores: &mut Vec<f32>,
     out: &mut [f32],
     parts: &mut [Partial],
+) {
+    attend_group_masked(qs, hd, k, v, n, stride, offset, scale, softcap, scores, out, parts, |_| n);
+}
+
+/// `attend_group_partial` where head h sees only the first `seen(h)` of the n rows (the others
+/// weigh 0).
+#[allow(clippy::too_many_arguments)]
+fn attend_group_masked(
+    qs: &[f32],
+    hd: usize,
+    k: KvView,
+    v: KvView,
+    n: usize,
+    stride: usize,
+    offset: usize,
+    scale: f32,
+    softcap: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+    parts: &mut [Partial],
+    seen: impl Fn(usize) -> usize,
 ) {
     let g = qs.len() / hd;
     assert!(g >= 1 && qs.len() == g * hd && out.len() == g * hd && parts.len() == g);
@@ -291,7 +356,8 @@ pub fn attend_group_partial(
         parts.fill(Partial::default());
         return;
     }
-    for (row, p) in scores.chunks_exact_mut(n).zip(parts.iter_mut()) {
+    for (h, (row, p)) in scores.chunks_exact_mut(n).zip(parts.iter_mut()).enumerate() {
+        row[seen(h).min(n)..].fill(f32::NEG_INFINITY);
         let (max, sum) = exp_shifted(row);
         *p = Partial { max, sum };
     }
@@ -370,6 +436,41 @@ mod tests {
                         let one = attend_one(&qs[h * hd..(h + 1) * hd], k, v, n, stride, hd, 0.2);
                         for (x, y) in one.iter().zip(&out[h * hd..(h + 1) * hd]) {
                             assert!((x - y).abs() < 1e-5, "{kind:?} g={g} hd={hd} n={n}: {x} vs {y}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A block of consecutive queries gives each query bit for bit what it gets alone over its
+    /// own rows, for every block and group size the kernels take (and past them), both cache
+    /// types, head sizes on and off the SIMD path, and a softcap.
+    #[test]
+    fn a_block_of_queries_equals_each_query_alone() {
+        let mut rng = crate::sampler::Rng::new(17);
+        for kind in [KvType::F32, KvType::F16] {
+            for (g, hd, b) in [(3, 64, 2), (1, 64, 8), (2, 32, 4), (4, 16, 2), (1, 48, 3), (3, 24, 2), (5, 16, 3)] {
+                for len0 in [1, 6, 40] {
+                    let n = len0 + b - 1;
+                    let n_kv = 2;
+                    let stride = n_kv * hd;
+                    let mut kb = KvBuf::new(kind, n * stride).unwrap();
+                    kb.write(0, &(0..n * stride).map(|_| rng.next_f32() - 0.5).collect::<Vec<f32>>());
+                    let mut vb = KvBuf::new(kind, n * stride).unwrap();
+                    vb.write(0, &(0..n * stride).map(|_| rng.next_f32() - 0.5).collect::<Vec<f32>>());
+                    let qs: Vec<f32> = (0..b * g * hd).map(|_| 4.0 * (rng.next_f32() - 0.5)).collect();
+                    for softcap in [0.0, 0.7] {
+                        let mut block = vec![0.0; b * g * hd];
+                        attend_block(&qs, hd, b, kb.view(n * stride), vb.view(n * stride), len0, stride, hd, 0.3, softcap, &mut Vec::new(), &mut block);
+                        for i in 0..b {
+                            let m = len0 + i;
+                            let mut alone = vec![0.0; g * hd];
+                            let q = &qs[i * g * hd..(i + 1) * g * hd];
+                            attend_group(q, hd, kb.view(m * stride), vb.view(m * stride), m, stride, hd, 0.3, softcap, &mut Vec::new(), &mut alone);
+                            let got = &block[i * g * hd..(i + 1) * g * hd];
+                            let same = got.iter().zip(&alone).all(|(x, y)| x.to_bits() == y.to_bits());
+                            assert!(same, "{kind:?} g={g} hd={hd} b={b} len0={len0} softcap={softcap} query {i}");
                         }
                     }
                 }

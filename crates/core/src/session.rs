@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::attention::{attend_group, attend_group_partial, merge_partials, KvBuf, KvType, Partial};
+use crate::attention::{attend_block, attend_group, attend_group_partial, merge_partials, KvBuf, KvType, Partial};
 use crate::error::{Error, Result};
 use crate::forward::forward;
 use crate::matmul::{matmul, matmul_many, matmul_selected, Activations, QMatrix};

@@ -206,7 +206,56 @@ impl Backend for CpuPass<'_> {
                 merge_partials(outs.zip(parts), hd, out);
             }
         } else {
-            s.att.par_chunks_mut(group * hd).enumerate().for_each_init(Vec::new, |scores, (idx, out)| attend(idx, out, scores));
+            // A prompt: consecutive rows of one session whose windows start at the same cache
+            // row attend in blocks (`attend_block`), as many as the group kernels take heads
+            // (8), so that each key and value is read once per block; rows of other sessions
+            // (batched decode) or windows that slide go one by one.
+            let per_block = (8 / group).max(1);
+            let mut blocks = Vec::new();
+            let mut t = 0;
+            while t < rows.len() {
+                let (i, pos) = rows[t];
+                let window = sessions[i].kv_window(l, pos);
+                let mut b = 1;
+                while b < per_block && t + b < rows.len() && rows[t + b] == (i, pos + b) && sessions[i].kv_window(l, pos + b) == (window.0, window.1 + b) {
+                    b += 1;
+                }
+                blocks.push((t, b));
+                t += b;
+            }
+            // each block's rows of the output, split off in order
+            let mut rest = &mut s.att[..rows.len() * q_dim];
+            let mut outs = Vec::with_capacity(blocks.len());
+            for &(_, b) in &blocks {
+                let (head, tail) = std::mem::take(&mut rest).split_at_mut(b * q_dim);
+                outs.push(head);
+                rest = tail;
+            }
+            let w = group * hd;
+            blocks.into_par_iter().zip(outs).for_each_init(|| (Vec::new(), Vec::new(), Vec::new()), |(scores, qbuf, obuf), ((t0, b), out)| {
+                if b == 1 {
+                    for (g, out) in out.chunks_exact_mut(w).enumerate() {
+                        attend(t0 * c.n_head_kv + g, out, scores);
+                    }
+                    return;
+                }
+                let se = &sessions[rows[t0].0];
+                let (first, len0) = se.kv_window(l, rows[t0].1);
+                let n = len0 + b - 1;
+                let (k, v) = (se.k_cache[l].view_at(first * kv_dim, n * kv_dim), se.v_cache[l].view_at(first * kv_dim, n * kv_dim));
+                for g in 0..c.n_head_kv {
+                    // the block's queries' heads of kv head g, query by query
+                    qbuf.clear();
+                    for i in 0..b {
+                        qbuf.extend_from_slice(&q[(t0 + i) * q_dim + g * w..(t0 + i) * q_dim + (g + 1) * w]);
+                    }
+                    obuf.resize(b * w, 0.0);
+                    attend_block(qbuf, hd, b, k, v, len0, kv_dim, g * hd, c.attn_scale, c.attn_softcap, scores, obuf);
+                    for i in 0..b {
+                        out[i * q_dim + g * w..i * q_dim + (g + 1) * w].copy_from_slice(&obuf[i * w..(i + 1) * w]);
+                    }
+                }
+            });
         }
         Ok(())
     }
