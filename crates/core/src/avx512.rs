@@ -145,6 +145,9 @@ trait QuadBlocks {
     const SIGNED: bool;
     /// Whether the type has a per-block minimum (Q4_1).
     const HAS_MIN: bool;
+    /// Where the four blocks' scales and minima lie among the first 32 words of a step, if they
+    /// all do, as `scales_of_four_rows`'s index (`four_rows_index`).
+    const SCALE_INDEX: Option<[i16; 32]> = None;
     /// From the four blocks at `src`: the weight bytes that meet the activations' `lo` and
     /// `hi` (unsigned), each lane's weight scale, and each lane's minimum (when `HAS_MIN`).
     unsafe fn unpack<const TAIL: bool>(src: Src) -> (__m512i, __m512i, __m512, __m512);
@@ -238,6 +241,7 @@ unsafe fn nibbles(q: __m512i) -> (__m512i, __m512i) {
 /// an even offset, 2 + 18k; block 3's lies in the second load, from its word 24).
 impl QuadBlocks for BlockQ4_0 {
     const BYTES: usize = 72;
+    const SCALE_INDEX: Option<[i16; 32]> = Some(four_rows_index([0, 9, 18, 27, 0, 9, 18, 27]));
     const SIGNED: bool = false;
     const HAS_MIN: bool = false;
     #[inline]
@@ -253,6 +257,7 @@ impl QuadBlocks for BlockQ4_0 {
 /// Q4_1, 20-byte blocks (d, m, then `qs` at 4 + 20k): loads at bytes 0 and 16.
 impl QuadBlocks for BlockQ4_1 {
     const BYTES: usize = 80;
+    const SCALE_INDEX: Option<[i16; 32]> = Some(four_rows_index([0, 10, 20, 30, 1, 11, 21, 31]));
     const SIGNED: bool = false;
     const HAS_MIN: bool = true;
     #[inline]
@@ -346,7 +351,8 @@ unsafe fn step_total<const MIN: bool>(sums: __m512i, d: __m512, m: __m512, x: &A
 }
 
 /// The dot loop of the 32-weight formats, four blocks per step, R rows against N tokens:
-/// `quad(r, j)` gives row r's step j, `OFFSET` what its bytes hold (0: v, 8: v + 8, 128:
+/// `quad(r, j)` gives row r's step j (`scales4(j)`, where it can, the four rows' scales and
+/// minima at once, as `rows_by_lane` lays them out), `OFFSET` what its bytes hold (0: v, 8: v + 8, 128:
 /// v + 128), which the activations' exact per-lane bias takes off in integers; `MIN`: minima.
 /// Each block's products sum exactly in integers, then `step_total`, then acc += the step's
 /// total: a prompt's row groups take the same steps per lane, so a token gets bit for bit the
@@ -357,6 +363,7 @@ unsafe fn step_total<const MIN: bool>(sums: __m512i, d: __m512, m: __m512, x: &A
 unsafe fn dot_steps<const MIN: bool, const OFFSET: i32, const R: usize, const N: usize>(
     steps: usize,
     quad: impl Fn(usize, usize) -> RegQuad,
+    scales4: impl Fn(usize) -> Option<(__m512, __m512)>,
     quads: [&[ActQuad]; N],
     next: &[u8],
 ) -> [[f32; N]; R] {
@@ -371,10 +378,10 @@ unsafe fn dot_steps<const MIN: bool, const OFFSET: i32, const R: usize, const N:
         for (r, w) in w.iter_mut().enumerate() {
             *w = quad(r, j);
         }
-        let (d4, m4) = if R == 4 {
-            (rows_by_lane([w[0].scale, w[1].scale, w[2].scale, w[3].scale]), rows_by_lane([w[0].min, w[1].min, w[2].min, w[3].min]))
-        } else {
-            (zero.scale, zero.min)
+        let (d4, m4) = match (R, scales4(j)) {
+            (4, Some(both)) => both,
+            (4, None) => (rows_by_lane([w[0].scale, w[1].scale, w[2].scale, w[3].scale]), rows_by_lane([w[0].min, w[1].min, w[2].min, w[3].min])),
+            _ => (zero.scale, zero.min),
         };
         for t in 0..N {
             let x = quads[t].get_unchecked(j);
@@ -435,12 +442,48 @@ unsafe fn dot_quads<B: QuadBlocks, const R: usize, const N: usize>(w: [&[B]; R],
         };
         RegQuad { lo, hi, scale: d, min: m }
     };
+    let scales4 = |j: usize| {
+        let idx = B::SCALE_INDEX?;
+        let src = |r: usize| {
+            let p = (w[r % R].as_ptr() as *const u8).add(B::BYTES * j);
+            if j < full { Src { p, len: B::BYTES }.load64::<false>(0) } else { Src { p, len: rest * std::mem::size_of::<B>() }.load64::<true>(0) }
+        };
+        Some(scales_of_four_rows(&idx, [src(0), src(1), src(2), src(3)]))
+    };
     let steps = full + (rest > 0) as usize;
     match (B::HAS_MIN, B::SIGNED) {
-        (true, _) => dot_steps::<true, 0, R, N>(steps, quad, quads, next),
-        (false, false) => dot_steps::<false, 8, R, N>(steps, quad, quads, next),
-        (false, true) => dot_steps::<false, 128, R, N>(steps, quad, quads, next),
+        (true, _) => dot_steps::<true, 0, R, N>(steps, quad, scales4, quads, next),
+        (false, false) => dot_steps::<false, 8, R, N>(steps, quad, scales4, quads, next),
+        (false, true) => dot_steps::<false, 128, R, N>(steps, quad, scales4, quads, next),
     }
+}
+
+/// The word permute that takes two rows' first 64 bytes to word 4c + r = row r's scale of
+/// block c (words 0..16) and its minimum (16..32), odd rows from the second source (rows 2 and
+/// 3 take a second permute): `words` holds where the four scales, then minima, lie.
+const fn four_rows_index(words: [i16; 8]) -> [i16; 32] {
+    let mut idx = [0i16; 32];
+    let mut w = 0;
+    while w < 32 {
+        let (value, c, r) = (w / 16, (w % 16) / 4, w % 4);
+        idx[w] = words[4 * value + c] + if r % 2 == 1 { 32 } else { 0 };
+        w += 1;
+    }
+    idx
+}
+
+/// Four rows' scales and minima of a step, block c of row r in lane 4c + r (`rows_by_lane`'s
+/// order), from the rows' first 64 bytes (`heads`; `idx` from `four_rows_index`): two word
+/// permutes, a blend and two conversions for the four rows, where converting each row's to
+/// all 16 lanes and blending took 4 permutes, 4 conversions and 3 blends per value.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn scales_of_four_rows(idx: &[i16; 32], heads: [__m512i; 4]) -> (__m512, __m512) {
+    let idx = index(idx);
+    let low = _mm512_permutex2var_epi16(heads[0], idx, heads[1]);
+    let high = _mm512_permutex2var_epi16(heads[2], idx, heads[3]);
+    let both = _mm512_mask_blend_epi16(0xCCCC_CCCC, low, high);
+    (_mm512_cvtph_ps(_mm512_castsi512_si256(both)), _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(both)))
 }
 
 /// Twin of `quant::dot_q4_0_scalar`, for R rows of as many blocks.
@@ -486,9 +529,9 @@ pub unsafe fn dot_chunked<const R: usize, const N: usize>(dtype: DType, rows: [&
                 }
             };
             if $dtype == DType::Q5_1 {
-                dot_steps::<true, 128, R, N>(quads[0].len(), quad, quads, next)
+                dot_steps::<true, 128, R, N>(quads[0].len(), quad, |_| None, quads, next)
             } else {
-                dot_steps::<false, 128, R, N>(quads[0].len(), quad, quads, next)
+                dot_steps::<false, 128, R, N>(quads[0].len(), quad, |_| None, quads, next)
             }
         }};
     }
