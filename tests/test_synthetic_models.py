@@ -109,7 +109,8 @@ def test_decode_at_long_context_equals_batched_prefill(tmp_path, kv_type):
 def test_a_prompt_longer_than_a_pass_equals_any_other_split(tmp_path):
     """A prompt past `UBATCH` (512) tokens runs in several passes; a token's logits do not
     depend on which pass it ran in, nor on where the passes begin: bit for bit the same as
-    feeding the prompt in pieces of 300 (panels) or of 6 (the small-batch kernels)."""
+    feeding the prompt in pieces of 300 (row groups, attention in blocks) or of 6 (the
+    small-batch kernels)."""
     path = write_model(tmp_path / "m.gguf", dtype=Q.Q8_0, n_layer=2, n_ctx=1200)
     model = _core.Model(path, 2)
     rng = np.random.default_rng(3)

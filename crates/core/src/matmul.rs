@@ -156,7 +156,7 @@ pub struct Activations {
 /// Batches from this many tokens up are multiplied through unpacked weights (row groups,
 /// `quant::superblock_avx2` and `quant::legacy_avx2`): decoding a row once for them all beats
 /// decoding it once per four tokens.
-pub const PANEL_MIN_TOKENS: usize = 8;
+pub const GROUP_MIN_TOKENS: usize = 8;
 
 impl Activations {
     /// Loads `x` (n, cols) and quantizes it; `cols` must be a multiple of 32 when quantized
@@ -454,7 +454,7 @@ fn group_width(level: SimdLevel) -> GroupWidth {
 fn rows_for_all_tokens(w: &QMatrix, rows: std::ops::Range<usize>, x: &Activations, level: SimdLevel, put: impl Fn(usize, usize, &[f32])) {
     let n = x.n;
     #[cfg(target_arch = "x86_64")]
-    if level.has_avx2() && reads_q8k(w.dtype) && n >= PANEL_MIN_TOKENS {
+    if level.has_avx2() && reads_q8k(w.dtype) && n >= GROUP_MIN_TOKENS {
         // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c, Avx512
         // when it has AVX-512 F/BW/VL/VNNI too, `avx_vnni` when it has AVX-VNNI; `q8k` holds n
         // tokens (cols is a multiple of 256 for these types).
@@ -462,7 +462,7 @@ fn rows_for_all_tokens(w: &QMatrix, rows: std::ops::Range<usize>, x: &Activation
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if level.has_avx2() && legacy_avx2::groups_rows(w.dtype) && n >= PANEL_MIN_TOKENS {
+    if level.has_avx2() && legacy_avx2::groups_rows(w.dtype) && n >= GROUP_MIN_TOKENS {
         // SAFETY: as above; `q8` holds n tokens.
         unsafe { legacy_avx2::legacy_rows_all_tokens(w.dtype, group_width(level), |r| w.row(r), w.cols, rows, &x.q8, n, put) };
         return;
@@ -520,7 +520,7 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
         let put = |t: usize, k: usize, v: f32| unsafe { *out.at(t * m + k) = v };
         if let Some(keep) = keep {
             #[cfg(target_arch = "x86_64")]
-            if level.has_avx2() && legacy_avx2::groups_rows(w.dtype) && n >= PANEL_MIN_TOKENS {
+            if level.has_avx2() && legacy_avx2::groups_rows(w.dtype) && n >= GROUP_MIN_TOKENS {
                 // The row groups serve these rows for every token, and only the kept cells are
                 // written: cheaper than a row's selected tokens four at a time unless the mask
                 // keeps few of them (the values are the same, bit for bit).
@@ -794,7 +794,7 @@ mod tests {
             let data: Vec<u8> = w_f.chunks(cols).flat_map(|r| quantize_row(dtype, r)).collect();
             let g = QMatrix { dtype, rows, cols, data: &data };
             let u = QMatrix { dtype, rows, cols, data: &data[..] };
-            // (from PANEL_MIN_TOKENS tokens up, the quantized types go through row groups)
+            // (from GROUP_MIN_TOKENS tokens up, the quantized types go through row groups)
             for n in [1, 2, 3, 5, 7, 9, 13] {
                 let mut x = Activations::default();
                 x.set(&random_vec(n * cols, n as u64), n, cols);

@@ -125,7 +125,7 @@ pub(crate) const fn chunks_per_block(dtype: DType) -> usize {
 
 const LOW4: i8 = 0x0F;
 
-/// Q4_0 (the panels of `panel` read every quantized type through a decoder): q - 8.
+/// Q4_0 (`with_decoder` has a decoder for every quantized type): q - 8.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn q4_0(row: &[u8], b: usize, _c: usize) -> Decoded {
@@ -317,7 +317,7 @@ pub(crate) unsafe fn iq4_xs(row: &[u8], b: usize, c: usize) -> Decoded {
 
 /// `$then!(decoder, DType)` with `$dtype`'s chunk decoder, for any quantized type: one arm per
 /// format with its DType as a constant, so that the code `$then` expands to compiles for one
-/// format at a time (the prefill panels and the AVX-512 one-token dots).
+/// format at a time (the sparse down projection and the AVX-512 one-token dots' last blocks).
 macro_rules! with_decoder {
     ($dtype:expr, $then:ident) => {{
         use $crate::quant::chunked_avx2 as decoders;

@@ -304,8 +304,8 @@ unsafe fn legacy_rows_16<'a, B: LegacyBlock>(row: impl Fn(usize) -> &'a [u8], co
     }
 }
 
-/// Whether a type's AVX2 prompts go in row groups (`legacy_rows_all_tokens`) rather than
-/// panels.
+/// Whether a type's prompts go in these row groups (`legacy_rows_all_tokens`): the 32-weight
+/// formats.
 pub fn groups_rows(dtype: DType) -> bool {
     matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::IQ4_NL)
 }
