@@ -297,9 +297,9 @@ fn dot_row_group<const R: usize, const N: usize>(w: &QMatrix, r: usize, next: &[
                 _ => rows.map(|row| quant::dot_float_scalar(w.dtype, row, a)),
             }
         }
-        DType::Q4_0 => legacy!(BlockQ4_0, |q| crate::avx512::dot_q4_0(rows.map(|row| cast_blocks(row)), q, next), |row, a| quant::dot_q4_0_scalar(cast_blocks(row), a)),
-        DType::Q4_1 => legacy!(BlockQ4_1, |q| crate::avx512::dot_q4_1(rows.map(|row| cast_blocks(row)), q, next), |row, a| quant::dot_q4_1_scalar(cast_blocks(row), a)),
-        DType::Q8_0 => legacy!(BlockQ8_0, |q| crate::avx512::dot_q8_0(rows.map(|row| cast_blocks(row)), q, next), |row, a| quant::dot_q8_0_scalar(cast_blocks(row), a)),
+        DType::Q4_0 => legacy!(BlockQ4_0, |q| crate::avx512::dot_q4_0(rows.map(cast_blocks), q, next), |row, a| quant::dot_q4_0_scalar(cast_blocks(row), a)),
+        DType::Q4_1 => legacy!(BlockQ4_1, |q| crate::avx512::dot_q4_1(rows.map(cast_blocks), q, next), |row, a| quant::dot_q4_1_scalar(cast_blocks(row), a)),
+        DType::Q8_0 => legacy!(BlockQ8_0, |q| crate::avx512::dot_q8_0(rows.map(cast_blocks), q, next), |row, a| quant::dot_q8_0_scalar(cast_blocks(row), a)),
         DType::Q5_0 => legacy!(BlockQ5_0, |q| crate::avx512::dot_chunked(w.dtype, rows, q, next), |row, a| dot_scalar(w.dtype, row, a)),
         DType::Q5_1 => legacy!(BlockQ5_1, |q| crate::avx512::dot_chunked(w.dtype, rows, q, next), |row, a| dot_scalar(w.dtype, row, a)),
         DType::IQ4_NL => legacy!(BlockIQ4NL, |q| crate::avx512::dot_chunked(w.dtype, rows, q, next), |row, a| dot_scalar(w.dtype, row, a)),
