@@ -397,9 +397,10 @@ pub fn matmul_many(mats: &[QMatrix], x: &Activations, outs: &mut [&mut [f32]]) {
     let total_rows: usize = mats.iter().map(|m| m.rows).sum();
     // Enough chunks for load balance, few enough that per-task overhead stays small. A prompt's
     // tasks go in row groups, each prefetching the next group's rows while it works; a task's
-    // first group waits on memory, so fewer, longer tasks (SmolLM2 Q4_1 128-token prompt 95 ->
-    // 85 ms with 4 per thread instead of 16).
-    let target_chunks = threads * if n == 1 { 8 } else if n >= GROUP_MIN_TOKENS { 4 } else { 16 };
+    // first group waits on memory, so fewer, longer tasks: 8 per thread (SmolLM2 Q4_1 128-token
+    // prompt 95 -> 88 ms; with 4, 85 ms, but threshold-mode prompts, whose tasks cost unevenly,
+    // 240 -> 264 ms).
+    let target_chunks = threads * if n == 1 { 8 } else if n >= GROUP_MIN_TOKENS { 8 } else { 16 };
     let chunk = (total_rows.div_ceil(target_chunks)).clamp(4, 4096).next_multiple_of(4);
     // Task k covers rows of one matrix; first_task[i] is matrix i's first task. Fixed-size
     // arrays, so that a decode step allocates nothing here.

@@ -296,13 +296,23 @@ impl OutPtr {
     }
 }
 
+fn f32_bytes(x: &[f32]) -> &[u8] {
+    // SAFETY: any f32 is four valid bytes; the length is scaled accordingly.
+    unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u8, std::mem::size_of_val(x)) }
+}
+
+/// From how many tokens a neuron's slice is dequantized once rather than decoded by the axpy
+/// kernels for each: `benches/sparse_e2e.py synthetic --layers 2` (a neuron in about 7 of 32
+/// tokens) gains with direct decoding (64-token dense-mode prompt 140 -> 113-120 ms), SmolLM2's
+/// threshold mode (a neuron in about half of 128 tokens) lost with it alone (245 -> 290 ms).
+const DEQUANTIZE_FROM: usize = 8;
+
 /// The down projection of a batch from the neuron-major matrix: out (n, n_embd) =
 /// h (n, n_ff) @ down_t (n_ff, n_embd). (Any product read through an input-major copy has this
 /// shape: input sparsity uses it for every matrix.) Neurons that are zero for every token are skipped; each
-/// task owns a range of output columns for all tokens, and a kept neuron's slice of `down_t`
-/// goes to the axpy kernels as stored, once per token that needs it (as one token's does):
-/// their table lookups decode a 4-bit slice for about what a float slice costs to read, where
-/// dequantizing it first (scalar) took 11% of a predictor-mode prompt.
+/// task owns a range of output columns for all tokens. A kept neuron's slice of `down_t` that
+/// few tokens need goes to the axpy kernels as stored, once per token (as one token's does);
+/// one that many need is dequantized once and read as floats by each (`DEQUANTIZE_FROM`).
 pub fn down_t_matmul(down_t: &QMatrix, h: &[f32], n: usize, out: &mut [f32], scratch: &mut SparseScratch) {
     let (n_ff, n_embd) = (down_t.rows, down_t.cols);
     assert_eq!(h.len(), n * n_ff);
@@ -352,16 +362,26 @@ pub fn down_t_matmul(down_t: &QMatrix, h: &[f32], n: usize, out: &mut [f32], scr
     (0..n_tasks).into_par_iter().for_each(|task| {
         let c0 = task * width;
         let c1 = (c0 + width).min(n_embd);
+        let mut w = vec![0.0f32; c1 - c0];
         let (b0, b1) = (down_t.dtype.row_bytes(c0), down_t.dtype.row_bytes(c1));
         for &j in nz.iter() {
             let j = j as usize;
-            let slice = &down_t.row(j)[b0..b1];
-            for (t, &hv) in ht[j * n..(j + 1) * n].iter().enumerate() {
+            let hs = &ht[j * n..(j + 1) * n];
+            // a neuron that few tokens need: its slice to the axpy kernels as stored, once per
+            // token; else dequantized once and read as floats by each
+            let few = hs.iter().filter(|&&v| v != 0.0).count() < DEQUANTIZE_FROM;
+            let (dtype, slice) = if few {
+                (down_t.dtype, &down_t.row(j)[b0..b1])
+            } else {
+                quant::dequantize_row(down_t.dtype, &down_t.row(j)[b0..b1], &mut w);
+                (DType::F32, f32_bytes(&w))
+            };
+            for (t, &hv) in hs.iter().enumerate() {
                 if hv != 0.0 {
                     // SAFETY: this task alone writes columns c0..c1 of every token's row, and
                     // out.len() == n * n_embd was asserted above.
                     let y = unsafe { std::slice::from_raw_parts_mut(optr.at(t * n_embd + c0), c1 - c0) };
-                    axpy(level, down_t.dtype, slice, hv, y);
+                    axpy(level, dtype, slice, hv, y);
                 }
             }
         }
