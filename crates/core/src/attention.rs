@@ -202,11 +202,31 @@ pub fn attend_group(
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
+    attend_normalised(qs, hd, k, v, n, stride, offset, scale, softcap, scores, out, |_| n);
+}
+
+/// `attend_group_masked` divided by each head's sum: the attention output of heads that see
+/// the first `seen(h)` of n rows.
+#[allow(clippy::too_many_arguments)]
+fn attend_normalised(
+    qs: &[f32],
+    hd: usize,
+    k: KvView,
+    v: KvView,
+    n: usize,
+    stride: usize,
+    offset: usize,
+    scale: f32,
+    softcap: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+    seen: impl Fn(usize) -> usize,
+) {
     let g = qs.len() / hd;
     let mut parts = [Partial::default(); 8];
     let mut many = Vec::new();
     let parts: &mut [Partial] = if g <= 8 { &mut parts[..g] } else { many.resize(g, Partial::default()); &mut many };
-    attend_group_partial(qs, hd, k, v, n, stride, offset, scale, softcap, scores, out, parts);
+    attend_group_masked(qs, hd, k, v, n, stride, offset, scale, softcap, scores, out, parts, seen);
     for (o, p) in out.chunks_exact_mut(hd).zip(parts.iter()) {
         let inv = 1.0 / p.sum;
         o.iter_mut().for_each(|x| *x *= inv);
@@ -243,17 +263,9 @@ pub fn attend_block(
     let per_piece = (8 / g).max(1);
     for i0 in (0..b).step_by(per_piece) {
         let bb = per_piece.min(b - i0);
-        let (rows, len) = (bb * g, len0 + i0);
-        let n = len + bb - 1;
+        let len = len0 + i0;
         let (q, o) = (&qs[i0 * g * hd..(i0 + bb) * g * hd], &mut out[i0 * g * hd..(i0 + bb) * g * hd]);
-        let mut parts = [Partial::default(); 8];
-        let mut many = Vec::new();
-        let parts: &mut [Partial] = if rows <= 8 { &mut parts[..rows] } else { many.resize(rows, Partial::default()); &mut many };
-        attend_group_masked(q, hd, k, v, n, stride, offset, scale, softcap, scores, o, parts, |r| len + r / g);
-        for (o, p) in o.chunks_exact_mut(hd).zip(parts.iter()) {
-            let inv = 1.0 / p.sum;
-            o.iter_mut().for_each(|x| *x *= inv);
-        }
+        attend_normalised(q, hd, k, v, len + bb - 1, stride, offset, scale, softcap, scores, o, |r| len + r / g);
     }
 }
 
