@@ -145,6 +145,10 @@ pub struct Activations {
     pub cols: usize,
     pub f32s: Vec<f32>,
     pub q8: Vec<BlockQ8Act>,
+    /// With AVX-512 and at least `GROUP_MIN_TOKENS` tokens: -128 times each `q8` block's sum
+    /// (n, cols / 32), where the prompts' 16-row groups of signed formats start their sums
+    /// (`legacy_avx2::activation_bias`); empty otherwise.
+    pub q8_bias: Vec<i32>,
     /// With AVX-512: `q8` again, in groups of four blocks as the 512-bit one-token dots read
     /// them (n, cols / 128).
     pub quads: Vec<ActQuad>,
@@ -192,6 +196,13 @@ impl Activations {
                     _ => quant::quantize_act(xs, q),
                 });
             }
+            self.q8_bias.clear();
+            #[cfg(target_arch = "x86_64")]
+            if level == SimdLevel::Avx512 && n >= GROUP_MIN_TOKENS && per_32 {
+                self.q8_bias.resize(n * nb, 0);
+                // SAFETY: Avx512 is only reported when the CPU has AVX2's features too.
+                self.q8_bias.par_chunks_mut(nb * 16).zip(self.q8.par_chunks(nb * 16)).for_each(|(b, q)| unsafe { legacy_avx2::activation_bias(q, b) });
+            }
             self.q8k.clear();
             // (at every level: the tests read AVX-512 machines' activations at the lower levels
             // too, and a pass over the row is small beside any product that reads it)
@@ -219,6 +230,7 @@ impl Activations {
             }
         } else {
             self.q8.clear();
+            self.q8_bias.clear();
             self.q8k.clear();
             self.quads.clear();
         }
@@ -468,7 +480,7 @@ fn rows_for_all_tokens(w: &QMatrix, rows: std::ops::Range<usize>, x: &Activation
     #[cfg(target_arch = "x86_64")]
     if level.has_avx2() && legacy_avx2::groups_rows(w.dtype) && n >= GROUP_MIN_TOKENS {
         // SAFETY: as above; `q8` holds n tokens.
-        unsafe { legacy_avx2::legacy_rows_all_tokens(w.dtype, group_width(level), |r| w.row(r), w.cols, rows, &x.q8, n, put) };
+        unsafe { legacy_avx2::legacy_rows_all_tokens(w.dtype, group_width(level), |r| w.row(r), w.cols, rows, &x.q8, &x.q8_bias, n, put) };
         return;
     }
     let mut t = 0;
@@ -541,7 +553,7 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
                         }
                     };
                     // SAFETY: as in `rows_for_all_tokens`.
-                    unsafe { legacy_avx2::legacy_rows_all_tokens(w.dtype, group_width(level), row, w.cols, 0..part.len(), &x.q8, n, put_kept) };
+                    unsafe { legacy_avx2::legacy_rows_all_tokens(w.dtype, group_width(level), row, w.cols, 0..part.len(), &x.q8, &x.q8_bias, n, put_kept) };
                     return;
                 }
             }

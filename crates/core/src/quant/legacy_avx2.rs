@@ -239,31 +239,29 @@ unsafe fn legacy_group_dot_512<B: LegacyBlock, const T: usize>(g: &[LegacyGroup1
     }
 }
 
-/// Each token's activation sums times -128 (`legacy_group_dot_512`'s start for signed
-/// weights stored as v + 128), per block: n * cols / 32 of them.
-#[inline]
+/// Each activation block's sum times -128 (`legacy_group_dot_512`'s start for signed weights
+/// stored as v + 128) into `out` (one per block; `Activations::q8_bias`, computed once per
+/// batch).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn activation_bias(q8: &[BlockQ8Act]) -> Vec<i32> {
+pub unsafe fn activation_bias(q8: &[BlockQ8Act], out: &mut [i32]) {
     let (flip, zero) = (_mm256_set1_epi8(-128), _mm256_setzero_si256());
-    q8.iter()
-        .map(|blk| {
-            // sum(a + 128) of 32 bytes by `vpsadbw`, then less 32 * 128
-            let sad = _mm256_sad_epu8(_mm256_xor_si256(_mm256_loadu_si256(blk.qs.as_ptr() as *const __m256i), flip), zero);
-            let total = crate::avx2::hsum_i32(sad) - 32 * 128;
-            -128 * total
-        })
-        .collect()
+    for (o, blk) in out.iter_mut().zip(q8) {
+        // sum(a + 128) of 32 bytes by `vpsadbw`, then less 32 * 128
+        let sad = _mm256_sad_epu8(_mm256_xor_si256(_mm256_loadu_si256(blk.qs.as_ptr() as *const __m256i), flip), zero);
+        *o = -128 * (crate::avx2::hsum_i32(sad) - 32 * 128);
+    }
 }
 
 /// `legacy_rows` with AVX-512 VNNI: groups of sixteen rows, eight tokens per step.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn legacy_rows_16<'a, B: LegacyBlock>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8: &[BlockQ8Act], n: usize, put: impl Fn(usize, usize, &[f32])) {
+#[allow(clippy::too_many_arguments)]
+unsafe fn legacy_rows_16<'a, B: LegacyBlock>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8: &[BlockQ8Act], bias: &[i32], n: usize, put: impl Fn(usize, usize, &[f32])) {
     let nb = cols / QK;
     assert_eq!(q8.len(), n * nb, "activations: wrong size for {n} tokens of {cols}");
-    let bias = if B::MIN { Vec::new() } else { activation_bias(q8) };
+    assert!(B::MIN || bias.len() == n * nb, "activations' sums: wrong size for {n} tokens of {cols}");
     let token = |t: usize| &q8[t * nb..(t + 1) * nb];
-    let bias_of = |t: usize| if B::MIN { &bias[..] } else { &bias[t * nb..(t + 1) * nb] };
+    let bias_of = |t: usize| if B::MIN { &bias[..0] } else { &bias[t * nb..(t + 1) * nb] };
     let mut group = vec![LegacyGroup16::default(); nb];
     let mut r0 = rows.start;
     while r0 < rows.end {
@@ -312,17 +310,18 @@ pub fn groups_rows(dtype: DType) -> bool {
 
 /// A prompt's product with Q4_0, Q5_0 or Q4_1 rows in groups of eight (`LegacyGroup`), each group
 /// decoded once for all tokens, four tokens per step: `rows` of a weight matrix (`row(r)` its
-/// bytes, `cols` wide) against `n` tokens' activation blocks (`q8`: n * cols / 32), put(t, r,
+/// bytes, `cols` wide) against `n` tokens' activation blocks (`q8`: n * cols / 32; `bias`:
+/// `activation_bias` of them, which 16-row groups of signed formats read), put(t, r,
 /// values of rows r, r + 1, ..); `width`: 16-row groups with AVX-512 (only where the CPU has
 /// AVX-512 F/BW/VL/VNNI), else 8-row groups with AVX2, and AVX-VNNI where `width` says so (only
 /// where the CPU has it).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn legacy_rows_all_tokens<'a>(dtype: DType, width: GroupWidth, row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8: &[BlockQ8Act], n: usize, put: impl Fn(usize, usize, &[f32])) {
+pub unsafe fn legacy_rows_all_tokens<'a>(dtype: DType, width: GroupWidth, row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8: &[BlockQ8Act], bias: &[i32], n: usize, put: impl Fn(usize, usize, &[f32])) {
     macro_rules! by_width {
         ($block:ty) => {
             match width {
-                GroupWidth::Avx512 => legacy_rows_16::<$block>(row, cols, rows, q8, n, put),
+                GroupWidth::Avx512 => legacy_rows_16::<$block>(row, cols, rows, q8, bias, n, put),
                 GroupWidth::AvxVnni => legacy_rows::<$block>(row, cols, rows, q8, n, true, put),
                 GroupWidth::Avx2 => legacy_rows::<$block>(row, cols, rows, q8, n, false, put),
             }
@@ -413,7 +412,7 @@ mod tests {
                 for (width, level) in widths {
                     let got = std::cell::RefCell::new(vec![f32::NAN; n * rows]);
                     // SAFETY: AVX2 checked above, AVX-VNNI and AVX-512 where the CPU has them
-                    unsafe { legacy_rows_all_tokens(dtype, width, |r| w.row(r), cols, 1..rows, &x.q8, n, |t, r, v| got.borrow_mut()[t * rows + r..][..v.len()].copy_from_slice(v)) };
+                    unsafe { legacy_rows_all_tokens(dtype, width, |r| w.row(r), cols, 1..rows, &x.q8, &x.q8_bias, n, |t, r, v| got.borrow_mut()[t * rows + r..][..v.len()].copy_from_slice(v)) };
                     let got = got.into_inner();
                     for t in 0..n {
                         assert!(got[t * rows].is_nan(), "{dtype:?}: row 0 was not asked for");

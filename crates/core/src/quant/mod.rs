@@ -12,7 +12,6 @@ pub mod chunked;
 #[cfg(target_arch = "x86_64")]
 pub mod chunked_avx2;
 #[cfg(target_arch = "x86_64")]
-#[cfg(target_arch = "x86_64")]
 pub mod legacy_avx2;
 pub mod superblock;
 #[cfg(target_arch = "x86_64")]
