@@ -538,6 +538,53 @@ unsafe fn exp_ps(x: __m256) -> __m256 {
     _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n))
 }
 
+/// `model::exp_poly` in 8 lanes, step for step (no fused multiply-adds), so the same bits.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn exp_poly_ps(x: __m256) -> __m256 {
+    let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.376_26)), _mm256_set1_ps(88.376_26));
+    let t = _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)), _mm256_set1_ps(0.5));
+    let n = _mm256_floor_ps(t);
+    let r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693_359_4)));
+    let r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.121_944_4e-4)));
+    let mut y = _mm256_set1_ps(1.987_569_1e-4);
+    for c in crate::model::EXP_POLY {
+        y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(c));
+    }
+    y = _mm256_add_ps(_mm256_mul_ps(y, _mm256_mul_ps(r, r)), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
+    let pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n))
+}
+
+/// gate[i] = silu(gate[i]) * up[i] (GELU's tanh approximation where `gelu`), 8 neurons at a
+/// time: `FfnActivation::apply`'s arithmetic (`model::silu`, `model::gelu`) to the bit. Safety:
+/// the CPU has AVX2; `gate` and `up` are as long.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn activate(gelu: bool, gate: &mut [f32], up: &[f32]) {
+    let n = gate.len().min(up.len());
+    let (g, u) = (gate.as_mut_ptr(), up.as_ptr());
+    let one = _mm256_set1_ps(1.0);
+    let lane = |x: __m256| {
+        // the exponent: -x for SiLU, -2 sqrt(2 / pi) (x + 0.044715 x^3) for GELU
+        let e = if gelu {
+            let cube = _mm256_mul_ps(x, _mm256_add_ps(one, _mm256_mul_ps(_mm256_set1_ps(0.044715), _mm256_mul_ps(x, x))));
+            _mm256_mul_ps(_mm256_set1_ps(-1.595_769_1), cube)
+        } else {
+            _mm256_xor_ps(x, _mm256_set1_ps(-0.0))
+        };
+        _mm256_div_ps(x, _mm256_add_ps(one, exp_poly_ps(e)))
+    };
+    let body = n & !7;
+    for i in (0..body).step_by(8) {
+        let h = _mm256_mul_ps(lane(_mm256_loadu_ps(g.add(i))), _mm256_loadu_ps(u.add(i)));
+        _mm256_storeu_ps(g.add(i), h);
+    }
+    for i in body..n {
+        let x = *g.add(i);
+        *g.add(i) = if gelu { crate::model::gelu(x) } else { crate::model::silu(x) } * *u.add(i);
+    }
+}
+
 /// row[i] = e^(row[i] - max), in place; returns (max, sum of the new row). Twin of
 /// `attention::exp_shifted_scalar` (the library's exp, one running sum): they agree to about
 /// 1e-6 relative, plus the sum's rounding, which grows with the row.

@@ -166,23 +166,27 @@ impl Activations {
     /// Loads `x` (n, cols) and quantizes it; `cols` must be a multiple of 32 when quantized
     /// weights will read it (the model loader guarantees that).
     pub fn set(&mut self, x: &[f32], n: usize, cols: usize) {
-        self.set_rounded(x, n, cols, true, true);
+        self.set_rounded(x, n, cols, true, true, true);
     }
 
-    /// `set` for the products with `readers` alone: it rounds the activations per 32 and per
-    /// 256 only if one of them reads that form (an all-k-quant layer needs no per-32 blocks).
+    /// `set` for the products with `readers` alone: it keeps a float copy and rounds the
+    /// activations per 32 and per 256 only if one of them reads that form (an all-k-quant layer
+    /// needs neither the floats nor per-32 blocks; a prompt's float copy is megabytes).
     pub fn set_for(&mut self, x: &[f32], n: usize, cols: usize, readers: &[QMatrix]) {
+        let floats = readers.iter().any(|m| !m.dtype.is_quantized());
         let per_256 = readers.iter().any(|m| reads_q8k(m.dtype));
         let per_32 = readers.iter().any(|m| m.dtype.is_quantized() && !reads_q8k(m.dtype));
-        self.set_rounded(x, n, cols, per_32, per_256);
+        self.set_rounded(x, n, cols, floats, per_32, per_256);
     }
 
-    fn set_rounded(&mut self, x: &[f32], n: usize, cols: usize, per_32: bool, per_256: bool) {
+    fn set_rounded(&mut self, x: &[f32], n: usize, cols: usize, floats: bool, per_32: bool, per_256: bool) {
         assert_eq!(x.len(), n * cols);
         self.n = n;
         self.cols = cols;
         self.f32s.clear();
-        self.f32s.extend_from_slice(x);
+        if floats {
+            self.f32s.extend_from_slice(x);
+        }
         if cols % QK == 0 {
             let nb = cols / QK;
             let level = simd_level();

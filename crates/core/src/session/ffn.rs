@@ -238,7 +238,7 @@ fn gate_and_up(lw: &LayerWeights, x: &Activations, gate: &mut [f32], up: &mut [f
 fn activate(lw: &LayerWeights, act: FfnActivation, gate: &mut [f32], up: &[f32]) {
     if lw.ffn_gate.is_some() {
         gate.par_chunks_mut(4096).zip(up.par_chunks(4096)).for_each(|(g, u)| {
-            g.iter_mut().zip(u).for_each(|(gi, &ui)| *gi = act.apply(*gi, ui));
+            act.apply_all(g, u);
         });
     } else {
         gate.iter_mut().for_each(|g| *g = act.apply(0.0, *g));

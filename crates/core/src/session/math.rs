@@ -2,22 +2,50 @@
 
 use super::*;
 
+/// Values from which a row-wise step runs on the pool (a prompt's; a token's few thousand stay
+/// on the calling thread).
+const PARALLEL_FROM: usize = 1 << 15;
+
+/// Applies `f` to each `len`-long row of `x` (with the matching row of `y`), on the pool when
+/// they are many: the rows are independent, so the results do not depend on it.
+fn each_row<T: Sync>(x: &mut [f32], y: &[T], len: usize, y_len: usize, f: impl Fn(usize, &mut [f32], &[T]) + Sync) {
+    if x.len() >= PARALLEL_FROM {
+        x.par_chunks_exact_mut(len).zip(y.par_chunks_exact(y_len.max(1))).enumerate().for_each(|(t, (r, yr))| f(t, r, yr));
+    } else {
+        x.chunks_exact_mut(len).zip(y.chunks_exact(y_len.max(1))).enumerate().for_each(|(t, (r, yr))| f(t, r, yr));
+    }
+}
+
+/// The sum of squares in eight running sums (one vector; a single running sum waits on each
+/// add's latency), added pairwise at the end.
+fn sum_of_squares(x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for i in 0..8 {
+            acc[i] += c[i] * c[i];
+        }
+    }
+    for (a, v) in acc.iter_mut().zip(chunks.remainder()) {
+        *a += v * v;
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+}
+
 pub(crate) fn rmsnorm(out: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
     let n = w.len();
-    for (o, xr) in out.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
-        let ss: f32 = xr.iter().map(|v| v * v).sum::<f32>() / n as f32;
-        let scale = 1.0 / (ss + eps).sqrt();
+    each_row(out, x, n, n, |_, o, xr| {
+        let scale = 1.0 / (sum_of_squares(xr) / n as f32 + eps).sqrt();
         for ((oi, xi), wi) in o.iter_mut().zip(xr).zip(w) {
             *oi = xi * scale * wi;
         }
-    }
+    });
 }
 
 /// RMSNorm of each w.len()-long piece of `x`, in place (q/k heads, block outputs).
 pub(crate) fn rmsnorm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
     for xr in x.chunks_exact_mut(w.len()) {
-        let ss: f32 = xr.iter().map(|v| v * v).sum::<f32>() / w.len() as f32;
-        let scale = 1.0 / (ss + eps).sqrt();
+        let scale = 1.0 / (sum_of_squares(xr) / w.len() as f32 + eps).sqrt();
         xr.iter_mut().zip(w).for_each(|(v, wi)| *v = *v * scale * wi);
     }
 }
@@ -55,7 +83,12 @@ pub(crate) fn add_bias(x: &mut [f32], bias: Option<&[f32]>) {
 }
 
 pub(crate) fn add_into(x: &mut [f32], d: &[f32]) {
-    x.iter_mut().zip(d).for_each(|(x, d)| *x += d);
+    let add = |(x, d): (&mut [f32], &[f32])| x.iter_mut().zip(d).for_each(|(x, d)| *x += d);
+    if x.len() >= PARALLEL_FROM {
+        x.par_chunks_mut(4096).zip(d.par_chunks(4096)).for_each(add);
+    } else {
+        add((x, d));
+    }
 }
 
 /// Rotates each head of `x` (n, n_heads * head_dim) by its token's angles.
@@ -65,8 +98,8 @@ pub(crate) fn rope(x: &mut [f32], head_dim: usize, rope_dim: usize, style: RopeS
         return;
     }
     let row_len = x.len() / (cos.len() / half);
-    for (t, row) in x.chunks_exact_mut(row_len).enumerate() {
-        let (c, s) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
+    each_row(x, cos, row_len, half, |t, row, c| {
+        let s = &sin[t * half..(t + 1) * half];
         for head in row.chunks_exact_mut(head_dim) {
             for i in 0..half {
                 let (a, b) = match style {
@@ -78,5 +111,5 @@ pub(crate) fn rope(x: &mut [f32], head_dim: usize, rope_dim: usize, style: RopeS
                 head[b] = x0 * s[i] + x1 * c[i];
             }
         }
-    }
+    });
 }
