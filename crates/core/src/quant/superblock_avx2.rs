@@ -740,12 +740,26 @@ fn pair(lo: i16, hi: i16) -> u32 {
     lo as u16 as u32 | (hi as u16 as u32) << 16
 }
 
+/// A group's chunks decoded side by side before `transpose_chunk`: chunk c of row r at
+/// `u[c][transpose_slot(r)]` (and the signed weights in `v`, for 8-row groups of `SIGNED`
+/// formats). Kept across a task's groups, not zeroed for each (8 KB of stores a group).
+struct Staged<const G: usize> {
+    u: [[[u32; 8]; G]; 8],
+    v: [[[u32; 8]; G]; 8],
+}
+
+impl<const G: usize> Staged<G> {
+    fn new() -> Self {
+        Staged { u: [[[0; 8]; G]; 8], v: [[[0; 8]; G]; 8] }
+    }
+}
+
 /// Decodes `count` rows of format B into `out`, a `RowGroupBlock` per super-block; lanes past
 /// them are zero (no weights, no scales). Block by block, the rows' chunks are decoded side by
 /// side into `staged` and turned into the group's row-per-lane order by `transpose_chunk`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn unpack_group<'a, B: SuperBlock, const G: usize>(rows: impl Iterator<Item = &'a [u8]>, count: usize, out: &mut [RowGroupBlock<G>]) {
+unsafe fn unpack_group<'a, B: SuperBlock, const G: usize>(rows: impl Iterator<Item = &'a [u8]>, count: usize, out: &mut [RowGroupBlock<G>], staged: &mut Staged<G>) {
     if count < G {
         out.fill(RowGroupBlock::default());
     }
@@ -753,10 +767,28 @@ unsafe fn unpack_group<'a, B: SuperBlock, const G: usize>(rows: impl Iterator<It
     for (r, row) in rows.enumerate() {
         blocks[r] = cast_blocks::<B>(row);
     }
-    // chunk c of row r at staged[c][slot(r)]: see `transpose_chunk`; rows past `count` stay 0
-    let mut staged = [[[0u32; 8]; G]; 8];
-    let mut staged_v = [[[0u32; 8]; G]; 8];
+    if count < G {
+        // rows past `count` read 0
+        for r in count..G {
+            for c in 0..8 {
+                (staged.u[c][transpose_slot::<G>(r)], staged.v[c][transpose_slot::<G>(r)]) = ([0; 8], [0; 8]);
+            }
+        }
+    }
+    let Staged { u: staged, v: staged_v } = staged;
+    let nb = out.len();
     for (b, o) in out.iter_mut().enumerate() {
+        // the rows' next blocks into L1 while this one decodes: sixteen rows read a block at a
+        // time are too many streams for the hardware to follow (`PrefetchRows` brought them to
+        // L2); the first loads of each block otherwise wait on L2
+        if b + 1 < nb {
+            for blocks in &blocks[..count] {
+                let next = blocks.as_ptr().add(b + 1) as *const i8;
+                for line in (0..std::mem::size_of::<B>()).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(next.add(line));
+                }
+            }
+        }
         for r in 0..count {
             let slot = transpose_slot::<G>(r);
             let blk = blocks[r].get_unchecked(b).decode(|c, u, v, scales| {
@@ -1087,10 +1119,11 @@ unsafe fn rows_tokens_grouped<'a, B: SuperBlock, const G: usize>(row: impl Fn(us
     assert_eq!(q8k.len(), n * nb, "activations: wrong size for {n} tokens of {cols}");
     let token = |t: usize| &q8k[t * nb..(t + 1) * nb];
     let mut group = vec![RowGroupBlock::<G>::default(); nb];
+    let mut staged = Staged::<G>::new();
     let mut r0 = rows.start;
     while r0 < rows.end {
         let r1 = (r0 + G).min(rows.end);
-        unpack_group::<B, G>((r0..r1).map(&row), r1 - r0, &mut group);
+        unpack_group::<B, G>((r0..r1).map(&row), r1 - r0, &mut group, &mut staged);
         let emit = |t: usize, lanes: &[f32; G]| put(t, r0, &lanes[..r1 - r0]);
         let mut prefetch = PrefetchRows::<G>::new((r1..(r1 + G).min(rows.end)).map(&row), n / 4 + n % 4);
         let mut t = 0;
