@@ -538,6 +538,33 @@ unsafe fn exp_ps(x: __m256) -> __m256 {
     _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n))
 }
 
+/// `sparse::tiled_axpy_scalar` for T tokens in 8 lanes: each 8-column tile of the T tokens'
+/// rows of y stays in registers while the neurons go by, one load of a neuron's tile serving
+/// every token (one fused multiply-add per neuron and value, in order: the twin's bits).
+/// Only columns 0..cols (a multiple of 8, at most `width`). Safety: the CPU has AVX2; `y` holds
+/// T rows `stride` apart at least `cols` long, `w` holds `neurons.len()` rows of `width`, `ht`
+/// rows of n with t0 + T <= n.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn tiled_axpy<const T: usize>(w: &[f32], width: usize, cols: usize, ht: &[f32], n: usize, neurons: &[u32], t0: usize, y: *mut f32, stride: usize) {
+    debug_assert!(cols % 8 == 0 && cols <= width && w.len() >= neurons.len() * width && t0 + T <= n);
+    for c in (0..cols).step_by(8) {
+        let mut acc = [_mm256_setzero_ps(); T];
+        for t in 0..T {
+            acc[t] = _mm256_loadu_ps(y.add(t * stride + c));
+        }
+        for (k, &j) in neurons.iter().enumerate() {
+            let wv = _mm256_loadu_ps(w.as_ptr().add(k * width + c));
+            let h = ht.as_ptr().add(j as usize * n + t0);
+            for t in 0..T {
+                acc[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(&*h.add(t)), wv, acc[t]);
+            }
+        }
+        for t in 0..T {
+            _mm256_storeu_ps(y.add(t * stride + c), acc[t]);
+        }
+    }
+}
+
 /// `model::exp_poly` in 8 lanes, step for step (no fused multiply-adds), so the same bits.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]

@@ -53,6 +53,29 @@ unsafe fn load16(dtype: DType, w: *const u8, k: usize) -> __m512 {
     }
 }
 
+/// `avx2::tiled_axpy` in 16 lanes (the same arithmetic, so the same bits). Safety: as there,
+/// with AVX-512 F and `cols` a multiple of 16.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn tiled_axpy<const T: usize>(w: &[f32], width: usize, cols: usize, ht: &[f32], n: usize, neurons: &[u32], t0: usize, y: *mut f32, stride: usize) {
+    debug_assert!(cols % 16 == 0 && cols <= width && w.len() >= neurons.len() * width && t0 + T <= n);
+    for c in (0..cols).step_by(16) {
+        let mut acc = [_mm512_setzero_ps(); T];
+        for t in 0..T {
+            acc[t] = _mm512_loadu_ps(y.add(t * stride + c));
+        }
+        for (k, &j) in neurons.iter().enumerate() {
+            let wv = _mm512_loadu_ps(w.as_ptr().add(k * width + c));
+            let h = ht.as_ptr().add(j as usize * n + t0);
+            for t in 0..T {
+                acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(*h.add(t)), wv, acc[t]);
+            }
+        }
+        for t in 0..T {
+            _mm512_storeu_ps(y.add(t * stride + c), acc[t]);
+        }
+    }
+}
+
 /// y += sum over r of a[r] * rows[r], R rows per pass over y (each block of y is loaded and
 /// stored once per R rows). SIMD twin of R calls of `quant::axpy_scalar`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]

@@ -532,47 +532,86 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
     let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr())).collect();
     let level = simd_level();
     let tasks: Vec<(usize, usize)> = (0..mats.len()).flat_map(|i| (0..m.div_ceil(chunk)).map(move |c| (i, c * chunk))).collect();
-    tasks.par_iter().for_each_init(Vec::new, |tokens, &(i, k0)| {
+    // the mask over the selected rows transposed, (m, n): a row's tokens side by side (read by
+    // row, the (n, rows) mask costs a cache line per token and row)
+    let mut kept_by_row = Vec::new();
+    if let Some(keep) = keep {
+        let rows = mats.first().map_or(0, |w| w.rows);
+        kept_by_row.resize(m * n, false);
+        kept_by_row.par_chunks_mut(64 * n).enumerate().for_each(|(b, block)| {
+            for t in 0..n {
+                for (k, &j) in sel[64 * b..(64 * b + 64).min(m)].iter().enumerate() {
+                    block[k * n + t] = keep[t * rows + j as usize];
+                }
+            }
+        });
+    }
+    let kept_by_row = &kept_by_row;
+    tasks.par_iter().for_each_init(|| (Vec::new(), Vec::new(), Vec::new()), |(tokens, hot, cold), &(i, k0)| {
         let (w, out) = (&mats[i], ptrs[i]);
         let part = &sel[k0..(k0 + chunk).min(m)];
         // SAFETY (both branches): this task alone writes columns k0..k0 + part.len() of matrix
         // i's output, for every token; the buffer length n * m was asserted above.
         let put = |t: usize, k: usize, v: f32| unsafe { *out.at(t * m + k) = v };
-        if let Some(keep) = keep {
-            #[cfg(target_arch = "x86_64")]
-            if level.has_avx2() && legacy_avx2::groups_rows(w.dtype) && n >= GROUP_MIN_TOKENS {
-                // The row groups serve these rows for every token, and only the kept cells are
-                // written: cheaper than a row's selected tokens four at a time unless the mask
-                // keeps fewer than an eighth of them (the values are the same, bit for bit;
-                // `benches/sparse_e2e.py synthetic --layers 2`, "dense" prefill with ReLU's
-                // skipped rows, 371 -> 406 tok/s at an eighth instead of a quarter).
-                let kept = part.iter().map(|&j| (0..n).filter(|&t| keep[t * w.rows + j as usize]).count()).sum::<usize>();
-                if 8 * kept >= part.len() * n {
-                    let row = |r: usize| w.row(part[r] as usize);
-                    let put_kept = |t: usize, r: usize, v: &[f32]| {
-                        for (i, &vi) in v.iter().enumerate() {
-                            if keep[t * w.rows + part[r + i] as usize] {
-                                put(t, k0 + r + i, vi);
-                            }
-                        }
-                    };
-                    // SAFETY: as in `rows_for_all_tokens`.
-                    unsafe { legacy_avx2::legacy_rows_all_tokens(w.dtype, group_width(level), row, w.cols, 0..part.len(), &x.q8, &x.q8_bias, n, put_kept) };
-                    return;
+        if keep.is_some() {
+            // rows an eighth or more of the tokens selected go through the row groups for
+            // every token, only the kept cells written (cheaper than per cell from there; the
+            // values are the same, bit for bit): with a power law of firing rates the few hot
+            // rows hold most of the cells (`benches/sparse_e2e.py synthetic --layers 2`,
+            // predictor 64-token prompt: gate and up 29 -> 25 ms)
+            hot.clear();
+            cold.clear();
+            let grouped = cfg!(target_arch = "x86_64") && level.has_avx2() && (legacy_avx2::groups_rows(w.dtype) || reads_q8k(w.dtype)) && n >= GROUP_MIN_TOKENS;
+            let kept_of = |k: usize| &kept_by_row[(k0 + k) * n..(k0 + k + 1) * n];
+            for k in 0..part.len() {
+                let kept = kept_of(k).iter().filter(|&&x| x).count();
+                if grouped && 8 * kept >= n {
+                    hot.push(k);
+                } else if kept > 0 {
+                    cold.push(k);
                 }
             }
-            for (k, &j) in part.iter().enumerate() {
-                let j = j as usize;
+            #[cfg(target_arch = "x86_64")]
+            if !hot.is_empty() {
+                let row = |r: usize| w.row(part[hot[r]] as usize);
+                let put_kept = |t: usize, r: usize, v: &[f32]| {
+                    for (i, &vi) in v.iter().enumerate() {
+                        let k = hot[r + i];
+                        if kept_of(k)[t] {
+                            put(t, k0 + k, vi);
+                        }
+                    }
+                };
+                // SAFETY: as in `rows_for_all_tokens`.
+                unsafe {
+                    if reads_q8k(w.dtype) {
+                        quant::superblock_avx2::rows_all_tokens(w.dtype, group_width(level), row, w.cols, 0..hot.len(), &x.q8k, n, put_kept);
+                    } else {
+                        legacy_avx2::legacy_rows_all_tokens(w.dtype, group_width(level), row, w.cols, 0..hot.len(), &x.q8, &x.q8_bias, n, put_kept);
+                    }
+                }
+            }
+            for (c, &k) in cold.iter().enumerate() {
+                let j = part[k] as usize;
                 tokens.clear();
-                tokens.extend((0..n).filter(|&t| keep[t * w.rows + j]));
-                let (k, next) = (k0 + k, part.get(k + 1).map(|&n| n as usize));
+                tokens.extend((0..n).filter(|&t| kept_of(k)[t]));
+                let next = cold.get(c + 1).map(|&k| part[k] as usize);
+                // (`dot_row` brings in the next row as it goes; the one after on its way now,
+                // since a cold row's few tokens take less time than memory does)
+                if let Some(&k) = cold.get(c + 2) {
+                    prefetch_lines(w.row(part[k] as usize));
+                }
                 let mut g = tokens.chunks_exact(4);
                 for q in &mut g {
                     let v = dot_row(w, j, next, x, [q[0], q[1], q[2], q[3]], level);
-                    q.iter().zip(v).for_each(|(&t, vt)| put(t, k, vt));
+                    q.iter().zip(v).for_each(|(&t, vt)| put(t, k0 + k, vt));
                 }
-                for &t in g.remainder() {
-                    put(t, k, dot_row(w, j, next, x, [t], level)[0]);
+                // the last one to three tokens in one pass over the row too
+                match *g.remainder() {
+                    [a] => put(a, k0 + k, dot_row(w, j, next, x, [a], level)[0]),
+                    [a, b] => dot_row(w, j, next, x, [a, b], level).into_iter().zip([a, b]).for_each(|(v, t)| put(t, k0 + k, v)),
+                    [a, b, c] => dot_row(w, j, next, x, [a, b, c], level).into_iter().zip([a, b, c]).for_each(|(v, t)| put(t, k0 + k, v)),
+                    _ => {}
                 }
             }
             return;
@@ -582,6 +621,16 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
             rows_for_all_tokens(w, rows, x, level, |t, r, v| v.iter().enumerate().for_each(|(i, &vi)| put(t, base + r + i - start, vi)));
         }
     });
+}
+
+/// Asks the CPU to start loading `bytes` into L2.
+#[inline]
+fn prefetch_lines(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for off in (0..bytes.len()).step_by(64) {
+        // SAFETY: prefetching is a hint that never faults; the address is inside the slice.
+        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(bytes.as_ptr().add(off) as *const i8) };
+    }
 }
 
 /// The runs of consecutive rows in a sorted selection: (k, rows) where sel[k..k + rows.len()]
@@ -806,6 +855,38 @@ mod tests {
     /// A product over selected rows gives exactly the values the full product gives for those
     /// rows, for every type, batch size and selection shape (empty, runs, scattered, all), and
     /// with a mask exactly those cells and no others.
+    /// A masked selection of k-quant and 32-weight chunked rows: the row groups (rows many
+    /// tokens kept) and the one-token kernels (the others) give every kept cell the full
+    /// product's value, bit for bit, and leave the rest alone.
+    #[test]
+    fn masked_selection_of_block_formats_equals_full_product() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        let (rows, cols, n) = (70, 512, 40);
+        let mut rng = crate::sampler::Rng::new(17);
+        for (s, dtype) in [DType::Q4_K, DType::Q6_K, DType::IQ4_XS, DType::Q2_K, DType::Q5_0, DType::IQ4_NL].into_iter().enumerate() {
+            let data: Vec<u8> = (0..rows).flat_map(|r| crate::quant::chunked::tests::random_row(dtype, cols, 40 + 100 * s as u64 + r as u64)).collect();
+            let w = QMatrix { dtype, rows, cols, data: &data };
+            let mut x = Activations::default();
+            x.set(&random_vec(n * cols, 9), n, cols);
+            let mut full = vec![0.0; n * rows];
+            pool.install(|| matmul(&w, &x, &mut full));
+            let sel: Vec<u32> = (0..rows as u32).filter(|j| j % 5 != 3).collect();
+            let m = sel.len();
+            let mask: Vec<bool> = (0..n * rows).map(|i| rng.next_f32() < [0.02, 0.1, 0.4, 0.9][i % rows % 4]).collect();
+            let mut c = vec![f32::NAN; n * m];
+            pool.install(|| matmul_selected(&[w], &sel, Some(&mask), &x, &mut [&mut c]));
+            for t in 0..n {
+                for (k, &j) in sel.iter().enumerate() {
+                    let want = full[t * rows + j as usize];
+                    match mask[t * rows + j as usize] {
+                        true => assert_eq!(c[t * m + k].to_bits(), want.to_bits(), "{dtype:?} t={t} row {j}: {} vs {want}", c[t * m + k]),
+                        false => assert!(c[t * m + k].is_nan()),
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn selected_rows_equal_full_product() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
@@ -817,7 +898,7 @@ mod tests {
             let g = QMatrix { dtype, rows, cols, data: &data };
             let u = QMatrix { dtype, rows, cols, data: &data[..] };
             // (from GROUP_MIN_TOKENS tokens up, the quantized types go through row groups)
-            for n in [1, 2, 3, 5, 7, 9, 13] {
+            for n in [1, 2, 3, 5, 7, 9, 13, 40] {
                 let mut x = Activations::default();
                 x.set(&random_vec(n * cols, n as u64), n, cols);
                 let mut full = vec![0.0; n * rows];
@@ -827,8 +908,9 @@ mod tests {
                     let m = sel.len();
                     let (mut a, mut b) = (vec![f32::NAN; n * m], vec![f32::NAN; n * m]);
                     pool.install(|| matmul_selected(&[g, u], &sel, None, &x, &mut [&mut a, &mut b]));
-                    // and only the cells a random mask keeps (the rest stay NaN)
-                    let mask: Vec<bool> = (0..n * rows).map(|_| rng.next_f32() < 0.4).collect();
+                    // and only the cells a random mask keeps (the rest stay NaN), rows kept by
+                    // few tokens (one at a time, or two, three) and by many (row groups)
+                    let mask: Vec<bool> = (0..n * rows).map(|i| rng.next_f32() < [0.02, 0.1, 0.4, 0.9][i % rows % 4]).collect();
                     let mut c = vec![f32::NAN; n * m];
                     pool.install(|| matmul_selected(&[g], &sel, Some(&mask), &x, &mut [&mut c]));
                     for t in 0..n {

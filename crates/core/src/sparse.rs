@@ -40,7 +40,8 @@ pub struct SparseScratch {
     up: Vec<f32>,   // (n_ff) dense up pre-activations (dense fallback)
     h: Activations, // (1, n_ff) the masked activations as the down product reads them
     ht: Vec<f32>,  // (n_ff, n_tokens) activations transposed, for `down_t_matmul`
-    nz: Vec<u32>,  // neurons with a nonzero activation for some token
+    nz: Vec<u32>,  // neurons with a nonzero activation for some token (and not in `tiled`)
+    tiled: Vec<u32>, // neurons enough tokens need to go through `tiled_axpy`
 }
 
 /// Fewest neurons per chunk: below this the per-task cost outweighs the balance it buys.
@@ -307,12 +308,86 @@ fn f32_bytes(x: &[f32]) -> &[u8] {
 /// threshold mode (a neuron in about half of 128 tokens) lost with it alone (245 -> 290 ms).
 const DEQUANTIZE_FROM: usize = 8;
 
+/// Neurons at least this share of a batch's tokens need (and `DEQUANTIZE_FROM`) go through
+/// `tiled_axpy` for all the tokens, zeros included: its register tiles do a fused multiply-add
+/// per value where the per-token axpy loads and stores the output row for each (64-token
+/// prompts of `sparse_e2e.py synthetic --layers 2`, down projection 40 -> 24 ms).
+const TILED_FROM: f64 = 0.25;
+
+/// Neurons per pass of `tiled_axpy` (their dequantized slices stay in L2).
+const TILED_CHUNK: usize = 32;
+
+/// y[t][c_from..c_to] += sum over k of ht[neurons[k]][t0 + t] * w[k][c] for t < tokens, the
+/// neurons in order, one fused multiply-add each: `w` holds the neurons' rows of `width`
+/// floats, `ht` each neuron's values for the n tokens, y's rows lie `stride` apart. Twin of
+/// `avx2::tiled_axpy` and `avx512::tiled_axpy`, bit for bit.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn tiled_axpy_scalar(w: &[f32], width: usize, ht: &[f32], n: usize, neurons: &[u32], t0: usize, tokens: usize, y: &mut [f32], stride: usize, cols: std::ops::Range<usize>) {
+    for t in 0..tokens {
+        for c in cols.clone() {
+            let mut acc = y[t * stride + c];
+            for (k, &j) in neurons.iter().enumerate() {
+                acc = ht[j as usize * n + t0 + t].mul_add(w[k * width + c], acc);
+            }
+            y[t * stride + c] = acc;
+        }
+    }
+}
+
+/// `tiled_axpy_scalar` over all n tokens and `width` columns, in SIMD tiles where the CPU has
+/// them (the same bits at every level). `y` is the first token's row; rows `stride` apart.
+fn tiled_axpy(level: SimdLevel, w: &[f32], width: usize, ht: &[f32], n: usize, neurons: &[u32], y: OutPtr, stride: usize) {
+    // SAFETY (all the calls below): the caller's task alone writes these columns of the n rows
+    let rows = |t0: usize, tokens: usize| unsafe { std::slice::from_raw_parts_mut(y.at(t0 * stride), (tokens - 1) * stride + width) };
+    let lanes = match level {
+        SimdLevel::Avx512 => 16,
+        SimdLevel::Avx2 => 8,
+        SimdLevel::Scalar => 0,
+    };
+    let simd = if lanes == 0 { 0 } else { width - width % lanes };
+    if simd < width {
+        tiled_axpy_scalar(w, width, ht, n, neurons, 0, n, rows(0, n), stride, simd..width);
+    }
+    if simd == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let mut t0 = 0;
+        macro_rules! pass {
+            ($t:literal) => {
+                while t0 + $t <= n {
+                    let y = rows(t0, $t).as_mut_ptr();
+                    // SAFETY: the level's features are the CPU's; y holds $t rows of `width`
+                    // (>= simd, a multiple of the lanes) `stride` apart, w holds
+                    // neurons.len() rows of `width`, t0 + $t <= n.
+                    unsafe {
+                        match level {
+                            SimdLevel::Avx512 => crate::avx512::tiled_axpy::<$t>(w, width, simd, ht, n, neurons, t0, y, stride),
+                            _ => crate::avx2::tiled_axpy::<$t>(w, width, simd, ht, n, neurons, t0, y, stride),
+                        }
+                    }
+                    t0 += $t;
+                }
+            };
+        }
+        if level == SimdLevel::Avx512 {
+            pass!(16);
+        }
+        pass!(8);
+        pass!(4);
+        pass!(1);
+    }
+}
+
 /// The down projection of a batch from the neuron-major matrix: out (n, n_embd) =
 /// h (n, n_ff) @ down_t (n_ff, n_embd). (Any product read through an input-major copy has this
-/// shape: input sparsity uses it for every matrix.) Neurons that are zero for every token are skipped; each
-/// task owns a range of output columns for all tokens. A kept neuron's slice of `down_t` that
-/// few tokens need goes to the axpy kernels as stored, once per token (as one token's does);
-/// one that many need is dequantized once and read as floats by each (`DEQUANTIZE_FROM`).
+/// shape: input sparsity uses it for every matrix.) Neurons that are zero for every token are
+/// skipped; each task owns a range of output columns for all tokens. Neurons a good share of
+/// the tokens need are dequantized a chunk at a time and added for every token in register
+/// tiles (`TILED_FROM`); of the rest, a slice that few tokens need goes to the axpy kernels as
+/// stored, once per token (as one token's does), one that more need is dequantized once and
+/// read as floats by each (`DEQUANTIZE_FROM`).
 pub fn down_t_matmul(down_t: &QMatrix, h: &[f32], n: usize, out: &mut [f32], scratch: &mut SparseScratch) {
     let (n_ff, n_embd) = (down_t.rows, down_t.cols);
     assert_eq!(h.len(), n * n_ff);
@@ -320,14 +395,18 @@ pub fn down_t_matmul(down_t: &QMatrix, h: &[f32], n: usize, out: &mut [f32], scr
     // h transposed to (n_ff, n): one neuron's values for all tokens are contiguous.
     scratch.ht.resize(n_ff * n, 0.0);
     scratch.nz.clear();
+    scratch.tiled.clear();
+    let tiled_from = (TILED_FROM * n as f64).max(DEQUANTIZE_FROM as f64);
     for j in 0..n_ff {
-        let mut any = false;
+        let mut count = 0;
         for t in 0..n {
             let v = h[t * n_ff + j];
             scratch.ht[j * n + t] = v;
-            any |= v != 0.0;
+            count += (v != 0.0) as usize;
         }
-        if any {
+        if n > 1 && count as f64 >= tiled_from {
+            scratch.tiled.push(j as u32);
+        } else if count > 0 {
             scratch.nz.push(j as u32);
         }
     }
@@ -336,7 +415,7 @@ pub fn down_t_matmul(down_t: &QMatrix, h: &[f32], n: usize, out: &mut [f32], scr
     let unit = down_t.dtype.block_len().max(32);
     let width = (n_embd.div_ceil(threads * CHUNKS_PER_THREAD)).next_multiple_of(unit).min(n_embd.next_multiple_of(unit));
     let n_tasks = n_embd.div_ceil(width);
-    let (ht, nz) = (&scratch.ht, &scratch.nz);
+    let (ht, nz, tiled) = (&scratch.ht, &scratch.nz, &scratch.tiled);
     let level = simd_level();
     let optr = OutPtr(out.as_mut_ptr());
     if n == 1 {
@@ -350,7 +429,11 @@ pub fn down_t_matmul(down_t: &QMatrix, h: &[f32], n: usize, out: &mut [f32], scr
             let y = unsafe { std::slice::from_raw_parts_mut(optr.at(c0), c1 - c0) };
             let slice = |j: u32| &down_t.row(j as usize)[b0..b1];
             let mut quads = nz.chunks_exact(4);
-            for q in &mut quads {
+            for (i, q) in (&mut quads).enumerate() {
+                // the next quad's slices on their way (scattered rows, a few lines each)
+                for &ahead in nz.get(4 * i + 4..4 * i + 8).unwrap_or(&[]) {
+                    prefetch(slice(ahead));
+                }
                 axpy4(level, down_t.dtype, [0, 1, 2, 3].map(|k| slice(q[k])), [0, 1, 2, 3].map(|k| ht[q[k] as usize]), y);
             }
             for &j in quads.remainder() {
@@ -362,9 +445,25 @@ pub fn down_t_matmul(down_t: &QMatrix, h: &[f32], n: usize, out: &mut [f32], scr
     (0..n_tasks).into_par_iter().for_each(|task| {
         let c0 = task * width;
         let c1 = (c0 + width).min(n_embd);
-        let mut w = vec![0.0f32; c1 - c0];
         let (b0, b1) = (down_t.dtype.row_bytes(c0), down_t.dtype.row_bytes(c1));
-        for &j in nz.iter() {
+        let mut w = vec![0.0f32; TILED_CHUNK.min(tiled.len()).max(1) * (c1 - c0)];
+        for (c, chunk) in tiled.chunks(TILED_CHUNK).enumerate() {
+            for (k, &j) in chunk.iter().enumerate() {
+                if let Some(&ahead) = tiled.get(c * TILED_CHUNK + k + 2) {
+                    prefetch(&down_t.row(ahead as usize)[b0..b1]);
+                }
+                quant::dequantize_row(down_t.dtype, &down_t.row(j as usize)[b0..b1], &mut w[k * (c1 - c0)..(k + 1) * (c1 - c0)]);
+            }
+            // (this task alone writes columns c0..c1 of every token's row)
+            tiled_axpy(level, &w, c1 - c0, ht, n, chunk, OutPtr(optr.at(c0)), n_embd);
+        }
+        for (i, &j) in nz.iter().enumerate() {
+            // the slices two neurons on, on their way: the rows are scattered and a slice is
+            // a few lines, too short for the hardware prefetchers, and its first token's axpy
+            // waited on memory for each block
+            if let Some(&ahead) = nz.get(i + 2) {
+                prefetch(&down_t.row(ahead as usize)[b0..b1]);
+            }
             let j = j as usize;
             let hs = &ht[j * n..(j + 1) * n];
             // a neuron that few tokens need: its slice to the axpy kernels as stored, once per
@@ -373,8 +472,8 @@ pub fn down_t_matmul(down_t: &QMatrix, h: &[f32], n: usize, out: &mut [f32], scr
             let (dtype, slice) = if few {
                 (down_t.dtype, &down_t.row(j)[b0..b1])
             } else {
-                quant::dequantize_row(down_t.dtype, &down_t.row(j)[b0..b1], &mut w);
-                (DType::F32, f32_bytes(&w))
+                quant::dequantize_row(down_t.dtype, &down_t.row(j)[b0..b1], &mut w[..c1 - c0]);
+                (DType::F32, f32_bytes(&w[..c1 - c0]))
             };
             for (t, &hv) in hs.iter().enumerate() {
                 if hv != 0.0 {
@@ -621,6 +720,37 @@ mod tests {
     }
 
     /// The batched column-split down projection equals a float64 product.
+    /// The register-tiled axpy equals its scalar twin bit for bit at every SIMD level this CPU
+    /// has, for token counts around each pass size and widths with a column tail.
+    #[test]
+    fn tiled_axpy_equals_scalar_twin() {
+        let mut levels = vec![SimdLevel::Scalar];
+        if crate::matmul::detect().has_avx2() {
+            levels.push(SimdLevel::Avx2);
+        }
+        if crate::matmul::detect() == SimdLevel::Avx512 {
+            levels.push(SimdLevel::Avx512);
+        }
+        let (n_ff, stride) = (50, 100);
+        let neurons: Vec<u32> = vec![3, 4, 9, 17, 30, 49];
+        for n in [1, 3, 8, 15, 16, 17, 37] {
+            let ht = random_vec(n_ff * n, 21 + n as u64);
+            for width in [16, 40, 64, 96] {
+                let w = random_vec(neurons.len() * width, 5 + width as u64);
+                let y0 = random_vec(n * stride, 8);
+                let mut want = y0.clone();
+                tiled_axpy_scalar(&w, width, &ht, n, &neurons, 0, n, &mut want, stride, 0..width);
+                for &level in &levels {
+                    let mut got = y0.clone();
+                    tiled_axpy(level, &w, width, &ht, n, &neurons, OutPtr(got.as_mut_ptr()), stride);
+                    for i in 0..n * stride {
+                        assert_eq!(got[i].to_bits(), want[i].to_bits(), "{level:?} n={n} width={width} [{i}]");
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn down_t_matmul_matches_float64() {
         let (n_ff, n_embd) = (70, 160);
@@ -628,11 +758,13 @@ mod tests {
         for dtype in ALL {
             let dd = matrix(dtype, n_ff, n_embd, 11);
             let down_t = QMatrix { dtype, rows: n_ff, cols: n_embd, data: &dd };
-            for n in [1, 5] {
+            for n in [1, 5, 40] {
                 let mut h = random_vec(n * n_ff, 12);
-                // a sparse pattern: some neurons zero for all tokens, some for a few
+                // a sparse pattern: some neurons zero for all tokens, some for a few, some
+                // for most (those go through `tiled_axpy` from 10 of 40 tokens up)
                 for (i, v) in h.iter_mut().enumerate() {
-                    if (i % n_ff) % 3 == 0 || i % 7 == 0 {
+                    let j = i % n_ff;
+                    if j % 3 == 0 || (j % 3 == 1 && i % 7 != 0) {
                         *v = 0.0;
                     }
                 }
