@@ -565,7 +565,7 @@ pub unsafe fn tiled_axpy<const T: usize>(w: &[f32], width: usize, cols: usize, h
     }
 }
 
-/// `model::exp_poly` in 8 lanes, step for step (no fused multiply-adds), so the same bits.
+/// `activation::exp_poly` in 8 lanes, step for step (no fused multiply-adds), so the same bits.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn exp_poly_ps(x: __m256) -> __m256 {
@@ -575,7 +575,7 @@ unsafe fn exp_poly_ps(x: __m256) -> __m256 {
     let r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693_359_4)));
     let r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.121_944_4e-4)));
     let mut y = _mm256_set1_ps(1.987_569_1e-4);
-    for c in crate::model::EXP_POLY {
+    for c in crate::activation::EXP_POLY {
         y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(c));
     }
     y = _mm256_add_ps(_mm256_mul_ps(y, _mm256_mul_ps(r, r)), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
@@ -584,7 +584,7 @@ unsafe fn exp_poly_ps(x: __m256) -> __m256 {
 }
 
 /// gate[i] = silu(gate[i]) * up[i] (GELU's tanh approximation where `gelu`), 8 neurons at a
-/// time: `FfnActivation::apply`'s arithmetic (`model::silu`, `model::gelu`) to the bit. Safety:
+/// time: `FfnActivation::apply`'s arithmetic (`activation::silu`, `activation::gelu`) to the bit. Safety:
 /// the CPU has AVX2; `gate` and `up` are as long.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn activate(gelu: bool, gate: &mut [f32], up: &[f32]) {
@@ -608,7 +608,7 @@ pub unsafe fn activate(gelu: bool, gate: &mut [f32], up: &[f32]) {
     }
     for i in body..n {
         let x = *g.add(i);
-        *g.add(i) = if gelu { crate::model::gelu(x) } else { crate::model::silu(x) } * *u.add(i);
+        *g.add(i) = if gelu { crate::activation::gelu(x) } else { crate::activation::silu(x) } * *u.add(i);
     }
 }
 

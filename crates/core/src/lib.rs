@@ -1,8 +1,9 @@
 //! powerinfer-core: the engine without Python. GGUF loading (`gguf`), tensor formats and
 //! reference kernels (`quant`), SIMD kernels (`avx2`, `avx512`), threaded matrix products (`matmul`),
-//! LLaMA-family models (`model`), the forward pass written once over a backend seam (`forward`), the CPU backend, KV cache and sessions (`session`) and sampling
+//! LLaMA-family models (`model`) and their activations (`activation`), the forward pass written once over a backend seam (`forward`), the CPU backend, KV cache and sessions (`session`) and sampling
 //! (`sampler`).
 
+pub mod activation;
 pub mod attention;
 pub mod error;
 pub mod forward;
