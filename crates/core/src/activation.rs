@@ -7,7 +7,9 @@
 /// `avx2::activate` computes the same bits in 8 lanes and a CPU without FMA needs no library call.
 #[inline]
 pub fn exp_poly(x: f32) -> f32 {
-    // (a NaN becomes the lower bound here, as in `_mm256_max_ps`; the callers keep x's NaN)
+    // (a NaN becomes the lower bound here, as in `_mm256_max_ps`, where `clamp` would keep it;
+    // the callers keep x's NaN)
+    #[allow(clippy::manual_clamp)]
     let x = x.max(-88.376_26).min(88.376_26);
     let t = x * std::f32::consts::LOG2_E + 0.5;
     // floor(t) (t is within +-128)
@@ -41,9 +43,11 @@ pub fn gelu(x: f32) -> f32 {
 /// -2u of the tanh approximation's u = sqrt(2 / pi) (x + 0.044715 x^3).
 #[inline]
 pub(crate) fn gelu_exponent(x: f32) -> f32 {
-    const MINUS_2_SQRT_2_OVER_PI: f32 = -1.595_769_1;
     MINUS_2_SQRT_2_OVER_PI * (x * (1.0 + 0.044715 * (x * x)))
 }
+
+/// -2 sqrt(2 / pi), GELU's exponent factor (`gelu_exponent`, `avx2::activate`).
+pub(crate) const MINUS_2_SQRT_2_OVER_PI: f32 = -1.595_769;
 
 #[cfg(test)]
 mod tests {

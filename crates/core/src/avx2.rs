@@ -545,6 +545,7 @@ unsafe fn exp_ps(x: __m256) -> __m256 {
 /// T rows `stride` apart at least `cols` long, `w` holds `neurons.len()` rows of `width`, `ht`
 /// rows of n with t0 + T <= n.
 #[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn tiled_axpy<const T: usize>(w: &[f32], width: usize, cols: usize, ht: &[f32], n: usize, neurons: &[u32], t0: usize, y: *mut f32, stride: usize) {
     debug_assert!(cols % 8 == 0 && cols <= width && w.len() >= neurons.len() * width && t0 + T <= n);
     for c in (0..cols).step_by(8) {
@@ -595,7 +596,7 @@ pub unsafe fn activate(gelu: bool, gate: &mut [f32], up: &[f32]) {
         // the exponent: -x for SiLU, -2 sqrt(2 / pi) (x + 0.044715 x^3) for GELU
         let e = if gelu {
             let cube = _mm256_mul_ps(x, _mm256_add_ps(one, _mm256_mul_ps(_mm256_set1_ps(0.044715), _mm256_mul_ps(x, x))));
-            _mm256_mul_ps(_mm256_set1_ps(-1.595_769_1), cube)
+            _mm256_mul_ps(_mm256_set1_ps(crate::activation::MINUS_2_SQRT_2_OVER_PI), cube)
         } else {
             _mm256_xor_ps(x, _mm256_set1_ps(-0.0))
         };

@@ -56,6 +56,7 @@ unsafe fn load16(dtype: DType, w: *const u8, k: usize) -> __m512 {
 /// `avx2::tiled_axpy` in 16 lanes (the same arithmetic, so the same bits). Safety: as there,
 /// with AVX-512 F and `cols` a multiple of 16.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn tiled_axpy<const T: usize>(w: &[f32], width: usize, cols: usize, ht: &[f32], n: usize, neurons: &[u32], t0: usize, y: *mut f32, stride: usize) {
     debug_assert!(cols % 16 == 0 && cols <= width && w.len() >= neurons.len() * width && t0 + T <= n);
     for c in (0..cols).step_by(16) {

@@ -336,6 +336,7 @@ pub(crate) fn tiled_axpy_scalar(w: &[f32], width: usize, ht: &[f32], n: usize, n
 
 /// `tiled_axpy_scalar` over all n tokens and `width` columns, in SIMD tiles where the CPU has
 /// them (the same bits at every level). `y` is the first token's row; rows `stride` apart.
+#[allow(clippy::too_many_arguments)]
 fn tiled_axpy(level: SimdLevel, w: &[f32], width: usize, ht: &[f32], n: usize, neurons: &[u32], y: OutPtr, stride: usize) {
     // SAFETY (all the calls below): the caller's task alone writes these columns of the n rows
     let rows = |t0: usize, tokens: usize| unsafe { std::slice::from_raw_parts_mut(y.at(t0 * stride), (tokens - 1) * stride + width) };
