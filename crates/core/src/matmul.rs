@@ -561,7 +561,10 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
             // predictor 64-token prompt: gate and up 29 -> 25 ms)
             hot.clear();
             cold.clear();
-            let grouped = cfg!(target_arch = "x86_64") && level.has_avx2() && (legacy_avx2::groups_rows(w.dtype) || reads_q8k(w.dtype)) && n >= GROUP_MIN_TOKENS;
+            #[cfg(target_arch = "x86_64")]
+            let grouped = level.has_avx2() && (legacy_avx2::groups_rows(w.dtype) || reads_q8k(w.dtype)) && n >= GROUP_MIN_TOKENS;
+            #[cfg(not(target_arch = "x86_64"))]
+            let grouped = false;
             let kept_of = |k: usize| &kept_by_row[(k0 + k) * n..(k0 + k + 1) * n];
             for k in 0..part.len() {
                 let kept = kept_of(k).iter().filter(|&&x| x).count();
