@@ -95,6 +95,15 @@ pub(crate) fn ffn(model: &Model, st: &mut PassState, s: &mut Scratch, l: usize, 
         // batch, sparse: only the rows of the neurons some token selected
         union_of_selections(&s.keep, n, n_ff, &mut s.picked, &mut s.neurons);
         union_ffn(lw, act, &model.down_t(l), n, gate_ready, s);
+    } else if mode == SparsityMode::Dense && !recording && lw.ffn_down.is_none() && lw.ffn_gate.is_some() && matches!(act, FfnActivation::ReGlu | FfnActivation::DReGlu) {
+        // batch, dense, a ReLU gate and only the neuron-major down: the gate densely, then up
+        // and down only where it is positive (exact: the ReLU zeroes the rest, as one token's
+        // fused operator skips them; the same values bit for bit)
+        gate_values(lw, &s.acts, &mut s.gate);
+        s.keep.clear();
+        s.keep.extend(s.gate.iter().map(|&g| g > 0.0));
+        union_of_selections(&s.keep, n, n_ff, &mut s.picked, &mut s.neurons);
+        union_ffn(lw, act, &model.down_t(l), n, true, s);
     } else {
         // batch: gate and up densely, the activation, zero what was left out, then down
         gate_and_up(lw, &s.acts, &mut s.gate, &mut s.up, gate_ready);
