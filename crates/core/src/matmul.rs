@@ -602,7 +602,7 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
                 // (`dot_row` brings in the next row as it goes; the one after on its way now,
                 // since a cold row's few tokens take less time than memory does)
                 if let Some(&k) = cold.get(c + 2) {
-                    prefetch_lines(w.row(part[k] as usize));
+                    crate::sparse::prefetch(w.row(part[k] as usize));
                 }
                 let mut g = tokens.chunks_exact(4);
                 for q in &mut g {
@@ -624,16 +624,6 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
             rows_for_all_tokens(w, rows, x, level, |t, r, v| v.iter().enumerate().for_each(|(i, &vi)| put(t, base + r + i - start, vi)));
         }
     });
-}
-
-/// Asks the CPU to start loading `bytes` into L2.
-#[inline]
-fn prefetch_lines(bytes: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    for off in (0..bytes.len()).step_by(64) {
-        // SAFETY: prefetching is a hint that never faults; the address is inside the slice.
-        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(bytes.as_ptr().add(off) as *const i8) };
-    }
 }
 
 /// The runs of consecutive rows in a sorted selection: (k, rows) where sel[k..k + rows.len()]

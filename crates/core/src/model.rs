@@ -96,7 +96,6 @@ impl FfnActivation {
     }
 }
 
-
 impl FfnActivation {
     /// `{arch}.ffn_activation` when the file says ("silu"/"swiglu", "relu"/"reglu",
     /// "drelu"/"dreglu"); otherwise what the architecture implies: Bamboo is dReLU, and a `llama`

@@ -96,9 +96,10 @@ pub fn axpy4(level: SimdLevel, dtype: DType, rows: [&[u8]; 4], a: [f32; 4], y: &
     }
 }
 
-/// Asks the CPU to start loading `bytes` into cache.
+/// Asks the CPU to start loading `bytes` into cache (the scattered rows and slices sparse and
+/// masked products read next).
 #[inline]
-fn prefetch(bytes: &[u8]) {
+pub(crate) fn prefetch(bytes: &[u8]) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
