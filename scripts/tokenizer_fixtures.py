@@ -26,7 +26,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "python"))
 
 import llama_cpp  # noqa: E402
-import sentencepiece as spm  # noqa: E402
 from gguf import GGUFWriter  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
@@ -117,6 +116,8 @@ def train_bpe(lines: list[str]) -> dict:
 
 
 def train_spm(lines: list[str]) -> dict:
+    import sentencepiece as spm
+
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(lines),

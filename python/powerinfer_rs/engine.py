@@ -532,27 +532,9 @@ class Engine:
         return "".join(self.stream(prompt, **kwargs))
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-        template = self.chat_template
-        if not template:
-            raise ValueError("the model has no tokenizer.chat_template; use generate() with a plain prompt")
-        if not isinstance(messages, (list, tuple)) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-        for m in messages:
-            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError(f"each message needs string 'role' and 'content', got {m!r}")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise ValueError(f"chat template error: {message}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        tok = self.tokenizer
-        bos = tok.tokens[tok.bos_token_id] if tok.bos_token_id is not None else ""
-        eos = tok.tokens[tok.eos_token_id] if tok.eos_token_id is not None else ""
-        return env.from_string(template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
-        )
+        """The prompt text of a conversation in the model's chat template (see
+        `GGUFTokenizer.apply_chat_template`)."""
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
 
     def chat(self, messages: Sequence[Mapping[str, str]], stream: bool = False, **kwargs) -> "str | Generation":
         """Answers a conversation formatted with the model's own chat template."""

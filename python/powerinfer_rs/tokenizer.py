@@ -1,9 +1,10 @@
 """Tokenization with Hugging Face `tokenizers`, built from the vocabulary inside a GGUF file
 (or from a `tokenizer.json` beside the model when there is one).
 
-Two vocabulary kinds are understood, as llama.cpp names them in `tokenizer.ggml.model`:
+Three vocabulary kinds are understood, as llama.cpp names them in `tokenizer.ggml.model`:
 - ``gpt2``: byte-level BPE with merges and a pre-tokenizer chosen by `tokenizer.ggml.pre`;
-- ``llama``: SentencePiece-style BPE ranked by token scores, with byte fallback.
+- ``llama``: SentencePiece-style BPE ranked by token scores, with byte fallback;
+- ``gemma4``: BPE with merges over raw UTF-8 (spaces as `▁`, no leading one), byte fallback.
 
 Detokenization goes through raw bytes per token so a streamed multi-byte character split across
 tokens is held back until complete (see `StreamDecoder`).
@@ -12,9 +13,15 @@ tokens is held back until complete (see `StreamDecoder`).
 from __future__ import annotations
 
 import codecs
+import datetime
+import functools
+import json
 import os
 import threading
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
+
+import jinja2
+import jinja2.sandbox
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
@@ -43,6 +50,10 @@ _DEEPSEEK_V3 = (
     r"[一-龥぀-ゟ゠-ヿ]+",
     r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
 )
+
+# DeepSeek LLM's letters and punctuation, as explicit ranges (its tokenizer.json lists them)
+_DEEPSEEK_LLM_LETTERS = "A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃"
+_DEEPSEEK_LLM = (r"[\r\n]", r"\s?[" + _DEEPSEEK_LLM_LETTERS + "]+", r"\s?[!-/:-~！-／：-～‘-‟　-。]+", r"\s+$", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}+")
 
 
 # (names, regexes, ignore_merges, BOS added when the file does not say)
@@ -76,14 +87,30 @@ _PRE_TOKENIZER_TABLE = [
     ),
     (("falcon",), (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2_RE, r"[0-9][0-9][0-9]"), False, False),
     (("deepseek-coder",), (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"), False, False),
+    (("deepseek-llm",), _DEEPSEEK_LLM, False, False),
     (("deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"), _DEEPSEEK_V3, False, False),
     (("gpt-4o", "llama4", "kanana2", "talkie"), (_GPT4O_RE,), False, False),
     (("tekken",), (_TEKKEN_RE,), True, True),
 ]
 _PRE_TOKENIZERS = {name: (regexes, ignore, bos) for names, regexes, ignore, bos in _PRE_TOKENIZER_TABLE for name in names}
 
-# Texts of end-of-generation control tokens that models use besides their declared EOS.
-_END_OF_GENERATION = {"<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "</s>", "<|end_of_text|>", "<end_of_turn>"}
+# Texts that end generation (llama.cpp's list; such a token counts only if it is a control
+# token, which llama.cpp makes it, whatever its type).
+_END_OF_GENERATION = {
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+}
+# Texts llama.cpp turns into control tokens whatever type the file gives them (so they are
+# parsed only with `special=True` and dropped when detokenizing without it): the above and
+# fill-in-the-middle markers.
+_CONTROL_BY_TEXT = _END_OF_GENERATION | {
+    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>", "<PRE>", "\u2581<PRE>",
+    "<|code_prefix|>", "<|prefix|>", "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>",
+    "<SUF>", "\u2581<SUF>", "<|code_suffix|>", "<|suffix|>", "<|fim_middle|>", "<fim-middle>", "<fim_middle>",
+    "<\uff5cfim\u2581end\uff5c>", "<MID>", "\u2581<MID>", "<|code_middle|>", "<|middle|>", "<|fim_pad|>", "<fim-pad>",
+    "<fim_pad>", "<PAD>", "[PAD]", "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>",
+}
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -134,20 +161,49 @@ def _rstripped_specials(metadata: Mapping[str, Any], tokens: list[str], types: l
     return (out | {"</s>"}) - {"<unk>", "<s>", "<|endoftext|>"}
 
 
+def _raise_exception(message: str):
+    raise ValueError(f"chat template error: {message}")
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+    # Hugging Face's `tojson`: plain JSON, where Jinja's own escapes HTML characters
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=1)
+def _chat_environment() -> "jinja2.sandbox.ImmutableSandboxedEnvironment":
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.filters["tojson"] = _tojson
+    return env
+
+
 class GGUFTokenizer:
     """Tokenizer for one model, from its GGUF metadata (or a tokenizer.json beside it)."""
 
     def __init__(self, metadata: Mapping[str, Any], model_path: str | os.PathLike | None = None):
         self.kind = metadata.get("tokenizer.ggml.model")
         tokens = metadata.get("tokenizer.ggml.tokens")
-        if self.kind not in ("gpt2", "llama") or not tokens:
+        if self.kind not in ("gpt2", "llama", "gemma4") or not tokens:
             raise ValueError(
-                f"the model's tokenizer ({self.kind!r}) is not supported: expected tokenizer.ggml.model 'gpt2' or 'llama' "
-                "with tokenizer.ggml.tokens"
+                f"the model's tokenizer ({self.kind!r}) is not supported: expected tokenizer.ggml.model 'gpt2', 'llama' "
+                "or 'gemma4' with tokenizer.ggml.tokens"
             )
         self.tokens: list[str] = list(tokens)
         n = len(self.tokens)
-        self.types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * n)
+        control_by_text = _CONTROL_BY_TEXT
+        if "<|tool_response>" in self.tokens or "<|plamo:eos|>" in self.tokens:
+            # Gemma 4's and PLaMo's `</s>` is a normal token (llama.cpp)
+            control_by_text = control_by_text - {"</s>"}
+        self.types: list[int] = [
+            TOKEN_CONTROL if k in (TOKEN_NORMAL, TOKEN_USER_DEFINED) and t in control_by_text else k
+            for t, k in zip(self.tokens, metadata.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * n)
+        ]
         self.bos_token_id: int | None = metadata.get("tokenizer.ggml.bos_token_id")
         self.eos_token_id: int | None = metadata.get("tokenizer.ggml.eos_token_id")
         # a BPE file without a pre-tokenizer gets "default", as in llama.cpp
@@ -163,7 +219,8 @@ class GGUFTokenizer:
                 + " (or put the model's tokenizer.json beside the GGUF file)"
             )
         default_bos = self.kind == "llama" or (self.kind == "gpt2" and known_pre and _PRE_TOKENIZERS[self.pre][2])
-        self.add_bos: bool = bool(metadata.get("tokenizer.ggml.add_bos_token", default_bos))
+        # llama.cpp adds Gemma 4's BOS even where its file says not to
+        self.add_bos: bool = self.kind == "gemma4" or bool(metadata.get("tokenizer.ggml.add_bos_token", default_bos))
         self.add_space_prefix: bool = bool(metadata.get("tokenizer.ggml.add_space_prefix", self.kind == "llama"))
         self.chat_template: str | None = metadata.get("tokenizer.chat_template")
 
@@ -179,6 +236,8 @@ class GGUFTokenizer:
             self._tok = Tokenizer.from_file(beside)
         elif self.kind == "gpt2":
             self._tok = self._build_gpt2(metadata)
+        elif self.kind == "gemma4":
+            self._tok = self._build_gemma4(metadata)
         else:
             self._tok = self._build_spm(metadata)
         # Texts matched before the tokenizer runs, as llama.cpp does: control and unknown tokens
@@ -219,6 +278,22 @@ class GGUFTokenizer:
         tok.decoder = decoders.ByteLevel()
         return tok
 
+    def _build_gemma4(self, metadata: Mapping[str, Any]) -> Tokenizer:
+        merges = []
+        for m in metadata.get("tokenizer.ggml.merges") or []:
+            # the first half may itself be a space: the separator is the first space after it
+            cut = m.find(" ", 1)
+            if cut < 0:
+                raise ValueError(f"malformed merge {m!r} in tokenizer.ggml.merges")
+            merges.append((m[:cut], m[cut + 1 :]))
+        vocab = {t: i for i, t in enumerate(self.tokens)}
+        tok = Tokenizer(models.BPE(vocab, merges, byte_fallback=True))
+        tok.normalizer = normalizers.Replace(" ", "\u2581")
+        # llama.cpp splits only lines from runs of newlines (no newline inside a merge)
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+        return tok
+
     def _build_spm(self, metadata: Mapping[str, Any]) -> Tokenizer:
         scores = list(metadata.get("tokenizer.ggml.scores") or [0.0] * len(self.tokens))
         vocab = {t: i for i, t in enumerate(self.tokens)}
@@ -232,6 +307,27 @@ class GGUFTokenizer:
         tok.normalizer = normalizers.Sequence(norms)
         tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
         return tok
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+        """The prompt text of a conversation in `chat_template`, rendered as Hugging Face's
+        `apply_chat_template` renders it (sandboxed Jinja with `raise_exception`, `strftime_now`,
+        loop controls and its `tojson`). A template that fails names itself in a ValueError."""
+        template = self.chat_template
+        if not template:
+            raise ValueError("the model has no tokenizer.chat_template; use generate() with a plain prompt")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        for m in messages:
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"each message needs string 'role' and 'content', got {m!r}")
+        bos = self.tokens[self.bos_token_id] if self.bos_token_id is not None else ""
+        eos = self.tokens[self.eos_token_id] if self.eos_token_id is not None else ""
+        try:
+            return _chat_environment().from_string(template).render(
+                messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+            )
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template error: {type(e).__name__}: {e}") from None
 
     @property
     def n_vocab(self) -> int:
