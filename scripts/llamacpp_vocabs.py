@@ -56,5 +56,23 @@ def fetch() -> Path:
     return out
 
 
+def as_sentencepiece(metadata: dict) -> dict:
+    """A 262k SentencePiece vocabulary the way Gemma 1-3 files carry theirs (`tokenizer.ggml.model`
+    'llama', no leading space, byte fallback, pieces ranked by score), made from Gemma 4's file:
+    its real pieces and types, each piece scored by its negated id (Gemma 4's file ranks merges
+    instead; Gemma 3's own vocabulary is not among llama.cpp's test files)."""
+    tokens = list(metadata["tokenizer.ggml.tokens"])
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": list(metadata["tokenizer.ggml.token_type"]),
+        "tokenizer.ggml.scores": [-float(i) for i in range(len(tokens))],
+        "tokenizer.ggml.bos_token_id": metadata["tokenizer.ggml.bos_token_id"],
+        "tokenizer.ggml.eos_token_id": metadata["tokenizer.ggml.eos_token_id"],
+        "tokenizer.ggml.unknown_token_id": metadata["tokenizer.ggml.unknown_token_id"],
+        "tokenizer.ggml.add_space_prefix": False,
+    }
+
+
 if __name__ == "__main__":
     print(fetch())

@@ -12,13 +12,15 @@ Needs llama-cpp-python (see README, "Against llama.cpp"):
 import hashlib
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from llamacpp_vocabs import fetch  # noqa: E402
-from tokenizer_fixtures import OTHER_SCRIPTS, TEXTS, llama_cpp_ids, prose  # noqa: E402
+from gguf import GGUFReader  # noqa: E402
+from llamacpp_vocabs import as_sentencepiece, fetch  # noqa: E402
+from tokenizer_fixtures import OTHER_SCRIPTS, TEXTS, llama_cpp_ids, prose, write_vocab_gguf  # noqa: E402
 
 OUT = ROOT / "tests" / "fixtures" / "tokenizers" / "real_vocabs.json"
 
@@ -55,6 +57,15 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def spm_from_gemma4(source: Path, out: Path) -> None:
+    """Writes `as_sentencepiece` of Gemma 4's vocabulary as a vocabulary-only GGUF."""
+    reader = GGUFReader(str(source))
+    meta = as_sentencepiece({k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.ggml.")})
+    vocab = {"tokens": meta.pop("tokenizer.ggml.tokens"), "types": meta.pop("tokenizer.ggml.token_type"),
+             "scores": meta.pop("tokenizer.ggml.scores")}
+    write_vocab_gguf(out, meta, vocab)
+
+
 def main() -> None:
     folder = fetch()
     texts = TEXTS + OTHER_SCRIPTS + EXTRA + prose(8, seed=11)
@@ -64,6 +75,13 @@ def main() -> None:
         rows, with_bos = llama_cpp_ids(path, texts)
         out[name] = {"sha256": sha256(path), "hello_with_bos": with_bos, "cases": rows}
         print(f"{name}: {len(rows)} texts")
+    # Gemma 1-3's kind of vocabulary at Gemma's size (see llamacpp_vocabs.as_sentencepiece)
+    with tempfile.TemporaryDirectory() as tmp:
+        source = folder / "ggml-vocab-gemma-4.gguf"
+        path = Path(tmp) / "spm.gguf"
+        spm_from_gemma4(source, path)
+        rows, with_bos = llama_cpp_ids(path, texts)
+        out["gemma-4-as-spm"] = {"sha256": sha256(source), "hello_with_bos": with_bos, "cases": rows}
     OUT.write_text(json.dumps(out, ensure_ascii=False, separators=(",", ":")))
     print(f"wrote {OUT} ({OUT.stat().st_size} bytes)")
 

@@ -2,7 +2,8 @@
 LLaMA/Mistral SentencePiece, Phi-3, Qwen2, Qwen3.5, Gemma 4's 262k, Command-R, DeepSeek, Falcon,
 GPT-2, MPT, StarCoder, Refact; scripts/llamacpp_vocabs.py fetches them, scripts/test.sh runs it).
 
-Two oracles: llama.cpp's ids for tricky texts and prose, with and without control tokens parsed,
+Gemma 4's 262k pieces are also used as a SentencePiece vocabulary, the kind Gemma 1-3 files
+carry. Two oracles: llama.cpp's ids for tricky texts and prose, with and without control tokens parsed,
 and its BOS policy (tests/fixtures/tokenizers/real_vocabs.json, scripts/real_vocab_fixtures.py);
 and the ids each vocabulary's own reference tokenizer gave for llama.cpp's test texts (the
 `.gguf.inp`/`.gguf.out` files beside each vocabulary)."""
@@ -21,7 +22,10 @@ from powerinfer_rs import GgufFile
 from powerinfer_rs.tokenizer import TOKEN_CONTROL, GGUFTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from llamacpp_vocabs import folder  # noqa: E402
+from llamacpp_vocabs import as_sentencepiece, folder  # noqa: E402
+
+# a vocabulary rewritten as Gemma 1-3 carry theirs (scripts/llamacpp_vocabs.py, as_sentencepiece)
+AS_SPM = "-as-spm"
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "tokenizers" / "real_vocabs.json").read_text())
 FOLDER = folder()
@@ -37,10 +41,12 @@ def vocab_path(name: str) -> Path:
 
 @lru_cache(maxsize=2)
 def tokenizer(name: str) -> GGUFTokenizer:
-    path = vocab_path(name)
+    derived = name.endswith(AS_SPM)
+    path = vocab_path(name[: -len(AS_SPM)] if derived else name)
     assert hashlib.sha256(path.read_bytes()).hexdigest() == FIXTURE[name]["sha256"], f"{path} is not the file the fixture was made from"
     # the metadata as the engine reads it when it loads a model
-    return GGUFTokenizer(GgufFile(str(path)).metadata(), model_path=path)
+    metadata = GgufFile(str(path)).metadata()
+    return GGUFTokenizer(as_sentencepiece(metadata) if derived else metadata, model_path=path)
 
 
 @pytest.mark.parametrize("name", sorted(FIXTURE))
