@@ -330,26 +330,36 @@ fn attend_group_masked(
     scores.resize(g * n, 0.0);
     let fast = simd_level().has_avx2() && hd % 16 == 0 && (1..=8).contains(&g);
 
+    // (AVX-512's kernels are the AVX2 ones with twice the registers: the same bits)
+    #[cfg(target_arch = "x86_64")]
+    let wide = simd_level() == SimdLevel::Avx512;
     #[cfg(target_arch = "x86_64")]
     macro_rules! each_group_size {
         ($kernel:ident, $f16:literal, $($args:expr),*) => {
+            if wide {
+                each_group_size!(@in avx512, $kernel, $f16, $($args),*)
+            } else {
+                each_group_size!(@in avx2, $kernel, $f16, $($args),*)
+            }
+        };
+        (@in $m:ident, $kernel:ident, $f16:literal, $($args:expr),*) => {
             match g {
-                1 => crate::avx2::$kernel::<$f16, 1>($($args),*),
-                2 => crate::avx2::$kernel::<$f16, 2>($($args),*),
-                3 => crate::avx2::$kernel::<$f16, 3>($($args),*),
-                4 => crate::avx2::$kernel::<$f16, 4>($($args),*),
-                5 => crate::avx2::$kernel::<$f16, 5>($($args),*),
-                6 => crate::avx2::$kernel::<$f16, 6>($($args),*),
-                7 => crate::avx2::$kernel::<$f16, 7>($($args),*),
-                _ => crate::avx2::$kernel::<$f16, 8>($($args),*),
+                1 => crate::$m::$kernel::<$f16, 1>($($args),*),
+                2 => crate::$m::$kernel::<$f16, 2>($($args),*),
+                3 => crate::$m::$kernel::<$f16, 3>($($args),*),
+                4 => crate::$m::$kernel::<$f16, 4>($($args),*),
+                5 => crate::$m::$kernel::<$f16, 5>($($args),*),
+                6 => crate::$m::$kernel::<$f16, 6>($($args),*),
+                7 => crate::$m::$kernel::<$f16, 7>($($args),*),
+                _ => crate::$m::$kernel::<$f16, 8>($($args),*),
             }
         };
     }
 
     if fast {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: Avx2 implies avx2+fma+f16c; hd is a multiple of 16, 1 <= g <= 8, and the
-        // bounds the kernel reads were asserted above.
+        // SAFETY: Avx2 implies avx2+fma+f16c (Avx512, `wide`, also AVX-512 F/BW/VL/VNNI); hd
+        // is a multiple of 16, 1 <= g <= 8, and the bounds the kernel reads were asserted above.
         unsafe {
             match k {
                 KvView::F32(_) => each_group_size!(attn_scores_group, false, qs, k.as_ptr(), stride, offset, scale, n, scores),
@@ -449,6 +459,67 @@ mod tests {
                         for (x, y) in one.iter().zip(&out[h * hd..(h + 1) * hd]) {
                             assert!((x - y).abs() < 1e-5, "{kind:?} g={g} hd={hd} n={n}: {x} vs {y}");
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The AVX-512 attention kernels (the AVX2 ones with more rows or dims per pass) give the
+    /// AVX2 kernels' scores and weighted sums bit for bit, for every group size, both cache
+    /// types, head sizes with and without a 32-dim pass, and row counts around each pass width.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx512_attention_kernels_equal_avx2_bit_for_bit() {
+        if simd_level() != SimdLevel::Avx512 {
+            eprintln!("skipped: the CPU (or POWERINFER_SIMD) has no AVX-512");
+            return;
+        }
+        let mut rng = crate::sampler::Rng::new(23);
+        macro_rules! both {
+            ($g:literal, $f16:literal, $k:expr, $v:expr, $stride:expr, $hd:expr, $n:expr) => {{
+                let (g, hd, n, stride) = ($g, $hd, $n, $stride);
+                let qs: Vec<f32> = (0..g * hd).map(|_| rng.next_f32() - 0.5).collect();
+                let w: Vec<f32> = (0..g * n).map(|_| rng.next_f32()).collect();
+                let (mut s2, mut s5) = (vec![0.0; g * n], vec![0.0; g * n]);
+                let (mut o2, mut o5) = (vec![0.0; g * hd], vec![0.0; g * hd]);
+                // SAFETY: the level is Avx512; the caches hold n rows of `stride` with the head
+                // at offset hd (hd + hd <= stride), hd a multiple of 16.
+                unsafe {
+                    crate::avx2::attn_scores_group::<$f16, $g>(&qs, $k, stride, hd, 0.3, n, &mut s2);
+                    crate::avx512::attn_scores_group::<$f16, $g>(&qs, $k, stride, hd, 0.3, n, &mut s5);
+                    crate::avx2::attn_weighted_sum_group::<$f16, $g>(&w, $v, stride, hd, n, &mut o2);
+                    crate::avx512::attn_weighted_sum_group::<$f16, $g>(&w, $v, stride, hd, n, &mut o5);
+                }
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+                assert_eq!(bits(&s2), bits(&s5), "scores: g={} f16={} hd={hd} n={n}", $g, $f16);
+                assert_eq!(bits(&o2), bits(&o5), "weighted sums: g={} f16={} hd={hd} n={n}", $g, $f16);
+            }};
+        }
+        for kind in [KvType::F32, KvType::F16] {
+            for hd in [16, 32, 48, 64, 96] {
+                for n in [1, 2, 3, 4, 5, 6, 7, 11, 13, 40] {
+                    let stride = 2 * hd;
+                    let mut kb = KvBuf::new(kind, n * stride).unwrap();
+                    kb.write(0, &(0..n * stride).map(|_| rng.next_f32() - 0.5).collect::<Vec<f32>>());
+                    let mut vb = KvBuf::new(kind, n * stride).unwrap();
+                    vb.write(0, &(0..n * stride).map(|_| rng.next_f32() - 0.5).collect::<Vec<f32>>());
+                    let (k, v) = (kb.view(n * stride).as_ptr(), vb.view(n * stride).as_ptr());
+                    macro_rules! each_g {
+                        ($f16:literal) => {{
+                            both!(1, $f16, k, v, stride, hd, n);
+                            both!(2, $f16, k, v, stride, hd, n);
+                            both!(3, $f16, k, v, stride, hd, n);
+                            both!(4, $f16, k, v, stride, hd, n);
+                            both!(5, $f16, k, v, stride, hd, n);
+                            both!(6, $f16, k, v, stride, hd, n);
+                            both!(7, $f16, k, v, stride, hd, n);
+                            both!(8, $f16, k, v, stride, hd, n);
+                        }};
+                    }
+                    match kind {
+                        KvType::F32 => each_g!(false),
+                        KvType::F16 => each_g!(true),
                     }
                 }
             }

@@ -469,11 +469,13 @@ pub unsafe fn attn_scores_group<const F16: bool, const G: usize>(
     }
 }
 
-/// Rows j0..j0 + R of `attn_scores_group`: G x R accumulators.
+/// Rows j0..j0 + R of `attn_scores_group`: G x R accumulators. A score's bits do not depend
+/// on R (its eight lane sums, then the same `hsum4` tree), so a pass of any width, and
+/// `avx512::attn_scores_group`'s wider ones, give the same scores.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn scores_block<const F16: bool, const G: usize, const R: usize>(
+pub(crate) unsafe fn scores_block<const F16: bool, const G: usize, const R: usize>(
     qs: &[f32],
     cache: *const u8,
     stride: usize,
@@ -501,11 +503,14 @@ unsafe fn scores_block<const F16: bool, const G: usize, const R: usize>(
         d += 8;
     }
     for (h, a) in acc.iter().enumerate() {
-        let mut four = [_mm256_setzero_ps(); 4];
-        four[..R].copy_from_slice(a);
-        let mut sums = [0f32; 4];
-        _mm_storeu_ps(sums.as_mut_ptr(), _mm_mul_ps(hsum4(four), _mm_set1_ps(scale)));
-        scores[h * n + j0..h * n + j0 + R].copy_from_slice(&sums[..R]);
+        for r0 in (0..R).step_by(4) {
+            let m = (R - r0).min(4);
+            let mut four = [_mm256_setzero_ps(); 4];
+            four[..m].copy_from_slice(&a[r0..r0 + m]);
+            let mut sums = [0f32; 4];
+            _mm_storeu_ps(sums.as_mut_ptr(), _mm_mul_ps(hsum4(four), _mm_set1_ps(scale)));
+            scores[h * n + j0 + r0..h * n + j0 + r0 + m].copy_from_slice(&sums[..m]);
+        }
     }
 }
 
@@ -678,11 +683,12 @@ pub unsafe fn attn_weighted_sum_group<const F16: bool, const G: usize>(
     }
 }
 
-/// Dims d0..d0 + 8P of `attn_weighted_sum_group`: G x P accumulators.
+/// Dims d0..d0 + 8P of `attn_weighted_sum_group`: G x P accumulators. Each output value is one
+/// chain of multiply-adds over the rows in order, whatever P.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn weighted_sum_pass<const F16: bool, const G: usize, const P: usize>(
+pub(crate) unsafe fn weighted_sum_pass<const F16: bool, const G: usize, const P: usize>(
     weights: &[f32],
     cache: *const u8,
     stride: usize,

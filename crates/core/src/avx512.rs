@@ -700,3 +700,69 @@ unsafe fn gather(ch: [Decoded; 4]) -> RegQuad {
     let flip = _mm512_set1_epi8(-128);
     RegQuad { lo: _mm512_xor_si512(lows(v), flip), hi: _mm512_xor_si512(highs(v), flip), scale: _mm512_castsi512_ps(lows(scale)), min: _mm512_castsi512_ps(lows(min)) }
 }
+
+/// `avx2::attn_scores_group` with AVX-512VL's 32 vector registers: rows go in passes of 6 (up
+/// to 3 heads), 4 (up to 6) or 3 (7 or 8), so each load of a query's eight dims serves more
+/// keys (the 16-register passes of 4, 2 and 1 reload the queries for every row or two). The same
+/// sums in the same order: the same bits. Safety: as for `avx2::attn_scores_group`, on a CPU
+/// with AVX-512.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn attn_scores_group<const F16: bool, const G: usize>(
+    qs: &[f32],
+    cache: *const u8,
+    stride: usize,
+    offset: usize,
+    scale: f32,
+    n: usize,
+    scores: &mut [f32],
+) {
+    use crate::avx2::scores_block;
+    let mut j = 0;
+    macro_rules! passes {
+        ($r:literal) => {
+            while j + $r <= n {
+                scores_block::<F16, G, $r>(qs, cache, stride, offset, scale, n, scores, j);
+                j += $r;
+            }
+        };
+    }
+    if G <= 3 {
+        passes!(6);
+    } else if G <= 6 {
+        passes!(4);
+    } else {
+        passes!(3);
+    }
+    while j < n {
+        scores_block::<F16, G, 1>(qs, cache, stride, offset, scale, n, scores, j);
+        j += 1;
+    }
+}
+
+/// `avx2::attn_weighted_sum_group` with AVX-512VL's 32 vector registers: 32 dims per pass for
+/// up to 6 heads (16 for 7 or 8), so a long cache is swept half as often. Each output is the
+/// same chain of multiply-adds: the same bits. Safety: as for `avx2::attn_weighted_sum_group`,
+/// on a CPU with AVX-512.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn attn_weighted_sum_group<const F16: bool, const G: usize>(
+    weights: &[f32],
+    cache: *const u8,
+    stride: usize,
+    offset: usize,
+    n: usize,
+    out: &mut [f32],
+) {
+    use crate::avx2::weighted_sum_pass;
+    let hd = out.len() / G;
+    let mut d0 = 0;
+    if G <= 6 {
+        while d0 + 32 <= hd {
+            weighted_sum_pass::<F16, G, 4>(weights, cache, stride, offset + d0, n, out, hd, d0);
+            d0 += 32;
+        }
+    }
+    while d0 < hd {
+        weighted_sum_pass::<F16, G, 2>(weights, cache, stride, offset + d0, n, out, hd, d0);
+        d0 += 16;
+    }
+}
