@@ -739,10 +739,11 @@ pub unsafe fn attn_scores_group<const F16: bool, const G: usize>(
     }
 }
 
-/// `avx2::attn_weighted_sum_group` with AVX-512VL's 32 vector registers: 32 dims per pass for
-/// up to 6 heads (16 for 7 or 8), so a long cache is swept half as often. Each output is the
-/// same chain of multiply-adds: the same bits. Safety: as for `avx2::attn_weighted_sum_group`,
-/// on a CPU with AVX-512.
+/// `avx2::attn_weighted_sum_group` in 16 lanes: up to 64 dims per pass (4 x 16) for up to 6
+/// heads, so the weights are read once per 64 dims and each value row feeds four 16-lane
+/// multiply-adds per head. Each output value is the same chain of multiply-adds over the rows in
+/// order as in 8 lanes: the same bits. Safety: as for `avx2::attn_weighted_sum_group`, on a CPU
+/// with AVX-512.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub unsafe fn attn_weighted_sum_group<const F16: bool, const G: usize>(
     weights: &[f32],
@@ -752,17 +753,67 @@ pub unsafe fn attn_weighted_sum_group<const F16: bool, const G: usize>(
     n: usize,
     out: &mut [f32],
 ) {
-    use crate::avx2::weighted_sum_pass;
     let hd = out.len() / G;
     let mut d0 = 0;
     if G <= 6 {
-        while d0 + 32 <= hd {
-            weighted_sum_pass::<F16, G, 4>(weights, cache, stride, offset + d0, n, out, hd, d0);
-            d0 += 32;
+        while d0 + 64 <= hd {
+            weighted_sum_pass_16::<F16, G, 4>(weights, cache, stride, offset + d0, n, out, hd, d0);
+            d0 += 64;
         }
     }
+    while d0 + 32 <= hd {
+        weighted_sum_pass_16::<F16, G, 2>(weights, cache, stride, offset + d0, n, out, hd, d0);
+        d0 += 32;
+    }
     while d0 < hd {
-        weighted_sum_pass::<F16, G, 2>(weights, cache, stride, offset + d0, n, out, hd, d0);
+        weighted_sum_pass_16::<F16, G, 1>(weights, cache, stride, offset + d0, n, out, hd, d0);
         d0 += 16;
+    }
+}
+
+/// 16 f16 or f32 cache elements from element `idx` as 16 f32 lanes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn load16_kv<const F16: bool>(base: *const u8, idx: usize) -> __m512 {
+    if F16 {
+        _mm512_cvtph_ps(_mm256_loadu_si256((base as *const u16).add(idx) as *const __m256i))
+    } else {
+        _mm512_loadu_ps((base as *const f32).add(idx))
+    }
+}
+
+/// Dims d0..d0 + 16P of `attn_weighted_sum_group`: G x P accumulators of 16 lanes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn weighted_sum_pass_16<const F16: bool, const G: usize, const P: usize>(
+    weights: &[f32],
+    cache: *const u8,
+    stride: usize,
+    at: usize,
+    n: usize,
+    out: &mut [f32],
+    hd: usize,
+    d0: usize,
+) {
+    let wp = weights.as_ptr();
+    let mut acc = [[_mm512_setzero_ps(); P]; G];
+    for j in 0..n {
+        let base = j * stride + at;
+        let mut v = [_mm512_setzero_ps(); P];
+        for (p, x) in v.iter_mut().enumerate() {
+            *x = load16_kv::<F16>(cache, base + 16 * p);
+        }
+        for (h, a) in acc.iter_mut().enumerate() {
+            let w = _mm512_set1_ps(*wp.add(h * n + j));
+            for p in 0..P {
+                a[p] = _mm512_fmadd_ps(w, v[p], a[p]);
+            }
+        }
+    }
+    for (h, a) in acc.iter().enumerate() {
+        for (p, x) in a.iter().enumerate() {
+            _mm512_storeu_ps(out.as_mut_ptr().add(h * hd + d0 + 16 * p), *x);
+        }
     }
 }
