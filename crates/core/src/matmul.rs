@@ -43,6 +43,20 @@ impl SimdLevel {
     }
 }
 
+/// Asks the CPU to start loading `bytes` into cache (the scattered rows and slices sparse and
+/// masked products read next).
+#[inline]
+pub(crate) fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        for off in (0..bytes.len()).step_by(64) {
+            // SAFETY: prefetching is a hint that never faults; the address is inside the slice.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().add(off) as *const i8) };
+        }
+    }
+}
+
 /// Best instruction set on this CPU, decided once. `POWERINFER_SIMD=scalar`, `avx2` or
 /// `avxvnni` (AVX2 with AVX-VNNI where the CPU has it) caps it (for checking results and
 /// measuring what each level buys).
@@ -602,7 +616,7 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
                 // (`dot_row` brings in the next row as it goes; the one after on its way now,
                 // since a cold row's few tokens take less time than memory does)
                 if let Some(&k) = cold.get(c + 2) {
-                    crate::sparse::prefetch(w.row(part[k] as usize));
+                    prefetch(w.row(part[k] as usize));
                 }
                 let mut g = tokens.chunks_exact(4);
                 for q in &mut g {

@@ -15,7 +15,7 @@
 
 use rayon::prelude::*;
 
-use crate::matmul::{dot_row, matmul, matmul_many, simd_level, Activations, QMatrix, SimdLevel};
+use crate::matmul::{dot_row, matmul, matmul_many, prefetch, simd_level, Activations, QMatrix, SimdLevel};
 use crate::model::FfnActivation;
 use crate::quant::{self, DType};
 
@@ -92,20 +92,6 @@ pub fn axpy4(level: SimdLevel, dtype: DType, rows: [&[u8]; 4], a: [f32; 4], y: &
             for (r, ar) in rows.iter().zip(a) {
                 quant::axpy_scalar(dtype, r, ar, y);
             }
-        }
-    }
-}
-
-/// Asks the CPU to start loading `bytes` into cache (the scattered rows and slices sparse and
-/// masked products read next).
-#[inline]
-pub(crate) fn prefetch(bytes: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        for off in (0..bytes.len()).step_by(64) {
-            // SAFETY: prefetching is a hint that never faults; the address is inside the slice.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().add(off) as *const i8) };
         }
     }
 }
