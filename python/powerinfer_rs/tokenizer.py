@@ -151,6 +151,22 @@ def _spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]
     return [(left, right) for *_, left, right in found]
 
 
+def _merges(metadata: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """`tokenizer.ggml.merges` as pairs. As llama.cpp reads them, the separator is the first
+    space after the first character (Gemma 4's merges may start with a space)."""
+    out = []
+    for m in metadata.get("tokenizer.ggml.merges") or []:
+        cut = m.find(" ", 1)
+        if cut < 0:
+            raise ValueError(f"malformed merge {m!r} in tokenizer.ggml.merges")
+        out.append((m[:cut], m[cut + 1 :]))
+    return out
+
+
+# `▁` back to spaces, `<0xNN>` pieces back to bytes (SentencePiece and Gemma 4 vocabularies)
+_SPM_DECODER = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+
+
 def _rstripped_specials(metadata: Mapping[str, Any], tokens: list[str], types: list[int]) -> set[str]:
     """Special tokens that swallow the whitespace after them. GGUF has no field for this;
     llama.cpp sets it for Phi-3 by the model's name, and so does this."""
@@ -264,34 +280,20 @@ class GGUFTokenizer:
         return piece.replace("\u2581", " ").encode("utf-8")
 
     def _build_gpt2(self, metadata: Mapping[str, Any]) -> Tokenizer:
-        merges_raw = metadata.get("tokenizer.ggml.merges") or []
-        merges = []
-        for m in merges_raw:
-            a, sep, b = m.partition(" ")
-            if not sep:
-                raise ValueError(f"malformed merge {m!r} in tokenizer.ggml.merges")
-            merges.append((a, b))
         vocab = {t: i for i, t in enumerate(self.tokens)}
         regexes, ignore_merges, _ = _PRE_TOKENIZERS[self.pre]
-        tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
+        tok = Tokenizer(models.BPE(vocab, _merges(metadata), ignore_merges=ignore_merges))
         tok.pre_tokenizer = _byte_level_pre_tokenizer(regexes)
         tok.decoder = decoders.ByteLevel()
         return tok
 
     def _build_gemma4(self, metadata: Mapping[str, Any]) -> Tokenizer:
-        merges = []
-        for m in metadata.get("tokenizer.ggml.merges") or []:
-            # the first half may itself be a space: the separator is the first space after it
-            cut = m.find(" ", 1)
-            if cut < 0:
-                raise ValueError(f"malformed merge {m!r} in tokenizer.ggml.merges")
-            merges.append((m[:cut], m[cut + 1 :]))
         vocab = {t: i for i, t in enumerate(self.tokens)}
-        tok = Tokenizer(models.BPE(vocab, merges, byte_fallback=True))
+        tok = Tokenizer(models.BPE(vocab, _merges(metadata), byte_fallback=True))
         tok.normalizer = normalizers.Replace(" ", "\u2581")
         # llama.cpp splits only lines from runs of newlines (no newline inside a merge)
         tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
-        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+        tok.decoder = _SPM_DECODER
         return tok
 
     def _build_spm(self, metadata: Mapping[str, Any]) -> Tokenizer:
@@ -305,7 +307,7 @@ class GGUFTokenizer:
         if self.add_space_prefix:
             norms.insert(0, normalizers.Prepend("\u2581"))
         tok.normalizer = normalizers.Sequence(norms)
-        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+        tok.decoder = _SPM_DECODER
         return tok
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
