@@ -1,5 +1,5 @@
 """GPU benchmark on the real model: SmolLM2-135M-Instruct (Q4_1 + Q8_0) on the CPU, wholly on
-the GPU, and split about half and half (dense parts and half the neurons on the GPU), in one
+the GPU (each token's recorded kernels replayed, and launched one by one), and split about half and half (dense parts and half the neurons on the GPU), in one
 process on the same file. For each: the mean relative L2 distance of the logits from a float64
 forward pass of the same weights (tests/reference.py) along the CPU's greedy continuation of a
 prompt, how often the top token equals float64's, and decode and prefill tok/s.
@@ -63,9 +63,13 @@ def main() -> None:
     mb = model_bytes(path, N_CTX)
     dense = int(sum(mb.layer_dense_bytes) + mb.kv_cache_bytes + mb.output_bytes)
     half = dense + int(0.5 * mb.n_ff * float(np.sum(mb.neuron_bytes)))
-    configs = {"cpu": dict(device="cpu"), "cuda_full": dict(device="cuda"), "cuda_half": dict(device="cuda", vram_budget=half)}
+    # cuda_full_launched: the same as cuda_full with each kernel launched (POWERINFER_CUDA_GRAPH=0)
+    # instead of each token's recorded kernels replayed
+    configs = {"cpu": dict(device="cpu"), "cuda_full": dict(device="cuda"), "cuda_full_launched": dict(device="cuda"),
+               "cuda_half": dict(device="cuda", vram_budget=half)}
     results = {}
     for name, kwargs in configs.items():
+        os.environ["POWERINFER_CUDA_GRAPH"] = "0" if name.endswith("_launched") else "1"
         e = cpu if name == "cpu" else Engine.load(path, n_ctx=N_CTX, **kwargs)
         got = e.logits(ids).astype(np.float64)
         err = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)

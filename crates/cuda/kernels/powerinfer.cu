@@ -1,10 +1,12 @@
 // GPU kernels of powerinfer-rs: one decode token at a time, f32 activations, weights in their
-// file type (F32, F16, Q4_0, Q4_1, Q8_0, ggml's block layouts). Quantized weights read their
-// input as int8 blocks (quantize_q8), rounded exactly as the CPU's integer kernels round it,
-// so the GPU and the CPU compute the same function. Compiled to PTX by
-// scripts/gen_ptx.sh and committed as powerinfer.ptx; the Rust side loads the PTX through the
-// driver, so users need no CUDA toolkit. Every kernel has a scalar CPU twin in src/twin.rs,
-// and tests/gpu compares the two.
+// file type (F32, F16, and ggml's block layouts: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL in blocks
+// of 32; Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS in super-blocks of 256). Quantized weights read
+// their input as int8 blocks of 32 (quantize_q8), rounded exactly as the CPU's integer kernels
+// round it for Q4_0, Q4_1 and Q8_0, so the GPU and the CPU compute the same function there;
+// the other types read the same blocks (the CPU reads 256-value blocks for the K-quants: the
+// two differ by that rounding). Compiled to PTX by scripts/gen_ptx.sh and committed as
+// powerinfer.ptx; the Rust side loads the PTX through the driver, so users need no CUDA
+// toolkit. Every kernel has a scalar CPU twin in src/twin.rs, and tests/gpu compares the two.
 //
 // No cuda_fp16.h: half to float goes through one PTX instruction, so the file compiles with
 // nvcc alone (no CCCL headers).
@@ -12,7 +14,21 @@
 typedef unsigned char u8;
 typedef unsigned short u16;
 
-enum : int { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8 };
+// ggml's type ids
+enum : int {
+    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+    T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23
+};
+
+// Values per block and bytes per block of the block formats.
+__host__ __device__ constexpr int block_len(int t) {
+    return t == T_Q2_K || t == T_Q3_K || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K || t == T_IQ4_XS ? 256 : 32;
+}
+__host__ __device__ constexpr int block_bytes(int t) {
+    return t == T_Q4_0 ? 18 : t == T_Q4_1 ? 20 : t == T_Q5_0 ? 22 : t == T_Q5_1 ? 24 : t == T_Q8_0 ? 34
+         : t == T_Q2_K ? 84 : t == T_Q3_K ? 110 : t == T_Q4_K ? 144 : t == T_Q5_K ? 176
+         : t == T_Q6_K ? 210 : t == T_IQ4_NL ? 18 : 136;
+}
 enum : int { ACT_SWIGLU = 0, ACT_REGLU = 1, ACT_DREGLU = 2, ACT_RELU = 3, ACT_GELU = 4 };
 
 __device__ __forceinline__ float h2f(u16 h) {
@@ -99,6 +115,257 @@ __device__ __forceinline__ int load_i32_a2(const u8* p) {
     return (int)load_u16(p) | ((int)load_u16(p + 2) << 16);
 }
 
+// ---- the block formats, 32 values ("a unit") at a time ----------------------------------------
+// Unit u of a row is values 32u .. 32u + 31: a whole block of the 32-value formats, an eighth of
+// a super-block of the K-quants. unit_dot is that unit's part of the row's dot with the input's
+// int8 block u; unit_elem one value of it. Layouts are ggml's (ggml-quants.c).
+
+// Bit i of b (i < 4) as bit 0 of byte i.
+__device__ __forceinline__ int spread4(int b) {
+    return (b & 1) | ((b & 2) << 7) | ((b & 4) << 14) | ((b & 8) << 21);
+}
+
+// IQ4_NL / IQ4_XS: a 4-bit index selects one of 16 int8 values, ggml's kvalues_iq4nl:
+// -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113. Four indices (one
+// per byte, 0..15) become their four values by byte permutes of the table held as four words
+// (t0 = values 0..3, little-endian), with no per-lane memory lookups.
+__device__ __forceinline__ int iq4_lookup(int idx) {
+    const int t0 = 0xBFAD9881, t1 = 0xF6EADDCF, t2 = 0x26190D01, t3 = 0x71594535;
+    const int lo3 = idx & 0x07070707;
+    const int sel = (lo3 & 0x7) | ((lo3 >> 4) & 0x70) | ((lo3 >> 8) & 0x700) | ((lo3 >> 12) & 0x7000);
+    const int low = __byte_perm(t0, t1, sel), high = __byte_perm(t2, t3, sel);
+    const int upper = ((idx >> 3) & 0x01010101) * 0xFF;  // bytes whose index is 8..15
+    return (low & ~upper) | (high & upper);
+}
+
+// K-quant 6-bit scale and min j (0..7) of Q4_K / Q5_K (ggml's get_scale_min_k4).
+__device__ __forceinline__ void scale_min_k4(const u8* q, int j, int& sc, int& m) {
+    if (j < 4) {
+        sc = q[j] & 63;
+        m = q[j + 4] & 63;
+    } else {
+        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// Q3_K's 16 6-bit scales packed in 12 bytes; scale i, minus 32.
+__device__ __forceinline__ int q3k_scale(const u8* s, int i) {
+    const int lo = i < 8 ? (s[i] & 15) : (s[i - 8] >> 4);
+    const int hi = (s[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
+    return (lo | (hi << 4)) - 32;
+}
+
+// IQ4_XS sub-block ib's scale, minus 32.
+__device__ __forceinline__ int iq4xs_scale(const u8* blk, int ib) {
+    const int lo = (blk[4 + ib / 2] >> (4 * (ib & 1))) & 0xF;
+    const int hi = (load_u16(blk + 2) >> (2 * ib)) & 3;
+    return (lo | (hi << 4)) - 32;
+}
+
+// Integer dot of 32 int8 weights, four per int in w[0..8], with the input block's int8 values;
+// the two halves (values 0..15, 16..31) apart, for formats with a scale per 16 values.
+__device__ __forceinline__ void idot_halves(const int* w, const Q8Act& a, int& lo, int& hi) {
+    lo = 0;
+    hi = 0;
+#pragma unroll
+    for (int k = 0; k < 4; k++) lo = __dp4a(w[k], a.qs[k], lo);
+#pragma unroll
+    for (int k = 4; k < 8; k++) hi = __dp4a(w[k], a.qs[k], hi);
+}
+
+// The 32 unit values as int8 (four per int), without their scales and offsets, for every
+// format but Q8_0: 4-bit values come from nibbles, Q5's fifth bit from qh, Q6_K's and Q3_K's
+// values are offset to signed, IQ4's looked up.
+template <int T>
+__device__ __forceinline__ void unit_ints(const u8* row, int u, int* w) {
+    if (T == T_Q4_0 || T == T_Q4_1 || T == T_Q5_0 || T == T_Q5_1 || T == T_IQ4_NL) {
+        // value i < 16 is the low nibble of qs[i], value i + 16 its high nibble
+        const u8* blk = row + (size_t)u * block_bytes(T);
+        const int qs_at = T == T_Q4_0 || T == T_IQ4_NL ? 2 : T == T_Q4_1 ? 4 : T == T_Q5_0 ? 6 : 8;
+        const int qh = T == T_Q5_0 ? load_i32_a2(blk + 2) : T == T_Q5_1 ? load_i32_a2(blk + 4) : 0;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int q = load_i32_a2(blk + qs_at + 4 * k);
+            w[k] = q & 0x0F0F0F0F;
+            w[4 + k] = (q >> 4) & 0x0F0F0F0F;
+            if (T == T_Q5_0 || T == T_Q5_1) {
+                w[k] |= spread4(qh >> (4 * k)) << 4;
+                w[4 + k] |= spread4(qh >> (16 + 4 * k)) << 4;
+            }
+            if (T == T_IQ4_NL) {
+                w[k] = iq4_lookup(w[k]);
+                w[4 + k] = iq4_lookup(w[4 + k]);
+            }
+        }
+    } else {
+        const int sb = u >> 3, j = u & 7;  // super-block, unit within it
+        const u8* blk = row + (size_t)sb * block_bytes(T);
+        if (T == T_Q4_K || T == T_Q5_K) {
+            // units 2p and 2p + 1 are the low and high nibbles of qs[32p .. 32p + 32]
+            const u8* qs = blk + (T == T_Q4_K ? 16 : 48) + 32 * (j >> 1);
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const int q = load_i32_a2(qs + 4 * k);
+                w[k] = (j & 1 ? q >> 4 : q) & 0x0F0F0F0F;
+                if (T == T_Q5_K) w[k] |= ((load_i32_a2(blk + 16 + 4 * k) >> j) & 0x01010101) << 4;
+            }
+        } else if (T == T_Q6_K) {
+            // half n of the super-block: ql[64n ..], qh[32n ..]; unit k of the half takes the
+            // low (k < 2) or high nibbles of ql[l] (k even) or ql[l + 32], and bits 2k of qh[l]
+            const int n = j >> 2, k4 = j & 3;
+            const u8* ql = blk + 64 * n + 32 * (k4 & 1);
+            const u8* qh = blk + 128 + 32 * n;
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const int lo = (k4 >= 2 ? load_i32_a2(ql + 4 * k) >> 4 : load_i32_a2(ql + 4 * k)) & 0x0F0F0F0F;
+                const int hi = ((load_i32_a2(qh + 4 * k) >> (2 * k4)) & 0x03030303) << 4;
+                w[k] = __vsub4(lo | hi, 0x20202020);  // q - 32, bytewise
+            }
+        } else if (T == T_Q2_K || T == T_Q3_K) {
+            // half n: qs[32n .. 32n + 32], bits 2k4 of each byte; Q3_K: minus 4 where bit
+            // 4n + k4 of hmask[l] is clear
+            const int n = j >> 2, k4 = j & 3;
+            const u8* qs = blk + (T == T_Q2_K ? 16 : 32) + 32 * n;
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                w[k] = (load_i32_a2(qs + 4 * k) >> (2 * k4)) & 0x03030303;
+                if (T == T_Q3_K) {
+                    const int h = (load_i32_a2(blk + 4 * k) >> (4 * n + k4)) & 0x01010101;
+                    w[k] = __vsub4(w[k] | (h << 2), 0x04040404);
+                }
+            }
+        } else {  // IQ4_XS: sub-block j's 16 bytes, low nibbles then high
+            const u8* qs = blk + 8 + 16 * j;
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const int q = load_i32_a2(qs + 4 * k);
+                w[k] = iq4_lookup(q & 0x0F0F0F0F);
+                w[4 + k] = iq4_lookup((q >> 4) & 0x0F0F0F0F);
+            }
+        }
+    }
+}
+
+// Unit u of the row . the input's int8 block u (= a).
+template <int T>
+__device__ __forceinline__ float unit_dot(const u8* row, int u, const Q8Act& a) {
+    if (T == T_Q8_0) {
+        const u8* blk = row + (size_t)u * 34;
+        int isum = 0;
+#pragma unroll
+        for (int k = 0; k < 8; k++) isum = __dp4a(load_i32_a2(blk + 2 + 4 * k), a.qs[k], isum);
+        return h2f(load_u16(blk)) * a.d * (float)isum;
+    }
+    int w[8], lo, hi;
+    unit_ints<T>(row, u, w);
+    idot_halves(w, a, lo, hi);
+    const int isum = lo + hi;
+    if (T == T_Q4_0 || T == T_Q4_1 || T == T_Q5_0 || T == T_Q5_1 || T == T_IQ4_NL) {
+        const u8* blk = row + (size_t)u * block_bytes(T);
+        const float d = h2f(load_u16(blk));
+        // sum((q - 8) * a) = sum(q * a) - 8 * sum(a); Q5_0 likewise with 16
+        if (T == T_Q4_0) return d * (a.d * (float)isum) - 8.0f * d * a.s;
+        if (T == T_Q5_0) return d * (a.d * (float)isum) - 16.0f * d * a.s;
+        if (T == T_IQ4_NL) return d * (a.d * (float)isum);
+        return d * a.d * (float)isum + h2f(load_u16(blk + 2)) * a.s;  // Q4_1, Q5_1: + min * sum(a)
+    }
+    const int sb = u >> 3, j = u & 7;
+    const u8* blk = row + (size_t)sb * block_bytes(T);
+    if (T == T_Q4_K || T == T_Q5_K) {
+        int sc, m;
+        scale_min_k4(blk + 4, j, sc, m);
+        // value = d * sc * q - dmin * m
+        return h2f(load_u16(blk)) * (float)sc * (a.d * (float)isum) - h2f(load_u16(blk + 2)) * (float)m * a.s;
+    }
+    if (T == T_Q6_K) {
+        const signed char* sc = reinterpret_cast<const signed char*>(blk + 192 + 8 * (j >> 2) + 2 * (j & 3));
+        return h2f(load_u16(blk + 208)) * a.d * (float)(sc[0] * lo + sc[1] * hi);
+    }
+    if (T == T_Q3_K) {
+        const int is = 8 * (j >> 2) + 2 * (j & 3);
+        return h2f(load_u16(blk + 108)) * a.d * (float)(q3k_scale(blk + 96, is) * lo + q3k_scale(blk + 96, is + 1) * hi);
+    }
+    if (T == T_Q2_K) {
+        // scale byte per 16 values: low nibble scale, high nibble min; value = d * sc * q - dmin * m
+        const u8* s = blk + 8 * (j >> 2) + 2 * (j & 3);
+        int asum_lo = 0, asum_hi = 0;  // the input's integer sums over each half
+#pragma unroll
+        for (int k = 0; k < 4; k++) asum_lo = __dp4a(0x01010101, a.qs[k], asum_lo);
+#pragma unroll
+        for (int k = 4; k < 8; k++) asum_hi = __dp4a(0x01010101, a.qs[k], asum_hi);
+        const float d = h2f(load_u16(blk + 80)), dmin = h2f(load_u16(blk + 82));
+        return a.d * (d * (float)((s[0] & 15) * lo + (s[1] & 15) * hi) - dmin * (float)((s[0] >> 4) * asum_lo + (s[1] >> 4) * asum_hi));
+    }
+    // IQ4_XS
+    return h2f(load_u16(blk)) * (float)iq4xs_scale(blk, j) * (a.d * (float)isum);
+}
+
+// Value i (< 32) of unit u as unit_ints has it (one value, without decoding the unit).
+template <int T>
+__device__ __forceinline__ int unit_int(const u8* row, int u, int i) {
+    const int nib = i >> 4;  // 32-value blocks and IQ4_XS: low nibbles, then high
+    if (T == T_Q4_0 || T == T_Q4_1 || T == T_Q5_0 || T == T_Q5_1 || T == T_IQ4_NL) {
+        const u8* blk = row + (size_t)u * block_bytes(T);
+        const int qs_at = T == T_Q4_0 || T == T_IQ4_NL ? 2 : T == T_Q4_1 ? 4 : T == T_Q5_0 ? 6 : 8;
+        int q = (blk[qs_at + (i & 15)] >> (4 * nib)) & 15;
+        if (T == T_Q5_0 || T == T_Q5_1) q |= ((load_i32_a2(blk + (T == T_Q5_0 ? 2 : 4)) >> i) & 1) << 4;
+        if (T == T_IQ4_NL) q = (signed char)iq4_lookup(q);
+        return q;
+    }
+    const int sb = u >> 3, j = u & 7, n = j >> 2, k4 = j & 3;
+    const u8* blk = row + (size_t)sb * block_bytes(T);
+    if (T == T_Q4_K || T == T_Q5_K) {
+        int q = (blk[(T == T_Q4_K ? 16 : 48) + 32 * (j >> 1) + i] >> (4 * (j & 1))) & 15;
+        if (T == T_Q5_K) q |= ((blk[16 + i] >> j) & 1) << 4;
+        return q;
+    }
+    if (T == T_Q6_K) {
+        const int lo = (blk[64 * n + 32 * (k4 & 1) + i] >> (k4 >= 2 ? 4 : 0)) & 15;
+        return (lo | (((blk[128 + 32 * n + i] >> (2 * k4)) & 3) << 4)) - 32;
+    }
+    if (T == T_Q2_K || T == T_Q3_K) {
+        const int q = (blk[(T == T_Q2_K ? 16 : 32) + 32 * n + i] >> (2 * k4)) & 3;
+        return T == T_Q2_K ? q : q - ((blk[i] >> (4 * n + k4)) & 1 ? 0 : 4);
+    }
+    return (signed char)iq4_lookup((blk[8 + 16 * j + (i & 15)] >> (4 * nib)) & 15);  // IQ4_XS
+}
+
+// Value i (< 32) of unit u, dequantized.
+template <int T>
+__device__ __forceinline__ float unit_elem(const u8* row, int u, int i) {
+    if (T == T_Q8_0) {
+        const u8* blk = row + (size_t)u * 34;
+        return h2f(load_u16(blk)) * (float)reinterpret_cast<const signed char*>(blk + 2)[i];
+    }
+    const int q = unit_int<T>(row, u, i);
+    if (T == T_Q4_0 || T == T_Q4_1 || T == T_Q5_0 || T == T_Q5_1 || T == T_IQ4_NL) {
+        const u8* blk = row + (size_t)u * block_bytes(T);
+        const float d = h2f(load_u16(blk));
+        if (T == T_Q4_0) return d * (float)(q - 8);
+        if (T == T_Q5_0) return d * (float)(q - 16);
+        if (T == T_IQ4_NL) return d * (float)q;
+        return d * (float)q + h2f(load_u16(blk + 2));
+    }
+    const int sb = u >> 3, j = u & 7, half = i >> 4;
+    const u8* blk = row + (size_t)sb * block_bytes(T);
+    if (T == T_Q4_K || T == T_Q5_K) {
+        int sc, m;
+        scale_min_k4(blk + 4, j, sc, m);
+        return h2f(load_u16(blk)) * (float)sc * (float)q - h2f(load_u16(blk + 2)) * (float)m;
+    }
+    if (T == T_Q6_K) {
+        const signed char* sc = reinterpret_cast<const signed char*>(blk + 192 + 8 * (j >> 2) + 2 * (j & 3));
+        return h2f(load_u16(blk + 208)) * (float)(sc[half] * q);
+    }
+    if (T == T_Q3_K) return h2f(load_u16(blk + 108)) * (float)(q3k_scale(blk + 96, 8 * (j >> 2) + 2 * (j & 3) + half) * q);
+    if (T == T_Q2_K) {
+        const int s = blk[8 * (j >> 2) + 2 * (j & 3) + half];
+        return h2f(load_u16(blk + 80)) * (float)((s & 15) * q) - h2f(load_u16(blk + 82)) * (float)(s >> 4);
+    }
+    return h2f(load_u16(blk)) * (float)(iq4xs_scale(blk, j) * q);
+}
+
 // ---- one row . x, computed by one warp; every lane gets the dot ----------------------------
 // x: f32 input (float weights); xq: its int8 blocks (quantized weights).
 
@@ -135,35 +402,8 @@ __device__ float warp_dot(const u8* row, const float* x, const Q8Act* xq, int co
             for (int i = lane; i < cols; i += 32) acc += h2f(w[i]) * x[i];
         }
     } else {
-        // block formats: 32 values per block; lane handles whole blocks lane, lane + 32, ...
-        const int nb = cols / 32;
-        const int bytes = T == T_Q4_0 ? 18 : T == T_Q4_1 ? 20 : 34;
-        for (int b = lane; b < nb; b += 32) {
-            const u8* blk = row + (size_t)b * bytes;
-            const Q8Act& a = xq[b];
-            const float d = h2f(load_u16(blk));
-            int isum = 0;
-            if (T == T_Q8_0) {
-#pragma unroll
-                for (int k = 0; k < 8; k++) isum = __dp4a(load_i32_a2(blk + 2 + 4 * k), a.qs[k], isum);
-                acc += d * a.d * (float)isum;
-            } else {
-                // element i < 16 is the low nibble of qs[i], element i + 16 its high nibble
-                const u8* qs = blk + (T == T_Q4_0 ? 2 : 4);
-#pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    const int w = load_i32_a2(qs + 4 * k);
-                    isum = __dp4a(w & 0x0F0F0F0F, a.qs[k], isum);
-                    isum = __dp4a((w >> 4) & 0x0F0F0F0F, a.qs[4 + k], isum);
-                }
-                if (T == T_Q4_0) {
-                    // sum((q - 8) * a) = sum(q * a) - 8 * sum(a)
-                    acc += d * (a.d * (float)isum) - 8.0f * d * a.s;
-                } else {
-                    acc += d * a.d * (float)isum + h2f(load_u16(blk + 2)) * a.s;
-                }
-            }
-        }
+        // block formats: lane handles whole units lane, lane + 32, ...
+        for (int u = lane; u < cols / 32; u += 32) acc += unit_dot<T>(row, u, xq[u]);
     }
     return warp_sum(acc);
 }
@@ -173,16 +413,7 @@ template <int T>
 __device__ __forceinline__ float row_elem(const u8* row, int c) {
     if (T == T_F32) return reinterpret_cast<const float*>(row)[c];
     if (T == T_F16) return h2f(reinterpret_cast<const u16*>(row)[c]);
-    const int b = c >> 5, i = c & 31;
-    if (T == T_Q8_0) {
-        const u8* blk = row + (size_t)b * 34;
-        return h2f(load_u16(blk)) * (float)reinterpret_cast<const signed char*>(blk + 2)[i];
-    }
-    const u8* blk = row + (size_t)b * (T == T_Q4_0 ? 18 : 20);
-    const u8 q = blk[(T == T_Q4_0 ? 2 : 4) + (i & 15)];
-    const int v = i < 16 ? (q & 15) : (q >> 4);
-    if (T == T_Q4_0) return h2f(load_u16(blk)) * (float)(v - 8);
-    return h2f(load_u16(blk)) * (float)v + h2f(load_u16(blk + 2));
+    return unit_elem<T>(row, c >> 5, c & 31);
 }
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
@@ -228,6 +459,15 @@ MATVEC(matvec_f16, T_F16)
 MATVEC(matvec_q4_0, T_Q4_0)
 MATVEC(matvec_q4_1, T_Q4_1)
 MATVEC(matvec_q8_0, T_Q8_0)
+MATVEC(matvec_q5_0, T_Q5_0)
+MATVEC(matvec_q5_1, T_Q5_1)
+MATVEC(matvec_q2_k, T_Q2_K)
+MATVEC(matvec_q3_k, T_Q3_K)
+MATVEC(matvec_q4_k, T_Q4_K)
+MATVEC(matvec_q5_k, T_Q5_K)
+MATVEC(matvec_q6_k, T_Q6_K)
+MATVEC(matvec_iq4_nl, T_IQ4_NL)
+MATVEC(matvec_iq4_xs, T_IQ4_XS)
 
 // ---- hot neurons: sparse row matvec over the GPU-resident rows ---------------------------------
 // The GPU holds n_hot rows of gate, up and down_t, packed; row i is neuron bucket[i] of the
@@ -267,6 +507,15 @@ FFN_HOT(ffn_hot_f16, T_F16)
 FFN_HOT(ffn_hot_q4_0, T_Q4_0)
 FFN_HOT(ffn_hot_q4_1, T_Q4_1)
 FFN_HOT(ffn_hot_q8_0, T_Q8_0)
+FFN_HOT(ffn_hot_q5_0, T_Q5_0)
+FFN_HOT(ffn_hot_q5_1, T_Q5_1)
+FFN_HOT(ffn_hot_q2_k, T_Q2_K)
+FFN_HOT(ffn_hot_q3_k, T_Q3_K)
+FFN_HOT(ffn_hot_q4_k, T_Q4_K)
+FFN_HOT(ffn_hot_q5_k, T_Q5_K)
+FFN_HOT(ffn_hot_q6_k, T_Q6_K)
+FFN_HOT(ffn_hot_iq4_nl, T_IQ4_NL)
+FFN_HOT(ffn_hot_iq4_xs, T_IQ4_XS)
 
 // ---- sparse axpy of the down projection --------------------------------------------------------
 // partial[chunk, c] = sum over rows i of the chunk with h[i] != 0 of h[i] * down_t[i, c].
@@ -299,6 +548,15 @@ DOWN_PARTIAL(down_partial_f16, T_F16)
 DOWN_PARTIAL(down_partial_q4_0, T_Q4_0)
 DOWN_PARTIAL(down_partial_q4_1, T_Q4_1)
 DOWN_PARTIAL(down_partial_q8_0, T_Q8_0)
+DOWN_PARTIAL(down_partial_q5_0, T_Q5_0)
+DOWN_PARTIAL(down_partial_q5_1, T_Q5_1)
+DOWN_PARTIAL(down_partial_q2_k, T_Q2_K)
+DOWN_PARTIAL(down_partial_q3_k, T_Q3_K)
+DOWN_PARTIAL(down_partial_q4_k, T_Q4_K)
+DOWN_PARTIAL(down_partial_q5_k, T_Q5_K)
+DOWN_PARTIAL(down_partial_q6_k, T_Q6_K)
+DOWN_PARTIAL(down_partial_iq4_nl, T_IQ4_NL)
+DOWN_PARTIAL(down_partial_iq4_xs, T_IQ4_XS)
 
 // x[c] += sum_k partial[k, c] + cpu_part[c] + bias[c]: the GPU's hot-neuron chunks, the CPU's
 // cold neurons and the bias merged into the residual. cpu_part and bias may be null.
@@ -352,11 +610,14 @@ extern "C" __global__ void rope(float* x, const float* cos_t, const float* sin_t
     xh[b] = x0 * s + x1 * c;
 }
 
-// Stores one position's k and v (kv_dim each) in the caches, as f32 or f16.
-extern "C" __global__ void kv_store(const float* k, const float* v, void* k_cache, void* v_cache, int pos,
+// Stores one position's k and v (kv_dim each) in the caches, as f32 or f16. The position is
+// read from device memory (*pos), as in `attention`, so that a captured graph of the token's
+// kernels serves every position.
+extern "C" __global__ void kv_store(const float* k, const float* v, void* k_cache, void* v_cache, const int* pos_p,
                                     int kv_dim, int f16) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= kv_dim) return;
+    const int pos = *pos_p;
     const size_t o = (size_t)pos * kv_dim + i;
     if (f16) {
         reinterpret_cast<u16*>(k_cache)[o] = f2h(k[i]);
@@ -371,13 +632,14 @@ __device__ __forceinline__ float cache_at(const void* cache, size_t o, int f16) 
     return f16 ? h2f(reinterpret_cast<const u16*>(cache)[o]) : reinterpret_cast<const float*>(cache)[o];
 }
 
-// Causal attention of one token over positions 0..len-1; one block per query head. Query head h
-// reads kv head h / (n_head / n_head_kv). scores (n_head, n_ctx) is scratch in global memory,
-// so the context length is not bounded by shared memory.
+// Causal attention of the token at position *pos over positions 0..*pos; one block per query
+// head. Query head h reads kv head h / (n_head / n_head_kv). scores (n_head, n_ctx) is scratch
+// in global memory, so the context length is not bounded by shared memory.
 extern "C" __global__ void attention(const float* q, const void* k_cache, const void* v_cache, float* scores,
-                                     float* out, int len, int n_ctx, int n_head, int n_head_kv, int head_dim,
+                                     float* out, const int* pos_p, int n_ctx, int n_head, int n_head_kv, int head_dim,
                                      float scale, int f16) {
     __shared__ float red[32];
+    const int len = *pos_p + 1;
     const int h = blockIdx.x;
     const int g = h / (n_head / n_head_kv);
     const int kv_dim = n_head_kv * head_dim;

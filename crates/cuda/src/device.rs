@@ -30,7 +30,8 @@ impl Elem for u32 {}
 
 pub type Result<T> = std::result::Result<T, CudaError>;
 
-/// Index of a weight type in the per-type kernel tables (F32, F16, Q4_0, Q4_1, Q8_0).
+/// Index of a weight type in the per-type kernel tables (`TYPE_SUFFIX` in device/cuda.rs).
+/// Every type the engine reads has kernels but BF16.
 pub fn type_slot(dtype: DType) -> Result<usize> {
     Ok(match dtype {
         DType::F32 => 0,
@@ -38,7 +39,16 @@ pub fn type_slot(dtype: DType) -> Result<usize> {
         DType::Q4_0 => 2,
         DType::Q4_1 => 3,
         DType::Q8_0 => 4,
-        other => return Err(CudaError::Unsupported(format!("{} weights have no GPU kernel", other.name()))),
+        DType::Q5_0 => 5,
+        DType::Q5_1 => 6,
+        DType::Q2_K => 7,
+        DType::Q3_K => 8,
+        DType::Q4_K => 9,
+        DType::Q5_K => 10,
+        DType::Q6_K => 11,
+        DType::IQ4_NL => 12,
+        DType::IQ4_XS => 13,
+        DType::BF16 => return Err(CudaError::Unsupported(format!("{} weights have no GPU kernel", dtype.name()))),
     })
 }
 
@@ -114,6 +124,16 @@ pub trait Device: Send + Sync + Sized + 'static {
     fn clear<T: Elem>(&self, dst: &mut Self::Buf<T>) -> Result<()>;
     fn synchronize(&self) -> Result<()>;
 
+    /// A recorded sequence of kernel launches, replayed as one launch (a CUDA graph).
+    type Graph: Send;
+    /// Starts recording the launches that follow instead of running them; false where the
+    /// device cannot record (then they run as usual).
+    fn begin_capture(&self) -> Result<bool>;
+    /// Ends a recording begun by `begin_capture` and returns it, ready to launch.
+    fn end_capture(&self) -> Result<Self::Graph>;
+    /// Runs a recorded sequence (queued like a kernel).
+    fn launch_graph(&self, graph: &Self::Graph) -> Result<()>;
+
     /// `quantize_q8`: the first `n_blocks` blocks of `x` as `BlockQ8Act` bytes.
     fn quantize_q8(&self, x: &Self::Buf<f32>, q8: &mut Self::Buf<u8>, n_blocks: usize) -> Result<()>;
     /// `matvec_*`: y[r] = w[r] . x (+ bias[r]), relu'd when asked.
@@ -152,10 +172,12 @@ pub trait Device: Send + Sync + Sized + 'static {
     fn add_bias(&self, x: &mut Self::Buf<f32>, bias: &Self::Buf<f32>, n: usize) -> Result<()>;
     #[allow(clippy::too_many_arguments)]
     fn rope(&self, x: &mut Self::Buf<f32>, cos: &Self::Buf<f32>, sin: &Self::Buf<f32>, n_heads: usize, head_dim: usize, rope_dim: usize, neox: bool) -> Result<()>;
-    /// Stores one position's k and v in the caches, as f32 or (`f16`) f16 elements.
+    /// Stores one position's k and v in the caches, as f32 or (`f16`) f16 elements; the
+    /// position is `pos[0]`, read on the device.
     #[allow(clippy::too_many_arguments)]
-    fn kv_store(&self, k: &Self::Buf<f32>, v: &Self::Buf<f32>, k_cache: &mut Self::Buf<u8>, v_cache: &mut Self::Buf<u8>, pos: usize, kv_dim: usize, f16: bool) -> Result<()>;
-    /// Causal attention of one query (n_head * head_dim) over cache positions 0..len.
+    fn kv_store(&self, k: &Self::Buf<f32>, v: &Self::Buf<f32>, k_cache: &mut Self::Buf<u8>, v_cache: &mut Self::Buf<u8>, pos: &Self::Buf<i32>, kv_dim: usize, f16: bool) -> Result<()>;
+    /// Causal attention of one query (n_head * head_dim) at position `pos[0]` (read on the
+    /// device) over cache positions 0..=pos[0].
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -164,7 +186,7 @@ pub trait Device: Send + Sync + Sized + 'static {
         v_cache: &Self::Buf<u8>,
         scores: &mut Self::Buf<f32>,
         out: &mut Self::Buf<f32>,
-        len: usize,
+        pos: &Self::Buf<i32>,
         n_ctx: usize,
         n_head: usize,
         n_head_kv: usize,

@@ -22,6 +22,14 @@ pub struct Gpu<D: Device = Cuda> {
     pub total_memory: usize,
 }
 
+/// The position a token's kernels work at, in device memory: kernels read it there, so a
+/// recorded sequence of them (`Device::Graph`) serves every position. `value` is the host's
+/// copy, which the launches' bounds checks read.
+pub struct DevicePos<D: Device> {
+    buf: Buf<D, i32>,
+    value: usize,
+}
+
 impl Gpu<Cuda> {
     /// Opens CUDA device `ordinal` and loads the kernels; a missing driver or device is an error.
     pub fn open(ordinal: usize) -> Result<Gpu<Cuda>> {
@@ -238,19 +246,33 @@ impl<D: Device> Gpu<D> {
         self.dev.rope(x, cos, sin, n_heads, head_dim, rope_dim, neox)
     }
 
-    /// Stores one position's k and v in the caches (u8 buffers of f32 or f16 elements).
+    /// A position on the device, for `kv_store` and `attention` (see `DevicePos`).
+    pub fn pos(&self) -> Result<DevicePos<D>> {
+        Ok(DevicePos { buf: self.zeros(1)?, value: 0 })
+    }
+
+    /// Sets `p` to `pos` (queued: kernels queued after this read it).
+    pub fn set_pos(&self, p: &mut DevicePos<D>, pos: usize) -> Result<()> {
+        let v = i32::try_from(pos).map_err(|_| CudaError::Unsupported(format!("position {pos} is out of range")))?;
+        self.dev.write(&[v], &mut p.buf)?;
+        p.value = pos;
+        Ok(())
+    }
+
+    /// Stores k and v at position `pos` of the caches (u8 buffers of f32 or f16 elements).
     #[allow(clippy::too_many_arguments)]
-    pub fn kv_store(&self, k: &Buf<D, f32>, v: &Buf<D, f32>, k_cache: &mut Buf<D, u8>, v_cache: &mut Buf<D, u8>, pos: usize, kv_dim: usize, f16: bool) -> Result<()> {
+    pub fn kv_store(&self, k: &Buf<D, f32>, v: &Buf<D, f32>, k_cache: &mut Buf<D, u8>, v_cache: &mut Buf<D, u8>, pos: &DevicePos<D>, kv_dim: usize, f16: bool) -> Result<()> {
         let elem = if f16 { 2 } else { 4 };
-        if (pos + 1) * kv_dim * elem > D::len(k_cache).min(D::len(v_cache)) {
-            return Err(CudaError::Unsupported(format!("position {pos} is past the GPU KV cache")));
+        if (pos.value + 1) * kv_dim * elem > D::len(k_cache).min(D::len(v_cache)) {
+            return Err(CudaError::Unsupported(format!("position {} is past the GPU KV cache", pos.value)));
         }
         Self::holds("a new key", k, kv_dim)?;
         Self::holds("a new value", v, kv_dim)?;
-        self.dev.kv_store(k, v, k_cache, v_cache, pos, kv_dim, f16)
+        self.dev.kv_store(k, v, k_cache, v_cache, &pos.buf, kv_dim, f16)
     }
 
-    /// Causal attention of one query (n_head * head_dim) over cache positions 0..len.
+    /// Causal attention of one query (n_head * head_dim) at position `pos` over cache
+    /// positions 0..=pos.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -259,15 +281,16 @@ impl<D: Device> Gpu<D> {
         v_cache: &Buf<D, u8>,
         scores: &mut Buf<D, f32>,
         out: &mut Buf<D, f32>,
-        len: usize,
+        pos: &DevicePos<D>,
         n_ctx: usize,
         n_head: usize,
         n_head_kv: usize,
         head_dim: usize,
         f16: bool,
     ) -> Result<()> {
+        let len = pos.value + 1;
         let kv_bytes = len * n_head_kv * head_dim * if f16 { 2 } else { 4 };
-        if len == 0 || len > n_ctx || n_head_kv == 0 || n_head % n_head_kv != 0 {
+        if len > n_ctx || n_head_kv == 0 || n_head % n_head_kv != 0 {
             return Err(CudaError::Unsupported(format!("attention over {len} of {n_ctx} positions with {n_head} heads and {n_head_kv} KV heads")));
         }
         Self::holds("the key cache", k_cache, kv_bytes)?;
@@ -275,6 +298,20 @@ impl<D: Device> Gpu<D> {
         Self::holds("the query", q, n_head * head_dim)?;
         Self::holds("the attention scores", scores, n_head * n_ctx)?;
         Self::holds("the attention output", out, n_head * head_dim)?;
-        self.dev.attention(q, k_cache, v_cache, scores, out, len, n_ctx, n_head, n_head_kv, head_dim, f16)
+        self.dev.attention(q, k_cache, v_cache, scores, out, &pos.buf, n_ctx, n_head, n_head_kv, head_dim, f16)
+    }
+
+    /// Records the launches that follow (see `Device::begin_capture`); false where the device
+    /// cannot.
+    pub fn begin_capture(&self) -> Result<bool> {
+        self.dev.begin_capture()
+    }
+
+    pub fn end_capture(&self) -> Result<D::Graph> {
+        self.dev.end_capture()
+    }
+
+    pub fn launch_graph(&self, graph: &D::Graph) -> Result<()> {
+        self.dev.launch_graph(graph)
     }
 }

@@ -17,7 +17,7 @@
 //!   GPU, as the residual step: x += partial sums + CPU part + bias
 //! Weights never move during decoding; only activations (a few KB per layer) cross the bus.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use powerinfer_core::attention::KvType;
 use powerinfer_core::matmul::{Activations, QMatrix};
@@ -29,7 +29,7 @@ use powerinfer_core::Result as CoreResult;
 use powerinfer_core::sparse::{sparse_ffn, FfnMats, SparseScratch};
 
 use crate::device::{Buf, Device};
-use crate::gpu::{DActs, DMat, Gpu, Result, ROWS_PER_CHUNK};
+use crate::gpu::{DActs, DMat, DevicePos, Gpu, Result, ROWS_PER_CHUNK};
 use crate::CudaError;
 
 /// What goes to the GPU (from a `.gpuidx` placement, or a layer-offload split).
@@ -101,8 +101,18 @@ struct HotGpu<D: Device> {
     bucket: Buf<D, i32>, // (n_hot) neuron ids of the packed rows
     gate: Option<DMat<D>>,     // (n_hot, n_embd)
     up: DMat<D>,               // (n_hot, n_embd)
-    down_t: DMat<D>,           // (n_hot, n_embd)
+    down: HotDown<D>,
     up_bias: Option<Buf<D, f32>>, // (n_ff)
+}
+
+/// The down projection of a layer's hot neurons on the device.
+enum HotDown<D: Device> {
+    /// Neuron-major rows (n_hot, n_embd), summed by `down_partial` for the neurons that fire.
+    Columns(DMat<D>),
+    /// A plain file's own `ffn_down` (n_embd, n_ff) in its type, where every neuron of the layer
+    /// is on the device: one matvec of the int8-rounded h, as the CPU's dense FFN computes it,
+    /// reading the file's bytes rather than an F16 copy of them (4x fewer for 4-bit types).
+    Rows(DMat<D>),
 }
 
 struct GpuLayer<D: Device> {
@@ -125,6 +135,13 @@ pub struct HybridModel<D: Device> {
     layers: Vec<Option<GpuLayer<D>>>,
     output: Option<(Buf<D, f32>, DMat<D>)>,
     pub report: PlacementReport,
+    /// Every layer and the classifier wholly on the device: a token's kernels need nothing from
+    /// the host between its embedding and its logits, so sessions record them once as a graph
+    /// and replay it for every later token (one launch instead of ~17 per layer).
+    graphable: bool,
+    /// Held by a session for each token: sessions share the device's one stream, and a
+    /// recording must not take in another session's launches.
+    step_lock: Mutex<()>,
 }
 
 fn upload_opt<D: Device>(gpu: &Gpu<D>, v: Option<&Vec<f32>>, bytes: &mut usize) -> Result<Option<Buf<D, f32>>> {
@@ -230,8 +247,13 @@ impl<D: Device> HybridModel<D> {
             bytes += 2 * c.n_embd * 4;
 
             let (hot_ids, cold) = split_neurons(&plan.neuron_on_gpu[l]);
+            let down_rows = match (lw.ffn_down_t, lw.ffn_down) {
+                // with a predictor, the neurons it skips are skipped in the down projection too
+                (None, Some(down)) if cold.is_empty() && lw.predictor.is_none() => Some(down),
+                _ => None,
+            };
             let exact = match (lw.ffn_down_t, lw.ffn_down) {
-                (None, Some(down)) if down.dtype.is_quantized() => Some(exact_down_t(&down)),
+                (None, Some(down)) if down.dtype.is_quantized() && down_rows.is_none() => Some(exact_down_t(&down)),
                 _ => None,
             };
             let down_t = match &exact {
@@ -249,14 +271,21 @@ impl<D: Device> HybridModel<D> {
                 };
                 let gate = lw.ffn_gate.as_ref().map(|g| nmat(g, &hot_ids)).transpose()?;
                 let up = nmat(&lw.ffn_up, &hot_ids)?;
-                let down_t = nmat(&down_t, &hot_ids)?;
+                let down = match &down_rows {
+                    Some(rows) => {
+                        let d = gpu.upload_rows(rows, None)?;
+                        bytes += d.bytes();
+                        HotDown::Rows(d)
+                    }
+                    None => HotDown::Columns(nmat(&down_t, &hot_ids)?),
+                };
                 report.neuron_bytes += bytes - before;
                 let bucket: Vec<i32> = hot_ids.iter().map(|&j| j as i32).collect();
                 Some(HotGpu {
                     bucket: gpu.upload(&bucket)?,
                     gate,
                     up,
-                    down_t,
+                    down,
                     up_bias: upload_opt(&gpu, lw.ffn_up_b.as_ref(), &mut bytes)?,
                 })
             };
@@ -276,7 +305,8 @@ impl<D: Device> HybridModel<D> {
         };
         report.output_on_gpu = output.is_some();
         gpu.synchronize()?;
-        Ok(HybridModel { model, gpu, layers, output, report })
+        let graphable = output.is_some() && layers.iter().all(|l| l.as_ref().is_some_and(|l| l.cold.is_empty()));
+        Ok(HybridModel { model, gpu, layers, output, report, graphable, step_lock: Mutex::new(()) })
     }
 }
 
@@ -314,7 +344,8 @@ struct DeviceState<D: Device> {
     scores: Buf<D, f32>,      // (n_head, n_ctx)
     pred_hidden: DActs<D>,    // (max predictor hidden)
     pred_logits: Buf<D, f32>, // (n_ff)
-    h: Buf<D, f32>,           // (max n_hot)
+    h: DActs<D>,              // (max n_hot)
+    ffn_out: Buf<D, f32>,     // (n_embd) the FFN's output when its down projection is `HotDown::Rows`
     partial: Buf<D, f32>,     // (max chunks, n_embd)
     cpu_part: Buf<D, f32>,    // (n_embd)
     cos: Buf<D, f32>,         // (rope_dim / 2)
@@ -322,7 +353,8 @@ struct DeviceState<D: Device> {
     logits: Buf<D, f32>,      // (n_vocab)
     selected: Buf<D, u32>,    // (n_layer) neurons the predictor selected, counted on the GPU
     /// The current GPU layer's FFN output, summed into the residual by `ffn_merge`: this many
-    /// chunks of hot partial sums, plus `cpu_part` when the layer has cold neurons.
+    /// chunks of hot partial sums, plus `cpu_part` when the layer has cold neurons (or, for
+    /// `HotDown::Rows`, all in `ffn_out`).
     ffn_chunks: usize,
     ffn_has_cold: bool,
     // host buffers
@@ -336,6 +368,32 @@ struct DeviceState<D: Device> {
     // GPU layers of this token whose selection was counted only on the GPU (no cold neurons)
     counted_on_gpu: Vec<usize>,
     selected_h: Vec<u32>,
+    /// The token's position, read by kv_store and attention on the device.
+    pos: DevicePos<D>,
+    /// The token's kernels, recorded by the first token of a `graphable` model (see `Graph`).
+    graph: Graph<D>,
+    /// The FFN stats of the layers of the token being recorded.
+    ledger_stats: Vec<FfnStats>,
+}
+
+/// A session's recording of a token's kernels: none yet, being recorded (this token's
+/// launches are recorded, then replayed), ready (with what a token adds to the host's
+/// counters, which the recording does not hold), or off (the device cannot record, the model
+/// is not wholly on it, POWERINFER_CUDA_GRAPH=0, or a recording failed).
+enum Graph<D: Device> {
+    None,
+    Recording { gpu_neurons_before: u64 },
+    Ready { graph: D::Graph, ledger: Ledger },
+    Off,
+}
+
+/// The host-side effects of one token's pass on a wholly-GPU model: the FFN stats each layer
+/// adds, the layers whose selection the GPU counts, and the neurons computed on the GPU.
+#[derive(Default)]
+struct Ledger {
+    stats: Vec<FfnStats>,
+    counted_on_gpu: Vec<usize>,
+    gpu_neurons: u64,
 }
 
 impl<D: Device> HybridSession<D> {
@@ -365,7 +423,8 @@ impl<D: Device> HybridSession<D> {
             scores: g.zeros(c.n_head * n_ctx)?,
             pred_hidden: g.acts(max_hidden)?,
             pred_logits: g.zeros(c.n_ff)?,
-            h: g.zeros(max_hot)?,
+            h: g.acts(max_hot)?,
+            ffn_out: g.zeros(c.n_embd)?,
             partial: g.zeros(max_chunks * c.n_embd)?,
             cpu_part: g.zeros(c.n_embd)?,
             cos: g.zeros(c.rope_dim / 2)?,
@@ -383,6 +442,9 @@ impl<D: Device> HybridSession<D> {
             counts: SplitCounts::default(),
             counted_on_gpu: Vec::new(),
             selected_h: vec![0; c.n_layer],
+            pos: g.pos()?,
+            ledger_stats: Vec::new(),
+            graph: if hm.graphable && std::env::var("POWERINFER_CUDA_GRAPH").as_deref() != Ok("0") { Graph::None } else { Graph::Off },
             k_cache,
             v_cache,
             kv_f16,
@@ -414,7 +476,12 @@ impl<D: Device> HybridSession<D> {
         if sp.track_recall {
             return Err(CudaError::Unsupported("recall tracking runs on the CPU only".into()));
         }
-        self.cpu.set_sparsity(sp).map_err(|e| CudaError::Plan(e.to_string()))
+        self.cpu.set_sparsity(sp).map_err(|e| CudaError::Plan(e.to_string()))?;
+        // the recording holds the predictor's cut-offs and the sparsity mode's kernels
+        if matches!(self.dev.graph, Graph::Ready { .. }) {
+            self.dev.graph = Graph::None;
+        }
+        Ok(())
     }
 
     pub fn take_counts(&mut self) -> SplitCounts {
@@ -441,6 +508,7 @@ impl<D: Device> HybridSession<D> {
     /// its logits.
     fn step(&mut self, tok: u32) -> CoreResult<Vec<f32>> {
         let hm = Arc::clone(&self.hm);
+        let _one_session_at_a_time = hm.step_lock.lock().unwrap_or_else(|e| e.into_inner());
         let model = &*hm.model;
         if !self.dev.counted_on_gpu.is_empty() {
             // an earlier step failed before reading its counts
@@ -451,7 +519,17 @@ impl<D: Device> HybridSession<D> {
         let (cpu, dev) = (&mut self.cpu, &mut self.dev);
         let logits = model.install(|| {
             let mut pass = HybridPass { hm: &hm, dev, cpu: CpuPass::new(cpu, 1), pos, on_gpu: false };
-            forward(&mut pass, model, &[tok], 1)
+            if matches!(pass.dev.graph, Graph::Ready { .. }) {
+                pass.embed(&[tok])?;
+                return pass.replay();
+            }
+            let r = forward(&mut pass, model, &[tok], 1);
+            if r.is_err() && matches!(pass.dev.graph, Graph::Recording { .. }) {
+                // end the recording so the stream runs again; this session stops recording
+                let _ = hm.gpu.end_capture();
+                pass.dev.graph = Graph::Off;
+            }
+            r
         })?;
         self.stats_counted_on_gpu()?;
         Ok(logits)
@@ -497,6 +575,22 @@ impl<'a, D: Device> HybridPass<'a, D> {
         let layer = self.hm.layers[l].as_ref();
         self.residual_to(layer.is_some())?;
         Ok(layer)
+    }
+
+    /// A token of a recorded model after `embed`: the recording replayed, the host's counters
+    /// advanced as the recorded token advanced them, the logits read.
+    fn replay(&mut self) -> CoreResult<Vec<f32>> {
+        let (g, dev) = (&self.hm.gpu, &mut *self.dev);
+        let Graph::Ready { graph, ledger } = &dev.graph else { return Err(CudaError::Plan("a replay without a recording".into()).into()) };
+        g.launch_graph(graph)?;
+        for &s in &ledger.stats {
+            self.cpu.session().add_stats(s);
+        }
+        dev.counted_on_gpu.extend_from_slice(&ledger.counted_on_gpu);
+        dev.counts.gpu_neurons += ledger.gpu_neurons;
+        let mut logits = vec![0.0f32; self.hm.model.config.n_vocab];
+        g.read(&dev.logits, &mut logits)?;
+        Ok(logits)
     }
 
     fn residual_to(&mut self, gpu: bool) -> Result<()> {
@@ -551,8 +645,14 @@ impl<'a, D: Device> HybridPass<'a, D> {
                 (&mut dev.selected, l)
             });
             g.quantize_for(&[&hot.up], &mut dev.xb, c.n_embd)?;
-            g.ffn_hot(hot.gate.as_ref(), &hot.up, &hot.bucket, &dev.xb, hot.up_bias.as_ref(), pred, threshold, count, c.ffn_activation, &mut dev.h)?;
-            dev.ffn_chunks = g.down_partial(&hot.down_t, &dev.h, &mut dev.partial)?;
+            g.ffn_hot(hot.gate.as_ref(), &hot.up, &hot.bucket, &dev.xb, hot.up_bias.as_ref(), pred, threshold, count, c.ffn_activation, &mut dev.h.f32s)?;
+            match &hot.down {
+                HotDown::Columns(down_t) => dev.ffn_chunks = g.down_partial(down_t, &dev.h.f32s, &mut dev.partial)?,
+                HotDown::Rows(down) => {
+                    g.quantize_for(&[down], &mut dev.h, c.n_ff)?;
+                    g.matvec(down, &dev.h, layer.down_bias.as_ref(), &mut dev.ffn_out, false)?;
+                }
+            }
         }
 
         // CPU: the selected cold neurons
@@ -591,6 +691,9 @@ impl<'a, D: Device> HybridPass<'a, D> {
             dev.counts.gpu_neurons += layer.n_hot as u64;
         }
         dev.ffn_has_cold = has_cold;
+        if matches!(dev.graph, Graph::Recording { .. }) {
+            dev.ledger_stats.push(stats);
+        }
         self.cpu.session().add_stats(stats);
         Ok(())
     }
@@ -601,10 +704,20 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         // the embedding on the host; RoPE angles exactly as the CPU computes them
         self.cpu.embed(tokens)?;
         self.on_gpu = false;
+        let g = &self.hm.gpu;
         if self.hm.model.config.rope_dim > 0 {
             let (cos, sin) = self.cpu.rope_angles();
-            self.hm.gpu.write(cos, &mut self.dev.cos)?;
-            self.hm.gpu.write(sin, &mut self.dev.sin)?;
+            g.write(cos, &mut self.dev.cos)?;
+            g.write(sin, &mut self.dev.sin)?;
+        }
+        g.set_pos(&mut self.dev.pos, self.pos)?;
+        if matches!(self.dev.graph, Graph::None | Graph::Ready { .. }) {
+            // the residual's only upload; then, for a first token, the recording starts
+            self.residual_to(true)?;
+        }
+        if matches!(self.dev.graph, Graph::None) {
+            let before = self.dev.counts.gpu_neurons;
+            self.dev.graph = if self.hm.gpu.begin_capture()? { Graph::Recording { gpu_neurons_before: before } } else { Graph::Off };
         }
         Ok(())
     }
@@ -653,7 +766,7 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         }
         let (c, dev) = (&self.hm.model.config, &mut *self.dev);
         let (kc, vc) = (dev.k_cache[l].as_mut().expect("GPU layer"), dev.v_cache[l].as_mut().expect("GPU layer"));
-        Ok(self.hm.gpu.kv_store(&dev.k, &dev.v, kc, vc, self.pos, c.kv_dim(), dev.kv_f16)?)
+        Ok(self.hm.gpu.kv_store(&dev.k, &dev.v, kc, vc, &dev.pos, c.kv_dim(), dev.kv_f16)?)
     }
 
     fn attend(&mut self, l: usize) -> CoreResult<()> {
@@ -662,8 +775,7 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         }
         let (c, dev) = (&self.hm.model.config, &mut *self.dev);
         let (kc, vc) = (dev.k_cache[l].as_ref().expect("GPU layer"), dev.v_cache[l].as_ref().expect("GPU layer"));
-        let (len, f16) = (self.pos + 1, dev.kv_f16);
-        Ok(self.hm.gpu.attention(&dev.q, kc, vc, &mut dev.scores, &mut dev.att.f32s, len, dev.n_ctx, c.n_head, c.n_head_kv, c.head_dim, f16)?)
+        Ok(self.hm.gpu.attention(&dev.q, kc, vc, &mut dev.scores, &mut dev.att.f32s, &dev.pos, dev.n_ctx, c.n_head, c.n_head_kv, c.head_dim, dev.kv_f16)?)
     }
 
     fn attn_out(&mut self, l: usize) -> CoreResult<()> {
@@ -700,11 +812,14 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         let (c, g, dev) = (&self.hm.model.config, &self.hm.gpu, &mut *self.dev);
         match part {
             Part::Attn => g.add_into(&mut dev.x.f32s, &dev.attn_out, None, c.n_embd)?,
-            // x += hot partial sums + cold part (+ bias)
-            Part::Ffn => {
-                let cold = dev.ffn_has_cold.then_some(&dev.cpu_part);
-                g.ffn_merge(&mut dev.x.f32s, &dev.partial, dev.ffn_chunks, cold, layer.down_bias.as_ref(), c.n_embd)?
-            }
+            // x += hot partial sums + cold part (+ bias), or the whole FFN's output
+            Part::Ffn => match layer.hot.as_ref().map(|h| &h.down) {
+                Some(HotDown::Rows(_)) => g.add_into(&mut dev.x.f32s, &dev.ffn_out, None, c.n_embd)?,
+                _ => {
+                    let cold = dev.ffn_has_cold.then_some(&dev.cpu_part);
+                    g.ffn_merge(&mut dev.x.f32s, &dev.partial, dev.ffn_chunks, cold, layer.down_bias.as_ref(), c.n_embd)?
+                }
+            },
         }
         Ok(())
     }
@@ -720,6 +835,13 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         g.rmsnorm(&dev.x.f32s, norm, &mut dev.xb.f32s, c.n_embd, c.norm_eps)?;
         g.quantize_for(&[w], &mut dev.xb, c.n_embd)?;
         g.matvec(w, &dev.xb, None, &mut dev.logits, false)?;
+        if let Graph::Recording { gpu_neurons_before } = dev.graph {
+            // the recorded token's kernels have not run yet: they run as the graph's first replay
+            let graph = g.end_capture()?;
+            let ledger = Ledger { stats: std::mem::take(&mut dev.ledger_stats), counted_on_gpu: dev.counted_on_gpu.clone(), gpu_neurons: dev.counts.gpu_neurons - gpu_neurons_before };
+            g.launch_graph(&graph)?;
+            dev.graph = Graph::Ready { graph, ledger };
+        }
         let mut logits = vec![0.0f32; c.n_vocab];
         g.read(&dev.logits, &mut logits)?;
         Ok(logits)

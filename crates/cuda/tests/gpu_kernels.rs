@@ -5,7 +5,7 @@
 
 use powerinfer_core::matmul::{matmul, Activations, QMatrix};
 use powerinfer_core::model::FfnActivation;
-use powerinfer_core::quant::{dequantize_row, quantize_act, quantize_row, BlockQ8Act, DType, QK};
+use powerinfer_core::quant::{dequantize_row, f32_to_f16, quantize_act, quantize_row, BlockQ8Act, DType, QK};
 use powerinfer_core::sampler::Rng;
 use powerinfer_cuda::device::Cuda;
 use powerinfer_cuda::gpu::{DActs, DMat, Gpu, Q8_BLOCK_BYTES};
@@ -26,8 +26,35 @@ fn random(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
     (0..n).map(|_| (rng.next_f32() * 2.0 - 1.0) * scale).collect()
 }
 
+/// Byte offsets of the f16 scale fields in a block of each type the engine reads but does not
+/// write (ggml's layouts).
+fn f16_fields(dtype: DType) -> &'static [usize] {
+    match dtype {
+        DType::Q5_0 | DType::IQ4_NL | DType::IQ4_XS => &[0],
+        DType::Q3_K => &[108],
+        DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
+        DType::Q2_K => &[80, 82],
+        DType::Q6_K => &[208],
+        _ => &[],
+    }
+}
+
+/// Random weights of `dtype`: the engine's own quantizer where it writes the type, else valid
+/// blocks of random bytes with random-signed f16 scales of about `0.5 / 16` (ggml's quantizer
+/// is not part of the engine; any valid encoding serves a comparison of two decoders of it).
 fn matrix(rng: &mut Rng, dtype: DType, rows: usize, cols: usize) -> Vec<u8> {
-    (0..rows).flat_map(|_| quantize_row(dtype, &random(rng, cols, 0.5))).collect()
+    if matches!(dtype, DType::F32 | DType::F16 | DType::Q4_0 | DType::Q4_1 | DType::Q8_0) {
+        return (0..rows).flat_map(|_| quantize_row(dtype, &random(rng, cols, 0.5))).collect();
+    }
+    let (len, bytes) = (dtype.block_len(), dtype.row_bytes(dtype.block_len()));
+    let mut out: Vec<u8> = (0..rows * cols / len * bytes).map(|_| (rng.next_u64() & 0xFF) as u8).collect();
+    for blk in out.chunks_exact_mut(bytes) {
+        for &at in f16_fields(dtype) {
+            let v = (0.5 + 0.5 * rng.next_f32()) * if rng.next_u64() & 1 == 0 { 1.0 } else { -1.0 } * 0.5 / 16.0;
+            blk[at..at + 2].copy_from_slice(&f32_to_f16(v).to_le_bytes());
+        }
+    }
+    out
 }
 
 /// ||a - b|| / ||b||, and no NaN anywhere in a.
@@ -80,15 +107,36 @@ fn quantize_is_bit_identical_to_the_cpu() {
     assert_eq!(got, want_bytes);
 }
 
-const TYPES: [DType; 5] = [DType::F32, DType::F16, DType::Q4_0, DType::Q4_1, DType::Q8_0];
+const TYPES: [DType; 14] = [
+    DType::F32,
+    DType::F16,
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q8_0,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q2_K,
+    DType::Q3_K,
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+    DType::IQ4_NL,
+    DType::IQ4_XS,
+];
+
+/// Types whose GPU kernels read the int8 blocks the CPU's own kernels read (the others: see
+/// powerinfer.cu's header), so the GPU's products equal the CPU's to rounding.
+fn cpu_reads_the_same_blocks(dtype: DType) -> bool {
+    matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0)
+}
 
 #[test]
 fn matvec_matches_twin() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new(1);
-    // 4100 rows: not a multiple of the 4 rows per block; 5120 and 96 columns: wide and narrow
+    // 4100 rows: not a multiple of the 4 rows per block; 5120 and 96 (256) columns: wide and narrow
     for dtype in TYPES {
-        for (rows, cols) in [(4100, 5120), (37, 96)] {
+        for (rows, cols) in [(4100, 5120), (37, 96usize.next_multiple_of(dtype.block_len()))] {
             let data = matrix(&mut rng, dtype, rows, cols);
             let m = QMatrix { dtype, rows, cols, data: &data };
             let x = random(&mut rng, cols, 1.0);
@@ -103,7 +151,7 @@ fn matvec_matches_twin() {
                 g.read(&dy, &mut y).unwrap();
                 let err = rel_err(&y, &twin::matvec(&m, &x, Some(&bias), relu));
                 assert!(err < 1e-5, "{dtype:?} {rows}x{cols} relu={relu}: {err}");
-                if dtype.is_quantized() {
+                if cpu_reads_the_same_blocks(dtype) {
                     // the integer kernels compute what the CPU's do
                     let mut acts = Activations::default();
                     acts.set(&x, 1, cols);
@@ -220,9 +268,11 @@ fn norm_rope_attention_match_twin() {
         let mut vc = g.zeros::<u8>(n_ctx * kv_dim * elem).unwrap();
         let (mut ks, mut vs) = (Vec::new(), Vec::new());
         let len = 257;
+        let mut at = g.pos().unwrap();
         for pos in 0..len {
             let (k, v) = (random(&mut rng, kv_dim, 1.0), random(&mut rng, kv_dim, 1.0));
-            g.kv_store(&g.upload(&k).unwrap(), &g.upload(&v).unwrap(), &mut kc, &mut vc, pos, kv_dim, f16).unwrap();
+            g.set_pos(&mut at, pos).unwrap();
+            g.kv_store(&g.upload(&k).unwrap(), &g.upload(&v).unwrap(), &mut kc, &mut vc, &at, kv_dim, f16).unwrap();
             // the twin sees what the cache holds: f16-rounded values for an f16 cache
             let round = |x: Vec<f32>| -> Vec<f32> {
                 if !f16 {
@@ -238,7 +288,7 @@ fn norm_rope_attention_match_twin() {
         let q = random(&mut rng, n_head * hd, 1.0);
         let mut scores = poisoned(&g, n_head * n_ctx);
         let mut dout = poisoned(&g, n_head * hd);
-        g.attention(&g.upload(&q).unwrap(), &kc, &vc, &mut scores, &mut dout, len, n_ctx, n_head, n_head_kv, hd, f16).unwrap();
+        g.attention(&g.upload(&q).unwrap(), &kc, &vc, &mut scores, &mut dout, &at, n_ctx, n_head, n_head_kv, hd, f16).unwrap();
         let mut got = vec![0.0; n_head * hd];
         g.read(&dout, &mut got).unwrap();
         let want = twin::attention(&q, &ks, &vs, len, n_head, n_head_kv, hd);
@@ -252,5 +302,58 @@ fn kv_store_past_the_cache_is_an_error() {
     let mut kc = g.zeros::<u8>(4 * 8 * 4).unwrap();
     let mut vc = g.zeros::<u8>(4 * 8 * 4).unwrap();
     let k = g.upload(&[1.0f32; 8]).unwrap();
-    assert!(g.kv_store(&k, &k, &mut kc, &mut vc, 4, 8, false).is_err());
+    let mut at = g.pos().unwrap();
+    g.set_pos(&mut at, 4).unwrap();
+    assert!(g.kv_store(&k, &k, &mut kc, &mut vc, &at, 8, false).is_err());
+}
+
+/// A recorded sequence (kv_store, attention, then a matvec of its output) replayed at later
+/// positions computes what the kernels launched one by one compute there: the position is
+/// read on the device, and the recording holds buffers, not values.
+#[test]
+fn a_recorded_token_replays_at_every_position() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new(5);
+    let (n_head, n_head_kv, hd, n_ctx) = (4, 2, 32, 64);
+    let kv_dim = n_head_kv * hd;
+    let wdata = matrix(&mut rng, DType::F32, 48, n_head * hd);
+    let w = QMatrix { dtype: DType::F32, rows: 48, cols: n_head * hd, data: &wdata };
+    let dw = g.upload_rows(&w, None).unwrap();
+    let (mut kc, mut vc) = (g.zeros::<u8>(n_ctx * kv_dim * 4).unwrap(), g.zeros::<u8>(n_ctx * kv_dim * 4).unwrap());
+    let (mut dk, mut dv, mut dq) = (g.zeros::<f32>(kv_dim).unwrap(), g.zeros::<f32>(kv_dim).unwrap(), g.zeros::<f32>(n_head * hd).unwrap());
+    let (mut scores, mut att, mut y) = (g.zeros::<f32>(n_head * n_ctx).unwrap(), g.acts(n_head * hd).unwrap(), g.zeros::<f32>(48).unwrap());
+    let mut at = g.pos().unwrap();
+    let (mut ks, mut vs) = (Vec::new(), Vec::new());
+    let mut graph = None;
+    for pos in 0..40 {
+        let (k, v, q) = (random(&mut rng, kv_dim, 1.0), random(&mut rng, kv_dim, 1.0), random(&mut rng, n_head * hd, 1.0));
+        g.write(&k, &mut dk).unwrap();
+        g.write(&v, &mut dv).unwrap();
+        g.write(&q, &mut dq).unwrap();
+        g.set_pos(&mut at, pos).unwrap();
+        ks.extend(&k);
+        vs.extend(&v);
+        match &graph {
+            // position 3 is recorded (its launches run only as the first replay)
+            None if pos == 3 => {
+                assert!(g.begin_capture().unwrap());
+                g.kv_store(&dk, &dv, &mut kc, &mut vc, &at, kv_dim, false).unwrap();
+                g.attention(&dq, &kc, &vc, &mut scores, &mut att.f32s, &at, n_ctx, n_head, n_head_kv, hd, false).unwrap();
+                g.matvec(&dw, &att, None, &mut y, false).unwrap();
+                let recorded = g.end_capture().unwrap();
+                g.launch_graph(&recorded).unwrap();
+                graph = Some(recorded);
+            }
+            None => {
+                g.kv_store(&dk, &dv, &mut kc, &mut vc, &at, kv_dim, false).unwrap();
+                g.attention(&dq, &kc, &vc, &mut scores, &mut att.f32s, &at, n_ctx, n_head, n_head_kv, hd, false).unwrap();
+                g.matvec(&dw, &att, None, &mut y, false).unwrap();
+            }
+            Some(recorded) => g.launch_graph(recorded).unwrap(),
+        }
+        let mut got = vec![0.0; 48];
+        g.read(&y, &mut got).unwrap();
+        let want = twin::matvec(&w, &twin::attention(&q, &ks, &vs, pos + 1, n_head, n_head_kv, hd), None, false);
+        assert!(rel_err(&got, &want) < 1e-5, "position {pos}");
+    }
 }

@@ -4,7 +4,8 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 
 use super::{type_slot, DActs, DMat, Device, Elem, Result};
@@ -13,7 +14,7 @@ use crate::CudaError;
 /// PTX compiled from `kernels/powerinfer.cu` by `scripts/gen_ptx.sh` (checked in CI).
 pub const PTX: &str = include_str!("../../kernels/powerinfer.ptx");
 
-const TYPE_SUFFIX: [&str; 5] = ["f32", "f16", "q4_0", "q4_1", "q8_0"];
+const TYPE_SUFFIX: [&str; 14] = ["f32", "f16", "q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"];
 
 impl From<cudarc::driver::DriverError> for CudaError {
     fn from(e: cudarc::driver::DriverError) -> Self {
@@ -43,6 +44,13 @@ pub struct Cuda {
     k: Kernels,
 }
 
+/// A CUDA graph that a session owns.
+pub struct Graph(CudaGraph);
+
+// SAFETY: CUDA forbids concurrent use of one graph, not its use from another thread. A `Graph`
+// belongs to one hybrid session's state and is only launched through `&mut` access to it.
+unsafe impl Send for Graph {}
+
 fn blocks(n: usize, per: usize) -> u32 {
     n.div_ceil(per).max(1) as u32
 }
@@ -63,7 +71,11 @@ impl Cuda {
             .get(ordinal)
             .ok_or_else(|| CudaError::NoDevice(format!("device {ordinal} requested, {} present", devices.len())))?;
         let ctx = CudaContext::new(ordinal)?;
-        let stream = ctx.default_stream();
+        // One stream of our own, not the legacy default stream, which cannot record graphs.
+        // SAFETY: every buffer and launch of this device goes through this one stream, so
+        // cudarc's events between streams (which a recording cannot wait on) are not needed.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream()?;
         let module = ctx.load_module(Ptx::from_src(PTX)).map_err(|e| {
             CudaError::Driver(format!("loading the kernels' PTX failed ({e}); the PTX needs a driver for CUDA 13.0 or newer"))
         })?;
@@ -134,6 +146,24 @@ impl Device for Cuda {
 
     fn synchronize(&self) -> Result<()> {
         Ok(self.stream.synchronize()?)
+    }
+
+    type Graph = Graph;
+
+    fn begin_capture(&self) -> Result<bool> {
+        // thread-local: another thread's CUDA calls (another engine's) are neither recorded
+        // nor refused while this one records
+        self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        Ok(true)
+    }
+
+    fn end_capture(&self) -> Result<Graph> {
+        let graph = self.stream.end_capture(CUgraphInstantiate_flags(0))?;
+        Ok(Graph(graph.ok_or_else(|| CudaError::Driver("the recorded kernel sequence is empty".into()))?))
+    }
+
+    fn launch_graph(&self, graph: &Graph) -> Result<()> {
+        Ok(graph.0.launch()?)
     }
 
     fn quantize_q8(&self, x: &CudaSlice<f32>, q8: &mut CudaSlice<u8>, n_blocks: usize) -> Result<()> {
@@ -250,10 +280,10 @@ impl Device for Cuda {
         Ok(())
     }
 
-    fn kv_store(&self, k: &CudaSlice<f32>, v: &CudaSlice<f32>, k_cache: &mut CudaSlice<u8>, v_cache: &mut CudaSlice<u8>, pos: usize, kv_dim: usize, f16: bool) -> Result<()> {
-        let (p, d, h) = (pos as i32, kv_dim as i32, f16 as i32);
+    fn kv_store(&self, k: &CudaSlice<f32>, v: &CudaSlice<f32>, k_cache: &mut CudaSlice<u8>, v_cache: &mut CudaSlice<u8>, pos: &CudaSlice<i32>, kv_dim: usize, f16: bool) -> Result<()> {
+        let (d, h) = (kv_dim as i32, f16 as i32);
         let mut b = self.stream.launch_builder(&self.k.kv_store);
-        b.arg(k).arg(v).arg(k_cache).arg(v_cache).arg(&p).arg(&d).arg(&h);
+        b.arg(k).arg(v).arg(k_cache).arg(v_cache).arg(pos).arg(&d).arg(&h);
         // SAFETY: matches `kv_store`; the cache bound is checked by `Gpu`.
         unsafe { b.launch(cfg((blocks(kv_dim, 256), 1), 256)) }?;
         Ok(())
@@ -266,7 +296,7 @@ impl Device for Cuda {
         v_cache: &CudaSlice<u8>,
         scores: &mut CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
-        len: usize,
+        pos: &CudaSlice<i32>,
         n_ctx: usize,
         n_head: usize,
         n_head_kv: usize,
@@ -274,10 +304,10 @@ impl Device for Cuda {
         f16: bool,
     ) -> Result<()> {
         let scale = 1.0 / (head_dim as f32).sqrt();
-        let (len_i, ctx_i, nh, nkv, hd, h) = (len as i32, n_ctx as i32, n_head as i32, n_head_kv as i32, head_dim as i32, f16 as i32);
+        let (ctx_i, nh, nkv, hd, h) = (n_ctx as i32, n_head as i32, n_head_kv as i32, head_dim as i32, f16 as i32);
         let mut b = self.stream.launch_builder(&self.k.attention);
-        b.arg(q).arg(k_cache).arg(v_cache).arg(scores).arg(out).arg(&len_i).arg(&ctx_i).arg(&nh).arg(&nkv).arg(&hd).arg(&scale).arg(&h);
-        // SAFETY: matches `attention`; scores holds n_head * n_ctx floats and len <= n_ctx.
+        b.arg(q).arg(k_cache).arg(v_cache).arg(scores).arg(out).arg(pos).arg(&ctx_i).arg(&nh).arg(&nkv).arg(&hd).arg(&scale).arg(&h);
+        // SAFETY: matches `attention`; scores holds n_head * n_ctx floats and pos[0] < n_ctx (checked by `Gpu`).
         unsafe { b.launch(cfg((n_head as u32, 1), 256)) }?;
         Ok(())
     }

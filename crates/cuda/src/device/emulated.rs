@@ -99,6 +99,21 @@ impl Device for Emulated {
         Ok(())
     }
 
+    type Graph = ();
+
+    /// The twins run as they are called: nothing to record.
+    fn begin_capture(&self) -> Result<bool> {
+        Ok(false)
+    }
+
+    fn end_capture(&self) -> Result<()> {
+        Err(CudaError::Unsupported("the emulated device records no kernel sequences".into()))
+    }
+
+    fn launch_graph(&self, _: &()) -> Result<()> {
+        Err(CudaError::Unsupported("the emulated device records no kernel sequences".into()))
+    }
+
     fn quantize_q8(&self, x: &Vec<f32>, q8: &mut Vec<u8>, n_blocks: usize) -> Result<()> {
         q8[..n_blocks * Q8_BLOCK_BYTES].copy_from_slice(&twin::q8_bytes(&x[..n_blocks * QK]));
         Ok(())
@@ -183,7 +198,8 @@ impl Device for Emulated {
         Ok(())
     }
 
-    fn kv_store(&self, k: &Vec<f32>, v: &Vec<f32>, k_cache: &mut Vec<u8>, v_cache: &mut Vec<u8>, pos: usize, kv_dim: usize, f16: bool) -> Result<()> {
+    fn kv_store(&self, k: &Vec<f32>, v: &Vec<f32>, k_cache: &mut Vec<u8>, v_cache: &mut Vec<u8>, pos: &Vec<i32>, kv_dim: usize, f16: bool) -> Result<()> {
+        let pos = pos[0] as usize;
         for i in 0..kv_dim {
             store(k_cache, pos * kv_dim + i, k[i], f16);
             store(v_cache, pos * kv_dim + i, v[i], f16);
@@ -198,13 +214,14 @@ impl Device for Emulated {
         v_cache: &Vec<u8>,
         _scores: &mut Vec<f32>,
         out: &mut Vec<f32>,
-        len: usize,
+        pos: &Vec<i32>,
         _n_ctx: usize,
         n_head: usize,
         n_head_kv: usize,
         head_dim: usize,
         f16: bool,
     ) -> Result<()> {
+        let len = pos[0] as usize + 1;
         let n = len * n_head_kv * head_dim;
         let (k, v) = (cache_values(k_cache, n, f16), cache_values(v_cache, n, f16));
         let o = twin::attention(&q[..n_head * head_dim], &k, &v, len, n_head, n_head_kv, head_dim);
