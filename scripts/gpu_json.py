@@ -2,8 +2,8 @@
 
     python scripts/gpu_json.py RESULTS_DIR [--date YYYY-MM-DD] [--args "--layers 8 --budget 1.6GiB"]
 
-RESULTS_DIR holds gpu.txt, kernels.log, pytest.log, hybrid.json and (when SmolLM2 was there)
-smollm2.json, as the suite writes them to $OUT.
+RESULTS_DIR holds gpu.txt, kernels.log, pytest.log, hybrid.json, kquants.json and (when SmolLM2
+was there) smollm2.json, as the suite writes them to $OUT.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def main() -> None:
         "date": a.date,
         "commands": {
             "build_here": "scripts/gpu_bundle.sh",
-            "suite_there": f"scripts/gpu_suite.sh {a.args}   (kernel tests, pytest -m gpu, benches/hybrid_13b.py, benches/gpu_smollm2.py)",
+            "stage_there": "scripts/gpu_suite.sh --stage   (carrying .gpu-model: SmolLM2's first part)",
+            "suite_there": f"scripts/gpu_suite.sh {a.args}   (carrying .gpu: kernel tests, pytest -m gpu, benches/hybrid_13b.py, benches/gpu_kquants.py, benches/gpu_smollm2.py)",
             "collect": f"python scripts/gpu_json.py RESULTS_DIR --args \"{a.args}\"",
         },
         "kernel_tests": lines("kernels.log", r"^test |test result"),
@@ -52,6 +53,14 @@ def main() -> None:
             "runs": hybrid,
         },
     }
+    if os.path.exists(os.path.join(a.results, "kquants.json")):
+        k = json.loads(read("kquants.json"))
+        out["quantized_types_1b_shape"] = {
+            "model": "synthetic SwiGLU, TinyLlama-1.1B layer shape, every matrix in the type; random valid blocks",
+            "command": "python3 benches/gpu_kquants.py",
+            "decode_tok_s": {t: {"cpu": round(r["cpu_tps"], 1), "gpu_launched": round(r["gpu_launched_tps"], 1), "gpu_graph": round(r["gpu_tps"], 1)} for t, r in k["types"].items()},
+            **k,
+        }
     if os.path.exists(os.path.join(a.results, "smollm2.json")):
         out["smollm2_135m_q4_1"] = {"command": "python3 benches/gpu_smollm2.py", **json.loads(read("smollm2.json"))}
     with open(a.out, "w") as f:
