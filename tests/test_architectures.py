@@ -114,12 +114,6 @@ def test_quantized_gemma3_matches_int8_reference(tmp_path):
     assert np.median(per_token) < 1e-4 and max(per_token) < 1e-2, per_token
 
 
-def test_gpu_refuses_the_new_features_by_name(tmp_path):
-    path = write_model(tmp_path / "m.gguf", arch="gemma3", tied=True, n_layer=7, sliding_window=8)
-    reason = _core.gpu_unsupported_reason(_core.Model(path, 1), "dense")
-    assert reason is not None and "gemma3" in reason and "CPU" in reason
-
-
 def test_longrope_picks_its_factors_by_the_session_context(tmp_path):
     """LongRoPE's short factors for a session within the original context (32), the long ones
     beyond it, each matching the reference and far from the other."""

@@ -19,6 +19,7 @@ from powerinfer_rs.gpu import plan_gpu
 from powerinfer_rs.placement import model_bytes, write_gpu_index
 from powerinfer_rs.profile_file import PROFILE_VERSION, save_profile
 from synth import write_model, write_powerinfer_model
+from test_architectures import CASES as ARCH_CASES
 
 try:
     HAVE_GPU = bool(_core.cuda_devices())
@@ -271,6 +272,29 @@ def test_recorded_tokens_equal_launched_ones(tmp_path, kind, monkeypatch):
     (a1, a2), (b1, b2) = runs
     assert a1.shape == (len(ids), b1.shape[1]) and np.array_equal(a1, b1)
     assert np.array_equal(a2, b2)
+
+
+@pytest.mark.parametrize("case", ARCH_CASES, ids=list(ARCH_CASES))
+@ON_DEVICES
+def test_architectures_run_on_the_gpu(tmp_path, case, device):
+    """Every architecture the CPU runs from config data runs on the GPU too (Qwen 3's q/k
+    norms, Gemma's GELU-gated FFN, scaled embeddings, post-block norms, soft-capping, sliding
+    windows with their own RoPE base, Phi-3's fused tensors, Llama 3's RoPE factors, YaRN and
+    LongRoPE): whole, split and layer-offloaded, its logits over 40 positions (past every
+    sliding window) within 1e-3 of the CPU's. F32 weights, so the two differ by rounding."""
+    path = write_model(tmp_path / "m.gguf", **ARCH_CASES[case])
+    cpu = Engine.load(path, device="cpu", n_ctx=64, kv_type="f32")
+    assert _core.gpu_unsupported_reason(cpu._model, "dense") is None
+    ids = np.random.default_rng(1).integers(0, cpu.config["n_vocab"], size=40).tolist()
+    ref = cpu.logits(ids)
+    mb = model_bytes(path, 64)
+    dense = int(sum(mb.layer_dense_bytes) + 2 * mb.kv_cache_bytes + mb.output_bytes)
+    for kwargs in (dict(), dict(vram_budget=dense + int(40 * float(np.sum(mb.neuron_bytes)))), dict(gpu_layers=1)):
+        e = Engine.load(path, device=device, n_ctx=64, kv_type="f32", **kwargs)
+        assert e.device == device
+        got = e.logits(ids)
+        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert err < 1e-3, (kwargs, err)
 
 
 # the types llama-quantize's presets write (Q2_K .. Q6_K, IQ4_XS) and their fallbacks

@@ -291,30 +291,6 @@ impl Config {
             1
         }
     }
-
-    /// The first feature of the layer's configuration beyond the plain LLaMA layer (Gemma's,
-    /// Llama 3's RoPE scaling), if any: the GPU executor's kernels cover only the plain layer.
-    pub fn feature_beyond_llama(&self) -> Option<&'static str> {
-        if self.embed_scale != 1.0 {
-            return Some("scaled embeddings");
-        }
-        if self.attn_softcap != 0.0 || self.final_softcap != 0.0 {
-            return Some("soft-capping");
-        }
-        if self.sliding_window > 0 {
-            return Some("sliding-window attention");
-        }
-        if self.rope_scaled() {
-            return Some("RoPE scaling");
-        }
-        if (self.attn_scale - 1.0 / (self.head_dim as f32).sqrt()).abs() > 1e-7 {
-            return Some("a non-standard attention scale");
-        }
-        if self.ffn_activation == FfnActivation::GeGlu {
-            return Some("a GELU-gated FFN");
-        }
-        None
-    }
 }
 
 /// Per-layer predictor of which FFN neurons fire: `logits = fc2 @ relu(fc1 @ x)`, neuron j

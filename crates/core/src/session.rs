@@ -30,6 +30,7 @@ mod scratch;
 mod sparsity;
 pub use batch::{check_batch, decode_batch};
 pub use cpu::CpuPass;
+pub use math::softcap;
 pub use input_sparsity::time_input_sparsity;
 pub use scratch::Capture;
 pub use sparsity::{FfnStats, Sparsity, SparsityMode};

@@ -29,7 +29,7 @@ __host__ __device__ constexpr int block_bytes(int t) {
          : t == T_Q2_K ? 84 : t == T_Q3_K ? 110 : t == T_Q4_K ? 144 : t == T_Q5_K ? 176
          : t == T_Q6_K ? 210 : t == T_IQ4_NL ? 18 : 136;
 }
-enum : int { ACT_SWIGLU = 0, ACT_REGLU = 1, ACT_DREGLU = 2, ACT_RELU = 3, ACT_GELU = 4 };
+enum : int { ACT_SWIGLU = 0, ACT_REGLU = 1, ACT_DREGLU = 2, ACT_RELU = 3, ACT_GELU = 4, ACT_GEGLU = 5 };
 
 __device__ __forceinline__ float h2f(u16 h) {
     float f;
@@ -429,6 +429,7 @@ __device__ __forceinline__ float activate(int act, float g, float u) {
         case ACT_REGLU: return fmaxf(g, 0.0f) * u;
         case ACT_DREGLU: return fmaxf(g, 0.0f) * fmaxf(u, 0.0f);
         case ACT_RELU: return fmaxf(u, 0.0f);
+        case ACT_GEGLU: return gelu(g) * u;
         default: return gelu(u);
     }
 }
@@ -583,6 +584,19 @@ extern "C" __global__ void rmsnorm(const float* x, const float* w, float* out, i
     for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = x[i] * scale * w[i];
 }
 
+// Per-head RMSNorm in place (the q/k norms of Qwen 3 and Gemma 3): head h of x
+// (n_heads * head_dim) times 1 / sqrt(mean(x_h^2) + eps), times w (head_dim). One warp per head.
+extern "C" __global__ void head_rmsnorm(float* x, const float* w, int n_heads, int head_dim, float eps) {
+    const int h = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (h >= n_heads) return;
+    const int lane = threadIdx.x & 31;
+    float* xh = x + (size_t)h * head_dim;
+    float ss = 0.0f;
+    for (int d = lane; d < head_dim; d += 32) ss += xh[d] * xh[d];
+    const float scale = rsqrtf(warp_sum(ss) / (float)head_dim + eps);
+    for (int d = lane; d < head_dim; d += 32) xh[d] = xh[d] * scale * w[d];
+}
+
 // x[i] += y[i] (+ bias[i])
 extern "C" __global__ void add_into(float* x, const float* y, const float* bias, int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -632,14 +646,17 @@ __device__ __forceinline__ float cache_at(const void* cache, size_t o, int f16) 
     return f16 ? h2f(reinterpret_cast<const u16*>(cache)[o]) : reinterpret_cast<const float*>(cache)[o];
 }
 
-// Causal attention of the token at position *pos over positions 0..*pos; one block per query
-// head. Query head h reads kv head h / (n_head / n_head_kv). scores (n_head, n_ctx) is scratch
-// in global memory, so the context length is not bounded by shared memory.
+// Causal attention of the token at position *pos over positions 0..*pos, or over the last
+// `window` of them (a sliding-window layer; 0: all); one block per query head. Query head h reads
+// kv head h / (n_head / n_head_kv). Scores are q.k * scale, squashed into
+// softcap * tanh(s / softcap) where softcap > 0 (Gemma 2). scores (n_head, n_ctx) is scratch in
+// global memory, so the context length is not bounded by shared memory.
 extern "C" __global__ void attention(const float* q, const void* k_cache, const void* v_cache, float* scores,
                                      float* out, const int* pos_p, int n_ctx, int n_head, int n_head_kv, int head_dim,
-                                     float scale, int f16) {
+                                     float scale, float softcap, int window, int f16) {
     __shared__ float red[32];
     const int len = *pos_p + 1;
+    const int first = window > 0 && len > window ? len - window : 0;
     const int h = blockIdx.x;
     const int g = h / (n_head / n_head_kv);
     const int kv_dim = n_head_kv * head_dim;
@@ -648,21 +665,22 @@ extern "C" __global__ void attention(const float* q, const void* k_cache, const 
     float* sh = scores + (size_t)h * n_ctx;
 
     // scores: one warp per position, lanes across the head
-    for (int t = warp; t < len; t += nwarps) {
+    for (int t = first + warp; t < len; t += nwarps) {
         const size_t base = (size_t)t * kv_dim + (size_t)g * head_dim;
         float s = 0.0f;
         for (int d = lane; d < head_dim; d += 32) s += qh[d] * cache_at(k_cache, base + d, f16);
-        s = warp_sum(s);
-        if (lane == 0) sh[t] = s * scale;
+        s = warp_sum(s) * scale;
+        if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+        if (lane == 0) sh[t] = s;
     }
     __syncthreads();
 
     // softmax over the scores
     float m = -INFINITY;
-    for (int t = threadIdx.x; t < len; t += blockDim.x) m = fmaxf(m, sh[t]);
+    for (int t = first + threadIdx.x; t < len; t += blockDim.x) m = fmaxf(m, sh[t]);
     m = block_max(m, red);
     float sum = 0.0f;
-    for (int t = threadIdx.x; t < len; t += blockDim.x) {
+    for (int t = first + threadIdx.x; t < len; t += blockDim.x) {
         const float e = expf(sh[t] - m);
         sh[t] = e;
         sum += e;
@@ -673,7 +691,7 @@ extern "C" __global__ void attention(const float* q, const void* k_cache, const 
     // out[d] = sum_t p[t] v[t, d]; one thread per head dimension
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float acc = 0.0f;
-        for (int t = 0; t < len; t++) acc += sh[t] * cache_at(v_cache, (size_t)t * kv_dim + (size_t)g * head_dim + d, f16);
+        for (int t = first; t < len; t++) acc += sh[t] * cache_at(v_cache, (size_t)t * kv_dim + (size_t)g * head_dim + d, f16);
         out[(size_t)h * head_dim + d] = acc * inv;
     }
 }

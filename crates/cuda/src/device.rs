@@ -60,15 +60,30 @@ pub fn act_code(act: FfnActivation) -> Result<i32> {
         FfnActivation::DReGlu => 2,
         FfnActivation::Relu => 3,
         FfnActivation::Gelu => 4,
-        FfnActivation::GeGlu => return Err(CudaError::Unsupported("a GELU-gated FFN".into())),
+        FfnActivation::GeGlu => 5,
     })
 }
 
 /// The activation a kernel's code stands for (the inverse of `act_code`).
 pub fn act_of_code(code: i32) -> Option<FfnActivation> {
-    [FfnActivation::SwiGlu, FfnActivation::ReGlu, FfnActivation::DReGlu, FfnActivation::Relu, FfnActivation::Gelu]
+    [FfnActivation::SwiGlu, FfnActivation::ReGlu, FfnActivation::DReGlu, FfnActivation::Relu, FfnActivation::Gelu, FfnActivation::GeGlu]
         .into_iter()
         .find(|&a| act_code(a).ok() == Some(code))
+}
+
+/// The shape and scoring of an attention call.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    pub n_ctx: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    /// Scores are q.k * scale ...
+    pub scale: f32,
+    /// ... squashed into softcap * tanh(s / softcap) where softcap > 0 (Gemma 2).
+    pub softcap: f32,
+    /// A sliding-window layer's window in positions; 0 for all positions.
+    pub window: usize,
 }
 
 /// A weight matrix in device memory, rows in the file's type and layout.
@@ -167,6 +182,8 @@ pub trait Device: Send + Sync + Sized + 'static {
         cols: usize,
     ) -> Result<()>;
     fn rmsnorm(&self, x: &Self::Buf<f32>, w: &Self::Buf<f32>, out: &mut Self::Buf<f32>, n: usize, eps: f32) -> Result<()>;
+    /// `head_rmsnorm`: each of the n_heads heads of x (head_dim each) RMS-normed in place, times w.
+    fn head_rmsnorm(&self, x: &mut Self::Buf<f32>, w: &Self::Buf<f32>, n_heads: usize, head_dim: usize, eps: f32) -> Result<()>;
     /// x += y (+ bias)
     fn add_into(&self, x: &mut Self::Buf<f32>, y: &Self::Buf<f32>, bias: Option<&Self::Buf<f32>>, n: usize) -> Result<()>;
     fn add_bias(&self, x: &mut Self::Buf<f32>, bias: &Self::Buf<f32>, n: usize) -> Result<()>;
@@ -177,7 +194,8 @@ pub trait Device: Send + Sync + Sized + 'static {
     #[allow(clippy::too_many_arguments)]
     fn kv_store(&self, k: &Self::Buf<f32>, v: &Self::Buf<f32>, k_cache: &mut Self::Buf<u8>, v_cache: &mut Self::Buf<u8>, pos: &Self::Buf<i32>, kv_dim: usize, f16: bool) -> Result<()>;
     /// Causal attention of one query (n_head * head_dim) at position `pos[0]` (read on the
-    /// device) over cache positions 0..=pos[0].
+    /// device) over cache positions 0..=pos[0], or the last `at.window` of them; scores scaled
+    /// by `at.scale` and soft-capped by `at.softcap` (0: none).
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -187,10 +205,7 @@ pub trait Device: Send + Sync + Sized + 'static {
         scores: &mut Self::Buf<f32>,
         out: &mut Self::Buf<f32>,
         pos: &Self::Buf<i32>,
-        n_ctx: usize,
-        n_head: usize,
-        n_head_kv: usize,
-        head_dim: usize,
+        at: &AttnShape,
         f16: bool,
     ) -> Result<()>;
 }

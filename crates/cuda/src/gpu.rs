@@ -8,7 +8,7 @@ use powerinfer_core::quant::{DType, QK};
 
 use crate::device::{Buf, Cuda, Device, Elem, Emulated};
 // what the executor and the kernel tests know these by
-pub use crate::device::{act_code, act_of_code, type_slot, DActs, DMat, Result, Q8_BLOCK_BYTES};
+pub use crate::device::{act_code, act_of_code, type_slot, AttnShape, DActs, DMat, Result, Q8_BLOCK_BYTES};
 use crate::CudaError;
 
 /// Rows of the down projection one block of `down_partial` sums; the merge then adds
@@ -218,6 +218,14 @@ impl<D: Device> Gpu<D> {
         self.dev.rmsnorm(x, w, out, n, eps)
     }
 
+    /// Each of the n_heads heads of x (head_dim each) RMS-normed in place, times w (head_dim);
+    /// one head of n values is an in-place RMSNorm of a vector.
+    pub fn head_rmsnorm(&self, x: &mut Buf<D, f32>, w: &Buf<D, f32>, n_heads: usize, head_dim: usize, eps: f32) -> Result<()> {
+        Self::holds("a per-head norm's input", x, n_heads * head_dim)?;
+        Self::holds("a per-head norm's weights", w, head_dim)?;
+        self.dev.head_rmsnorm(x, w, n_heads, head_dim, eps)
+    }
+
     /// x += y (+ bias)
     pub fn add_into(&self, x: &mut Buf<D, f32>, y: &Buf<D, f32>, bias: Option<&Buf<D, f32>>, n: usize) -> Result<()> {
         Self::holds("a sum's output", x, n)?;
@@ -282,12 +290,10 @@ impl<D: Device> Gpu<D> {
         scores: &mut Buf<D, f32>,
         out: &mut Buf<D, f32>,
         pos: &DevicePos<D>,
-        n_ctx: usize,
-        n_head: usize,
-        n_head_kv: usize,
-        head_dim: usize,
+        at: &AttnShape,
         f16: bool,
     ) -> Result<()> {
+        let AttnShape { n_ctx, n_head, n_head_kv, head_dim, .. } = *at;
         let len = pos.value + 1;
         let kv_bytes = len * n_head_kv * head_dim * if f16 { 2 } else { 4 };
         if len > n_ctx || n_head_kv == 0 || n_head % n_head_kv != 0 {
@@ -298,7 +304,7 @@ impl<D: Device> Gpu<D> {
         Self::holds("the query", q, n_head * head_dim)?;
         Self::holds("the attention scores", scores, n_head * n_ctx)?;
         Self::holds("the attention output", out, n_head * head_dim)?;
-        self.dev.attention(q, k_cache, v_cache, scores, out, &pos.buf, n_ctx, n_head, n_head_kv, head_dim, f16)
+        self.dev.attention(q, k_cache, v_cache, scores, out, &pos.buf, at, f16)
     }
 
     /// Records the launches that follow (see `Device::begin_capture`); false where the device

@@ -24,12 +24,12 @@ use powerinfer_core::matmul::{Activations, QMatrix};
 use powerinfer_core::quant::DType;
 use powerinfer_core::forward::{forward, Backend, Norm, Part};
 use powerinfer_core::model::{Family, Model, RopeStyle};
-use powerinfer_core::session::{CpuPass, FfnStats, Session, Sparsity, SparsityMode};
+use powerinfer_core::session::{softcap, CpuPass, FfnStats, Session, Sparsity, SparsityMode};
 use powerinfer_core::Result as CoreResult;
 use powerinfer_core::sparse::{sparse_ffn, FfnMats, SparseScratch};
 
 use crate::device::{Buf, Device};
-use crate::gpu::{DActs, DMat, DevicePos, Gpu, Result, ROWS_PER_CHUNK};
+use crate::gpu::{AttnShape, DActs, DMat, DevicePos, Gpu, Result, ROWS_PER_CHUNK};
 use crate::CudaError;
 
 /// What goes to the GPU (from a `.gpuidx` placement, or a layer-offload split).
@@ -85,6 +85,10 @@ pub struct PlacementReport {
 
 struct DenseGpu<D: Device> {
     attn_norm: Buf<D, f32>,
+    q_norm: Option<Buf<D, f32>>,         // (head_dim) Qwen 3, Gemma 3
+    k_norm: Option<Buf<D, f32>>,
+    attn_post_norm: Option<Buf<D, f32>>, // (n_embd) Gemma 2, 3
+    ffn_post_norm: Option<Buf<D, f32>>,
     wq: DMat<D>,
     wk: DMat<D>,
     wv: DMat<D>,
@@ -161,11 +165,6 @@ pub fn unsupported_reason(model: &Model, mode: Option<SparsityMode>) -> Option<S
         return Some(format!("the GPU executor runs LLaMA-family models; {} runs on the CPU", c.architecture));
     }
     let w = &model.weights;
-    let normed = w.layers.iter().any(|lw| lw.q_norm.is_some() || lw.attn_post_norm.is_some() || lw.ffn_post_norm.is_some());
-    let feature = c.feature_beyond_llama().or(normed.then_some("q/k or post-block norms")).or((w.rope_freqs.is_some() || w.rope_factors.is_some()).then_some("RoPE frequency factors"));
-    if let Some(feature) = feature {
-        return Some(format!("{} uses {feature}, which the GPU executor does not have yet; it runs on the CPU", c.architecture));
-    }
     let mut mats = vec![&w.output];
     for lw in &w.layers {
         mats.extend([&lw.wq, &lw.wk, &lw.wv, &lw.wo, &lw.ffn_up]);
@@ -233,6 +232,10 @@ impl<D: Device> HybridModel<D> {
             let ffn_norm = lw.ffn_norm.as_ref().expect("LLaMA-family layers have an FFN norm");
             let dense = DenseGpu {
                 attn_norm: gpu.upload(&lw.attn_norm)?,
+                q_norm: upload_opt(&gpu, lw.q_norm.as_ref(), &mut bytes)?,
+                k_norm: upload_opt(&gpu, lw.k_norm.as_ref(), &mut bytes)?,
+                attn_post_norm: upload_opt(&gpu, lw.attn_post_norm.as_ref(), &mut bytes)?,
+                ffn_post_norm: upload_opt(&gpu, lw.ffn_post_norm.as_ref(), &mut bytes)?,
                 ffn_norm: gpu.upload(ffn_norm)?,
                 wq,
                 wk,
@@ -348,8 +351,8 @@ struct DeviceState<D: Device> {
     ffn_out: Buf<D, f32>,     // (n_embd) the FFN's output when its down projection is `HotDown::Rows`
     partial: Buf<D, f32>,     // (max chunks, n_embd)
     cpu_part: Buf<D, f32>,    // (n_embd)
-    cos: Buf<D, f32>,         // (rope_dim / 2)
-    sin: Buf<D, f32>,
+    cos: Vec<Buf<D, f32>>,    // per RoPE set (rope_dim / 2)
+    sin: Vec<Buf<D, f32>>,
     logits: Buf<D, f32>,      // (n_vocab)
     selected: Buf<D, u32>,    // (n_layer) neurons the predictor selected, counted on the GPU
     /// The current GPU layer's FFN output, summed into the residual by `ffn_merge`: this many
@@ -357,6 +360,8 @@ struct DeviceState<D: Device> {
     /// `HotDown::Rows`, all in `ffn_out`).
     ffn_chunks: usize,
     ffn_has_cold: bool,
+    /// The current GPU layer's FFN output is whole in `ffn_out` (bias included).
+    ffn_whole: bool,
     // host buffers
     xb_h: Vec<f32>,
     pred_h: Vec<f32>,
@@ -427,12 +432,13 @@ impl<D: Device> HybridSession<D> {
             ffn_out: g.zeros(c.n_embd)?,
             partial: g.zeros(max_chunks * c.n_embd)?,
             cpu_part: g.zeros(c.n_embd)?,
-            cos: g.zeros(c.rope_dim / 2)?,
-            sin: g.zeros(c.rope_dim / 2)?,
+            cos: (0..c.rope_sets()).map(|_| g.zeros(c.rope_dim / 2)).collect::<Result<_>>()?,
+            sin: (0..c.rope_sets()).map(|_| g.zeros(c.rope_dim / 2)).collect::<Result<_>>()?,
             logits: g.zeros(c.n_vocab)?,
             selected: g.zeros(c.n_layer)?,
             ffn_chunks: 0,
             ffn_has_cold: false,
+            ffn_whole: false,
             xb_h: vec![0.0; c.n_embd],
             pred_h: vec![0.0; c.n_ff],
             cpu_out_h: vec![0.0; c.n_embd],
@@ -590,6 +596,7 @@ impl<'a, D: Device> HybridPass<'a, D> {
         dev.counts.gpu_neurons += ledger.gpu_neurons;
         let mut logits = vec![0.0f32; self.hm.model.config.n_vocab];
         g.read(&dev.logits, &mut logits)?;
+        cap_logits(&self.hm.model.config, &mut logits);
         Ok(logits)
     }
 
@@ -637,6 +644,7 @@ impl<'a, D: Device> HybridPass<'a, D> {
 
         // GPU: hot neurons, queued; they run while the CPU computes the cold ones
         dev.ffn_chunks = 0;
+        dev.ffn_whole = false;
         if let Some(hot) = &layer.hot {
             let pred = predicted.then_some(&dev.pred_logits);
             // without cold neurons the host never sees the selection: the GPU counts it
@@ -651,6 +659,7 @@ impl<'a, D: Device> HybridPass<'a, D> {
                 HotDown::Rows(down) => {
                     g.quantize_for(&[down], &mut dev.h, c.n_ff)?;
                     g.matvec(down, &dev.h, layer.down_bias.as_ref(), &mut dev.ffn_out, false)?;
+                    dev.ffn_whole = true;
                 }
             }
         }
@@ -706,9 +715,11 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         self.on_gpu = false;
         let g = &self.hm.gpu;
         if self.hm.model.config.rope_dim > 0 {
-            let (cos, sin) = self.cpu.rope_angles();
-            g.write(cos, &mut self.dev.cos)?;
-            g.write(sin, &mut self.dev.sin)?;
+            for set in 0..self.dev.cos.len() {
+                let (cos, sin) = self.cpu.rope_angles(set);
+                g.write(cos, &mut self.dev.cos[set])?;
+                g.write(sin, &mut self.dev.sin[set])?;
+            }
         }
         g.set_pos(&mut self.dev.pos, self.pos)?;
         if matches!(self.dev.graph, Graph::None | Graph::Ready { .. }) {
@@ -748,16 +759,18 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         }
         let (c, g, dev) = (&self.hm.model.config, &self.hm.gpu, &mut *self.dev);
         let neox = c.rope_style == RopeStyle::NeoX;
-        g.rope(&mut dev.q, &dev.cos, &dev.sin, c.n_head, c.head_dim, c.rope_dim, neox)?;
-        Ok(g.rope(&mut dev.k, &dev.cos, &dev.sin, c.n_head_kv, c.head_dim, c.rope_dim, neox)?)
+        // this layer's set of angles (sliding layers may have their own base)
+        let (cos, sin) = (&dev.cos[c.rope_set(l)], &dev.sin[c.rope_set(l)]);
+        g.rope(&mut dev.q, cos, sin, c.n_head, c.head_dim, c.rope_dim, neox)?;
+        Ok(g.rope(&mut dev.k, cos, sin, c.n_head_kv, c.head_dim, c.rope_dim, neox)?)
     }
 
     fn qk_norm(&mut self, l: usize) -> CoreResult<()> {
-        match self.place(l)? {
-            None => self.cpu.qk_norm(l),
-            // `unsupported_reason` keeps such models off the GPU
-            Some(_) => Err(CudaError::Unsupported("q/k norms".into()).into()),
-        }
+        let Some(layer) = self.place(l)? else { return self.cpu.qk_norm(l) };
+        let (c, g, d, dev) = (&self.hm.model.config, &self.hm.gpu, &layer.dense, &mut *self.dev);
+        let missing = || CudaError::Plan(format!("layer {l} has only one of attn_q_norm and attn_k_norm"));
+        g.head_rmsnorm(&mut dev.q, d.q_norm.as_ref().ok_or_else(missing)?, c.n_head, c.head_dim, c.norm_eps)?;
+        Ok(g.head_rmsnorm(&mut dev.k, d.k_norm.as_ref().ok_or_else(missing)?, c.n_head_kv, c.head_dim, c.norm_eps)?)
     }
 
     fn kv_store(&mut self, l: usize) -> CoreResult<()> {
@@ -775,7 +788,16 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         }
         let (c, dev) = (&self.hm.model.config, &mut *self.dev);
         let (kc, vc) = (dev.k_cache[l].as_ref().expect("GPU layer"), dev.v_cache[l].as_ref().expect("GPU layer"));
-        Ok(self.hm.gpu.attention(&dev.q, kc, vc, &mut dev.scores, &mut dev.att.f32s, &dev.pos, dev.n_ctx, c.n_head, c.n_head_kv, c.head_dim, dev.kv_f16)?)
+        let at = AttnShape {
+            n_ctx: dev.n_ctx,
+            n_head: c.n_head,
+            n_head_kv: c.n_head_kv,
+            head_dim: c.head_dim,
+            scale: c.attn_scale,
+            softcap: c.attn_softcap,
+            window: if c.slides(l) { c.sliding_window } else { 0 },
+        };
+        Ok(self.hm.gpu.attention(&dev.q, kc, vc, &mut dev.scores, &mut dev.att.f32s, &dev.pos, &at, dev.kv_f16)?)
     }
 
     fn attn_out(&mut self, l: usize) -> CoreResult<()> {
@@ -800,11 +822,24 @@ impl<D: Device> Backend for HybridPass<'_, D> {
     }
 
     fn post_norm(&mut self, l: usize, part: Part) -> CoreResult<()> {
-        match self.place(l)? {
-            None => self.cpu.post_norm(l, part),
-            // `unsupported_reason` keeps such models off the GPU
-            Some(_) => Err(CudaError::Unsupported("post-block norms".into()).into()),
+        let Some(layer) = self.place(l)? else { return self.cpu.post_norm(l, part) };
+        let (c, g, d, dev) = (&self.hm.model.config, &self.hm.gpu, &layer.dense, &mut *self.dev);
+        let missing = || CudaError::Plan(format!("layer {l} has no {part:?} post-norm"));
+        let out = match part {
+            Part::Attn => {
+                g.head_rmsnorm(&mut dev.attn_out, d.attn_post_norm.as_ref().ok_or_else(missing)?, 1, c.n_embd, c.norm_eps)?;
+                return Ok(());
+            }
+            Part::Ffn => d.ffn_post_norm.as_ref().ok_or_else(missing)?,
+        };
+        if !dev.ffn_whole {
+            // the norm needs the whole FFN output: the parts merged into ffn_out first
+            g.clear(&mut dev.ffn_out)?;
+            let cold = dev.ffn_has_cold.then_some(&dev.cpu_part);
+            g.ffn_merge(&mut dev.ffn_out, &dev.partial, dev.ffn_chunks, cold, layer.down_bias.as_ref(), c.n_embd)?;
+            dev.ffn_whole = true;
         }
+        Ok(g.head_rmsnorm(&mut dev.ffn_out, out, 1, c.n_embd, c.norm_eps)?)
     }
 
     fn residual(&mut self, l: usize, part: Part) -> CoreResult<()> {
@@ -813,13 +848,11 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         match part {
             Part::Attn => g.add_into(&mut dev.x.f32s, &dev.attn_out, None, c.n_embd)?,
             // x += hot partial sums + cold part (+ bias), or the whole FFN's output
-            Part::Ffn => match layer.hot.as_ref().map(|h| &h.down) {
-                Some(HotDown::Rows(_)) => g.add_into(&mut dev.x.f32s, &dev.ffn_out, None, c.n_embd)?,
-                _ => {
-                    let cold = dev.ffn_has_cold.then_some(&dev.cpu_part);
-                    g.ffn_merge(&mut dev.x.f32s, &dev.partial, dev.ffn_chunks, cold, layer.down_bias.as_ref(), c.n_embd)?
-                }
-            },
+            Part::Ffn if dev.ffn_whole => g.add_into(&mut dev.x.f32s, &dev.ffn_out, None, c.n_embd)?,
+            Part::Ffn => {
+                let cold = dev.ffn_has_cold.then_some(&dev.cpu_part);
+                g.ffn_merge(&mut dev.x.f32s, &dev.partial, dev.ffn_chunks, cold, layer.down_bias.as_ref(), c.n_embd)?
+            }
         }
         Ok(())
     }
@@ -844,7 +877,15 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         }
         let mut logits = vec![0.0f32; c.n_vocab];
         g.read(&dev.logits, &mut logits)?;
+        cap_logits(c, &mut logits);
         Ok(logits)
+    }
+}
+
+/// Gemma 2's final soft-capping, on the host where the logits arrive (as the CPU applies it).
+fn cap_logits(c: &powerinfer_core::model::Config, logits: &mut [f32]) {
+    if c.final_softcap != 0.0 {
+        softcap(logits, c.final_softcap);
     }
 }
 

@@ -9,6 +9,8 @@ use powerinfer_core::model::FfnActivation;
 use powerinfer_core::session::Sparsity;
 use powerinfer_core::quant::{dequantize_row, quantize_act, BlockQ8Act, DType, QK};
 
+use crate::device::AttnShape;
+
 /// Row r of `m`, dequantized.
 pub fn row_f32(m: &QMatrix, r: usize) -> Vec<f32> {
     let mut out = vec![0.0; m.cols];
@@ -152,21 +154,30 @@ pub fn rope(x: &mut [f32], cos: &[f32], sin: &[f32], head_dim: usize, rope_dim: 
     }
 }
 
-/// `attention`: one query (n_head * head_dim) over the first `len` positions of f32 caches
-/// (len, n_head_kv * head_dim).
-pub fn attention(q: &[f32], k: &[f32], v: &[f32], len: usize, n_head: usize, n_head_kv: usize, head_dim: usize) -> Vec<f32> {
+/// `head_rmsnorm`: each head of x (chunks of head_dim) RMS-normed in place, times w.
+pub fn head_rmsnorm(x: &mut [f32], w: &[f32], head_dim: usize, eps: f32) {
+    for head in x.chunks_exact_mut(head_dim) {
+        head.copy_from_slice(&rmsnorm(head, w, eps));
+    }
+}
+
+/// `attention`: one query (n_head * head_dim) at position len - 1 over f32 caches (len,
+/// n_head_kv * head_dim): all positions, or a sliding layer's last `at.window`.
+pub fn attention(q: &[f32], k: &[f32], v: &[f32], len: usize, at: &AttnShape) -> Vec<f32> {
+    let (n_head, n_head_kv, head_dim) = (at.n_head, at.n_head_kv, at.head_dim);
     let kv_dim = n_head_kv * head_dim;
-    let scale = 1.0 / (head_dim as f64).sqrt();
+    let first = if at.window > 0 { len.saturating_sub(at.window) } else { 0 };
+    let cap = |s: f64| if at.softcap > 0.0 { at.softcap as f64 * (s / at.softcap as f64).tanh() } else { s };
     let mut out = vec![0.0f32; n_head * head_dim];
     for h in 0..n_head {
         let g = h / (n_head / n_head_kv);
         let qh = &q[h * head_dim..(h + 1) * head_dim];
-        let scores: Vec<f64> = (0..len).map(|t| dot(qh, &k[t * kv_dim + g * head_dim..][..head_dim]) * scale).collect();
+        let scores: Vec<f64> = (first..len).map(|t| cap(dot(qh, &k[t * kv_dim + g * head_dim..][..head_dim]) * at.scale as f64)).collect();
         let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
         let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
         let sum: f64 = e.iter().sum();
         for d in 0..head_dim {
-            let acc: f64 = (0..len).map(|t| e[t] * v[t * kv_dim + g * head_dim + d] as f64).sum();
+            let acc: f64 = (first..len).zip(&e).map(|(t, &p)| p * v[t * kv_dim + g * head_dim + d] as f64).sum();
             out[h * head_dim + d] = (acc / sum) as f32;
         }
     }

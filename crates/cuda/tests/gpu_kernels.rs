@@ -8,7 +8,7 @@ use powerinfer_core::model::FfnActivation;
 use powerinfer_core::quant::{dequantize_row, f32_to_f16, quantize_act, quantize_row, BlockQ8Act, DType, QK};
 use powerinfer_core::sampler::Rng;
 use powerinfer_cuda::device::Cuda;
-use powerinfer_cuda::gpu::{DActs, DMat, Gpu, Q8_BLOCK_BYTES};
+use powerinfer_cuda::gpu::{AttnShape, DActs, DMat, Gpu, Q8_BLOCK_BYTES};
 use powerinfer_cuda::twin;
 
 fn gpu() -> Option<Gpu> {
@@ -170,7 +170,7 @@ fn ffn_hot_and_down_match_twin() {
     let mut rng = Rng::new(2);
     let (n_embd, n_ff) = (1024, 3000);
     for dtype in TYPES {
-        for act in [FfnActivation::ReGlu, FfnActivation::SwiGlu, FfnActivation::DReGlu] {
+        for act in [FfnActivation::ReGlu, FfnActivation::SwiGlu, FfnActivation::DReGlu, FfnActivation::GeGlu] {
             let (gd, ud, dd) = (matrix(&mut rng, dtype, n_ff, n_embd), matrix(&mut rng, dtype, n_ff, n_embd), matrix(&mut rng, dtype, n_ff, n_embd));
             let gate = QMatrix { dtype, rows: n_ff, cols: n_embd, data: &gd };
             let up = QMatrix { dtype, rows: n_ff, cols: n_embd, data: &ud };
@@ -244,6 +244,18 @@ fn norm_rope_attention_match_twin() {
     g.read(&dout, &mut out).unwrap();
     assert!(rel_err(&out, &twin::rmsnorm(&x, &w, 1e-5)) < 1e-5);
 
+    // per-head rmsnorm in place (q/k norms: 12 heads of 128), and one head of 5120 (post norms)
+    for (heads, hd) in [(12, 128), (1, n)] {
+        let (x, w) = (random(&mut rng, heads * hd, 2.0), random(&mut rng, hd, 1.0));
+        let mut dx = g.upload(&x).unwrap();
+        g.head_rmsnorm(&mut dx, &g.upload(&w).unwrap(), heads, hd, 1e-6).unwrap();
+        let mut got = vec![0.0; x.len()];
+        g.read(&dx, &mut got).unwrap();
+        let mut want = x.clone();
+        twin::head_rmsnorm(&mut want, &w, hd, 1e-6);
+        assert!(rel_err(&got, &want) < 1e-5, "head_rmsnorm {heads}x{hd}");
+    }
+
     // rope, both styles, partial rotary dimension
     let (n_head, hd, rd) = (8, 128, 64);
     for neox in [false, true] {
@@ -286,13 +298,18 @@ fn norm_rope_attention_match_twin() {
             vs.extend(round(v));
         }
         let q = random(&mut rng, n_head * hd, 1.0);
-        let mut scores = poisoned(&g, n_head * n_ctx);
-        let mut dout = poisoned(&g, n_head * hd);
-        g.attention(&g.upload(&q).unwrap(), &kc, &vc, &mut scores, &mut dout, &at, n_ctx, n_head, n_head_kv, hd, f16).unwrap();
-        let mut got = vec![0.0; n_head * hd];
-        g.read(&dout, &mut got).unwrap();
-        let want = twin::attention(&q, &ks, &vs, len, n_head, n_head_kv, hd);
-        assert!(rel_err(&got, &want) < 1e-5, "attention f16={f16}");
+        // plain; Gemma's: another scale, soft-capped scores, a sliding window shorter than the
+        // context (and one longer)
+        let plain = AttnShape { n_ctx, n_head, n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt(), softcap: 0.0, window: 0 };
+        for at_shape in [plain, AttnShape { scale: 0.0625, softcap: 2.0, window: 100, ..plain }, AttnShape { window: 1000, ..plain }] {
+            let mut scores = poisoned(&g, n_head * n_ctx);
+            let mut dout = poisoned(&g, n_head * hd);
+            g.attention(&g.upload(&q).unwrap(), &kc, &vc, &mut scores, &mut dout, &at, &at_shape, f16).unwrap();
+            let mut got = vec![0.0; n_head * hd];
+            g.read(&dout, &mut got).unwrap();
+            let want = twin::attention(&q, &ks, &vs, len, &at_shape);
+            assert!(rel_err(&got, &want) < 1e-5, "attention f16={f16} {at_shape:?}");
+        }
     }
 }
 
@@ -322,6 +339,7 @@ fn a_recorded_token_replays_at_every_position() {
     let (mut kc, mut vc) = (g.zeros::<u8>(n_ctx * kv_dim * 4).unwrap(), g.zeros::<u8>(n_ctx * kv_dim * 4).unwrap());
     let (mut dk, mut dv, mut dq) = (g.zeros::<f32>(kv_dim).unwrap(), g.zeros::<f32>(kv_dim).unwrap(), g.zeros::<f32>(n_head * hd).unwrap());
     let (mut scores, mut att, mut y) = (g.zeros::<f32>(n_head * n_ctx).unwrap(), g.acts(n_head * hd).unwrap(), g.zeros::<f32>(48).unwrap());
+    let shape = AttnShape { n_ctx, n_head, n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt(), softcap: 0.0, window: 0 };
     let mut at = g.pos().unwrap();
     let (mut ks, mut vs) = (Vec::new(), Vec::new());
     let mut graph = None;
@@ -338,7 +356,7 @@ fn a_recorded_token_replays_at_every_position() {
             None if pos == 3 => {
                 assert!(g.begin_capture().unwrap());
                 g.kv_store(&dk, &dv, &mut kc, &mut vc, &at, kv_dim, false).unwrap();
-                g.attention(&dq, &kc, &vc, &mut scores, &mut att.f32s, &at, n_ctx, n_head, n_head_kv, hd, false).unwrap();
+                g.attention(&dq, &kc, &vc, &mut scores, &mut att.f32s, &at, &shape, false).unwrap();
                 g.matvec(&dw, &att, None, &mut y, false).unwrap();
                 let recorded = g.end_capture().unwrap();
                 g.launch_graph(&recorded).unwrap();
@@ -346,14 +364,14 @@ fn a_recorded_token_replays_at_every_position() {
             }
             None => {
                 g.kv_store(&dk, &dv, &mut kc, &mut vc, &at, kv_dim, false).unwrap();
-                g.attention(&dq, &kc, &vc, &mut scores, &mut att.f32s, &at, n_ctx, n_head, n_head_kv, hd, false).unwrap();
+                g.attention(&dq, &kc, &vc, &mut scores, &mut att.f32s, &at, &shape, false).unwrap();
                 g.matvec(&dw, &att, None, &mut y, false).unwrap();
             }
             Some(recorded) => g.launch_graph(recorded).unwrap(),
         }
         let mut got = vec![0.0; 48];
         g.read(&y, &mut got).unwrap();
-        let want = twin::matvec(&w, &twin::attention(&q, &ks, &vs, pos + 1, n_head, n_head_kv, hd), None, false);
+        let want = twin::matvec(&w, &twin::attention(&q, &ks, &vs, pos + 1, &shape), None, false);
         assert!(rel_err(&got, &want) < 1e-5, "position {pos}");
     }
 }

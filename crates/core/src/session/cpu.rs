@@ -40,11 +40,11 @@ impl<'a> CpuPass<'a> {
         &mut self.s.x[..n]
     }
 
-    /// The rows' RoPE angles (cos, sin) of the first RoPE set, (n, rope_dim / 2) each, as
-    /// `embed` computed them.
-    pub fn rope_angles(&self) -> (&[f32], &[f32]) {
+    /// The rows' RoPE angles (cos, sin) of RoPE set `set` (see `Config::rope_set`),
+    /// (n, rope_dim / 2) each, as `embed` computed them.
+    pub fn rope_angles(&self, set: usize) -> (&[f32], &[f32]) {
         let len = self.rows.len() * self.model.config.rope_dim / 2;
-        (&self.s.cos[..len], &self.s.sin[..len])
+        (&self.s.cos[set * len..(set + 1) * len], &self.s.sin[set * len..(set + 1) * len])
     }
 
     /// The session of a one-session pass.

@@ -51,7 +51,7 @@ pub(crate) fn rmsnorm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
 }
 
 /// Gemma 2's soft-capping: each value squashed into cap * tanh(v / cap).
-pub(crate) fn softcap(x: &mut [f32], cap: f32) {
+pub fn softcap(x: &mut [f32], cap: f32) {
     x.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
 }
 

@@ -8,7 +8,7 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 
-use super::{type_slot, DActs, DMat, Device, Elem, Result};
+use super::{type_slot, AttnShape, DActs, DMat, Device, Elem, Result};
 use crate::CudaError;
 
 /// PTX compiled from `kernels/powerinfer.cu` by `scripts/gen_ptx.sh` (checked in CI).
@@ -29,6 +29,7 @@ struct Kernels {
     down_partial: Vec<CudaFunction>,
     ffn_merge: CudaFunction,
     rmsnorm: CudaFunction,
+    head_rmsnorm: CudaFunction,
     add_into: CudaFunction,
     add_bias: CudaFunction,
     rope: CudaFunction,
@@ -88,6 +89,7 @@ impl Cuda {
             down_partial: per_type("down_partial")?,
             ffn_merge: f("ffn_merge")?,
             rmsnorm: f("rmsnorm")?,
+            head_rmsnorm: f("head_rmsnorm")?,
             add_into: f("add_into")?,
             add_bias: f("add_bias")?,
             rope: f("rope")?,
@@ -253,6 +255,15 @@ impl Device for Cuda {
         Ok(())
     }
 
+    fn head_rmsnorm(&self, x: &mut CudaSlice<f32>, w: &CudaSlice<f32>, n_heads: usize, head_dim: usize, eps: f32) -> Result<()> {
+        let (nh, hd) = (n_heads as i32, head_dim as i32);
+        let mut b = self.stream.launch_builder(&self.k.head_rmsnorm);
+        b.arg(x).arg(w).arg(&nh).arg(&hd).arg(&eps);
+        // SAFETY: matches `head_rmsnorm`; x holds n_heads * head_dim floats, w head_dim (checked by `Gpu`).
+        unsafe { b.launch(cfg((blocks(n_heads, WARPS), 1), 32 * WARPS as u32)) }?;
+        Ok(())
+    }
+
     fn add_into(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, bias: Option<&CudaSlice<f32>>, n: usize) -> Result<()> {
         let (n_i, bias) = (n as i32, self.ptr(bias));
         let mut b = self.stream.launch_builder(&self.k.add_into);
@@ -297,18 +308,16 @@ impl Device for Cuda {
         scores: &mut CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
         pos: &CudaSlice<i32>,
-        n_ctx: usize,
-        n_head: usize,
-        n_head_kv: usize,
-        head_dim: usize,
+        at: &AttnShape,
         f16: bool,
     ) -> Result<()> {
-        let scale = 1.0 / (head_dim as f32).sqrt();
-        let (ctx_i, nh, nkv, hd, h) = (n_ctx as i32, n_head as i32, n_head_kv as i32, head_dim as i32, f16 as i32);
+        let (ctx_i, nh, nkv, hd, h) = (at.n_ctx as i32, at.n_head as i32, at.n_head_kv as i32, at.head_dim as i32, f16 as i32);
+        let window = i32::try_from(at.window).unwrap_or(i32::MAX);
         let mut b = self.stream.launch_builder(&self.k.attention);
-        b.arg(q).arg(k_cache).arg(v_cache).arg(scores).arg(out).arg(pos).arg(&ctx_i).arg(&nh).arg(&nkv).arg(&hd).arg(&scale).arg(&h);
+        b.arg(q).arg(k_cache).arg(v_cache).arg(scores).arg(out).arg(pos).arg(&ctx_i).arg(&nh).arg(&nkv).arg(&hd);
+        b.arg(&at.scale).arg(&at.softcap).arg(&window).arg(&h);
         // SAFETY: matches `attention`; scores holds n_head * n_ctx floats and pos[0] < n_ctx (checked by `Gpu`).
-        unsafe { b.launch(cfg((n_head as u32, 1), 256)) }?;
+        unsafe { b.launch(cfg((at.n_head as u32, 1), 256)) }?;
         Ok(())
     }
 }

@@ -9,7 +9,7 @@ use powerinfer_core::matmul::QMatrix;
 use powerinfer_core::quant::{f16_to_f32, f32_to_f16, QK};
 use powerinfer_core::session::Sparsity;
 
-use super::{act_of_code, DActs, DMat, Device, Elem, Result, Q8_BLOCK_BYTES};
+use super::{act_of_code, AttnShape, DActs, DMat, Device, Elem, Result, Q8_BLOCK_BYTES};
 use crate::twin;
 use crate::CudaError;
 
@@ -181,6 +181,11 @@ impl Device for Emulated {
         Ok(())
     }
 
+    fn head_rmsnorm(&self, x: &mut Vec<f32>, w: &Vec<f32>, n_heads: usize, head_dim: usize, eps: f32) -> Result<()> {
+        twin::head_rmsnorm(&mut x[..n_heads * head_dim], &w[..head_dim], head_dim, eps);
+        Ok(())
+    }
+
     fn add_into(&self, x: &mut Vec<f32>, y: &Vec<f32>, bias: Option<&Vec<f32>>, n: usize) -> Result<()> {
         for i in 0..n {
             x[i] += y[i] + bias.map_or(0.0, |b| b[i]);
@@ -215,17 +220,14 @@ impl Device for Emulated {
         _scores: &mut Vec<f32>,
         out: &mut Vec<f32>,
         pos: &Vec<i32>,
-        _n_ctx: usize,
-        n_head: usize,
-        n_head_kv: usize,
-        head_dim: usize,
+        at: &AttnShape,
         f16: bool,
     ) -> Result<()> {
         let len = pos[0] as usize + 1;
-        let n = len * n_head_kv * head_dim;
+        let n = len * at.n_head_kv * at.head_dim;
         let (k, v) = (cache_values(k_cache, n, f16), cache_values(v_cache, n, f16));
-        let o = twin::attention(&q[..n_head * head_dim], &k, &v, len, n_head, n_head_kv, head_dim);
-        out[..n_head * head_dim].copy_from_slice(&o);
+        let o = twin::attention(&q[..at.n_head * at.head_dim], &k, &v, len, at);
+        out[..at.n_head * at.head_dim].copy_from_slice(&o);
         Ok(())
     }
 }
