@@ -91,23 +91,27 @@ struct Q8Act {
 };
 static_assert(sizeof(Q8Act) == 40, "BlockQ8Act layout");
 
-// One warp per block of 32 values; n_blocks blocks of x into out.
-extern "C" __global__ void quantize_q8(const float* x, Q8Act* out, int n_blocks) {
-    const int b = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (b >= n_blocks) return;
-    const int lane = threadIdx.x & 31;
-    const float v = x[b * 32 + lane];
+// One block of 32 values, one per lane of a warp (v: this lane's), into `out`.
+__device__ __forceinline__ void quantize_block(float v, int lane, Q8Act& out) {
     const float d = warp_max(fabsf(v)) / 127.0f;  // IEEE division, as on the CPU (no fast math)
     const float id = d != 0.0f ? 1.0f / d : 0.0f;
     const int q = (int)fminf(fmaxf(roundf(v * id), -128.0f), 127.0f);  // Rust's saturating `as i8`
     int sum = q;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    reinterpret_cast<signed char*>(out[b].qs)[lane] = (signed char)q;
+    reinterpret_cast<signed char*>(out.qs)[lane] = (signed char)q;
     if (lane == 0) {
-        out[b].d = d;
-        out[b].s = d * (float)sum;
+        out.d = d;
+        out.s = d * (float)sum;
     }
+}
+
+// One warp per block of 32 values; n_blocks blocks of x into out.
+extern "C" __global__ void quantize_q8(const float* x, Q8Act* out, int n_blocks) {
+    const int b = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (b >= n_blocks) return;
+    const int lane = threadIdx.x & 31;
+    quantize_block(x[b * 32 + lane], lane, out[b]);
 }
 
 // 4 weight bytes at a 2-byte-aligned address as one int.
@@ -130,12 +134,12 @@ __device__ __forceinline__ int spread4(int b) {
 // per byte, 0..15) become their four values by byte permutes of the table held as four words
 // (t0 = values 0..3, little-endian), with no per-lane memory lookups.
 __device__ __forceinline__ int iq4_lookup(int idx) {
-    const int t0 = 0xBFAD9881, t1 = 0xF6EADDCF, t2 = 0x26190D01, t3 = 0x71594535;
-    const int lo3 = idx & 0x07070707;
-    const int sel = (lo3 & 0x7) | ((lo3 >> 4) & 0x70) | ((lo3 >> 8) & 0x700) | ((lo3 >> 12) & 0x7000);
-    const int low = __byte_perm(t0, t1, sel), high = __byte_perm(t2, t3, sel);
-    const int upper = ((idx >> 3) & 0x01010101) * 0xFF;  // bytes whose index is 8..15
-    return (low & ~upper) | (high & upper);
+    const unsigned t0 = 0xBFAD9881u, t1 = 0xF6EADDCFu, t2 = 0x26190D01u, t3 = 0x71594535u;
+    const unsigned lo3 = (unsigned)idx & 0x07070707u;
+    const unsigned sel = (lo3 & 0x7u) | ((lo3 >> 4) & 0x70u) | ((lo3 >> 8) & 0x700u) | ((lo3 >> 12) & 0x7000u);
+    const unsigned low = __byte_perm(t0, t1, sel), high = __byte_perm(t2, t3, sel);
+    const unsigned upper = (((unsigned)idx >> 3) & 0x01010101u) * 0xFFu;  // bytes whose index is 8..15
+    return (int)((low & ~upper) | (high & upper));
 }
 
 // K-quant 6-bit scale and min j (0..7) of Q4_K / Q5_K (ggml's get_scale_min_k4).
@@ -455,6 +459,37 @@ __device__ void matvec(const u8* w, unsigned long long row_bytes, const float* x
                                     int relu) {                                                    \
         matvec<T>(w, row_bytes, x, xq, bias, y, rows, cols, relu);                                 \
     }
+// Three matrices of one type and width on one input in one launch (q, k and v): rows0 + rows1
+// + rows2 warps, each finding its matrix.
+template <int T>
+__device__ void matvec3(const u8* w0, const u8* w1, const u8* w2, unsigned long long row_bytes, const float* x,
+                        const Q8Act* xq, const float* b0, const float* b1, const float* b2, float* y0, float* y1,
+                        float* y2, int rows0, int rows1, int rows2, int cols) {
+    int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const u8* w = w0;
+    const float* b = b0;
+    float* y = y0;
+    if (r >= rows0) {
+        r -= rows0;
+        w = w1, b = b1, y = y1;
+        if (r >= rows1) {
+            r -= rows1;
+            w = w2, b = b2, y = y2;
+            if (r >= rows2) return;
+        }
+    }
+    const float v = warp_dot<T>(w + (size_t)r * row_bytes, x, xq, cols);
+    if ((threadIdx.x & 31) == 0) y[r] = b ? v + b[r] : v;
+}
+
+#define MATVEC3(NAME, T)                                                                                 \
+    extern "C" __global__ void NAME(const u8* w0, const u8* w1, const u8* w2, unsigned long long row_bytes, \
+                                    const float* x, const Q8Act* xq, const float* b0, const float* b1,    \
+                                    const float* b2, float* y0, float* y1, float* y2, int rows0, int rows1, \
+                                    int rows2, int cols) {                                                \
+        matvec3<T>(w0, w1, w2, row_bytes, x, xq, b0, b1, b2, y0, y1, y2, rows0, rows1, rows2, cols);       \
+    }
+
 MATVEC(matvec_f32, T_F32)
 MATVEC(matvec_f16, T_F16)
 MATVEC(matvec_q4_0, T_Q4_0)
@@ -469,6 +504,20 @@ MATVEC(matvec_q5_k, T_Q5_K)
 MATVEC(matvec_q6_k, T_Q6_K)
 MATVEC(matvec_iq4_nl, T_IQ4_NL)
 MATVEC(matvec_iq4_xs, T_IQ4_XS)
+MATVEC3(matvec3_f32, T_F32)
+MATVEC3(matvec3_f16, T_F16)
+MATVEC3(matvec3_q4_0, T_Q4_0)
+MATVEC3(matvec3_q4_1, T_Q4_1)
+MATVEC3(matvec3_q8_0, T_Q8_0)
+MATVEC3(matvec3_q5_0, T_Q5_0)
+MATVEC3(matvec3_q5_1, T_Q5_1)
+MATVEC3(matvec3_q2_k, T_Q2_K)
+MATVEC3(matvec3_q3_k, T_Q3_K)
+MATVEC3(matvec3_q4_k, T_Q4_K)
+MATVEC3(matvec3_q5_k, T_Q5_K)
+MATVEC3(matvec3_q6_k, T_Q6_K)
+MATVEC3(matvec3_iq4_nl, T_IQ4_NL)
+MATVEC3(matvec3_iq4_xs, T_IQ4_XS)
 
 // ---- hot neurons: sparse row matvec over the GPU-resident rows ---------------------------------
 // The GPU holds n_hot rows of gate, up and down_t, packed; row i is neuron bucket[i] of the
@@ -574,14 +623,20 @@ extern "C" __global__ void ffn_merge(float* x, const float* partial, int n_chunk
 
 // ---- dense layer ops ---------------------------------------------------------------------------
 
-// out = x / sqrt(mean(x^2) + eps) * w; one block.
-extern "C" __global__ void rmsnorm(const float* x, const float* w, float* out, int n, float eps) {
+// out = x / sqrt(mean(x^2) + eps) * w; one block. With q8 (n a multiple of 32), out is also
+// rounded to int8 blocks there, as quantize_q8 rounds it: the norm's readers are quantized.
+extern "C" __global__ void rmsnorm(const float* x, const float* w, float* out, Q8Act* q8, int n, float eps) {
     __shared__ float red[32];
     float ss = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
     ss = block_sum(ss, red);
     const float scale = rsqrtf(ss / (float)n + eps);
     for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = x[i] * scale * w[i];
+    if (q8) {
+        __syncthreads();  // every out[i] written, and visible to the block
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+        for (int b = warp; b < n / 32; b += nwarps) quantize_block(out[b * 32 + lane], lane, q8[b]);
+    }
 }
 
 // Per-head RMSNorm in place (the q/k norms of Qwen 3 and Gemma 3): head h of x
@@ -609,15 +664,16 @@ extern "C" __global__ void add_bias(float* x, const float* bias, int n) {
     if (i < n) x[i] += bias[i];
 }
 
-// Rotary embedding of every head of x (n_heads * head_dim) at one position, from that position's
-// cos/sin (rope_dim / 2). neox = 0 rotates (x[2i], x[2i+1]); neox = 1 rotates (x[i], x[i + rope_dim/2]).
-extern "C" __global__ void rope(float* x, const float* cos_t, const float* sin_t, int n_heads, int head_dim,
-                                int rope_dim, int neox) {
+// Rotary embedding of every head of q (n_head heads of head_dim) and k (n_head_kv) at one
+// position, from that position's cos/sin (rope_dim / 2), in one launch. neox = 0 rotates
+// (x[2i], x[2i+1]); neox = 1 rotates (x[i], x[i + rope_dim/2]).
+extern "C" __global__ void rope(float* q, float* k, const float* cos_t, const float* sin_t, int n_head, int n_head_kv,
+                                int head_dim, int rope_dim, int neox) {
     const int half = rope_dim / 2;
     const int idx = blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= n_heads * half) return;
+    if (idx >= (n_head + n_head_kv) * half) return;
     const int h = idx / half, i = idx % half;
-    float* xh = x + (size_t)h * head_dim;
+    float* xh = h < n_head ? q + (size_t)h * head_dim : k + (size_t)(h - n_head) * head_dim;
     const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
     const float x0 = xh[a], x1 = xh[b], c = cos_t[i], s = sin_t[i];
     xh[a] = x0 * c - x1 * s;

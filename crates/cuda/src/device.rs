@@ -104,10 +104,12 @@ impl<D: Device> DMat<D> {
 /// An activation vector on the device as the kernels read it: `f32s` for float weights, and
 /// `q8`, its int8 blocks in the CPU's `BlockQ8Act` layout, for quantized weights.
 /// `Gpu::quantize_for` fills `q8` from `f32s`; whoever writes `f32s` calls it before a quantized
-/// matrix reads them.
+/// matrix reads them. A norm that rounds its output as it writes it (`Gpu::rmsnorm`) sets
+/// `rounded`, and the next `quantize_for` then has nothing to do.
 pub struct DActs<D: Device> {
     pub f32s: Buf<D, f32>, // (n)
     pub q8: Buf<D, u8>,    // (n / QK, Q8_BLOCK_BYTES)
+    pub rounded: bool,
 }
 
 /// Bytes of one `BlockQ8Act` (32 int8 values, d and s), as `quantize_q8` writes it.
@@ -153,6 +155,8 @@ pub trait Device: Send + Sync + Sized + 'static {
     fn quantize_q8(&self, x: &Self::Buf<f32>, q8: &mut Self::Buf<u8>, n_blocks: usize) -> Result<()>;
     /// `matvec_*`: y[r] = w[r] . x (+ bias[r]), relu'd when asked.
     fn matvec(&self, w: &DMat<Self>, x: &DActs<Self>, bias: Option<&Self::Buf<f32>>, y: &mut Self::Buf<f32>, relu: bool) -> Result<()>;
+    /// `matvec3_*`: three matrices of one type and width on one input (y_i = w_i . x + bias_i).
+    fn matvec3(&self, w: [&DMat<Self>; 3], x: &DActs<Self>, bias: [Option<&Self::Buf<f32>>; 3], y: [&mut Self::Buf<f32>; 3]) -> Result<()>;
     /// `ffn_hot_*`: h[i] for the packed hot row i (neuron bucket[i]); `selected` is a counter
     /// slot the selected rows are added to.
     #[allow(clippy::too_many_arguments)]
@@ -181,14 +185,16 @@ pub trait Device: Send + Sync + Sized + 'static {
         bias: Option<&Self::Buf<f32>>,
         cols: usize,
     ) -> Result<()>;
-    fn rmsnorm(&self, x: &Self::Buf<f32>, w: &Self::Buf<f32>, out: &mut Self::Buf<f32>, n: usize, eps: f32) -> Result<()>;
+    /// `rmsnorm`, also rounding `out` to int8 blocks in `q8` when given.
+    fn rmsnorm(&self, x: &Self::Buf<f32>, w: &Self::Buf<f32>, out: &mut Self::Buf<f32>, q8: Option<&mut Self::Buf<u8>>, n: usize, eps: f32) -> Result<()>;
     /// `head_rmsnorm`: each of the n_heads heads of x (head_dim each) RMS-normed in place, times w.
     fn head_rmsnorm(&self, x: &mut Self::Buf<f32>, w: &Self::Buf<f32>, n_heads: usize, head_dim: usize, eps: f32) -> Result<()>;
     /// x += y (+ bias)
     fn add_into(&self, x: &mut Self::Buf<f32>, y: &Self::Buf<f32>, bias: Option<&Self::Buf<f32>>, n: usize) -> Result<()>;
     fn add_bias(&self, x: &mut Self::Buf<f32>, bias: &Self::Buf<f32>, n: usize) -> Result<()>;
     #[allow(clippy::too_many_arguments)]
-    fn rope(&self, x: &mut Self::Buf<f32>, cos: &Self::Buf<f32>, sin: &Self::Buf<f32>, n_heads: usize, head_dim: usize, rope_dim: usize, neox: bool) -> Result<()>;
+    /// `rope` of q (n_head heads) and k (n_head_kv heads) at one position.
+    fn rope(&self, q: &mut Self::Buf<f32>, k: &mut Self::Buf<f32>, cos: &Self::Buf<f32>, sin: &Self::Buf<f32>, n_head: usize, n_head_kv: usize, head_dim: usize, rope_dim: usize, neox: bool) -> Result<()>;
     /// Stores one position's k and v in the caches, as f32 or (`f16`) f16 elements; the
     /// position is `pos[0]`, read on the device.
     #[allow(clippy::too_many_arguments)]

@@ -114,19 +114,24 @@ impl<D: Device> Gpu<D> {
 
     /// Device activations for vectors of up to `n` values (zeros).
     pub fn acts(&self, n: usize) -> Result<DActs<D>> {
-        Ok(DActs { f32s: self.zeros(n)?, q8: self.zeros(n.div_ceil(QK) * Q8_BLOCK_BYTES)? })
+        Ok(DActs { f32s: self.zeros(n)?, q8: self.zeros(n.div_ceil(QK) * Q8_BLOCK_BYTES)?, rounded: false })
     }
 
     /// Rounds the first `n` values of `a.f32s` to int8 blocks in `a.q8` (the CPU's
     /// `quantize_act`, bit for bit), when one of `readers` is quantized; a no-op otherwise.
     pub fn quantize_for(&self, readers: &[&DMat<D>], a: &mut DActs<D>, n: usize) -> Result<()> {
-        if !readers.iter().any(|w| w.dtype.is_quantized()) {
+        if !readers.iter().any(|w| w.dtype.is_quantized()) || std::mem::take(&mut a.rounded) {
             return Ok(());
         }
+        Self::check_rounding(a, n)?;
+        self.dev.quantize_q8(&a.f32s, &mut a.q8, n / QK)
+    }
+
+    fn check_rounding(a: &DActs<D>, n: usize) -> Result<()> {
         if n % QK != 0 || n.div_ceil(QK) * Q8_BLOCK_BYTES > D::len(&a.q8) || n > D::len(&a.f32s) {
             return Err(CudaError::Unsupported(format!("{n} activations cannot be quantized in blocks of {QK} here")));
         }
-        self.dev.quantize_q8(&a.f32s, &mut a.q8, n / QK)
+        Ok(())
     }
 
     /// Checks that `x` can feed a product with `cols` inputs of type `dtype`.
@@ -146,6 +151,24 @@ impl<D: Device> Gpu<D> {
         Self::holds("a matvec's output", y, w.rows)?;
         Self::holds_opt("a matvec's bias", bias, w.rows)?;
         self.dev.matvec(w, x, bias, y, relu)
+    }
+
+    /// y_i = w_i . x (+ bias_i) for three matrices on one input (q, k and v): one launch where
+    /// they share a type and width, else three.
+    pub fn matvec3(&self, w: [&DMat<D>; 3], x: &DActs<D>, bias: [Option<&Buf<D, f32>>; 3], y: [&mut Buf<D, f32>; 3]) -> Result<()> {
+        let [y0, y1, y2] = y;
+        if w.iter().any(|m| m.dtype != w[0].dtype || m.cols != w[0].cols) {
+            self.matvec(w[0], x, bias[0], y0, false)?;
+            self.matvec(w[1], x, bias[1], y1, false)?;
+            return self.matvec(w[2], x, bias[2], y2, false);
+        }
+        Self::check_input(w[0].dtype, w[0].cols, x)?;
+        type_slot(w[0].dtype)?;
+        for (i, y) in [&*y0, &*y1, &*y2].into_iter().enumerate() {
+            Self::holds("a matvec's output", y, w[i].rows)?;
+            Self::holds_opt("a matvec's bias", bias[i], w[i].rows)?;
+        }
+        self.dev.matvec3(w, x, bias, [y0, y1, y2])
     }
 
     /// The hot neurons: h[i] = act(gate_i . x, up_i . x + up_bias[bucket[i]]) for the packed
@@ -211,11 +234,18 @@ impl<D: Device> Gpu<D> {
         self.dev.ffn_merge(x, partial, n_chunks, cpu_part, bias, cols)
     }
 
-    pub fn rmsnorm(&self, x: &Buf<D, f32>, w: &Buf<D, f32>, out: &mut Buf<D, f32>, n: usize, eps: f32) -> Result<()> {
+    /// out = RMSNorm(x) * w, rounded to int8 blocks in the same launch when one of `readers`
+    /// (the matrices that read it next) is quantized.
+    pub fn rmsnorm(&self, x: &Buf<D, f32>, w: &Buf<D, f32>, out: &mut DActs<D>, n: usize, eps: f32, readers: &[&DMat<D>]) -> Result<()> {
         Self::holds("a norm's input", x, n)?;
         Self::holds("a norm's weights", w, n)?;
-        Self::holds("a norm's output", out, n)?;
-        self.dev.rmsnorm(x, w, out, n, eps)
+        Self::holds("a norm's output", &out.f32s, n)?;
+        out.rounded = readers.iter().any(|m| m.dtype.is_quantized());
+        if out.rounded {
+            Self::check_rounding(out, n)?;
+        }
+        let q8 = if out.rounded { Some(&mut out.q8) } else { None };
+        self.dev.rmsnorm(x, w, &mut out.f32s, q8, n, eps)
     }
 
     /// Each of the n_heads heads of x (head_dim each) RMS-normed in place, times w (head_dim);
@@ -240,18 +270,20 @@ impl<D: Device> Gpu<D> {
         self.dev.add_bias(x, bias, n)
     }
 
+    /// RoPE on q (n_head heads) and k (n_head_kv heads) at one position, in one launch.
     #[allow(clippy::too_many_arguments)]
-    pub fn rope(&self, x: &mut Buf<D, f32>, cos: &Buf<D, f32>, sin: &Buf<D, f32>, n_heads: usize, head_dim: usize, rope_dim: usize, neox: bool) -> Result<()> {
+    pub fn rope(&self, q: &mut Buf<D, f32>, k: &mut Buf<D, f32>, cos: &Buf<D, f32>, sin: &Buf<D, f32>, n_head: usize, n_head_kv: usize, head_dim: usize, rope_dim: usize, neox: bool) -> Result<()> {
         if rope_dim == 0 {
             return Ok(());
         }
         if rope_dim > head_dim || rope_dim % 2 != 0 {
             return Err(CudaError::Unsupported(format!("RoPE over {rope_dim} of {head_dim} head dimensions")));
         }
-        Self::holds("RoPE's input", x, n_heads * head_dim)?;
+        Self::holds("RoPE's queries", q, n_head * head_dim)?;
+        Self::holds("RoPE's keys", k, n_head_kv * head_dim)?;
         Self::holds("RoPE's cosines", cos, rope_dim / 2)?;
         Self::holds("RoPE's sines", sin, rope_dim / 2)?;
-        self.dev.rope(x, cos, sin, n_heads, head_dim, rope_dim, neox)
+        self.dev.rope(q, k, cos, sin, n_head, n_head_kv, head_dim, rope_dim, neox)
     }
 
     /// A position on the device, for `kv_store` and `attention` (see `DevicePos`).

@@ -735,22 +735,21 @@ impl<D: Device> Backend for HybridPass<'_, D> {
 
     fn norm(&mut self, l: usize, which: Norm) -> CoreResult<()> {
         let Some(layer) = self.place(l)? else { return self.cpu.norm(l, which) };
-        let c = &self.hm.model.config;
-        let w = match which {
-            Norm::Attn => &layer.dense.attn_norm,
-            Norm::Ffn => &layer.dense.ffn_norm,
+        let (c, d) = (&self.hm.model.config, &layer.dense);
+        // the matrices that read the normed x next, so that the norm rounds it for them
+        let (w, readers) = match which {
+            Norm::Attn => (&d.attn_norm, vec![&d.wq, &d.wk, &d.wv]),
+            Norm::Ffn => (&d.ffn_norm, layer.hot.iter().map(|h| &h.up).collect()),
             Norm::Attn2 => return Err(CudaError::Unsupported("a second attention norm".into()).into()),
         };
-        Ok(self.hm.gpu.rmsnorm(&self.dev.x.f32s, w, &mut self.dev.xb.f32s, c.n_embd, c.norm_eps)?)
+        Ok(self.hm.gpu.rmsnorm(&self.dev.x.f32s, w, &mut self.dev.xb, c.n_embd, c.norm_eps, &readers)?)
     }
 
     fn qkv(&mut self, l: usize) -> CoreResult<()> {
         let Some(layer) = self.place(l)? else { return self.cpu.qkv(l) };
         let (c, g, d, dev) = (&self.hm.model.config, &self.hm.gpu, &layer.dense, &mut *self.dev);
         g.quantize_for(&[&d.wq, &d.wk, &d.wv], &mut dev.xb, c.n_embd)?;
-        g.matvec(&d.wq, &dev.xb, d.bq.as_ref(), &mut dev.q, false)?;
-        g.matvec(&d.wk, &dev.xb, d.bk.as_ref(), &mut dev.k, false)?;
-        Ok(g.matvec(&d.wv, &dev.xb, d.bv.as_ref(), &mut dev.v, false)?)
+        Ok(g.matvec3([&d.wq, &d.wk, &d.wv], &dev.xb, [d.bq.as_ref(), d.bk.as_ref(), d.bv.as_ref()], [&mut dev.q, &mut dev.k, &mut dev.v])?)
     }
 
     fn rope(&mut self, l: usize) -> CoreResult<()> {
@@ -761,8 +760,7 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         let neox = c.rope_style == RopeStyle::NeoX;
         // this layer's set of angles (sliding layers may have their own base)
         let (cos, sin) = (&dev.cos[c.rope_set(l)], &dev.sin[c.rope_set(l)]);
-        g.rope(&mut dev.q, cos, sin, c.n_head, c.head_dim, c.rope_dim, neox)?;
-        Ok(g.rope(&mut dev.k, cos, sin, c.n_head_kv, c.head_dim, c.rope_dim, neox)?)
+        Ok(g.rope(&mut dev.q, &mut dev.k, cos, sin, c.n_head, c.n_head_kv, c.head_dim, c.rope_dim, neox)?)
     }
 
     fn qk_norm(&mut self, l: usize) -> CoreResult<()> {
@@ -865,7 +863,7 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         };
         self.residual_to(true)?;
         let (c, g, dev) = (&self.hm.model.config, &self.hm.gpu, &mut *self.dev);
-        g.rmsnorm(&dev.x.f32s, norm, &mut dev.xb.f32s, c.n_embd, c.norm_eps)?;
+        g.rmsnorm(&dev.x.f32s, norm, &mut dev.xb, c.n_embd, c.norm_eps, &[w])?;
         g.quantize_for(&[w], &mut dev.xb, c.n_embd)?;
         g.matvec(w, &dev.xb, None, &mut dev.logits, false)?;
         if let Graph::Recording { gpu_neurons_before } = dev.graph {

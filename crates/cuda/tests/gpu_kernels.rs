@@ -164,6 +164,36 @@ fn matvec_matches_twin() {
     }
 }
 
+/// q, k and v in one launch: each output what its own matvec gives, with and without biases.
+#[test]
+fn matvec3_matches_three_matvecs() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new(7);
+    let cols = 1024;
+    for dtype in TYPES {
+        let rows = [1024, 256, 256];
+        let data: Vec<Vec<u8>> = rows.iter().map(|&r| matrix(&mut rng, dtype, r, cols)).collect();
+        let ms: Vec<QMatrix> = rows.iter().zip(&data).map(|(&r, d)| QMatrix { dtype, rows: r, cols, data: d }).collect();
+        let dms: Vec<_> = ms.iter().map(|m| g.upload_rows(m, None).unwrap()).collect();
+        let x = random(&mut rng, cols, 1.0);
+        let dx = device_acts(&g, &x, &dms[0]);
+        let biases: Vec<Vec<f32>> = rows.iter().map(|&r| random(&mut rng, r, 1.0)).collect();
+        let db: Vec<_> = biases.iter().map(|b| g.upload(b).unwrap()).collect();
+        for with_bias in [false, true] {
+            let mut ys: Vec<_> = rows.iter().map(|&r| poisoned(&g, r)).collect();
+            let [y0, y1, y2] = &mut ys[..] else { unreachable!() };
+            let b = |i: usize| with_bias.then(|| &db[i]);
+            g.matvec3([&dms[0], &dms[1], &dms[2]], &dx, [b(0), b(1), b(2)], [y0, y1, y2]).unwrap();
+            for i in 0..3 {
+                let mut got = vec![0.0; rows[i]];
+                g.read(&ys[i], &mut got).unwrap();
+                let want = twin::matvec(&ms[i], &x, with_bias.then(|| &biases[i][..]), false);
+                assert!(rel_err(&got, &want) < 1e-5, "{dtype:?} matrix {i} bias={with_bias}");
+            }
+        }
+    }
+}
+
 #[test]
 fn ffn_hot_and_down_match_twin() {
     let Some(g) = gpu() else { return };
@@ -238,11 +268,24 @@ fn norm_rope_attention_match_twin() {
     // rmsnorm
     let n = 5120;
     let (x, w) = (random(&mut rng, n, 2.0), random(&mut rng, n, 1.0));
-    let mut dout = poisoned(&g, n);
-    g.rmsnorm(&g.upload(&x).unwrap(), &g.upload(&w).unwrap(), &mut dout, n, 1e-5).unwrap();
+    let mut dout = g.acts(n).unwrap();
+    dout.f32s = poisoned(&g, n);
+    g.rmsnorm(&g.upload(&x).unwrap(), &g.upload(&w).unwrap(), &mut dout, n, 1e-5, &[]).unwrap();
     let mut out = vec![0.0; n];
-    g.read(&dout, &mut out).unwrap();
+    g.read(&dout.f32s, &mut out).unwrap();
     assert!(rel_err(&out, &twin::rmsnorm(&x, &w, 1e-5)) < 1e-5);
+    // for a quantized reader the norm also rounds its output: the bytes `quantize_q8` writes
+    let reader_data = quantize_row(DType::Q8_0, &vec![0.5; n]);
+    let reader = g.upload_rows(&QMatrix { dtype: DType::Q8_0, rows: 1, cols: n, data: &reader_data }, None).unwrap();
+    g.rmsnorm(&g.upload(&x).unwrap(), &g.upload(&w).unwrap(), &mut dout, n, 1e-5, &[&reader]).unwrap();
+    assert!(dout.rounded);
+    let mut fused = vec![0u8; n / QK * Q8_BLOCK_BYTES];
+    g.read(&dout.q8, &mut fused).unwrap();
+    dout.rounded = false;
+    g.quantize_for(&[&reader], &mut dout, n).unwrap();
+    let mut separate = vec![0u8; fused.len()];
+    g.read(&dout.q8, &mut separate).unwrap();
+    assert_eq!(fused, separate);
 
     // per-head rmsnorm in place (q/k norms: 12 heads of 128), and one head of 5120 (post norms)
     for (heads, hd) in [(12, 128), (1, n)] {
@@ -256,19 +299,21 @@ fn norm_rope_attention_match_twin() {
         assert!(rel_err(&got, &want) < 1e-5, "head_rmsnorm {heads}x{hd}");
     }
 
-    // rope, both styles, partial rotary dimension
-    let (n_head, hd, rd) = (8, 128, 64);
+    // rope of q and k in one launch, both styles, partial rotary dimension
+    let (n_head, n_head_kv, hd, rd) = (8, 2, 128, 64);
     for neox in [false, true] {
-        let q = random(&mut rng, n_head * hd, 1.0);
+        let (q, k) = (random(&mut rng, n_head * hd, 1.0), random(&mut rng, n_head_kv * hd, 1.0));
         let angles: Vec<f32> = (0..rd / 2).map(|i| 37.0 * 10000f32.powf(-2.0 * i as f32 / rd as f32)).collect();
         let (cos, sin): (Vec<f32>, Vec<f32>) = angles.iter().map(|a| (a.cos(), a.sin())).unzip();
-        let mut dq = g.upload(&q).unwrap();
-        g.rope(&mut dq, &g.upload(&cos).unwrap(), &g.upload(&sin).unwrap(), n_head, hd, rd, neox).unwrap();
-        let mut got = vec![0.0; q.len()];
-        g.read(&dq, &mut got).unwrap();
-        let mut want = q.clone();
-        twin::rope(&mut want, &cos, &sin, hd, rd, neox);
-        assert!(rel_err(&got, &want) < 1e-6, "rope neox={neox}");
+        let (mut dq, mut dk) = (g.upload(&q).unwrap(), g.upload(&k).unwrap());
+        g.rope(&mut dq, &mut dk, &g.upload(&cos).unwrap(), &g.upload(&sin).unwrap(), n_head, n_head_kv, hd, rd, neox).unwrap();
+        for (d, x) in [(&dq, &q), (&dk, &k)] {
+            let mut got = vec![0.0; x.len()];
+            g.read(d, &mut got).unwrap();
+            let mut want = x.clone();
+            twin::rope(&mut want, &cos, &sin, hd, rd, neox);
+            assert!(rel_err(&got, &want) < 1e-6, "rope neox={neox}");
+        }
     }
 
     // kv_store + attention (GQA 8 query heads on 2 kv heads), f32 and f16 caches

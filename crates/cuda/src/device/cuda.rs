@@ -25,6 +25,7 @@ impl From<cudarc::driver::DriverError> for CudaError {
 struct Kernels {
     quantize_q8: CudaFunction,
     matvec: Vec<CudaFunction>,
+    matvec3: Vec<CudaFunction>,
     ffn_hot: Vec<CudaFunction>,
     down_partial: Vec<CudaFunction>,
     ffn_merge: CudaFunction,
@@ -85,6 +86,7 @@ impl Cuda {
         let k = Kernels {
             quantize_q8: f("quantize_q8")?,
             matvec: per_type("matvec")?,
+            matvec3: per_type("matvec3")?,
             ffn_hot: per_type("ffn_hot")?,
             down_partial: per_type("down_partial")?,
             ffn_merge: f("ffn_merge")?,
@@ -188,6 +190,21 @@ impl Device for Cuda {
         Ok(())
     }
 
+    fn matvec3(&self, w: [&DMat<Self>; 3], x: &DActs<Self>, bias: [Option<&CudaSlice<f32>>; 3], y: [&mut CudaSlice<f32>; 3]) -> Result<()> {
+        let f = &self.k.matvec3[type_slot(w[0].dtype)?];
+        let (row_bytes, cols) = (w[0].row_bytes as u64, w[0].cols as i32);
+        let rows = w.map(|m| m.rows as i32);
+        let b = bias.map(|b| self.ptr(b));
+        let [y0, y1, y2] = y;
+        let mut l = self.stream.launch_builder(f);
+        l.arg(&w[0].data).arg(&w[1].data).arg(&w[2].data).arg(&row_bytes).arg(&x.f32s).arg(&x.q8);
+        l.arg(&b[0]).arg(&b[1]).arg(&b[2]).arg(y0).arg(y1).arg(y2).arg(&rows[0]).arg(&rows[1]).arg(&rows[2]).arg(&cols);
+        // SAFETY: matches `matvec3_*`; the three matrices share type and width and each y and
+        // bias holds its matrix's rows (checked by `Gpu`).
+        unsafe { l.launch(cfg((blocks(w.iter().map(|m| m.rows).sum(), WARPS), 1), 32 * WARPS as u32)) }?;
+        Ok(())
+    }
+
     fn ffn_hot(
         &self,
         gate: Option<&DMat<Self>>,
@@ -246,10 +263,11 @@ impl Device for Cuda {
         Ok(())
     }
 
-    fn rmsnorm(&self, x: &CudaSlice<f32>, w: &CudaSlice<f32>, out: &mut CudaSlice<f32>, n: usize, eps: f32) -> Result<()> {
+    fn rmsnorm(&self, x: &CudaSlice<f32>, w: &CudaSlice<f32>, out: &mut CudaSlice<f32>, q8: Option<&mut CudaSlice<u8>>, n: usize, eps: f32) -> Result<()> {
         let n_i = n as i32;
+        let q8 = q8.map_or(0, |q| q.device_ptr_mut(&self.stream).0);
         let mut b = self.stream.launch_builder(&self.k.rmsnorm);
-        b.arg(x).arg(w).arg(out).arg(&n_i).arg(&eps);
+        b.arg(x).arg(w).arg(out).arg(&q8).arg(&n_i).arg(&eps);
         // SAFETY: matches `rmsnorm`; one block.
         unsafe { b.launch(cfg((1, 1), 1024)) }?;
         Ok(())
@@ -282,12 +300,12 @@ impl Device for Cuda {
         Ok(())
     }
 
-    fn rope(&self, x: &mut CudaSlice<f32>, cos: &CudaSlice<f32>, sin: &CudaSlice<f32>, n_heads: usize, head_dim: usize, rope_dim: usize, neox: bool) -> Result<()> {
-        let (nh, hd, rd, nx) = (n_heads as i32, head_dim as i32, rope_dim as i32, neox as i32);
+    fn rope(&self, q: &mut CudaSlice<f32>, k: &mut CudaSlice<f32>, cos: &CudaSlice<f32>, sin: &CudaSlice<f32>, n_head: usize, n_head_kv: usize, head_dim: usize, rope_dim: usize, neox: bool) -> Result<()> {
+        let (nh, nkv, hd, rd, nx) = (n_head as i32, n_head_kv as i32, head_dim as i32, rope_dim as i32, neox as i32);
         let mut b = self.stream.launch_builder(&self.k.rope);
-        b.arg(x).arg(cos).arg(sin).arg(&nh).arg(&hd).arg(&rd).arg(&nx);
-        // SAFETY: matches `rope`.
-        unsafe { b.launch(cfg((blocks(n_heads * rope_dim / 2, 256), 1), 256)) }?;
+        b.arg(q).arg(k).arg(cos).arg(sin).arg(&nh).arg(&nkv).arg(&hd).arg(&rd).arg(&nx);
+        // SAFETY: matches `rope`; sizes checked by `Gpu`.
+        unsafe { b.launch(cfg((blocks((n_head + n_head_kv) * rope_dim / 2, 256), 1), 256)) }?;
         Ok(())
     }
 

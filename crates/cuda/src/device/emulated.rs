@@ -125,6 +125,13 @@ impl Device for Emulated {
         Ok(())
     }
 
+    fn matvec3(&self, w: [&DMat<Self>; 3], x: &DActs<Self>, bias: [Option<&Vec<f32>>; 3], y: [&mut Vec<f32>; 3]) -> Result<()> {
+        for ((w, b), y) in w.into_iter().zip(bias).zip(y) {
+            self.matvec(w, x, b, y, false)?;
+        }
+        Ok(())
+    }
+
     fn ffn_hot(
         &self,
         gate: Option<&DMat<Self>>,
@@ -176,8 +183,11 @@ impl Device for Emulated {
         Ok(())
     }
 
-    fn rmsnorm(&self, x: &Vec<f32>, w: &Vec<f32>, out: &mut Vec<f32>, n: usize, eps: f32) -> Result<()> {
+    fn rmsnorm(&self, x: &Vec<f32>, w: &Vec<f32>, out: &mut Vec<f32>, q8: Option<&mut Vec<u8>>, n: usize, eps: f32) -> Result<()> {
         out[..n].copy_from_slice(&twin::rmsnorm(&x[..n], &w[..n], eps));
+        if let Some(q8) = q8 {
+            self.quantize_q8(out, q8, n / QK)?;
+        }
         Ok(())
     }
 
@@ -198,8 +208,9 @@ impl Device for Emulated {
         Ok(())
     }
 
-    fn rope(&self, x: &mut Vec<f32>, cos: &Vec<f32>, sin: &Vec<f32>, n_heads: usize, head_dim: usize, rope_dim: usize, neox: bool) -> Result<()> {
-        twin::rope(&mut x[..n_heads * head_dim], cos, sin, head_dim, rope_dim, neox);
+    fn rope(&self, q: &mut Vec<f32>, k: &mut Vec<f32>, cos: &Vec<f32>, sin: &Vec<f32>, n_head: usize, n_head_kv: usize, head_dim: usize, rope_dim: usize, neox: bool) -> Result<()> {
+        twin::rope(&mut q[..n_head * head_dim], cos, sin, head_dim, rope_dim, neox);
+        twin::rope(&mut k[..n_head_kv * head_dim], cos, sin, head_dim, rope_dim, neox);
         Ok(())
     }
 
