@@ -1,4 +1,4 @@
-// GPU kernels of powerinfer-rs: one decode token at a time, f32 activations, weights in their
+// GPU kernels of powerinfer-rs: f32 activations, weights in their
 // file type (F32, F16, and ggml's block layouts: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL in blocks
 // of 32; Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS in super-blocks of 256). Quantized weights read
 // their input as int8 blocks of 32 (quantize_q8), rounded exactly as the CPU's integer kernels
@@ -7,6 +7,10 @@
 // two differ by that rounding). Compiled to PTX by scripts/gen_ptx.sh and committed as
 // powerinfer.ptx; the Rust side loads the PTX through the driver, so users need no CUDA
 // toolkit. Every kernel has a scalar CPU twin in src/twin.rs, and tests/gpu compares the two.
+//
+// Rows: the per-token kernels also take a batch of m consecutive tokens of one sequence (a
+// prompt), one per blockIdx.y (rmsnorm: blockIdx.x), their activations row after row; with
+// m = 1 they are the one-token kernels.
 //
 // No cuda_fp16.h: half to float goes through one PTX instruction, so the file compiles with
 // nvcc alone (no CCCL headers).
@@ -446,10 +450,11 @@ __device__ void matvec(const u8* w, unsigned long long row_bytes, const float* x
                        const float* bias, float* y, int rows, int cols, int relu) {
     const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (r >= rows) return;
-    float v = warp_dot<T>(w + (size_t)r * row_bytes, x, xq, cols);
+    const int t = blockIdx.y;  // the batch row
+    float v = warp_dot<T>(w + (size_t)r * row_bytes, x + (size_t)t * cols, xq + (size_t)t * (cols / 32), cols);
     if ((threadIdx.x & 31) == 0) {
         if (bias) v += bias[r];
-        y[r] = relu ? fmaxf(v, 0.0f) : v;
+        y[(size_t)t * rows + r] = relu ? fmaxf(v, 0.0f) : v;
     }
 }
 
@@ -469,17 +474,19 @@ __device__ void matvec3(const u8* w0, const u8* w1, const u8* w2, unsigned long 
     const u8* w = w0;
     const float* b = b0;
     float* y = y0;
+    int rows = rows0;
     if (r >= rows0) {
         r -= rows0;
-        w = w1, b = b1, y = y1;
+        w = w1, b = b1, y = y1, rows = rows1;
         if (r >= rows1) {
             r -= rows1;
-            w = w2, b = b2, y = y2;
+            w = w2, b = b2, y = y2, rows = rows2;
             if (r >= rows2) return;
         }
     }
-    const float v = warp_dot<T>(w + (size_t)r * row_bytes, x, xq, cols);
-    if ((threadIdx.x & 31) == 0) y[r] = b ? v + b[r] : v;
+    const int t = blockIdx.y;  // the batch row
+    const float v = warp_dot<T>(w + (size_t)r * row_bytes, x + (size_t)t * cols, xq + (size_t)t * (cols / 32), cols);
+    if ((threadIdx.x & 31) == 0) y[(size_t)t * rows + r] = b ? v + b[r] : v;
 }
 
 #define MATVEC3(NAME, T)                                                                                 \
@@ -531,6 +538,11 @@ __device__ void ffn_hot(const u8* gate, const u8* up, unsigned long long row_byt
                         float threshold, unsigned int* selected, float* h, int n_hot, int cols, int act) {
     const int i = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (i >= n_hot) return;
+    // batch row t (rows only without a predictor: its logits are one token's)
+    const int t = blockIdx.y;
+    x += (size_t)t * cols;
+    xq += (size_t)t * (cols / 32);
+    h += (size_t)t * n_hot;
     const int j = bucket[i];
     if (pred_logits && !(pred_logits[j] >= threshold)) {
         if ((threadIdx.x & 31) == 0) h[i] = 0.0f;
@@ -627,6 +639,10 @@ extern "C" __global__ void ffn_merge(float* x, const float* partial, int n_chunk
 // rounded to int8 blocks there, as quantize_q8 rounds it: the norm's readers are quantized.
 extern "C" __global__ void rmsnorm(const float* x, const float* w, float* out, Q8Act* q8, int n, float eps) {
     __shared__ float red[32];
+    // one block per batch row
+    x += (size_t)blockIdx.x * n;
+    out += (size_t)blockIdx.x * n;
+    if (q8) q8 += (size_t)blockIdx.x * (n / 32);
     float ss = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
     ss = block_sum(ss, red);
@@ -672,6 +688,11 @@ extern "C" __global__ void rope(float* q, float* k, const float* cos_t, const fl
     const int half = rope_dim / 2;
     const int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (n_head + n_head_kv) * half) return;
+    const int t = blockIdx.y;  // the batch row, at its own position's angles
+    q += (size_t)t * n_head * head_dim;
+    k += (size_t)t * n_head_kv * head_dim;
+    cos_t += (size_t)t * half;
+    sin_t += (size_t)t * half;
     const int h = idx / half, i = idx % half;
     float* xh = h < n_head ? q + (size_t)h * head_dim : k + (size_t)(h - n_head) * head_dim;
     const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
@@ -687,7 +708,10 @@ extern "C" __global__ void kv_store(const float* k, const float* v, void* k_cach
                                     int kv_dim, int f16) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= kv_dim) return;
-    const int pos = *pos_p;
+    const int t = blockIdx.y;  // batch row t is position *pos + t
+    const int pos = *pos_p + t;
+    k += (size_t)t * kv_dim;
+    v += (size_t)t * kv_dim;
     const size_t o = (size_t)pos * kv_dim + i;
     if (f16) {
         reinterpret_cast<u16*>(k_cache)[o] = f2h(k[i]);
@@ -711,7 +735,11 @@ extern "C" __global__ void attention(const float* q, const void* k_cache, const 
                                      float* out, const int* pos_p, int n_ctx, int n_head, int n_head_kv, int head_dim,
                                      float scale, float softcap, int window, int f16) {
     __shared__ float red[32];
-    const int len = *pos_p + 1;
+    const int t = blockIdx.y;  // batch row t is the query at position *pos + t
+    const int len = *pos_p + t + 1;
+    q += (size_t)t * n_head * head_dim;
+    out += (size_t)t * n_head * head_dim;
+    scores += (size_t)t * n_head * n_ctx;
     const int first = window > 0 && len > window ? len - window : 0;
     const int h = blockIdx.x;
     const int g = h / (n_head / n_head_kv);

@@ -120,7 +120,8 @@ const _: () = assert!(std::mem::size_of::<BlockQ8Act>() == Q8_BLOCK_BYTES);
 pub type Buf<D, T> = <D as Device>::Buf<T>;
 
 /// Where the executor's buffers live and its kernels run. Every kernel call mirrors its
-/// `__global__` signature in powerinfer.cu; shapes and optional (null) pointers as there.
+/// `__global__` signature in powerinfer.cu; shapes and optional (null) pointers as there. `m`
+/// is the number of batch rows (consecutive tokens of one sequence, activations row after row).
 pub trait Device: Send + Sync + Sized + 'static {
     type Buf<T: Elem>: Send + Sync;
 
@@ -139,6 +140,8 @@ pub trait Device: Send + Sync + Sized + 'static {
     /// Copies the first `dst.len()` elements of `src` to the host, after the queued work.
     fn read<T: Elem>(&self, src: &Self::Buf<T>, dst: &mut [T]) -> Result<()>;
     fn clear<T: Elem>(&self, dst: &mut Self::Buf<T>) -> Result<()>;
+    /// Copies elements src_start .. src_start + n of `src` to the first n of `dst` (queued).
+    fn copy<T: Elem>(&self, src: &Self::Buf<T>, src_start: usize, dst: &mut Self::Buf<T>, n: usize) -> Result<()>;
     fn synchronize(&self) -> Result<()>;
 
     /// A recorded sequence of kernel launches, replayed as one launch (a CUDA graph).
@@ -154,9 +157,9 @@ pub trait Device: Send + Sync + Sized + 'static {
     /// `quantize_q8`: the first `n_blocks` blocks of `x` as `BlockQ8Act` bytes.
     fn quantize_q8(&self, x: &Self::Buf<f32>, q8: &mut Self::Buf<u8>, n_blocks: usize) -> Result<()>;
     /// `matvec_*`: y[r] = w[r] . x (+ bias[r]), relu'd when asked.
-    fn matvec(&self, w: &DMat<Self>, x: &DActs<Self>, bias: Option<&Self::Buf<f32>>, y: &mut Self::Buf<f32>, relu: bool) -> Result<()>;
+    fn matvec(&self, w: &DMat<Self>, x: &DActs<Self>, bias: Option<&Self::Buf<f32>>, y: &mut Self::Buf<f32>, relu: bool, m: usize) -> Result<()>;
     /// `matvec3_*`: three matrices of one type and width on one input (y_i = w_i . x + bias_i).
-    fn matvec3(&self, w: [&DMat<Self>; 3], x: &DActs<Self>, bias: [Option<&Self::Buf<f32>>; 3], y: [&mut Self::Buf<f32>; 3]) -> Result<()>;
+    fn matvec3(&self, w: [&DMat<Self>; 3], x: &DActs<Self>, bias: [Option<&Self::Buf<f32>>; 3], y: [&mut Self::Buf<f32>; 3], m: usize) -> Result<()>;
     /// `ffn_hot_*`: h[i] for the packed hot row i (neuron bucket[i]); `selected` is a counter
     /// slot the selected rows are added to.
     #[allow(clippy::too_many_arguments)]
@@ -172,6 +175,7 @@ pub trait Device: Send + Sync + Sized + 'static {
         selected: Option<(&mut Self::Buf<u32>, usize)>,
         act: i32,
         h: &mut Self::Buf<f32>,
+        m: usize,
     ) -> Result<()>;
     /// `down_partial_*`: partial[k, c] = sum over the rows i of chunk k of h[i] * down_t[i, c].
     fn down_partial(&self, down_t: &DMat<Self>, h: &Self::Buf<f32>, partial: &mut Self::Buf<f32>, rows_per_chunk: usize) -> Result<()>;
@@ -186,7 +190,7 @@ pub trait Device: Send + Sync + Sized + 'static {
         cols: usize,
     ) -> Result<()>;
     /// `rmsnorm`, also rounding `out` to int8 blocks in `q8` when given.
-    fn rmsnorm(&self, x: &Self::Buf<f32>, w: &Self::Buf<f32>, out: &mut Self::Buf<f32>, q8: Option<&mut Self::Buf<u8>>, n: usize, eps: f32) -> Result<()>;
+    fn rmsnorm(&self, x: &Self::Buf<f32>, w: &Self::Buf<f32>, out: &mut Self::Buf<f32>, q8: Option<&mut Self::Buf<u8>>, n: usize, eps: f32, m: usize) -> Result<()>;
     /// `head_rmsnorm`: each of the n_heads heads of x (head_dim each) RMS-normed in place, times w.
     fn head_rmsnorm(&self, x: &mut Self::Buf<f32>, w: &Self::Buf<f32>, n_heads: usize, head_dim: usize, eps: f32) -> Result<()>;
     /// x += y (+ bias)
@@ -194,11 +198,11 @@ pub trait Device: Send + Sync + Sized + 'static {
     fn add_bias(&self, x: &mut Self::Buf<f32>, bias: &Self::Buf<f32>, n: usize) -> Result<()>;
     #[allow(clippy::too_many_arguments)]
     /// `rope` of q (n_head heads) and k (n_head_kv heads) at one position.
-    fn rope(&self, q: &mut Self::Buf<f32>, k: &mut Self::Buf<f32>, cos: &Self::Buf<f32>, sin: &Self::Buf<f32>, n_head: usize, n_head_kv: usize, head_dim: usize, rope_dim: usize, neox: bool) -> Result<()>;
+    fn rope(&self, q: &mut Self::Buf<f32>, k: &mut Self::Buf<f32>, cos: &Self::Buf<f32>, sin: &Self::Buf<f32>, n_head: usize, n_head_kv: usize, head_dim: usize, rope_dim: usize, neox: bool, m: usize) -> Result<()>;
     /// Stores one position's k and v in the caches, as f32 or (`f16`) f16 elements; the
     /// position is `pos[0]`, read on the device.
     #[allow(clippy::too_many_arguments)]
-    fn kv_store(&self, k: &Self::Buf<f32>, v: &Self::Buf<f32>, k_cache: &mut Self::Buf<u8>, v_cache: &mut Self::Buf<u8>, pos: &Self::Buf<i32>, kv_dim: usize, f16: bool) -> Result<()>;
+    fn kv_store(&self, k: &Self::Buf<f32>, v: &Self::Buf<f32>, k_cache: &mut Self::Buf<u8>, v_cache: &mut Self::Buf<u8>, pos: &Self::Buf<i32>, kv_dim: usize, f16: bool, m: usize) -> Result<()>;
     /// Causal attention of one query (n_head * head_dim) at position `pos[0]` (read on the
     /// device) over cache positions 0..=pos[0], or the last `at.window` of them; scores scaled
     /// by `at.scale` and soft-capped by `at.softcap` (0: none).
@@ -213,5 +217,6 @@ pub trait Device: Send + Sync + Sized + 'static {
         pos: &Self::Buf<i32>,
         at: &AttnShape,
         f16: bool,
+        m: usize,
     ) -> Result<()>;
 }

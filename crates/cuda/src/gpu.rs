@@ -95,6 +95,14 @@ impl<D: Device> Gpu<D> {
         self.dev.synchronize()
     }
 
+    /// Copies elements src_start .. src_start + n of `src` to the first n of `dst` (queued).
+    pub fn copy<T: Elem>(&self, src: &Buf<D, T>, src_start: usize, dst: &mut Buf<D, T>, n: usize) -> Result<()> {
+        if src_start + n > D::len(src) || n > D::len(dst) {
+            return Err(CudaError::Unsupported(format!("a copy of {n} elements from {src_start} runs past a buffer")));
+        }
+        self.dev.copy(src, src_start, dst, n)
+    }
+
     /// Uploads the rows `rows` (all rows when None) of a matrix, packed in that order.
     pub fn upload_rows(&self, m: &QMatrix, rows: Option<&[u32]>) -> Result<DMat<D>> {
         type_slot(m.dtype)?;
@@ -134,46 +142,47 @@ impl<D: Device> Gpu<D> {
         Ok(())
     }
 
-    /// Checks that `x` can feed a product with `cols` inputs of type `dtype`.
-    fn check_input(dtype: DType, cols: usize, x: &DActs<D>) -> Result<()> {
-        let short = if dtype.is_quantized() { D::len(&x.q8) < cols / QK * Q8_BLOCK_BYTES } else { D::len(&x.f32s) < cols };
+    /// Checks that `x` can feed a product with `cols` inputs of type `dtype`, for m rows.
+    fn check_input(dtype: DType, cols: usize, x: &DActs<D>, m: usize) -> Result<()> {
+        let short = if dtype.is_quantized() { D::len(&x.q8) < m * cols / QK * Q8_BLOCK_BYTES } else { D::len(&x.f32s) < m * cols };
         if short {
             return Err(CudaError::Unsupported(format!("an activation buffer is shorter than the {cols} inputs of a {} matrix", dtype.name())));
         }
         Ok(())
     }
 
-    /// y[r] = W[r] . x (+ bias[r]), relu'd when asked, for every row of `w`. A quantized `w`
-    /// reads `x.q8` (see `quantize_for`).
-    pub fn matvec(&self, w: &DMat<D>, x: &DActs<D>, bias: Option<&Buf<D, f32>>, y: &mut Buf<D, f32>, relu: bool) -> Result<()> {
-        Self::check_input(w.dtype, w.cols, x)?;
+    /// y[t, r] = W[r] . x[t] (+ bias[r]), relu'd when asked, for every row of `w` and each of
+    /// the m rows of x. A quantized `w` reads `x.q8` (see `quantize_for`).
+    pub fn matvec(&self, w: &DMat<D>, x: &DActs<D>, bias: Option<&Buf<D, f32>>, y: &mut Buf<D, f32>, relu: bool, m: usize) -> Result<()> {
+        Self::check_input(w.dtype, w.cols, x, m)?;
         type_slot(w.dtype)?;
-        Self::holds("a matvec's output", y, w.rows)?;
+        Self::holds("a matvec's output", y, m * w.rows)?;
         Self::holds_opt("a matvec's bias", bias, w.rows)?;
-        self.dev.matvec(w, x, bias, y, relu)
+        self.dev.matvec(w, x, bias, y, relu, m)
     }
 
     /// y_i = w_i . x (+ bias_i) for three matrices on one input (q, k and v): one launch where
     /// they share a type and width, else three.
-    pub fn matvec3(&self, w: [&DMat<D>; 3], x: &DActs<D>, bias: [Option<&Buf<D, f32>>; 3], y: [&mut Buf<D, f32>; 3]) -> Result<()> {
+    pub fn matvec3(&self, w: [&DMat<D>; 3], x: &DActs<D>, bias: [Option<&Buf<D, f32>>; 3], y: [&mut Buf<D, f32>; 3], m: usize) -> Result<()> {
         let [y0, y1, y2] = y;
-        if w.iter().any(|m| m.dtype != w[0].dtype || m.cols != w[0].cols) {
-            self.matvec(w[0], x, bias[0], y0, false)?;
-            self.matvec(w[1], x, bias[1], y1, false)?;
-            return self.matvec(w[2], x, bias[2], y2, false);
+        if w.iter().any(|mat| mat.dtype != w[0].dtype || mat.cols != w[0].cols) {
+            self.matvec(w[0], x, bias[0], y0, false, m)?;
+            self.matvec(w[1], x, bias[1], y1, false, m)?;
+            return self.matvec(w[2], x, bias[2], y2, false, m);
         }
-        Self::check_input(w[0].dtype, w[0].cols, x)?;
+        Self::check_input(w[0].dtype, w[0].cols, x, m)?;
         type_slot(w[0].dtype)?;
         for (i, y) in [&*y0, &*y1, &*y2].into_iter().enumerate() {
-            Self::holds("a matvec's output", y, w[i].rows)?;
+            Self::holds("a matvec's output", y, m * w[i].rows)?;
             Self::holds_opt("a matvec's bias", bias[i], w[i].rows)?;
         }
-        self.dev.matvec3(w, x, bias, [y0, y1, y2])
+        self.dev.matvec3(w, x, bias, [y0, y1, y2], m)
     }
 
     /// The hot neurons: h[i] = act(gate_i . x, up_i . x + up_bias[bucket[i]]) for the packed
     /// GPU rows, 0 where the predictor's logit for neuron bucket[i] is below `threshold`.
     /// `selected` (counters, slot) adds the number of rows the predictor selects to one counter.
+    /// With m > 1 rows of x (h: m rows of n_hot), only without a predictor.
     #[allow(clippy::too_many_arguments)]
     pub fn ffn_hot(
         &self,
@@ -187,20 +196,24 @@ impl<D: Device> Gpu<D> {
         selected: Option<(&mut Buf<D, u32>, usize)>,
         act: FfnActivation,
         h: &mut Buf<D, f32>,
+        m: usize,
     ) -> Result<()> {
+        if m > 1 && pred_logits.is_some() {
+            return Err(CudaError::Unsupported("a predictor over several rows at once".into()));
+        }
         if let Some(g) = gate {
             if g.dtype != up.dtype || g.rows != up.rows || g.cols != up.cols {
                 return Err(CudaError::Unsupported(format!("gate ({}) and up ({}) differ in type or shape", g.dtype.name(), up.dtype.name())));
             }
         }
-        Self::check_input(up.dtype, up.cols, x)?;
+        Self::check_input(up.dtype, up.cols, x, m)?;
         type_slot(up.dtype)?;
         Self::holds("the hot bucket", bucket, up.rows)?;
-        Self::holds("the hot activations", h, up.rows)?;
+        Self::holds("the hot activations", h, m * up.rows)?;
         if let Some((counts, slot)) = &selected {
             Self::holds("the selection counters", counts, slot + 1)?;
         }
-        self.dev.ffn_hot(gate, up, bucket, x, up_bias, pred_logits, threshold, selected, act_code(act)?, h)
+        self.dev.ffn_hot(gate, up, bucket, x, up_bias, pred_logits, threshold, selected, act_code(act)?, h, m)
     }
 
     /// partial[k, c] = sum over the rows i of chunk k of h[i] * down_t[i, c]; returns the
@@ -234,18 +247,19 @@ impl<D: Device> Gpu<D> {
         self.dev.ffn_merge(x, partial, n_chunks, cpu_part, bias, cols)
     }
 
-    /// out = RMSNorm(x) * w, rounded to int8 blocks in the same launch when one of `readers`
-    /// (the matrices that read it next) is quantized.
-    pub fn rmsnorm(&self, x: &Buf<D, f32>, w: &Buf<D, f32>, out: &mut DActs<D>, n: usize, eps: f32, readers: &[&DMat<D>]) -> Result<()> {
-        Self::holds("a norm's input", x, n)?;
+    /// out = RMSNorm(x) * w for each of m rows of n, rounded to int8 blocks in the same launch
+    /// when one of `readers` (the matrices that read it next) is quantized.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm(&self, x: &Buf<D, f32>, w: &Buf<D, f32>, out: &mut DActs<D>, n: usize, eps: f32, readers: &[&DMat<D>], m: usize) -> Result<()> {
+        Self::holds("a norm's input", x, m * n)?;
         Self::holds("a norm's weights", w, n)?;
-        Self::holds("a norm's output", &out.f32s, n)?;
-        out.rounded = readers.iter().any(|m| m.dtype.is_quantized());
+        Self::holds("a norm's output", &out.f32s, m * n)?;
+        out.rounded = readers.iter().any(|w| w.dtype.is_quantized());
         if out.rounded {
-            Self::check_rounding(out, n)?;
+            Self::check_rounding(out, m * n)?;
         }
         let q8 = if out.rounded { Some(&mut out.q8) } else { None };
-        self.dev.rmsnorm(x, w, &mut out.f32s, q8, n, eps)
+        self.dev.rmsnorm(x, w, &mut out.f32s, q8, n, eps, m)
     }
 
     /// Each of the n_heads heads of x (head_dim each) RMS-normed in place, times w (head_dim);
@@ -270,20 +284,21 @@ impl<D: Device> Gpu<D> {
         self.dev.add_bias(x, bias, n)
     }
 
-    /// RoPE on q (n_head heads) and k (n_head_kv heads) at one position, in one launch.
+    /// RoPE on q (n_head heads) and k (n_head_kv heads) of m rows, each at its own position's
+    /// angles (cos and sin: m rows of rope_dim / 2), in one launch.
     #[allow(clippy::too_many_arguments)]
-    pub fn rope(&self, q: &mut Buf<D, f32>, k: &mut Buf<D, f32>, cos: &Buf<D, f32>, sin: &Buf<D, f32>, n_head: usize, n_head_kv: usize, head_dim: usize, rope_dim: usize, neox: bool) -> Result<()> {
+    pub fn rope(&self, q: &mut Buf<D, f32>, k: &mut Buf<D, f32>, cos: &Buf<D, f32>, sin: &Buf<D, f32>, n_head: usize, n_head_kv: usize, head_dim: usize, rope_dim: usize, neox: bool, m: usize) -> Result<()> {
         if rope_dim == 0 {
             return Ok(());
         }
         if rope_dim > head_dim || rope_dim % 2 != 0 {
             return Err(CudaError::Unsupported(format!("RoPE over {rope_dim} of {head_dim} head dimensions")));
         }
-        Self::holds("RoPE's queries", q, n_head * head_dim)?;
-        Self::holds("RoPE's keys", k, n_head_kv * head_dim)?;
-        Self::holds("RoPE's cosines", cos, rope_dim / 2)?;
-        Self::holds("RoPE's sines", sin, rope_dim / 2)?;
-        self.dev.rope(q, k, cos, sin, n_head, n_head_kv, head_dim, rope_dim, neox)
+        Self::holds("RoPE's queries", q, m * n_head * head_dim)?;
+        Self::holds("RoPE's keys", k, m * n_head_kv * head_dim)?;
+        Self::holds("RoPE's cosines", cos, m * rope_dim / 2)?;
+        Self::holds("RoPE's sines", sin, m * rope_dim / 2)?;
+        self.dev.rope(q, k, cos, sin, n_head, n_head_kv, head_dim, rope_dim, neox, m)
     }
 
     /// A position on the device, for `kv_store` and `attention` (see `DevicePos`).
@@ -299,20 +314,21 @@ impl<D: Device> Gpu<D> {
         Ok(())
     }
 
-    /// Stores k and v at position `pos` of the caches (u8 buffers of f32 or f16 elements).
+    /// Stores m rows of k and v at positions pos .. pos + m of the caches (u8 buffers of f32
+    /// or f16 elements).
     #[allow(clippy::too_many_arguments)]
-    pub fn kv_store(&self, k: &Buf<D, f32>, v: &Buf<D, f32>, k_cache: &mut Buf<D, u8>, v_cache: &mut Buf<D, u8>, pos: &DevicePos<D>, kv_dim: usize, f16: bool) -> Result<()> {
+    pub fn kv_store(&self, k: &Buf<D, f32>, v: &Buf<D, f32>, k_cache: &mut Buf<D, u8>, v_cache: &mut Buf<D, u8>, pos: &DevicePos<D>, kv_dim: usize, f16: bool, m: usize) -> Result<()> {
         let elem = if f16 { 2 } else { 4 };
-        if (pos.value + 1) * kv_dim * elem > D::len(k_cache).min(D::len(v_cache)) {
-            return Err(CudaError::Unsupported(format!("position {} is past the GPU KV cache", pos.value)));
+        if (pos.value + m) * kv_dim * elem > D::len(k_cache).min(D::len(v_cache)) {
+            return Err(CudaError::Unsupported(format!("position {} is past the GPU KV cache", pos.value + m - 1)));
         }
-        Self::holds("a new key", k, kv_dim)?;
-        Self::holds("a new value", v, kv_dim)?;
-        self.dev.kv_store(k, v, k_cache, v_cache, &pos.buf, kv_dim, f16)
+        Self::holds("a new key", k, m * kv_dim)?;
+        Self::holds("a new value", v, m * kv_dim)?;
+        self.dev.kv_store(k, v, k_cache, v_cache, &pos.buf, kv_dim, f16, m)
     }
 
-    /// Causal attention of one query (n_head * head_dim) at position `pos` over cache
-    /// positions 0..=pos.
+    /// Causal attention of m queries (n_head * head_dim each) at positions pos .. pos + m, each
+    /// over cache positions 0..=its own (or its window).
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -324,19 +340,20 @@ impl<D: Device> Gpu<D> {
         pos: &DevicePos<D>,
         at: &AttnShape,
         f16: bool,
+        m: usize,
     ) -> Result<()> {
         let AttnShape { n_ctx, n_head, n_head_kv, head_dim, .. } = *at;
-        let len = pos.value + 1;
+        let len = pos.value + m;
         let kv_bytes = len * n_head_kv * head_dim * if f16 { 2 } else { 4 };
         if len > n_ctx || n_head_kv == 0 || n_head % n_head_kv != 0 {
             return Err(CudaError::Unsupported(format!("attention over {len} of {n_ctx} positions with {n_head} heads and {n_head_kv} KV heads")));
         }
         Self::holds("the key cache", k_cache, kv_bytes)?;
         Self::holds("the value cache", v_cache, kv_bytes)?;
-        Self::holds("the query", q, n_head * head_dim)?;
-        Self::holds("the attention scores", scores, n_head * n_ctx)?;
-        Self::holds("the attention output", out, n_head * head_dim)?;
-        self.dev.attention(q, k_cache, v_cache, scores, out, &pos.buf, at, f16)
+        Self::holds("the query", q, m * n_head * head_dim)?;
+        Self::holds("the attention scores", scores, m * n_head * n_ctx)?;
+        Self::holds("the attention output", out, m * n_head * head_dim)?;
+        self.dev.attention(q, k_cache, v_cache, scores, out, &pos.buf, at, f16, m)
     }
 
     /// Records the launches that follow (see `Device::begin_capture`); false where the device

@@ -143,10 +143,17 @@ pub struct HybridModel<D: Device> {
     /// the host between its embedding and its logits, so sessions record them once as a graph
     /// and replay it for every later token (one launch instead of ~17 per layer).
     graphable: bool,
+    /// Every layer wholly on the device with the file's own `ffn_down` (a plain file, no
+    /// predictor): prompts run on the device up to `PROMPT_ROWS` tokens per pass.
+    batched: bool,
     /// Held by a session for each token: sessions share the device's one stream, and a
     /// recording must not take in another session's launches.
     step_lock: Mutex<()>,
 }
+
+/// Prompt tokens per pass of a `batched` model: the device buffers hold this many rows (the
+/// attention scores, PROMPT_ROWS * n_head * n_ctx floats, are the largest).
+pub const PROMPT_ROWS: usize = 32;
 
 fn upload_opt<D: Device>(gpu: &Gpu<D>, v: Option<&Vec<f32>>, bytes: &mut usize) -> Result<Option<Buf<D, f32>>> {
     v.map(|v| {
@@ -309,7 +316,8 @@ impl<D: Device> HybridModel<D> {
         report.output_on_gpu = output.is_some();
         gpu.synchronize()?;
         let graphable = output.is_some() && layers.iter().all(|l| l.as_ref().is_some_and(|l| l.cold.is_empty()));
-        Ok(HybridModel { model, gpu, layers, output, report, graphable, step_lock: Mutex::new(()) })
+        let batched = graphable && layers.iter().flatten().all(|l| matches!(l.hot.as_ref().map(|h| &h.down), Some(HotDown::Rows(_))));
+        Ok(HybridModel { model, gpu, layers, output, report, graphable, batched, step_lock: Mutex::new(()) })
     }
 }
 
@@ -337,7 +345,8 @@ struct DeviceState<D: Device> {
     k_cache: Vec<Option<Buf<D, u8>>>, // per GPU layer (n_ctx, kv_dim) f16 or f32
     v_cache: Vec<Option<Buf<D, u8>>>,
     // device activations
-    x: DActs<D>,              // (n_embd) residual (the predictor's input)
+    x: DActs<D>,              // (rows, n_embd) residual (the predictor's input); rows: 1, or PROMPT_ROWS
+    x_tail: Buf<D, f32>,      // (rows, n_embd) the last rows of x, when only they need logits
     xb: DActs<D>,             // (n_embd) normed input
     q: Buf<D, f32>,           // (q_dim)
     k: Buf<D, f32>,           // (kv_dim)
@@ -417,24 +426,26 @@ impl<D: Device> HybridSession<D> {
         let max_hidden = hm.layers.iter().flatten().filter_map(|l| l.dense.predictor.as_ref().map(|p| p.0.rows)).max().unwrap_or(1);
         let max_hot = hm.layers.iter().flatten().map(|l| l.n_hot).max().unwrap_or(1);
         let max_chunks = max_hot.div_ceil(ROWS_PER_CHUNK).max(1);
+        let rows = if hm.batched { PROMPT_ROWS } else { 1 };
         let dev = DeviceState {
-            x: g.acts(c.n_embd)?,
-            xb: g.acts(c.n_embd)?,
-            q: g.zeros(c.q_dim())?,
-            k: g.zeros(c.kv_dim())?,
-            v: g.zeros(c.kv_dim())?,
-            att: g.acts(c.q_dim())?,
-            attn_out: g.zeros(c.n_embd)?,
-            scores: g.zeros(c.n_head * n_ctx)?,
+            x: g.acts(rows * c.n_embd)?,
+            x_tail: g.zeros(rows * c.n_embd)?,
+            xb: g.acts(rows * c.n_embd)?,
+            q: g.zeros(rows * c.q_dim())?,
+            k: g.zeros(rows * c.kv_dim())?,
+            v: g.zeros(rows * c.kv_dim())?,
+            att: g.acts(rows * c.q_dim())?,
+            attn_out: g.zeros(rows * c.n_embd)?,
+            scores: g.zeros(rows * c.n_head * n_ctx)?,
             pred_hidden: g.acts(max_hidden)?,
             pred_logits: g.zeros(c.n_ff)?,
-            h: g.acts(max_hot)?,
-            ffn_out: g.zeros(c.n_embd)?,
+            h: g.acts(rows * max_hot)?,
+            ffn_out: g.zeros(rows * c.n_embd)?,
             partial: g.zeros(max_chunks * c.n_embd)?,
             cpu_part: g.zeros(c.n_embd)?,
-            cos: (0..c.rope_sets()).map(|_| g.zeros(c.rope_dim / 2)).collect::<Result<_>>()?,
-            sin: (0..c.rope_sets()).map(|_| g.zeros(c.rope_dim / 2)).collect::<Result<_>>()?,
-            logits: g.zeros(c.n_vocab)?,
+            cos: (0..c.rope_sets()).map(|_| g.zeros(rows * c.rope_dim / 2)).collect::<Result<_>>()?,
+            sin: (0..c.rope_sets()).map(|_| g.zeros(rows * c.rope_dim / 2)).collect::<Result<_>>()?,
+            logits: g.zeros(rows * c.n_vocab)?,
             selected: g.zeros(c.n_layer)?,
             ffn_chunks: 0,
             ffn_has_cold: false,
@@ -499,6 +510,9 @@ impl<D: Device> HybridSession<D> {
     pub fn eval(&mut self, tokens: &[u32], all_logits: bool) -> CoreResult<Vec<f32>> {
         self.cpu.check_room(tokens)?;
         let n_vocab = self.hm.model.config.n_vocab;
+        if self.hm.batched && tokens.len() > 1 {
+            return self.eval_rows(tokens, all_logits);
+        }
         let mut out = Vec::with_capacity(if all_logits { tokens.len() * n_vocab } else { n_vocab });
         for (i, &tok) in tokens.iter().enumerate() {
             let logits = self.step(tok)?;
@@ -506,6 +520,28 @@ impl<D: Device> HybridSession<D> {
             if all_logits || i + 1 == tokens.len() {
                 out.extend_from_slice(&logits);
             }
+        }
+        Ok(out)
+    }
+
+    /// A prompt of a `batched` model: passes of up to PROMPT_ROWS tokens, each through the
+    /// forward pass at once; the logits of every token, or of the last.
+    fn eval_rows(&mut self, tokens: &[u32], all_logits: bool) -> CoreResult<Vec<f32>> {
+        let hm = Arc::clone(&self.hm);
+        let _one_session_at_a_time = hm.step_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let model = &*hm.model;
+        let mut out = Vec::new();
+        let n_chunks = tokens.len().div_ceil(PROMPT_ROWS);
+        for (i, chunk) in tokens.chunks(PROMPT_ROWS).enumerate() {
+            let n_logits = if all_logits { chunk.len() } else { usize::from(i + 1 == n_chunks) };
+            let pos = self.cpu.pos();
+            let (cpu, dev) = (&mut self.cpu, &mut self.dev);
+            let logits = model.install(|| {
+                let mut pass = HybridPass { hm: &hm, dev, cpu: CpuPass::new(cpu, chunk.len()), pos, m: chunk.len(), on_gpu: false };
+                forward(&mut pass, model, chunk, n_logits)
+            })?;
+            self.cpu.tokens.extend_from_slice(chunk);
+            out.extend_from_slice(&logits);
         }
         Ok(out)
     }
@@ -524,7 +560,7 @@ impl<D: Device> HybridSession<D> {
         let pos = self.cpu.pos();
         let (cpu, dev) = (&mut self.cpu, &mut self.dev);
         let logits = model.install(|| {
-            let mut pass = HybridPass { hm: &hm, dev, cpu: CpuPass::new(cpu, 1), pos, on_gpu: false };
+            let mut pass = HybridPass { hm: &hm, dev, cpu: CpuPass::new(cpu, 1), pos, m: 1, on_gpu: false };
             if matches!(pass.dev.graph, Graph::Ready { .. }) {
                 pass.embed(&[tok])?;
                 return pass.replay();
@@ -570,6 +606,9 @@ struct HybridPass<'a, D: Device> {
     dev: &'a mut DeviceState<D>,
     cpu: CpuPass<'a>,
     pos: usize,
+    /// Rows (tokens at positions pos, pos + 1, ...): 1, or up to PROMPT_ROWS prompt tokens of a
+    /// `batched` model.
+    m: usize,
     /// Where the residual stream x lives now: the device's `x`, or the CPU pass's.
     on_gpu: bool,
 }
@@ -620,6 +659,7 @@ impl<'a, D: Device> HybridPass<'a, D> {
         let c = &model.config;
         let d = &layer.dense;
         let dev = &mut *self.dev;
+        let m = self.m;
 
         // the predictor reads the residual x
         let sp = self.cpu.session().sparsity();
@@ -628,13 +668,16 @@ impl<'a, D: Device> HybridPass<'a, D> {
         if predicted {
             let (fc1, fc2) = d.predictor.as_ref().ok_or_else(|| CudaError::Plan(format!("layer {l} has no predictor")))?;
             g.quantize_for(&[fc1], &mut dev.x, c.n_embd)?;
-            g.matvec(fc1, &dev.x, None, &mut dev.pred_hidden.f32s, true)?;
+            g.matvec(fc1, &dev.x, None, &mut dev.pred_hidden.f32s, true, 1)?;
             g.quantize_for(&[fc2], &mut dev.pred_hidden, fc1.rows)?;
-            g.matvec(fc2, &dev.pred_hidden, None, &mut dev.pred_logits, false)?;
+            g.matvec(fc2, &dev.pred_hidden, None, &mut dev.pred_logits, false, 1)?;
         }
 
         // the CPU needs the FFN input (and the predictor's verdict) before the hot kernels are queued
         let has_cold = !layer.cold.is_empty();
+        if m > 1 && (predicted || has_cold) {
+            return Err(CudaError::Unsupported("several rows at once with a predictor or cold neurons".into()));
+        }
         if has_cold {
             g.read(&dev.xb.f32s, &mut dev.xb_h)?;
             if predicted {
@@ -652,13 +695,14 @@ impl<'a, D: Device> HybridPass<'a, D> {
                 dev.counted_on_gpu.push(l);
                 (&mut dev.selected, l)
             });
-            g.quantize_for(&[&hot.up], &mut dev.xb, c.n_embd)?;
-            g.ffn_hot(hot.gate.as_ref(), &hot.up, &hot.bucket, &dev.xb, hot.up_bias.as_ref(), pred, threshold, count, c.ffn_activation, &mut dev.h.f32s)?;
+            g.quantize_for(&[&hot.up], &mut dev.xb, m * c.n_embd)?;
+            g.ffn_hot(hot.gate.as_ref(), &hot.up, &hot.bucket, &dev.xb, hot.up_bias.as_ref(), pred, threshold, count, c.ffn_activation, &mut dev.h.f32s, m)?;
             match &hot.down {
+                HotDown::Columns(_) if m > 1 => return Err(CudaError::Unsupported("several rows at once over neuron-major down rows".into())),
                 HotDown::Columns(down_t) => dev.ffn_chunks = g.down_partial(down_t, &dev.h.f32s, &mut dev.partial)?,
                 HotDown::Rows(down) => {
-                    g.quantize_for(&[down], &mut dev.h, c.n_ff)?;
-                    g.matvec(down, &dev.h, layer.down_bias.as_ref(), &mut dev.ffn_out, false)?;
+                    g.quantize_for(&[down], &mut dev.h, m * c.n_ff)?;
+                    g.matvec(down, &dev.h, layer.down_bias.as_ref(), &mut dev.ffn_out, false, m)?;
                     dev.ffn_whole = true;
                 }
             }
@@ -696,8 +740,8 @@ impl<'a, D: Device> HybridPass<'a, D> {
             }
             g.write(&dev.cpu_out_h, &mut dev.cpu_part)?;
         } else if !predicted {
-            stats.neurons = c.n_ff as u64;
-            dev.counts.gpu_neurons += layer.n_hot as u64;
+            stats.neurons = (m * c.n_ff) as u64;
+            dev.counts.gpu_neurons += (m * layer.n_hot) as u64;
         }
         dev.ffn_has_cold = has_cold;
         if matches!(dev.graph, Graph::Recording { .. }) {
@@ -722,11 +766,11 @@ impl<D: Device> Backend for HybridPass<'_, D> {
             }
         }
         g.set_pos(&mut self.dev.pos, self.pos)?;
-        if matches!(self.dev.graph, Graph::None | Graph::Ready { .. }) {
+        if matches!(self.dev.graph, Graph::None | Graph::Ready { .. }) || self.m > 1 {
             // the residual's only upload; then, for a first token, the recording starts
             self.residual_to(true)?;
         }
-        if matches!(self.dev.graph, Graph::None) {
+        if matches!(self.dev.graph, Graph::None) && self.m == 1 {
             let before = self.dev.counts.gpu_neurons;
             self.dev.graph = if self.hm.gpu.begin_capture()? { Graph::Recording { gpu_neurons_before: before } } else { Graph::Off };
         }
@@ -742,14 +786,14 @@ impl<D: Device> Backend for HybridPass<'_, D> {
             Norm::Ffn => (&d.ffn_norm, layer.hot.iter().map(|h| &h.up).collect()),
             Norm::Attn2 => return Err(CudaError::Unsupported("a second attention norm".into()).into()),
         };
-        Ok(self.hm.gpu.rmsnorm(&self.dev.x.f32s, w, &mut self.dev.xb, c.n_embd, c.norm_eps, &readers)?)
+        Ok(self.hm.gpu.rmsnorm(&self.dev.x.f32s, w, &mut self.dev.xb, c.n_embd, c.norm_eps, &readers, self.m)?)
     }
 
     fn qkv(&mut self, l: usize) -> CoreResult<()> {
         let Some(layer) = self.place(l)? else { return self.cpu.qkv(l) };
         let (c, g, d, dev) = (&self.hm.model.config, &self.hm.gpu, &layer.dense, &mut *self.dev);
-        g.quantize_for(&[&d.wq, &d.wk, &d.wv], &mut dev.xb, c.n_embd)?;
-        Ok(g.matvec3([&d.wq, &d.wk, &d.wv], &dev.xb, [d.bq.as_ref(), d.bk.as_ref(), d.bv.as_ref()], [&mut dev.q, &mut dev.k, &mut dev.v])?)
+        g.quantize_for(&[&d.wq, &d.wk, &d.wv], &mut dev.xb, self.m * c.n_embd)?;
+        Ok(g.matvec3([&d.wq, &d.wk, &d.wv], &dev.xb, [d.bq.as_ref(), d.bk.as_ref(), d.bv.as_ref()], [&mut dev.q, &mut dev.k, &mut dev.v], self.m)?)
     }
 
     fn rope(&mut self, l: usize) -> CoreResult<()> {
@@ -760,15 +804,15 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         let neox = c.rope_style == RopeStyle::NeoX;
         // this layer's set of angles (sliding layers may have their own base)
         let (cos, sin) = (&dev.cos[c.rope_set(l)], &dev.sin[c.rope_set(l)]);
-        Ok(g.rope(&mut dev.q, &mut dev.k, cos, sin, c.n_head, c.n_head_kv, c.head_dim, c.rope_dim, neox)?)
+        Ok(g.rope(&mut dev.q, &mut dev.k, cos, sin, c.n_head, c.n_head_kv, c.head_dim, c.rope_dim, neox, self.m)?)
     }
 
     fn qk_norm(&mut self, l: usize) -> CoreResult<()> {
         let Some(layer) = self.place(l)? else { return self.cpu.qk_norm(l) };
         let (c, g, d, dev) = (&self.hm.model.config, &self.hm.gpu, &layer.dense, &mut *self.dev);
         let missing = || CudaError::Plan(format!("layer {l} has only one of attn_q_norm and attn_k_norm"));
-        g.head_rmsnorm(&mut dev.q, d.q_norm.as_ref().ok_or_else(missing)?, c.n_head, c.head_dim, c.norm_eps)?;
-        Ok(g.head_rmsnorm(&mut dev.k, d.k_norm.as_ref().ok_or_else(missing)?, c.n_head_kv, c.head_dim, c.norm_eps)?)
+        g.head_rmsnorm(&mut dev.q, d.q_norm.as_ref().ok_or_else(missing)?, self.m * c.n_head, c.head_dim, c.norm_eps)?;
+        Ok(g.head_rmsnorm(&mut dev.k, d.k_norm.as_ref().ok_or_else(missing)?, self.m * c.n_head_kv, c.head_dim, c.norm_eps)?)
     }
 
     fn kv_store(&mut self, l: usize) -> CoreResult<()> {
@@ -777,7 +821,7 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         }
         let (c, dev) = (&self.hm.model.config, &mut *self.dev);
         let (kc, vc) = (dev.k_cache[l].as_mut().expect("GPU layer"), dev.v_cache[l].as_mut().expect("GPU layer"));
-        Ok(self.hm.gpu.kv_store(&dev.k, &dev.v, kc, vc, &dev.pos, c.kv_dim(), dev.kv_f16)?)
+        Ok(self.hm.gpu.kv_store(&dev.k, &dev.v, kc, vc, &dev.pos, c.kv_dim(), dev.kv_f16, self.m)?)
     }
 
     fn attend(&mut self, l: usize) -> CoreResult<()> {
@@ -795,14 +839,14 @@ impl<D: Device> Backend for HybridPass<'_, D> {
             softcap: c.attn_softcap,
             window: if c.slides(l) { c.sliding_window } else { 0 },
         };
-        Ok(self.hm.gpu.attention(&dev.q, kc, vc, &mut dev.scores, &mut dev.att.f32s, &dev.pos, &at, dev.kv_f16)?)
+        Ok(self.hm.gpu.attention(&dev.q, kc, vc, &mut dev.scores, &mut dev.att.f32s, &dev.pos, &at, dev.kv_f16, self.m)?)
     }
 
     fn attn_out(&mut self, l: usize) -> CoreResult<()> {
         let Some(layer) = self.place(l)? else { return self.cpu.attn_out(l) };
         let (c, g, d, dev) = (&self.hm.model.config, &self.hm.gpu, &layer.dense, &mut *self.dev);
-        g.quantize_for(&[&d.wo], &mut dev.att, c.q_dim())?;
-        Ok(g.matvec(&d.wo, &dev.att, d.bo.as_ref(), &mut dev.attn_out, false)?)
+        g.quantize_for(&[&d.wo], &mut dev.att, self.m * c.q_dim())?;
+        Ok(g.matvec(&d.wo, &dev.att, d.bo.as_ref(), &mut dev.attn_out, false, self.m)?)
     }
 
     fn ffn(&mut self, l: usize) -> CoreResult<()> {
@@ -825,7 +869,7 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         let missing = || CudaError::Plan(format!("layer {l} has no {part:?} post-norm"));
         let out = match part {
             Part::Attn => {
-                g.head_rmsnorm(&mut dev.attn_out, d.attn_post_norm.as_ref().ok_or_else(missing)?, 1, c.n_embd, c.norm_eps)?;
+                g.head_rmsnorm(&mut dev.attn_out, d.attn_post_norm.as_ref().ok_or_else(missing)?, self.m, c.n_embd, c.norm_eps)?;
                 return Ok(());
             }
             Part::Ffn => d.ffn_post_norm.as_ref().ok_or_else(missing)?,
@@ -837,16 +881,16 @@ impl<D: Device> Backend for HybridPass<'_, D> {
             g.ffn_merge(&mut dev.ffn_out, &dev.partial, dev.ffn_chunks, cold, layer.down_bias.as_ref(), c.n_embd)?;
             dev.ffn_whole = true;
         }
-        Ok(g.head_rmsnorm(&mut dev.ffn_out, out, 1, c.n_embd, c.norm_eps)?)
+        Ok(g.head_rmsnorm(&mut dev.ffn_out, out, self.m, c.n_embd, c.norm_eps)?)
     }
 
     fn residual(&mut self, l: usize, part: Part) -> CoreResult<()> {
         let Some(layer) = self.place(l)? else { return self.cpu.residual(l, part) };
         let (c, g, dev) = (&self.hm.model.config, &self.hm.gpu, &mut *self.dev);
         match part {
-            Part::Attn => g.add_into(&mut dev.x.f32s, &dev.attn_out, None, c.n_embd)?,
+            Part::Attn => g.add_into(&mut dev.x.f32s, &dev.attn_out, None, self.m * c.n_embd)?,
             // x += hot partial sums + cold part (+ bias), or the whole FFN's output
-            Part::Ffn if dev.ffn_whole => g.add_into(&mut dev.x.f32s, &dev.ffn_out, None, c.n_embd)?,
+            Part::Ffn if dev.ffn_whole => g.add_into(&mut dev.x.f32s, &dev.ffn_out, None, self.m * c.n_embd)?,
             Part::Ffn => {
                 let cold = dev.ffn_has_cold.then_some(&dev.cpu_part);
                 g.ffn_merge(&mut dev.x.f32s, &dev.partial, dev.ffn_chunks, cold, layer.down_bias.as_ref(), c.n_embd)?
@@ -855,17 +899,26 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         Ok(())
     }
 
-    fn logits(&mut self, m: usize) -> CoreResult<Vec<f32>> {
-        debug_assert_eq!(m, 1, "a hybrid pass has one row");
+    /// The logits of the pass's last n rows (n, n_vocab).
+    fn logits(&mut self, n: usize) -> CoreResult<Vec<f32>> {
         let Some((norm, w)) = &self.hm.output else {
             self.residual_to(false)?;
-            return self.cpu.logits(m);
+            return self.cpu.logits(n);
         };
+        if n == 0 {
+            return Ok(Vec::new());
+        }
         self.residual_to(true)?;
-        let (c, g, dev) = (&self.hm.model.config, &self.hm.gpu, &mut *self.dev);
-        g.rmsnorm(&dev.x.f32s, norm, &mut dev.xb, c.n_embd, c.norm_eps, &[w])?;
-        g.quantize_for(&[w], &mut dev.xb, c.n_embd)?;
-        g.matvec(w, &dev.xb, None, &mut dev.logits, false)?;
+        let (c, g, dev, rows) = (&self.hm.model.config, &self.hm.gpu, &mut *self.dev, self.m);
+        let x = if n < rows {
+            g.copy(&dev.x.f32s, (rows - n) * c.n_embd, &mut dev.x_tail, n * c.n_embd)?;
+            &dev.x_tail
+        } else {
+            &dev.x.f32s
+        };
+        g.rmsnorm(x, norm, &mut dev.xb, c.n_embd, c.norm_eps, &[w], n)?;
+        g.quantize_for(&[w], &mut dev.xb, n * c.n_embd)?;
+        g.matvec(w, &dev.xb, None, &mut dev.logits, false, n)?;
         if let Graph::Recording { gpu_neurons_before } = dev.graph {
             // the recorded token's kernels have not run yet: they run as the graph's first replay
             let graph = g.end_capture()?;
@@ -873,7 +926,7 @@ impl<D: Device> Backend for HybridPass<'_, D> {
             g.launch_graph(&graph)?;
             dev.graph = Graph::Ready { graph, ledger };
         }
-        let mut logits = vec![0.0f32; c.n_vocab];
+        let mut logits = vec![0.0f32; n * c.n_vocab];
         g.read(&dev.logits, &mut logits)?;
         cap_logits(c, &mut logits);
         Ok(logits)

@@ -146,7 +146,7 @@ fn matvec_matches_twin() {
             let db = g.upload(&bias).unwrap();
             for relu in [false, true] {
                 let mut dy = poisoned(&g, rows);
-                g.matvec(&dm, &dx, Some(&db), &mut dy, relu).unwrap();
+                g.matvec(&dm, &dx, Some(&db), &mut dy, relu, 1).unwrap();
                 let mut y = vec![0.0; rows];
                 g.read(&dy, &mut y).unwrap();
                 let err = rel_err(&y, &twin::matvec(&m, &x, Some(&bias), relu));
@@ -183,7 +183,7 @@ fn matvec3_matches_three_matvecs() {
             let mut ys: Vec<_> = rows.iter().map(|&r| poisoned(&g, r)).collect();
             let [y0, y1, y2] = &mut ys[..] else { unreachable!() };
             let b = |i: usize| with_bias.then(|| &db[i]);
-            g.matvec3([&dms[0], &dms[1], &dms[2]], &dx, [b(0), b(1), b(2)], [y0, y1, y2]).unwrap();
+            g.matvec3([&dms[0], &dms[1], &dms[2]], &dx, [b(0), b(1), b(2)], [y0, y1, y2], 1).unwrap();
             for i in 0..3 {
                 let mut got = vec![0.0; rows[i]];
                 g.read(&ys[i], &mut got).unwrap();
@@ -223,7 +223,7 @@ fn ffn_hot_and_down_match_twin() {
                 let mut dh = poisoned(&g, bucket.len());
                 let p = pred.then_some(&dlogits);
                 let mut counts = g.upload(&[7u32, 0, 7]).unwrap();
-                g.ffn_hot(Some(&dgate), &dup, &dbucket, &dx, None, p, thr, pred.then_some((&mut counts, 1)), act, &mut dh).unwrap();
+                g.ffn_hot(Some(&dgate), &dup, &dbucket, &dx, None, p, thr, pred.then_some((&mut counts, 1)), act, &mut dh, 1).unwrap();
                 let mut h = vec![0.0; bucket.len()];
                 g.read(&dh, &mut h).unwrap();
                 // the selection count lands in its slot only
@@ -270,14 +270,14 @@ fn norm_rope_attention_match_twin() {
     let (x, w) = (random(&mut rng, n, 2.0), random(&mut rng, n, 1.0));
     let mut dout = g.acts(n).unwrap();
     dout.f32s = poisoned(&g, n);
-    g.rmsnorm(&g.upload(&x).unwrap(), &g.upload(&w).unwrap(), &mut dout, n, 1e-5, &[]).unwrap();
+    g.rmsnorm(&g.upload(&x).unwrap(), &g.upload(&w).unwrap(), &mut dout, n, 1e-5, &[], 1).unwrap();
     let mut out = vec![0.0; n];
     g.read(&dout.f32s, &mut out).unwrap();
     assert!(rel_err(&out, &twin::rmsnorm(&x, &w, 1e-5)) < 1e-5);
     // for a quantized reader the norm also rounds its output: the bytes `quantize_q8` writes
     let reader_data = quantize_row(DType::Q8_0, &vec![0.5; n]);
     let reader = g.upload_rows(&QMatrix { dtype: DType::Q8_0, rows: 1, cols: n, data: &reader_data }, None).unwrap();
-    g.rmsnorm(&g.upload(&x).unwrap(), &g.upload(&w).unwrap(), &mut dout, n, 1e-5, &[&reader]).unwrap();
+    g.rmsnorm(&g.upload(&x).unwrap(), &g.upload(&w).unwrap(), &mut dout, n, 1e-5, &[&reader], 1).unwrap();
     assert!(dout.rounded);
     let mut fused = vec![0u8; n / QK * Q8_BLOCK_BYTES];
     g.read(&dout.q8, &mut fused).unwrap();
@@ -306,7 +306,7 @@ fn norm_rope_attention_match_twin() {
         let angles: Vec<f32> = (0..rd / 2).map(|i| 37.0 * 10000f32.powf(-2.0 * i as f32 / rd as f32)).collect();
         let (cos, sin): (Vec<f32>, Vec<f32>) = angles.iter().map(|a| (a.cos(), a.sin())).unzip();
         let (mut dq, mut dk) = (g.upload(&q).unwrap(), g.upload(&k).unwrap());
-        g.rope(&mut dq, &mut dk, &g.upload(&cos).unwrap(), &g.upload(&sin).unwrap(), n_head, n_head_kv, hd, rd, neox).unwrap();
+        g.rope(&mut dq, &mut dk, &g.upload(&cos).unwrap(), &g.upload(&sin).unwrap(), n_head, n_head_kv, hd, rd, neox, 1).unwrap();
         for (d, x) in [(&dq, &q), (&dk, &k)] {
             let mut got = vec![0.0; x.len()];
             g.read(d, &mut got).unwrap();
@@ -329,7 +329,7 @@ fn norm_rope_attention_match_twin() {
         for pos in 0..len {
             let (k, v) = (random(&mut rng, kv_dim, 1.0), random(&mut rng, kv_dim, 1.0));
             g.set_pos(&mut at, pos).unwrap();
-            g.kv_store(&g.upload(&k).unwrap(), &g.upload(&v).unwrap(), &mut kc, &mut vc, &at, kv_dim, f16).unwrap();
+            g.kv_store(&g.upload(&k).unwrap(), &g.upload(&v).unwrap(), &mut kc, &mut vc, &at, kv_dim, f16, 1).unwrap();
             // the twin sees what the cache holds: f16-rounded values for an f16 cache
             let round = |x: Vec<f32>| -> Vec<f32> {
                 if !f16 {
@@ -349,7 +349,7 @@ fn norm_rope_attention_match_twin() {
         for at_shape in [plain, AttnShape { scale: 0.0625, softcap: 2.0, window: 100, ..plain }, AttnShape { window: 1000, ..plain }] {
             let mut scores = poisoned(&g, n_head * n_ctx);
             let mut dout = poisoned(&g, n_head * hd);
-            g.attention(&g.upload(&q).unwrap(), &kc, &vc, &mut scores, &mut dout, &at, &at_shape, f16).unwrap();
+            g.attention(&g.upload(&q).unwrap(), &kc, &vc, &mut scores, &mut dout, &at, &at_shape, f16, 1).unwrap();
             let mut got = vec![0.0; n_head * hd];
             g.read(&dout, &mut got).unwrap();
             let want = twin::attention(&q, &ks, &vs, len, &at_shape);
@@ -366,7 +366,7 @@ fn kv_store_past_the_cache_is_an_error() {
     let k = g.upload(&[1.0f32; 8]).unwrap();
     let mut at = g.pos().unwrap();
     g.set_pos(&mut at, 4).unwrap();
-    assert!(g.kv_store(&k, &k, &mut kc, &mut vc, &at, 8, false).is_err());
+    assert!(g.kv_store(&k, &k, &mut kc, &mut vc, &at, 8, false, 1).is_err());
 }
 
 /// A recorded sequence (kv_store, attention, then a matvec of its output) replayed at later
@@ -400,17 +400,17 @@ fn a_recorded_token_replays_at_every_position() {
             // position 3 is recorded (its launches run only as the first replay)
             None if pos == 3 => {
                 assert!(g.begin_capture().unwrap());
-                g.kv_store(&dk, &dv, &mut kc, &mut vc, &at, kv_dim, false).unwrap();
-                g.attention(&dq, &kc, &vc, &mut scores, &mut att.f32s, &at, &shape, false).unwrap();
-                g.matvec(&dw, &att, None, &mut y, false).unwrap();
+                g.kv_store(&dk, &dv, &mut kc, &mut vc, &at, kv_dim, false, 1).unwrap();
+                g.attention(&dq, &kc, &vc, &mut scores, &mut att.f32s, &at, &shape, false, 1).unwrap();
+                g.matvec(&dw, &att, None, &mut y, false, 1).unwrap();
                 let recorded = g.end_capture().unwrap();
                 g.launch_graph(&recorded).unwrap();
                 graph = Some(recorded);
             }
             None => {
-                g.kv_store(&dk, &dv, &mut kc, &mut vc, &at, kv_dim, false).unwrap();
-                g.attention(&dq, &kc, &vc, &mut scores, &mut att.f32s, &at, &shape, false).unwrap();
-                g.matvec(&dw, &att, None, &mut y, false).unwrap();
+                g.kv_store(&dk, &dv, &mut kc, &mut vc, &at, kv_dim, false, 1).unwrap();
+                g.attention(&dq, &kc, &vc, &mut scores, &mut att.f32s, &at, &shape, false, 1).unwrap();
+                g.matvec(&dw, &att, None, &mut y, false, 1).unwrap();
             }
             Some(recorded) => g.launch_graph(recorded).unwrap(),
         }
@@ -418,5 +418,80 @@ fn a_recorded_token_replays_at_every_position() {
         g.read(&y, &mut got).unwrap();
         let want = twin::matvec(&w, &twin::attention(&q, &ks, &vs, pos + 1, &shape), None, false);
         assert!(rel_err(&got, &want) < 1e-5, "position {pos}");
+    }
+}
+
+/// Every kernel that takes batch rows computes, for m rows at once, bit for bit what it
+/// computes for each row alone: norms, q/k/v, RoPE at each row's angles, the KV store and
+/// attention at consecutive positions, the FFN's hot rows and its down rows.
+#[test]
+fn batch_rows_equal_rows_one_at_a_time() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new(11);
+    let (n_embd, n_ff, n_head, n_head_kv, hd, n_ctx, m) = (256, 512, 4, 2, 64, 64, 5);
+    let (q_dim, kv_dim, half) = (n_head * hd, n_head_kv * hd, hd / 2);
+    for dtype in [DType::F32, DType::Q4_K, DType::Q8_0] {
+        let mat = |rng: &mut Rng, rows, cols| matrix(rng, dtype, rows, cols);
+        let (wq, wk, wv, up, down) = (mat(&mut rng, q_dim, n_embd), mat(&mut rng, kv_dim, n_embd), mat(&mut rng, kv_dim, n_embd), mat(&mut rng, n_ff, n_embd), mat(&mut rng, n_embd, n_ff));
+        let qm = |rows, cols, data| QMatrix { dtype, rows, cols, data };
+        let dwq = g.upload_rows(&qm(q_dim, n_embd, &wq), None).unwrap();
+        let dwk = g.upload_rows(&qm(kv_dim, n_embd, &wk), None).unwrap();
+        let dwv = g.upload_rows(&qm(kv_dim, n_embd, &wv), None).unwrap();
+        let dup = g.upload_rows(&qm(n_ff, n_embd, &up), None).unwrap();
+        let ddown = g.upload_rows(&qm(n_embd, n_ff, &down), None).unwrap();
+        let bucket = g.upload(&(0..n_ff as i32).collect::<Vec<_>>()).unwrap();
+        let norm_w = g.upload(&random(&mut rng, n_embd, 1.0)).unwrap();
+        let x = random(&mut rng, m * n_embd, 1.0);
+        let angles: Vec<f32> = (0..m * half).map(|i| (i as f32 * 0.37).sin()).collect();
+        let cos = g.upload(&angles.iter().map(|a| a.cos()).collect::<Vec<_>>()).unwrap();
+        let sin = g.upload(&angles.iter().map(|a| a.sin()).collect::<Vec<_>>()).unwrap();
+        let shape = AttnShape { n_ctx, n_head, n_head_kv, head_dim: hd, scale: 0.125, softcap: 0.0, window: 3 };
+        let first = 7; // the rows' first position (the cache already holds 0..7)
+
+        // one layer's worth of the kernels over `rows` rows starting at row r0
+        let run = |r0: usize, rows: usize, kc: &mut cudarc::driver::CudaSlice<u8>, vc: &mut cudarc::driver::CudaSlice<u8>| -> Vec<Vec<f32>> {
+            let dx = g.upload(&x[r0 * n_embd..(r0 + rows) * n_embd]).unwrap();
+            let mut xb = g.acts(rows * n_embd).unwrap();
+            g.rmsnorm(&dx, &norm_w, &mut xb, n_embd, 1e-5, &[&dwq], rows).unwrap();
+            g.quantize_for(&[&dwq], &mut xb, rows * n_embd).unwrap();
+            let (mut q, mut k, mut v) = (g.zeros::<f32>(rows * q_dim).unwrap(), g.zeros::<f32>(rows * kv_dim).unwrap(), g.zeros::<f32>(rows * kv_dim).unwrap());
+            g.matvec3([&dwq, &dwk, &dwv], &xb, [None, None, None], [&mut q, &mut k, &mut v], rows).unwrap();
+            let (mut c, mut s_) = (g.zeros::<f32>(rows * half).unwrap(), g.zeros::<f32>(rows * half).unwrap());
+            g.copy(&cos, r0 * half, &mut c, rows * half).unwrap();
+            g.copy(&sin, r0 * half, &mut s_, rows * half).unwrap();
+            g.rope(&mut q, &mut k, &c, &s_, n_head, n_head_kv, hd, hd, true, rows).unwrap();
+            let mut at = g.pos().unwrap();
+            g.set_pos(&mut at, first + r0).unwrap();
+            g.kv_store(&k, &v, kc, vc, &at, kv_dim, false, rows).unwrap();
+            let mut scores = g.zeros::<f32>(rows * n_head * n_ctx).unwrap();
+            let mut att = g.acts(rows * q_dim).unwrap();
+            g.attention(&q, kc, vc, &mut scores, &mut att.f32s, &at, &shape, false, rows).unwrap();
+            let mut h = g.acts(rows * n_ff).unwrap();
+            g.ffn_hot(None, &dup, &bucket, &xb, None, None, 0.0, None, FfnActivation::Relu, &mut h.f32s, rows).unwrap();
+            g.quantize_for(&[&ddown], &mut h, rows * n_ff).unwrap();
+            let mut y = g.zeros::<f32>(rows * n_embd).unwrap();
+            g.matvec(&ddown, &h, None, &mut y, false, rows).unwrap();
+            let read = |b: &cudarc::driver::CudaSlice<f32>, n: usize| {
+                let mut out = vec![0.0; n];
+                g.read(b, &mut out).unwrap();
+                out
+            };
+            vec![read(&xb.f32s, rows * n_embd), read(&q, rows * q_dim), read(&k, rows * kv_dim), read(&att.f32s, rows * q_dim), read(&h.f32s, rows * n_ff), read(&y, rows * n_embd)]
+        };
+        let prefix = random(&mut rng, first * kv_dim, 1.0);
+        let fresh_cache = || {
+            let mut c = g.zeros::<u8>(n_ctx * kv_dim * 4).unwrap();
+            let bytes: Vec<u8> = prefix.iter().flat_map(|v| v.to_le_bytes()).collect();
+            g.copy(&g.upload(&bytes).unwrap(), 0, &mut c, bytes.len()).unwrap();
+            c
+        };
+        let (mut kc, mut vc) = (fresh_cache(), fresh_cache());
+        let all = run(0, m, &mut kc, &mut vc);
+        let (mut kc1, mut vc1) = (fresh_cache(), fresh_cache());
+        let one: Vec<Vec<Vec<f32>>> = (0..m).map(|r| run(r, 1, &mut kc1, &mut vc1)).collect();
+        for (i, name) in ["norm", "q", "k", "attention", "hot", "down"].iter().enumerate() {
+            let joined: Vec<f32> = one.iter().flat_map(|o| o[i].iter().copied()).collect();
+            assert_eq!(all[i], joined, "{dtype:?} {name}");
+        }
     }
 }

@@ -144,6 +144,12 @@ impl Device for Cuda {
         Ok(self.stream.memcpy_dtoh(&view, dst)?)
     }
 
+    fn copy<T: Elem>(&self, src: &CudaSlice<T>, src_start: usize, dst: &mut CudaSlice<T>, n: usize) -> Result<()> {
+        let from = src.slice(src_start..src_start + n);
+        let mut to = dst.slice_mut(..n);
+        Ok(self.stream.memcpy_dtod(&from, &mut to)?)
+    }
+
     fn clear<T: Elem>(&self, dst: &mut CudaSlice<T>) -> Result<()> {
         Ok(self.stream.memset_zeros(dst)?)
     }
@@ -179,18 +185,18 @@ impl Device for Cuda {
         Ok(())
     }
 
-    fn matvec(&self, w: &DMat<Self>, x: &DActs<Self>, bias: Option<&CudaSlice<f32>>, y: &mut CudaSlice<f32>, relu: bool) -> Result<()> {
+    fn matvec(&self, w: &DMat<Self>, x: &DActs<Self>, bias: Option<&CudaSlice<f32>>, y: &mut CudaSlice<f32>, relu: bool, m: usize) -> Result<()> {
         let f = &self.k.matvec[type_slot(w.dtype)?];
         let (row_bytes, rows, cols, relu, bias) = (w.row_bytes as u64, w.rows as i32, w.cols as i32, relu as i32, self.ptr(bias));
         let mut b = self.stream.launch_builder(f);
         b.arg(&w.data).arg(&row_bytes).arg(&x.f32s).arg(&x.q8).arg(&bias).arg(y).arg(&rows).arg(&cols).arg(&relu);
         // SAFETY: argument types and order match `matvec_*` in powerinfer.cu; x is checked by
         // `Gpu`, y and bias are sized by the callers.
-        unsafe { b.launch(cfg((blocks(w.rows, WARPS), 1), 32 * WARPS as u32)) }?;
+        unsafe { b.launch(cfg((blocks(w.rows, WARPS), m as u32), 32 * WARPS as u32)) }?;
         Ok(())
     }
 
-    fn matvec3(&self, w: [&DMat<Self>; 3], x: &DActs<Self>, bias: [Option<&CudaSlice<f32>>; 3], y: [&mut CudaSlice<f32>; 3]) -> Result<()> {
+    fn matvec3(&self, w: [&DMat<Self>; 3], x: &DActs<Self>, bias: [Option<&CudaSlice<f32>>; 3], y: [&mut CudaSlice<f32>; 3], m: usize) -> Result<()> {
         let f = &self.k.matvec3[type_slot(w[0].dtype)?];
         let (row_bytes, cols) = (w[0].row_bytes as u64, w[0].cols as i32);
         let rows = w.map(|m| m.rows as i32);
@@ -201,7 +207,7 @@ impl Device for Cuda {
         l.arg(&b[0]).arg(&b[1]).arg(&b[2]).arg(y0).arg(y1).arg(y2).arg(&rows[0]).arg(&rows[1]).arg(&rows[2]).arg(&cols);
         // SAFETY: matches `matvec3_*`; the three matrices share type and width and each y and
         // bias holds its matrix's rows (checked by `Gpu`).
-        unsafe { l.launch(cfg((blocks(w.iter().map(|m| m.rows).sum(), WARPS), 1), 32 * WARPS as u32)) }?;
+        unsafe { l.launch(cfg((blocks(w.iter().map(|w| w.rows).sum(), WARPS), m as u32), 32 * WARPS as u32)) }?;
         Ok(())
     }
 
@@ -217,6 +223,7 @@ impl Device for Cuda {
         selected: Option<(&mut CudaSlice<u32>, usize)>,
         act: i32,
         h: &mut CudaSlice<f32>,
+        m: usize,
     ) -> Result<()> {
         let f = &self.k.ffn_hot[type_slot(up.dtype)?];
         let gate_ptr = gate.map_or(0, |g| g.data.device_ptr(&self.stream).0);
@@ -231,7 +238,7 @@ impl Device for Cuda {
         b.arg(&selected).arg(h).arg(&n_hot).arg(&cols).arg(&act);
         // SAFETY: matches `ffn_hot_*`; bucket and h hold n_hot entries, up_bias and pred_logits
         // n_ff; `selected` is null or one u32 inside `counts` (checked by `Gpu`).
-        unsafe { b.launch(cfg((blocks(up.rows, WARPS), 1), 32 * WARPS as u32)) }?;
+        unsafe { b.launch(cfg((blocks(up.rows, WARPS), m as u32), 32 * WARPS as u32)) }?;
         Ok(())
     }
 
@@ -263,13 +270,13 @@ impl Device for Cuda {
         Ok(())
     }
 
-    fn rmsnorm(&self, x: &CudaSlice<f32>, w: &CudaSlice<f32>, out: &mut CudaSlice<f32>, q8: Option<&mut CudaSlice<u8>>, n: usize, eps: f32) -> Result<()> {
+    fn rmsnorm(&self, x: &CudaSlice<f32>, w: &CudaSlice<f32>, out: &mut CudaSlice<f32>, q8: Option<&mut CudaSlice<u8>>, n: usize, eps: f32, m: usize) -> Result<()> {
         let n_i = n as i32;
         let q8 = q8.map_or(0, |q| q.device_ptr_mut(&self.stream).0);
         let mut b = self.stream.launch_builder(&self.k.rmsnorm);
         b.arg(x).arg(w).arg(out).arg(&q8).arg(&n_i).arg(&eps);
-        // SAFETY: matches `rmsnorm`; one block.
-        unsafe { b.launch(cfg((1, 1), 1024)) }?;
+        // SAFETY: matches `rmsnorm`; one block per row.
+        unsafe { b.launch(cfg((m as u32, 1), 1024)) }?;
         Ok(())
     }
 
@@ -300,21 +307,21 @@ impl Device for Cuda {
         Ok(())
     }
 
-    fn rope(&self, q: &mut CudaSlice<f32>, k: &mut CudaSlice<f32>, cos: &CudaSlice<f32>, sin: &CudaSlice<f32>, n_head: usize, n_head_kv: usize, head_dim: usize, rope_dim: usize, neox: bool) -> Result<()> {
+    fn rope(&self, q: &mut CudaSlice<f32>, k: &mut CudaSlice<f32>, cos: &CudaSlice<f32>, sin: &CudaSlice<f32>, n_head: usize, n_head_kv: usize, head_dim: usize, rope_dim: usize, neox: bool, m: usize) -> Result<()> {
         let (nh, nkv, hd, rd, nx) = (n_head as i32, n_head_kv as i32, head_dim as i32, rope_dim as i32, neox as i32);
         let mut b = self.stream.launch_builder(&self.k.rope);
         b.arg(q).arg(k).arg(cos).arg(sin).arg(&nh).arg(&nkv).arg(&hd).arg(&rd).arg(&nx);
         // SAFETY: matches `rope`; sizes checked by `Gpu`.
-        unsafe { b.launch(cfg((blocks((n_head + n_head_kv) * rope_dim / 2, 256), 1), 256)) }?;
+        unsafe { b.launch(cfg((blocks((n_head + n_head_kv) * rope_dim / 2, 256), m as u32), 256)) }?;
         Ok(())
     }
 
-    fn kv_store(&self, k: &CudaSlice<f32>, v: &CudaSlice<f32>, k_cache: &mut CudaSlice<u8>, v_cache: &mut CudaSlice<u8>, pos: &CudaSlice<i32>, kv_dim: usize, f16: bool) -> Result<()> {
+    fn kv_store(&self, k: &CudaSlice<f32>, v: &CudaSlice<f32>, k_cache: &mut CudaSlice<u8>, v_cache: &mut CudaSlice<u8>, pos: &CudaSlice<i32>, kv_dim: usize, f16: bool, m: usize) -> Result<()> {
         let (d, h) = (kv_dim as i32, f16 as i32);
         let mut b = self.stream.launch_builder(&self.k.kv_store);
         b.arg(k).arg(v).arg(k_cache).arg(v_cache).arg(pos).arg(&d).arg(&h);
         // SAFETY: matches `kv_store`; the cache bound is checked by `Gpu`.
-        unsafe { b.launch(cfg((blocks(kv_dim, 256), 1), 256)) }?;
+        unsafe { b.launch(cfg((blocks(kv_dim, 256), m as u32), 256)) }?;
         Ok(())
     }
 
@@ -328,6 +335,7 @@ impl Device for Cuda {
         pos: &CudaSlice<i32>,
         at: &AttnShape,
         f16: bool,
+        m: usize,
     ) -> Result<()> {
         let (ctx_i, nh, nkv, hd, h) = (at.n_ctx as i32, at.n_head as i32, at.n_head_kv as i32, at.head_dim as i32, f16 as i32);
         let window = i32::try_from(at.window).unwrap_or(i32::MAX);
@@ -335,7 +343,7 @@ impl Device for Cuda {
         b.arg(q).arg(k_cache).arg(v_cache).arg(scores).arg(out).arg(pos).arg(&ctx_i).arg(&nh).arg(&nkv).arg(&hd);
         b.arg(&at.scale).arg(&at.softcap).arg(&window).arg(&h);
         // SAFETY: matches `attention`; scores holds n_head * n_ctx floats and pos[0] < n_ctx (checked by `Gpu`).
-        unsafe { b.launch(cfg((at.n_head as u32, 1), 256)) }?;
+        unsafe { b.launch(cfg((at.n_head as u32, m as u32), 256)) }?;
         Ok(())
     }
 }

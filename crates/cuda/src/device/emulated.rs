@@ -29,12 +29,13 @@ fn view(m: &DMat<Emulated>) -> QMatrix<'_> {
     QMatrix { dtype: m.dtype, rows: m.rows, cols: m.cols, data: &m.data[..m.rows * m.row_bytes] }
 }
 
-/// What a kernel reading a matrix of `cols` inputs of `m`'s type sees of `x`.
-fn input(m: &DMat<Emulated>, x: &DActs<Emulated>) -> Vec<f32> {
+/// What a kernel reading a matrix of `cols` inputs of `m`'s type sees of row t of `x`.
+fn input(m: &DMat<Emulated>, x: &DActs<Emulated>, t: usize) -> Vec<f32> {
     if m.dtype.is_quantized() {
-        twin::q8_values(&x.q8[..m.cols / QK * Q8_BLOCK_BYTES])
+        let row = m.cols / QK * Q8_BLOCK_BYTES;
+        twin::q8_values(&x.q8[t * row..(t + 1) * row])
     } else {
-        x.f32s[..m.cols].to_vec()
+        x.f32s[t * m.cols..(t + 1) * m.cols].to_vec()
     }
 }
 
@@ -90,6 +91,11 @@ impl Device for Emulated {
         Ok(())
     }
 
+    fn copy<T: Elem>(&self, src: &Vec<T>, src_start: usize, dst: &mut Vec<T>, n: usize) -> Result<()> {
+        dst[..n].copy_from_slice(&src[src_start..src_start + n]);
+        Ok(())
+    }
+
     fn clear<T: Elem>(&self, dst: &mut Vec<T>) -> Result<()> {
         dst.iter_mut().for_each(|v| *v = T::default());
         Ok(())
@@ -119,15 +125,17 @@ impl Device for Emulated {
         Ok(())
     }
 
-    fn matvec(&self, w: &DMat<Self>, x: &DActs<Self>, bias: Option<&Vec<f32>>, y: &mut Vec<f32>, relu: bool) -> Result<()> {
-        let out = twin::matvec_seen(&view(w), &input(w, x), bias.map(|b| &b[..w.rows]), relu);
-        y[..w.rows].copy_from_slice(&out);
+    fn matvec(&self, w: &DMat<Self>, x: &DActs<Self>, bias: Option<&Vec<f32>>, y: &mut Vec<f32>, relu: bool, m: usize) -> Result<()> {
+        for t in 0..m {
+            let out = twin::matvec_seen(&view(w), &input(w, x, t), bias.map(|b| &b[..w.rows]), relu);
+            y[t * w.rows..(t + 1) * w.rows].copy_from_slice(&out);
+        }
         Ok(())
     }
 
-    fn matvec3(&self, w: [&DMat<Self>; 3], x: &DActs<Self>, bias: [Option<&Vec<f32>>; 3], y: [&mut Vec<f32>; 3]) -> Result<()> {
+    fn matvec3(&self, w: [&DMat<Self>; 3], x: &DActs<Self>, bias: [Option<&Vec<f32>>; 3], y: [&mut Vec<f32>; 3], m: usize) -> Result<()> {
         for ((w, b), y) in w.into_iter().zip(bias).zip(y) {
-            self.matvec(w, x, b, y, false)?;
+            self.matvec(w, x, b, y, false, m)?;
         }
         Ok(())
     }
@@ -144,6 +152,7 @@ impl Device for Emulated {
         selected: Option<(&mut Vec<u32>, usize)>,
         act: i32,
         h: &mut Vec<f32>,
+        m: usize,
     ) -> Result<()> {
         let act = act_of_code(act).ok_or_else(|| fault(format!("activation code {act}")))?;
         let n_ids = up_bias.iter().chain(pred_logits.iter()).map(|b| b.len()).min().unwrap_or(usize::MAX);
@@ -157,10 +166,12 @@ impl Device for Emulated {
                 Some((p, t)) => ids.iter().filter(|&&j| Sparsity::predictor_selects(p[j as usize], t)).count(),
                 None => ids.len(),
             };
-            counts[slot] += n as u32;
+            counts[slot] += (n * m) as u32;
         }
-        let out = twin::ffn_hot_seen(gate.map(view).as_ref(), &view(up), &ids, &input(up, x), up_bias.map(|b| &b[..]), pred, act);
-        h[..up.rows].copy_from_slice(&out);
+        for t in 0..m {
+            let out = twin::ffn_hot_seen(gate.map(view).as_ref(), &view(up), &ids, &input(up, x, t), up_bias.map(|b| &b[..]), pred, act);
+            h[t * up.rows..(t + 1) * up.rows].copy_from_slice(&out);
+        }
         Ok(())
     }
 
@@ -183,10 +194,12 @@ impl Device for Emulated {
         Ok(())
     }
 
-    fn rmsnorm(&self, x: &Vec<f32>, w: &Vec<f32>, out: &mut Vec<f32>, q8: Option<&mut Vec<u8>>, n: usize, eps: f32) -> Result<()> {
-        out[..n].copy_from_slice(&twin::rmsnorm(&x[..n], &w[..n], eps));
+    fn rmsnorm(&self, x: &Vec<f32>, w: &Vec<f32>, out: &mut Vec<f32>, q8: Option<&mut Vec<u8>>, n: usize, eps: f32, m: usize) -> Result<()> {
+        for t in 0..m {
+            out[t * n..(t + 1) * n].copy_from_slice(&twin::rmsnorm(&x[t * n..(t + 1) * n], &w[..n], eps));
+        }
         if let Some(q8) = q8 {
-            self.quantize_q8(out, q8, n / QK)?;
+            self.quantize_q8(out, q8, m * n / QK)?;
         }
         Ok(())
     }
@@ -208,15 +221,19 @@ impl Device for Emulated {
         Ok(())
     }
 
-    fn rope(&self, q: &mut Vec<f32>, k: &mut Vec<f32>, cos: &Vec<f32>, sin: &Vec<f32>, n_head: usize, n_head_kv: usize, head_dim: usize, rope_dim: usize, neox: bool) -> Result<()> {
-        twin::rope(&mut q[..n_head * head_dim], cos, sin, head_dim, rope_dim, neox);
-        twin::rope(&mut k[..n_head_kv * head_dim], cos, sin, head_dim, rope_dim, neox);
+    fn rope(&self, q: &mut Vec<f32>, k: &mut Vec<f32>, cos: &Vec<f32>, sin: &Vec<f32>, n_head: usize, n_head_kv: usize, head_dim: usize, rope_dim: usize, neox: bool, m: usize) -> Result<()> {
+        let (half, qd, kd) = (rope_dim / 2, n_head * head_dim, n_head_kv * head_dim);
+        for t in 0..m {
+            let (c, s) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
+            twin::rope(&mut q[t * qd..(t + 1) * qd], c, s, head_dim, rope_dim, neox);
+            twin::rope(&mut k[t * kd..(t + 1) * kd], c, s, head_dim, rope_dim, neox);
+        }
         Ok(())
     }
 
-    fn kv_store(&self, k: &Vec<f32>, v: &Vec<f32>, k_cache: &mut Vec<u8>, v_cache: &mut Vec<u8>, pos: &Vec<i32>, kv_dim: usize, f16: bool) -> Result<()> {
+    fn kv_store(&self, k: &Vec<f32>, v: &Vec<f32>, k_cache: &mut Vec<u8>, v_cache: &mut Vec<u8>, pos: &Vec<i32>, kv_dim: usize, f16: bool, m: usize) -> Result<()> {
         let pos = pos[0] as usize;
-        for i in 0..kv_dim {
+        for i in 0..m * kv_dim {
             store(k_cache, pos * kv_dim + i, k[i], f16);
             store(v_cache, pos * kv_dim + i, v[i], f16);
         }
@@ -233,12 +250,15 @@ impl Device for Emulated {
         pos: &Vec<i32>,
         at: &AttnShape,
         f16: bool,
+        m: usize,
     ) -> Result<()> {
-        let len = pos[0] as usize + 1;
-        let n = len * at.n_head_kv * at.head_dim;
+        let q_dim = at.n_head * at.head_dim;
+        let n = (pos[0] as usize + m) * at.n_head_kv * at.head_dim;
         let (k, v) = (cache_values(k_cache, n, f16), cache_values(v_cache, n, f16));
-        let o = twin::attention(&q[..at.n_head * at.head_dim], &k, &v, len, at);
-        out[..at.n_head * at.head_dim].copy_from_slice(&o);
+        for t in 0..m {
+            let o = twin::attention(&q[t * q_dim..(t + 1) * q_dim], &k, &v, pos[0] as usize + t + 1, at);
+            out[t * q_dim..(t + 1) * q_dim].copy_from_slice(&o);
+        }
         Ok(())
     }
 }
