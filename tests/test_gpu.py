@@ -297,6 +297,20 @@ def test_architectures_run_on_the_gpu(tmp_path, case, device):
         assert err < 1e-3, (kwargs, err)
 
 
+def test_a_plain_file_that_fits_with_its_own_down_rows_goes_wholly_to_the_gpu(tmp_path):
+    """Wholly on the GPU a plain file's FFN reads `ffn_down` in the file's type (4-bit here),
+    so a budget that holds the model that way places it whole, though a split would count each
+    neuron's down row at 2 bytes per weight."""
+    path = write_model(tmp_path / "m.gguf", n_layer=2, n_ff=256, n_embd=128, dtype=Q.Q4_0)
+    mb = model_bytes(path, 64)
+    need = int(sum(mb.layer_dense_bytes) + mb.kv_cache_bytes + mb.output_bytes + np.sum(mb.whole_ffn()))
+    assert np.sum(mb.whole_ffn()) < np.sum(mb.neuron_bytes) * mb.n_ff  # the F16 copy is larger
+    p = plan_gpu(path, need + 1024, 64, "f16")
+    assert p.source == "all" and p.output_on_gpu and all(m.all() for m in p.neuron_on_gpu)
+    e = Engine.load(path, device="emulated", n_ctx=64, vram_budget=need + 1024)
+    assert e.gpu_report()["hot_neuron_fraction"] == 1.0
+
+
 # the types llama-quantize's presets write (Q2_K .. Q6_K, IQ4_XS) and their fallbacks
 K_QUANTS = [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q5_K, Q.IQ4_NL, Q.IQ4_XS]
 

@@ -83,8 +83,9 @@ def plan_gpu(
             f"VRAM budget of {budget} bytes does not hold layer 0's attention, norms and KV cache "
             f"({int(mb.layer_dense_bytes[0] + kv_per_layer)} bytes); use a larger budget or device='cpu'"
         )
-    ffn_total = float(np.sum(mb.neuron_bytes) * n_ff)
-    if left >= ffn_total:
+    # every FFN wholly on the GPU: plain files then read their own ffn_down (fewer bytes)
+    ffn_total = float(np.sum(mb.whole_ffn()))
+    if left >= ffn_total and all(dense):
         return GpuPlacement(budget, dense, [np.full(n_ff, d) for d in dense], output, "all")
 
     idx_path = gpu_index_path(path)

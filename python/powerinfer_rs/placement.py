@@ -684,6 +684,12 @@ class ModelBytes:
     layer_dense_bytes: np.ndarray  # (n_layer,) attention, norms, predictor, other FFN tensors
     output_bytes: int  # output matrix (the tied embedding when there is none) and output norm
     kv_cache_bytes: int  # f16 K and V for n_ctx positions, all layers
+    # (n_layer,) bytes of a layer's whole FFN on the GPU: there a plain file's `ffn_down` is read
+    # in its own type, not as the F16 neuron-major copy a split needs; None: n_ff neurons' bytes
+    whole_ffn_bytes: np.ndarray | None = None
+
+    def whole_ffn(self) -> np.ndarray:
+        return self.whole_ffn_bytes if self.whole_ffn_bytes is not None else self.neuron_bytes * self.n_ff
 
 
 def model_bytes(path: str, n_ctx: int | None = None, config: dict | None = None) -> ModelBytes:
@@ -694,7 +700,10 @@ def model_bytes(path: str, n_ctx: int | None = None, config: dict | None = None)
     n_layer, n_ff = cfg["n_layer"], cfg["n_ff"]
     n_ctx = n_ctx or min(cfg["n_ctx_train"], 4096)
     neuron = np.zeros(n_layer)
+    whole = np.zeros(n_layer)
     dense = np.zeros(n_layer)
+    # a plain file wholly on the GPU reads its own ffn_down rows (hybrid.rs, `HotDown::Rows`)
+    own_down = not cfg.get("has_predictors", False)
     output = 0
     has_output = any(t["name"] == "output.weight" for t in f.tensors())
     for t in f.tensors():
@@ -705,14 +714,16 @@ def model_bytes(path: str, n_ctx: int | None = None, config: dict | None = None)
             if rest == "ffn_down.weight":
                 # neurons read the neuron-major copy the engine builds: F32 for F32, else F16
                 neuron[l] += cfg["n_embd"] * (4 if t["type"] == "F32" else 2)
+                whole[l] += t["n_bytes"] if own_down else cfg["n_embd"] * (4 if t["type"] == "F32" else 2) * n_ff
             elif rest in _FFN_NEURON_TENSORS:
                 neuron[l] += t["n_bytes"] / n_ff
+                whole[l] += t["n_bytes"]
             else:
                 dense[l] += t["n_bytes"]
         elif name in ("output.weight", "output_norm.weight", "output_norm.bias") or (name == "token_embd.weight" and not has_output):
             output += t["n_bytes"]
     kv = 2 * n_layer * n_ctx * cfg["n_head_kv"] * cfg["head_dim"] * 2
-    return ModelBytes(n_layer, n_ff, neuron, dense, int(output), int(kv))
+    return ModelBytes(n_layer, n_ff, neuron, dense, int(output), int(kv), whole)
 
 
 # ----------------------------------------------------------------------------- the plan
