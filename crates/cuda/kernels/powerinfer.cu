@@ -635,14 +635,19 @@ extern "C" __global__ void ffn_merge(float* x, const float* partial, int n_chunk
 
 // ---- dense layer ops ---------------------------------------------------------------------------
 
-// out = x / sqrt(mean(x^2) + eps) * w; one block. With q8 (n a multiple of 32), out is also
-// rounded to int8 blocks there, as quantize_q8 rounds it: the norm's readers are quantized.
-extern "C" __global__ void rmsnorm(const float* x, const float* w, float* out, Q8Act* q8, int n, float eps) {
+// out = x / sqrt(mean(x^2) + eps) * w; one block. With y, first x += y (the residual add before
+// the next norm, as add_into computes it). With q8 (n a multiple of 32), out is also rounded to
+// int8 blocks there, as quantize_q8 rounds it: the norm's readers are quantized.
+extern "C" __global__ void rmsnorm(float* x, const float* y, const float* w, float* out, Q8Act* q8, int n, float eps) {
     __shared__ float red[32];
     // one block per batch row
     x += (size_t)blockIdx.x * n;
     out += (size_t)blockIdx.x * n;
+    if (y) y += (size_t)blockIdx.x * n;
     if (q8) q8 += (size_t)blockIdx.x * (n / 32);
+    if (y) {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) x[i] += y[i] + 0.0f;  // add_into's bits
+    }
     float ss = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
     ss = block_sum(ss, red);

@@ -191,6 +191,9 @@ pub trait Device: Send + Sync + Sized + 'static {
     ) -> Result<()>;
     /// `rmsnorm`, also rounding `out` to int8 blocks in `q8` when given.
     fn rmsnorm(&self, x: &Self::Buf<f32>, w: &Self::Buf<f32>, out: &mut Self::Buf<f32>, q8: Option<&mut Self::Buf<u8>>, n: usize, eps: f32, m: usize) -> Result<()>;
+    /// `rmsnorm` with y: x += y, then out = the norm of x (and its int8 blocks).
+    #[allow(clippy::too_many_arguments)]
+    fn add_rmsnorm(&self, x: &mut Self::Buf<f32>, y: &Self::Buf<f32>, w: &Self::Buf<f32>, out: &mut Self::Buf<f32>, q8: Option<&mut Self::Buf<u8>>, n: usize, eps: f32, m: usize) -> Result<()>;
     /// `head_rmsnorm`: each of the n_heads heads of x (head_dim each) RMS-normed in place, times w.
     fn head_rmsnorm(&self, x: &mut Self::Buf<f32>, w: &Self::Buf<f32>, n_heads: usize, head_dim: usize, eps: f32) -> Result<()>;
     /// x += y (+ bias)

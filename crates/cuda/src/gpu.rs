@@ -262,6 +262,21 @@ impl<D: Device> Gpu<D> {
         self.dev.rmsnorm(x, w, &mut out.f32s, q8, n, eps, m)
     }
 
+    /// x += y, then `rmsnorm` of x (one launch: a residual add and the next norm).
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rmsnorm(&self, x: &mut Buf<D, f32>, y: &Buf<D, f32>, w: &Buf<D, f32>, out: &mut DActs<D>, n: usize, eps: f32, readers: &[&DMat<D>], m: usize) -> Result<()> {
+        Self::holds("a norm's input", x, m * n)?;
+        Self::holds("a residual's addend", y, m * n)?;
+        Self::holds("a norm's weights", w, n)?;
+        Self::holds("a norm's output", &out.f32s, m * n)?;
+        out.rounded = readers.iter().any(|w| w.dtype.is_quantized());
+        if out.rounded {
+            Self::check_rounding(out, m * n)?;
+        }
+        let q8 = if out.rounded { Some(&mut out.q8) } else { None };
+        self.dev.add_rmsnorm(x, y, w, &mut out.f32s, q8, n, eps, m)
+    }
+
     /// Each of the n_heads heads of x (head_dim each) RMS-normed in place, times w (head_dim);
     /// one head of n values is an in-place RMSNorm of a vector.
     pub fn head_rmsnorm(&self, x: &mut Buf<D, f32>, w: &Buf<D, f32>, n_heads: usize, head_dim: usize, eps: f32) -> Result<()> {

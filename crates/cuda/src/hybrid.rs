@@ -371,6 +371,8 @@ struct DeviceState<D: Device> {
     ffn_has_cold: bool,
     /// The current GPU layer's FFN output is whole in `ffn_out` (bias included).
     ffn_whole: bool,
+    /// The norm (layer, which) a residual add already computed into `xb`, for the next `norm`.
+    normed: Option<(usize, Norm)>,
     // host buffers
     xb_h: Vec<f32>,
     pred_h: Vec<f32>,
@@ -450,6 +452,7 @@ impl<D: Device> HybridSession<D> {
             ffn_chunks: 0,
             ffn_has_cold: false,
             ffn_whole: false,
+            normed: None,
             xb_h: vec![0.0; c.n_embd],
             pred_h: vec![0.0; c.n_ff],
             cpu_out_h: vec![0.0; c.n_embd],
@@ -757,6 +760,7 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         // the embedding on the host; RoPE angles exactly as the CPU computes them
         self.cpu.embed(tokens)?;
         self.on_gpu = false;
+        self.dev.normed = None;
         let g = &self.hm.gpu;
         if self.hm.model.config.rope_dim > 0 {
             for set in 0..self.dev.cos.len() {
@@ -779,13 +783,13 @@ impl<D: Device> Backend for HybridPass<'_, D> {
 
     fn norm(&mut self, l: usize, which: Norm) -> CoreResult<()> {
         let Some(layer) = self.place(l)? else { return self.cpu.norm(l, which) };
-        let (c, d) = (&self.hm.model.config, &layer.dense);
-        // the matrices that read the normed x next, so that the norm rounds it for them
-        let (w, readers) = match which {
-            Norm::Attn => (&d.attn_norm, vec![&d.wq, &d.wk, &d.wv]),
-            Norm::Ffn => (&d.ffn_norm, layer.hot.iter().map(|h| &h.up).collect()),
-            Norm::Attn2 => return Err(CudaError::Unsupported("a second attention norm".into()).into()),
-        };
+        if self.dev.normed == Some((l, which)) {
+            // the residual add before it computed this norm in the same launch
+            self.dev.normed = None;
+            return Ok(());
+        }
+        let c = &self.hm.model.config;
+        let (w, readers) = norm_target(layer, which)?;
         Ok(self.hm.gpu.rmsnorm(&self.dev.x.f32s, w, &mut self.dev.xb, c.n_embd, c.norm_eps, &readers, self.m)?)
     }
 
@@ -886,11 +890,27 @@ impl<D: Device> Backend for HybridPass<'_, D> {
 
     fn residual(&mut self, l: usize, part: Part) -> CoreResult<()> {
         let Some(layer) = self.place(l)? else { return self.cpu.residual(l, part) };
-        let (c, g, dev) = (&self.hm.model.config, &self.hm.gpu, &mut *self.dev);
+        let (c, g, m) = (&self.hm.model.config, &self.hm.gpu, self.m);
+        // the norm that reads x next, on the device: the add and that norm in one launch
+        let next = match part {
+            Part::Attn => Some((layer, l, Norm::Ffn)),
+            Part::Ffn => self.hm.layers.get(l + 1).and_then(|n| n.as_ref()).map(|n| (n, l + 1, Norm::Attn)),
+        };
+        let dev = &mut *self.dev;
+        let addend = match part {
+            Part::Attn => Some(&dev.attn_out),
+            Part::Ffn => dev.ffn_whole.then_some(&dev.ffn_out),
+        };
+        if let (Some(y), Some((next_layer, nl, which))) = (addend, next) {
+            let (w, readers) = norm_target(next_layer, which)?;
+            g.add_rmsnorm(&mut dev.x.f32s, y, w, &mut dev.xb, c.n_embd, c.norm_eps, &readers, m)?;
+            dev.normed = Some((nl, which));
+            return Ok(());
+        }
         match part {
-            Part::Attn => g.add_into(&mut dev.x.f32s, &dev.attn_out, None, self.m * c.n_embd)?,
+            Part::Attn => g.add_into(&mut dev.x.f32s, &dev.attn_out, None, m * c.n_embd)?,
             // x += hot partial sums + cold part (+ bias), or the whole FFN's output
-            Part::Ffn if dev.ffn_whole => g.add_into(&mut dev.x.f32s, &dev.ffn_out, None, self.m * c.n_embd)?,
+            Part::Ffn if dev.ffn_whole => g.add_into(&mut dev.x.f32s, &dev.ffn_out, None, m * c.n_embd)?,
             Part::Ffn => {
                 let cold = dev.ffn_has_cold.then_some(&dev.cpu_part);
                 g.ffn_merge(&mut dev.x.f32s, &dev.partial, dev.ffn_chunks, cold, layer.down_bias.as_ref(), c.n_embd)?
@@ -931,6 +951,17 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         cap_logits(c, &mut logits);
         Ok(logits)
     }
+}
+
+/// A GPU layer's norm `which`: its weights, and the matrices that read the normed x next (so
+/// that the norm rounds its output for them when they are quantized).
+fn norm_target<D: Device>(layer: &GpuLayer<D>, which: Norm) -> Result<(&Buf<D, f32>, Vec<&DMat<D>>)> {
+    let d = &layer.dense;
+    Ok(match which {
+        Norm::Attn => (&d.attn_norm, vec![&d.wq, &d.wk, &d.wv]),
+        Norm::Ffn => (&d.ffn_norm, layer.hot.iter().map(|h| &h.up).collect()),
+        Norm::Attn2 => return Err(CudaError::Unsupported("a second attention norm".into())),
+    })
 }
 
 /// Gemma 2's final soft-capping, on the host where the logits arrive (as the CPU applies it).

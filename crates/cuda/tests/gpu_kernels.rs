@@ -287,6 +287,25 @@ fn norm_rope_attention_match_twin() {
     g.read(&dout.q8, &mut separate).unwrap();
     assert_eq!(fused, separate);
 
+    // the residual add and the next norm in one launch: what add_into then rmsnorm compute
+    let y = random(&mut rng, n, 1.0);
+    let (mut x1, mut x2) = (g.upload(&x).unwrap(), g.upload(&x).unwrap());
+    let (mut fused, mut separate) = (g.acts(n).unwrap(), g.acts(n).unwrap());
+    let (dy, dw) = (g.upload(&y).unwrap(), g.upload(&w).unwrap());
+    g.add_rmsnorm(&mut x1, &dy, &dw, &mut fused, n, 1e-5, &[&reader], 1).unwrap();
+    g.add_into(&mut x2, &dy, None, n).unwrap();
+    g.rmsnorm(&x2, &dw, &mut separate, n, 1e-5, &[&reader], 1).unwrap();
+    for (a, b) in [(&x1, &x2), (&fused.f32s, &separate.f32s)] {
+        let (mut ha, mut hb) = (vec![0.0f32; n], vec![0.0f32; n]);
+        g.read(a, &mut ha).unwrap();
+        g.read(b, &mut hb).unwrap();
+        assert_eq!(ha.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), hb.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+    }
+    let (mut qa, mut qb) = (vec![0u8; n / QK * Q8_BLOCK_BYTES], vec![0u8; n / QK * Q8_BLOCK_BYTES]);
+    g.read(&fused.q8, &mut qa).unwrap();
+    g.read(&separate.q8, &mut qb).unwrap();
+    assert_eq!(qa, qb);
+
     // per-head rmsnorm in place (q/k norms: 12 heads of 128), and one head of 5120 (post norms)
     for (heads, hd) in [(12, 128), (1, n)] {
         let (x, w) = (random(&mut rng, heads * hd, 2.0), random(&mut rng, hd, 1.0));

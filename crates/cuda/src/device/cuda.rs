@@ -273,9 +273,21 @@ impl Device for Cuda {
     fn rmsnorm(&self, x: &CudaSlice<f32>, w: &CudaSlice<f32>, out: &mut CudaSlice<f32>, q8: Option<&mut CudaSlice<u8>>, n: usize, eps: f32, m: usize) -> Result<()> {
         let n_i = n as i32;
         let q8 = q8.map_or(0, |q| q.device_ptr_mut(&self.stream).0);
+        let no_y = 0u64;
         let mut b = self.stream.launch_builder(&self.k.rmsnorm);
-        b.arg(x).arg(w).arg(out).arg(&q8).arg(&n_i).arg(&eps);
+        // x is only read without y
+        b.arg(x).arg(&no_y).arg(w).arg(out).arg(&q8).arg(&n_i).arg(&eps);
         // SAFETY: matches `rmsnorm`; one block per row.
+        unsafe { b.launch(cfg((m as u32, 1), 1024)) }?;
+        Ok(())
+    }
+
+    fn add_rmsnorm(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, w: &CudaSlice<f32>, out: &mut CudaSlice<f32>, q8: Option<&mut CudaSlice<u8>>, n: usize, eps: f32, m: usize) -> Result<()> {
+        let n_i = n as i32;
+        let q8 = q8.map_or(0, |q| q.device_ptr_mut(&self.stream).0);
+        let mut b = self.stream.launch_builder(&self.k.rmsnorm);
+        b.arg(x).arg(y).arg(w).arg(out).arg(&q8).arg(&n_i).arg(&eps);
+        // SAFETY: matches `rmsnorm`; x, y and out hold m rows of n, q8 m * n / 32 blocks (checked by `Gpu`).
         unsafe { b.launch(cfg((m as u32, 1), 1024)) }?;
         Ok(())
     }

@@ -204,6 +204,11 @@ impl Device for Emulated {
         Ok(())
     }
 
+    fn add_rmsnorm(&self, x: &mut Vec<f32>, y: &Vec<f32>, w: &Vec<f32>, out: &mut Vec<f32>, q8: Option<&mut Vec<u8>>, n: usize, eps: f32, m: usize) -> Result<()> {
+        self.add_into(x, y, None, m * n)?;
+        self.rmsnorm(x, w, out, q8, n, eps, m)
+    }
+
     fn head_rmsnorm(&self, x: &mut Vec<f32>, w: &Vec<f32>, n_heads: usize, head_dim: usize, eps: f32) -> Result<()> {
         twin::head_rmsnorm(&mut x[..n_heads * head_dim], &w[..head_dim], head_dim, eps);
         Ok(())
