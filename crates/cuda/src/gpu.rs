@@ -248,33 +248,37 @@ impl<D: Device> Gpu<D> {
     }
 
     /// out = RMSNorm(x) * w for each of m rows of n, rounded to int8 blocks in the same launch
-    /// when one of `readers` (the matrices that read it next) is quantized.
+    /// when `round` (the matrices that read it next are quantized: `any_quantized`).
     #[allow(clippy::too_many_arguments)]
-    pub fn rmsnorm(&self, x: &Buf<D, f32>, w: &Buf<D, f32>, out: &mut DActs<D>, n: usize, eps: f32, readers: &[&DMat<D>], m: usize) -> Result<()> {
+    pub fn rmsnorm(&self, x: &Buf<D, f32>, w: &Buf<D, f32>, out: &mut DActs<D>, n: usize, eps: f32, round: bool, m: usize) -> Result<()> {
         Self::holds("a norm's input", x, m * n)?;
-        Self::holds("a norm's weights", w, n)?;
-        Self::holds("a norm's output", &out.f32s, m * n)?;
-        out.rounded = readers.iter().any(|w| w.dtype.is_quantized());
-        if out.rounded {
-            Self::check_rounding(out, m * n)?;
-        }
-        let q8 = if out.rounded { Some(&mut out.q8) } else { None };
-        self.dev.rmsnorm(x, w, &mut out.f32s, q8, n, eps, m)
+        let (f32s, q8) = Self::norm_output(w, out, n, round, m)?;
+        self.dev.rmsnorm(x, w, f32s, q8, n, eps, m)
     }
 
     /// x += y, then `rmsnorm` of x (one launch: a residual add and the next norm).
     #[allow(clippy::too_many_arguments)]
-    pub fn add_rmsnorm(&self, x: &mut Buf<D, f32>, y: &Buf<D, f32>, w: &Buf<D, f32>, out: &mut DActs<D>, n: usize, eps: f32, readers: &[&DMat<D>], m: usize) -> Result<()> {
+    pub fn add_rmsnorm(&self, x: &mut Buf<D, f32>, y: &Buf<D, f32>, w: &Buf<D, f32>, out: &mut DActs<D>, n: usize, eps: f32, round: bool, m: usize) -> Result<()> {
         Self::holds("a norm's input", x, m * n)?;
         Self::holds("a residual's addend", y, m * n)?;
+        let (f32s, q8) = Self::norm_output(w, out, n, round, m)?;
+        self.dev.add_rmsnorm(x, y, w, f32s, q8, n, eps, m)
+    }
+
+    /// Whether one of `readers` reads int8 input blocks (a norm feeding them rounds for them).
+    pub fn any_quantized(readers: &[&DMat<D>]) -> bool {
+        readers.iter().any(|w| w.dtype.is_quantized())
+    }
+
+    /// A norm's checked weights and output: its values, and its int8 blocks when it rounds.
+    fn norm_output<'o>(w: &Buf<D, f32>, out: &'o mut DActs<D>, n: usize, round: bool, m: usize) -> Result<(&'o mut Buf<D, f32>, Option<&'o mut Buf<D, u8>>)> {
         Self::holds("a norm's weights", w, n)?;
         Self::holds("a norm's output", &out.f32s, m * n)?;
-        out.rounded = readers.iter().any(|w| w.dtype.is_quantized());
-        if out.rounded {
+        if round {
             Self::check_rounding(out, m * n)?;
         }
-        let q8 = if out.rounded { Some(&mut out.q8) } else { None };
-        self.dev.add_rmsnorm(x, y, w, &mut out.f32s, q8, n, eps, m)
+        out.rounded = round;
+        Ok((&mut out.f32s, if round { Some(&mut out.q8) } else { None }))
     }
 
     /// Each of the n_heads heads of x (head_dim each) RMS-normed in place, times w (head_dim);

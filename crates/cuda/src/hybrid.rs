@@ -789,8 +789,8 @@ impl<D: Device> Backend for HybridPass<'_, D> {
             return Ok(());
         }
         let c = &self.hm.model.config;
-        let (w, readers) = norm_target(layer, which)?;
-        Ok(self.hm.gpu.rmsnorm(&self.dev.x.f32s, w, &mut self.dev.xb, c.n_embd, c.norm_eps, &readers, self.m)?)
+        let (w, round) = norm_target(layer, which)?;
+        Ok(self.hm.gpu.rmsnorm(&self.dev.x.f32s, w, &mut self.dev.xb, c.n_embd, c.norm_eps, round, self.m)?)
     }
 
     fn qkv(&mut self, l: usize) -> CoreResult<()> {
@@ -902,8 +902,8 @@ impl<D: Device> Backend for HybridPass<'_, D> {
             Part::Ffn => dev.ffn_whole.then_some(&dev.ffn_out),
         };
         if let (Some(y), Some((next_layer, nl, which))) = (addend, next) {
-            let (w, readers) = norm_target(next_layer, which)?;
-            g.add_rmsnorm(&mut dev.x.f32s, y, w, &mut dev.xb, c.n_embd, c.norm_eps, &readers, m)?;
+            let (w, round) = norm_target(next_layer, which)?;
+            g.add_rmsnorm(&mut dev.x.f32s, y, w, &mut dev.xb, c.n_embd, c.norm_eps, round, m)?;
             dev.normed = Some((nl, which));
             return Ok(());
         }
@@ -936,7 +936,7 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         } else {
             &dev.x.f32s
         };
-        g.rmsnorm(x, norm, &mut dev.xb, c.n_embd, c.norm_eps, &[w], n)?;
+        g.rmsnorm(x, norm, &mut dev.xb, c.n_embd, c.norm_eps, Gpu::<D>::any_quantized(&[w]), n)?;
         g.quantize_for(&[w], &mut dev.xb, n * c.n_embd)?;
         g.matvec(w, &dev.xb, None, &mut dev.logits, false, n)?;
         if let Graph::Recording { gpu_neurons_before } = dev.graph {
@@ -953,13 +953,13 @@ impl<D: Device> Backend for HybridPass<'_, D> {
     }
 }
 
-/// A GPU layer's norm `which`: its weights, and the matrices that read the normed x next (so
-/// that the norm rounds its output for them when they are quantized).
-fn norm_target<D: Device>(layer: &GpuLayer<D>, which: Norm) -> Result<(&Buf<D, f32>, Vec<&DMat<D>>)> {
+/// A GPU layer's norm `which`: its weights, and whether the matrices that read the normed x
+/// next are quantized (then the norm rounds its output for them).
+fn norm_target<D: Device>(layer: &GpuLayer<D>, which: Norm) -> Result<(&Buf<D, f32>, bool)> {
     let d = &layer.dense;
     Ok(match which {
-        Norm::Attn => (&d.attn_norm, vec![&d.wq, &d.wk, &d.wv]),
-        Norm::Ffn => (&d.ffn_norm, layer.hot.iter().map(|h| &h.up).collect()),
+        Norm::Attn => (&d.attn_norm, Gpu::<D>::any_quantized(&[&d.wq, &d.wk, &d.wv])),
+        Norm::Ffn => (&d.ffn_norm, layer.hot.as_ref().is_some_and(|h| h.up.dtype.is_quantized())),
         Norm::Attn2 => return Err(CudaError::Unsupported("a second attention norm".into())),
     })
 }

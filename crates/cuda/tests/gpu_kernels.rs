@@ -270,14 +270,14 @@ fn norm_rope_attention_match_twin() {
     let (x, w) = (random(&mut rng, n, 2.0), random(&mut rng, n, 1.0));
     let mut dout = g.acts(n).unwrap();
     dout.f32s = poisoned(&g, n);
-    g.rmsnorm(&g.upload(&x).unwrap(), &g.upload(&w).unwrap(), &mut dout, n, 1e-5, &[], 1).unwrap();
+    g.rmsnorm(&g.upload(&x).unwrap(), &g.upload(&w).unwrap(), &mut dout, n, 1e-5, false, 1).unwrap();
     let mut out = vec![0.0; n];
     g.read(&dout.f32s, &mut out).unwrap();
     assert!(rel_err(&out, &twin::rmsnorm(&x, &w, 1e-5)) < 1e-5);
     // for a quantized reader the norm also rounds its output: the bytes `quantize_q8` writes
     let reader_data = quantize_row(DType::Q8_0, &vec![0.5; n]);
     let reader = g.upload_rows(&QMatrix { dtype: DType::Q8_0, rows: 1, cols: n, data: &reader_data }, None).unwrap();
-    g.rmsnorm(&g.upload(&x).unwrap(), &g.upload(&w).unwrap(), &mut dout, n, 1e-5, &[&reader], 1).unwrap();
+    g.rmsnorm(&g.upload(&x).unwrap(), &g.upload(&w).unwrap(), &mut dout, n, 1e-5, true, 1).unwrap();
     assert!(dout.rounded);
     let mut fused = vec![0u8; n / QK * Q8_BLOCK_BYTES];
     g.read(&dout.q8, &mut fused).unwrap();
@@ -292,9 +292,9 @@ fn norm_rope_attention_match_twin() {
     let (mut x1, mut x2) = (g.upload(&x).unwrap(), g.upload(&x).unwrap());
     let (mut fused, mut separate) = (g.acts(n).unwrap(), g.acts(n).unwrap());
     let (dy, dw) = (g.upload(&y).unwrap(), g.upload(&w).unwrap());
-    g.add_rmsnorm(&mut x1, &dy, &dw, &mut fused, n, 1e-5, &[&reader], 1).unwrap();
+    g.add_rmsnorm(&mut x1, &dy, &dw, &mut fused, n, 1e-5, true, 1).unwrap();
     g.add_into(&mut x2, &dy, None, n).unwrap();
-    g.rmsnorm(&x2, &dw, &mut separate, n, 1e-5, &[&reader], 1).unwrap();
+    g.rmsnorm(&x2, &dw, &mut separate, n, 1e-5, true, 1).unwrap();
     for (a, b) in [(&x1, &x2), (&fused.f32s, &separate.f32s)] {
         let (mut ha, mut hb) = (vec![0.0f32; n], vec![0.0f32; n]);
         g.read(a, &mut ha).unwrap();
@@ -471,7 +471,7 @@ fn batch_rows_equal_rows_one_at_a_time() {
         let run = |r0: usize, rows: usize, kc: &mut cudarc::driver::CudaSlice<u8>, vc: &mut cudarc::driver::CudaSlice<u8>| -> Vec<Vec<f32>> {
             let dx = g.upload(&x[r0 * n_embd..(r0 + rows) * n_embd]).unwrap();
             let mut xb = g.acts(rows * n_embd).unwrap();
-            g.rmsnorm(&dx, &norm_w, &mut xb, n_embd, 1e-5, &[&dwq], rows).unwrap();
+            g.rmsnorm(&dx, &norm_w, &mut xb, n_embd, 1e-5, Gpu::any_quantized(&[&dwq]), rows).unwrap();
             g.quantize_for(&[&dwq], &mut xb, rows * n_embd).unwrap();
             let (mut q, mut k, mut v) = (g.zeros::<f32>(rows * q_dim).unwrap(), g.zeros::<f32>(rows * kv_dim).unwrap(), g.zeros::<f32>(rows * kv_dim).unwrap());
             g.matvec3([&dwq, &dwk, &dwv], &xb, [None, None, None], [&mut q, &mut k, &mut v], rows).unwrap();
