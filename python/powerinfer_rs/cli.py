@@ -295,6 +295,39 @@ def cmd_convert(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pack(a: argparse.Namespace) -> int:
+    from .engine import Engine
+    from .offline.pack import pack
+
+    engine = Engine.load(_model_path(a.model or a.model_pos), threads=1, device="cpu")
+    shard = pack(engine.tokenizer, a.corpus, output=a.output, eval_paths=a.eval, eval_fraction=a.eval_fraction, max_tokens=a.max_tokens)
+    m = shard["meta"]
+    print(f"wrote {a.output}: {m['train_tokens']} training tokens from {len(m['train_files'])} files, "
+          f"{m['eval_tokens']} held-out tokens ({m['split']}), {shard['train'].dtype} ids")
+    return 0
+
+
+def cmd_relufy(a: argparse.Namespace) -> int:
+    from .offline.relufy import RelufySettings, relufy
+
+    s = RelufySettings(activation=a.activation, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, warmup=a.warmup,
+                       blend=a.blend, l1=a.l1, l1_full=a.l1_full, ce_weight=a.ce_weight, weight_decay=a.weight_decay, seed=a.seed)
+    if a.tokens is not None:
+        s.steps = max(1, -(-a.tokens // (a.batch * a.seq_len)))
+    r = relufy(_model_path(a.model or a.model_pos), a.corpus, a.output, s, outtype=a.outtype, eval_paths=a.eval,
+               eval_tokens=a.eval_tokens, checkpoint=a.checkpoint, checkpoint_every=a.checkpoint_every, resume=a.resume,
+               report=a.report, device=a.device, compile=not a.no_compile, threads=a.threads, max_steps=a.max_steps,
+               progress=not a.quiet)
+    if not r.get("report"):
+        print(f"stopped after step {r['step']} of {r['steps']}; continue with --resume {r['checkpoint']}")
+        return 0
+    print(f"exact zeros {r['sparsity']:.1%} of FFN activations (per layer {min(r['sparsity_per_layer']):.1%}"
+          f"-{max(r['sparsity_per_layer']):.1%}); held-out perplexity {r['ppl_original']:.2f} -> {r['ppl_relufied']:.2f} "
+          f"(engine, {r['outtype']}: {r['ppl_original_engine']:.2f} -> {r['ppl_relufied_engine']:.2f}), KL {r['kl_relufied']:.4f}")
+    print(f"wrote {r['output']} and {r['report']}")
+    return 0
+
+
 def cmd_place(a: argparse.Namespace) -> int:
     from .offline import place
 
@@ -447,6 +480,48 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--sparse-threshold", type=float, default=None, help="powerinfer.sparse_threshold (default: median of the trained cut-offs)")
     cv.set_defaults(func=cmd_convert)
 
+    pk = sub.add_parser("pack", help="tokenize text files into a compact shard for relufy (held-out files kept apart)")
+    pk.add_argument("model_pos", nargs="?", metavar="MODEL")
+    pk.add_argument("-m", "--model", default=None, help="GGUF model whose tokenizer to use (default: SmolLM2-135M-Instruct)")
+    pk.add_argument("--corpus", nargs="+", required=True, help="text files or folders (*.txt, *.rst, *.md)")
+    pk.add_argument("--eval", nargs="+", default=None, help="files or folders held out for evaluation (default: a hashed share of the files)")
+    pk.add_argument("--eval-fraction", type=float, default=0.05, help="share of files held out when --eval is not given (default 0.05)")
+    pk.add_argument("--max-tokens", type=int, default=None, help="stop after this many training tokens")
+    pk.add_argument("-o", "--output", required=True, help="shard file (.npz)")
+    pk.set_defaults(func=cmd_pack)
+
+    rf = sub.add_parser("relufy", help="train a SwiGLU model into a ReLU-family one whose FFN activations are mostly exactly zero (needs powerinfer-rs[relufy])")
+    rf.add_argument("model_pos", nargs="?", metavar="MODEL")
+    rf.add_argument("-m", "--model", default=None, help="SwiGLU GGUF: llama, mistral, qwen2, qwen3 (default: SmolLM2-135M-Instruct)")
+    rf.add_argument("--corpus", nargs="+", required=True, help="text files or folders, or one shard written by `pack`")
+    rf.add_argument("--eval", nargs="+", default=None, help="files held out for evaluation (text corpora only)")
+    rf.add_argument("-o", "--output", required=True, help="relufied GGUF")
+    rf.add_argument("--outtype", choices=["f16", "q8_0", "q4_0", "f32"], default="f16", help="type of the 2-D weights (default f16)")
+    rf.add_argument("--activation", choices=["reglu", "dreglu"], default="reglu", help="relu(gate)*up (default) or relu(gate)*relu(up)")
+    rf.add_argument("--steps", type=int, default=1000, help="optimizer steps (default 1000)")
+    rf.add_argument("--tokens", type=int, default=None, help="train on this many tokens instead of --steps")
+    rf.add_argument("--batch", type=int, default=8, help="windows per step (default 8)")
+    rf.add_argument("--seq-len", type=int, default=256, help="tokens per window (default 256)")
+    rf.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4)")
+    rf.add_argument("--warmup", type=float, default=0.05, help="share of steps warming up (default 0.05)")
+    rf.add_argument("--blend", type=float, default=0.2, help="share of steps over which SiLU turns into ReLU (default 0.2)")
+    rf.add_argument("--l1", type=float, default=0.05, help="peak weight of the L1 penalty on FFN activations (default 0.05)")
+    rf.add_argument("--l1-full", type=float, default=0.8, help="share of steps by which the L1 weight peaks (default 0.8)")
+    rf.add_argument("--ce-weight", type=float, default=0.5, help="weight of cross-entropy beside the KL to the original (default 0.5)")
+    rf.add_argument("--weight-decay", type=float, default=0.01)
+    rf.add_argument("--seed", type=int, default=0)
+    rf.add_argument("--eval-tokens", type=int, default=16384, help="held-out tokens scored before and after (default 16384)")
+    rf.add_argument("--checkpoint", default=None, help="checkpoint file (default <output>.ckpt)")
+    rf.add_argument("--checkpoint-every", type=int, default=None, help="steps between checkpoints (default a tenth of the run)")
+    rf.add_argument("--resume", default=None, help="continue from this checkpoint (same model and settings)")
+    rf.add_argument("--max-steps", type=int, default=None, help="stop (checkpointed) after this many steps of this call")
+    rf.add_argument("--report", default=None, help="JSON report (default <output>.relufy.json)")
+    rf.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    rf.add_argument("--no-compile", action="store_true", help="no torch.compile on CUDA")
+    rf.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for PyTorch")
+    rf.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    rf.set_defaults(func=cmd_relufy)
+
     pl = sub.add_parser("place", help="split FFN neurons between GPU and CPU under a VRAM budget (exact ILP solution)")
     pl.add_argument("model_pos", nargs="?", metavar="MODEL")
     pl.add_argument("-m", "--model", default=None)
@@ -476,6 +551,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except ImportError as e:
+        # an optional extra that is not installed (the message says which)
+        if "pip install" not in str(e):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

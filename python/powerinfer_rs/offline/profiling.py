@@ -13,33 +13,21 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 
 import numpy as np
 
 from ..profile_file import PROFILE_VERSION, save_profile
+from .pack import read_text, text_files
 
 EXACT_ZERO_ACTIVATIONS = ("reglu", "dreglu", "relu")
 
 
 def read_corpus(paths: list[str] | str, max_chars: int | None = None) -> str:
-    """The text of `paths` (files, or folders searched for *.txt/*.rst/*.md files in sorted
-    order) joined by blank lines, stopping once `max_chars` characters are read."""
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    files: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            files.extend(sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in (".txt", ".rst", ".md")))
-        elif p.is_file():
-            files.append(p)
-        else:
-            raise FileNotFoundError(f"corpus path {str(p)!r} does not exist")
-    if not files:
-        raise ValueError(f"no text files found in {[str(p) for p in paths]}")
+    """The text of `paths` (files, or folders searched for text files in sorted order, see
+    `pack.text_files`) joined by blank lines, stopping once `max_chars` characters are read."""
     parts, total = [], 0
-    for f in files:
-        text = f.read_text(encoding="utf-8", errors="replace")
+    for f in text_files(paths):
+        text = read_text(f)
         parts.append(text)
         total += len(text)
         if max_chars is not None and total >= max_chars:

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The relufy issue's real run on a lent GPU machine: SmolLM2-135M relufied on the packed
+# documentation corpus, then the offline pipeline on the result, within one session's device
+# time. Here first: scripts/gpu_bundle.sh (wheel, SmolLM2 in two parts) and
+# scripts/relufy_bundle.sh (the corpus). Then, on the GPU machine, one call after another (a
+# machine left idle goes back within a minute, and /tmp with it):
+#
+#   1. carry .gpu-model:   scripts/relufy_gpu.sh stage                 SmolLM2's first part -> /tmp
+#   2. carry .gpu-corpus:  scripts/relufy_gpu.sh stage                 the corpus -> /tmp
+#   3. carry .gpu:         scripts/relufy_gpu.sh start [relufy args]   installs, assembles SmolLM2, starts
+#                          training in the background (setsid; default: --minutes 16, reglu)
+#   4. scripts/relufy_gpu.sh wait [seconds]    the log until training ends or `seconds` pass (default 540)
+#   5. scripts/relufy_gpu.sh finish            the pipeline on the relufied model (profile, predictors,
+#                          convert, place, recall, decode tok/s on CPU and GPU) -> $OUT/relufy.json,
+#                          the report, the power-law plot, and the first parts of the Q4_0 model
+#   6. scripts/relufy_gpu.sh fetch K           parts K, K+1, K+2 of the Q4_0 model (16 MiB each)
+#
+# Here, afterwards: cat the parts in order (sha256 in $OUT/relufied.sha256) into the model file;
+# copy relufy.json to benches/results/relufy.json.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+W=/tmp/relufy
+OUT=${OUT:-gpu-results}
+mkdir -p "$W" "$OUT"
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+
+model_path() {
+    python3 -c 'from powerinfer_rs.models import default_model_path; print(default_model_path())'
+}
+
+case "${1:-}" in
+stage)
+    [ -f .gpu-model/part1 ] && cp .gpu-model/part1 /tmp/smollm2.part1 && echo "staged SmolLM2 part 1"
+    if [ -f .gpu-corpus/corpus.npz ]; then
+        mkdir -p "$W/corpus" && cp -r .gpu-corpus/. "$W/corpus/" && echo "staged the corpus ($(du -sh "$W/corpus" | cut -f1))"
+    fi
+    exit 0
+    ;;
+start)
+    shift
+    # the wheels and SmolLM2 (scripts/gpu_suite.sh --install-only does both)
+    scripts/gpu_suite.sh --install-only || exit 1
+    export PYTHONPATH=$PYTHONPATH:/tmp/smollm2
+    [ -f "$W/corpus/corpus.npz" ] || { echo "no corpus staged: carry .gpu-corpus with 'stage' first"; exit 1; }
+    args=("$@")
+    [ ${#args[@]} -eq 0 ] && args=(--minutes 16)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$W/gpu.txt"
+    setsid nohup python3 -m powerinfer_rs.cli relufy "$(model_path)" --corpus "$W/corpus/corpus.npz" -o "$W/relufied.gguf" \
+        --outtype f16 --batch 32 --seq-len 512 --lr 2e-4 --eval-tokens 32768 "${args[@]}" > "$W/train.log" 2>&1 < /dev/null &
+    echo $! > "$W/train.pid"
+    sleep 120
+    tr '\r' '\n' < "$W/train.log" | tail -5
+    ;;
+wait)
+    limit=${2:-540}
+    t=0
+    while kill -0 "$(cat "$W/train.pid")" 2>/dev/null && [ "$t" -lt "$limit" ]; do sleep 10; t=$((t + 10)); done
+    tr '\r' '\n' < "$W/train.log" | grep -v '^relufy: *[0-9]*%' | tail -15
+    tr '\r' '\n' < "$W/train.log" | tail -1
+    kill -0 "$(cat "$W/train.pid")" 2>/dev/null && echo "still training" || echo "training ended"
+    cp "$W/train.log" "$OUT/train.log" 2>/dev/null
+    ;;
+finish)
+    export PYTHONPATH=$PYTHONPATH:/tmp/smollm2
+    [ -f "$W/relufied.relufy.json" ] || { echo "no relufied model yet ($W/relufied.relufy.json missing)"; exit 1; }
+    cp "$W/relufied.relufy.json" "$OUT/"
+    # the pipeline runs on the file users would run: the relufied model in Q4_0
+    python3 -c 'import sys; from powerinfer_rs.offline.relufy import requantize; requantize(sys.argv[1], sys.argv[2], "q4_0")' \
+        "$W/relufied.gguf" "$W/relufied.q4_0.gguf" || exit 1
+    python3 benches/relufy_pipeline.py "$W/relufied.q4_0.gguf" --report "$W/relufied.relufy.json" --corpus "$W/corpus/profile" \
+        --eval-text "$W/corpus/eval" --out "$OUT/relufy.json" --workdir "$W/pipeline" 2>&1 | tee "$OUT/pipeline.log"
+    cp "$W/pipeline/relufied.power_law.png" "$OUT/" 2>/dev/null
+    (cd "$W" && rm -f part.* && split -b 16000000 -d relufied.q4_0.gguf part.)
+    sha256sum "$W/relufied.q4_0.gguf" | cut -d' ' -f1 > "$OUT/relufied.sha256"
+    ls "$W"/part.* | head -3 | xargs -I{} cp {} "$OUT/"
+    ls "$W"/part.*
+    ;;
+fetch)
+    k=${2:?which part first}
+    ls "$W"/part.* | tail -n +"$((k + 1))" | head -3 | xargs -I{} cp {} "$OUT/"
+    ls "$OUT"
+    ;;
+*)
+    sed -n '2,22p' "$0"
+    exit 2
+    ;;
+esac
