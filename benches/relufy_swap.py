@@ -16,7 +16,7 @@ import time
 import warnings
 
 from powerinfer_rs.models import default_model_path
-from powerinfer_rs.offline import relufy
+from powerinfer_rs.offline import relufication as relufy
 
 
 def main() -> None:

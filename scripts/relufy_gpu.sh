@@ -65,7 +65,7 @@ finish)
     [ -f "$W/relufied.relufy.json" ] || { echo "no relufied model yet ($W/relufied.relufy.json missing)"; exit 1; }
     cp "$W/relufied.relufy.json" "$OUT/"
     # the pipeline runs on the file users would run: the relufied model in Q4_0
-    python3 -c 'import sys; from powerinfer_rs.offline.relufy import requantize; requantize(sys.argv[1], sys.argv[2], "q4_0")' \
+    python3 -c 'import sys; from powerinfer_rs.offline import requantize; requantize(sys.argv[1], sys.argv[2], "q4_0")' \
         "$W/relufied.gguf" "$W/relufied.q4_0.gguf" || exit 1
     python3 benches/relufy_pipeline.py "$W/relufied.q4_0.gguf" --report "$W/relufied.relufy.json" --corpus "$W/corpus/profile" \
         --eval-text "$W/corpus/eval" --out "$OUT/relufy.json" --workdir "$W/pipeline" 2>&1 | tee "$OUT/pipeline.log"

@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch")  # scripts/test.sh installs the relufy extr
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from powerinfer_rs import Engine, cli, offline  # noqa: E402
-from powerinfer_rs.offline import pack as packing  # noqa: E402
-from powerinfer_rs.offline import relufy as rf  # noqa: E402
+from powerinfer_rs.offline import packing  # noqa: E402
+from powerinfer_rs.offline import relufication as rf  # noqa: E402
 from powerinfer_rs.offline import torch_model  # noqa: E402
 
 from reference import forward, read_weights, rmsnorm  # noqa: E402
@@ -100,6 +100,16 @@ def test_relufied_file_runs_in_the_engine_with_zeros_where_the_activation_says(t
     np.testing.assert_allclose(e.logits(ids), ref, rtol=0, atol=2e-3 * np.abs(ref).max())
     # the reference with SiLU is another function: the file really is ReLU-family
     assert np.abs(forward(w, meta, ids, activation="swiglu") - ref).max() > 1e-2 * np.abs(ref).max()
+
+    # requantized for users: the same function up to Q8_0's rounding, the activation kept
+    q8 = offline.requantize(str(out), str(tmp_path / "r.q8_0.gguf"), "q8_0")
+    e8 = Engine.load(q8, device="cpu", n_ctx=128, kv_type="f32")
+    assert e8.config["ffn_activation"] == activation
+    w8, meta8 = read_weights(q8)
+    ref8 = forward(w8, meta8, ids, int8_activations=True)
+    got = e8.logits(ids).astype(np.float64)
+    assert np.linalg.norm(got - ref8) / np.linalg.norm(ref8) < 2e-3
+    assert np.linalg.norm(ref8 - ref) / np.linalg.norm(ref) < 0.1
 
     # the engine's FFN activations are nonzero exactly where the float64 gate (and up) say
     p = offline.profile(e, [corpus[1]], tokens=100, train_tokens=100, window=64, plot=False, progress=False)

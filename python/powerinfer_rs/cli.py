@@ -297,7 +297,7 @@ def cmd_convert(a: argparse.Namespace) -> int:
 
 def cmd_pack(a: argparse.Namespace) -> int:
     from .engine import Engine
-    from .offline.pack import pack
+    from .offline.packing import pack
 
     engine = Engine.load(_model_path(a.model or a.model_pos), threads=1, device="cpu")
     shard = pack(engine.tokenizer, a.corpus, output=a.output, eval_paths=a.eval, eval_fraction=a.eval_fraction, max_tokens=a.max_tokens)
@@ -308,7 +308,7 @@ def cmd_pack(a: argparse.Namespace) -> int:
 
 
 def cmd_relufy(a: argparse.Namespace) -> int:
-    from .offline.relufy import RelufySettings, relufy
+    from .offline.relufication import RelufySettings, relufy
 
     s = RelufySettings(activation=a.activation, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, warmup=a.warmup,
                        blend=a.blend, l1=a.l1, l1_full=a.l1_full, ce_weight=a.ce_weight, weight_decay=a.weight_decay, seed=a.seed)

@@ -1,5 +1,8 @@
 """The offline toolchain, in the order a user runs it:
 
+    relufy   -> (SwiGLU models only, optional) a ReLU-family model trained from the original,
+                whose FFN activations are mostly exactly zero (`pack` tokenizes its corpus);
+                needs PyTorch, the `relufy` extra
     profile  -> per-neuron activation counts and the predictor training set (`.profile.npz`)
     train    -> per-layer predictors `fc2 @ relu(fc1 @ x)` and their cut-offs (`.predictors.npz`)
     convert  -> a PowerInfer GGUF (magic PWRI, `ffn_down_t`, `fc1`/`fc2`) from a plain GGUF or a
@@ -14,11 +17,18 @@ runtime (the engine, the placement planner, the profile file), never the other w
 from ..placement import parse_bytes, read_gpu_index, write_gpu_index
 from ..profile_file import load_profile
 from .conversion import convert
+from .packing import load_shard, pack
 from .placement import place
 from .profiling import profile
+from .relufication import RelufySettings, relufy, requantize
 from .training import load_predictors, train
 
 __all__ = [
+    "pack",
+    "load_shard",
+    "relufy",
+    "RelufySettings",
+    "requantize",
     "profile",
     "load_profile",
     "train",

@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 from ..profile_file import PROFILE_VERSION, save_profile
-from .pack import read_text, text_files
+from .packing import read_text, text_files
 
 EXACT_ZERO_ACTIVATIONS = ("reglu", "dreglu", "relu")
 

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .. import _core
-from . import pack as packing
+from . import packing
 from . import torch_model
 
 INSTALL_HINT = "relufy needs PyTorch: pip install 'powerinfer-rs[relufy]'"
