@@ -271,25 +271,24 @@ def relufy(
         blend, lam = settings.blend_at(step), settings.l1_at(step)
         with torch.no_grad(), autocast:
             t_logits = teacher(x, blend=0.0)
-        stats: dict = {}
+        b = torch.tensor(blend, dtype=torch.float32, device=dev)
         try:
             with autocast:
-                s_logits = (compiled or student)(x, blend=blend, activation=settings.activation, stats=stats)
+                s_logits, l1, zeros = (compiled or student)(x, blend=b, activation=settings.activation, stats=True)
         except Exception as e:  # pragma: no cover - torch.compile failing at its first call
             if compiled is None:
                 raise
-            warnings.warn(f"torch.compile failed at the first step ({type(e).__name__}); training eagerly", stacklevel=2)
-            compiled, stats = None, {}
+            warnings.warn(f"torch.compile failed at the first step ({type(e).__name__}: {e}); training eagerly", stacklevel=2)
+            compiled = None
             with autocast:
-                s_logits = student(x, blend=blend, activation=settings.activation, stats=stats)
+                s_logits, l1, zeros = student(x, blend=b, activation=settings.activation, stats=True)
         kl, ce = _kl_ce(torch, s_logits, t_logits, y)
-        l1 = torch.stack(stats["l1"]).mean()
-        loss = kl + settings.ce_weight * ce + lam * l1
+        loss = kl + settings.ce_weight * ce + lam * l1.mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         opt.step()
-        zero = float(torch.stack([z.sum() for z in stats["zeros"]]).sum()) / (cfg.n_layer * cfg.n_ff * x.numel())
+        zero = float(zeros.sum()) / (cfg.n_layer * cfg.n_ff * x.numel())
         return {"loss": loss.item(), "kl": kl.item(), "zero": zero, "blend": blend, "l1_weight": lam}
 
     tokens_per_step = settings.batch * settings.seq_len
@@ -438,16 +437,15 @@ def _evaluate(torch, student, teacher, windows: np.ndarray, blend: float, activa
         for row in windows:
             ids = torch.from_numpy(row[None, :]).to(dev)
             x, y = ids[:, :-1], ids[:, 1:]
-            stats: dict = {}
             with autocast:
-                s_logits = student(x, blend=blend, activation=activation, stats=stats)
+                s_logits, _, z = student(x, blend=blend, activation=activation, stats=True)
                 t_logits = teacher(x, blend=0.0)
             k, c = _kl_ce(torch, s_logits, t_logits, y)
             n = y.numel()
             nll += float(c) * n
             kl += float(k) * n
             count += n
-            z = torch.stack(stats["zeros"]).cpu().numpy()  # (n_layer, n_ff)
+            z = z.to(torch.float64).cpu().numpy()  # (n_layer, n_ff)
             zeros = z if zeros is None else zeros + z
             positions += x.numel()
     per_neuron = zeros / positions

@@ -132,21 +132,21 @@ def build(torch, cfg: LayerConfig, tensors: dict[str, np.ndarray], fixed: dict[s
             rotated = torch.cat([ra, rb], -1) if cfg.rope_neox else torch.stack([ra, rb], -1).flatten(-2)
             return torch.cat([rotated, rest], -1)
 
-        def forward(self, ids, blend: float = 1.0, activation: str = "reglu", stats: dict | None = None):
+        def forward(self, ids, blend=1.0, activation: str = "reglu", stats: bool = False):
             """Logits (B, T, n_vocab) of token ids (B, T). The gate activation is
-            (1 - blend) * silu(g) + blend * relu(g) (blend 0: the original SwiGLU; 1: ReGLU); with
-            activation 'dreglu' the up side blends from u into relu(u) the same way. `stats`, when
-            given, receives per layer the mean |gate activation| (the L1 term, differentiable) and
-            the count of exact zeros the target activation gives."""
+            (1 - blend) * silu(g) + blend * relu(g) (blend 0: the original SwiGLU; 1: exactly
+            ReGLU); with activation 'dreglu' the up side blends from u into relu(u) the same way.
+            `blend` may be a 0-d tensor, so that a compiled model is not recompiled as it moves.
+            With `stats`, also returns per layer the mean |gate activation| (n_layer,), the L1
+            term, differentiable; and per neuron the count of exact zeros the target activation
+            gives (n_layer, n_ff)."""
             B, T = ids.shape
             hd, nh, nkv = cfg.head_dim, cfg.n_head, cfg.n_head_kv
             pos = torch.arange(T, device=ids.device, dtype=torch.float64)
             ang = pos[:, None] * self.inv_freq[None, :]
             cos, sin = torch.cos(ang), torch.sin(ang)  # float64; each use casts
             x = F.embedding(ids, self.p("token_embd.weight"))  # (B, T, n_embd)
-            if stats is not None:
-                stats.setdefault("l1", [])
-                stats.setdefault("zeros", [])
+            l1, zeros = [], []
             for l in range(cfg.n_layer):
                 b = f"blk.{l}."
                 # attention rmsnorm, q/k/v for every position
@@ -168,23 +168,22 @@ def build(torch, cfg: LayerConfig, tensors: dict[str, np.ndarray], fixed: dict[s
                 h = self.rmsnorm(x, self.p(b + "ffn_norm.weight"))
                 g = F.linear(h, self.p(b + "ffn_gate.weight"))  # (B, T, n_ff)
                 u = F.linear(h, self.p(b + "ffn_up.weight"))
-                gate = F.relu(g) if blend >= 1.0 else (1 - blend) * F.silu(g) + blend * F.relu(g)
-                if activation == "dreglu":
-                    up = F.relu(u) if blend >= 1.0 else (1 - blend) * u + blend * F.relu(u)
-                else:
-                    up = u
-                if stats is not None:
-                    penalty = gate.abs().mean() + (up.abs().mean() if activation == "dreglu" else 0)
-                    stats["l1"].append(penalty)
+                gate = (1 - blend) * F.silu(g) + blend * F.relu(g)  # blend 1: 0 * silu + relu, exactly relu
+                up = (1 - blend) * u + blend * F.relu(u) if activation == "dreglu" else u
+                if stats:
+                    l1.append(gate.abs().mean() + (up.abs().mean() if activation == "dreglu" else 0))
                     with torch.no_grad():
                         zero = g <= 0
                         if activation == "dreglu":
                             zero = zero | (u <= 0)
-                        stats["zeros"].append(zero.sum(dim=(0, 1)).to(torch.float64))
+                        zeros.append(zero.sum(dim=(0, 1)))
                 x = x + F.linear(gate * up, self.p(b + "ffn_down.weight"))
             x = self.rmsnorm(x, self.p("output_norm.weight"))
             out = self.p("token_embd.weight") if cfg.tied_output else self.p("output.weight")
-            return F.linear(x, out)
+            logits = F.linear(x, out)
+            if stats:
+                return logits, torch.stack(l1), torch.stack(zeros)
+            return logits
 
         def gguf_tensors(self) -> dict[str, np.ndarray]:
             return {k.replace("__", "."): v.detach().float().cpu().numpy() for k, v in self.w.items()}
