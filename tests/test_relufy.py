@@ -157,6 +157,23 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path, corpus):
         _run(src, corpus, tmp_path / "x.gguf", settings=_settings(l1=0.0), resume=part["checkpoint"])
 
 
+def test_a_time_budget_sets_the_step_count(tmp_path, corpus):
+    """--minutes: trial steps are timed and undone, then as many steps as fit; the report and
+    the checkpoint carry the count chosen, and the trial steps leave no trace in the result."""
+    src = write_model(tmp_path / "m.gguf", n_embd=64, n_ff=96, seed=9)
+    r = _run(src, corpus, tmp_path / "t.gguf", minutes=0.02)
+    steps = r["hyperparameters"]["steps"]
+    assert steps >= 1 and r["train_tokens"] == steps * 4 * 32
+    again = _run(src, corpus, tmp_path / "u.gguf", settings=_settings(steps=steps))
+    a, _ = read_weights(str(tmp_path / "t.gguf"))
+    b, _ = read_weights(str(tmp_path / "u.gguf"))
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    assert again["sparsity"] == r["sparsity"]
+    with pytest.raises(ValueError, match="minutes must be a positive number"):
+        _run(src, corpus, tmp_path / "v.gguf", minutes=-1)
+
+
 def test_the_pipeline_runs_on_the_relufied_model(tmp_path, corpus):
     """relufy -> profile -> train-predictors -> convert -> predictor-mode decode, by the CLI."""
     src = write_model(tmp_path / "m.gguf", n_embd=64, n_ff=128, dtype=Q.F16, seed=6)

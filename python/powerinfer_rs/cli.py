@@ -317,7 +317,7 @@ def cmd_relufy(a: argparse.Namespace) -> int:
     r = relufy(_model_path(a.model or a.model_pos), a.corpus, a.output, s, outtype=a.outtype, eval_paths=a.eval,
                eval_tokens=a.eval_tokens, checkpoint=a.checkpoint, checkpoint_every=a.checkpoint_every, resume=a.resume,
                report=a.report, device=a.device, compile=not a.no_compile, threads=a.threads, max_steps=a.max_steps,
-               progress=not a.quiet)
+               minutes=a.minutes, progress=not a.quiet)
     if not r.get("report"):
         print(f"stopped after step {r['step']} of {r['steps']}; continue with --resume {r['checkpoint']}")
         return 0
@@ -500,11 +500,12 @@ def build_parser() -> argparse.ArgumentParser:
     rf.add_argument("--activation", choices=["reglu", "dreglu"], default="reglu", help="relu(gate)*up (default) or relu(gate)*relu(up)")
     rf.add_argument("--steps", type=int, default=1000, help="optimizer steps (default 1000)")
     rf.add_argument("--tokens", type=int, default=None, help="train on this many tokens instead of --steps")
+    rf.add_argument("--minutes", type=float, default=None, help="as many steps as fit this time (timed on trial steps) instead of --steps")
     rf.add_argument("--batch", type=int, default=8, help="windows per step (default 8)")
     rf.add_argument("--seq-len", type=int, default=256, help="tokens per window (default 256)")
     rf.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4)")
     rf.add_argument("--warmup", type=float, default=0.05, help="share of steps warming up (default 0.05)")
-    rf.add_argument("--blend", type=float, default=0.2, help="share of steps over which SiLU turns into ReLU (default 0.2)")
+    rf.add_argument("--blend", type=float, default=0.3, help="share of steps over which SiLU turns into ReLU (default 0.3)")
     rf.add_argument("--l1", type=float, default=0.05, help="peak weight of the L1 penalty on FFN activations (default 0.05)")
     rf.add_argument("--l1-full", type=float, default=0.8, help="share of steps by which the L1 weight peaks (default 0.8)")
     rf.add_argument("--ce-weight", type=float, default=0.5, help="weight of cross-entropy beside the KL to the original (default 0.5)")
