@@ -212,6 +212,13 @@ def test_pack_keeps_held_out_files_apart(tmp_path, corpus):
     # without --eval, whole files are held out by a hash of their names
     auto = packing.pack(e.tokenizer, [train], eval_fraction=0.3)
     assert auto["meta"]["eval_files"] and not set(auto["meta"]["eval_files"]) & set(auto["meta"]["train_files"])
+    # HTML pages are read as the text a reader sees
+    page = tmp_path / "page.html"
+    page.write_text("<html><head><title>T</title><style>p {}</style></head><body><nav>Home | Next</nav>"
+                    "<p>The river ran&nbsp;past &amp; the mill.</p><script>var x = 1;</script><p>Boats.</p></body></html>")
+    text = packing.read_text(page)
+    assert "The river ran\xa0past & the mill." in text and "Boats." in text
+    assert "var x" not in text and "Home" not in text and "p {}" not in text
     # a shard of another vocabulary is refused
     s["meta"]["tokenizer"] = "0" * 16
     np.savez(tmp_path / "bad.npz", train=s["train"], eval=s["eval"], meta=np.frombuffer(json.dumps(s["meta"]).encode(), np.uint8))

@@ -506,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     rf.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4)")
     rf.add_argument("--warmup", type=float, default=0.05, help="share of steps warming up (default 0.05)")
     rf.add_argument("--blend", type=float, default=0.3, help="share of steps over which SiLU turns into ReLU (default 0.3)")
-    rf.add_argument("--l1", type=float, default=0.05, help="peak weight of the L1 penalty on FFN activations (default 0.05)")
+    rf.add_argument("--l1", type=float, default=0.3, help="peak weight of the L1 penalty on FFN activations (default 0.3)")
     rf.add_argument("--l1-full", type=float, default=0.8, help="share of steps by which the L1 weight peaks (default 0.8)")
     rf.add_argument("--ce-weight", type=float, default=0.5, help="weight of cross-entropy beside the KL to the original (default 0.5)")
     rf.add_argument("--weight-decay", type=float, default=0.01)
