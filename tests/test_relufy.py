@@ -10,17 +10,16 @@ import sys
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")  # scripts/test.sh installs the relufy extra
+import torch  # the relufy extra, which scripts/test.sh installs
+from gguf import GGMLQuantizationType as Q
 
-from gguf import GGMLQuantizationType as Q  # noqa: E402
+from powerinfer_rs import Engine, cli, offline
+from powerinfer_rs.offline import packing
+from powerinfer_rs.offline import relufication as rf
+from powerinfer_rs.offline import torch_model
 
-from powerinfer_rs import Engine, cli, offline  # noqa: E402
-from powerinfer_rs.offline import packing  # noqa: E402
-from powerinfer_rs.offline import relufication as rf  # noqa: E402
-from powerinfer_rs.offline import torch_model  # noqa: E402
-
-from reference import forward, read_weights, rmsnorm  # noqa: E402
-from synth import write_model  # noqa: E402
+from reference import forward, read_weights, rmsnorm
+from synth import write_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:relufy on the CPU")
 

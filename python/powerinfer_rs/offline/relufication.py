@@ -16,8 +16,8 @@ or dReLU (`relu(gate) * relu(up)`, TurboSparse's), and the model is trained to r
 
 Batches are windows of the packed training tokens at offsets drawn from a generator seeded by
 (seed, step), so a run is repeatable and a resumed run reads the batches an uninterrupted one
-would. On CUDA the teacher is held in bf16 and the student trains under bf16 autocast (and
-`torch.compile` where it works); on the CPU everything is float32, and slow.
+would. On CUDA both models run under bf16 autocast (float32 weights, bf16 products) and the
+student is compiled (`torch.compile`) where that works; on the CPU everything is float32, and slow.
 
 Output: a GGUF the engine reads (the source's metadata and tokenizer, `{arch}.ffn_activation`
 set, 2-D weights in F16 / Q8_0 / Q4_0 / F32, norms in F32) and a JSON report: per-layer share of
@@ -182,7 +182,7 @@ def relufy(
 ) -> dict:
     """Relufies `model` (a SwiGLU GGUF of llama, mistral, qwen2 or qwen3) on `corpus` (text
     files, folders, or one shard written by `pack`) and writes the result to `output`. Returns
-    the report (also written to `report`, default `<output>.json` with the suffix replaced).
+    the report (also written to `report`, default `<output without .gguf>.relufy.json`).
 
     `checkpoint` (default `<output>.ckpt`) is written every `checkpoint_every` steps and at the
     end; `resume` continues from one. `max_steps` stops after that many steps of this call
@@ -200,7 +200,7 @@ def relufy(
     if os.path.abspath(output) == os.path.abspath(model):
         raise ValueError("the output would overwrite the input model; choose another path")
     torch = import_torch()
-    src_model, metadata, cfg, tensors, fixed = _load_source(model)
+    _, metadata, cfg, tensors, fixed = _load_source(model)
     if cfg.sliding_window and settings.seq_len > cfg.sliding_window:
         raise ValueError(f"seq_len {settings.seq_len} exceeds the model's sliding window {cfg.sliding_window}")
     _check_writable(output)
@@ -242,9 +242,9 @@ def relufy(
     student = torch_model.build(torch, cfg, tensors, fixed).to(dev)
     teacher = torch_model.build(torch, cfg, tensors, fixed).to(dev)
     del tensors
+    # the teacher keeps float32 weights (and float64 RoPE frequencies): under autocast its
+    # products run in bf16 all the same
     teacher.requires_grad_(False).eval()
-    if cuda:
-        teacher = teacher.to(torch.bfloat16)
     opt = torch.optim.AdamW(student.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay)
     state = {"step": 0, "curve": [], "seconds": 0.0}
     fingerprint = model_fingerprint(model)
