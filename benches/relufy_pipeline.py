@@ -68,6 +68,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default all)")
     ap.add_argument("--gpu-share", type=float, default=0.5, help="hybrid: share of the FFN neuron bytes the VRAM budget holds")
+    ap.add_argument("--source", default=None, help="the model before relufication, for its perplexity on the same text")
+    ap.add_argument("--reuse", action="store_true", help="keep the profile, predictors and converted model of an earlier run in --workdir")
     a = ap.parse_args()
     work = a.workdir or os.path.join(os.path.dirname(os.path.abspath(a.out)), "relufy-pipeline")
     os.makedirs(work, exist_ok=True)
@@ -77,20 +79,23 @@ def main() -> None:
     pw_path = os.path.join(work, "relufied.powerinfer.gguf")
     seconds = {}
 
-    t = time.perf_counter()
     dense_src = Engine.load(a.model, n_ctx=a.ctx, device="cpu", sparsity="dense", threads=a.threads)
-    prof = offline.profile(dense_src, a.corpus, tokens=a.tokens, train_tokens=a.train_tokens, window=a.ctx, output=prof_path,
-                           plot=os.path.join(work, "relufied.power_law.png"), progress=False)
-    seconds["profile"] = time.perf_counter() - t
-    t = time.perf_counter()
-    trained = offline.train(prof_path, output=pred_path, recall_target=a.recall, progress=False)
-    print(trained["table"], flush=True)
-    seconds["train_predictors"] = time.perf_counter() - t
-    t = time.perf_counter()
-    offline.convert(a.model, pred_path, output=pw_path)
-    seconds["convert"] = time.perf_counter() - t
+    if not (a.reuse and os.path.exists(pw_path)):
+        t = time.perf_counter()
+        offline.profile(dense_src, a.corpus, tokens=a.tokens, train_tokens=a.train_tokens, window=a.ctx, output=prof_path,
+                        plot=os.path.join(work, "relufied.power_law.png"), progress=False)
+        seconds["profile"] = time.perf_counter() - t
+        t = time.perf_counter()
+        trained = offline.train(prof_path, output=pred_path, recall_target=a.recall, progress=False)
+        print(trained["table"], flush=True)
+        seconds["train_predictors"] = time.perf_counter() - t
+        t = time.perf_counter()
+        offline.convert(a.model, pred_path, output=pw_path)
+        seconds["convert"] = time.perf_counter() - t
+    prof = offline.load_profile(prof_path)
 
     text = read_corpus(a.eval_text, max_chars=a.eval_chars)
+    ppl_source = Engine.load(a.source, n_ctx=a.ctx, device="cpu", sparsity="dense", threads=a.threads).perplexity(text, ctx=a.ctx) if a.source else None
     ppl_dense = dense_src.perplexity(text, ctx=a.ctx)
     sparse = Engine.load(pw_path, n_ctx=a.ctx, device="cpu", sparsity="predictor", predictor_recall=True, threads=a.threads)
     ppl_predictor = sparse.perplexity(text, ctx=a.ctx)
@@ -106,8 +111,12 @@ def main() -> None:
     print(f"CPU decode dense {d:.1f} tok/s, predictor {s:.1f} tok/s ({statistics.median(ratios):.2f}x)", flush=True)
 
     gpu_name = None
-    if _core.cuda_devices():
-        gpu_name = _core.cuda_devices()[0].get("name")
+    try:
+        devices = _core.cuda_devices()
+    except _core.CudaUnavailableError:
+        devices = []
+    if devices:
+        gpu_name = devices[0].get("name")
         mb = model_bytes(pw_path, 512)
         budget = int(sum(mb.layer_dense_bytes) + mb.kv_cache_bytes + mb.output_bytes
                      + a.gpu_share * mb.n_ff * float(np.sum(mb.neuron_bytes)))
@@ -132,6 +141,8 @@ def main() -> None:
         "predictor_recall": recall,
         "predictor_recall_target": a.recall,
         "skipped": skipped,
+        "eval_chars": len(text),
+        "ppl_eval_source": ppl_source,
         "ppl_eval_dense": ppl_dense,
         "ppl_eval_predictor": ppl_predictor,
         "profiled_fire_share": float(prof["counts"].sum() / (prof["n_tokens"] * prof["counts"].size)),
