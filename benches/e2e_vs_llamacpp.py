@@ -102,7 +102,9 @@ class LlamaCpp:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("-m", "--model", default=None, help="GGUF file (default: SmolLM2-135M Q4_1)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=512)
@@ -118,7 +120,10 @@ def main() -> None:
     if len(ids) < args.prompt_tokens:
         raise SystemExit(f"prompt text has only {len(ids)} tokens")
 
-    engines = [Ours(path, args.threads, n_ctx), LlamaCpp(path, args.threads, n_ctx, args.prompt_tokens)]
+    engines = [
+        Ours(path, args.threads, n_ctx),
+        LlamaCpp(path, args.threads, n_ctx, args.prompt_tokens),
+    ]
     prefill = {e.name: [] for e in engines}
     decode = {e.name: [] for e in engines}
     tokens = {}
@@ -136,11 +141,17 @@ def main() -> None:
         if a != b:
             break
         same += 1
-    print(f"model: {os.path.basename(path)}  threads: {args.threads}  repeats: {args.repeats} (median shown)")
-    print(f"| engine | prefill tok/s ({args.prompt_tokens} tokens) | decode tok/s ({args.gen_tokens} tokens) |")
+    print(
+        f"model: {os.path.basename(path)}  threads: {args.threads}  repeats: {args.repeats} (median shown)"
+    )
+    print(
+        f"| engine | prefill tok/s ({args.prompt_tokens} tokens) | decode tok/s ({args.gen_tokens} tokens) |"
+    )
     print("|---|---|---|")
     for e in engines:
-        print(f"| {e.name} | {statistics.median(prefill[e.name]):.1f} | {statistics.median(decode[e.name]):.1f} |")
+        print(
+            f"| {e.name} | {statistics.median(prefill[e.name]):.1f} | {statistics.median(decode[e.name]):.1f} |"
+        )
     ratio_p = [a / b for a, b in zip(prefill["powerinfer-rs"], prefill["llama.cpp"])]
     ratio_d = [a / b for a, b in zip(decode["powerinfer-rs"], decode["llama.cpp"])]
     print(
@@ -148,7 +159,9 @@ def main() -> None:
         f"(min {min(ratio_p):.2f}, max {max(ratio_p):.2f}) | {statistics.median(ratio_d):.2f}x "
         f"(min {min(ratio_d):.2f}, max {max(ratio_d):.2f}) |"
     )
-    print(f"greedy decode: the first {same} of {len(tokens['llama.cpp'])} tokens are identical to llama.cpp's")
+    print(
+        f"greedy decode: the first {same} of {len(tokens['llama.cpp'])} tokens are identical to llama.cpp's"
+    )
 
 
 if __name__ == "__main__":

@@ -29,12 +29,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-from gguf import GGMLQuantizationType as Q  # noqa: E402
-from gguf import GGUFWriter  # noqa: E402
-from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
-from gguf.quants import dequantize  # noqa: E402
-
-from synth import F16_FIELDS, add_tiny_tokenizer, tiny_vocab  # noqa: E402
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize
+from synth import F16_FIELDS, add_tiny_tokenizer, tiny_vocab
 
 SCALE_FIELDS = {**F16_FIELDS, Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q8_0: (0,)}
 TYPES = {t.name.lower(): t for t in SCALE_FIELDS}
@@ -51,12 +50,23 @@ def blocks(dtype: Q, n_blocks: int, unit: float, rng) -> np.ndarray:
     _, block_bytes = GGML_QUANT_SIZES[dtype]
     raw = rng.integers(0, 256, size=(n_blocks, block_bytes), dtype=np.uint8)
     for off in SCALE_FIELDS[dtype]:
-        v = (rng.uniform(0.5, 1.0, n_blocks) * rng.choice([-1.0, 1.0], n_blocks) * unit).astype(np.float16)
+        v = (rng.uniform(0.5, 1.0, n_blocks) * rng.choice([-1.0, 1.0], n_blocks) * unit).astype(
+            np.float16
+        )
         raw[:, off : off + 2] = v.view(np.uint8).reshape(n_blocks, 2)
     return raw
 
 
-def write_model(path: str, dtype: Q, n_layer: int, n_embd: int, n_ff: int, n_head: int, n_head_kv: int, seed: int = 0) -> int:
+def write_model(
+    path: str,
+    dtype: Q,
+    n_layer: int,
+    n_embd: int,
+    n_ff: int,
+    n_head: int,
+    n_head_kv: int,
+    seed: int = 0,
+) -> int:
     """Streams the model to disk; returns the bytes of the matrices a decode step reads."""
     rng = np.random.default_rng(seed)
     block_len, block_bytes = GGML_QUANT_SIZES[dtype]
@@ -67,12 +77,24 @@ def write_model(path: str, dtype: Q, n_layer: int, n_embd: int, n_ff: int, n_hea
     tensors = [("token_embd.weight", (n_vocab, n_embd), None)]
     for l in range(n_layer):
         p = f"blk.{l}."
-        tensors += [(p + "attn_norm.weight", (n_embd,), None), (p + "ffn_norm.weight", (n_embd,), None)]
-        for name, rows, cols in [("attn_q", n_embd, n_embd), ("attn_k", kv, n_embd), ("attn_v", kv, n_embd),
-                                 ("attn_output", n_embd, n_embd), ("ffn_gate", n_ff, n_embd), ("ffn_up", n_ff, n_embd),
-                                 ("ffn_down", n_embd, n_ff)]:
+        tensors += [
+            (p + "attn_norm.weight", (n_embd,), None),
+            (p + "ffn_norm.weight", (n_embd,), None),
+        ]
+        for name, rows, cols in [
+            ("attn_q", n_embd, n_embd),
+            ("attn_k", kv, n_embd),
+            ("attn_v", kv, n_embd),
+            ("attn_output", n_embd, n_embd),
+            ("ffn_gate", n_ff, n_embd),
+            ("ffn_up", n_ff, n_embd),
+            ("ffn_down", n_embd, n_ff),
+        ]:
             tensors.append((p + name + ".weight", (rows, cols), dtype))
-    tensors += [("output_norm.weight", (n_embd,), None), ("output.weight", (n_vocab, n_embd), dtype)]
+    tensors += [
+        ("output_norm.weight", (n_embd,), None),
+        ("output.weight", (n_vocab, n_embd), dtype),
+    ]
 
     w = GGUFWriter(path, "llama")
     w.add_block_count(n_layer)
@@ -88,21 +110,27 @@ def write_model(path: str, dtype: Q, n_layer: int, n_embd: int, n_ff: int, n_hea
     for name, shape, t in tensors:
         if t is None:
             dt = np.float32 if len(shape) == 1 else np.float16
-            w.add_tensor_info(name, shape, np.dtype(dt), int(np.prod(shape)) * np.dtype(dt).itemsize)
+            w.add_tensor_info(
+                name, shape, np.dtype(dt), int(np.prod(shape)) * np.dtype(dt).itemsize
+            )
         else:
             nbytes = shape[0] * shape[1] // block_len * block_bytes
-            w.add_tensor_info(name, (shape[0], nbytes // shape[0]), np.dtype(np.uint8), nbytes, raw_dtype=t)
+            w.add_tensor_info(
+                name, (shape[0], nbytes // shape[0]), np.dtype(np.uint8), nbytes, raw_dtype=t
+            )
             read += nbytes
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    for name, shape, t in tensors:
+    for _name, shape, t in tensors:
         if len(shape) == 1:
             w.write_tensor_data(np.ones(shape, dtype=np.float32))
         elif t is None:
             w.write_tensor_data((rng.standard_normal(shape) * 0.5).astype(np.float16))
         else:
-            w.write_tensor_data(blocks(t, shape[0] * shape[1] // block_len, unit, rng).reshape(shape[0], -1))
+            w.write_tensor_data(
+                blocks(t, shape[0] * shape[1] // block_len, unit, rng).reshape(shape[0], -1)
+            )
     w.close()
     return read
 
@@ -124,8 +152,15 @@ def decode_tps(engine, n_tokens: int, repeats: int, record: bool = True) -> floa
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--types", nargs="*", default=["q4_0", "q8_0", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs"], choices=sorted(TYPES))
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--types",
+        nargs="*",
+        default=["q4_0", "q8_0", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs"],
+        choices=sorted(TYPES),
+    )
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--n-embd", type=int, default=2048)
     ap.add_argument("--n-ff", type=int, default=5632)
@@ -146,9 +181,17 @@ def main() -> int:
 
         copy_rate = hbm_bandwidth()
         print(f"device-to-device copy: {copy_rate / 1e12:.2f} TB/s", flush=True)
-    results = {"shape": dict(layers=a.layers, n_embd=a.n_embd, n_ff=a.n_ff, heads=a.heads, kv_heads=a.kv_heads),
-               "copy_rate_bytes_s": copy_rate, "types": {}}
-    print(f"{'type':8} {'GiB':>6} {'cpu tok/s':>10} {'launched':>9} {'graph':>8} {'graph/cpu':>9} {'of copy':>8} {'gpu-cpu dist':>13}", flush=True)
+    results = {
+        "shape": dict(
+            layers=a.layers, n_embd=a.n_embd, n_ff=a.n_ff, heads=a.heads, kv_heads=a.kv_heads
+        ),
+        "copy_rate_bytes_s": copy_rate,
+        "types": {},
+    }
+    print(
+        f"{'type':8} {'GiB':>6} {'cpu tok/s':>10} {'launched':>9} {'graph':>8} {'graph/cpu':>9} {'of copy':>8} {'gpu-cpu dist':>13}",
+        flush=True,
+    )
     for name in a.types:
         t0 = time.perf_counter()
         read = write_model(a.model, TYPES[name], a.layers, a.n_embd, a.n_ff, a.heads, a.kv_heads)
@@ -158,16 +201,24 @@ def main() -> int:
         ids = cpu.tokenize("the an in the of the in an the", add_bos=False)
         ref, got = cpu.logits(ids).astype(np.float64), gpu.logits(ids).astype(np.float64)
         dist = float((np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)).mean())
-        r = {"weight_bytes_per_token": read, "write_s": write_s, "logit_distance_gpu_cpu": dist,
-             "cpu_tps": decode_tps(cpu, a.tokens, a.repeats), "gpu_tps": decode_tps(gpu, a.tokens, a.repeats),
-             "gpu_launched_tps": decode_tps(gpu, a.tokens, a.repeats, record=False)}
+        r = {
+            "weight_bytes_per_token": read,
+            "write_s": write_s,
+            "logit_distance_gpu_cpu": dist,
+            "cpu_tps": decode_tps(cpu, a.tokens, a.repeats),
+            "gpu_tps": decode_tps(gpu, a.tokens, a.repeats),
+            "gpu_launched_tps": decode_tps(gpu, a.tokens, a.repeats, record=False),
+        }
         r["gpu_vs_cpu"] = r["gpu_tps"] / r["cpu_tps"]
         r["graph_vs_launched"] = r["gpu_tps"] / r["gpu_launched_tps"]
         r["gpu_bytes_s"] = read * r["gpu_tps"]
         frac = r["gpu_bytes_s"] / copy_rate if copy_rate else float("nan")
         r["gpu_fraction_of_copy_rate"] = frac
         results["types"][name] = r
-        print(f"{name:8} {read / 2**30:6.2f} {r['cpu_tps']:10.1f} {r['gpu_launched_tps']:9.1f} {r['gpu_tps']:8.1f} {r['gpu_vs_cpu']:8.1f}x {frac:8.1%} {dist:13.4f}", flush=True)
+        print(
+            f"{name:8} {read / 2**30:6.2f} {r['cpu_tps']:10.1f} {r['gpu_launched_tps']:9.1f} {r['gpu_tps']:8.1f} {r['gpu_vs_cpu']:8.1f}x {frac:8.1%} {dist:13.4f}",
+            flush=True,
+        )
         del cpu, gpu
         os.remove(a.model)
     if a.out:

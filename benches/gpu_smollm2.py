@@ -19,10 +19,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-from powerinfer_rs import Engine  # noqa: E402
-from powerinfer_rs.models import default_model_path  # noqa: E402
-from powerinfer_rs.placement import model_bytes  # noqa: E402
-from reference import forward, read_weights  # noqa: E402
+from powerinfer_rs import Engine
+from powerinfer_rs.models import default_model_path
+from powerinfer_rs.placement import model_bytes
+from reference import forward, read_weights
 
 N_CTX = 512
 
@@ -47,7 +47,9 @@ def prefill_tps(engine: Engine, ids: list[int], repeats: int = 3) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--decode-tokens", type=int, default=128)
     args = ap.parse_args()
@@ -65,8 +67,12 @@ def main() -> None:
     half = dense + int(0.5 * mb.n_ff * float(np.sum(mb.neuron_bytes)))
     # cuda_full_launched: the same as cuda_full with each kernel launched (POWERINFER_CUDA_GRAPH=0)
     # instead of each token's recorded kernels replayed
-    configs = {"cpu": dict(device="cpu"), "cuda_full": dict(device="cuda"), "cuda_full_launched": dict(device="cuda"),
-               "cuda_half": dict(device="cuda", vram_budget=half)}
+    configs = {
+        "cpu": dict(device="cpu"),
+        "cuda_full": dict(device="cuda"),
+        "cuda_full_launched": dict(device="cuda"),
+        "cuda_half": dict(device="cuda", vram_budget=half),
+    }
     results = {}
     for name, kwargs in configs.items():
         os.environ["POWERINFER_CUDA_GRAPH"] = "0" if name.endswith("_launched") else "1"

@@ -31,10 +31,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-from gguf import GGMLQuantizationType as Q  # noqa: E402
-from gguf import GGUFWriter  # noqa: E402
-
-from synth import add_tiny_tokenizer, tiny_vocab  # noqa: E402
+from gguf import GGUFWriter
+from synth import add_tiny_tokenizer, tiny_vocab
 
 
 def firing_probabilities(rng, n_ff: int, mean: float, alpha: float) -> np.ndarray:
@@ -44,14 +42,24 @@ def firing_probabilities(rng, n_ff: int, mean: float, alpha: float) -> np.ndarra
     lo, hi = 0.0, 1e3
     for _ in range(100):
         a = (lo + hi) / 2
-        if np.minimum(0.98, a * ranks ** -alpha).mean() < mean:
+        if np.minimum(0.98, a * ranks**-alpha).mean() < mean:
             lo = a
         else:
             hi = a
-    return np.minimum(0.98, hi * ranks ** -alpha)
+    return np.minimum(0.98, hi * ranks**-alpha)
 
 
-def write_model(path: str, n_layer: int, n_embd: int, n_ff: int, n_head: int, hidden: int, mean: float, alpha: float, seed: int = 0):
+def write_model(
+    path: str,
+    n_layer: int,
+    n_embd: int,
+    n_ff: int,
+    n_head: int,
+    hidden: int,
+    mean: float,
+    alpha: float,
+    seed: int = 0,
+):
     """Streams the model to disk tensor by tensor (it does not fit in memory twice). Returns the
     per-layer firing probabilities."""
     from statistics import NormalDist
@@ -76,7 +84,7 @@ def write_model(path: str, n_layer: int, n_embd: int, n_ff: int, n_head: int, hi
     emb = rng.standard_normal((n_vocab, n_embd)).astype(np.float32)
     emb[:, 0] = 4.0  # the constant component predictor hidden unit 0 reads
     tensors.append(("token_embd.weight", (n_vocab, n_embd), lambda: emb.astype(np.float16)))
-    ones = lambda: np.ones(n_embd, dtype=np.float32)  # noqa: E731
+    ones = lambda: np.ones(n_embd, dtype=np.float32)
     for l in range(n_layer):
         p = f"blk.{l}."
 
@@ -87,7 +95,9 @@ def write_model(path: str, n_layer: int, n_embd: int, n_ff: int, n_head: int, hi
             return a.astype(np.float16)
 
         def fc2(l=l):
-            noise = rng.standard_normal((n_ff, hidden)).astype(np.float32) * np.sqrt(2.0 / (hidden - 1))
+            noise = rng.standard_normal((n_ff, hidden)).astype(np.float32) * np.sqrt(
+                2.0 / (hidden - 1)
+            )
             noise[:, 0] = [inv(float(min(max(q, 1e-6), 1 - 1e-6))) for q in probs[l]]
             return noise.astype(np.float16)
 
@@ -96,14 +106,14 @@ def write_model(path: str, n_layer: int, n_embd: int, n_ff: int, n_head: int, hi
             (p + "fc1.weight", (hidden, n_embd), fc1),
             (p + "fc2.weight", (n_ff, hidden), fc2),
             (p + "attn_norm.weight", (n_embd,), ones),
-            (p + "attn_q.weight", sq, lambda: big(*sq)),
-            (p + "attn_k.weight", sq, lambda: big(*sq)),
-            (p + "attn_v.weight", sq, lambda: big(*sq)),
-            (p + "attn_output.weight", sq, lambda: big(*sq) * np.float16(0.1)),
+            (p + "attn_q.weight", sq, lambda sq=sq: big(*sq)),
+            (p + "attn_k.weight", sq, lambda sq=sq: big(*sq)),
+            (p + "attn_v.weight", sq, lambda sq=sq: big(*sq)),
+            (p + "attn_output.weight", sq, lambda sq=sq: big(*sq) * np.float16(0.1)),
             (p + "ffn_norm.weight", (n_embd,), ones),
-            (p + "ffn_gate.weight", ff, lambda: big(*ff)),
-            (p + "ffn_up.weight", ff, lambda: big(*ff)),
-            (p + "ffn_down_t.weight", ff, lambda: big(*ff) * np.float16(0.1)),
+            (p + "ffn_gate.weight", ff, lambda ff=ff: big(*ff)),
+            (p + "ffn_up.weight", ff, lambda ff=ff: big(*ff)),
+            (p + "ffn_down_t.weight", ff, lambda ff=ff: big(*ff) * np.float16(0.1)),
         ]
     tensors.append(("output_norm.weight", (n_embd,), ones))
     tensors.append(("output.weight", (n_vocab, n_embd), lambda: big(n_vocab, n_embd)))
@@ -171,24 +181,36 @@ def hbm_bandwidth() -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--layers", type=int, default=40)
     ap.add_argument("--n-embd", type=int, default=5120)
     ap.add_argument("--n-ff", type=int, default=13824)
     ap.add_argument("--heads", type=int, default=40)
     ap.add_argument("--hidden", type=int, default=256, help="predictor hidden size")
     ap.add_argument("--active", type=float, default=0.1, help="mean fraction of neurons that fire")
-    ap.add_argument("--alpha", type=float, default=0.8, help="power-law exponent of the firing frequencies")
+    ap.add_argument(
+        "--alpha", type=float, default=0.8, help="power-law exponent of the firing frequencies"
+    )
     ap.add_argument("--budget", default="8GiB")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model", default="/tmp/hybrid_13b.gguf")
     ap.add_argument("--out", default=None, help="JSON results file")
-    ap.add_argument("--skip", nargs="*", default=[], help="configurations to leave out: cpu offload hybrid full")
+    ap.add_argument(
+        "--skip", nargs="*", default=[], help="configurations to leave out: cpu offload hybrid full"
+    )
     a = ap.parse_args()
 
     from powerinfer_rs import Engine
-    from powerinfer_rs.placement import model_bytes, parse_bytes, plan, write_gpu_index, gpu_index_path
+    from powerinfer_rs.placement import (
+        gpu_index_path,
+        model_bytes,
+        parse_bytes,
+        plan,
+        write_gpu_index,
+    )
 
     t0 = time.time()
     probs = write_model(a.model, a.layers, a.n_embd, a.n_ff, a.heads, a.hidden, a.active, a.alpha)
@@ -204,8 +226,11 @@ def main() -> int:
     k = 0
     while k < a.layers and layer_bytes[: k + 1].sum() <= budget:
         k += 1
-    print(f"placement: {p.dense_layers_on_gpu} layers' dense part, {sum(len(g) for g in p.solution.gpu_neurons)} hot neurons, "
-          f"mean profiled hot share {float(np.mean(p.hot_share)):.2f}; layer offload fits {k} layers", flush=True)
+    print(
+        f"placement: {p.dense_layers_on_gpu} layers' dense part, {sum(len(g) for g in p.solution.gpu_neurons)} hot neurons, "
+        f"mean profiled hot share {float(np.mean(p.hot_share)):.2f}; layer offload fits {k} layers",
+        flush=True,
+    )
 
     results: dict[str, dict] = {}
     # The predictors use the file's cut-off (0, as PowerInfer's converter writes it): this model's
@@ -227,23 +252,37 @@ def main() -> int:
         tps, stats = decode_tps(e, a.tokens, a.repeats)
         r = dict(tps=tps, load_s=load_s, report=e.gpu_report(), stats=stats)
         results[name] = r
-        print(f"{name:8s} {tps:8.2f} tok/s  (load {load_s:.0f} s) {json.dumps(r['report']) if r['report'] else ''}", flush=True)
+        print(
+            f"{name:8s} {tps:8.2f} tok/s  (load {load_s:.0f} s) {json.dumps(r['report']) if r['report'] else ''}",
+            flush=True,
+        )
         del e
 
     if "full" in results:
         # A GPU layer with no cold neurons does not report its predictor's selections to the
         # host, so the full run has no ffn_sparsity; the hybrid run's (the same predictors and
         # cut-off, so the same selections) stands in for it, and the source is recorded.
-        source = next((n for n in ("full", "hybrid", "cpu") if n in results and "ffn_sparsity" in results[n]["stats"]), None)
+        source = next(
+            (
+                n
+                for n in ("full", "hybrid", "cpu")
+                if n in results and "ffn_sparsity" in results[n]["stats"]
+            ),
+            None,
+        )
         share = 1 - results[source]["stats"]["ffn_sparsity"] if source else 1.0
-        results["full"]["selected_share"] = dict(value=share, measured_in=source or "none: all neurons counted")
+        results["full"]["selected_share"] = dict(
+            value=share, measured_in=source or "none: all neurons counted"
+        )
         dense = float(mb.layer_dense_bytes.sum() + mb.output_bytes)
         neurons = float(share * a.n_ff * mb.neuron_bytes.sum())
         kv = mb.kv_cache_bytes * (a.tokens / n_ctx)  # about half the positions on average, f16
         per_token = dense + neurons + kv
         bw = hbm_bandwidth()
         achieved = per_token * results["full"]["tps"]
-        results["full"].update(bytes_per_token=per_token, hbm_copy_bandwidth=bw, hbm_fraction=achieved / bw)
+        results["full"].update(
+            bytes_per_token=per_token, hbm_copy_bandwidth=bw, hbm_fraction=achieved / bw
+        )
 
     print("\nconfiguration   tok/s   vs offload")
     base = results.get("offload", {}).get("tps")
@@ -252,9 +291,11 @@ def main() -> int:
         print(f"{name:13s} {r['tps']:8.2f}   {ratio}")
     if "full" in results:
         f = results["full"]
-        print(f"full GPU: {f['bytes_per_token'] / 2**30:.2f} GiB read per token "
-              f"({f['selected_share']['value']:.1%} of the neurons, as measured in {f['selected_share']['measured_in']}), "
-              f"{f['hbm_fraction']:.1%} of the measured copy bandwidth ({f['hbm_copy_bandwidth'] / 1e12:.2f} TB/s)")
+        print(
+            f"full GPU: {f['bytes_per_token'] / 2**30:.2f} GiB read per token "
+            f"({f['selected_share']['value']:.1%} of the neurons, as measured in {f['selected_share']['measured_in']}), "
+            f"{f['hbm_fraction']:.1%} of the measured copy bandwidth ({f['hbm_copy_bandwidth'] / 1e12:.2f} TB/s)"
+        )
     if a.out:
         with open(a.out, "w") as fh:
             json.dump(results, fh, indent=1, default=str)

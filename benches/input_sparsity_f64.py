@@ -23,20 +23,26 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-import reference as R  # noqa: E402
+import reference as R
 
-GROUPS = {"qkv": ("attn_q", "attn_k", "attn_v"), "attn_output": ("attn_output",), "ffn_gate_up": ("ffn_gate", "ffn_up"), "ffn_down": ("ffn_down",)}
+GROUPS = {
+    "qkv": ("attn_q", "attn_k", "attn_v"),
+    "attn_output": ("attn_output",),
+    "ffn_gate_up": ("ffn_gate", "ffn_up"),
+    "ffn_down": ("ffn_down",),
+}
 ALL = [m for g in GROUPS.values() for m in g]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--ctx", type=int, default=256)
     a = ap.parse_args()
-    from powerinfer_rs import default_model_path
+    from powerinfer_rs import _core, default_model_path
     from powerinfer_rs.tokenizer import GGUFTokenizer
-    from powerinfer_rs import _core
 
     path = default_model_path()
     w, meta = R.read_weights(path)
@@ -47,8 +53,16 @@ def main() -> None:
     ids = tok.encode("".join(open(f, encoding="utf-8").read() for f in files), add_bos=False)
     windows = [ids[i * a.ctx : (i + 1) * a.ctx] for i in range(a.windows)]
     m = lambda k: meta[f"llama.{k}"]
-    n_layer, n_head, n_kv = m("block_count"), m("attention.head_count"), m("attention.head_count_kv")
-    hd, base, eps = m("embedding_length") // n_head, m("rope.freq_base"), m("attention.layer_norm_rms_epsilon")
+    n_layer, n_head, n_kv = (
+        m("block_count"),
+        m("attention.head_count"),
+        m("attention.head_count_kv"),
+    )
+    hd, base, eps = (
+        m("embedding_length") // n_head,
+        m("rope.freq_base"),
+        m("attention.layer_norm_rms_epsilon"),
+    )
     norms = {k: np.linalg.norm(v, axis=0) for k, v in w.items() if v.ndim == 2}
     copies: dict = {}
 
@@ -82,7 +96,9 @@ def main() -> None:
             for l in range(n_layer):
                 p = f"blk.{l}."
                 h = R.rmsnorm(x, w[p + "attn_norm.weight"], eps)
-                q = R.rope(mm(h, l, "attn_q"), pos, n_head, hd, hd, base, False).reshape(n, n_head, hd)
+                q = R.rope(mm(h, l, "attn_q"), pos, n_head, hd, hd, base, False).reshape(
+                    n, n_head, hd
+                )
                 k = R.rope(mm(h, l, "attn_k"), pos, n_kv, hd, hd, base, False).reshape(n, n_kv, hd)
                 v = mm(h, l, "attn_v").reshape(n, n_kv, hd)
                 att = np.zeros((n, n_head, hd))
@@ -103,7 +119,9 @@ def main() -> None:
         return float(np.exp(nll / count))
 
     dense = ppl({})
-    print(f"SmolLM2-135M Q4_1, float64; {a.windows} windows of {a.ctx} tokens of python3.11-doc library text")
+    print(
+        f"SmolLM2-135M Q4_1, float64; {a.windows} windows of {a.ctx} tokens of python3.11-doc library text"
+    )
     print(f"dense perplexity {dense:.3f}")
     print("| inputs skipped, every matrix | copy | perplexity | vs dense |")
     print("|---|---|---|---|")
@@ -115,7 +133,9 @@ def main() -> None:
     print("| group alone (Q8_0 copy) | 50% | 70% | 85% |")
     print("|---|---|---|---|")
     for g, mats in GROUPS.items():
-        cells = [f"{ppl({mat: s for mat in mats}, 'Q8_0') / dense - 1:+.1%}" for s in (0.5, 0.7, 0.85)]
+        cells = [
+            f"{ppl({mat: s for mat in mats}, 'Q8_0') / dense - 1:+.1%}" for s in (0.5, 0.7, 0.85)
+        ]
         print(f"| {g} | {' | '.join(cells)} |", flush=True)
 
 

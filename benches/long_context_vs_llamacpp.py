@@ -64,10 +64,12 @@ def worker(engine: str, path: str, threads: int, n_prompt: int, n_gen: int) -> d
         import numpy as np
         from llama_cpp import Llama
 
-        llm = Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
+        llm = Llama(
+            model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False
+        )
         llm.eval(ids[:32])
         llm.reset()
-        logits = lambda: np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))  # noqa: E731
+        logits = lambda: np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
         t = time.perf_counter()
         llm.eval(ids)
         tok = int(np.argmax(logits()))
@@ -80,11 +82,18 @@ def worker(engine: str, path: str, threads: int, n_prompt: int, n_gen: int) -> d
             out.append(tok)
         decode = time.perf_counter() - t
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"prefill_tps": n_prompt / prefill, "decode_tps": n_gen / decode, "rss_mb": rss_mb, "tokens": out}
+    return {
+        "prefill_tps": n_prompt / prefill,
+        "decode_tps": n_gen / decode,
+        "rss_mb": rss_mb,
+        "tokens": out,
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("-m", "--model", default=None, help="GGUF file (default: SmolLM2-135M Q4_1)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--lengths", default="128,1024,4096")
@@ -106,25 +115,43 @@ def main() -> None:
     for _ in range(args.repeats):
         for n in lengths:
             for e in ("ours", "llama.cpp"):
-                cmd = [sys.executable, __file__, "--worker", e, "--prompt", str(n), "-m", path,
-                       "-t", str(args.threads), "--gen-tokens", str(args.gen_tokens)]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    e,
+                    "--prompt",
+                    str(n),
+                    "-m",
+                    path,
+                    "-t",
+                    str(args.threads),
+                    "--gen-tokens",
+                    str(args.gen_tokens),
+                ]
                 r = subprocess.run(cmd, capture_output=True, text=True)
                 if r.returncode != 0:
                     raise SystemExit(f"{e} at {n} tokens failed:\n{r.stderr[-3000:]}")
                 runs[(n, e)].append(json.loads(r.stdout.strip().splitlines()[-1]))
 
-    med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
-    print(f"model: {os.path.basename(path)}  threads: {args.threads}  decode: {args.gen_tokens} tokens after the prompt  "
-          f"median of {args.repeats}")
-    print("| prompt tokens | prefill tok/s ours / llama.cpp | ratio | decode tok/s ours / llama.cpp | ratio | peak RSS MB ours / llama.cpp | greedy tokens equal |")
+    med = lambda rs, k: statistics.median(r[k] for r in rs)
+    print(
+        f"model: {os.path.basename(path)}  threads: {args.threads}  decode: {args.gen_tokens} tokens after the prompt  "
+        f"median of {args.repeats}"
+    )
+    print(
+        "| prompt tokens | prefill tok/s ours / llama.cpp | ratio | decode tok/s ours / llama.cpp | ratio | peak RSS MB ours / llama.cpp | greedy tokens equal |"
+    )
     print("|---|---|---|---|---|---|---|")
     for n in lengths:
         o, l = runs[(n, "ours")], runs[(n, "llama.cpp")]
         a, b = o[-1]["tokens"], l[-1]["tokens"]
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-        print(f"| {n} | {med(o, 'prefill_tps'):.0f} / {med(l, 'prefill_tps'):.0f} | {med(o, 'prefill_tps') / med(l, 'prefill_tps'):.2f}x "
-              f"| {med(o, 'decode_tps'):.1f} / {med(l, 'decode_tps'):.1f} | {med(o, 'decode_tps') / med(l, 'decode_tps'):.2f}x "
-              f"| {med(o, 'rss_mb'):.0f} / {med(l, 'rss_mb'):.0f} | {same}/{len(a)} |")
+        print(
+            f"| {n} | {med(o, 'prefill_tps'):.0f} / {med(l, 'prefill_tps'):.0f} | {med(o, 'prefill_tps') / med(l, 'prefill_tps'):.2f}x "
+            f"| {med(o, 'decode_tps'):.1f} / {med(l, 'decode_tps'):.1f} | {med(o, 'decode_tps') / med(l, 'decode_tps'):.2f}x "
+            f"| {med(o, 'rss_mb'):.0f} / {med(l, 'rss_mb'):.0f} | {same}/{len(a)} |"
+        )
 
 
 if __name__ == "__main__":

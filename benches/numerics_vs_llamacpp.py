@@ -60,24 +60,37 @@ def nll_sums(logits: np.ndarray, chunk: list[int], first: int) -> tuple[float, i
 
 def logits_table(args, src: str) -> None:
     import llama_cpp
-
     from powerinfer_rs import Engine
     from reference import forward, read_weights
 
     w, meta = read_weights(src)
     ours16 = Engine.load(src, n_ctx=args.tokens, threads=args.threads, device="cpu")
     ours32 = Engine.load(src, n_ctx=args.tokens, threads=args.threads, device="cpu", kv_type="f32")
-    llm = llama_cpp.Llama(model_path=src, n_ctx=args.tokens, n_batch=args.tokens, logits_all=True,
-                          n_threads=args.threads, verbose=False)
-    print(f"\nLogits vs float64 reference, SmolLM2-135M Q4_1, {args.passages} passages of {args.tokens} tokens")
-    print("| passage | powerinfer-rs (f16 KV) | powerinfer-rs (f32 KV) | llama.cpp (f16 KV) | ratio ours/llama.cpp |")
+    llm = llama_cpp.Llama(
+        model_path=src,
+        n_ctx=args.tokens,
+        n_batch=args.tokens,
+        logits_all=True,
+        n_threads=args.threads,
+        verbose=False,
+    )
+    print(
+        f"\nLogits vs float64 reference, SmolLM2-135M Q4_1, {args.passages} passages of {args.tokens} tokens"
+    )
+    print(
+        "| passage | powerinfer-rs (f16 KV) | powerinfer-rs (f32 KV) | llama.cpp (f16 KV) | ratio ours/llama.cpp |"
+    )
     print("|---|---|---|---|---|")
     rows = []
     for i, text in enumerate(passages(args.passages, 8 * args.tokens, args.seed)):
         ids = ours16.tokenize(text)[: args.tokens]
         ref = forward(w, meta, ids)
-        rel = lambda a: float(np.linalg.norm(a - ref) / np.linalg.norm(ref))  # noqa: E731
-        r = (rel(ours16.logits(ids).astype(np.float64)), rel(ours32.logits(ids).astype(np.float64)), rel(llama_cpp_logits(llm, ids)))
+        rel = lambda a, ref=ref: float(np.linalg.norm(a - ref) / np.linalg.norm(ref))
+        r = (
+            rel(ours16.logits(ids).astype(np.float64)),
+            rel(ours32.logits(ids).astype(np.float64)),
+            rel(llama_cpp_logits(llm, ids)),
+        )
         rows.append(r)
         print(f"| {i + 1} | {r[0]:.2%} | {r[1]:.2%} | {r[2]:.2%} | {r[0] / r[2]:.2f} |")
     mean = np.mean(rows, axis=0)
@@ -86,14 +99,15 @@ def logits_table(args, src: str) -> None:
 
 def perplexity_table(args, src: str) -> None:
     import llama_cpp
-
     from powerinfer_rs import Engine
 
     text = "\n\n".join(passages(40, 2000, args.seed + 1))
     ids = Engine.load(src, threads=1, device="cpu").tokenize(text, add_bos=False)
     ctx, first = args.ctx, args.ctx // 2
     chunks = [ids[c * ctx : (c + 1) * ctx] for c in range(min(args.windows, len(ids) // ctx))]
-    print(f"\nPerplexity per preset, {len(chunks)} windows of {ctx} tokens (second half scored), same ids for both")
+    print(
+        f"\nPerplexity per preset, {len(chunks)} windows of {ctx} tokens (second half scored), same ids for both"
+    )
     print("| preset | powerinfer-rs | llama.cpp | difference |")
     print("|---|---|---|---|")
     with tempfile.TemporaryDirectory() as d:
@@ -102,20 +116,34 @@ def perplexity_table(args, src: str) -> None:
             if preset != "Q4_1":
                 requantize(src, path, preset)
             ours = Engine.load(path, n_ctx=ctx, threads=args.threads, device="cpu")
-            llm = llama_cpp.Llama(model_path=path, n_ctx=ctx, n_batch=ctx, logits_all=True, n_threads=args.threads, verbose=False)
+            llm = llama_cpp.Llama(
+                model_path=path,
+                n_ctx=ctx,
+                n_batch=ctx,
+                logits_all=True,
+                n_threads=args.threads,
+                verbose=False,
+            )
             sums = {"ours": [0.0, 0], "llama.cpp": [0.0, 0]}
             for chunk in chunks:
-                for name, logits in (("ours", ours.logits(chunk).astype(np.float64)), ("llama.cpp", llama_cpp_logits(llm, chunk))):
+                for name, logits in (
+                    ("ours", ours.logits(chunk).astype(np.float64)),
+                    ("llama.cpp", llama_cpp_logits(llm, chunk)),
+                ):
                     nll, n = nll_sums(logits, chunk, first)
                     sums[name][0] += nll
                     sums[name][1] += n
             p = {k: float(np.exp(s / n)) for k, (s, n) in sums.items()}
-            print(f"| {preset} | {p['ours']:.4f} | {p['llama.cpp']:.4f} | {(p['ours'] - p['llama.cpp']) / p['llama.cpp']:+.2%} |")
+            print(
+                f"| {preset} | {p['ours']:.4f} | {p['llama.cpp']:.4f} | {(p['ours'] - p['llama.cpp']) / p['llama.cpp']:+.2%} |"
+            )
             del llm, ours
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--passages", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=128)

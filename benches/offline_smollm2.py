@@ -24,7 +24,6 @@ import statistics
 import time
 
 import numpy as np
-
 from powerinfer_rs import Engine, offline
 from powerinfer_rs.models import default_model_path
 from powerinfer_rs.offline import training
@@ -33,7 +32,9 @@ from powerinfer_rs.offline.profiling import captured_windows
 DOCS = "/usr/share/doc/python3.11/html/_sources"
 
 
-def predictor_quality(engine: Engine, text_ids: list[int], prof: dict, preds: dict, window: int = 256) -> tuple[float, float]:
+def predictor_quality(
+    engine: Engine, text_ids: list[int], prof: dict, preds: dict, window: int = 256
+) -> tuple[float, float]:
     """Recall and predicted sparsity over every layer and token of `text_ids`."""
     s = engine._session(window)
     s.set_sparsity("dense")
@@ -57,7 +58,9 @@ def decode_tps(engine: Engine, prompt: str, n: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--tokens", type=int, default=24000)
     ap.add_argument("--train-tokens", type=int, default=20000)
     ap.add_argument("--target-sparsity", type=float, default=0.5)
@@ -67,7 +70,9 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--reuse", action="store_true", help="reuse profile/predictors/model in workdir")
+    ap.add_argument(
+        "--reuse", action="store_true", help="reuse profile/predictors/model in workdir"
+    )
     a = ap.parse_args()
     os.makedirs(a.workdir, exist_ok=True)
     src = default_model_path()
@@ -77,8 +82,15 @@ def main() -> None:
 
     t0 = time.perf_counter()
     if not (a.reuse and os.path.exists(prof_path)):
-        offline.profile(Engine.load(src, n_ctx=256, device="cpu"), DOCS, tokens=a.tokens, train_tokens=a.train_tokens, target_sparsity=a.target_sparsity,
-                        output=prof_path, progress=True)
+        offline.profile(
+            Engine.load(src, n_ctx=256, device="cpu"),
+            DOCS,
+            tokens=a.tokens,
+            train_tokens=a.train_tokens,
+            target_sparsity=a.target_sparsity,
+            output=prof_path,
+            progress=True,
+        )
     t_prof = time.perf_counter() - t0
     t0 = time.perf_counter()
     if not (a.reuse and os.path.exists(pred_path)):
@@ -116,17 +128,25 @@ def main() -> None:
         ratios.append(s / d)
 
     print(f"\nevaluation text: python3.11-doc tutorial/, {len(ids)} tokens, ctx {a.ctx}")
-    print(f"labels: threshold rule at sparsity {prof['target_sparsity']:.2f}; predictor recall target {a.recall:.2f}")
+    print(
+        f"labels: threshold rule at sparsity {prof['target_sparsity']:.2f}; predictor recall target {a.recall:.2f}"
+    )
     print("| measure | value |\n|---|---|")
     print(f"| predictor recall (eval text) | {recall:.3f} |")
     print(f"| predicted sparsity (eval text) | {pred_sparsity:.3f} |")
     print(f"| FFN neurons skipped by the engine | {skipped:.3f} |")
     print(f"| perplexity, source GGUF dense | {ppl_src:.3f} |")
     print(f"| perplexity, converted dense | {ppl_dense:.3f} ({ppl_dense / ppl_src - 1:+.1%}) |")
-    print(f"| perplexity, converted predictor mode | {ppl_sparse:.3f} ({ppl_sparse / ppl_dense - 1:+.1%} vs converted dense) |")
-    print(f"| decode tok/s dense / predictor | {statistics.median(d_all):.1f} / {statistics.median(s_all):.1f} |")
-    print(f"| decode ratio predictor / dense (median of {a.repeats} pairs) | {statistics.median(ratios):.2f}x "
-          f"(range {min(ratios):.2f}-{max(ratios):.2f}) |")
+    print(
+        f"| perplexity, converted predictor mode | {ppl_sparse:.3f} ({ppl_sparse / ppl_dense - 1:+.1%} vs converted dense) |"
+    )
+    print(
+        f"| decode tok/s dense / predictor | {statistics.median(d_all):.1f} / {statistics.median(s_all):.1f} |"
+    )
+    print(
+        f"| decode ratio predictor / dense (median of {a.repeats} pairs) | {statistics.median(ratios):.2f}x "
+        f"(range {min(ratios):.2f}-{max(ratios):.2f}) |"
+    )
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e_vs_llamacpp import LlamaCpp, Ours, prompt_text  # noqa: E402
+from e2e_vs_llamacpp import LlamaCpp, Ours, prompt_text
 
 PRESETS = ["Q4_1", "Q4_0", "Q2_K", "Q3_K_M", "Q4_K_S", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS"]
 
@@ -43,13 +43,17 @@ def requantize(src: str, dst: str, preset: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--presets", default=",".join(PRESETS))
-    ap.add_argument("--wide", action="store_true", help="a random 2048-wide model instead of SmolLM2")
+    ap.add_argument(
+        "--wide", action="store_true", help="a random 2048-wide model instead of SmolLM2"
+    )
     args = ap.parse_args()
 
     from powerinfer_rs import Engine, default_model_path
@@ -62,19 +66,39 @@ def main() -> None:
             from synth import write_model
 
             src, name = str(Path(d) / "f32.gguf"), "random llama, 4 layers of 2048 x 5632"
-            write_model(src, arch="llama", dtype=GGMLQuantizationType.F32, n_embd=2048, n_ff=5632, n_layer=4, n_head=16, n_head_kv=4, n_ctx=1024, seed=3)
+            write_model(
+                src,
+                arch="llama",
+                dtype=GGMLQuantizationType.F32,
+                n_embd=2048,
+                n_ff=5632,
+                n_layer=4,
+                n_head=16,
+                n_head_kv=4,
+                n_ctx=1024,
+                seed=3,
+            )
             presets = [p for p in args.presets.split(",") if p != "Q4_1"]
         else:
             src, name, presets = default_model_path(), "SmolLM2-135M", args.presets.split(",")
-        ids = Engine.load(src, threads=1, device="cpu").tokenize(prompt_text())[: args.prompt_tokens]
-        print(f"{name}, threads {args.threads}, prompt {args.prompt_tokens} tokens, decode {args.gen_tokens}, median of {args.repeats}")
-        print("| preset | MiB | prefill tok/s ours / llama.cpp | ratio | decode tok/s ours / llama.cpp | ratio | greedy tokens equal | logits diff |")
+        ids = Engine.load(src, threads=1, device="cpu").tokenize(prompt_text())[
+            : args.prompt_tokens
+        ]
+        print(
+            f"{name}, threads {args.threads}, prompt {args.prompt_tokens} tokens, decode {args.gen_tokens}, median of {args.repeats}"
+        )
+        print(
+            "| preset | MiB | prefill tok/s ours / llama.cpp | ratio | decode tok/s ours / llama.cpp | ratio | greedy tokens equal | logits diff |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         for preset in presets:
             path = src if preset == "Q4_1" and not args.wide else str(Path(d) / f"{preset}.gguf")
             if path != src:
                 requantize(src, path, preset)
-            ours, theirs = Ours(path, args.threads, n_ctx), LlamaCpp(path, args.threads, n_ctx, args.prompt_tokens)
+            ours, theirs = (
+                Ours(path, args.threads, n_ctx),
+                LlamaCpp(path, args.threads, n_ctx, args.prompt_tokens),
+            )
             engines = [ours, theirs]
             for e in engines:  # warm-up
                 e.prefill(ids[:32])
@@ -86,13 +110,16 @@ def main() -> None:
                     pre[e.name].append(args.prompt_tokens / e.prefill(ids))
                     dt, out[e.name] = e.decode(ids, args.gen_tokens)
                     dec[e.name].append(args.gen_tokens / dt)
-            same = next((i for i, (a, b) in enumerate(zip(out[ours.name], out[theirs.name])) if a != b), len(out[ours.name]))
+            same = next(
+                (i for i, (a, b) in enumerate(zip(out[ours.name], out[theirs.name])) if a != b),
+                len(out[ours.name]),
+            )
             s = ours._core.Session(ours.model, n_ctx)
             mine = s.eval(ids)
             theirs.prefill(ids)
             ref = theirs._last_logits().astype(np.float64)
             diff = np.linalg.norm(mine - ref) / np.linalg.norm(ref)
-            med = lambda xs: statistics.median(xs)  # noqa: E731
+            med = lambda xs: statistics.median(xs)
             rp = med([a / b for a, b in zip(pre[ours.name], pre[theirs.name])])
             rd = med([a / b for a, b in zip(dec[ours.name], dec[theirs.name])])
             mib = Path(path).stat().st_size / 2**20

@@ -19,15 +19,15 @@ import subprocess
 import time
 
 import numpy as np
-
+from gpu_smollm2 import decode_tps  # benches/ is the script's folder: the same greedy decode timing
 from powerinfer_rs import Engine, _core, offline
 from powerinfer_rs.offline.profiling import read_corpus
 from powerinfer_rs.placement import model_bytes
 
-from gpu_smollm2 import decode_tps  # benches/ is the script's folder: the same greedy decode timing
 
-
-def paired(a: Engine, b: Engine, prompt: list[int], n: int, repeats: int) -> tuple[float, float, list[float]]:
+def paired(
+    a: Engine, b: Engine, prompt: list[int], n: int, repeats: int
+) -> tuple[float, float, list[float]]:
     """Medians of alternating runs of a and b, and the per-pair ratios b / a."""
     ta, tb = [], []
     for _ in range(repeats):
@@ -38,44 +38,83 @@ def paired(a: Engine, b: Engine, prompt: list[int], n: int, repeats: int) -> tup
 
 def commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return os.environ.get("POWERINFER_COMMIT", "unknown")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("model", help="relufied GGUF (powerinfer-rs relufy)")
     ap.add_argument("--report", required=True, help="its relufy report (JSON)")
-    ap.add_argument("--corpus", required=True, nargs="+", help="text to profile (the training text)")
+    ap.add_argument(
+        "--corpus", required=True, nargs="+", help="text to profile (the training text)"
+    )
     ap.add_argument("--eval-text", required=True, nargs="+", help="held-out text for perplexity")
     ap.add_argument("--out", required=True, help="JSON results")
-    ap.add_argument("--workdir", default=None, help="where the profile, predictors and converted model go (default beside --out)")
+    ap.add_argument(
+        "--workdir",
+        default=None,
+        help="where the profile, predictors and converted model go (default beside --out)",
+    )
     ap.add_argument("--tokens", type=int, default=60_000, help="tokens to profile")
-    ap.add_argument("--train-tokens", type=int, default=40_000, help="of them, tokens kept for predictor training")
+    ap.add_argument(
+        "--train-tokens",
+        type=int,
+        default=40_000,
+        help="of them, tokens kept for predictor training",
+    )
     ap.add_argument("--recall", type=float, default=0.95, help="recall target of the predictors")
     ap.add_argument("--eval-chars", type=int, default=40_000)
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default all)")
-    ap.add_argument("--gpu-share", type=float, default=0.5, help="hybrid: share of the FFN neuron bytes the VRAM budget holds")
-    ap.add_argument("--source", default=None, help="the model before relufication, for its perplexity on the same text")
-    ap.add_argument("--reuse", action="store_true", help="keep the profile, predictors and converted model of an earlier run in --workdir")
+    ap.add_argument(
+        "--gpu-share",
+        type=float,
+        default=0.5,
+        help="hybrid: share of the FFN neuron bytes the VRAM budget holds",
+    )
+    ap.add_argument(
+        "--source",
+        default=None,
+        help="the model before relufication, for its perplexity on the same text",
+    )
+    ap.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep the profile, predictors and converted model of an earlier run in --workdir",
+    )
     a = ap.parse_args()
     work = a.workdir or os.path.join(os.path.dirname(os.path.abspath(a.out)), "relufy-pipeline")
     os.makedirs(work, exist_ok=True)
     with open(a.report) as fh:
         report = json.load(fh)
-    prof_path, pred_path = os.path.join(work, "relufied.profile.npz"), os.path.join(work, "relufied.predictors.npz")
+    prof_path, pred_path = (
+        os.path.join(work, "relufied.profile.npz"),
+        os.path.join(work, "relufied.predictors.npz"),
+    )
     pw_path = os.path.join(work, "relufied.powerinfer.gguf")
     seconds = {}
 
     dense_src = Engine.load(a.model, n_ctx=a.ctx, device="cpu", sparsity="dense", threads=a.threads)
     if not (a.reuse and os.path.exists(pw_path)):
         t = time.perf_counter()
-        offline.profile(dense_src, a.corpus, tokens=a.tokens, train_tokens=a.train_tokens, window=a.ctx, output=prof_path,
-                        plot=os.path.join(work, "relufied.power_law.png"), progress=False)
+        offline.profile(
+            dense_src,
+            a.corpus,
+            tokens=a.tokens,
+            train_tokens=a.train_tokens,
+            window=a.ctx,
+            output=prof_path,
+            plot=os.path.join(work, "relufied.power_law.png"),
+            progress=False,
+        )
         seconds["profile"] = time.perf_counter() - t
         t = time.perf_counter()
         trained = offline.train(prof_path, output=pred_path, recall_target=a.recall, progress=False)
@@ -87,20 +126,50 @@ def main() -> None:
     prof = offline.load_profile(prof_path)
 
     text = read_corpus(a.eval_text, max_chars=a.eval_chars)
-    ppl_source = Engine.load(a.source, n_ctx=a.ctx, device="cpu", sparsity="dense", threads=a.threads).perplexity(text, ctx=a.ctx) if a.source else None
+    ppl_source = (
+        Engine.load(
+            a.source, n_ctx=a.ctx, device="cpu", sparsity="dense", threads=a.threads
+        ).perplexity(text, ctx=a.ctx)
+        if a.source
+        else None
+    )
     ppl_dense = dense_src.perplexity(text, ctx=a.ctx)
-    sparse = Engine.load(pw_path, n_ctx=a.ctx, device="cpu", sparsity="predictor", predictor_recall=True, threads=a.threads)
+    sparse = Engine.load(
+        pw_path,
+        n_ctx=a.ctx,
+        device="cpu",
+        sparsity="predictor",
+        predictor_recall=True,
+        threads=a.threads,
+    )
     ppl_predictor = sparse.perplexity(text, ctx=a.ctx)
-    recall, skipped = sparse.last_stats.get("predictor_recall"), sparse.last_stats.get("ffn_sparsity")
-    print(f"perplexity dense {ppl_dense:.3f}, predictor mode {ppl_predictor:.3f}; recall {recall:.3f}, skipped {skipped:.3f}", flush=True)
+    recall, skipped = (
+        sparse.last_stats.get("predictor_recall"),
+        sparse.last_stats.get("ffn_sparsity"),
+    )
+    print(
+        f"perplexity dense {ppl_dense:.3f}, predictor mode {ppl_predictor:.3f}; recall {recall:.3f}, skipped {skipped:.3f}",
+        flush=True,
+    )
 
     prompt = dense_src.tokenize("Python is an easy to learn, powerful programming language. It has")
-    cpu_dense_engine = Engine.load(pw_path, n_ctx=512, device="cpu", sparsity="dense", threads=a.threads)
-    cpu_sparse_engine = Engine.load(pw_path, n_ctx=512, device="cpu", sparsity="predictor", threads=a.threads)
+    cpu_dense_engine = Engine.load(
+        pw_path, n_ctx=512, device="cpu", sparsity="dense", threads=a.threads
+    )
+    cpu_sparse_engine = Engine.load(
+        pw_path, n_ctx=512, device="cpu", sparsity="predictor", threads=a.threads
+    )
     d, s, ratios = paired(cpu_dense_engine, cpu_sparse_engine, prompt, a.decode_tokens, a.repeats)
-    decode = {"cpu_dense": d, "cpu_predictor": s, "cpu_ratio_median": statistics.median(ratios),
-              "cpu_ratio_range": [min(ratios), max(ratios)]}
-    print(f"CPU decode dense {d:.1f} tok/s, predictor {s:.1f} tok/s ({statistics.median(ratios):.2f}x)", flush=True)
+    decode = {
+        "cpu_dense": d,
+        "cpu_predictor": s,
+        "cpu_ratio_median": statistics.median(ratios),
+        "cpu_ratio_range": [min(ratios), max(ratios)],
+    }
+    print(
+        f"CPU decode dense {d:.1f} tok/s, predictor {s:.1f} tok/s ({statistics.median(ratios):.2f}x)",
+        flush=True,
+    )
 
     gpu_name = None
     try:
@@ -110,26 +179,57 @@ def main() -> None:
     if devices:
         gpu_name = devices[0].get("name")
         mb = model_bytes(pw_path, 512)
-        budget = int(sum(mb.layer_dense_bytes) + mb.kv_cache_bytes + mb.output_bytes
-                     + a.gpu_share * mb.n_ff * float(np.sum(mb.neuron_bytes)))
+        budget = int(
+            sum(mb.layer_dense_bytes)
+            + mb.kv_cache_bytes
+            + mb.output_bytes
+            + a.gpu_share * mb.n_ff * float(np.sum(mb.neuron_bytes))
+        )
         t = time.perf_counter()
         placed = offline.place(pw_path, prof_path, vram_budget=budget)
         seconds["place"] = time.perf_counter() - t
         full = Engine.load(pw_path, n_ctx=512, device="cuda")
-        hybrid = Engine.load(pw_path, n_ctx=512, device="cuda", vram_budget=budget, profile=prof_path)
+        hybrid = Engine.load(
+            pw_path, n_ctx=512, device="cuda", vram_budget=budget, profile=prof_path
+        )
         f, h, gratios = paired(full, hybrid, prompt, a.decode_tokens, a.repeats)
-        decode.update({"gpu_full": f, "gpu_hybrid": h, "gpu_hybrid_neuron_fraction": hybrid.gpu_report()["hot_neuron_fraction"],
-                       "placement": {"solver": placed.solution.method, "status": placed.solution.status,
-                                     "hot_share": [float(v) for v in placed.hot_share]}})
+        decode.update(
+            {
+                "gpu_full": f,
+                "gpu_hybrid": h,
+                "gpu_hybrid_neuron_fraction": hybrid.gpu_report()["hot_neuron_fraction"],
+                "placement": {
+                    "solver": placed.solution.method,
+                    "status": placed.solution.status,
+                    "hot_share": [float(v) for v in placed.hot_share],
+                },
+            }
+        )
         print(f"GPU decode whole model {f:.1f} tok/s, hybrid {h:.1f} tok/s", flush=True)
 
     result = {
         "commit": commit(),
         "gpu": gpu_name,
         "cpu_threads": cpu_dense_engine.n_threads,
-        **{k: report.get(k) for k in ("activation", "hyperparameters", "train_tokens", "train_minutes", "device", "sparsity",
-                                      "sparsity_per_layer", "ppl_original", "ppl_relufied", "ppl_original_engine",
-                                      "ppl_relufied_engine", "kl_relufied", "eval_text", "curve")},
+        **{
+            k: report.get(k)
+            for k in (
+                "activation",
+                "hyperparameters",
+                "train_tokens",
+                "train_minutes",
+                "device",
+                "sparsity",
+                "sparsity_per_layer",
+                "ppl_original",
+                "ppl_relufied",
+                "ppl_original_engine",
+                "ppl_relufied_engine",
+                "kl_relufied",
+                "eval_text",
+                "curve",
+            )
+        },
         "predictor_recall": recall,
         "predictor_recall_target": a.recall,
         "skipped": skipped,
@@ -137,7 +237,9 @@ def main() -> None:
         "ppl_eval_source": ppl_source,
         "ppl_eval_dense": ppl_dense,
         "ppl_eval_predictor": ppl_predictor,
-        "profiled_fire_share": float(prof["counts"].sum() / (prof["n_tokens"] * prof["counts"].size)),
+        "profiled_fire_share": float(
+            prof["counts"].sum() / (prof["n_tokens"] * prof["counts"].size)
+        ),
         "decode_tps": decode,
         "pipeline_seconds": seconds,
     }

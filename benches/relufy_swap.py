@@ -20,7 +20,9 @@ from powerinfer_rs.offline import relufication as relufy
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=None)
     ap.add_argument("--corpus", default="/usr/share/doc/python3.11/html/_sources/tutorial")
     ap.add_argument("--steps", type=int, default=60)
@@ -38,19 +40,57 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for blend in (float(b) for b in a.blends.split(",")):
-            s = relufy.RelufySettings(activation=a.activation, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr,
-                                      l1=a.l1, blend=blend)
+            s = relufy.RelufySettings(
+                activation=a.activation,
+                steps=a.steps,
+                batch=a.batch,
+                seq_len=a.seq_len,
+                lr=a.lr,
+                l1=a.l1,
+                blend=blend,
+            )
             t = time.time()
-            r = relufy.relufy(model, [a.corpus], os.path.join(tmp, "out.gguf"), s, eval_tokens=a.eval_tokens, progress=False)
-            rows.append({"blend": blend, "ppl_original": r["ppl_original"], "ppl_relufied": r["ppl_relufied"],
-                         "kl": r["kl_relufied"], "sparsity": r["sparsity"], "train_tokens": r["train_tokens"],
-                         "seconds": time.time() - t, "curve": r["curve"]})
-            print(f"blend {blend:.2f}: ppl {r['ppl_original']:.2f} -> {r['ppl_relufied']:.2f}, KL {r['kl_relufied']:.4f}, "
-                  f"zeros {r['sparsity']:.1%} after {r['train_tokens']} tokens ({time.time() - t:.0f} s)", flush=True)
+            r = relufy.relufy(
+                model,
+                [a.corpus],
+                os.path.join(tmp, "out.gguf"),
+                s,
+                eval_tokens=a.eval_tokens,
+                progress=False,
+            )
+            rows.append(
+                {
+                    "blend": blend,
+                    "ppl_original": r["ppl_original"],
+                    "ppl_relufied": r["ppl_relufied"],
+                    "kl": r["kl_relufied"],
+                    "sparsity": r["sparsity"],
+                    "train_tokens": r["train_tokens"],
+                    "seconds": time.time() - t,
+                    "curve": r["curve"],
+                }
+            )
+            print(
+                f"blend {blend:.2f}: ppl {r['ppl_original']:.2f} -> {r['ppl_relufied']:.2f}, KL {r['kl_relufied']:.4f}, "
+                f"zeros {r['sparsity']:.1%} after {r['train_tokens']} tokens ({time.time() - t:.0f} s)",
+                flush=True,
+            )
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"model": os.path.basename(model), "activation": a.activation, "steps": a.steps, "batch": a.batch,
-                       "seq_len": a.seq_len, "lr": a.lr, "l1": a.l1, "runs": rows}, fh, indent=1)
+            json.dump(
+                {
+                    "model": os.path.basename(model),
+                    "activation": a.activation,
+                    "steps": a.steps,
+                    "batch": a.batch,
+                    "seq_len": a.seq_len,
+                    "lr": a.lr,
+                    "l1": a.l1,
+                    "runs": rows,
+                },
+                fh,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -49,7 +49,9 @@ QUESTIONS = [
 
 
 def engine_side(engine, n: int, tokens: int, batch: bool) -> tuple[float, list[str]]:
-    gens = [engine.stream(PROMPTS[i % len(PROMPTS)], max_tokens=tokens, temperature=0) for i in range(n)]
+    gens = [
+        engine.stream(PROMPTS[i % len(PROMPTS)], max_tokens=tokens, temperature=0) for i in range(n)
+    ]
     # prompts first (not timed): every generation past its prompt
     engine.step_many(gens, batch=False)
     texts = [""] * n
@@ -78,10 +80,28 @@ class LlamaCppServer:
         with socket.socket() as sk:
             sk.bind(("127.0.0.1", 0))
             port = sk.getsockname()[1]
-        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", model, "--model_alias", model_id, "--host", "127.0.0.1",
-               "--port", str(port), "--n_ctx", "1024", "--n_threads", str(threads), "--n_threads_batch", str(threads),
-               # by default a new request interrupts the running one; here every request runs to its end
-               "--interrupt_requests", "False"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            model,
+            "--model_alias",
+            model_id,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--n_ctx",
+            "1024",
+            "--n_threads",
+            str(threads),
+            "--n_threads_batch",
+            str(threads),
+            # by default a new request interrupts the running one; here every request runs to its end
+            "--interrupt_requests",
+            "False",
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
@@ -102,10 +122,33 @@ class LlamaCppServer:
 
 
 class Server:
-    def __init__(self, model: str, n: int, batch: bool, threads: int | None, extra: tuple[str, ...] = ()):
-        cmd = [sys.executable, "-m", "powerinfer_rs.cli", "serve", "-m", model, "--port", "0", "-c", "1024",
-               "--parallel", str(n), "--device", "cpu", *extra] + ([] if batch else ["--no-batch"]) + (["-t", str(threads)] if threads else [])
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    def __init__(
+        self, model: str, n: int, batch: bool, threads: int | None, extra: tuple[str, ...] = ()
+    ):
+        cmd = (
+            [
+                sys.executable,
+                "-m",
+                "powerinfer_rs.cli",
+                "serve",
+                "-m",
+                model,
+                "--port",
+                "0",
+                "-c",
+                "1024",
+                "--parallel",
+                str(n),
+                "--device",
+                "cpu",
+                *extra,
+            ]
+            + ([] if batch else ["--no-batch"])
+            + (["-t", str(threads)] if threads else [])
+        )
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
         while True:
             line = self.proc.stderr.readline()
             if not line:
@@ -130,8 +173,12 @@ async def http_side(url: str, n: int, tokens: int) -> float:
 
     async def one(q: str) -> int:
         r = await client.chat.completions.create(
-            model=_MODEL_ID, messages=[{"role": "user", "content": q}],
-            max_tokens=tokens, temperature=0, stream=True, stream_options={"include_usage": True},
+            model=_MODEL_ID,
+            messages=[{"role": "user", "content": q}],
+            max_tokens=tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
         )
         used, chunks = None, 0
         async for c in r:
@@ -139,7 +186,9 @@ async def http_side(url: str, n: int, tokens: int) -> float:
                 used = c.usage.completion_tokens
             if c.choices and c.choices[0].delta.content:
                 chunks += 1
-        return used if used is not None else chunks  # servers without include_usage: one token per chunk
+        return (
+            used if used is not None else chunks
+        )  # servers without include_usage: one token per chunk
 
     async with client:
         t = time.perf_counter()
@@ -155,12 +204,24 @@ def second_turn_ttft(url: str, rep: int) -> float:
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
-    system = f"Session {rep}. " + " ".join(f"Rule {i}: answer politely, briefly and only about the topic at hand." for i in range(40))
-    turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "What is the capital of France?"}]
-    r = client.chat.completions.create(model=_MODEL_ID, messages=turn1, max_tokens=16, temperature=0)
-    turn2 = turn1 + [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "And of Spain?"}]
+    system = f"Session {rep}. " + " ".join(
+        f"Rule {i}: answer politely, briefly and only about the topic at hand." for i in range(40)
+    )
+    turn1 = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+    r = client.chat.completions.create(
+        model=_MODEL_ID, messages=turn1, max_tokens=16, temperature=0
+    )
+    turn2 = turn1 + [
+        {"role": "assistant", "content": r.choices[0].message.content},
+        {"role": "user", "content": "And of Spain?"},
+    ]
     t = time.perf_counter()
-    for c in client.chat.completions.create(model=_MODEL_ID, messages=turn2, max_tokens=8, temperature=0, stream=True):
+    for c in client.chat.completions.create(
+        model=_MODEL_ID, messages=turn2, max_tokens=8, temperature=0, stream=True
+    ):
         if c.choices and c.choices[0].delta.content:
             return time.perf_counter() - t
     return time.perf_counter() - t
@@ -168,7 +229,9 @@ def second_turn_ttft(url: str, rep: int) -> float:
 
 def main() -> int:
     global _MODEL_ID
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=None)
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--tokens", type=int, default=64)
@@ -182,9 +245,15 @@ def main() -> int:
     from powerinfer_rs import Engine, default_model_path
 
     model = a.model or default_model_path()
-    _MODEL_ID = os.path.basename(model)[: -len(".gguf")] if model.endswith(".gguf") else os.path.basename(model)
+    _MODEL_ID = (
+        os.path.basename(model)[: -len(".gguf")]
+        if model.endswith(".gguf")
+        else os.path.basename(model)
+    )
     engine = Engine.load(model, n_ctx=1024, threads=a.threads, device="cpu")
-    print(f"model {os.path.basename(model)}, threads {engine.n_threads}, {a.tokens} tokens per client, {a.reps} alternating reps, medians")
+    print(
+        f"model {os.path.basename(model)}, threads {engine.n_threads}, {a.tokens} tokens per client, {a.reps} alternating reps, medians"
+    )
     print("\nengine (Engine.step_many), aggregate decode tok/s")
     print(f"{'clients':>8} {'one by one':>11} {'batched':>9} {'ratio':>7}")
     for n in a.clients:
@@ -202,7 +271,10 @@ def main() -> int:
     if a.no_http:
         return 0
     print("\nprompt cache: time to the first token of a second chat turn, seconds")
-    servers = {"off": Server(model, 1, True, a.threads, ("--prompt-cache", "0")), "on": Server(model, 1, True, a.threads)}
+    servers = {
+        "off": Server(model, 1, True, a.threads, ("--prompt-cache", "0")),
+        "on": Server(model, 1, True, a.threads),
+    }
     try:
         res = {k: [] for k in servers}
         for rep in range(a.reps):
@@ -227,8 +299,10 @@ def main() -> int:
     print(head)
     for n in a.clients:
         # no prompt cache here: the same questions come back every rep, and this measures batching
-        servers = {"sep": Server(model, n, False, a.threads, ("--prompt-cache", "0")),
-                   "bat": Server(model, n, True, a.threads, ("--prompt-cache", "0"))}
+        servers = {
+            "sep": Server(model, n, False, a.threads, ("--prompt-cache", "0")),
+            "bat": Server(model, n, True, a.threads, ("--prompt-cache", "0")),
+        }
         if with_llamacpp:
             servers["lcpp"] = LlamaCppServer(model, _MODEL_ID, engine.n_threads)
         try:

@@ -43,7 +43,6 @@ import time
 
 import numpy as np
 
-
 N_EMBD, N_FF = 4096, 11008
 Q4_0_BYTES = 18 / 32  # bytes per weight
 #: Output scales of attention and FFN: small, so the residual stream keeps its scale.
@@ -56,6 +55,7 @@ def write_synthetic(path: str, n_layer: int, layout: str = "powerinfer", seed: i
     from gguf import GGMLQuantizationType as Q
     from gguf import GGUFWriter
     from gguf.quants import quantize
+
     ndtri = np.vectorize(statistics.NormalDist().inv_cdf)  # inverse normal CDF
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
@@ -85,14 +85,16 @@ def write_synthetic(path: str, n_layer: int, layout: str = "powerinfer", seed: i
     add_tiny_tokenizer(w)
 
     def q4(name, a):
-        w.add_tensor(name, quantize(np.ascontiguousarray(a, dtype=np.float32), Q.Q4_0), raw_dtype=Q.Q4_0)
+        w.add_tensor(
+            name, quantize(np.ascontiguousarray(a, dtype=np.float32), Q.Q4_0), raw_dtype=Q.Q4_0
+        )
 
     embd = rng.standard_normal((n_vocab, r)).astype(np.float32) @ B
     embd[:, 0] = c
     w.add_tensor("token_embd.weight", embd.astype(np.float16))
     # firing probabilities: power law over a random ranking, mean 0.10
     rank = rng.permutation(n_ff) + 1.0
-    p = np.minimum(0.95, rank ** -1.0 * 0.1 * n_ff / np.sum(rank ** -1.0))
+    p = np.minimum(0.95, rank**-1.0 * 0.1 * n_ff / np.sum(rank**-1.0))
     for _ in range(20):  # renormalise the mean after clipping
         p = np.minimum(0.95, p * 0.10 / p.mean())
     for l in range(n_layer):
@@ -160,15 +162,21 @@ def cmd_synthetic(a) -> None:
 
     paths = {}
     for layout in ("powerinfer", "standard"):
-        path = os.path.join(a.dir or tempfile.gettempdir(), f"powerinfer-synthetic-7b-{a.layers}l-{layout}-v2.gguf")
+        path = os.path.join(
+            a.dir or tempfile.gettempdir(), f"powerinfer-synthetic-7b-{a.layers}l-{layout}-v2.gguf"
+        )
         if not os.path.exists(path):
             t = time.time()
             write_synthetic(path + ".tmp", a.layers, layout)
             os.replace(path + ".tmp", path)
-            print(f"wrote {path} ({os.path.getsize(path) / 2**20:.0f} MiB) in {time.time() - t:.0f} s")
+            print(
+                f"wrote {path} ({os.path.getsize(path) / 2**20:.0f} MiB) in {time.time() - t:.0f} s"
+            )
         paths[layout] = path
     prompt = list(range(3, 35))
-    load = lambda layout, mode, **kw: Engine.load(paths[layout], threads=a.threads, n_ctx=512, sparsity=mode, device="cpu", **kw)
+    load = lambda layout, mode, **kw: Engine.load(
+        paths[layout], threads=a.threads, n_ctx=512, sparsity=mode, device="cpu", **kw
+    )
     engines = {
         "standard dense": load("standard", "dense"),
         "dense": load("powerinfer", "dense"),
@@ -189,14 +197,22 @@ def cmd_synthetic(a) -> None:
     pre: dict = {}
     res = paired(engines, prompt, a.tokens, a.repeats, pre)
     tps = {k: statistics.median(v) for k, v in res.items()}
-    print(f"synthetic ReGLU, 7B layer shape, {a.layers} layers, Q4_0, {a.threads} threads, "
-          f"{a.tokens} decoded tokens after a {len(prompt)}-token prompt, {a.repeats} alternating rounds")
-    print(f"neurons firing {active:.1%}, predictor selects {selected:.1%} (FFN neurons skipped {1 - selected:.1%}), "
-          f"predictor recall {recall:.3f}")
-    print("| run | weight MB read per token | decode tok/s (median) | GB/s | prefill tok/s (median) |")
+    print(
+        f"synthetic ReGLU, 7B layer shape, {a.layers} layers, Q4_0, {a.threads} threads, "
+        f"{a.tokens} decoded tokens after a {len(prompt)}-token prompt, {a.repeats} alternating rounds"
+    )
+    print(
+        f"neurons firing {active:.1%}, predictor selects {selected:.1%} (FFN neurons skipped {1 - selected:.1%}), "
+        f"predictor recall {recall:.3f}"
+    )
+    print(
+        "| run | weight MB read per token | decode tok/s (median) | GB/s | prefill tok/s (median) |"
+    )
     print("|---|---|---|---|---|")
     for k in engines:
-        print(f"| {k} | {read[k] / 1e6:.1f} | {tps[k]:.2f} | {read[k] * tps[k] / 1e9:.1f} | {statistics.median(pre[k]):.1f} |")
+        print(
+            f"| {k} | {read[k] / 1e6:.1f} | {tps[k]:.2f} | {read[k] * tps[k] / 1e9:.1f} | {statistics.median(pre[k]):.1f} |"
+        )
     print()
     print("| predictor vs | measured (median of rounds) | byte-count ideal | measured / ideal |")
     print("|---|---|---|---|")
@@ -204,11 +220,15 @@ def cmd_synthetic(a) -> None:
         ratios = [p / d for p, d in zip(res["predictor"], res[base])]
         ideal = read[base] / read["predictor"]
         m = statistics.median(ratios)
-        print(f"| {base} | **{m:.2f}x** ({min(ratios):.2f} to {max(ratios):.2f}) | {ideal:.2f}x | {m / ideal:.2f} |")
+        print(
+            f"| {base} | **{m:.2f}x** ({min(ratios):.2f} to {max(ratios):.2f}) | {ideal:.2f}x | {m / ideal:.2f} |"
+        )
     print()
     for base in ("standard dense", "dense"):
         ratios = [p / d for p, d in zip(pre["predictor"], pre[base])]
-        print(f"prefill, predictor vs {base}: {statistics.median(ratios):.2f}x ({min(ratios):.2f} to {max(ratios):.2f})")
+        print(
+            f"prefill, predictor vs {base}: {statistics.median(ratios):.2f}x ({min(ratios):.2f} to {max(ratios):.2f})"
+        )
 
 
 def doc_text(max_chars: int) -> str:
@@ -223,8 +243,10 @@ def cmd_smollm2(a) -> None:
     from powerinfer_rs import Engine
 
     text = doc_text(a.chars)
-    print(f"SmolLM2-135M Q4_1; cut-offs calibrated on the built-in sample; perplexity on python3.11-doc "
-          f"tutorial text ({len(text)} chars, unseen in calibration), ctx {a.ctx}; {a.threads} threads")
+    print(
+        f"SmolLM2-135M Q4_1; cut-offs calibrated on the built-in sample; perplexity on python3.11-doc "
+        f"tutorial text ({len(text)} chars, unseen in calibration), ctx {a.ctx}; {a.threads} threads"
+    )
     print("| mode | FFN neurons skipped | layer weight bytes skipped | perplexity | vs dense |")
     print("|---|---|---|---|---|")
     dense = Engine.load(threads=a.threads, sparsity="dense", device="cpu")
@@ -232,39 +254,61 @@ def cmd_smollm2(a) -> None:
     print(f"| dense | 0.0% | 0.0% | {base:.3f} | |")
     engines = {"dense": dense}
     for target in (0.3, 0.5, 0.7):
-        e = Engine.load(threads=a.threads, sparsity="threshold", device="cpu", target_sparsity=target)
+        e = Engine.load(
+            threads=a.threads, sparsity="threshold", device="cpu", target_sparsity=target
+        )
         ppl = e.perplexity(text, ctx=a.ctx)
         st = e.last_stats
-        print(f"| neuron rule |act(gate)|, target {target:.0%} | {st['ffn_sparsity']:.1%} | {st['weight_bytes_skipped']:+.1%} | {ppl:.3f} | {ppl / base - 1:+.1%} |")
+        print(
+            f"| neuron rule |act(gate)|, target {target:.0%} | {st['ffn_sparsity']:.1%} | {st['weight_bytes_skipped']:+.1%} | {ppl:.3f} | {ppl / base - 1:+.1%} |"
+        )
         if target == 0.5:
             engines["neurons 50%"] = e
     for budget in a.budgets:
-        e = Engine.load(threads=a.threads, sparsity="threshold", device="cpu", max_ppl_increase=budget)
+        e = Engine.load(
+            threads=a.threads, sparsity="threshold", device="cpu", max_ppl_increase=budget
+        )
         ppl = e.perplexity(text, ctx=a.ctx)
         st = e.last_stats
-        print(f"| input sparsity, max_ppl_increase {budget:g} | {st['ffn_sparsity']:.1%} | {st['weight_bytes_skipped']:+.1%} | {ppl:.3f} | {ppl / base - 1:+.1%} |")
+        print(
+            f"| input sparsity, max_ppl_increase {budget:g} | {st['ffn_sparsity']:.1%} | {st['weight_bytes_skipped']:+.1%} | {ppl:.3f} | {ppl / base - 1:+.1%} |"
+        )
         engines[f"inputs {budget:g}"] = e
     faster = e.input_sparsity["faster"]
     print()
-    print("shares of a group's inputs at which the sparse kernel beat the dense one when timed: "
-          + "; ".join(f"{g} {', '.join(f'{v:.0%}' for v in lv) or 'none'}" for g, lv in faster.items()))
+    print(
+        "shares of a group's inputs at which the sparse kernel beat the dense one when timed: "
+        + "; ".join(
+            f"{g} {', '.join(f'{v:.0%}' for v in lv) or 'none'}" for g, lv in faster.items()
+        )
+    )
     prompt = dense.tokenize(text[:2000])[:128]
     res = paired(engines, prompt, a.tokens, a.repeats)
     print()
-    print(f"decode after a {len(prompt)}-token prompt, {a.tokens} tokens, {a.repeats} alternating rounds:")
+    print(
+        f"decode after a {len(prompt)}-token prompt, {a.tokens} tokens, {a.repeats} alternating rounds:"
+    )
     print("| mode | decode tok/s | vs dense |")
     print("|---|---|---|")
     for name, runs in res.items():
         ratios = [s / d for s, d in zip(runs, res["dense"])]
-        print(f"| {name} | {statistics.median(runs):.1f} | {statistics.median(ratios):.2f}x ({min(ratios):.2f} to {max(ratios):.2f}) |")
+        print(
+            f"| {name} | {statistics.median(runs):.1f} | {statistics.median(ratios):.2f}x ({min(ratios):.2f} to {max(ratios):.2f}) |"
+        )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("synthetic")
     s.add_argument("--layers", type=int, default=4)
-    s.add_argument("--dir", default=None, help="reuse or write the synthetic models in this folder (default: the temp folder)")
+    s.add_argument(
+        "--dir",
+        default=None,
+        help="reuse or write the synthetic models in this folder (default: the temp folder)",
+    )
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--tokens", type=int, default=32)
     s.add_argument("--repeats", type=int, default=5)
@@ -275,7 +319,13 @@ def main() -> None:
     m.add_argument("--chars", type=int, default=40000)
     m.add_argument("--tokens", type=int, default=64)
     m.add_argument("--repeats", type=int, default=7)
-    m.add_argument("--budgets", type=float, nargs="*", default=[0.02, 0.05, 0.1, 0.2], help="max_ppl_increase values")
+    m.add_argument(
+        "--budgets",
+        type=float,
+        nargs="*",
+        default=[0.02, 0.05, 0.1, 0.2],
+        help="max_ppl_increase values",
+    )
     m.set_defaults(func=cmd_smollm2)
     a = ap.parse_args()
     a.func(a)

@@ -18,10 +18,16 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("results")
     ap.add_argument("--date", default=datetime.date.today().isoformat())
-    ap.add_argument("--args", default="--layers 8 --budget 1.6GiB", help="the benchmark arguments the suite ran with")
+    ap.add_argument(
+        "--args",
+        default="--layers 8 --budget 1.6GiB",
+        help="the benchmark arguments the suite ran with",
+    )
     ap.add_argument("--out", default=os.path.join(ROOT, "benches", "results", "gpu.json"))
     a = ap.parse_args()
 
@@ -35,13 +41,18 @@ def main() -> None:
     hybrid = json.loads(read("hybrid.json"))
     offload = hybrid["offload"]["tps"]
     out = {
-        "machine": {"gpu": read("gpu.txt").strip(), "cpu_cores": 16, "memory": "128 GiB", "note": "lent GPU machine; CPU rows ran on its 16 cores"},
+        "machine": {
+            "gpu": read("gpu.txt").strip(),
+            "cpu_cores": 16,
+            "memory": "128 GiB",
+            "note": "lent GPU machine; CPU rows ran on its 16 cores",
+        },
         "date": a.date,
         "commands": {
             "build_here": "scripts/gpu_bundle.sh",
             "stage_there": "scripts/gpu_suite.sh --stage   (carrying .gpu-model: SmolLM2's first part)",
             "suite_there": f"scripts/gpu_suite.sh {a.args}   (carrying .gpu: kernel tests, pytest -m gpu, benches/hybrid_13b.py, benches/gpu_kquants.py, benches/gpu_smollm2.py)",
-            "collect": f"python scripts/gpu_json.py RESULTS_DIR --args \"{a.args}\"",
+            "collect": f'python scripts/gpu_json.py RESULTS_DIR --args "{a.args}"',
         },
         "kernel_tests": lines("kernels.log", r"^test |test result"),
         "pytest_gpu": lines("pytest.log", r"PASSED|FAILED|ERROR|passed|failed"),
@@ -58,11 +69,21 @@ def main() -> None:
         out["quantized_types_1b_shape"] = {
             "model": "synthetic SwiGLU, TinyLlama-1.1B layer shape, every matrix in the type; random valid blocks",
             "command": "python3 benches/gpu_kquants.py",
-            "decode_tok_s": {t: {"cpu": round(r["cpu_tps"], 1), "gpu_launched": round(r["gpu_launched_tps"], 1), "gpu_graph": round(r["gpu_tps"], 1)} for t, r in k["types"].items()},
+            "decode_tok_s": {
+                t: {
+                    "cpu": round(r["cpu_tps"], 1),
+                    "gpu_launched": round(r["gpu_launched_tps"], 1),
+                    "gpu_graph": round(r["gpu_tps"], 1),
+                }
+                for t, r in k["types"].items()
+            },
             **k,
         }
     if os.path.exists(os.path.join(a.results, "smollm2.json")):
-        out["smollm2_135m_q4_1"] = {"command": "python3 benches/gpu_smollm2.py", **json.loads(read("smollm2.json"))}
+        out["smollm2_135m_q4_1"] = {
+            "command": "python3 benches/gpu_smollm2.py",
+            **json.loads(read("smollm2.json")),
+        }
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
         f.write("\n")

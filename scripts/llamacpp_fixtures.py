@@ -24,7 +24,6 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import llama_cpp  # noqa: E402
 from gguf import GGMLQuantizationType as Q  # noqa: E402
-
 from synth import write_model  # noqa: E402
 
 OUT = ROOT / "tests" / "fixtures" / "llamacpp"
@@ -33,7 +32,16 @@ ARCHITECTURES = {
     "qwen3": dict(arch="qwen3", head_dim=32),
     "gemma": dict(arch="gemma", tied=True, head_dim=32, n_head_kv=1),
     "gemma2": dict(arch="gemma2", tied=True, n_layer=3, sliding_window=8),
-    "gemma3": dict(arch="gemma3", tied=True, n_layer=7, n_ff=64, sliding_window=8, rope_base=1e6, rope_scaling=4.0, head_dim=32),
+    "gemma3": dict(
+        arch="gemma3",
+        tied=True,
+        n_layer=7,
+        n_ff=64,
+        sliding_window=8,
+        rope_base=1e6,
+        rope_scaling=4.0,
+        head_dim=32,
+    ),
     "phi3": dict(arch="phi3", n_head_kv=4),
     "llama3": dict(arch="llama", rope_freqs=True, rope_scaling=2.0),
     "qwen2-yarn": dict(arch="qwen2", bias=True, rope_scaling=4.0, yarn_original_ctx=64),
@@ -55,7 +63,9 @@ N_TOKENS = 24
 
 
 def llama_cpp_logits(path: Path, ids: list[int]) -> np.ndarray:
-    llm = llama_cpp.Llama(str(path), n_ctx=128, n_batch=128, n_threads=2, logits_all=True, verbose=False)
+    llm = llama_cpp.Llama(
+        str(path), n_ctx=128, n_batch=128, n_threads=2, logits_all=True, verbose=False
+    )
     llm.eval(ids)
     return np.array(llm.scores[: len(ids)], dtype=np.float32)
 
@@ -77,12 +87,25 @@ def main() -> None:
         logits[name] = llama_cpp_logits(path, ids)
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "f32.gguf"
-        write_model(src, arch="llama", dtype=Q.F32, n_embd=256, n_ff=256, n_layer=1, n_head=4, n_head_kv=2, n_ctx=512, seed=5)
+        write_model(
+            src,
+            arch="llama",
+            dtype=Q.F32,
+            n_embd=256,
+            n_ff=256,
+            n_layer=1,
+            n_head=4,
+            n_head_kv=2,
+            n_ctx=512,
+            seed=5,
+        )
         for name, ftype in PRESETS.items():
             path = OUT / f"llama-{name}.gguf"
             quantize(src, path, ftype)
             logits[f"llama-{name}"] = llama_cpp_logits(path, ids)
-    np.savez_compressed(OUT / "logits.npz", **logits, llama_cpp_version=np.array(llama_cpp.__version__))
+    np.savez_compressed(
+        OUT / "logits.npz", **logits, llama_cpp_version=np.array(llama_cpp.__version__)
+    )
     for p in sorted(OUT.iterdir()):
         print(f"{p.name:24} {p.stat().st_size / 1024:8.1f} KiB")
 

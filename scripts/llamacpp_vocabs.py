@@ -49,7 +49,11 @@ def fetch() -> Path:
         with tarfile.open(sdist) as tar:
             for member in tar:
                 name = member.name.rsplit("/", 1)[-1]
-                if member.isfile() and "/vendor/llama.cpp/models/" in member.name and name.startswith("ggml-vocab-"):
+                if (
+                    member.isfile()
+                    and "/vendor/llama.cpp/models/" in member.name
+                    and name.startswith("ggml-vocab-")
+                ):
                     with tar.extractfile(member) as src:
                         (out / name).write_bytes(src.read())
     done.write_text(VERSION)

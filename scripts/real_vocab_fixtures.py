@@ -60,9 +60,14 @@ def sha256(path: Path) -> str:
 def spm_from_gemma4(source: Path, out: Path) -> None:
     """Writes `as_sentencepiece` of Gemma 4's vocabulary as a vocabulary-only GGUF."""
     reader = GGUFReader(str(source))
-    meta = as_sentencepiece({k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.ggml.")})
-    vocab = {"tokens": meta.pop("tokenizer.ggml.tokens"), "types": meta.pop("tokenizer.ggml.token_type"),
-             "scores": meta.pop("tokenizer.ggml.scores")}
+    meta = as_sentencepiece(
+        {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.ggml.")}
+    )
+    vocab = {
+        "tokens": meta.pop("tokenizer.ggml.tokens"),
+        "types": meta.pop("tokenizer.ggml.token_type"),
+        "scores": meta.pop("tokenizer.ggml.scores"),
+    }
     write_vocab_gguf(out, meta, vocab)
 
 
@@ -81,7 +86,11 @@ def main() -> None:
         path = Path(tmp) / "spm.gguf"
         spm_from_gemma4(source, path)
         rows, with_bos = llama_cpp_ids(path, texts)
-        out["gemma-4-as-spm"] = {"sha256": sha256(source), "hello_with_bos": with_bos, "cases": rows}
+        out["gemma-4-as-spm"] = {
+            "sha256": sha256(source),
+            "hello_with_bos": with_bos,
+            "cases": rows,
+        }
     OUT.write_text(json.dumps(out, ensure_ascii=False, separators=(",", ":")))
     print(f"wrote {OUT} ({OUT.stat().st_size} bytes)")
 

@@ -27,9 +27,8 @@ sys.path.insert(0, str(ROOT / "python"))
 
 import llama_cpp  # noqa: E402
 from gguf import GGUFWriter  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
-
 from powerinfer_rs.tokenizer import _PRE_TOKENIZER_TABLE  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 OUT = ROOT / "tests" / "fixtures" / "tokenizers"
 DOCS = Path("/usr/share/doc/python3.11/html/_sources")
@@ -44,7 +43,15 @@ OTHER_SCRIPTS = [
     "DON'T WON'T I'LL We'Ve THEY'RE",
 ]
 
-CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<start_of_turn>", "<end_of_turn>", "<|user|>", "<|end|>"]
+CONTROL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<|user|>",
+    "<|end|>",
+]
 USER_DEFINED = ["<mask>", "<tool_call>"]
 
 TEXTS = [
@@ -68,7 +75,7 @@ TEXTS = [
     "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n",
     "<start_of_turn>user\nhi there<end_of_turn>\n<start_of_turn>model\n",
     "<|user|>\n  What is 2+2?  <|end|>\n",
-    "a <mask> here, <mask>\tand there <tool_call>{\"x\": 1}",
+    'a <mask> here, <mask>\tand there <tool_call>{"x": 1}',
     "<s> and </s> and <unk> as text",
     "<0x0A> is not a newline",
     "ALL CAPS WORDS AND lowercase, CamelCaseWords and snake_case_words",
@@ -95,7 +102,11 @@ def prose(n: int, seed: int) -> list[str]:
 def corpus() -> list[str]:
     lines = []
     for f in sorted(DOCS.rglob("*.txt"))[:400]:
-        lines.extend(line for line in f.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip())
+        lines.extend(
+            line
+            for line in f.read_text(encoding="utf-8", errors="replace").splitlines()
+            if line.strip()
+        )
     return lines + OTHER_SCRIPTS * 50
 
 
@@ -104,7 +115,9 @@ def train_bpe(lines: list[str]) -> dict:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=4000, special_tokens=CONTROL + USER_DEFINED, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=4000,
+        special_tokens=CONTROL + USER_DEFINED,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(lines, trainer)
     model = json.loads(tok.to_str())["model"]
@@ -165,13 +178,29 @@ def variants() -> dict[str, tuple[dict, list[str]]]:
     `tokenizer.ggml.pre` names that must tokenize exactly like it."""
     out = {}
     for names, *_ in _PRE_TOKENIZER_TABLE:
-        meta = {"vocab": "bpe", "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": names[0],
-                "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 2}
+        meta = {
+            "vocab": "bpe",
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.pre": names[0],
+            "tokenizer.ggml.bos_token_id": 0,
+            "tokenizer.ggml.eos_token_id": 2,
+        }
         out[f"bpe-{names[0]}"] = (meta, list(names[1:]))
-    spm_common = {"vocab": "spm", "tokenizer.ggml.model": "llama", "tokenizer.ggml.bos_token_id": 1,
-                  "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0}
+    spm_common = {
+        "vocab": "spm",
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
     out["spm-llama"] = (dict(spm_common), [])
-    out["spm-gemma"] = (dict(spm_common, **{"tokenizer.ggml.pre": "default", "tokenizer.ggml.add_space_prefix": False}), [])
+    out["spm-gemma"] = (
+        dict(
+            spm_common,
+            **{"tokenizer.ggml.pre": "default", "tokenizer.ggml.add_space_prefix": False},
+        ),
+        [],
+    )
     out["spm-phi3"] = (dict(spm_common, **{"general.name": "Phi-3 Mini Instruct"}), [])
     return out
 
@@ -231,13 +260,24 @@ def main() -> None:
             write_vocab_gguf(path, meta, vocabs[meta["vocab"]])
             rows, with_bos = llama_cpp_ids(path, texts)
             for alias in aliases:
-                write_vocab_gguf(path, dict(meta, **{"tokenizer.ggml.pre": alias}), vocabs[meta["vocab"]])
+                write_vocab_gguf(
+                    path, dict(meta, **{"tokenizer.ggml.pre": alias}), vocabs[meta["vocab"]]
+                )
                 if llama_cpp_ids(path, texts) != (rows, with_bos):
-                    raise SystemExit(f"llama.cpp tokenizes pre={alias!r} unlike {meta['tokenizer.ggml.pre']!r}: fix the table")
-            cases[name] = {"meta": meta, "aliases": aliases, "hello_with_bos": with_bos, "cases": rows}
+                    raise SystemExit(
+                        f"llama.cpp tokenizes pre={alias!r} unlike {meta['tokenizer.ggml.pre']!r}: fix the table"
+                    )
+            cases[name] = {
+                "meta": meta,
+                "aliases": aliases,
+                "hello_with_bos": with_bos,
+                "cases": rows,
+            }
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "vocabs.json").write_text(json.dumps(vocabs, ensure_ascii=False, separators=(",", ":")))
-    (OUT / "llamacpp_ids.json").write_text(json.dumps(cases, ensure_ascii=False, separators=(",", ":")))
+    (OUT / "llamacpp_ids.json").write_text(
+        json.dumps(cases, ensure_ascii=False, separators=(",", ":"))
+    )
     print(f"wrote {OUT}: {len(cases)} variants x {len(texts)} texts")
 
 

@@ -8,7 +8,6 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-
 # block formats whose matrix products take int8 activations (all but the float types)
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 # the 256-weight formats: their products take activations rounded per 256 (ggml's q8_K pairing)
@@ -91,7 +90,19 @@ def yarn(rope_dim, base, factor, original_ctx, beta_fast=32.0, beta_slow=1.0):
     return inv, (0.1 * math.log(factor) + 1 if factor > 1 else 1.0)
 
 
-def rope(x, positions, n_heads, head_dim, rope_dim, base, neox, freq_scale=1.0, factors=None, yarn_ctx=None, magnitude=1.0):
+def rope(
+    x,
+    positions,
+    n_heads,
+    head_dim,
+    rope_dim,
+    base,
+    neox,
+    freq_scale=1.0,
+    factors=None,
+    yarn_ctx=None,
+    magnitude=1.0,
+):
     """x: (n, n_heads * head_dim). ggml mode 0 rotates (2i, 2i+1); NeoX rotates (i, i + d/2).
     Angle i of position p: p * freq_scale * base^(-2i / rope_dim) / factors[i]; with `yarn_ctx`
     (the original context) YaRN's frequencies and magnitude for the factor 1 / freq_scale."""
@@ -150,7 +161,14 @@ def layernorm(x, g, b, eps):
     return (x - mu) / np.sqrt(var + eps) * g + (b if b is not None else 0)
 
 
-def forward(w: dict, meta: dict, tokens, activation: str | None = None, int8_activations: bool = False, n_ctx: int | None = None) -> np.ndarray:
+def forward(
+    w: dict,
+    meta: dict,
+    tokens,
+    activation: str | None = None,
+    int8_activations: bool = False,
+    n_ctx: int | None = None,
+) -> np.ndarray:
     """Logits (len(tokens), n_vocab) in float64. With `int8_activations`, inputs of quantized
     weight matrices are rounded to int8 blocks first (what the engine's integer kernels do).
 
@@ -173,26 +191,45 @@ def forward(w: dict, meta: dict, tokens, activation: str | None = None, int8_act
     rope_dim = m("rope.dimension_count", hd)
     base = m("rope.freq_base", 10000.0)
     layer_norm = arch in ("falcon", "opt")
-    eps = m("attention.layer_norm_epsilon", 1e-5) if layer_norm else m("attention.layer_norm_rms_epsilon", 1e-5)
+    eps = (
+        m("attention.layer_norm_epsilon", 1e-5)
+        if layer_norm
+        else m("attention.layer_norm_rms_epsilon", 1e-5)
+    )
     neox = arch in ("qwen2", "qwen3", "falcon", "gemma", "gemma2", "gemma3", "phi3")
     gemma = arch in ("gemma", "gemma2", "gemma3")
-    freq_scale = 1.0 / m("rope.scaling.factor", 1.0) if m("rope.scaling.type") in ("linear", "yarn") else 1.0
-    yarn_ctx = m("rope.scaling.original_context_length", m("context_length")) if m("rope.scaling.type") == "yarn" else None
+    freq_scale = (
+        1.0 / m("rope.scaling.factor", 1.0) if m("rope.scaling.type") in ("linear", "yarn") else 1.0
+    )
+    yarn_ctx = (
+        m("rope.scaling.original_context_length", m("context_length"))
+        if m("rope.scaling.type") == "yarn"
+        else None
+    )
     factors = w.get("rope_freqs.weight")
     if factors is None and "rope_factors_long.weight" in w:
         # LongRoPE: the long factors where the context (`n_ctx`, else the tokens') exceeds the
         # original one, as Hugging Face's Phi-3 picks them by sequence length and llama.cpp by
         # context size
         original = m("rope.scaling.original_context_length", m("context_length"))
-        factors = w["rope_factors_long.weight" if (n_ctx or len(tokens)) > original else "rope_factors_short.weight"]
+        factors = w[
+            "rope_factors_long.weight"
+            if (n_ctx or len(tokens)) > original
+            else "rope_factors_short.weight"
+        ]
     magnitude = m("rope.scaling.attn_factor", 1.0)
-    window = m("attention.sliding_window", 4096 if arch == "gemma2" else 0) if arch in ("gemma2", "gemma3") else 0
+    window = (
+        m("attention.sliding_window", 4096 if arch == "gemma2" else 0)
+        if arch in ("gemma2", "gemma3")
+        else 0
+    )
     pattern = {"gemma2": 2, "gemma3": 6}.get(arch, 0)
     attn_cap = m("attn_logit_softcapping", 50.0) if arch == "gemma2" else 0.0
     final_cap = m("final_logit_softcapping", 30.0 if arch == "gemma2" else 0.0)
 
     def slides(l):
         return window > 0 and l % pattern < pattern - 1
+
     powerinfer = meta.get("_magic") == b"PWRI"
     if activation is None:
         activation = m("ffn_activation")
@@ -237,7 +274,11 @@ def forward(w: dict, meta: dict, tokens, activation: str | None = None, int8_act
     def attention(h, p, l):
         if p + "attn_qkv.weight" in w:
             qkv = mm(h, p + "attn_qkv.weight")
-            q, k, v = qkv[:, : n_head * hd], qkv[:, n_head * hd : (n_head + n_kv) * hd], qkv[:, (n_head + n_kv) * hd :]
+            q, k, v = (
+                qkv[:, : n_head * hd],
+                qkv[:, n_head * hd : (n_head + n_kv) * hd],
+                qkv[:, (n_head + n_kv) * hd :],
+            )
         else:
             q = mm(h, p + "attn_q.weight") + w.get(p + "attn_q.bias", 0)
             k = mm(h, p + "attn_k.weight") + w.get(p + "attn_k.bias", 0)
@@ -247,7 +288,11 @@ def forward(w: dict, meta: dict, tokens, activation: str | None = None, int8_act
             k = head_norm(k, p + "attn_k_norm.weight", n_kv)
         if arch != "opt":
             # gemma3's sliding layers: their own base, unscaled
-            b, fs, yc, mag = (10000.0, 1.0, None, 1.0) if arch == "gemma3" and slides(l) else (base, freq_scale, yarn_ctx, magnitude)
+            b, fs, yc, mag = (
+                (10000.0, 1.0, None, 1.0)
+                if arch == "gemma3" and slides(l)
+                else (base, freq_scale, yarn_ctx, magnitude)
+            )
             q = rope(q, pos, n_head, hd, rope_dim, b, neox, fs, factors, yc, mag)
             k = rope(k, pos, n_kv, hd, rope_dim, b, neox, fs, factors, yc, mag)
         q, k, v = q.reshape(n, n_head, hd), k.reshape(n, n_kv, hd), v.reshape(n, n_kv, hd)
@@ -265,7 +310,9 @@ def forward(w: dict, meta: dict, tokens, activation: str | None = None, int8_act
             s = np.exp(s - s.max(axis=1, keepdims=True))
             s /= s.sum(axis=1, keepdims=True)
             out[:, hh, :] = s @ v[:, g, :]
-        return mm(out.reshape(n, n_head * hd), p + "attn_output.weight") + w.get(p + "attn_output.bias", 0)
+        return mm(out.reshape(n, n_head * hd), p + "attn_output.weight") + w.get(
+            p + "attn_output.bias", 0
+        )
 
     def gelu(a):
         return 0.5 * a * (1 + np.tanh(0.7978845608 * a * (1 + 0.044715 * a * a)))

@@ -12,7 +12,11 @@ from gguf.quants import dequantize, quantize
 def byte_chars() -> list[str]:
     """GPT-2's printable character for each byte value (written here, not imported from the
     engine, so the tests' reference tokenizer stays independent of it)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -51,8 +55,15 @@ def add_tiny_tokenizer(w: GGUFWriter) -> None:
 
 # Byte offsets of the f16 scale fields in each k-quant family block (ggml's block layouts).
 F16_FIELDS = {
-    Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2),
-    Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,),
+    Q.Q5_0: (0,),
+    Q.Q5_1: (0, 2),
+    Q.Q2_K: (80, 82),
+    Q.Q3_K: (108,),
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
+    Q.IQ4_NL: (0,),
+    Q.IQ4_XS: (0,),
 }
 
 
@@ -69,7 +80,9 @@ def random_blocks(dtype: Q, rows: int, cols: int, scale: float, rng) -> np.ndarr
 
     def set_scales(unit):
         for off in F16_FIELDS[dtype]:
-            v = (rng.uniform(0.5, 1.0, n_blocks) * rng.choice([-1.0, 1.0], n_blocks) * unit).astype(np.float16)
+            v = (rng.uniform(0.5, 1.0, n_blocks) * rng.choice([-1.0, 1.0], n_blocks) * unit).astype(
+                np.float16
+            )
             raw[:, off : off + 2] = v.view(np.uint8).reshape(n_blocks, 2)
 
     state = rng.bit_generator.state
@@ -146,7 +159,9 @@ def write_model(
     if sliding_window is not None:
         w.add_sliding_window(sliding_window)
     if rope_scaling is not None:
-        w.add_rope_scaling_type(RopeScalingType.LINEAR if yarn_original_ctx is None else RopeScalingType.YARN)
+        w.add_rope_scaling_type(
+            RopeScalingType.LINEAR if yarn_original_ctx is None else RopeScalingType.YARN
+        )
         w.add_rope_scaling_factor(rope_scaling)
     if yarn_original_ctx is not None:
         w.add_rope_scaling_orig_ctx_len(yarn_original_ctx)
@@ -169,7 +184,9 @@ def write_model(
         elif dtype == Q.F16:
             w.add_tensor(name, a.astype(np.float16))
         elif dtype in F16_FIELDS:
-            w.add_tensor(name, random_blocks(dtype, rows, cols, scale * weight_scale, rng), raw_dtype=dtype)
+            w.add_tensor(
+                name, random_blocks(dtype, rows, cols, scale * weight_scale, rng), raw_dtype=dtype
+            )
         else:
             w.add_tensor(name, quantize(a, dtype), raw_dtype=dtype)
 
@@ -179,12 +196,23 @@ def write_model(
         w.add_tensor(name, (around + spread * rng.standard_normal(n)).astype(np.float32))
 
     # Gemma scales the embeddings by sqrt(n_embd): keep the residual stream's size as elsewhere
-    mat("token_embd.weight", n_vocab, n_embd, 1.0 / np.sqrt(n_embd) if arch.startswith("gemma") else 1.0)
+    mat(
+        "token_embd.weight",
+        n_vocab,
+        n_embd,
+        1.0 / np.sqrt(n_embd) if arch.startswith("gemma") else 1.0,
+    )
     if rope_freqs:
         w.add_tensor("rope_freqs.weight", (1.0 + 7.0 * rng.random(hd // 2)).astype(np.float32))
     if longrope_original_ctx is not None:
-        long, short = (1.0 + 30.0 * rng.random(hd // 2)).astype(np.float32), (1.0 + 0.5 * rng.random(hd // 2)).astype(np.float32)
-        for name, factors in [("rope_factors_long.weight", long), ("rope_factors_short.weight", short)]:
+        long, short = (
+            (1.0 + 30.0 * rng.random(hd // 2)).astype(np.float32),
+            (1.0 + 0.5 * rng.random(hd // 2)).astype(np.float32),
+        )
+        for name, factors in [
+            ("rope_factors_long.weight", long),
+            ("rope_factors_short.weight", short),
+        ]:
             if name not in skip:
                 w.add_tensor(name, factors)
     for l in range(n_layer):
@@ -303,7 +331,9 @@ def write_powerinfer_model(
     add_tiny_tokenizer(w)
 
     def mat(name, rows, cols, scale, t=None):
-        vals, stored = _stored((rng.standard_normal((rows, cols)) * scale).astype(np.float32), t or dtype)
+        vals, stored = _stored(
+            (rng.standard_normal((rows, cols)) * scale).astype(np.float32), t or dtype
+        )
         if name not in skip:
             if (t or dtype) in (Q.F32, Q.F16):
                 w.add_tensor(name, vals)
@@ -347,7 +377,12 @@ def write_powerinfer_model(
         norm_w = vec(p + "attn_norm.weight", n_embd)
         if layer_norm:
             # the FFN of falcon reads attn_norm: its bias must be zero for the exact predictor
-            vec(p + "attn_norm.bias", n_embd, 0.0, 0.0 if arch == "falcon" and predictor == "exact" else 0.1)
+            vec(
+                p + "attn_norm.bias",
+                n_embd,
+                0.0,
+                0.0 if arch == "falcon" and predictor == "exact" else 0.1,
+            )
         if attn_norm_2:
             vec(p + "attn_norm_2.weight", n_embd)
             vec(p + "attn_norm_2.bias", n_embd, 0.0, 0.1)

@@ -3,13 +3,10 @@
 import struct
 
 import numpy as np
+import powerinfer_rs
 import pytest
 from gguf import GGMLQuantizationType as Q
-
-import powerinfer_rs
-from powerinfer_rs import ContextLengthError, Engine, GGUFError, ModelError
-from powerinfer_rs import _core
-
+from powerinfer_rs import ContextLengthError, Engine, GGUFError, ModelError, _core
 from synth import write_model
 
 
@@ -183,7 +180,9 @@ def test_invalid_load_arguments(model_path):
         _core.Session(_core.Model(model_path, 1), 8, "bf16")
 
 
-@pytest.mark.parametrize("value", [float("nan"), 0, 0.0, -0.1, 1.5, float("inf"), True, "0.02", None])
+@pytest.mark.parametrize(
+    "value", [float("nan"), 0, 0.0, -0.1, 1.5, float("inf"), True, "0.02", None]
+)
 def test_invalid_max_ppl_increase(model_path, value):
     if value is None:  # the budget is for threshold mode only
         with pytest.raises(ValueError, match="max_ppl_increase .*needs sparsity='threshold'"):

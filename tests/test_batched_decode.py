@@ -5,9 +5,7 @@ every architecture, weight type and sparsity mode, with sessions at different po
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-
 from powerinfer_rs import _core
-
 from synth import write_model, write_powerinfer_model
 
 PROMPTS = [[1, 5, 9, 3], [7], [2, 2, 4, 11, 6, 8, 40], [33, 34]]
@@ -27,15 +25,38 @@ def sessions(model, sparsity, n_ctx=32):
 CASES = [
     ("llama swiglu f32", lambda p: write_model(p, dtype=Q.F32), ("dense",)),
     ("llama swiglu q4_1", lambda p: write_model(p, dtype=Q.Q4_1), ("dense",)),
-    ("llama swiglu q8_0 threshold", lambda p: write_model(p, dtype=Q.Q8_0), ("threshold", 0.0, [0.05, 0.05])),
-    ("llama swiglu q8_0 input sparsity", lambda p: write_model(p, dtype=Q.Q8_0),
-     ("threshold", 0.0, None, False, None, [[1.3, 0.8, 1.1, 0.17]] * 2)),
+    (
+        "llama swiglu q8_0 threshold",
+        lambda p: write_model(p, dtype=Q.Q8_0),
+        ("threshold", 0.0, [0.05, 0.05]),
+    ),
+    (
+        "llama swiglu q8_0 input sparsity",
+        lambda p: write_model(p, dtype=Q.Q8_0),
+        ("threshold", 0.0, None, False, None, [[1.3, 0.8, 1.1, 0.17]] * 2),
+    ),
     ("qwen2 biases", lambda p: write_model(p, arch="qwen2", bias=True), ("dense",)),
-    ("reglu powerinfer predictor", lambda p: write_powerinfer_model(p, dtype=Q.F16), ("predictor", -0.1)),
-    ("reglu powerinfer dense (down_t only)", lambda p: write_powerinfer_model(p, dtype=Q.Q4_0), ("dense",)),
+    (
+        "reglu powerinfer predictor",
+        lambda p: write_powerinfer_model(p, dtype=Q.F16),
+        ("predictor", -0.1),
+    ),
+    (
+        "reglu powerinfer dense (down_t only)",
+        lambda p: write_powerinfer_model(p, dtype=Q.Q4_0),
+        ("dense",),
+    ),
     ("bamboo predictor", lambda p: write_powerinfer_model(p, arch="bamboo"), ("predictor", -0.1)),
-    ("falcon-40b predictor", lambda p: write_powerinfer_model(p, arch="falcon", attn_norm_2=True), ("predictor", -0.1)),
-    ("opt predictor", lambda p: write_powerinfer_model(p, arch="opt", ffn_bias=True), ("predictor", -0.1)),
+    (
+        "falcon-40b predictor",
+        lambda p: write_powerinfer_model(p, arch="falcon", attn_norm_2=True),
+        ("predictor", -0.1),
+    ),
+    (
+        "opt predictor",
+        lambda p: write_powerinfer_model(p, arch="opt", ffn_bias=True),
+        ("predictor", -0.1),
+    ),
 ]
 
 
@@ -61,7 +82,13 @@ def test_hybrid_sessions_batch_too(tmp_path):
     a refused batch changes no session."""
     model = _core.Model(write_powerinfer_model(tmp_path / "m.gguf", dtype=Q.F16), 0)
     n_layer, n_ff = 2, 96
-    placed = _core.GpuModel(model, [True] * n_layer, [[j % 2 == 0 for j in range(n_ff)]] * n_layer, True, device="emulated")
+    placed = _core.GpuModel(
+        model,
+        [True] * n_layer,
+        [[j % 2 == 0 for j in range(n_ff)]] * n_layer,
+        True,
+        device="emulated",
+    )
 
     def make(kinds):
         out = []
@@ -74,7 +101,9 @@ def test_hybrid_sessions_batch_too(tmp_path):
 
     for kinds in (["hybrid"] * 4, ["hybrid", "cpu", "cpu", "hybrid"]):
         single, batched = make(kinds), make(kinds)
-        assert [s.device for s in batched] == ["emulated" if k == "hybrid" else "cpu" for k in kinds]
+        assert [s.device for s in batched] == [
+            "emulated" if k == "hybrid" else "cpu" for k in kinds
+        ]
         for tokens in ([3, 10, 4, 1], [1, 1, 1, 2]):
             want = np.stack([s.eval([t]) for s, t in zip(single, tokens)])
             np.testing.assert_array_equal(_core.eval_batch(batched, tokens), want)
@@ -90,22 +119,34 @@ def test_hybrid_sessions_calibrate_on_their_cpu_state(tmp_path):
     mode, decoding as a fresh one."""
     model = _core.Model(write_powerinfer_model(tmp_path / "m.gguf", dtype=Q.F16), 0)
     n_layer, n_ff = 2, 96
-    placed = _core.GpuModel(model, [True] * n_layer, [[j % 2 == 0 for j in range(n_ff)]] * n_layer, True, device="emulated")
+    placed = _core.GpuModel(
+        model,
+        [True] * n_layer,
+        [[j % 2 == 0 for j in range(n_ff)]] * n_layer,
+        True,
+        device="emulated",
+    )
     tokens = [(7 * i + 3) % 50 for i in range(40)]
     cpu, hybrid, fresh = (_core.Session(model, 32, "f16", gpu=g) for g in (None, placed, placed))
     for s in (hybrid, fresh):
         s.set_sparsity("predictor", -0.1)
     hybrid.eval([1, 2, 3])
     assert hybrid.calibrate(tokens, 16, [0.3, 0.6]) == cpu.calibrate(tokens, 16, [0.3, 0.6])
-    assert hybrid.calibrate_predictor(tokens, 16, [0.9]) == cpu.calibrate_predictor(tokens, 16, [0.9])
+    assert hybrid.calibrate_predictor(tokens, 16, [0.9]) == cpu.calibrate_predictor(
+        tokens, 16, [0.9]
+    )
     assert hybrid.pos == 0 and hybrid.tokens == []
-    np.testing.assert_array_equal(hybrid.eval([5, 6, 7], all_logits=True), fresh.eval([5, 6, 7], all_logits=True))
+    np.testing.assert_array_equal(
+        hybrid.eval([5, 6, 7], all_logits=True), fresh.eval([5, 6, 7], all_logits=True)
+    )
 
 
 def test_decode_batch_samples_each_session_with_its_own_sampler(tmp_path):
     model = _core.Model(write_model(tmp_path / "m.gguf"), 0)
     single, batched = sessions(model, ("dense",)), sessions(model, ("dense",))
-    make = lambda i: _core.Sampler(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.3, seed=100 + i)
+    make = lambda i: _core.Sampler(
+        temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.3, seed=100 + i
+    )
     s_samplers = [make(i) for i in range(len(PROMPTS))]
     b_samplers = [make(i) for i in range(len(PROMPTS))]
     tokens = [3, 10, 4, 1]
@@ -152,7 +193,10 @@ def test_engine_step_many_gives_each_generation_its_own_text(tmp_path, monkeypat
     requests = [
         ("the cat", dict(max_tokens=30, temperature=0)),
         ("in an hour the", dict(max_tokens=12, temperature=0.8, top_p=0.9, seed=5)),
-        ("a", dict(max_tokens=40, temperature=1.0, top_k=0, min_p=0.0, seed=11, repeat_penalty=1.2)),
+        (
+            "a",
+            dict(max_tokens=40, temperature=1.0, top_k=0, min_p=0.0, seed=11, repeat_penalty=1.2),
+        ),
         ("the the the", dict(max_tokens=25, temperature=0)),
     ]
     full = engine.generate("the the the", max_tokens=25, temperature=0)
@@ -172,7 +216,9 @@ def test_engine_step_many_gives_each_generation_its_own_text(tmp_path, monkeypat
     late = None
     rounds = 0
     while True:
-        active = [g for g in gens if not g.done] + ([late] if late is not None and not late.done else [])
+        active = [g for g in gens if not g.done] + (
+            [late] if late is not None and not late.done else []
+        )
         if not active:
             break
         for g, r in zip(active, engine.step_many(active)):
@@ -200,7 +246,10 @@ def test_batches_over_the_same_sessions_in_any_order_do_not_deadlock(tmp_path):
         except Exception as e:  # only a full context may stop it
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=([a, b],)), threading.Thread(target=run, args=([b, a],))]
+    threads = [
+        threading.Thread(target=run, args=([a, b],)),
+        threading.Thread(target=run, args=([b, a],)),
+    ]
     for t in threads:
         t.start()
     for t in threads:

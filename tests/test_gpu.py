@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-
 from powerinfer_rs import Engine, _core
 from powerinfer_rs.gpu import plan_gpu
 from powerinfer_rs.placement import model_bytes, write_gpu_index
@@ -29,7 +28,9 @@ except _core.CudaUnavailableError:
 gpu = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(not HAVE_GPU, reason="needs an NVIDIA driver and GPU")
 # the devices the hybrid executor runs on: the emulated one always, CUDA where there is a GPU
-ON_DEVICES = pytest.mark.parametrize("device", ["emulated", pytest.param("cuda", marks=[gpu, needs_gpu])])
+ON_DEVICES = pytest.mark.parametrize(
+    "device", ["emulated", pytest.param("cuda", marks=[gpu, needs_gpu])]
+)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -69,7 +70,9 @@ def test_what_the_gpu_runs_is_stated_once_by_the_executor(tmp_path):
     llama = _core.Model(write_powerinfer_model(tmp_path / "l.gguf", n_layer=1), 1)
     assert _core.gpu_unsupported_reason(llama, "predictor") is None
     assert _core.gpu_unsupported_reason(llama, "dense") is None
-    assert "threshold sparsity runs on the CPU only" in _core.gpu_unsupported_reason(llama, "threshold")
+    assert "threshold sparsity runs on the CPU only" in _core.gpu_unsupported_reason(
+        llama, "threshold"
+    )
     falcon = _core.Model(write_powerinfer_model(tmp_path / "f.gguf", arch="falcon", n_layer=1), 1)
     assert "LLaMA-family" in _core.gpu_unsupported_reason(falcon, "dense")
     bf16 = _core.Model(write_model(tmp_path / "b.gguf", dtype=Q.BF16), 1)
@@ -109,7 +112,12 @@ def test_plan_dense_first_then_an_even_split(tmp_path):
 def test_plan_reads_a_matching_gpuidx_and_ignores_another_budget(tmp_path):
     path = _model(tmp_path)
     mb = model_bytes(path, 64)
-    budget = int(sum(mb.layer_dense_bytes) + mb.kv_cache_bytes + mb.output_bytes + 50 * float(np.sum(mb.neuron_bytes)))
+    budget = int(
+        sum(mb.layer_dense_bytes)
+        + mb.kv_cache_bytes
+        + mb.output_bytes
+        + 50 * float(np.sum(mb.neuron_bytes))
+    )
     rng = np.random.default_rng(0)
     chosen = [np.sort(rng.choice(256, size=40, replace=False)) for _ in range(4)]
     write_gpu_index(path + ".generated.gpuidx", chosen, 256, budget)
@@ -136,21 +144,43 @@ def test_plan_from_a_profile_fits_the_budget_and_keeps_neurons_to_gpu_layers(tmp
     counts = rng.integers(0, 1000, size=(4, 256))
     counts[3] += 5000  # the last layer is the hottest, but its dense part does not fit
     prof = str(tmp_path / "pw.profile.npz")
-    save_profile(prof, {"version": PROFILE_VERSION, "counts": counts, "n_tokens": 6000, "thresholds": np.zeros(4, np.float32),
-                        "train_x": np.zeros((4, 0, 64), np.float16), "train_labels": np.zeros((4, 0, 32), np.uint8), "n_ff": 256,
-                        "n_embd": 64, "model": "pw.gguf", "architecture": "llama", "activation": "reglu", "target_sparsity": float("nan")})
+    save_profile(
+        prof,
+        {
+            "version": PROFILE_VERSION,
+            "counts": counts,
+            "n_tokens": 6000,
+            "thresholds": np.zeros(4, np.float32),
+            "train_x": np.zeros((4, 0, 64), np.float16),
+            "train_labels": np.zeros((4, 0, 32), np.uint8),
+            "n_ff": 256,
+            "n_embd": 64,
+            "model": "pw.gguf",
+            "architecture": "llama",
+            "activation": "reglu",
+            "target_sparsity": float("nan"),
+        },
+    )
     p = plan_gpu(path, budget, 64, "f32", profile=prof)
-    assert p.source == "profile" and p.dense_on_gpu == [True, True, True, False] and not p.output_on_gpu
+    assert (
+        p.source == "profile"
+        and p.dense_on_gpu == [True, True, True, False]
+        and not p.output_on_gpu
+    )
     n_gpu = [int(m.sum()) for m in p.neuron_on_gpu]
     assert n_gpu[3] == 0 and sum(n_gpu) > 0, n_gpu
-    used = sum(mb.layer_dense_bytes[:3]) + 3 * kv + sum(c * b for c, b in zip(n_gpu, mb.neuron_bytes))
+    used = (
+        sum(mb.layer_dense_bytes[:3]) + 3 * kv + sum(c * b for c, b in zip(n_gpu, mb.neuron_bytes))
+    )
     assert used <= budget
     written = _core.read_gpu_index(path + ".generated.gpuidx")
     from powerinfer_rs.offline import place
 
     other = str(tmp_path / "place.gpuidx")
     place(path, prof, budget, output=other, cpu_bandwidth=2e9, n_ctx=64, kv_type="f32")
-    assert [list(b) for b in _core.read_gpu_index(other)["gpu_bucket"]] == [list(b) for b in written["gpu_bucket"]]
+    assert [list(b) for b in _core.read_gpu_index(other)["gpu_bucket"]] == [
+        list(b) for b in written["gpu_bucket"]
+    ]
 
 
 def test_a_gpuidx_with_neurons_in_cpu_layers_keeps_them_on_the_cpu_and_says_so(tmp_path):
@@ -158,7 +188,9 @@ def test_a_gpuidx_with_neurons_in_cpu_layers_keeps_them_on_the_cpu_and_says_so(t
     mb = model_bytes(path, 64)
     kv = mb.kv_cache_bytes / mb.n_layer
     budget = int(sum(mb.layer_dense_bytes[:2]) + 2 * kv + 10 * float(mb.neuron_bytes.max()))
-    write_gpu_index(path + ".generated.gpuidx", [np.arange(5)] * 4, 256, budget)  # planned for another context size, say
+    write_gpu_index(
+        path + ".generated.gpuidx", [np.arange(5)] * 4, 256, budget
+    )  # planned for another context size, say
     p = plan_gpu(path, budget, 64, "f16")
     assert p.source == "gpuidx" and p.dense_on_gpu == [True, True, False, False]
     assert [int(m.sum()) for m in p.neuron_on_gpu] == [5, 5, 0, 0]
@@ -170,7 +202,9 @@ def test_plan_too_small_and_layer_offload(tmp_path):
     with pytest.raises(ValueError, match="does not hold layer 0"):
         plan_gpu(path, 1000, 64, "f16")
     p = plan_gpu(path, 1 << 30, 64, "f16", gpu_layers=3)
-    assert p.source == "layers" and p.dense_on_gpu == [True, True, True, False] and not p.output_on_gpu
+    assert (
+        p.source == "layers" and p.dense_on_gpu == [True, True, True, False] and not p.output_on_gpu
+    )
     assert [bool(m.all()) for m in p.neuron_on_gpu] == [True, True, True, False]
     assert not p.neuron_on_gpu[3].any()
     with pytest.raises(ValueError, match="gpu_layers"):
@@ -223,8 +257,25 @@ def _write(kind, path, dtype):
     if kind == "swiglu":
         # calmer weights than the default: at scale 1 this random model moves its logits 2-30%
         # when only its int8 activation rounding changes, which would hide what is compared here
-        return write_model(path, n_layer=4, n_ff=256, n_embd=128, n_head=4, n_head_kv=2, dtype=dtype, weight_scale=0.25)
-    return write_powerinfer_model(path, arch="llama" if kind == "reglu" else "bamboo", n_layer=4, n_ff=256, n_embd=128, n_head=4, dtype=dtype)
+        return write_model(
+            path,
+            n_layer=4,
+            n_ff=256,
+            n_embd=128,
+            n_head=4,
+            n_head_kv=2,
+            dtype=dtype,
+            weight_scale=0.25,
+        )
+    return write_powerinfer_model(
+        path,
+        arch="llama" if kind == "reglu" else "bamboo",
+        n_layer=4,
+        n_ff=256,
+        n_embd=128,
+        n_head=4,
+        dtype=dtype,
+    )
 
 
 @ON_DEVICES
@@ -289,7 +340,11 @@ def test_architectures_run_on_the_gpu(tmp_path, case, device):
     ref = cpu.logits(ids)
     mb = model_bytes(path, 64)
     dense = int(sum(mb.layer_dense_bytes) + 2 * mb.kv_cache_bytes + mb.output_bytes)
-    for kwargs in (dict(), dict(vram_budget=dense + int(40 * float(np.sum(mb.neuron_bytes)))), dict(gpu_layers=1)):
+    for kwargs in (
+        dict(),
+        dict(vram_budget=dense + int(40 * float(np.sum(mb.neuron_bytes)))),
+        dict(gpu_layers=1),
+    ):
         e = Engine.load(path, device=device, n_ctx=64, kv_type="f32", **kwargs)
         assert e.device == device
         got = e.logits(ids)
@@ -303,7 +358,9 @@ def test_a_plain_file_that_fits_with_its_own_down_rows_goes_wholly_to_the_gpu(tm
     neuron's down row at 2 bytes per weight."""
     path = write_model(tmp_path / "m.gguf", n_layer=2, n_ff=256, n_embd=128, dtype=Q.Q4_0)
     mb = model_bytes(path, 64)
-    need = int(sum(mb.layer_dense_bytes) + mb.kv_cache_bytes + mb.output_bytes + np.sum(mb.whole_ffn()))
+    need = int(
+        sum(mb.layer_dense_bytes) + mb.kv_cache_bytes + mb.output_bytes + np.sum(mb.whole_ffn())
+    )
     assert np.sum(mb.whole_ffn()) < np.sum(mb.neuron_bytes) * mb.n_ff  # the F16 copy is larger
     p = plan_gpu(path, need + 1024, 64, "f16")
     assert p.source == "all" and p.output_on_gpu and all(m.all() for m in p.neuron_on_gpu)
@@ -322,7 +379,16 @@ def test_hybrid_runs_k_quant_files(tmp_path, dtype, device):
     full, split and layer offload each as close to a float64 forward pass as the CPU. The GPU
     kernels read these types' input in int8 blocks of 32 where the CPU reads blocks of 256, so
     they are held to the CPU's distance from the exact function, not to its logits."""
-    path = write_model(tmp_path / "k.gguf", n_layer=2, n_ff=512, n_embd=256, n_head=4, n_head_kv=2, dtype=dtype, weight_scale=0.25)
+    path = write_model(
+        tmp_path / "k.gguf",
+        n_layer=2,
+        n_ff=512,
+        n_embd=256,
+        n_head=4,
+        n_head_kv=2,
+        dtype=dtype,
+        weight_scale=0.25,
+    )
     _hybrid_matches_cpu(path, dtype, "f32", device)
 
 
@@ -470,12 +536,16 @@ def test_bf16_with_device_auto_runs_on_the_cpu_and_cuda_names_the_type(tmp_path,
 
 
 @ON_DEVICES
-def test_gpu_layers_without_hot_or_cold_neurons_keep_the_down_bias_and_report_stats(tmp_path, device):
+def test_gpu_layers_without_hot_or_cold_neurons_keep_the_down_bias_and_report_stats(
+    tmp_path, device
+):
     """Two placements where a GPU layer has one side of the FFN only. Dense parts on the GPU and
     every neuron on the CPU (no hot neurons): `ffn_down.bias` is still added. Everything on the
     GPU (no cold neurons): the predictor's selection, counted on the GPU, gives the same FFN
     stats as the CPU's and a GPU neuron share of 1."""
-    path = write_powerinfer_model(tmp_path / "b.gguf", n_layer=3, n_ff=128, n_embd=64, dtype=Q.F32, down_bias=True)
+    path = write_powerinfer_model(
+        tmp_path / "b.gguf", n_layer=3, n_ff=128, n_embd=64, dtype=Q.F32, down_bias=True
+    )
     cpu = Engine.load(path, device="cpu", n_ctx=64)
     ids = cpu.tokenize("in the an the", add_bos=False)
     ref = cpu.logits(ids)

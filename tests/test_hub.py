@@ -10,9 +10,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-
 from powerinfer_rs import hub
-
 from synth import write_model
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -37,7 +35,9 @@ class FakeHub:
                     return self._error(404, "RepoNotFound")
                 repo, revision, name = "/".join(parts[:2]), parts[3], "/".join(parts[4:])
                 if repo not in hub_.files:
-                    return self._error(401, "RepoNotFound")  # the Hub hides private and missing repos alike
+                    return self._error(
+                        401, "RepoNotFound"
+                    )  # the Hub hides private and missing repos alike
                 if revision not in ("main", COMMIT):
                     return self._error(404, "RevisionNotFound")
                 data = hub_.files[repo].get(name)
@@ -82,7 +82,9 @@ def model_bytes(tmp_path):
 
 @pytest.fixture
 def fake_hub(model_bytes):
-    h = FakeHub({"acme/tiny-GGUF": {"tiny-F32.gguf": model_bytes, "sub/dir/tiny.gguf": model_bytes}})
+    h = FakeHub(
+        {"acme/tiny-GGUF": {"tiny-F32.gguf": model_bytes, "sub/dir/tiny.gguf": model_bytes}}
+    )
     yield h
     h.stop()
 
@@ -90,7 +92,9 @@ def fake_hub(model_bytes):
 def run_python(code, env_extra):
     env = dict(os.environ, HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_XET="1", **env_extra)
     env.pop("HF_TOKEN", None)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 GENERATE = "from powerinfer_rs import Engine; print(Engine.load({name!r}).generate('the then', max_tokens=8))"
@@ -118,7 +122,9 @@ def test_engine_loads_a_hub_file_then_runs_offline_from_the_cache(tmp_path, fake
 
     # offline, with the server gone: from the cache
     fake_hub.stop()
-    r = run_python(GENERATE.format(name="hf://acme/tiny-GGUF/tiny-F32.gguf"), dict(env, HF_HUB_OFFLINE="1"))
+    r = run_python(
+        GENERATE.format(name="hf://acme/tiny-GGUF/tiny-F32.gguf"), dict(env, HF_HUB_OFFLINE="1")
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout == want + "\n"
 
@@ -131,10 +137,18 @@ def test_revision_and_nested_path(tmp_path, fake_hub):
 
 
 def test_offline_without_a_cached_copy_is_a_clear_error(tmp_path, fake_hub):
-    env = {"HF_ENDPOINT": fake_hub.url, "HF_HUB_CACHE": str(tmp_path / "empty"), "HF_HUB_OFFLINE": "1"}
+    env = {
+        "HF_ENDPOINT": fake_hub.url,
+        "HF_HUB_CACHE": str(tmp_path / "empty"),
+        "HF_HUB_OFFLINE": "1",
+    }
     r = run_python(GENERATE.format(name="hf://acme/tiny-GGUF/tiny-F32.gguf"), env)
     assert r.returncode != 0
-    assert "FileNotFoundError" in r.stderr and "hf://acme/tiny-GGUF/tiny-F32.gguf" in r.stderr and "offline" in r.stderr
+    assert (
+        "FileNotFoundError" in r.stderr
+        and "hf://acme/tiny-GGUF/tiny-F32.gguf" in r.stderr
+        and "offline" in r.stderr
+    )
     assert fake_hub.downloads == 0
 
 
@@ -154,21 +168,61 @@ def test_missing_repository_file_or_revision_names_it(tmp_path, fake_hub, name, 
 
 
 def test_cli_takes_hub_names(tmp_path, fake_hub):
-    env = dict(os.environ, HF_ENDPOINT=fake_hub.url, HF_HUB_CACHE=str(tmp_path / "cache"), HF_HUB_DISABLE_XET="1")
+    env = dict(
+        os.environ,
+        HF_ENDPOINT=fake_hub.url,
+        HF_HUB_CACHE=str(tmp_path / "cache"),
+        HF_HUB_DISABLE_XET="1",
+    )
     r = subprocess.run(
-        [sys.executable, "-m", "powerinfer_rs.cli", "info", "-m", "hf://acme/tiny-GGUF/tiny-F32.gguf"],
-        capture_output=True, text=True, env=env, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "powerinfer_rs.cli",
+            "info",
+            "-m",
+            "hf://acme/tiny-GGUF/tiny-F32.gguf",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert r.returncode == 0, r.stderr
     assert "llama" in r.stdout
     r = subprocess.run(
-        [sys.executable, "-m", "powerinfer_rs.cli", "run", "-m", "hf://acme/tiny-GGUF/gone.gguf", "hi"],
-        capture_output=True, text=True, env=env, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "powerinfer_rs.cli",
+            "run",
+            "-m",
+            "hf://acme/tiny-GGUF/gone.gguf",
+            "hi",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
-    assert r.returncode == 1 and "error: hf://acme/tiny-GGUF/gone.gguf" in r.stderr and "Traceback" not in r.stderr
+    assert (
+        r.returncode == 1
+        and "error: hf://acme/tiny-GGUF/gone.gguf" in r.stderr
+        and "Traceback" not in r.stderr
+    )
 
 
-@pytest.mark.parametrize("name", ["hf://", "hf://acme", "hf://acme/repo", "hf://acme/repo/", "hf://acme//x.gguf", "hf://acme/@/x.gguf"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "hf://",
+        "hf://acme",
+        "hf://acme/repo",
+        "hf://acme/repo/",
+        "hf://acme//x.gguf",
+        "hf://acme/@/x.gguf",
+    ],
+)
 def test_malformed_hub_names_are_refused(name):
     with pytest.raises(ValueError, match="expected hf://owner/repo"):
         hub.resolve(name)

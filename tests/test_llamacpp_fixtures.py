@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGUFReader
-
 from powerinfer_rs import _core
 from reference import forward, per_256_types, read_weights
 
@@ -16,7 +15,16 @@ FIXTURES = Path(__file__).parent / "fixtures" / "llamacpp"
 LOGITS = np.load(FIXTURES / "logits.npz")
 IDS = LOGITS["ids"].tolist()
 
-ARCHITECTURES = ["qwen3", "gemma", "gemma2", "gemma3", "phi3", "llama3", "qwen2-yarn", "phi3-longrope"]
+ARCHITECTURES = [
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "llama3",
+    "qwen2-yarn",
+    "phi3-longrope",
+]
 # preset -> the tensor types llama.cpp's quantizer wrote for it (besides F32 norms)
 PRESETS = {
     "Q2_K": {"Q2_K", "Q3_K", "Q6_K"},
@@ -66,7 +74,9 @@ def test_preset_is_as_close_to_the_float_function_as_llama_cpp(preset):
     ours, theirs = relative_error(got, exact), relative_error(want, exact)
     # (llama.cpp's pairing: as close as it up to the rest of the rounding)
     slack = 1.05 if {t.tensor_type for t in GGUFReader(path).tensors} & per_256_types() else 1.0
-    assert ours <= slack * theirs, f"{preset}: engine {ours:.2e} from the float64 function, llama.cpp {theirs:.2e}"
+    assert ours <= slack * theirs, (
+        f"{preset}: engine {ours:.2e} from the float64 function, llama.cpp {theirs:.2e}"
+    )
     assert relative_error(got, want) < 0.08
     # and the engine computes exactly its own int8 arithmetic
     assert relative_error(got, forward(w, meta, IDS, int8_activations=True)) < 1e-2

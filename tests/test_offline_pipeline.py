@@ -12,11 +12,8 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("highspy")
 
 from gguf import GGMLQuantizationType as Q  # noqa: E402
-
-from powerinfer_rs import Engine, _core, cli  # noqa: E402
-from powerinfer_rs import offline, placement  # noqa: E402
+from powerinfer_rs import Engine, _core, cli, offline, placement  # noqa: E402  # noqa: E402
 from powerinfer_rs.offline import training  # noqa: E402
-
 from reference import read_weights, rmsnorm  # noqa: E402
 from synth import tiny_vocab, write_model  # noqa: E402
 
@@ -37,8 +34,12 @@ def corpus(tmp_path):
 def _random_predictors(n_layer, n_embd, n_ff, hidden=32, seed=0):
     rng = np.random.default_rng(seed)
     return {
-        "fc1": [rng.standard_normal((hidden, n_embd)).astype(np.float32) * 0.2 for _ in range(n_layer)],
-        "fc2": [rng.standard_normal((n_ff, hidden)).astype(np.float32) * 0.2 for _ in range(n_layer)],
+        "fc1": [
+            rng.standard_normal((hidden, n_embd)).astype(np.float32) * 0.2 for _ in range(n_layer)
+        ],
+        "fc2": [
+            rng.standard_normal((n_ff, hidden)).astype(np.float32) * 0.2 for _ in range(n_layer)
+        ],
         "thresholds": np.linspace(-0.5, 0.5, n_layer).astype(np.float32),
     }
 
@@ -57,8 +58,16 @@ def test_profile_labels_match_reference(tmp_path, corpus):
     profiler saves agree with gate signs recomputed in float64 from the captured inputs, and the
     counts are the column sums of the labels."""
     path = write_model(tmp_path / "m.gguf", n_embd=64, n_ff=96, activation="relu", dtype=Q.F32)
-    p = offline.profile(Engine.load(path, n_ctx=64, device="cpu"), corpus, tokens=300, train_tokens=300, window=64, output=str(tmp_path / "p.npz"),
-                        plot=str(tmp_path / "p.png"), progress=False)
+    p = offline.profile(
+        Engine.load(path, n_ctx=64, device="cpu"),
+        corpus,
+        tokens=300,
+        train_tokens=300,
+        window=64,
+        output=str(tmp_path / "p.npz"),
+        plot=str(tmp_path / "p.png"),
+        progress=False,
+    )
     assert p["n_tokens"] == 300 and p["activation"] == "reglu"
     assert (tmp_path / "p.png").stat().st_size > 1000
     w, meta = read_weights(path)
@@ -77,8 +86,17 @@ def test_profile_labels_match_reference(tmp_path, corpus):
 
 def test_profile_swiglu_labels_follow_target(tmp_path, corpus):
     path = write_model(tmp_path / "m.gguf", n_embd=64, n_ff=96, dtype=Q.F32)
-    p = offline.profile(Engine.load(path, n_ctx=64, device="cpu"), corpus, tokens=400, train_tokens=100, window=64, target_sparsity=0.7,
-                        output=str(tmp_path / "p.npz"), plot=False, progress=False)
+    p = offline.profile(
+        Engine.load(path, n_ctx=64, device="cpu"),
+        corpus,
+        tokens=400,
+        train_tokens=100,
+        window=64,
+        target_sparsity=0.7,
+        output=str(tmp_path / "p.npz"),
+        plot=False,
+        progress=False,
+    )
     fired = p["counts"].sum() / (p["n_tokens"] * 96 * 2)
     assert abs(fired - 0.3) < 0.05
     assert p["train_x"].shape == (2, 100, 64)
@@ -96,7 +114,12 @@ def test_profile_bad_input(tmp_path, corpus):
     with pytest.raises(ValueError, match="window 256 is longer than the engine's context"):
         offline.profile(Engine.load(path, n_ctx=64, device="cpu"), corpus, tokens=100, plot=False)
     with pytest.raises(ValueError, match="sparsity='dense'"):
-        offline.profile(Engine.load(path, n_ctx=256, device="cpu", sparsity="threshold"), corpus, tokens=100, plot=False)
+        offline.profile(
+            Engine.load(path, n_ctx=256, device="cpu", sparsity="threshold"),
+            corpus,
+            tokens=100,
+            plot=False,
+        )
     with pytest.raises(FileNotFoundError, match="profile"):
         offline.load_profile(str(tmp_path / "missing.npz"))
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
@@ -112,7 +135,7 @@ def test_training_learns_a_learnable_rule():
     V = rng.standard_normal((n_ff, d))
     bias_shift = np.concatenate([np.full(48, -1.0), np.full(16, 0.0)])  # most neurons rarely fire
     x = rng.standard_normal((n, d))
-    y = (x @ V.T + bias_shift * np.sqrt(d) * 0.5 > 0)
+    y = x @ V.T + bias_shift * np.sqrt(d) * 0.5 > 0
     # fold the shift into a constant input feature, as a residual stream's outlier dimension does
     x[:, 0] = 3.0
     V[:, 0] = bias_shift * np.sqrt(d) * 0.5 / 3.0
@@ -126,7 +149,9 @@ def test_training_learns_a_learnable_rule():
         "target_sparsity": float("nan"),
         "model": "synthetic",
     }
-    r = offline.train(p, recall_target=0.95, hidden=64, epochs=30, lr=5e-3, layers=[0], progress=False)
+    r = offline.train(
+        p, recall_target=0.95, hidden=64, epochs=30, lr=5e-3, layers=[0], progress=False
+    )
     lr_ = r["layers"][0]
     assert lr_.recall >= 0.95
     assert lr_.predicted_sparsity >= 0.9 * lr_.true_sparsity
@@ -138,8 +163,14 @@ def test_training_learns_a_learnable_rule():
 
 
 def test_training_bad_input():
-    p = {"train_x": np.zeros((1, 8, 4), np.float16), "train_labels": np.zeros((1, 8, 1), np.uint8), "n_ff": 8,
-         "counts": np.zeros((1, 8)), "n_tokens": 8, "target_sparsity": 0.5}
+    p = {
+        "train_x": np.zeros((1, 8, 4), np.float16),
+        "train_labels": np.zeros((1, 8, 1), np.uint8),
+        "n_ff": 8,
+        "counts": np.zeros((1, 8)),
+        "n_tokens": 8,
+        "target_sparsity": 0.5,
+    }
     with pytest.raises(ValueError, match="training tokens"):
         offline.train(p, progress=False)
     with pytest.raises(ValueError, match="recall_target"):
@@ -164,15 +195,25 @@ def test_convert_gguf_same_dense_logits(tmp_path, dtype, tol):
     # PowerInfer's layout: predictors first, then the model's tensors with ffn_down_t in place
     r = _plain_copy(out, tmp_path)
     names = [t.name for t in r.tensors]
-    assert names[:4] == ["blk.0.fc1.weight", "blk.0.fc2.weight", "blk.1.fc1.weight", "blk.1.fc2.weight"]
+    assert names[:4] == [
+        "blk.0.fc1.weight",
+        "blk.0.fc2.weight",
+        "blk.1.fc1.weight",
+        "blk.1.fc2.weight",
+    ]
     src_names = [t.name.replace("ffn_down", "ffn_down_t") for t in gguf.GGUFReader(src).tensors]
     assert names[4:] == src_names
     t = {t.name: t for t in r.tensors}
     assert list(t["blk.0.ffn_down_t.weight"].shape) == [64, 96]  # ggml order: (n_ff rows of n_embd)
-    assert list(t["blk.1.fc1.weight"].shape) == [64, 32] and list(t["blk.1.fc2.weight"].shape) == [32, 96]
+    assert list(t["blk.1.fc1.weight"].shape) == [64, 32] and list(t["blk.1.fc2.weight"].shape) == [
+        32,
+        96,
+    ]
     assert t["blk.0.fc1.weight"].tensor_type == Q.F16
     assert t["blk.0.attn_q.weight"].tensor_type == dtype
-    assert r.fields["powerinfer.sparse_threshold"].contents() == pytest.approx(float(np.median(pred["thresholds"])))
+    assert r.fields["powerinfer.sparse_threshold"].contents() == pytest.approx(
+        float(np.median(pred["thresholds"]))
+    )
     # the per-layer cut-offs reach predictor mode
     c = Engine.load(out)
     assert c.sparsity == "predictor"
@@ -183,7 +224,9 @@ def test_convert_gguf_same_dense_logits(tmp_path, dtype, tol):
 def test_convert_outtype_and_bad_input(tmp_path):
     src = write_model(tmp_path / "m.gguf", n_embd=64, n_ff=96, dtype=Q.F32)
     pred = _random_predictors(2, 64, 96)
-    out = offline.convert(src, pred, output=str(tmp_path / "q.gguf"), outtype="q8_0", predictor_type="q8_0")
+    out = offline.convert(
+        src, pred, output=str(tmp_path / "q.gguf"), outtype="q8_0", predictor_type="q8_0"
+    )
     r = _plain_copy(out, tmp_path)
     t = {t.name: t for t in r.tensors}
     assert t["blk.0.ffn_gate.weight"].tensor_type == Q.Q8_0
@@ -214,14 +257,21 @@ def _hf_folder(gguf_path, folder):
 
     w, meta = read_weights(gguf_path)
     n_head, n_head_kv = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
-    n_layer, n_embd, n_ff = meta["llama.block_count"], meta["llama.embedding_length"], meta["llama.feed_forward_length"]
+    n_layer, n_embd, n_ff = (
+        meta["llama.block_count"],
+        meta["llama.embedding_length"],
+        meta["llama.feed_forward_length"],
+    )
 
     def unpermute(m, heads):
         rows = m.shape[0]
         return m.reshape(heads, rows // heads // 2, 2, m.shape[1]).swapaxes(1, 2).reshape(m.shape)
 
-    t = {"model.embed_tokens.weight": w["token_embd.weight"], "model.norm.weight": w["output_norm.weight"],
-         "lm_head.weight": w["output.weight"]}
+    t = {
+        "model.embed_tokens.weight": w["token_embd.weight"],
+        "model.norm.weight": w["output_norm.weight"],
+        "lm_head.weight": w["output.weight"],
+    }
     for l in range(n_layer):
         p, q = f"model.layers.{l}.", f"blk.{l}."
         t[p + "input_layernorm.weight"] = w[q + "attn_norm.weight"]
@@ -234,27 +284,58 @@ def _hf_folder(gguf_path, folder):
         t[p + "mlp.up_proj.weight"] = w[q + "ffn_up.weight"]
         t[p + "mlp.down_proj.weight"] = w[q + "ffn_down.weight"]
     folder.mkdir()
-    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in t.items()}, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "hidden_size": n_embd, "intermediate_size": n_ff,
-        "num_hidden_layers": n_layer, "num_attention_heads": n_head, "num_key_value_heads": n_head_kv,
-        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 256, "hidden_act": "silu",
-        "vocab_size": len(tiny_vocab()[0]), "bos_token_id": 0, "eos_token_id": 2, "tie_word_embeddings": False,
-    }))
+    save_file(
+        {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in t.items()},
+        str(folder / "model.safetensors"),
+    )
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": n_embd,
+                "intermediate_size": n_ff,
+                "num_hidden_layers": n_layer,
+                "num_attention_heads": n_head,
+                "num_key_value_heads": n_head_kv,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0,
+                "max_position_embeddings": 256,
+                "hidden_act": "silu",
+                "vocab_size": len(tiny_vocab()[0]),
+                "bos_token_id": 0,
+                "eos_token_id": 2,
+                "tie_word_embeddings": False,
+            }
+        )
+    )
     tokens, types, merges = tiny_vocab()
     vocab = {tok: i for i, tok in enumerate(tokens) if types[i] == 1}
     tok = Tokenizer(models.BPE(vocab, [tuple(m.split(" ")) for m in merges]))
     tj = json.loads(tok.to_str())
-    tj["added_tokens"] = [{"id": i, "content": tokens[i], "special": True, "single_word": False, "lstrip": False,
-                           "rstrip": False, "normalized": False} for i in range(3)]
+    tj["added_tokens"] = [
+        {
+            "id": i,
+            "content": tokens[i],
+            "special": True,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+        }
+        for i in range(3)
+    ]
     (folder / "tokenizer.json").write_text(json.dumps(tj))
 
 
 def test_convert_safetensors_matches_gguf(tmp_path):
     src = write_model(tmp_path / "m.gguf", n_embd=64, n_ff=96, n_head=4, n_head_kv=2, dtype=Q.F32)
     _hf_folder(src, tmp_path / "hf")
-    out = offline.convert(str(tmp_path / "hf"), _random_predictors(2, 64, 96), output=str(tmp_path / "hf.pwri.gguf"),
-                          outtype="f32")
+    out = offline.convert(
+        str(tmp_path / "hf"),
+        _random_predictors(2, 64, 96),
+        output=str(tmp_path / "hf.pwri.gguf"),
+        outtype="f32",
+    )
     a, b = Engine.load(src, sparsity="dense"), Engine.load(out, sparsity="dense")
     assert b.config["powerinfer"] and b.config["ffn_activation"] == "swiglu"
     assert b.tokenizer.tokens == a.tokenizer.tokens
@@ -273,20 +354,76 @@ def test_cli_pipeline(tmp_path, corpus, capsys):
     ReGLU model (PowerInfer's own kind)."""
     src = write_model(tmp_path / "m.gguf", n_embd=64, n_ff=128, activation="relu", dtype=Q.F16)
     prof = str(tmp_path / "m.profile.npz")
-    assert cli.main(["profile", src, "--corpus", corpus, "--tokens", "1200", "--train-tokens", "1200",
-                     "--window", "128", "-o", prof, "-q"]) == 0
+    assert (
+        cli.main(
+            [
+                "profile",
+                src,
+                "--corpus",
+                corpus,
+                "--tokens",
+                "1200",
+                "--train-tokens",
+                "1200",
+                "--window",
+                "128",
+                "-o",
+                prof,
+                "-q",
+            ]
+        )
+        == 0
+    )
     assert (tmp_path / "m.profile.npz.png").exists()
     preds = str(tmp_path / "m.predictors.npz")
-    assert cli.main(["train-predictors", prof, "-o", preds, "--hidden", "128", "--epochs", "40", "--lr", "5e-3", "-q"]) == 0
+    assert (
+        cli.main(
+            [
+                "train-predictors",
+                prof,
+                "-o",
+                preds,
+                "--hidden",
+                "128",
+                "--epochs",
+                "40",
+                "--lr",
+                "5e-3",
+                "-q",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "pred_sparsity" in out and (tmp_path / "m.predictors.npz.txt").exists()
     pw = str(tmp_path / "m.pwri.gguf")
     assert cli.main(["convert", src, preds, "-o", pw]) == 0
     # room for both layers' dense parts and KV cache (128 positions), the output and 96 neurons
     mb = placement.model_bytes(pw, 128)
-    budget = int(sum(mb.layer_dense_bytes) + mb.kv_cache_bytes + mb.output_bytes + 96 * mb.neuron_bytes.max())
-    assert cli.main(["place", pw, "--profile", prof, "--vram-budget", str(budget), "--group", "32",
-                     "--cpu-bandwidth", "5e10", "--sync-latency", "1e-9", "--ctx-size", "128"]) == 0
+    budget = int(
+        sum(mb.layer_dense_bytes) + mb.kv_cache_bytes + mb.output_bytes + 96 * mb.neuron_bytes.max()
+    )
+    assert (
+        cli.main(
+            [
+                "place",
+                pw,
+                "--profile",
+                prof,
+                "--vram-budget",
+                str(budget),
+                "--group",
+                "32",
+                "--cpu-bandwidth",
+                "5e10",
+                "--sync-latency",
+                "1e-9",
+                "--ctx-size",
+                "128",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "solver:" in out
     split = _core.read_gpu_index(pw + ".generated.gpuidx")

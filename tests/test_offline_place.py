@@ -16,7 +16,11 @@ from powerinfer_rs import placement as pl  # noqa: E402
 
 def _instance(rng, n_layer, n_ff, group, budget_groups, min_neurons=None, bytes_per_neuron=None):
     freq = [rng.pareto(1.5, n_ff) + rng.random(n_ff) * 1e-3 for _ in range(n_layer)]
-    nb = np.full(n_layer, 100.0) if bytes_per_neuron is None else np.asarray(bytes_per_neuron, dtype=float)
+    nb = (
+        np.full(n_layer, 100.0)
+        if bytes_per_neuron is None
+        else np.asarray(bytes_per_neuron, dtype=float)
+    )
     mins = np.zeros(n_layer, dtype=int) if min_neurons is None else np.asarray(min_neurons)
     return pl.Instance(freq, nb, int(budget_groups * group * nb.min()), mins, group)
 
@@ -60,7 +64,9 @@ def _random_small_instance(rng):
     mins = np.array([rng.choice([0, int(rng.integers(1, n + 1)), n + 1]) for n in n_ff])
     total = float(sum(b * n for b, n in zip(nb, n_ff)))
     smallest = min((b * min(group, n) for b, n in zip(nb, n_ff) if b > 0), default=1.0)
-    budget = [0, int(smallest) - 1, int(np.ceil(total)), int(rng.uniform(0, 1) * total)][int(rng.integers(4))]
+    budget = [0, int(smallest) - 1, int(np.ceil(total)), int(rng.uniform(0, 1) * total)][
+        int(rng.integers(4))
+    ]
     return pl.Instance(freq, nb, max(budget, 0), mins, group)
 
 
@@ -79,7 +85,9 @@ def test_solvers_equal_greedy_top_k_without_minimum(seed, solver):
         # equal bytes per group: the Lagrangian bound is met without a search
         assert "bound met" in s.status
     # the global top-K groups by frequency (all groups cost the same)
-    values = sorted(((v, l, i) for l, gv in enumerate(inst.group_value) for i, v in enumerate(gv)), reverse=True)[:17]
+    values = sorted(
+        ((v, l, i) for l, gv in enumerate(inst.group_value) for i, v in enumerate(gv)), reverse=True
+    )[:17]
     expected = np.zeros(6, dtype=int)
     for _, l, _ in values:
         expected[l] += 1
@@ -97,7 +105,9 @@ def test_minimum_per_layer_known_optimum():
     # layer 0's two groups (10 + 1) plus one of layer 1 (5) = 16.
     g = 4
     f0 = np.concatenate([np.full(g, 10 / g), np.full(g, 1 / g), np.full(2 * g, 0.1 / g)])
-    f1 = np.concatenate([np.full(g, 5 / g), np.full(g, 5 / g) - 1e-6, np.full(g, 5 / g) - 2e-6, np.full(g, 0.01)])
+    f1 = np.concatenate(
+        [np.full(g, 5 / g), np.full(g, 5 / g) - 1e-6, np.full(g, 5 / g) - 2e-6, np.full(g, 0.01)]
+    )
     inst = pl.Instance([f0, f1], [1.0, 1.0], budget=3 * g, min_neurons=[2 * g, 0], group=g)
     greedy = pl.greedy(inst)
     assert greedy.objective == pytest.approx(15, abs=1e-4)
@@ -113,7 +123,9 @@ def test_exact_searches_when_the_bound_is_not_met():
     # layer 0: one neuron of 3 bytes worth 3.1; layer 1: two of 2 bytes worth 2 each; 4 bytes.
     # By value per byte layer 0 comes first and then nothing else fits (greedy and the rounded
     # LP: 3.1); the bound (multiplier 1) is 4.1, and only the search finds layer 1's 4.0.
-    inst = pl.Instance([np.array([3.1]), np.array([2.0, 2.0])], [3.0, 2.0], budget=4, min_neurons=[0, 0], group=1)
+    inst = pl.Instance(
+        [np.array([3.1]), np.array([2.0, 2.0])], [3.0, 2.0], budget=4, min_neurons=[0, 0], group=1
+    )
     assert pl.greedy(inst).objective == pytest.approx(3.1)
     s = pl.solve(inst)
     assert s.method == "exact" and s.optimal and "searched" in s.status
@@ -122,7 +134,9 @@ def test_exact_searches_when_the_bound_is_not_met():
 
 
 def test_exact_hands_over_to_highs_past_its_state_limit(monkeypatch):
-    inst = pl.Instance([np.array([3.1]), np.array([2.0, 2.0])], [3.0, 2.0], budget=4, min_neurons=[0, 0], group=1)
+    inst = pl.Instance(
+        [np.array([3.1]), np.array([2.0, 2.0])], [3.0, 2.0], budget=4, min_neurons=[0, 0], group=1
+    )
     assert pl.exact(inst, max_states=1) is None
     monkeypatch.setattr(pl, "_MAX_STATES", 1)
     s = pl.solve(inst, mip_gap=0.0)
@@ -180,7 +194,15 @@ def test_solvers_match_brute_force_with_minimums(seed, solver):
     n_layer, n_ff, group = 3, 40, 8
     nb = rng.choice([60.0, 100.0, 140.0], n_layer)
     mins = rng.choice([0, 16, 24, 40], n_layer)
-    inst = _instance(rng, n_layer, n_ff, group, budget_groups=int(rng.integers(2, 9)), min_neurons=mins, bytes_per_neuron=nb)
+    inst = _instance(
+        rng,
+        n_layer,
+        n_ff,
+        group,
+        budget_groups=int(rng.integers(2, 9)),
+        min_neurons=mins,
+        bytes_per_neuron=nb,
+    )
     s = pl.solve(inst, time_limit=30, mip_gap=0.0, solver=solver)
     assert s.objective == pytest.approx(_brute_force(inst), rel=1e-9, abs=1e-9)
     for l, n in enumerate(s.gpu_neurons):
@@ -216,12 +238,21 @@ def test_min_gpu_neurons_formula():
     # GPU not faster: never worth it
     assert pl.min_gpu_neurons(1e6, 50e9, 40e9, 20e-6, 1000) == 1001
     # small neurons need many of them to pay for one sync
-    assert pl.min_gpu_neurons(1e3, 50e9, 1000e9, 20e-6, 4096) == int(np.ceil(20e-6 / (1e3 / 50e9 - 1e3 / 1000e9)))
+    assert pl.min_gpu_neurons(1e3, 50e9, 1000e9, 20e-6, 4096) == int(
+        np.ceil(20e-6 / (1e3 / 50e9 - 1e3 / 1000e9))
+    )
 
 
 @pytest.mark.parametrize(
     "text,expected",
-    [("8GiB", 8 << 30), ("8000MB", 8_000_000_000), ("512MiB", 512 << 20), ("1.5G", int(1.5 * (1 << 30))), ("123456", 123456), (4096, 4096)],
+    [
+        ("8GiB", 8 << 30),
+        ("8000MB", 8_000_000_000),
+        ("512MiB", 512 << 20),
+        ("1.5G", int(1.5 * (1 << 30))),
+        ("123456", 123456),
+        (4096, 4096),
+    ],
 )
 def test_parse_bytes(text, expected):
     assert pl.parse_bytes(text) == expected
@@ -270,7 +301,11 @@ def test_gpu_index_reader_rejects_inconsistent_files(tmp_path):
     w = gguf.GGUFWriter(str(tmp_path / "bad.gpuidx"), "generic.gpu_index")
     mask = np.array([1, 0, 1, 0], dtype=np.int32)
     w.add_tensor("blk.0.gpu_idx", mask, raw_dtype=gguf.GGMLQuantizationType.I32)
-    w.add_tensor("blk.0.gpu_bucket", np.array([0, 3], dtype=np.int32), raw_dtype=gguf.GGMLQuantizationType.I32)
+    w.add_tensor(
+        "blk.0.gpu_bucket",
+        np.array([0, 3], dtype=np.int32),
+        raw_dtype=gguf.GGMLQuantizationType.I32,
+    )
     w.add_uint64("split.vram_capacity", 1)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -295,15 +330,24 @@ def test_plan_places_dense_first_and_rejects_tiny_budgets():
     """Each layer's dense part goes with its own KV cache, in layer order, then the output, then
     neurons, and only in layers that are on the GPU; the whole plan fits the budget."""
     mb = pl.ModelBytes(
-        n_layer=2, n_ff=128, neuron_bytes=np.array([1000.0, 1000.0]), layer_dense_bytes=np.array([50_000.0, 50_000.0]),
-        output_bytes=20_000, kv_cache_bytes=10_000,
+        n_layer=2,
+        n_ff=128,
+        neuron_bytes=np.array([1000.0, 1000.0]),
+        layer_dense_bytes=np.array([50_000.0, 50_000.0]),
+        output_bytes=20_000,
+        kv_cache_bytes=10_000,
     )
-    freq = [np.linspace(0.5, 0, 128), np.linspace(1, 0, 128)]  # layer 1's neurons are the hotter ones
+    freq = [
+        np.linspace(0.5, 0, 128),
+        np.linspace(1, 0, 128),
+    ]  # layer 1's neurons are the hotter ones
     # everything dense fits, each layer with its KV cache, then the output, then 64 neurons
     budget = 50_000 * 2 + 10_000 + 20_000 + 64_000
     p = pl.plan(mb, freq, budget, 50e9, 1000e9, 0.0, group=64)
     assert p.dense_layers_on_gpu == 2 and p.output_on_gpu and p.kv_cache_layers_on_gpu == 2
-    assert sum(len(n) for n in p.solution.gpu_neurons) == 64 and len(p.solution.gpu_neurons[1]) == 64
+    assert (
+        sum(len(n) for n in p.solution.gpu_neurons) == 64 and len(p.solution.gpu_neurons[1]) == 64
+    )
     assert p.dense_bytes + p.ffn_bytes <= budget
     # an f32 KV cache takes twice the room: 10,000 bytes fewer for neurons
     p = pl.plan(mb, freq, budget, 50e9, 1000e9, 0.0, group=16, kv_type="f32")
@@ -317,7 +361,9 @@ def test_plan_places_dense_first_and_rejects_tiny_budgets():
     assert p.dense_bytes == 55_000 and p.dense_bytes + p.ffn_bytes <= budget
     with pytest.raises(ValueError, match="too small for anything"):
         pl.plan(mb, freq, 1000, 50e9, 1000e9, 0.0, group=64)
-    with pytest.raises(ValueError, match="too small for anything"):  # layer 0's dense part fits, its KV cache does not
+    with pytest.raises(
+        ValueError, match="too small for anything"
+    ):  # layer 0's dense part fits, its KV cache does not
         pl.plan(mb, freq, 52_000, 50e9, 1000e9, 0.0, group=64)
     with pytest.raises(ValueError, match="layers"):
         pl.plan(mb, freq[:1], 10**9, 50e9, 1000e9, 0.0)

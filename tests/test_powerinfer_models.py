@@ -8,10 +8,7 @@ import math
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-
-from powerinfer_rs import Engine, ModelError
-from powerinfer_rs import _core
-
+from powerinfer_rs import Engine, ModelError, _core
 from reference import forward, read_weights
 from synth import write_model, write_powerinfer_model
 
@@ -84,7 +81,9 @@ def test_sparse_equals_dense_equals_reference(tmp_path, case):
     assert close_to_reference(dense_decode, ref, tol, quantized), rel(dense_decode, ref)
 
     # the file's cut-off (slightly negative: the exact predictor then misses nothing)
-    engine.set_sparsity("predictor", sparse_threshold=engine.sparse_threshold, predictor_recall=True)
+    engine.set_sparsity(
+        "predictor", sparse_threshold=engine.sparse_threshold, predictor_recall=True
+    )
     sparse = engine.logits(ids)
     assert rel(sparse, dense) < SPARSE_TOL
     assert engine.last_stats["predictor_recall"] > 0.99
@@ -92,7 +91,9 @@ def test_sparse_equals_dense_equals_reference(tmp_path, case):
     # against dense decode: prefill sums in another order, and a rounding flip (see
     # close_to_reference) may separate the two paths at one position
     assert rel(sparse_decode, dense_decode) < SPARSE_TOL
-    assert close_to_reference(sparse_decode, ref, tol + SPARSE_TOL, quantized), rel(sparse_decode, ref)
+    assert close_to_reference(sparse_decode, ref, tol + SPARSE_TOL, quantized), rel(
+        sparse_decode, ref
+    )
     # the predictor really skipped neurons (random ReLU weights: about half are inactive)
     assert 0.3 < st["skipped"] / st["neurons"] < 0.7
     assert st["truly_active_selected"] / st["truly_active"] > 0.99
@@ -132,11 +133,22 @@ def test_predictor_cutoffs_calibrated_for_recall(tmp_path, arch):
             assert kept <= r + 0.02, (l, r, cut, kept)
     # through the engine: calibrated on load, cached beside the model, higher target -> more kept
     text = "the quick brown fox jumps over the lazy dog and then " * 12
-    loose = Engine.load(path, threads=2, sparsity="predictor", predictor_recall_target=0.9, calibration_text=text, predictor_recall=True)
-    strict = Engine.load(path, threads=2, sparsity="predictor", calibration_text=text, predictor_recall=True)
+    loose = Engine.load(
+        path,
+        threads=2,
+        sparsity="predictor",
+        predictor_recall_target=0.9,
+        calibration_text=text,
+        predictor_recall=True,
+    )
+    strict = Engine.load(
+        path, threads=2, sparsity="predictor", calibration_text=text, predictor_recall=True
+    )
     assert strict.predictor_recall_target == 0.99 and loose.predictor_recall_target == 0.9
     assert len(strict.predictor_layer_thresholds) == engine.n_layer
-    assert all(a <= b for a, b in zip(strict.predictor_layer_thresholds, loose.predictor_layer_thresholds))
+    assert all(
+        a <= b for a, b in zip(strict.predictor_layer_thresholds, loose.predictor_layer_thresholds)
+    )
     import json
 
     cache = json.loads((tmp_path / "m.gguf.thresholds.json").read_text())
@@ -168,7 +180,9 @@ def test_sparse_prefill_equals_sparse_decode(tmp_path, case):
     """Prefill over the union of the tokens' selections computes, per token, what token-by-token
     sparse decode computes, with a predictor that is far from exact (so both differ from dense)."""
     _, arch, dtype, opts = case
-    path = write_powerinfer_model(tmp_path / "m.gguf", arch=arch, dtype=dtype, predictor="random", **opts)
+    path = write_powerinfer_model(
+        tmp_path / "m.gguf", arch=arch, dtype=dtype, predictor="random", **opts
+    )
     engine = Engine.load(path, threads=2, kv_type="f32")
     ids = np.random.default_rng(2).integers(0, engine.n_vocab, size=12).tolist()
     engine.set_sparsity("dense")
@@ -263,7 +277,9 @@ def test_opt_context_is_bounded_by_position_table(tmp_path):
 @pytest.mark.parametrize("dtype", [Q.F16, Q.Q4_0, Q.Q8_0], ids=["f16", "q4_0", "q8_0"])
 def test_quantized_predictors(tmp_path, dtype):
     """Predictor weights in F16 or quantized (PowerInfer's quantized files use Q4_0)."""
-    path = write_powerinfer_model(tmp_path / "m.gguf", dtype=Q.Q4_0, predictor_dtype=dtype, threshold=-0.1)
+    path = write_powerinfer_model(
+        tmp_path / "m.gguf", dtype=Q.Q4_0, predictor_dtype=dtype, threshold=-0.1
+    )
     engine = Engine.load(path, threads=2, predictor_recall=True, sparse_threshold=-0.1)
     ids = list(range(3, 30))
     sparse = engine.logits(ids)
@@ -279,7 +295,9 @@ def test_quantized_predictors(tmp_path, dtype):
 def test_threshold_mode_calibrates_and_caches(tmp_path):
     path = write_model(tmp_path / "m.gguf", dtype=Q.F32)
     text = "the quick brown fox jumps over the lazy dog and then " * 20
-    engine = Engine.load(path, threads=2, sparsity="threshold", target_sparsity=0.5, calibration_text=text)
+    engine = Engine.load(
+        path, threads=2, sparsity="threshold", target_sparsity=0.5, calibration_text=text
+    )
     assert engine.sparsity == "threshold" and len(engine.layer_thresholds) == engine.n_layer
     cache = tmp_path / "m.gguf.thresholds.json"
     assert cache.exists()
@@ -299,7 +317,9 @@ def test_threshold_mode_calibrates_and_caches(tmp_path):
     for e in data["entries"]:
         e["thresholds"] = [123.0] * engine.n_layer
     cache.write_text(json.dumps(data))
-    again = Engine.load(path, threads=2, sparsity="threshold", target_sparsity=0.5, calibration_text=text)
+    again = Engine.load(
+        path, threads=2, sparsity="threshold", target_sparsity=0.5, calibration_text=text
+    )
     assert again.layer_thresholds == [123.0] * engine.n_layer
     again.logits(ids[:20])
     assert again.last_stats["ffn_sparsity"] > 0.99
@@ -336,7 +356,10 @@ def test_pwri_file_without_down_t(tmp_path):
 
 def test_predictor_shape_mismatch(tmp_path):
     path = write_powerinfer_model(tmp_path / "m.gguf", fc2_rows=80)
-    with pytest.raises(ModelError, match=r"predictor blk\.0\.fc2\.weight has shape \[80, 192\], expected \[96, 192\]"):
+    with pytest.raises(
+        ModelError,
+        match=r"predictor blk\.0\.fc2\.weight has shape \[80, 192\], expected \[96, 192\]",
+    ):
         Engine.load(path)
 
 

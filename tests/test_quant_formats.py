@@ -7,9 +7,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
 from gguf.quants import dequantize
-
 from powerinfer_rs import Engine, GgufFile, _core
-
 from reference import forward, read_weights
 from synth import F16_FIELDS, random_blocks, write_model
 
@@ -51,7 +49,9 @@ FLIPPED_TIE_TOL = 1e-2
 @pytest.mark.parametrize("dtype", TYPES, ids=[t.name for t in TYPES])
 def test_model_logits_match_float64_reference(tmp_path, dtype):
     # k-quant rows are whole 256-weight super-blocks
-    path = write_model(tmp_path / "m.gguf", dtype=dtype, n_embd=256, n_ff=512, n_head=4, n_head_kv=2)
+    path = write_model(
+        tmp_path / "m.gguf", dtype=dtype, n_embd=256, n_ff=512, n_head=4, n_head_kv=2
+    )
     engine = Engine.load(path, threads=2, kv_type="f32")
     ids = np.random.default_rng(1).integers(0, engine.n_vocab, size=12).tolist()
     w, meta = read_weights(path)

@@ -9,15 +9,11 @@ import sys
 
 import numpy as np
 import pytest
-
 import torch  # the relufy extra, which scripts/test.sh installs
 from gguf import GGMLQuantizationType as Q
-
 from powerinfer_rs import Engine, cli, offline
-from powerinfer_rs.offline import packing
+from powerinfer_rs.offline import packing, torch_model
 from powerinfer_rs.offline import relufication as rf
-from powerinfer_rs.offline import torch_model
-
 from reference import forward, read_weights, rmsnorm
 from synth import write_model
 
@@ -38,7 +34,7 @@ def corpus(tmp_path):
     for i in range(6):
         (d / f"doc{i}.txt").write_text((TEXT + f" Chapter {i}. ") * 8)
     held = tmp_path / "held.txt"
-    held.write_text(("The lamps along the quay were lit, and the boats drifted by the mill. " * 12))
+    held.write_text("The lamps along the quay were lit, and the boats drifted by the mill. " * 12)
     return str(d), str(held)
 
 
@@ -56,13 +52,29 @@ def _run(src, corpus, out, **kw):
     train, held = corpus
     settings = kw.pop("settings", None) or _settings()
     kw.setdefault("outtype", "f32")
-    return rf.relufy(src, [train], str(out), settings, eval_paths=[held], eval_tokens=256, progress=False, threads=1, **kw)
+    return rf.relufy(
+        src,
+        [train],
+        str(out),
+        settings,
+        eval_paths=[held],
+        eval_tokens=256,
+        progress=False,
+        threads=1,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize(
     "kw",
-    [dict(arch="llama"), dict(arch="qwen2", bias=True), dict(arch="qwen3"), dict(arch="llama", rope_freqs=True, tied=True),
-     dict(arch="llama", rope_scaling=2.0, dtype=Q.Q4_K, n_embd=256, n_ff=256), dict(arch="llama", head_dim=24, n_head_kv=1)],
+    [
+        dict(arch="llama"),
+        dict(arch="qwen2", bias=True),
+        dict(arch="qwen3"),
+        dict(arch="llama", rope_freqs=True, tied=True),
+        dict(arch="llama", rope_scaling=2.0, dtype=Q.Q4_K, n_embd=256, n_ff=256),
+        dict(arch="llama", head_dim=24, n_head_kv=1),
+    ],
     ids=["llama", "qwen2-bias", "qwen3", "llama3-factors-tied", "linear-q4k", "gqa-head24"],
 )
 def test_torch_layer_equals_the_float64_reference(tmp_path, kw):
@@ -80,7 +92,9 @@ def test_torch_layer_equals_the_float64_reference(tmp_path, kw):
 
 
 @pytest.mark.parametrize("activation", ["reglu", "dreglu"])
-def test_relufied_file_runs_in_the_engine_with_zeros_where_the_activation_says(tmp_path, corpus, activation):
+def test_relufied_file_runs_in_the_engine_with_zeros_where_the_activation_says(
+    tmp_path, corpus, activation
+):
     src = write_model(tmp_path / "m.gguf", n_embd=64, n_ff=96, dtype=Q.Q8_0, seed=2)
     before = _digest(src)
     out = tmp_path / "r.gguf"
@@ -111,12 +125,18 @@ def test_relufied_file_runs_in_the_engine_with_zeros_where_the_activation_says(t
     assert np.linalg.norm(ref8 - ref) / np.linalg.norm(ref) < 0.1
 
     # the engine's FFN activations are nonzero exactly where the float64 gate (and up) say
-    p = offline.profile(e, [corpus[1]], tokens=100, train_tokens=100, window=64, plot=False, progress=False)
+    p = offline.profile(
+        e, [corpus[1]], tokens=100, train_tokens=100, window=64, plot=False, progress=False
+    )
     for l in range(2):
         h = rmsnorm(p["train_x"][l].astype(np.float64), w[f"blk.{l}.ffn_norm.weight"], 1e-5)
         gate, up = h @ w[f"blk.{l}.ffn_gate.weight"].T, h @ w[f"blk.{l}.ffn_up.weight"].T
         fires = gate > 0 if activation == "reglu" else (gate > 0) & (up > 0)
-        clear = np.abs(gate) > 1e-2 if activation == "reglu" else (np.abs(gate) > 1e-2) & (np.abs(up) > 1e-2)
+        clear = (
+            np.abs(gate) > 1e-2
+            if activation == "reglu"
+            else (np.abs(gate) > 1e-2) & (np.abs(up) > 1e-2)
+        )
         labels = np.unpackbits(p["train_labels"][l], axis=-1, count=96).astype(bool)
         assert (labels[clear] == fires[clear]).mean() > 0.999
 
@@ -128,7 +148,12 @@ def test_the_l1_penalty_raises_the_zero_share_and_training_lowers_the_kl(tmp_pat
     assert sparse["sparsity"] > plain["sparsity"] + 0.02, (plain["sparsity"], sparse["sparsity"])
     # distillation alone from the bare swap: the first point of the curve is the swapped
     # model before any step, and training brings it back toward the teacher
-    kl_only = _run(src, corpus, tmp_path / "c.gguf", settings=_settings(steps=40, blend=0.0, ce_weight=0.0, lr=3e-4, warmup=0.0))
+    kl_only = _run(
+        src,
+        corpus,
+        tmp_path / "c.gguf",
+        settings=_settings(steps=40, blend=0.0, ce_weight=0.0, lr=3e-4, warmup=0.0),
+    )
     curve = kl_only["curve"]
     assert curve[0]["step"] == 0 and curve[-1]["step"] == 40
     assert curve[-1]["kl"] < 0.7 * curve[0]["kl"], [c["kl"] for c in curve]
@@ -142,18 +167,25 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path, corpus):
     whole = _run(src, corpus, tmp_path / "whole.gguf", settings=_settings(l1=0.5))
     part = _run(src, corpus, tmp_path / "part.gguf", settings=_settings(l1=0.5), max_steps=10)
     assert part["step"] == 10 and not (tmp_path / "part.gguf").exists()
-    done = _run(src, corpus, tmp_path / "part.gguf", settings=_settings(l1=0.5), resume=part["checkpoint"])
+    done = _run(
+        src, corpus, tmp_path / "part.gguf", settings=_settings(l1=0.5), resume=part["checkpoint"]
+    )
     a, _ = read_weights(str(tmp_path / "whole.gguf"))
     b, _ = read_weights(str(tmp_path / "part.gguf"))
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
     def numbers(curve):  # all but the wall-clock minutes
         return [{k: v for k, v in point.items() if k != "minutes"} for point in curve]
 
-    assert numbers(done["curve"]) == numbers(whole["curve"]) and done["sparsity"] == whole["sparsity"]
+    assert (
+        numbers(done["curve"]) == numbers(whole["curve"]) and done["sparsity"] == whole["sparsity"]
+    )
     # a checkpoint resumes only under its own settings
     with pytest.raises(ValueError, match="other settings: l1 0.5 there, 0.0 now"):
-        _run(src, corpus, tmp_path / "x.gguf", settings=_settings(l1=0.0), resume=part["checkpoint"])
+        _run(
+            src, corpus, tmp_path / "x.gguf", settings=_settings(l1=0.0), resume=part["checkpoint"]
+        )
 
 
 def test_a_time_budget_sets_the_step_count(tmp_path, corpus):
@@ -178,13 +210,77 @@ def test_the_pipeline_runs_on_the_relufied_model(tmp_path, corpus):
     src = write_model(tmp_path / "m.gguf", n_embd=64, n_ff=128, dtype=Q.F16, seed=6)
     out = str(tmp_path / "r.gguf")
     train, held = corpus
-    assert cli.main(["relufy", src, "--corpus", train, "--eval", held, "-o", out, "--steps", "16", "--batch", "4",
-                     "--seq-len", "32", "--lr", "3e-3", "--outtype", "q8_0", "--eval-tokens", "128", "-t", "1", "-q"]) == 0
+    assert (
+        cli.main(
+            [
+                "relufy",
+                src,
+                "--corpus",
+                train,
+                "--eval",
+                held,
+                "-o",
+                out,
+                "--steps",
+                "16",
+                "--batch",
+                "4",
+                "--seq-len",
+                "32",
+                "--lr",
+                "3e-3",
+                "--outtype",
+                "q8_0",
+                "--eval-tokens",
+                "128",
+                "-t",
+                "1",
+                "-q",
+            ]
+        )
+        == 0
+    )
     prof = str(tmp_path / "r.profile.npz")
-    assert cli.main(["profile", out, "--corpus", train, "--tokens", "1200", "--train-tokens", "1200", "--window", "128",
-                     "-o", prof, "-q", "--no-plot"]) == 0
+    assert (
+        cli.main(
+            [
+                "profile",
+                out,
+                "--corpus",
+                train,
+                "--tokens",
+                "1200",
+                "--train-tokens",
+                "1200",
+                "--window",
+                "128",
+                "-o",
+                prof,
+                "-q",
+                "--no-plot",
+            ]
+        )
+        == 0
+    )
     preds = str(tmp_path / "r.predictors.npz")
-    assert cli.main(["train-predictors", prof, "-o", preds, "--hidden", "128", "--epochs", "30", "--lr", "5e-3", "-q"]) == 0
+    assert (
+        cli.main(
+            [
+                "train-predictors",
+                prof,
+                "-o",
+                preds,
+                "--hidden",
+                "128",
+                "--epochs",
+                "30",
+                "--lr",
+                "5e-3",
+                "-q",
+            ]
+        )
+        == 0
+    )
     pw = str(tmp_path / "r.pwri.gguf")
     assert cli.main(["convert", out, preds, "-o", pw]) == 0
     e = Engine.load(pw, predictor_recall=True)
@@ -204,23 +300,41 @@ def test_pack_keeps_held_out_files_apart(tmp_path, corpus):
     assert held not in s["meta"]["train_files"] and s["meta"]["eval_files"] == [held]
     held_ids = e.tokenizer.encode(open(held).read(), add_bos=False)
     np.testing.assert_array_equal(s["eval"][: len(held_ids)], held_ids)
-    assert len(s["train"]) == sum(len(e.tokenizer.encode(open(f).read(), add_bos=False)) + 1 for f in s["meta"]["train_files"])
+    assert len(s["train"]) == sum(
+        len(e.tokenizer.encode(open(f).read(), add_bos=False)) + 1 for f in s["meta"]["train_files"]
+    )
     # a shard trains like its text
-    r = rf.relufy(src, [shard_path], str(tmp_path / "r.gguf"), _settings(steps=4), eval_tokens=64, progress=False)
+    r = rf.relufy(
+        src,
+        [shard_path],
+        str(tmp_path / "r.gguf"),
+        _settings(steps=4),
+        eval_tokens=64,
+        progress=False,
+    )
     assert r["corpus"]["train_tokens"] == len(s["train"])
     # without --eval, whole files are held out by a hash of their names
     auto = packing.pack(e.tokenizer, [train], eval_fraction=0.3)
-    assert auto["meta"]["eval_files"] and not set(auto["meta"]["eval_files"]) & set(auto["meta"]["train_files"])
+    assert auto["meta"]["eval_files"] and not set(auto["meta"]["eval_files"]) & set(
+        auto["meta"]["train_files"]
+    )
     # HTML pages are read as the text a reader sees
     page = tmp_path / "page.html"
-    page.write_text("<html><head><title>T</title><style>p {}</style></head><body><nav>Home | Next</nav>"
-                    "<p>The river ran&nbsp;past &amp; the mill.</p><script>var x = 1;</script><p>Boats.</p></body></html>")
+    page.write_text(
+        "<html><head><title>T</title><style>p {}</style></head><body><nav>Home | Next</nav>"
+        "<p>The river ran&nbsp;past &amp; the mill.</p><script>var x = 1;</script><p>Boats.</p></body></html>"
+    )
     text = packing.read_text(page)
     assert "The river ran\xa0past & the mill." in text and "Boats." in text
     assert "var x" not in text and "Home" not in text and "p {}" not in text
     # a shard of another vocabulary is refused
     s["meta"]["tokenizer"] = "0" * 16
-    np.savez(tmp_path / "bad.npz", train=s["train"], eval=s["eval"], meta=np.frombuffer(json.dumps(s["meta"]).encode(), np.uint8))
+    np.savez(
+        tmp_path / "bad.npz",
+        train=s["train"],
+        eval=s["eval"],
+        meta=np.frombuffer(json.dumps(s["meta"]).encode(), np.uint8),
+    )
     with pytest.raises(ValueError, match="another vocabulary"):
         packing.load_shard(str(tmp_path / "bad.npz"), e.tokenizer)
     (tmp_path / "junk.npz").write_bytes(b"PK not really")
@@ -228,17 +342,30 @@ def test_pack_keeps_held_out_files_apart(tmp_path, corpus):
         packing.load_shard(str(tmp_path / "junk.npz"))
 
 
-def test_bad_input_is_a_clear_error_and_leaves_the_model_alone(tmp_path, corpus, monkeypatch, capsys):
+def test_bad_input_is_a_clear_error_and_leaves_the_model_alone(
+    tmp_path, corpus, monkeypatch, capsys
+):
     train, held = corpus
     src = write_model(tmp_path / "m.gguf", n_embd=64, n_ff=96, seed=7)
     before = _digest(src)
     out = tmp_path / "r.gguf"
 
     def run(path=src, c=(train,), o=out, **kw):
-        return rf.relufy(str(path), list(c), str(o), kw.pop("settings", _settings(steps=4)), eval_paths=[held],
-                         eval_tokens=64, progress=False, **kw)
+        return rf.relufy(
+            str(path),
+            list(c),
+            str(o),
+            kw.pop("settings", _settings(steps=4)),
+            eval_paths=[held],
+            eval_tokens=64,
+            progress=False,
+            **kw,
+        )
 
-    with pytest.raises(ValueError, match="supports the architectures llama, mistral, qwen2, qwen3; this model is 'gemma'"):
+    with pytest.raises(
+        ValueError,
+        match="supports the architectures llama, mistral, qwen2, qwen3; this model is 'gemma'",
+    ):
         run(write_model(tmp_path / "g.gguf", arch="gemma"))
     with pytest.raises(ValueError, match="already has a reglu FFN"):
         run(write_model(tmp_path / "relu.gguf", activation="relu"))

@@ -13,9 +13,7 @@ import time
 import httpx
 import openai
 import pytest
-
 from powerinfer_rs import Engine, default_model_path
-
 from synth import write_model
 
 try:
@@ -35,8 +33,22 @@ class Server:
     """A `powerinfer-rs serve` process on 127.0.0.1 with a free port; its log lines are kept."""
 
     def __init__(self, model: str, *args: str, n_ctx: int = N_CTX):
-        cmd = [sys.executable, "-m", "powerinfer_rs.cli", "serve", "-m", model, "--port", "0", "-c", str(n_ctx), *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "powerinfer_rs.cli",
+            "serve",
+            "-m",
+            model,
+            "--port",
+            "0",
+            "-c",
+            str(n_ctx),
+            *args,
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
         self.lines: list[str] = []
         self.url = None
         deadline = time.monotonic() + 120
@@ -108,7 +120,12 @@ def test_models_health_and_greedy_completion(tiny, tiny_path):
     assert [m.id for m in models] == ["tiny"]
     assert client.models.retrieve("tiny").id == "tiny"
     h = tiny.health()
-    assert h["status"] == "ok" and h["slots_total"] == 2 and h["slots_busy"] == 0 and h["sessions"] == 0
+    assert (
+        h["status"] == "ok"
+        and h["slots_total"] == 2
+        and h["slots_busy"] == 0
+        and h["sessions"] == 0
+    )
 
     engine = Engine.load(tiny_path, n_ctx=N_CTX, device="cpu")
     for prompt in ["the cat", "in an hour"]:
@@ -119,13 +136,20 @@ def test_models_health_and_greedy_completion(tiny, tiny_path):
         assert r.usage.prompt_tokens == len(engine.tokenize(prompt))
         assert r.usage.completion_tokens == engine.last_stats["generated_tokens"]
         assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-        assert r.choices[0].finish_reason == ("length" if r.usage.completion_tokens == 20 else "stop")
+        assert r.choices[0].finish_reason == (
+            "length" if r.usage.completion_tokens == 20 else "stop"
+        )
     # token-id prompts and echo
     ids = engine.tokenize("the cat")
     r = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0, echo=True)
     assert r.choices[0].text == "the cat" + engine.generate(ids, max_tokens=8, temperature=0)
     # streamed pieces concatenate to the same text
-    pieces = [c.choices[0].text for c in client.completions.create(model="tiny", prompt="the cat", max_tokens=20, temperature=0, stream=True)]
+    pieces = [
+        c.choices[0].text
+        for c in client.completions.create(
+            model="tiny", prompt="the cat", max_tokens=20, temperature=0, stream=True
+        )
+    ]
     assert "".join(pieces) == engine.generate("the cat", max_tokens=20, temperature=0)
 
 
@@ -141,7 +165,9 @@ def test_sampling_fields_reach_the_sampler(tiny, tiny_path):
     # stop strings end the text before them, with finish_reason "stop"
     full = engine.generate("the cat", max_tokens=40, temperature=0)
     stop = full[5:7]
-    r = client.completions.create(model="tiny", prompt="the cat", max_tokens=40, temperature=0, stop=[stop])
+    r = client.completions.create(
+        model="tiny", prompt="the cat", max_tokens=40, temperature=0, stop=[stop]
+    )
     assert r.choices[0].text == full[: full.index(stop)]
     assert r.choices[0].finish_reason == "stop"
 
@@ -207,8 +233,17 @@ def test_validation_errors_have_openai_shape(tiny):
 def test_nulls_mean_defaults_and_odd_input_is_a_400(tiny, tiny_path):
     headers = {"Authorization": "Bearer sekret"}
     engine = Engine.load(tiny_path, n_ctx=N_CTX, device="cpu")
-    body = {"prompt": "the cat", "max_tokens": 6, "temperature": 0, "top_p": None, "n": None, "stream": None,
-            "presence_penalty": None, "frequency_penalty": None, "echo": None}
+    body = {
+        "prompt": "the cat",
+        "max_tokens": 6,
+        "temperature": 0,
+        "top_p": None,
+        "n": None,
+        "stream": None,
+        "presence_penalty": None,
+        "frequency_penalty": None,
+        "echo": None,
+    }
     r = httpx.post(tiny.url + "/v1/completions", json=body, headers=headers, timeout=30)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == engine.generate("the cat", max_tokens=6, temperature=0)
@@ -218,7 +253,12 @@ def test_nulls_mean_defaults_and_odd_input_is_a_400(tiny, tiny_path):
         ('{"prompt": "abc", "top_k": 100000000000000000000000}', "top_k"),
         ('{"prompt": "abc", "stop": [""]}', "stop"),
     ]:
-        r = httpx.post(tiny.url + "/v1/completions", content=body, headers=dict(headers, **{"Content-Type": "application/json"}), timeout=30)
+        r = httpx.post(
+            tiny.url + "/v1/completions",
+            content=body,
+            headers=dict(headers, **{"Content-Type": "application/json"}),
+            timeout=30,
+        )
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["param"] == param, (body, r.json())
 
@@ -236,8 +276,16 @@ def test_fields_out_of_range_or_of_the_wrong_kind_are_a_400_naming_them(tiny):
         ("/v1/completions", {"prompt": "the cat", "max_tokens": 2, "stream": 1}, "stream"),
         ("/v1/chat/completions", chat([{"role": "wizard", "content": "hi"}]), "messages.0.role"),
         ("/v1/chat/completions", chat([{"role": "user", "content": None}]), "messages.0.content"),
-        ("/v1/chat/completions", chat([{"role": "user", "content": "hi"}, {"role": "system", "content": None}]), "messages.1.content"),
-        ("/v1/chat/completions", dict(chat([{"role": "user", "content": "hi"}]), stream="yes"), "stream"),
+        (
+            "/v1/chat/completions",
+            chat([{"role": "user", "content": "hi"}, {"role": "system", "content": None}]),
+            "messages.1.content",
+        ),
+        (
+            "/v1/chat/completions",
+            dict(chat([{"role": "user", "content": "hi"}]), stream="yes"),
+            "stream",
+        ),
     ]
     for path, body, param in cases:
         r = httpx.post(tiny.url + path, json=body, headers=headers, timeout=30)
@@ -246,7 +294,12 @@ def test_fields_out_of_range_or_of_the_wrong_kind_are_a_400_naming_them(tiny):
         assert err["param"] == param and err["type"] == "invalid_request_error", (body, err)
     # the edges of the range are seeds like any other
     for seed in (2**63 - 1, -(2**63)):
-        r = httpx.post(tiny.url + "/v1/completions", json={"prompt": "the cat", "max_tokens": 2, "seed": seed}, headers=headers, timeout=30)
+        r = httpx.post(
+            tiny.url + "/v1/completions",
+            json={"prompt": "the cat", "max_tokens": 2, "seed": seed},
+            headers=headers,
+            timeout=30,
+        )
         assert r.status_code == 200, r.text
 
 
@@ -272,14 +325,21 @@ def test_one_log_line_per_request(tiny):
     client = tiny.client(api_key="sekret")
     before = len(tiny.request_lines("/v1/completions"))
     client.completions.create(model="tiny", prompt="the cat", max_tokens=5, temperature=0)
-    list(client.completions.create(model="tiny", prompt="the cat", max_tokens=5, temperature=0, stream=True))
+    list(
+        client.completions.create(
+            model="tiny", prompt="the cat", max_tokens=5, temperature=0, stream=True
+        )
+    )
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt="x", n=3)
     assert wait_until(lambda: len(tiny.request_lines("/v1/completions")) == before + 3)
     ok = [l for l in tiny.request_lines("/v1/completions")[before:] if " 200 " in l]
     assert len(ok) == 2
     for l in ok:
-        assert re.search(r"prompt=\d+ tok \((\d+ cached, )?[\d.]+ tok/s\) completion=5 tok \([\d.]+ tok/s\) finish=length", l), l
+        assert re.search(
+            r"prompt=\d+ tok \((\d+ cached, )?[\d.]+ tok/s\) completion=5 tok \([\d.]+ tok/s\) finish=length",
+            l,
+        ), l
     assert " 400 " in tiny.request_lines("/v1/completions")[before + 2]
 
 
@@ -292,7 +352,9 @@ def test_a_repeated_prompt_reuses_the_cached_session(tiny, tiny_path):
     first = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0)
     second = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0)
     assert first.choices[0].text == second.choices[0].text == want
-    assert second.usage.prompt_tokens_details.cached_tokens == n - 1  # all but the last prompt token
+    assert (
+        second.usage.prompt_tokens_details.cached_tokens == n - 1
+    )  # all but the last prompt token
     longer = prompt + first.choices[0].text + " and"
     third = client.completions.create(model="tiny", prompt=longer, max_tokens=10, temperature=0)
     assert third.choices[0].text == engine.generate(longer, max_tokens=10, temperature=0)
@@ -301,9 +363,17 @@ def test_a_repeated_prompt_reuses_the_cached_session(tiny, tiny_path):
 
 
 def test_serve_rejects_bad_arguments(tiny_path):
-    for args, msg in [(["--port", "70000"], "--port"), (["--parallel", "0"], "--parallel"), (["--prompt-cache", "-1"], "--prompt-cache")]:
-        r = subprocess.run([sys.executable, "-m", "powerinfer_rs.cli", "serve", "-m", tiny_path, *args],
-                           capture_output=True, text=True, timeout=60)
+    for args, msg in [
+        (["--port", "70000"], "--port"),
+        (["--parallel", "0"], "--parallel"),
+        (["--prompt-cache", "-1"], "--prompt-cache"),
+    ]:
+        r = subprocess.run(
+            [sys.executable, "-m", "powerinfer_rs.cli", "serve", "-m", tiny_path, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode != 0 and msg in r.stderr and "Traceback" not in r.stderr
 
 
@@ -338,35 +408,72 @@ QUESTIONS = [
 @needs_smollm
 def test_chat_and_streaming_chat(smol, smol_engine):
     client = smol.client()
-    messages = [{"role": "system", "content": "You are a helpful AI assistant."}, {"role": "user", "content": QUESTIONS[0]}]
+    messages = [
+        {"role": "system", "content": "You are a helpful AI assistant."},
+        {"role": "user", "content": QUESTIONS[0]},
+    ]
     want = smol_engine.chat(messages, max_tokens=40, temperature=0)
-    r = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=messages, max_tokens=40, temperature=0)
+    r = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1", messages=messages, max_tokens=40, temperature=0
+    )
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == want
     assert "Paris" in want
-    assert r.usage.prompt_tokens == len(smol_engine.tokenizer.encode(smol_engine.apply_chat_template(messages), add_bos=False, special=True))
+    assert r.usage.prompt_tokens == len(
+        smol_engine.tokenizer.encode(
+            smol_engine.apply_chat_template(messages), add_bos=False, special=True
+        )
+    )
     assert r.usage.completion_tokens == smol_engine.last_stats["generated_tokens"]
 
     stream = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct.Q4_1", messages=messages, max_tokens=40, temperature=0, stream=True,
+        model="SmolLM2-135M-Instruct.Q4_1",
+        messages=messages,
+        max_tokens=40,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == r.choices[0].message.content
-    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3  # really streamed
-    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert (
+        len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3
+    )  # really streamed
+    finals = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finals == [r.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == r.usage.total_tokens
     # content given as text parts is the same conversation
-    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "}, {"type": "text", "text": "of France?"}]}]
-    r2 = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=parts, max_tokens=20, temperature=0)
-    assert r2.choices[0].message.content == smol_engine.chat([{"role": "user", "content": QUESTIONS[0]}], max_tokens=20, temperature=0)
+    parts = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is the capital "},
+                {"type": "text", "text": "of France?"},
+            ],
+        }
+    ]
+    r2 = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1", messages=parts, max_tokens=20, temperature=0
+    )
+    assert r2.choices[0].message.content == smol_engine.chat(
+        [{"role": "user", "content": QUESTIONS[0]}], max_tokens=20, temperature=0
+    )
     # an assistant turn without content (as clients send after tool calls) is an empty turn
-    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}, {"role": "user", "content": QUESTIONS[1]}]
-    r3 = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=turns, max_tokens=8, temperature=0)
-    assert r3.choices[0].message.content == smol_engine.chat([dict(m, content=m["content"] or "") for m in turns], max_tokens=8, temperature=0)
+    turns = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": QUESTIONS[1]},
+    ]
+    r3 = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1", messages=turns, max_tokens=8, temperature=0
+    )
+    assert r3.choices[0].message.content == smol_engine.chat(
+        [dict(m, content=m["content"] or "") for m in turns], max_tokens=8, temperature=0
+    )
 
 
 @pytest.mark.smollm
@@ -374,18 +481,31 @@ def test_chat_and_streaming_chat(smol, smol_engine):
 def test_the_next_chat_turn_reuses_the_previous_one(smol, smol_engine):
     client = smol.client()
     turn1 = [{"role": "user", "content": "Name a large city in Italy."}]
-    r1 = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=turn1, max_tokens=24, temperature=0)
-    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
-                     {"role": "user", "content": "And one in Spain?"}]
-    r2 = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=turn2, max_tokens=24, temperature=0)
+    r1 = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1", messages=turn1, max_tokens=24, temperature=0
+    )
+    turn2 = turn1 + [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "And one in Spain?"},
+    ]
+    r2 = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1", messages=turn2, max_tokens=24, temperature=0
+    )
     assert r2.choices[0].message.content == smol_engine.chat(turn2, max_tokens=24, temperature=0)
-    assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens  # the whole first turn was reused
+    assert (
+        r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens
+    )  # the whole first turn was reused
 
 
 @pytest.mark.smollm
 @needs_smollm
 def test_sse_wire_format(smol):
-    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0, "stream": True}
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": True,
+    }
     with httpx.stream("POST", smol.url + "/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         raw = r.read().decode()
@@ -398,8 +518,11 @@ def test_sse_wire_format(smol):
 
 async def _stream_chat(client, question: str, max_tokens: int) -> tuple[str, str]:
     stream = await client.chat.completions.create(
-        model="SmolLM2-135M-Instruct.Q4_1", messages=[{"role": "user", "content": question}],
-        max_tokens=max_tokens, temperature=0, stream=True,
+        model="SmolLM2-135M-Instruct.Q4_1",
+        messages=[{"role": "user", "content": question}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
     )
     pieces, finish = [], None
     async for c in stream:
@@ -412,12 +535,17 @@ async def _stream_chat(client, question: str, max_tokens: int) -> tuple[str, str
 @pytest.mark.smollm
 @needs_smollm
 def test_32_concurrent_streams_all_complete(smol, smol_engine):
-    want = {q: smol_engine.chat([{"role": "user", "content": q}], max_tokens=12, temperature=0) for q in QUESTIONS}
+    want = {
+        q: smol_engine.chat([{"role": "user", "content": q}], max_tokens=12, temperature=0)
+        for q in QUESTIONS
+    }
     questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(32)]
     before = len(smol.request_lines("/v1/chat/completions"))
 
     async def main():
-        client = openai.AsyncOpenAI(base_url=smol.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        client = openai.AsyncOpenAI(
+            base_url=smol.url + "/v1", api_key="unused", max_retries=0, timeout=300
+        )
         async with client:
             return await asyncio.gather(*[_stream_chat(client, q, 12) for q in questions])
 
@@ -438,12 +566,20 @@ def test_a_client_that_disconnects_does_not_stall_the_others(smol, smol_engine):
     stops before its end (the log says so, with fewer tokens than asked) and its slot and session are freed,
     while six other streams, started at the same time, finish with the right text."""
     long_prompt = "1, 2, 3, 4, 5, 6, 7, 8,"
-    want = {q: smol_engine.chat([{"role": "user", "content": q}], max_tokens=16, temperature=0) for q in QUESTIONS[:6]}
+    want = {
+        q: smol_engine.chat([{"role": "user", "content": q}], max_tokens=16, temperature=0)
+        for q in QUESTIONS[:6]
+    }
     before = len(smol.request_lines("/v1/completions"))
 
     async def quitter():
         async with httpx.AsyncClient(timeout=60) as c:
-            body = {"prompt": long_prompt, "max_tokens": LONG_GENERATION, "temperature": 0, "stream": True}
+            body = {
+                "prompt": long_prompt,
+                "max_tokens": LONG_GENERATION,
+                "temperature": 0,
+                "stream": True,
+            }
             async with c.stream("POST", smol.url + "/v1/completions", json=body) as r:
                 seen = 0
                 async for line in r.aiter_lines():
@@ -454,7 +590,9 @@ def test_a_client_that_disconnects_does_not_stall_the_others(smol, smol_engine):
         return seen
 
     async def main():
-        client = openai.AsyncOpenAI(base_url=smol.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        client = openai.AsyncOpenAI(
+            base_url=smol.url + "/v1", api_key="unused", max_retries=0, timeout=300
+        )
         async with client:
             return await asyncio.gather(quitter(), *[_stream_chat(client, q, 16) for q in want])
 
@@ -469,8 +607,15 @@ def test_a_client_that_disconnects_does_not_stall_the_others(smol, smol_engine):
     assert int(re.search(r"completion=(\d+) tok", line).group(1)) < LONG_GENERATION, line
     assert wait_until(lambda: smol.health()["sessions"] == 0 and smol.health()["slots_busy"] == 0)
     # the server still answers
-    r = smol.client().completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt="The capital of France is", max_tokens=4, temperature=0)
-    assert r.choices[0].text == smol_engine.generate("The capital of France is", max_tokens=4, temperature=0)
+    r = smol.client().completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1",
+        prompt="The capital of France is",
+        max_tokens=4,
+        temperature=0,
+    )
+    assert r.choices[0].text == smol_engine.generate(
+        "The capital of France is", max_tokens=4, temperature=0
+    )
 
 
 @pytest.mark.smollm
@@ -495,7 +640,12 @@ def test_slots_queue_and_no_starvation(smol, smol_engine):
     """Three long streams hold three of the four slots: a short request still gets the fourth and
     finishes while they run. With all four slots held, a fifth request waits in the queue (and
     holds no session); when its client leaves, it leaves the queue without having run."""
-    long_body = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": LONG_GENERATION, "temperature": 0, "stream": True}
+    long_body = {
+        "prompt": "1, 2, 3, 4, 5, 6, 7, 8,",
+        "max_tokens": LONG_GENERATION,
+        "temperature": 0,
+        "stream": True,
+    }
     before = len(smol.request_lines("/v1/completions"))
 
     async def main():
@@ -524,7 +674,10 @@ def test_slots_queue_and_no_starvation(smol, smol_engine):
 
             longs = [asyncio.create_task(long_stream()) for _ in range(3)]
             assert await until(lambda h: h["slots_busy"] == 3)
-            r = await c.post(smol.url + "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
+            r = await c.post(
+                smol.url + "/v1/completions",
+                json={"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0},
+            )
             assert r.status_code == 200
             short_text = r.json()["choices"][0]["text"]
             assert not ended, "a long stream finished before the short request"
@@ -542,7 +695,9 @@ def test_slots_queue_and_no_starvation(smol, smol_engine):
             return short_text
 
     short_text = asyncio.run(main())
-    assert short_text == smol_engine.generate("The capital of France is", max_tokens=4, temperature=0)
+    assert short_text == smol_engine.generate(
+        "The capital of France is", max_tokens=4, temperature=0
+    )
     assert wait_until(lambda: len(smol.request_lines("/v1/completions")) == before + 6)
     lines = smol.request_lines("/v1/completions")[before:]
     cancelled = [l for l in lines if "finish=cancelled" in l]

@@ -5,10 +5,8 @@ import threading
 
 import numpy as np
 import pytest
-
 from powerinfer_rs import Engine, default_model_path
 from powerinfer_rs.tokenizer import StreamDecoder
-
 from reference import forward, read_weights
 
 try:
@@ -31,9 +29,14 @@ def engine():
 
 def test_file_is_the_expected_model(engine):
     c = engine.config
-    assert (c["architecture"], c["n_layer"], c["n_embd"], c["n_vocab"], c["n_head"], c["n_head_kv"]) == (
-        "llama", 30, 576, 49152, 9, 3
-    )
+    assert (
+        c["architecture"],
+        c["n_layer"],
+        c["n_embd"],
+        c["n_vocab"],
+        c["n_head"],
+        c["n_head_kv"],
+    ) == ("llama", 30, 576, 49152, 9, 3)
     assert c["ffn_activation"] == "swiglu" and c["tied_output"]
 
 
@@ -51,11 +54,11 @@ def weights():
 
 
 TEXT_64 = (
-        "Python is a programming language that lets you work quickly and integrate systems more "
-        "effectively. It has a simple syntax, a large standard library, and a friendly community of "
-        "developers who write packages for science, the web, and automation. The interpreter and "
-        "the extensive standard library are freely available in source or binary form for all major "
-        "platforms, and can be freely distributed."
+    "Python is a programming language that lets you work quickly and integrate systems more "
+    "effectively. It has a simple syntax, a large standard library, and a friendly community of "
+    "developers who write packages for science, the web, and automation. The interpreter and "
+    "the extensive standard library are freely available in source or binary form for all major "
+    "platforms, and can be freely distributed."
 )
 
 
@@ -78,16 +81,22 @@ def test_logits_match_numpy_reference_64_tokens(engine, weights):
     assert rel_q < 5e-2, rel_q
     agree = (got.argmax(1) == ref.argmax(1)).mean()
     assert agree >= 0.9, agree
-    print(f"relative error: {rel_q:.2e} vs int8-activation reference, {rel:.2e} vs float64; argmax agreement {agree:.2f}")
+    print(
+        f"relative error: {rel_q:.2e} vs int8-activation reference, {rel:.2e} vs float64; argmax agreement {agree:.2f}"
+    )
 
 
 def test_chat_uses_template(engine):
     text = engine.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
     ids = engine.tokenize(text, special=True)
-    assert ids.count(1) == 3 and ids.count(2) == 2  # <|im_start|> x3, <|im_end|> x2 as single tokens
+    assert (
+        ids.count(1) == 3 and ids.count(2) == 2
+    )  # <|im_start|> x3, <|im_end|> x2 as single tokens
     assert 1 not in engine.tokenize(text)  # without special=True they are plain text
-    answer = engine.chat([{"role": "user", "content": "What is the capital of France?"}], max_tokens=32)
+    answer = engine.chat(
+        [{"role": "user", "content": "What is the capital of France?"}], max_tokens=32
+    )
     assert isinstance(answer, str) and answer.strip()
     assert "<|im_end|>" not in answer
 
@@ -164,15 +173,19 @@ def test_logits_as_close_to_reference_as_llama_cpp(engine, weights):
     should sit at about the same distance from the float64 reference."""
     llama_cpp = pytest.importorskip("llama_cpp")
     ids = engine.tokenize(TEXT_64)[:64]
-    llm = llama_cpp.Llama(model_path=SMOLLM, n_ctx=128, n_batch=64, logits_all=True, n_threads=2, verbose=False)
+    llm = llama_cpp.Llama(
+        model_path=SMOLLM, n_ctx=128, n_batch=64, logits_all=True, n_threads=2, verbose=False
+    )
     llm.eval(ids)
     theirs = np.array(llm.scores[: len(ids)], dtype=np.float64)
     ours = engine.logits(ids).astype(np.float64)
     w, meta = weights
     ref = forward(w, meta, ids)
     rel = lambda a: np.linalg.norm(a - ref) / np.linalg.norm(ref)
-    print(f"distance to float64 reference: ours {rel(ours):.2e}, llama.cpp {rel(theirs):.2e}; "
-          f"ours vs llama.cpp {np.linalg.norm(ours - theirs) / np.linalg.norm(theirs):.2e}")
+    print(
+        f"distance to float64 reference: ours {rel(ours):.2e}, llama.cpp {rel(theirs):.2e}; "
+        f"ours vs llama.cpp {np.linalg.norm(ours - theirs) / np.linalg.norm(theirs):.2e}"
+    )
     assert rel(ours) < 1.5 * rel(theirs)
 
 
@@ -184,7 +197,9 @@ def test_perplexity_matches_llama_cpp(engine):
     text = open(os.path.join(DOCS, "tutorial", "introduction.rst.txt"), encoding="utf-8").read()
     ctx = 256
     ids = engine.tokenize(text)
-    llm = llama_cpp.Llama(model_path=SMOLLM, n_ctx=ctx, n_batch=ctx, logits_all=True, n_threads=2, verbose=False)
+    llm = llama_cpp.Llama(
+        model_path=SMOLLM, n_ctx=ctx, n_batch=ctx, logits_all=True, n_threads=2, verbose=False
+    )
     nll, count = 0.0, 0
     for c in range(len(ids) // ctx):
         chunk = ids[c * ctx : (c + 1) * ctx]
@@ -230,13 +245,31 @@ def test_offline_pipeline_on_smollm2(tmp_path):
     pytest.importorskip("highspy")
     from powerinfer_rs import offline
 
-    prof = offline.profile(Engine.load(SMOLLM, n_ctx=256, device="cpu"), os.path.join(DOCS, "library"), tokens=3000, train_tokens=3000,
-                           output=str(tmp_path / "p.npz"), plot=False, progress=False)
+    prof = offline.profile(
+        Engine.load(SMOLLM, n_ctx=256, device="cpu"),
+        os.path.join(DOCS, "library"),
+        tokens=3000,
+        train_tokens=3000,
+        output=str(tmp_path / "p.npz"),
+        plot=False,
+        progress=False,
+    )
     assert prof["counts"].shape == (30, 1536)
-    r = offline.train(prof, output=str(tmp_path / "pred.npz"), hidden=64, epochs=4, recall_target=0.9, progress=False)
+    r = offline.train(
+        prof,
+        output=str(tmp_path / "pred.npz"),
+        hidden=64,
+        epochs=4,
+        recall_target=0.9,
+        progress=False,
+    )
     assert all(abs(layer.recall - 0.9) < 0.05 for layer in r["layers"])
-    out = offline.convert(SMOLLM, str(tmp_path / "pred.npz"), output=str(tmp_path / "smol.pwri.gguf"))
-    text = open(os.path.join(DOCS, "tutorial", "introduction.rst.txt"), encoding="utf-8").read()[:6000]
+    out = offline.convert(
+        SMOLLM, str(tmp_path / "pred.npz"), output=str(tmp_path / "smol.pwri.gguf")
+    )
+    text = open(os.path.join(DOCS, "tutorial", "introduction.rst.txt"), encoding="utf-8").read()[
+        :6000
+    ]
     ppl_src = Engine.load(SMOLLM, sparsity="dense").perplexity(text, ctx=256)
     conv = Engine.load(out, sparsity="dense")
     assert conv.config["has_predictors"] and conv.config["ffn_activation"] == "swiglu"
@@ -269,7 +302,11 @@ def _masked_forward(w, meta, tokens, cuts):
     from reference import rmsnorm, rope
 
     m = lambda k: meta[f"llama.{k}"]
-    n_head, n_kv, eps = m("attention.head_count"), m("attention.head_count_kv"), m("attention.layer_norm_rms_epsilon")
+    n_head, n_kv, eps = (
+        m("attention.head_count"),
+        m("attention.head_count_kv"),
+        m("attention.layer_norm_rms_epsilon"),
+    )
     hd = m("embedding_length") // n_head
     n = len(tokens)
     pos = np.arange(n)
@@ -316,7 +353,10 @@ def test_input_sparsity_matches_masked_reference(engine, weights):
     # each layer skips inputs of two groups (a different pair from layer to layer, every group
     # in 15 layers)
     pairs = [(0, 1), (2, 3), (0, 2), (1, 3), (0, 3), (1, 2)]
-    cuts = [[c if g in pairs[l % 6] else 0.0 for g, (c, _) in enumerate(layer)] for l, layer in enumerate(cal)]
+    cuts = [
+        [c if g in pairs[l % 6] else 0.0 for g, (c, _) in enumerate(layer)]
+        for l, layer in enumerate(cal)
+    ]
     ids = engine.tokenize(TEXT_64)[:24]
     session = _core.Session(engine._model, 64, engine.kv_type)
     session.set_sparsity("threshold", input_thresholds=cuts)
@@ -327,7 +367,9 @@ def test_input_sparsity_matches_masked_reference(engine, weights):
     dense, _ = _masked_forward(w, meta, ids, [[0.0] * 4] * len(cuts))
     rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
     rel_dense = np.linalg.norm(ref - dense) / np.linalg.norm(dense)
-    print(f"relative error vs masked reference {rel:.2e}; masked vs dense reference {rel_dense:.2e}")
+    print(
+        f"relative error vs masked reference {rel:.2e}; masked vs dense reference {rel_dense:.2e}"
+    )
     # The masked network is more sensitive than the dense one (measured: 2% noise on the layer
     # weights moves its logits by 15%, the dense network's by 6%): which side of a cut-off the
     # inputs near it fall on (float32 and int8 rounding against float64) compounds over the
@@ -351,9 +393,16 @@ def test_input_sparsity_matches_masked_reference(engine, weights):
     tensors = {t["name"]: t for t in engine._model.tensors()}
     names = [f"blk.{l}.{k}.weight" for l in range(len(cuts)) for g in GROUPS.values() for k in g]
     assert st["weight_bytes"] == len(ids) * sum(tensors[k]["n_bytes"] for k in names)
-    row_bytes = {g: sum(tensors[f"blk.0.{k}.weight"]["shape"][0] // 32 * 34 for k in GROUPS[g]) for g in GROUPS}
+    row_bytes = {
+        g: sum(tensors[f"blk.0.{k}.weight"]["shape"][0] // 32 * 34 for k in GROUPS[g])
+        for g in GROUPS
+    }
     dense_groups = sum(
-        len(ids) * tensors[f"blk.{l}.{k}.weight"]["n_bytes"] for l in range(len(cuts)) for g in GROUPS if cuts[l][g] == 0 for k in GROUPS[g]
+        len(ids) * tensors[f"blk.{l}.{k}.weight"]["n_bytes"]
+        for l in range(len(cuts))
+        for g in GROUPS
+        if cuts[l][g] == 0
+        for k in GROUPS[g]
     )
     expected = sum(kept[g] * row_bytes[g] for g in GROUPS) + dense_groups
     assert abs(st["weight_bytes_read"] / expected - 1) < 0.01, (st["weight_bytes_read"], expected)
@@ -376,14 +425,18 @@ def test_input_sparsity_within_a_perplexity_budget(engine, tmp_path):
     assert len(plan["thresholds"]) == 30 and all(len(t) == 4 for t in plan["thresholds"])
     entries = json.loads((tmp_path / "smollm2.gguf.thresholds.json").read_text())["entries"]
     assert any(e["kind"] == "input_ppl" and e["target"] == 0.05 for e in entries)
-    again = Engine.load(model, threads=2, max_ppl_increase=0.05)  # from the cache; threshold implied
+    again = Engine.load(
+        model, threads=2, max_ppl_increase=0.05
+    )  # from the cache; threshold implied
     assert again.sparsity == "threshold" and again.input_thresholds == sparse.input_thresholds
 
     text = open(os.path.join(DOCS, "tutorial", "introduction.rst.txt"), encoding="utf-8").read()
     base = Engine.load(model, threads=2, sparsity="dense").perplexity(text, ctx=256)
     ppl = sparse.perplexity(text, ctx=256)
-    print(f"held-out perplexity {ppl:.3f} vs dense {base:.3f}; calibration {plan['ppl']:.3f} vs {plan['ppl_dense']:.3f}; "
-          f"weight bytes skipped {sparse.last_stats['weight_bytes_skipped']:.3f} (plan {plan['weight_bytes_skipped']:.3f})")
+    print(
+        f"held-out perplexity {ppl:.3f} vs dense {base:.3f}; calibration {plan['ppl']:.3f} vs {plan['ppl_dense']:.3f}; "
+        f"weight bytes skipped {sparse.last_stats['weight_bytes_skipped']:.3f} (plan {plan['weight_bytes_skipped']:.3f})"
+    )
     assert ppl < 1.15 * base, (base, ppl)
     assert "weight_bytes_skipped" in sparse.last_stats
     # what the stats say matches the plan's own count on the calibration text within a margin

@@ -3,10 +3,7 @@
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-
-from powerinfer_rs import Engine
-from powerinfer_rs import _core
-
+from powerinfer_rs import Engine, _core
 from reference import forward, read_weights
 from synth import write_model
 
@@ -39,7 +36,14 @@ CASES = [
 def test_logits_match_float64_reference(tmp_path, case):
     _, arch, act, dtype, tied, bias, (n_head, n_kv) = case
     path = write_model(
-        tmp_path / "m.gguf", arch=arch, activation=act, dtype=dtype, tied=tied, bias=bias, n_head=n_head, n_head_kv=n_kv
+        tmp_path / "m.gguf",
+        arch=arch,
+        activation=act,
+        dtype=dtype,
+        tied=tied,
+        bias=bias,
+        n_head=n_head,
+        n_head_kv=n_kv,
     )
     # An f32 KV cache keeps the comparison exact; the f16 cache is checked separately below.
     engine = Engine.load(path, threads=2, kv_type="f32")
@@ -61,13 +65,17 @@ def test_logits_match_float64_reference(tmp_path, case):
     if quantized:
         plain = forward(w, meta, ids)
         rel_plain = np.linalg.norm(got - plain) / np.linalg.norm(plain)
-        assert rel_plain < QUANT_VS_FLOAT_TOL, f"relative error vs float64 weights-only reference {rel_plain:.2e}"
+        assert rel_plain < QUANT_VS_FLOAT_TOL, (
+            f"relative error vs float64 weights-only reference {rel_plain:.2e}"
+        )
     # The reference is sensitive enough to catch a wrong RoPE or activation: check that a
     # deliberately wrong reference is far away.
     wrong_act = "relu" if expected_act == "swiglu" else "silu"
     wrong = forward(w, meta, ids, activation=wrong_act, int8_activations=quantized)
     wrong_rel = np.linalg.norm(got - wrong) / np.linalg.norm(wrong)
-    assert wrong_rel > 5 * max(rel, FLOAT_TOL), f"wrong activation only {wrong_rel:.2e} away (right: {rel:.2e})"
+    assert wrong_rel > 5 * max(rel, FLOAT_TOL), (
+        f"wrong activation only {wrong_rel:.2e} away (right: {rel:.2e})"
+    )
     print(f"relative error {rel:.2e} (tolerance {tol}); wrong activation {wrong_rel:.2e}")
 
 
@@ -118,7 +126,9 @@ def test_a_prompt_longer_than_a_pass_equals_any_other_split(tmp_path):
     whole = _core.Session(model, 1200).eval(ids, all_logits=True)
     for piece in (300, 6):
         s = _core.Session(model, 1200)
-        parts = np.vstack([s.eval(ids[i:i + piece], all_logits=True) for i in range(0, len(ids), piece)])
+        parts = np.vstack(
+            [s.eval(ids[i : i + piece], all_logits=True) for i in range(0, len(ids), piece)]
+        )
         np.testing.assert_array_equal(parts, whole, err_msg=f"pieces of {piece}")
 
 
@@ -137,7 +147,9 @@ def test_powerinfer_magic_llama_is_relu_gated(tmp_path):
     assert engine.config["ffn_activation"] == "reglu"
     w, meta = read_weights_pwri(path)
     ids = [5, 9, 77, 200, 13]
-    rel = np.linalg.norm(engine.logits(ids) - forward(w, meta, ids, "relu")) / np.linalg.norm(forward(w, meta, ids, "relu"))
+    rel = np.linalg.norm(engine.logits(ids) - forward(w, meta, ids, "relu")) / np.linalg.norm(
+        forward(w, meta, ids, "relu")
+    )
     assert rel < FLOAT_TOL
 
 

@@ -1,14 +1,14 @@
 """Tokenization against an independent pure-Python byte-level BPE (and llama.cpp when present)."""
 
-import regex
 import pytest
-
+import regex
 from powerinfer_rs import Engine, default_model_path
 from powerinfer_rs.tokenizer import GGUFTokenizer
-
 from synth import byte_chars, tiny_vocab, write_model
 
-GPT2_RE = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+GPT2_RE = regex.compile(
+    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+)
 
 TRICKY = [
     "Hello world",
@@ -40,7 +40,9 @@ def reference_bpe(text, tokens, merges, digits_alone):
         for piece in GPT2_RE.findall(seg):
             word = [table[b] for b in piece.encode("utf-8")]
             while len(word) > 1:
-                pairs = [(ranks.get((word[i], word[i + 1]), 1 << 60), i) for i in range(len(word) - 1)]
+                pairs = [
+                    (ranks.get((word[i], word[i + 1]), 1 << 60), i) for i in range(len(word) - 1)
+                ]
                 rank, i = min(pairs)
                 if rank == 1 << 60:
                     break
@@ -90,9 +92,13 @@ def _SMOLLM_MERGES(t):
 def test_smollm2_matches_llama_cpp(smollm_tokenizer, text):
     llama_cpp = pytest.importorskip("llama_cpp")
     if not hasattr(test_smollm2_matches_llama_cpp, "llm"):
-        test_smollm2_matches_llama_cpp.llm = llama_cpp.Llama(model_path=SMOLLM, vocab_only=True, verbose=False)
+        test_smollm2_matches_llama_cpp.llm = llama_cpp.Llama(
+            model_path=SMOLLM, vocab_only=True, verbose=False
+        )
     llm = test_smollm2_matches_llama_cpp.llm
-    assert smollm_tokenizer.encode(text) == llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+    assert smollm_tokenizer.encode(text) == llm.tokenize(
+        text.encode("utf-8"), add_bos=False, special=False
+    )
 
 
 def test_tiny_vocab_matches_reference(tmp_path):
@@ -111,7 +117,26 @@ def test_spm_vocabulary():
     pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     types = [2, 3, 3] + [6] * 256
     scores = [0.0] * len(pieces)
-    words = ["▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "llo", "hello", "▁hello", "▁w", "or", "▁wor", "ld", "▁world"]
+    words = [
+        "▁",
+        "h",
+        "e",
+        "l",
+        "o",
+        "w",
+        "r",
+        "d",
+        "he",
+        "ll",
+        "llo",
+        "hello",
+        "▁hello",
+        "▁w",
+        "or",
+        "▁wor",
+        "ld",
+        "▁world",
+    ]
     for i, w in enumerate(words):
         pieces.append(w)
         types.append(1)
@@ -156,12 +181,13 @@ def test_tokenizer_json_beside_the_model_covers_an_unknown_pre_tokenizer(tmp_pat
     """A GGUF whose tokenizer.ggml.pre the engine does not know loads when its tokenizer.json
     lies beside it (which defines its own pre-tokenizer), and is refused by name without it."""
     from gguf import GGUFReader
+    from powerinfer_rs.tokenizer import GGUFTokenizer
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from powerinfer_rs.tokenizer import GGUFTokenizer
-
     path = write_model(tmp_path / "m.gguf")
-    meta = {k: f.contents() for k, f in GGUFReader(path).fields.items() if k.startswith("tokenizer.")}
+    meta = {
+        k: f.contents() for k, f in GGUFReader(path).fields.items() if k.startswith("tokenizer.")
+    }
     meta["tokenizer.ggml.pre"] = "a-new-family"
     with pytest.raises(ValueError, match=r"a-new-family.*not supported.*tokenizer.json"):
         GGUFTokenizer(meta, path)

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from powerinfer_rs.tokenizer import GGUFTokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tokenizers"
@@ -81,7 +80,9 @@ def test_aliases_tokenize_like_their_family(name):
     base = tokenizer(name)
     texts = [c["text"] for c in VARIANTS[name]["cases"]]
     for alias in VARIANTS[name]["aliases"]:
-        assert [tokenizer(name, alias).encode(t) for t in texts] == [base.encode(t) for t in texts], alias
+        assert [tokenizer(name, alias).encode(t) for t in texts] == [
+            base.encode(t) for t in texts
+        ], alias
 
 
 def test_unknown_pre_tokenizer_names_itself_and_the_supported_ones():

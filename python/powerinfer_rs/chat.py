@@ -63,7 +63,13 @@ def _read_message(stdin: TextIO, prompt: str) -> str | None:
         return "\n".join(lines)
 
 
-def run(engine, sampling: dict, system: str | None = None, stdin: TextIO = sys.stdin, out: TextIO = sys.stdout) -> int:
+def run(
+    engine,
+    sampling: dict,
+    system: str | None = None,
+    stdin: TextIO = sys.stdin,
+    out: TextIO = sys.stdout,
+) -> int:
     if not engine.chat_template:
         raise ValueError("the model has no tokenizer.chat_template; give one with --chat-template")
     interactive = stdin.isatty()
@@ -109,7 +115,9 @@ def run(engine, sampling: dict, system: str | None = None, stdin: TextIO = sys.s
         if not command:
             continue
         try:
-            messages, ids = fit_history(engine, messages + [{"role": "user", "content": text}], reserve)
+            messages, ids = fit_history(
+                engine, messages + [{"role": "user", "content": text}], reserve
+            )
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             continue

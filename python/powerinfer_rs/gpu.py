@@ -21,7 +21,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import _core
-from .placement import dense_first, gpu_index_path, kv_bytes_per_layer, measure_cpu_bandwidth, model_bytes, plan, write_gpu_index
+from .placement import (
+    dense_first,
+    gpu_index_path,
+    kv_bytes_per_layer,
+    measure_cpu_bandwidth,
+    model_bytes,
+    plan,
+    write_gpu_index,
+)
 from .profile_file import load_profile
 
 # what `Engine.load(device=...)` and `--device` accept
@@ -51,7 +59,9 @@ class GpuPlacement:
     output_on_gpu: bool
     source: str  # "gpuidx", "profile", "even", "all", "layers"
     gpuidx_path: str | None = None
-    hot_share: list[float] | None = None  # per layer, from a profile: activations the GPU neurons carry
+    hot_share: list[float] | None = (
+        None  # per layer, from a profile: activations the GPU neurons carry
+    )
     notes: list[str] = field(default_factory=list)
 
 
@@ -71,7 +81,11 @@ def plan_gpu(
     kv_per_layer = kv_bytes_per_layer(mb, kv_type)
     n_ff = mb.n_ff
     if gpu_layers is not None:
-        if not isinstance(gpu_layers, int) or isinstance(gpu_layers, bool) or not (0 <= gpu_layers <= mb.n_layer):
+        if (
+            not isinstance(gpu_layers, int)
+            or isinstance(gpu_layers, bool)
+            or not (0 <= gpu_layers <= mb.n_layer)
+        ):
             raise ValueError(f"gpu_layers must be an int in [0, {mb.n_layer}], got {gpu_layers!r}")
         dense = [l < gpu_layers for l in range(mb.n_layer)]
         neurons = [np.full(n_ff, l < gpu_layers) for l in range(mb.n_layer)]
@@ -94,15 +108,19 @@ def plan_gpu(
         if index["vram_capacity"] == budget and len(index["gpu_idx"]) == mb.n_layer:
             masks = [np.asarray(m).astype(bool) for m in index["gpu_idx"]]
             if any(len(m) != n_ff for m in masks):
-                raise _core.ModelError(f"{idx_path} does not match the model's {n_ff} neurons per layer")
+                raise _core.ModelError(
+                    f"{idx_path} does not match the model's {n_ff} neurons per layer"
+                )
             # a file planned elsewhere may give neurons to layers whose dense part does not fit
             # here: the executor runs hot neurons only in GPU layers, so say what is left out
             dropped = sum(int(m.sum()) for m, d in zip(masks, dense) if not d)
             notes = []
             if dropped:
                 masks = [m & d for m, d in zip(masks, dense)]
-                notes.append(f"{idx_path} places {dropped} neurons in layers whose attention and KV cache do not fit "
-                             f"in {budget} bytes; those stay on the CPU")
+                notes.append(
+                    f"{idx_path} places {dropped} neurons in layers whose attention and KV cache do not fit "
+                    f"in {budget} bytes; those stay on the CPU"
+                )
             return GpuPlacement(budget, dense, masks, output, "gpuidx", idx_path, notes=notes)
 
     if profile is None and os.path.exists(path + ".profile.npz"):
@@ -111,14 +129,18 @@ def plan_gpu(
         prof = load_profile(profile)
         freq = [np.asarray(c, dtype=np.float64) / max(prof["n_tokens"], 1) for c in prof["counts"]]
         p = plan(mb, freq, budget, measure_cpu_bandwidth(), 1000e9, 20e-6, kv_type=kv_type)
-        assert p.dense_layers_on_gpu == sum(dense) and p.output_on_gpu == output, "one rule places the dense parts"
+        assert p.dense_layers_on_gpu == sum(dense) and p.output_on_gpu == output, (
+            "one rule places the dense parts"
+        )
         masks = []
         for g in p.solution.gpu_neurons:
             m = np.zeros(n_ff, dtype=bool)
             m[np.asarray(g, dtype=np.int64)] = True
             masks.append(m)
         write_gpu_index(idx_path, p.solution.gpu_neurons, n_ff, budget)
-        return GpuPlacement(budget, dense, masks, output, "profile", idx_path, [float(h) for h in p.hot_share])
+        return GpuPlacement(
+            budget, dense, masks, output, "profile", idx_path, [float(h) for h in p.hot_share]
+        )
 
     # no counts: the same share of every GPU layer's neurons
     per_layer_bytes = np.asarray(mb.neuron_bytes, dtype=np.float64)

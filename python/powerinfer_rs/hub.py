@@ -19,7 +19,9 @@ def parse(uri: str) -> tuple[str, str, str | None]:
     rest = uri[len(PREFIX) :]
     parts = rest.split("/")
     if len(parts) < 3 or not all(parts):
-        raise ValueError(f"{uri!r}: expected hf://owner/repo/file.gguf (or hf://owner/repo@revision/path/file.gguf)")
+        raise ValueError(
+            f"{uri!r}: expected hf://owner/repo/file.gguf (or hf://owner/repo@revision/path/file.gguf)"
+        )
     owner, repo, filename = parts[0], parts[1], "/".join(parts[2:])
     revision = None
     if "@" in repo:
@@ -38,7 +40,9 @@ def resolve(path: str | os.PathLike) -> str:
         import huggingface_hub
         from huggingface_hub import errors
     except ImportError as e:  # a dependency, so only a broken install gets here
-        raise ImportError(f"{path}: downloading from the Hugging Face Hub needs huggingface_hub ({e})") from e
+        raise ImportError(
+            f"{path}: downloading from the Hugging Face Hub needs huggingface_hub ({e})"
+        ) from e
     try:
         return huggingface_hub.hf_hub_download(repo_id, filename, revision=revision)
     except errors.LocalEntryNotFoundError as e:
@@ -47,9 +51,13 @@ def resolve(path: str | os.PathLike) -> str:
             f"(offline mode, HF_HUB_OFFLINE=1, or no connection): {e}"
         ) from e
     except errors.RepositoryNotFoundError as e:
-        raise FileNotFoundError(f"{path}: the Hub has no repository {repo_id!r} (or it needs a token: HF_TOKEN)") from e
+        raise FileNotFoundError(
+            f"{path}: the Hub has no repository {repo_id!r} (or it needs a token: HF_TOKEN)"
+        ) from e
     except errors.RevisionNotFoundError as e:
-        raise FileNotFoundError(f"{path}: repository {repo_id!r} has no revision {revision!r}") from e
+        raise FileNotFoundError(
+            f"{path}: repository {repo_id!r} has no revision {revision!r}"
+        ) from e
     except errors.EntryNotFoundError as e:
         raise FileNotFoundError(f"{path}: repository {repo_id!r} has no file {filename!r}") from e
     except errors.HfHubHTTPError as e:

@@ -49,10 +49,20 @@ from . import _core
 
 GGML_I32 = 26
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
-    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "m": 1024**2,
+    "g": 1024**3,
+    "t": 1024**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
 }
 
 
@@ -108,13 +118,17 @@ class Instance:
         if not (math.isfinite(self.budget) and self.budget >= 0):
             raise ValueError(f"budget must be a finite number of bytes >= 0, got {self.budget!r}")
         # per layer: neurons by falling frequency, then groups of `group` of them
-        self.order = [np.argsort(-np.asarray(f, dtype=np.float64), kind="stable") for f in self.freq]
+        self.order = [
+            np.argsort(-np.asarray(f, dtype=np.float64), kind="stable") for f in self.freq
+        ]
         self.group_value: list[np.ndarray] = []
         self.group_size: list[np.ndarray] = []
         for f, order in zip(self.freq, self.order):
             sorted_f = np.asarray(f, dtype=np.float64)[order]
             starts = np.arange(0, len(sorted_f), self.group)
-            self.group_value.append(np.add.reduceat(sorted_f, starts) if len(sorted_f) else np.zeros(0))
+            self.group_value.append(
+                np.add.reduceat(sorted_f, starts) if len(sorted_f) else np.zeros(0)
+            )
             self.group_size.append(np.minimum(self.group, len(sorted_f) - starts))
 
 
@@ -134,8 +148,15 @@ class Solution:
     bound: float = math.inf  # proven upper bound on any placement's objective (inf: none known)
 
 
-def _finish(inst: Instance, counts: np.ndarray, method: str, seconds: float, status: str,
-            optimal: bool = False, bound: float = math.inf) -> Solution:
+def _finish(
+    inst: Instance,
+    counts: np.ndarray,
+    method: str,
+    seconds: float,
+    status: str,
+    optimal: bool = False,
+    bound: float = math.inf,
+) -> Solution:
     counts = np.asarray(counts, dtype=np.int64)
     objective = float(sum(v[:k].sum() for v, k in zip(inst.group_value, counts)))
     neurons = []
@@ -146,7 +167,9 @@ def _finish(inst: Instance, counts: np.ndarray, method: str, seconds: float, sta
 
 
 def _used_bytes(inst: Instance, counts: np.ndarray) -> float:
-    return float(sum(b * s[:k].sum() for b, s, k in zip(inst.neuron_bytes, inst.group_size, counts)))
+    return float(
+        sum(b * s[:k].sum() for b, s, k in zip(inst.neuron_bytes, inst.group_size, counts))
+    )
 
 
 def _meets_minimum(inst: Instance, l: int, k: int) -> bool:
@@ -208,7 +231,9 @@ class _Options:
 
     layer: np.ndarray  # (n_option,) the layer of each option
     count: np.ndarray  # groups on the GPU
-    nbytes: np.ndarray  # their bytes: int64 when every neuron is a whole number of bytes, else float64
+    nbytes: (
+        np.ndarray
+    )  # their bytes: int64 when every neuron is a whole number of bytes, else float64
     value: np.ndarray  # their frequency (a prefix sum of the layer's group values)
     start: np.ndarray  # (n_layer + 1,) where each layer's options begin
     first: np.ndarray  # (n_layer,) smallest nonzero count meeting C_l (n_groups + 1: none does)
@@ -236,8 +261,15 @@ def _options(inst: Instance) -> _Options:
         nbytes.append(b)
         value.append(kept[k])
     start = np.concatenate([[0], np.cumsum([len(k) for k in count])]).astype(np.int64)
-    return _Options(np.concatenate(layer), np.concatenate(count), np.concatenate(nbytes),
-                    np.concatenate(value), start, first, whole)
+    return _Options(
+        np.concatenate(layer),
+        np.concatenate(count),
+        np.concatenate(nbytes),
+        np.concatenate(value),
+        start,
+        first,
+        whole,
+    )
 
 
 def _option_index(opts: _Options, counts: np.ndarray) -> np.ndarray:
@@ -267,7 +299,9 @@ def _dual(opts: _Options, lam: float, reachable: float) -> tuple[float, np.ndarr
     return float(lam * reachable + best.sum()), best[opts.layer] - reduced
 
 
-def _lp_multiplier_and_rounding(opts: _Options, reachable: float, budget: float) -> tuple[list[float], np.ndarray]:
+def _lp_multiplier_and_rounding(
+    opts: _Options, reachable: float, budget: float
+) -> tuple[list[float], np.ndarray]:
     """Candidates for the multiplier that minimises the bound, and the rounded LP solution.
 
     Each layer's option curve is concave: group frequency per byte falls along the sorted
@@ -288,11 +322,17 @@ def _lp_multiplier_and_rounding(opts: _Options, reachable: float, budget: float)
     brk = int(np.searchsorted(filled, reachable, side="right"))
     # the dual is piecewise linear in the multiplier with its minimum at the break density; the
     # neighbours cover float ties, and 0 the case where everything fits
-    lams = [0.0] + [float(density[order[i]]) for i in (brk - 1, brk, brk + 1) if 0 <= i < len(order)]
+    lams = [0.0] + [
+        float(density[order[i]]) for i in (brk - 1, brk, brk + 1) if 0 <= i < len(order)
+    ]
 
     # rounding: a layer without bytes keeps its best option; the rest grow along the order
     current = opts.start[:-1].copy()
-    free = np.flatnonzero(np.asarray([opts.nbytes[a] == opts.nbytes[b - 1] for a, b in zip(opts.start[:-1], opts.start[1:])]))
+    free = np.flatnonzero(
+        np.asarray(
+            [opts.nbytes[a] == opts.nbytes[b - 1] for a, b in zip(opts.start[:-1], opts.start[1:])]
+        )
+    )
     for l in free:
         a, b = opts.start[l], opts.start[l + 1]
         current[l] = a + int(np.argmax(opts.value[a:b]))
@@ -300,7 +340,9 @@ def _lp_multiplier_and_rounding(opts: _Options, reachable: float, budget: float)
     seg_layer = opts.layer[seg[order]].tolist()
     seg_from = seg[order].tolist()
     seg_bytes = d_bytes[order].tolist()
-    smallest_after = np.minimum.accumulate(d_bytes[order][::-1])[::-1].tolist() if len(order) else []
+    smallest_after = (
+        np.minimum.accumulate(d_bytes[order][::-1])[::-1].tolist() if len(order) else []
+    )
     cur = current.tolist()
     for i, (l, frm, b) in enumerate(zip(seg_layer, seg_from, seg_bytes)):
         if smallest_after[i] > left:
@@ -311,7 +353,9 @@ def _lp_multiplier_and_rounding(opts: _Options, reachable: float, budget: float)
     return lams, np.asarray(cur, dtype=np.int64)
 
 
-def exact(inst: Instance, max_states: int = _MAX_STATES, start: Solution | None = None) -> Solution | None:
+def exact(
+    inst: Instance, max_states: int = _MAX_STATES, start: Solution | None = None
+) -> Solution | None:
     """The placement proven optimal for one byte size per layer's neurons (every Instance).
 
     Then a layer's best set of groups is a prefix of its groups by falling frequency, and the
@@ -341,8 +385,15 @@ def exact(inst: Instance, max_states: int = _MAX_STATES, start: Solution | None 
     Returns None when the search would keep more than `max_states` partial placements."""
     t0 = time.perf_counter()
     if not inst.freq:
-        return _finish(inst, np.zeros(0, dtype=np.int64), "exact", time.perf_counter() - t0, "exact: no layers",
-                       optimal=True, bound=0.0)
+        return _finish(
+            inst,
+            np.zeros(0, dtype=np.int64),
+            "exact",
+            time.perf_counter() - t0,
+            "exact: no layers",
+            optimal=True,
+            bound=0.0,
+        )
     opts = _options(inst)
     budget = float(inst.budget)
     reachable = _reachable_budget(opts, budget)
@@ -358,7 +409,9 @@ def exact(inst: Instance, max_states: int = _MAX_STATES, start: Solution | None 
     best_value = 0.0
     start = start or greedy(inst)
     for k in (opts.count[rounded], np.asarray(start.groups_on_gpu, dtype=np.int64)):
-        if len(k) != len(inst.freq) or not np.all((k == 0) | ((k >= opts.first) & (k <= opts.count[opts.start[1:] - 1]))):
+        if len(k) != len(inst.freq) or not np.all(
+            (k == 0) | ((k >= opts.first) & (k <= opts.count[opts.start[1:] - 1]))
+        ):
             continue
         chosen = _option_index(opts, k)
         if _used_bytes(inst, k) <= inst.budget and float(opts.value[chosen].sum()) > best_value:
@@ -367,19 +420,38 @@ def exact(inst: Instance, max_states: int = _MAX_STATES, start: Solution | None 
     n_states = 0
 
     if bound - best_value > rounding:
-        best, best_value, n_states = _search(opts, penalty, bound, reachable, best, best_value, rounding, budget,
-                                           max_states)
+        best, best_value, n_states = _search(
+            opts, penalty, bound, reachable, best, best_value, rounding, budget, max_states
+        )
         if best is None:
             return None
     # after a search, nothing beats its best placement: that is the bound
     proven = bound if n_states == 0 else best_value
     status = f"exact: multiplier {lam:.6g}, " + (
-        "bound met by the incumbent" if n_states == 0 else f"{n_states} partial placements searched")
-    return _finish(inst, opts.count[best], "exact", time.perf_counter() - t0, status, optimal=True, bound=proven)
+        "bound met by the incumbent" if n_states == 0 else f"{n_states} partial placements searched"
+    )
+    return _finish(
+        inst,
+        opts.count[best],
+        "exact",
+        time.perf_counter() - t0,
+        status,
+        optimal=True,
+        bound=proven,
+    )
 
 
-def _search(opts: _Options, penalty: np.ndarray, bound: float, reachable: float, best: np.ndarray,
-            best_value: float, rounding: float, budget: float, max_states: int) -> tuple[np.ndarray | None, float, int]:
+def _search(
+    opts: _Options,
+    penalty: np.ndarray,
+    bound: float,
+    reachable: float,
+    best: np.ndarray,
+    best_value: float,
+    rounding: float,
+    budget: float,
+    max_states: int,
+) -> tuple[np.ndarray | None, float, int]:
     """The dynamic program of `exact` step 3; returns the best options, their objective and how
     many partial placements it kept (None when that passed `max_states`)."""
     n_layer = len(opts.start) - 1
@@ -388,7 +460,9 @@ def _search(opts: _Options, penalty: np.ndarray, bound: float, reachable: float,
     # per layer: the options still allowed (in order of bytes); the penalty-0 one completes
     # partial placements
     per_layer = [np.flatnonzero(allowed[a:b]) + a for a, b in zip(opts.start[:-1], opts.start[1:])]
-    lp_choice = np.array([a + int(np.argmin(penalty[a:b])) for a, b in zip(opts.start[:-1], opts.start[1:])])
+    lp_choice = np.array(
+        [a + int(np.argmin(penalty[a:b])) for a, b in zip(opts.start[:-1], opts.start[1:])]
+    )
     searched = [l for l in range(n_layer) if len(per_layer[l]) > 1]
     fixed = [l for l in range(n_layer) if len(per_layer[l]) == 1]
     fixed_opt = np.array([per_layer[l][0] for l in fixed], dtype=np.int64)
@@ -400,9 +474,21 @@ def _search(opts: _Options, penalty: np.ndarray, bound: float, reachable: float,
     # layer's concave curve, so the LP starts every such layer at its cheapest allowed option
     # and fills the steps between allowed options by falling frequency per byte (treating the
     # steps as independent only loosens it). Much tighter than the multiplier alone.
-    step_from = np.concatenate([per_layer[l][:-1] for l in searched]) if searched else np.zeros(0, dtype=np.int64)
-    step_to = np.concatenate([per_layer[l][1:] for l in searched]) if searched else np.zeros(0, dtype=np.int64)
-    step_stage = np.concatenate([np.full(len(per_layer[l]) - 1, i) for i, l in enumerate(searched)]) if searched else np.zeros(0, dtype=np.int64)
+    step_from = (
+        np.concatenate([per_layer[l][:-1] for l in searched])
+        if searched
+        else np.zeros(0, dtype=np.int64)
+    )
+    step_to = (
+        np.concatenate([per_layer[l][1:] for l in searched])
+        if searched
+        else np.zeros(0, dtype=np.int64)
+    )
+    step_stage = (
+        np.concatenate([np.full(len(per_layer[l]) - 1, i) for i, l in enumerate(searched)])
+        if searched
+        else np.zeros(0, dtype=np.int64)
+    )
     step_bytes = (opts.nbytes[step_to] - opts.nbytes[step_from]).astype(np.float64)
     step_value = opts.value[step_to] - opts.value[step_from]
     # steps that lose frequency are never worth it; those that take no bytes always are
@@ -412,7 +498,9 @@ def _search(opts: _Options, penalty: np.ndarray, bound: float, reachable: float,
     step_stage, step_bytes, step_value = step_stage[paid], step_bytes[paid], step_value[paid]
     step_density = step_value / step_bytes
     by_density = np.argsort(-step_density, kind="stable")
-    step_stage, step_bytes, step_value, step_density = (a[by_density] for a in (step_stage, step_bytes, step_value, step_density))
+    step_stage, step_bytes, step_value, step_density = (
+        a[by_density] for a in (step_stage, step_bytes, step_value, step_density)
+    )
     cheapest = np.array([per_layer[l][0] for l in searched], dtype=np.int64)
     # suffix sums over the stages: bytes and objective of the cheapest options still to choose
     rest_bytes = np.concatenate([np.cumsum(opts.nbytes[cheapest][::-1])[::-1], [0]]).astype(dtype)
@@ -421,7 +509,9 @@ def _search(opts: _Options, penalty: np.ndarray, bound: float, reachable: float,
     rest_step = [0] * (n_stage + 1)
     if opts.whole_bytes:
         for i in range(n_stage - 1, -1, -1):
-            rest_step[i] = math.gcd(rest_step[i + 1], int(np.gcd.reduce(opts.nbytes[per_layer[searched[i]]])))
+            rest_step[i] = math.gcd(
+                rest_step[i + 1], int(np.gcd.reduce(opts.nbytes[per_layer[searched[i]]]))
+            )
 
     def lp_bound(stage: int, s_bytes: np.ndarray, s_value: np.ndarray) -> np.ndarray:
         """Bound of partial placements that chose stages < `stage` (-inf: cannot be completed)."""
@@ -498,16 +588,22 @@ def _search(opts: _Options, penalty: np.ndarray, bound: float, reachable: float,
     return best, best_value, n_kept
 
 
-def solve(inst: Instance, time_limit: float = 10.0, mip_gap: float = 1e-4, warm_start: bool = True,
-          threads: int | None = None, solver: str = "auto") -> Solution:
+def solve(
+    inst: Instance,
+    time_limit: float = 10.0,
+    mip_gap: float = 1e-4,
+    warm_start: bool = True,
+    threads: int | None = None,
+    solver: str = "auto",
+) -> Solution:
     """The placement. `solver`:
-      "auto"  `exact` (proven optimal, in milliseconds on real instances); the integer program
-              with HiGHS in the rare case the exact search outgrows its state limit;
-      "exact" `exact` only (RuntimeError past its state limit);
-      "highs" the integer program with HiGHS (`time_limit`, `mip_gap`, `threads`), started from
-              the greedy solution (`warm_start`), which is returned when HiGHS finds nothing
-              better. HiGHS takes any instance the program can state; it is kept as that general
-              path and as an independent check of `exact`."""
+    "auto"  `exact` (proven optimal, in milliseconds on real instances); the integer program
+            with HiGHS in the rare case the exact search outgrows its state limit;
+    "exact" `exact` only (RuntimeError past its state limit);
+    "highs" the integer program with HiGHS (`time_limit`, `mip_gap`, `threads`), started from
+            the greedy solution (`warm_start`), which is returned when HiGHS finds nothing
+            better. HiGHS takes any instance the program can state; it is kept as that general
+            path and as an independent check of `exact`."""
     if solver not in ("auto", "exact", "highs"):
         raise ValueError(f"solver must be 'auto', 'exact' or 'highs', got {solver!r}")
     t0 = time.perf_counter()
@@ -518,12 +614,21 @@ def solve(inst: Instance, time_limit: float = 10.0, mip_gap: float = 1e-4, warm_
             result.seconds = time.perf_counter() - t0
             return result
         if solver == "exact":
-            raise RuntimeError(f"the exact placement search passed {_MAX_STATES} partial placements")
+            raise RuntimeError(
+                f"the exact placement search passed {_MAX_STATES} partial placements"
+            )
     return _solve_highs(inst, start, t0, time_limit, mip_gap, warm_start, threads)
 
 
-def _solve_highs(inst: Instance, start: Solution, t0: float, time_limit: float, mip_gap: float,
-                 warm_start: bool, threads: int | None) -> Solution:
+def _solve_highs(
+    inst: Instance,
+    start: Solution,
+    t0: float,
+    time_limit: float,
+    mip_gap: float,
+    warm_start: bool,
+    threads: int | None,
+) -> Solution:
     """The integer program of the module docstring with HiGHS, from `start` when `warm_start`."""
     import highspy
 
@@ -544,7 +649,9 @@ def _solve_highs(inst: Instance, start: Solution, t0: float, time_limit: float, 
     lower: list[float] = []
     upper: list[float] = []
 
-    def add_rows(r_idx: np.ndarray, c_idx: np.ndarray, v: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
+    def add_rows(
+        r_idx: np.ndarray, c_idx: np.ndarray, v: np.ndarray, lo: np.ndarray, hi: np.ndarray
+    ) -> None:
         base = len(lower)
         rows_i.append(base + r_idx)
         cols_j.append(c_idx)
@@ -553,9 +660,17 @@ def _solve_highs(inst: Instance, start: Solution, t0: float, time_limit: float, 
         upper.extend(hi.tolist())
 
     sizes = np.concatenate(inst.group_size).astype(np.float64)
-    weights = np.concatenate([s * b for s, b in zip(inst.group_size, inst.neuron_bytes)]).astype(np.float64)
+    weights = np.concatenate([s * b for s, b in zip(inst.group_size, inst.neuron_bytes)]).astype(
+        np.float64
+    )
     # budget row
-    add_rows(np.zeros(n_x, dtype=np.int64), np.arange(n_x), weights, np.array([-np.inf]), np.array([float(inst.budget)]))
+    add_rows(
+        np.zeros(n_x, dtype=np.int64),
+        np.arange(n_x),
+        weights,
+        np.array([-np.inf]),
+        np.array([float(inst.budget)]),
+    )
     # prefix order within a layer: x(l, g) - x(l, g + 1) >= 0
     a_list, b_list = [], []
     for l in range(n_layer):
@@ -567,18 +682,33 @@ def _solve_highs(inst: Instance, start: Solution, t0: float, time_limit: float, 
         a = np.concatenate(a_list)
         b = np.concatenate(b_list)
         r = np.arange(len(a))
-        add_rows(np.concatenate([r, r]), np.concatenate([a, b]), np.concatenate([np.ones(len(a)), -np.ones(len(a))]),
-                 np.zeros(len(a)), np.full(len(a), np.inf))
+        add_rows(
+            np.concatenate([r, r]),
+            np.concatenate([a, b]),
+            np.concatenate([np.ones(len(a)), -np.ones(len(a))]),
+            np.zeros(len(a)),
+            np.full(len(a), np.inf),
+        )
     # per-layer minimum: sum size x - C y >= 0 and sum size x - n_ff y <= 0
     for l in constrained:
         cols = np.arange(offsets[l], offsets[l + 1])
         s = sizes[cols]
         n_ff = float(s.sum())
         idx = np.concatenate([cols, [y_col[l]]])
-        add_rows(np.zeros(len(idx), dtype=np.int64), idx, np.concatenate([s, [-float(inst.min_neurons[l])]]),
-                 np.array([0.0]), np.array([np.inf]))
-        add_rows(np.zeros(len(idx), dtype=np.int64), idx, np.concatenate([s, [-n_ff]]),
-                 np.array([-np.inf]), np.array([0.0]))
+        add_rows(
+            np.zeros(len(idx), dtype=np.int64),
+            idx,
+            np.concatenate([s, [-float(inst.min_neurons[l])]]),
+            np.array([0.0]),
+            np.array([np.inf]),
+        )
+        add_rows(
+            np.zeros(len(idx), dtype=np.int64),
+            idx,
+            np.concatenate([s, [-n_ff]]),
+            np.array([-np.inf]),
+            np.array([0.0]),
+        )
 
     r = np.concatenate(rows_i)
     c = np.concatenate(cols_j)
@@ -620,7 +750,7 @@ def _solve_highs(inst: Instance, start: Solution, t0: float, time_limit: float, 
     if warm_start:
         x0 = np.zeros(n_col)
         for l in range(n_layer):
-            x0[offsets[l]:offsets[l] + start.groups_on_gpu[l]] = 1
+            x0[offsets[l] : offsets[l] + start.groups_on_gpu[l]] = 1
         for l in constrained:
             x0[y_col[l]] = 1.0 if start.groups_on_gpu[l] > 0 else 0.0
         sol = highspy.HighsSolution()
@@ -636,21 +766,31 @@ def _solve_highs(inst: Instance, start: Solution, t0: float, time_limit: float, 
         return start
     x = np.asarray(h.getSolution().col_value)[:n_x] > 0.5
     # the prefix rows make each layer's choice its first `count` groups
-    counts = np.array([int(x[offsets[l]:offsets[l + 1]].sum()) for l in range(n_layer)])
+    counts = np.array([int(x[offsets[l] : offsets[l + 1]].sum()) for l in range(n_layer)])
     bound = float(info.mip_dual_bound)
-    result = _finish(inst, counts, "ilp" if status == "Optimal" else "ilp-feasible", seconds,
-                     f"HiGHS: {status}, gap {info.mip_gap:.2g}", bound=bound)
+    result = _finish(
+        inst,
+        counts,
+        "ilp" if status == "Optimal" else "ilp-feasible",
+        seconds,
+        f"HiGHS: {status}, gap {info.mip_gap:.2g}",
+        bound=bound,
+    )
     # HiGHS stops at mip_gap (relative) or its absolute gap of 1e-6: optimal only when that is
     # within the float rounding of the objective
     scale = float(sum(np.abs(v).sum() for v in inst.group_value))
-    result.optimal = status == "Optimal" and bound - result.objective <= max(_ROUNDING * scale, 1e-6)
+    result.optimal = status == "Optimal" and bound - result.objective <= max(
+        _ROUNDING * scale, 1e-6
+    )
     if result.objective < start.objective - 1e-9 or _used_bytes(inst, counts) > inst.budget:
         start.seconds, start.status = seconds, f"HiGHS: {status}; greedy kept (better)"
         return start
     return result
 
 
-def min_gpu_neurons(neuron_bytes: float, cpu_bandwidth: float, gpu_bandwidth: float, sync_latency: float, n_ff: int) -> int:
+def min_gpu_neurons(
+    neuron_bytes: float, cpu_bandwidth: float, gpu_bandwidth: float, sync_latency: float, n_ff: int
+) -> int:
     """C_l: the fewest neurons for which the GPU plus one synchronisation beats the CPU;
     n_ff + 1 (never) when the GPU is not faster per neuron."""
     t_cpu = neuron_bytes / cpu_bandwidth
@@ -673,7 +813,13 @@ def measure_cpu_bandwidth(n_bytes: int = 256 << 20, repeats: int = 3) -> float:
 
 # ----------------------------------------------------------------------------- the model's bytes
 
-_FFN_NEURON_TENSORS = ("ffn_gate.weight", "ffn_up.weight", "ffn_down_t.weight", "ffn_down.weight", "ffn_up.bias")
+_FFN_NEURON_TENSORS = (
+    "ffn_gate.weight",
+    "ffn_up.weight",
+    "ffn_down_t.weight",
+    "ffn_down.weight",
+    "ffn_up.bias",
+)
 
 
 @dataclass
@@ -689,7 +835,11 @@ class ModelBytes:
     whole_ffn_bytes: np.ndarray | None = None
 
     def whole_ffn(self) -> np.ndarray:
-        return self.whole_ffn_bytes if self.whole_ffn_bytes is not None else self.neuron_bytes * self.n_ff
+        return (
+            self.whole_ffn_bytes
+            if self.whole_ffn_bytes is not None
+            else self.neuron_bytes * self.n_ff
+        )
 
 
 def model_bytes(path: str, n_ctx: int | None = None, config: dict | None = None) -> ModelBytes:
@@ -714,13 +864,19 @@ def model_bytes(path: str, n_ctx: int | None = None, config: dict | None = None)
             if rest == "ffn_down.weight":
                 # neurons read the neuron-major copy the engine builds: F32 for F32, else F16
                 neuron[l] += cfg["n_embd"] * (4 if t["type"] == "F32" else 2)
-                whole[l] += t["n_bytes"] if own_down else cfg["n_embd"] * (4 if t["type"] == "F32" else 2) * n_ff
+                whole[l] += (
+                    t["n_bytes"]
+                    if own_down
+                    else cfg["n_embd"] * (4 if t["type"] == "F32" else 2) * n_ff
+                )
             elif rest in _FFN_NEURON_TENSORS:
                 neuron[l] += t["n_bytes"] / n_ff
                 whole[l] += t["n_bytes"]
             else:
                 dense[l] += t["n_bytes"]
-        elif name in ("output.weight", "output_norm.weight", "output_norm.bias") or (name == "token_embd.weight" and not has_output):
+        elif name in ("output.weight", "output_norm.weight", "output_norm.bias") or (
+            name == "token_embd.weight" and not has_output
+        ):
             output += t["n_bytes"]
     kv = 2 * n_layer * n_ctx * cfg["n_head_kv"] * cfg["head_dim"] * 2
     return ModelBytes(n_layer, n_ff, neuron, dense, int(output), int(kv), whole)
@@ -757,7 +913,9 @@ class Placement:
         return "\n".join(lines)
 
 
-def dense_first(mb: ModelBytes, budget: int, kv_bytes_per_layer: float) -> tuple[list[bool], bool, int]:
+def dense_first(
+    mb: ModelBytes, budget: int, kv_bytes_per_layer: float
+) -> tuple[list[bool], bool, int]:
     """Layers whose attention, norms and predictor plus their KV cache fit, in layer order; then
     the output if every layer fit. Returns (dense_on_gpu, output_on_gpu, bytes left)."""
     left = budget
@@ -797,7 +955,9 @@ def plan(
         raise ValueError(f"the profile has {len(freq)} layers but the model has {mb.n_layer}")
     for l, fl in enumerate(freq):
         if len(fl) != mb.n_ff:
-            raise ValueError(f"the profile's layer {l} has {len(fl)} neurons but the model has {mb.n_ff}")
+            raise ValueError(
+                f"the profile's layer {l} has {len(fl)} neurons but the model has {mb.n_ff}"
+            )
     kv = kv_bytes_per_layer(mb, kv_type)
     dense, output_on_gpu, left = dense_first(mb, budget, kv)
     if not dense[0]:
@@ -805,23 +965,42 @@ def plan(
             f"VRAM budget {format_bytes(budget)} is too small for anything: layer 0's attention, norms, predictor and "
             f"KV cache need {format_bytes(mb.layer_dense_bytes[0] + kv)}; use a larger budget or the CPU"
         )
-    min_neurons = np.array([
-        min_gpu_neurons(b, cpu_bandwidth, gpu_bandwidth, sync_latency, mb.n_ff) if d else mb.n_ff + 1
-        for b, d in zip(mb.neuron_bytes, dense)
-    ])
+    min_neurons = np.array(
+        [
+            min_gpu_neurons(b, cpu_bandwidth, gpu_bandwidth, sync_latency, mb.n_ff)
+            if d
+            else mb.n_ff + 1
+            for b, d in zip(mb.neuron_bytes, dense)
+        ]
+    )
     inst = Instance(freq, mb.neuron_bytes, int(left), min_neurons, group)
     sol = solve(inst, time_limit=time_limit)
-    hot = np.array([
-        float(np.asarray(f)[g].sum() / max(np.asarray(f).sum(), 1e-30)) for f, g in zip(freq, sol.gpu_neurons)
-    ])
+    hot = np.array(
+        [
+            float(np.asarray(f)[g].sum() / max(np.asarray(f).sum(), 1e-30))
+            for f, g in zip(freq, sol.gpu_neurons)
+        ]
+    )
     n_dense = sum(dense)
-    return Placement(budget, n_dense, output_on_gpu, n_dense, int(budget - left), int(_used_bytes(inst, sol.groups_on_gpu)), sol, hot, min_neurons)
+    return Placement(
+        budget,
+        n_dense,
+        output_on_gpu,
+        n_dense,
+        int(budget - left),
+        int(_used_bytes(inst, sol.groups_on_gpu)),
+        sol,
+        hot,
+        min_neurons,
+    )
 
 
 # ----------------------------------------------------------------------------- the .gpuidx file
 
 
-def write_gpu_index(path: str, gpu_neurons: list[np.ndarray], n_ff: int, vram_capacity: int) -> None:
+def write_gpu_index(
+    path: str, gpu_neurons: list[np.ndarray], n_ff: int, vram_capacity: int
+) -> None:
     """Writes `<model>.generated.gpuidx` exactly as PowerInfer's exporter does: GGUF v3 with the
     magic patched to PWRI, architecture `generic.gpu_index`, `generic.gpu_index.block_count`,
     `split.vram_capacity`, and per layer `blk.{i}.gpu_idx` then `blk.{i}.gpu_bucket` (I32)."""
@@ -830,13 +1009,25 @@ def write_gpu_index(path: str, gpu_neurons: list[np.ndarray], n_ff: int, vram_ca
     w = gguf.GGUFWriter(path, "generic.gpu_index")
     for i, neurons in enumerate(gpu_neurons):
         neurons = np.sort(np.asarray(neurons, dtype=np.int64))
-        if len(neurons) and (neurons[0] < 0 or neurons[-1] >= n_ff or np.any(np.diff(neurons) == 0)):
+        if len(neurons) and (
+            neurons[0] < 0 or neurons[-1] >= n_ff or np.any(np.diff(neurons) == 0)
+        ):
             raise ValueError(f"layer {i}: GPU neuron indices must be distinct and in [0, {n_ff})")
         mask = np.zeros(n_ff, dtype=np.int32)
         mask[neurons] = 1
         bucket = neurons.astype(np.int32)
-        w.add_tensor(f"blk.{i}.gpu_idx", mask, raw_shape=mask.shape[::-1], raw_dtype=gguf.GGMLQuantizationType.I32)
-        w.add_tensor(f"blk.{i}.gpu_bucket", bucket, raw_shape=bucket.shape[::-1], raw_dtype=gguf.GGMLQuantizationType.I32)
+        w.add_tensor(
+            f"blk.{i}.gpu_idx",
+            mask,
+            raw_shape=mask.shape[::-1],
+            raw_dtype=gguf.GGMLQuantizationType.I32,
+        )
+        w.add_tensor(
+            f"blk.{i}.gpu_bucket",
+            bucket,
+            raw_shape=bucket.shape[::-1],
+            raw_dtype=gguf.GGMLQuantizationType.I32,
+        )
     w.add_block_count(len(gpu_neurons))
     w.add_uint64("split.vram_capacity", int(vram_capacity))
     w.write_header_to_file()

@@ -23,20 +23,34 @@ def load_profile(path: str) -> dict:
     the per-layer thresholds that define firing, and train_x (n_layer, N, n_embd) float16 /
     train_labels (n_layer, N, n_ff/8) packed bits for predictor training."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"profile {path!r} not found (write one with `powerinfer-rs profile`)")
+        raise FileNotFoundError(
+            f"profile {path!r} not found (write one with `powerinfer-rs profile`)"
+        )
     try:
         with np.load(path, allow_pickle=False) as z:
             p = {k: z[k] for k in z.files}
     except (ValueError, OSError, EOFError) as e:
         raise ValueError(f"{path!r} is not a readable profile: {e}") from None
-    missing = {"version", "counts", "n_tokens", "thresholds", "train_x", "train_labels", "n_ff"} - set(p)
+    missing = {
+        "version",
+        "counts",
+        "n_tokens",
+        "thresholds",
+        "train_x",
+        "train_labels",
+        "n_ff",
+    } - set(p)
     if missing:
-        raise ValueError(f"{path!r} is not a profile written by powerinfer-rs (missing {sorted(missing)})")
+        raise ValueError(
+            f"{path!r} is not a profile written by powerinfer-rs (missing {sorted(missing)})"
+        )
     for k in ("version", "n_tokens", "n_ff", "n_embd"):
         p[k] = int(p[k])
     for k in ("model", "architecture", "activation"):
         p[k] = str(p[k])
     p["target_sparsity"] = float(p["target_sparsity"])
     if p["version"] != PROFILE_VERSION:
-        raise ValueError(f"{path!r} has profile version {p['version']}, this powerinfer-rs reads {PROFILE_VERSION}")
+        raise ValueError(
+            f"{path!r} has profile version {p['version']}, this powerinfer-rs reads {PROFILE_VERSION}"
+        )
     return p

@@ -105,28 +105,56 @@ def _read(path: Path) -> dict | None:
     return data if isinstance(data, dict) and data.get("version") == CACHE_VERSION else None
 
 
-def _lookup(data: dict | None, identity: dict, text_sha: str, kind: str, target: float, n_layer: int) -> list[float] | None:
+def _lookup(
+    data: dict | None, identity: dict, text_sha: str, kind: str, target: float, n_layer: int
+) -> list[float] | None:
     if not data or data.get("model") != identity:
         return None
     for e in data.get("entries", []):
-        if e.get("kind", "sparsity") == kind and e.get("text_sha256") == text_sha and abs(e.get("target", -1) - target) < 1e-9:
+        if (
+            e.get("kind", "sparsity") == kind
+            and e.get("text_sha256") == text_sha
+            and abs(e.get("target", -1) - target) < 1e-9
+        ):
             t = e.get("thresholds")
             if isinstance(t, list) and len(t) == n_layer:
                 return [float(v) for v in t]
     return None
 
 
-def _write(paths: list[Path], identity: dict, text_sha: str, kind: str, n_tokens: int, results: dict[float, list], extra: dict | None = None) -> Path | None:
+def _write(
+    paths: list[Path],
+    identity: dict,
+    text_sha: str,
+    kind: str,
+    n_tokens: int,
+    results: dict[float, list],
+    extra: dict | None = None,
+) -> Path | None:
     for path in paths:
         data = _read(path)
         if not data or data.get("model") != identity:
             data = {"version": CACHE_VERSION, "model": identity, "entries": []}
         entries = [
-            e for e in data["entries"]
-            if not (e.get("kind", "sparsity") == kind and e.get("text_sha256") == text_sha and e.get("target") in results)
+            e
+            for e in data["entries"]
+            if not (
+                e.get("kind", "sparsity") == kind
+                and e.get("text_sha256") == text_sha
+                and e.get("target") in results
+            )
         ]
         for target, thresholds in results.items():
-            entries.append({"kind": kind, "text_sha256": text_sha, "tokens": n_tokens, "target": target, "thresholds": thresholds, **(extra or {})})
+            entries.append(
+                {
+                    "kind": kind,
+                    "text_sha256": text_sha,
+                    "tokens": n_tokens,
+                    "target": target,
+                    "thresholds": thresholds,
+                    **(extra or {}),
+                }
+            )
         data["entries"] = entries
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -150,7 +178,9 @@ def _calibration_tokens(engine, text: str) -> tuple[list[int], int]:
     """The calibration text as BOS-prefixed windows laid end to end, and the window length."""
     ids = engine.tokenize(text, add_bos=False)
     if len(ids) < 2 * WINDOW // 4:
-        raise ValueError(f"calibration text has only {len(ids)} tokens; give at least {2 * WINDOW // 4}")
+        raise ValueError(
+            f"calibration text has only {len(ids)} tokens; give at least {2 * WINDOW // 4}"
+        )
     bos = engine.tokenizer.bos_token_id if engine.tokenizer.add_bos else None
     window = min(WINDOW, engine.n_ctx)
     per = window - (1 if bos is not None else 0)
@@ -162,7 +192,9 @@ def _calibration_tokens(engine, text: str) -> tuple[list[int], int]:
     return tokens, window
 
 
-def _calibrated(engine, kind: str, target: float, text: str | None, targets: tuple[float, ...], run) -> list[float]:
+def _calibrated(
+    engine, kind: str, target: float, text: str | None, targets: tuple[float, ...], run
+) -> list[float]:
     """Per-layer cut-offs of `kind` for `target`, from the cache or from `run(session, tokens,
     window, targets)` over `text` (default: the built-in sample), cached with `targets`."""
     from . import _core
@@ -189,7 +221,9 @@ def _calibrated(engine, kind: str, target: float, text: str | None, targets: tup
 def layer_thresholds(engine, target: float, text: str | None = None) -> list[float]:
     """Per-layer |act(gate)| thresholds for `target` sparsity on `engine`'s model, from the cache
     or from a dense calibration run over `text` (default: a built-in English sample)."""
-    return _calibrated(engine, "sparsity", target, text, STANDARD_TARGETS, lambda s, *a: s.calibrate(*a))
+    return _calibrated(
+        engine, "sparsity", target, text, STANDARD_TARGETS, lambda s, *a: s.calibrate(*a)
+    )
 
 
 #: Recall targets calibrated together for predictor cut-offs.
@@ -199,7 +233,14 @@ STANDARD_RECALLS = (0.9, 0.95, 0.99, 0.999)
 def predictor_thresholds(engine, recall: float, text: str | None = None) -> list[float]:
     """Per-layer predictor cut-offs keeping `recall` of the truly firing neurons on `text`
     (default: the built-in sample), from the cache or from a dense calibration run."""
-    return _calibrated(engine, "predictor_recall", recall, text, STANDARD_RECALLS, lambda s, *a: s.calibrate_predictor(*a))
+    return _calibrated(
+        engine,
+        "predictor_recall",
+        recall,
+        text,
+        STANDARD_RECALLS,
+        lambda s, *a: s.calibrate_predictor(*a),
+    )
 
 
 #: Shares of a group's inputs input sparsity may skip.
@@ -233,18 +274,30 @@ def _nll(engine, tokens: list[int], window: int, input_thresholds=None) -> tuple
     return nll, count, session.take_stats()
 
 
-def _lookup_plan(data: dict | None, identity: dict, text_sha: str, target: float, n_layer: int) -> dict | None:
+def _lookup_plan(
+    data: dict | None, identity: dict, text_sha: str, target: float, n_layer: int
+) -> dict | None:
     if not data or data.get("model") != identity:
         return None
     for e in data.get("entries", []):
-        if e.get("kind") == "input_ppl" and e.get("text_sha256") == text_sha and abs(e.get("target", -1) - target) < 1e-12:
+        if (
+            e.get("kind") == "input_ppl"
+            and e.get("text_sha256") == text_sha
+            and abs(e.get("target", -1) - target) < 1e-12
+        ):
             t = e.get("thresholds")
-            if isinstance(t, list) and len(t) == n_layer and all(isinstance(r, list) and len(r) == 4 for r in t):
+            if (
+                isinstance(t, list)
+                and len(t) == n_layer
+                and all(isinstance(r, list) and len(r) == 4 for r in t)
+            ):
                 return e
     return None
 
 
-def input_sparsity_plan(engine, max_ppl_increase: float, text: str | None = None, progress=None) -> dict:
+def input_sparsity_plan(
+    engine, max_ppl_increase: float, text: str | None = None, progress=None
+) -> dict:
     """Input cut-offs for `engine`'s model that raise the perplexity of `text` (default: the
     built-in sample) by at most `max_ppl_increase` (0.02 = 2%), from the cache or calibrated
     now (see the module docstring). Returns a dict: "thresholds" (per layer, one cut-off per
@@ -269,10 +322,15 @@ def input_sparsity_plan(engine, max_ppl_increase: float, text: str | None = None
             f"{2 * WINDOW} (give a longer calibration_text)"
         )
     session = _core.Session(engine._model, window, engine.kv_type)
-    cal = session.calibrate_inputs(tokens, window, list(INPUT_LEVELS))  # [level][layer][group] = (cut, energy)
+    cal = session.calibrate_inputs(
+        tokens, window, list(INPUT_LEVELS)
+    )  # [level][layer][group] = (cut, energy)
     # which shares pay on this machine: one token's products of a middle layer, timed
     mid = n_layer // 2
-    faster = [[engine._model.time_input_sparsity(mid, g, lv, 21)[:2] for lv in INPUT_LEVELS] for g in range(4)]
+    faster = [
+        [engine._model.time_input_sparsity(mid, g, lv, 21)[:2] for lv in INPUT_LEVELS]
+        for g in range(4)
+    ]
     allowed = [[d > sp for d, sp in row] for row in faster]
 
     def plan(bound: float) -> tuple[list[list[float]], list[list[float]]]:
@@ -291,7 +349,12 @@ def input_sparsity_plan(engine, max_ppl_increase: float, text: str | None = None
     nll0, count, st0 = _nll(engine, tokens, window)
     ppl0 = math.exp(nll0 / count)
     limit = ppl0 * (1 + max_ppl_increase)
-    best = {"thresholds": [[0.0] * 4 for _ in range(n_layer)], "levels": [[0.0] * 4 for _ in range(n_layer)], "ppl": ppl0, "stats": st0}
+    best = {
+        "thresholds": [[0.0] * 4 for _ in range(n_layer)],
+        "levels": [[0.0] * 4 for _ in range(n_layer)],
+        "ppl": ppl0,
+        "stats": st0,
+    }
     lo, hi = -7.0, 0.0  # log10 of the energy bound
     for step in range(_BISECT_STEPS):
         mid_bound = (lo + hi) / 2
@@ -309,10 +372,23 @@ def input_sparsity_plan(engine, max_ppl_increase: float, text: str | None = None
     result = dict(
         best,
         ppl_dense=ppl0,
-        weight_bytes_skipped=1 - st["weight_bytes_read"] / st["weight_bytes"] if st["weight_bytes"] else 0.0,
-        faster={name: [lv for lv, ok in zip(INPUT_LEVELS, allowed[g]) if ok] for g, name in enumerate(INPUT_GROUPS)},
+        weight_bytes_skipped=1 - st["weight_bytes_read"] / st["weight_bytes"]
+        if st["weight_bytes"]
+        else 0.0,
+        faster={
+            name: [lv for lv, ok in zip(INPUT_LEVELS, allowed[g]) if ok]
+            for g, name in enumerate(INPUT_GROUPS)
+        },
     )
     extra = {k: v for k, v in result.items() if k != "thresholds"}
-    _write(paths, identity, text_sha, "input_ppl", len(tokens), {max_ppl_increase: result["thresholds"]}, extra)
+    _write(
+        paths,
+        identity,
+        text_sha,
+        "input_ppl",
+        len(tokens),
+        {max_ppl_increase: result["thresholds"]},
+        extra,
+    )
     result.update(kind="input_ppl", target=max_ppl_increase)
     return result

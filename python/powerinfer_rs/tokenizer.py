@@ -18,15 +18,22 @@ import functools
 import json
 import os
 import threading
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import jinja2
 import jinja2.sandbox
-
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 # llama.cpp's token types
-TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = (
+    1,
+    2,
+    3,
+    4,
+    5,
+    6,
+)
 
 # Pre-tokenizers of byte-level BPE vocabularies, by `tokenizer.ggml.pre`: the regexes llama.cpp
 # splits a text with, applied one after another (each splits the pieces the one before left;
@@ -34,17 +41,30 @@ TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TO
 # skips the merges (`ignore_merges`, Llama 3's rule).
 _GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-_LLAMA3_RE = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_QWEN2_RE = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_LLAMA3_RE = (
+    _CONTRACTIONS
+    + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_RE = (
+    _CONTRACTIONS
+    + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _QWEN35_RE = (
-    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    _CONTRACTIONS
+    + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _UPPER_THEN_LOWER = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+{c}"
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*{c}"
 )
-_GPT4O_RE = _UPPER_THEN_LOWER.replace("{c}", _CONTRACTIONS + "?") + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_TEKKEN_RE = _UPPER_THEN_LOWER.replace("{c}", "") + r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_GPT4O_RE = (
+    _UPPER_THEN_LOWER.replace("{c}", _CONTRACTIONS + "?")
+    + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_RE = (
+    _UPPER_THEN_LOWER.replace("{c}", "")
+    + r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _DEEPSEEK_V3 = (
     r"\p{N}{1,3}",
     r"[一-龥぀-ゟ゠-ヿ]+",
@@ -53,14 +73,37 @@ _DEEPSEEK_V3 = (
 
 # DeepSeek LLM's letters and punctuation, as explicit ranges (its tokenizer.json lists them)
 _DEEPSEEK_LLM_LETTERS = "A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃"
-_DEEPSEEK_LLM = (r"[\r\n]", r"\s?[" + _DEEPSEEK_LLM_LETTERS + "]+", r"\s?[!-/:-~！-／：-～‘-‟　-。]+", r"\s+$", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}+")
+_DEEPSEEK_LLM = (
+    r"[\r\n]",
+    r"\s?[" + _DEEPSEEK_LLM_LETTERS + "]+",
+    r"\s?[!-/:-~！-／：-～‘-‟　-。]+",
+    r"\s+$",
+    r"[一-龥ࠀ-一가-퟿]+",
+    r"\p{N}+",
+)
 
 
 # (names, regexes, ignore_merges, BOS added when the file does not say)
 _PRE_TOKENIZER_TABLE = [
-    (("default",), (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]"), False, False),
     (
-        ("gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4", "trillion", "granite-docling", "a.x-4.0", "mellum"),
+        ("default",),
+        (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]"),
+        False,
+        False,
+    ),
+    (
+        (
+            "gpt-2",
+            "phi-2",
+            "mpt",
+            "olmo",
+            "jais",
+            "exaone4",
+            "trillion",
+            "granite-docling",
+            "a.x-4.0",
+            "mellum",
+        ),
         (_GPT2_RE,),
         False,
         False,
@@ -73,49 +116,129 @@ _PRE_TOKENIZER_TABLE = [
     ),
     (("dbrx", "smaug-bpe"), (_LLAMA3_RE,), False, False),
     (
-        ("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez", "hunyuan", "solar-open", "kormo", "f2llmv2"),
+        (
+            "qwen2",
+            "deepseek-r1-qwen",
+            "stablelm2",
+            "megrez",
+            "hunyuan",
+            "solar-open",
+            "kormo",
+            "f2llmv2",
+        ),
         (_QWEN2_RE,),
         False,
         False,
     ),
     (("qwen35",), (_QWEN35_RE,), False, False),
     (
-        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2"),
+        (
+            "smollm",
+            "starcoder",
+            "refact",
+            "command-r",
+            "codeshell",
+            "exaone",
+            "minerva-7b",
+            "mellum2",
+        ),
         (r"\p{N}", _GPT2_RE),
         False,
         False,
     ),
     (("falcon",), (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2_RE, r"[0-9][0-9][0-9]"), False, False),
-    (("deepseek-coder",), (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"), False, False),
+    (
+        ("deepseek-coder",),
+        (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"),
+        False,
+        False,
+    ),
     (("deepseek-llm",), _DEEPSEEK_LLM, False, False),
     (("deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"), _DEEPSEEK_V3, False, False),
     (("gpt-4o", "llama4", "kanana2", "talkie"), (_GPT4O_RE,), False, False),
     (("tekken",), (_TEKKEN_RE,), True, True),
 ]
-_PRE_TOKENIZERS = {name: (regexes, ignore, bos) for names, regexes, ignore, bos in _PRE_TOKENIZER_TABLE for name in names}
+_PRE_TOKENIZERS = {
+    name: (regexes, ignore, bos)
+    for names, regexes, ignore, bos in _PRE_TOKENIZER_TABLE
+    for name in names
+}
 
 # Texts that end generation (llama.cpp's list; such a token counts only if it is a control
 # token, which llama.cpp makes it, whatever its type).
 _END_OF_GENERATION = {
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
-    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
-    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|flush|>",
+    "<|calls|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "</s>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "[EOS]",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<eos>",
+    "<turn|>",
+    "<|tool_response>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>",
+    "[e~[",
 }
 # Texts llama.cpp turns into control tokens whatever type the file gives them (so they are
 # parsed only with `special=True` and dropped when detokenizing without it): the above and
 # fill-in-the-middle markers.
 _CONTROL_BY_TEXT = _END_OF_GENERATION | {
-    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>", "<PRE>", "\u2581<PRE>",
-    "<|code_prefix|>", "<|prefix|>", "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>",
-    "<SUF>", "\u2581<SUF>", "<|code_suffix|>", "<|suffix|>", "<|fim_middle|>", "<fim-middle>", "<fim_middle>",
-    "<\uff5cfim\u2581end\uff5c>", "<MID>", "\u2581<MID>", "<|code_middle|>", "<|middle|>", "<|fim_pad|>", "<fim-pad>",
-    "<fim_pad>", "<PAD>", "[PAD]", "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>",
+    "<|fim_prefix|>",
+    "<fim-prefix>",
+    "<fim_prefix>",
+    "<\uff5cfim\u2581begin\uff5c>",
+    "<PRE>",
+    "\u2581<PRE>",
+    "<|code_prefix|>",
+    "<|prefix|>",
+    "<|fim_suffix|>",
+    "<fim-suffix>",
+    "<fim_suffix>",
+    "<\uff5cfim\u2581hole\uff5c>",
+    "<SUF>",
+    "\u2581<SUF>",
+    "<|code_suffix|>",
+    "<|suffix|>",
+    "<|fim_middle|>",
+    "<fim-middle>",
+    "<fim_middle>",
+    "<\uff5cfim\u2581end\uff5c>",
+    "<MID>",
+    "\u2581<MID>",
+    "<|code_middle|>",
+    "<|middle|>",
+    "<|fim_pad|>",
+    "<fim-pad>",
+    "<fim_pad>",
+    "<PAD>",
+    "[PAD]",
+    "<|fim_repo|>",
+    "<|repo_name|>",
+    "<fim-repo>",
+    "<REPO>",
+    "<reponame>",
+    "<|file_sep|>",
 }
 
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -131,7 +254,9 @@ _BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
 
 def _byte_level_pre_tokenizer(regexes: tuple[str, ...]) -> pre_tokenizers.PreTokenizer:
     splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
-    return pre_tokenizers.Sequence(splits + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return pre_tokenizers.Sequence(
+        splits + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
 
 
 def _spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
@@ -164,16 +289,22 @@ def _merges(metadata: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 
 # `▁` back to spaces, `<0xNN>` pieces back to bytes (SentencePiece and Gemma 4 vocabularies)
-_SPM_DECODER = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+_SPM_DECODER = decoders.Sequence(
+    [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+)
 
 
-def _rstripped_specials(metadata: Mapping[str, Any], tokens: list[str], types: list[int]) -> set[str]:
+def _rstripped_specials(
+    metadata: Mapping[str, Any], tokens: list[str], types: list[int]
+) -> set[str]:
     """Special tokens that swallow the whitespace after them. GGUF has no field for this;
     llama.cpp sets it for Phi-3 by the model's name, and so does this."""
     name = str(metadata.get("general.name") or "").lower()
     if "phi-3" not in name and "phi3" not in name:
         return set()
-    out = {t for t, k in zip(tokens, types) if k in (TOKEN_CONTROL, TOKEN_UNKNOWN, TOKEN_USER_DEFINED)}
+    out = {
+        t for t, k in zip(tokens, types) if k in (TOKEN_CONTROL, TOKEN_UNKNOWN, TOKEN_USER_DEFINED)
+    }
     return (out | {"</s>"}) - {"<unk>", "<s>", "<|endoftext|>"}
 
 
@@ -181,9 +312,17 @@ def _raise_exception(message: str):
     raise ValueError(f"chat template error: {message}")
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators=None,
+    sort_keys: bool = False,
+) -> str:
     # Hugging Face's `tojson`: plain JSON, where Jinja's own escapes HTML characters
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -191,8 +330,10 @@ def _strftime_now(fmt: str) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _chat_environment() -> "jinja2.sandbox.ImmutableSandboxedEnvironment":
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+def _chat_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.filters["tojson"] = _tojson
@@ -218,14 +359,22 @@ class GGUFTokenizer:
             control_by_text = control_by_text - {"</s>"}
         self.types: list[int] = [
             TOKEN_CONTROL if k in (TOKEN_NORMAL, TOKEN_USER_DEFINED) and t in control_by_text else k
-            for t, k in zip(self.tokens, metadata.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * n)
+            for t, k in zip(
+                self.tokens, metadata.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * n
+            )
         ]
         self.bos_token_id: int | None = metadata.get("tokenizer.ggml.bos_token_id")
         self.eos_token_id: int | None = metadata.get("tokenizer.ggml.eos_token_id")
         # a BPE file without a pre-tokenizer gets "default", as in llama.cpp
-        self.pre: str | None = metadata.get("tokenizer.ggml.pre", "default") if self.kind == "gpt2" else None
+        self.pre: str | None = (
+            metadata.get("tokenizer.ggml.pre", "default") if self.kind == "gpt2" else None
+        )
         # a tokenizer.json beside the model brings its own pre-tokenizer
-        beside = os.path.join(os.path.dirname(os.fspath(model_path)), "tokenizer.json") if model_path else None
+        beside = (
+            os.path.join(os.path.dirname(os.fspath(model_path)), "tokenizer.json")
+            if model_path
+            else None
+        )
         beside = beside if beside and os.path.isfile(beside) else None
         known_pre = self.pre in _PRE_TOKENIZERS
         if self.kind == "gpt2" and not known_pre and beside is None:
@@ -234,14 +383,22 @@ class GGUFTokenizer:
                 + ", ".join(sorted(_PRE_TOKENIZERS))
                 + " (or put the model's tokenizer.json beside the GGUF file)"
             )
-        default_bos = self.kind == "llama" or (self.kind == "gpt2" and known_pre and _PRE_TOKENIZERS[self.pre][2])
+        default_bos = self.kind == "llama" or (
+            self.kind == "gpt2" and known_pre and _PRE_TOKENIZERS[self.pre][2]
+        )
         # llama.cpp adds Gemma 4's BOS even where its file says not to
-        self.add_bos: bool = self.kind == "gemma4" or bool(metadata.get("tokenizer.ggml.add_bos_token", default_bos))
-        self.add_space_prefix: bool = bool(metadata.get("tokenizer.ggml.add_space_prefix", self.kind == "llama"))
+        self.add_bos: bool = self.kind == "gemma4" or bool(
+            metadata.get("tokenizer.ggml.add_bos_token", default_bos)
+        )
+        self.add_space_prefix: bool = bool(
+            metadata.get("tokenizer.ggml.add_space_prefix", self.kind == "llama")
+        )
         self.chat_template: str | None = metadata.get("tokenizer.chat_template")
 
         self.token_bytes: list[bytes] = [self._piece_bytes(i) for i in range(n)]
-        self.special_ids = frozenset(i for i, t in enumerate(self.types) if t in (TOKEN_CONTROL, TOKEN_UNKNOWN))
+        self.special_ids = frozenset(
+            i for i, t in enumerate(self.types) if t in (TOKEN_CONTROL, TOKEN_UNKNOWN)
+        )
         eog = {i for i in self.special_ids if self.tokens[i] in _END_OF_GENERATION}
         for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
             if metadata.get(key) is not None:
@@ -259,8 +416,13 @@ class GGUFTokenizer:
         # Texts matched before the tokenizer runs, as llama.cpp does: control and unknown tokens
         # only when asked to (`special=True`), user-defined ones always.
         rstrip = _rstripped_specials(metadata, self.tokens, self.types)
+
         def added(kinds: tuple[int, ...]) -> list[AddedToken]:
-            return [AddedToken(t, normalized=False, rstrip=t in rstrip) for t, k in zip(self.tokens, self.types) if k in kinds]
+            return [
+                AddedToken(t, normalized=False, rstrip=t in rstrip)
+                for t, k in zip(self.tokens, self.types)
+                if k in kinds
+            ]
 
         self._tok.add_special_tokens(added((TOKEN_CONTROL, TOKEN_UNKNOWN)))
         self._tok.add_tokens(added((TOKEN_USER_DEFINED,)))
@@ -301,7 +463,13 @@ class GGUFTokenizer:
         vocab = {t: i for i, t in enumerate(self.tokens)}
         unk_id = metadata.get("tokenizer.ggml.unknown_token_id", 0)
         tok = Tokenizer(
-            models.BPE(vocab, _spm_merges(self.tokens, scores), unk_token=self.tokens[unk_id], byte_fallback=True, fuse_unk=True)
+            models.BPE(
+                vocab,
+                _spm_merges(self.tokens, scores),
+                unk_token=self.tokens[unk_id],
+                byte_fallback=True,
+                fuse_unk=True,
+            )
         )
         norms = [normalizers.Replace(" ", "\u2581")]
         if self.add_space_prefix:
@@ -310,23 +478,40 @@ class GGUFTokenizer:
         tok.decoder = _SPM_DECODER
         return tok
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    ) -> str:
         """The prompt text of a conversation in `chat_template`, rendered as Hugging Face's
         `apply_chat_template` renders it (sandboxed Jinja with `raise_exception`, `strftime_now`,
         loop controls and its `tojson`). A template that fails names itself in a ValueError."""
         template = self.chat_template
         if not template:
-            raise ValueError("the model has no tokenizer.chat_template; use generate() with a plain prompt")
+            raise ValueError(
+                "the model has no tokenizer.chat_template; use generate() with a plain prompt"
+            )
         if not isinstance(messages, (list, tuple)) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+            raise ValueError(
+                "messages must be a non-empty list of {'role': ..., 'content': ...} dicts"
+            )
         for m in messages:
-            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            if (
+                not isinstance(m, Mapping)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
+            ):
                 raise ValueError(f"each message needs string 'role' and 'content', got {m!r}")
         bos = self.tokens[self.bos_token_id] if self.bos_token_id is not None else ""
         eos = self.tokens[self.eos_token_id] if self.eos_token_id is not None else ""
         try:
-            return _chat_environment().from_string(template).render(
-                messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+            return (
+                _chat_environment()
+                .from_string(template)
+                .render(
+                    messages=[dict(m) for m in messages],
+                    add_generation_prompt=add_generation_prompt,
+                    bos_token=bos,
+                    eos_token=eos,
+                )
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template error: {type(e).__name__}: {e}") from None
@@ -354,7 +539,9 @@ class GGUFTokenizer:
         for i in ids:
             i = int(i)
             if not 0 <= i < len(self.token_bytes):
-                raise ValueError(f"token id {i} is out of range (vocabulary has {len(self.token_bytes)})")
+                raise ValueError(
+                    f"token id {i} is out of range (vocabulary has {len(self.token_bytes)})"
+                )
             if i in self.special_ids and not special:
                 continue
             out.append(self.token_bytes[i])
@@ -380,11 +567,15 @@ class StreamDecoder:
         if token_id in self._tok.special_ids and not self._special:
             return ""
         data = self._tok.token_bytes[token_id]
-        if self._first and self._tok.kind == "llama" and self._tok.add_space_prefix and data.startswith(b" "):
+        if (
+            self._first
+            and self._tok.kind == "llama"
+            and self._tok.add_space_prefix
+            and data.startswith(b" ")
+        ):
             data = data[1:]
         self._first = False
         return self._utf8.decode(data)
 
     def flush(self) -> str:
         return self._utf8.decode(b"", final=True)
-

@@ -61,9 +61,26 @@ fn bench(c: &mut Criterion) {
 
     let mut group = c.benchmark_group("prompt_attention_4096_rows");
     // rows each query sees, times its heads, times scores and weighted sums of hd each
-    group.throughput(Throughput::Elements(((0..b).map(|i| len0 + i).sum::<usize>() * g * 2 * hd) as u64));
+    group.throughput(Throughput::Elements(
+        ((0..b).map(|i| len0 + i).sum::<usize>() * g * 2 * hd) as u64,
+    ));
     group.bench_function("smollm2_block_of_2", |bch| {
-        bch.iter(|| attend_block(&qs, hd, b, k.view(n * stride), v.view(n * stride), len0, stride, hd, 0.125, 0.0, &mut scores, &mut out))
+        bch.iter(|| {
+            attend_block(
+                &qs,
+                hd,
+                b,
+                k.view(n * stride),
+                v.view(n * stride),
+                len0,
+                stride,
+                hd,
+                0.125,
+                0.0,
+                &mut scores,
+                &mut out,
+            )
+        })
     });
     group.finish();
 
@@ -73,7 +90,9 @@ fn bench(c: &mut Criterion) {
         let mut group = c.benchmark_group("fma_peak");
         group.throughput(Throughput::Elements((reps * 24 * 8) as u64));
         // SAFETY: the CPU has AVX2 and FMA (checked above).
-        group.bench_function("ymm_24_chains", |bch| bch.iter(|| unsafe { fma_peak(std::hint::black_box(reps)) }));
+        group.bench_function("ymm_24_chains", |bch| {
+            bch.iter(|| unsafe { fma_peak(std::hint::black_box(reps)) })
+        });
         group.finish();
     }
     #[cfg(target_arch = "x86_64")]
@@ -82,7 +101,9 @@ fn bench(c: &mut Criterion) {
         let mut group = c.benchmark_group("fma_peak");
         group.throughput(Throughput::Elements((reps * 24 * 16) as u64));
         // SAFETY: the CPU has AVX-512 F and VL (checked above).
-        group.bench_function("zmm_24_chains", |bch| bch.iter(|| unsafe { fma_peak512(std::hint::black_box(reps)) }));
+        group.bench_function("zmm_24_chains", |bch| {
+            bch.iter(|| unsafe { fma_peak512(std::hint::black_box(reps)) })
+        });
         group.finish();
     }
 }

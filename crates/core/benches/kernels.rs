@@ -14,7 +14,8 @@ fn random(n: usize, seed: u64) -> Vec<f32> {
 }
 
 fn bench(c: &mut Criterion) {
-    let threads: usize = std::env::var("POWERINFER_BENCH_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
+    let threads: usize =
+        std::env::var("POWERINFER_BENCH_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
     // (rows, cols): SmolLM2-135M's FFN up projection and a 7B-class square projection.
     for (rows, cols) in [(1536usize, 576usize), (4096, 4096)] {
@@ -23,7 +24,13 @@ fn bench(c: &mut Criterion) {
             let data: Vec<u8> = w_f.chunks(cols).flat_map(|r| quantize_row(dtype, r)).collect();
             let w = QMatrix { dtype, rows, cols, data: &data };
             for n in [1usize, 64] {
-                let mut g = c.benchmark_group(format!("{}_{}x{}_n{}", if n == 1 { "matvec" } else { "matmul" }, rows, cols, n));
+                let mut g = c.benchmark_group(format!(
+                    "{}_{}x{}_n{}",
+                    if n == 1 { "matvec" } else { "matmul" },
+                    rows,
+                    cols,
+                    n
+                ));
                 g.throughput(Throughput::Bytes(data.len() as u64));
                 if rows * cols * n > 1 << 24 {
                     g.sample_size(20);

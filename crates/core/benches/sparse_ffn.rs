@@ -93,7 +93,13 @@ fn stream_read_gbs(bufs: &[&[u8]], rounds: usize) -> f64 {
 /// one prefetched a line at a time: the hardware limit for the sparse operator's reads. Before
 /// each round `evict` is read untimed, so the rows come from DRAM as in the timed operator
 /// (which alternates with the dense block), not from the last round's cache.
-fn scatter_read_gbs(bufs: &[&[u8]], row_bytes: usize, neurons: &[u32], evict: &[&[u8]], rounds: usize) -> f64 {
+fn scatter_read_gbs(
+    bufs: &[&[u8]],
+    row_bytes: usize,
+    neurons: &[u32],
+    evict: &[&[u8]],
+    rounds: usize,
+) -> f64 {
     let mut gbs: Vec<f64> = (0..rounds.max(3))
         .map(|_| {
             stream_or_scatter_gbs(evict, None, 1);
@@ -113,7 +119,11 @@ fn sum_words(c: &[u8], next: Option<&[u8]>) -> u64 {
         #[cfg(target_arch = "x86_64")]
         if let Some(n) = next {
             // SAFETY: prefetching is a hint that never faults.
-            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(n.as_ptr().wrapping_add(64 * i) as *const i8) };
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    n.as_ptr().wrapping_add(64 * i) as *const i8,
+                )
+            };
         }
         for k in 0..8 {
             acc[k] = acc[k].wrapping_add(w[k]);
@@ -135,12 +145,17 @@ fn stream_or_scatter_gbs(bufs: &[&[u8]], rows: Option<(usize, &[u32])>, rounds: 
         let s: u64 = bufs
             .iter()
             .map(|b| match rows {
-                None => b.par_chunks(64 << 10).map(|c| sum_words(c, None)).reduce(|| 0, |a, b| a.wrapping_add(b)),
+                None => b
+                    .par_chunks(64 << 10)
+                    .map(|c| sum_words(c, None))
+                    .reduce(|| 0, |a, b| a.wrapping_add(b)),
                 Some((rb, sel)) => sel
                     .par_chunks(64)
                     .map(|run| {
                         let row = |j: u32| &b[j as usize * rb..(j as usize + 1) * rb];
-                        run.iter().enumerate().fold(0u64, |a, (k, &j)| a.wrapping_add(sum_words(row(j), run.get(k + 1).map(|&n| row(n)))))
+                        run.iter().enumerate().fold(0u64, |a, (k, &j)| {
+                            a.wrapping_add(sum_words(row(j), run.get(k + 1).map(|&n| row(n))))
+                        })
                     })
                     .reduce(|| 0, |a, b| a.wrapping_add(b)),
             })
@@ -153,16 +168,39 @@ fn stream_or_scatter_gbs(bufs: &[&[u8]], rows: Option<(usize, &[u32])>, rounds: 
 
 fn main() {
     let threads_list: Vec<usize> = env_list("POWERINFER_BENCH_THREADS").unwrap_or(vec![1, 2]);
-    let rounds: usize = std::env::var("POWERINFER_BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(9);
-    let footprint: usize = std::env::var("POWERINFER_BENCH_FOOTPRINT").ok().and_then(|v| v.parse().ok()).unwrap_or(1 << 30);
-    let sparsities: Vec<f64> = env_list("POWERINFER_BENCH_SPARSITIES").unwrap_or(SPARSITIES.to_vec());
-    let types: Vec<String> = env_list("POWERINFER_BENCH_TYPES").unwrap_or(vec!["Q4_0".into(), "Q8_0".into(), "F16".into()]);
-    println!("FFN block {N_EMBD} x {N_FF} (ReGLU), one token, median of {rounds} alternating rounds");
-    println!("GB/s: weight bytes read per second; stream: a plain read of the dense block's bytes;");
+    let rounds: usize =
+        std::env::var("POWERINFER_BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(9);
+    let footprint: usize = std::env::var("POWERINFER_BENCH_FOOTPRINT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1 << 30);
+    let sparsities: Vec<f64> =
+        env_list("POWERINFER_BENCH_SPARSITIES").unwrap_or(SPARSITIES.to_vec());
+    let types: Vec<String> = env_list("POWERINFER_BENCH_TYPES").unwrap_or(vec![
+        "Q4_0".into(),
+        "Q8_0".into(),
+        "F16".into(),
+    ]);
+    println!(
+        "FFN block {N_EMBD} x {N_FF} (ReGLU), one token, median of {rounds} alternating rounds"
+    );
+    println!(
+        "GB/s: weight bytes read per second; stream: a plain read of the dense block's bytes;"
+    );
     println!("scatter: a plain read of the rows the sparse operator reads (the selected rows of gate, up, down_t)");
     println!(
         "{:<5} {:>3} {:>6} {:>9} {:>10} {:>8} {:>6} {:>8} {:>8} {:>7} {:>7}",
-        "type", "thr", "sparse", "dense ms", "sparse ms", "speedup", "ideal", "dense GB/s", "sparse GB/s", "stream", "scatter"
+        "type",
+        "thr",
+        "sparse",
+        "dense ms",
+        "sparse ms",
+        "speedup",
+        "ideal",
+        "dense GB/s",
+        "sparse GB/s",
+        "stream",
+        "scatter"
     );
     for name in &types {
         let dtype = match name.as_str() {
@@ -183,7 +221,12 @@ fn main() {
         let block_bytes = first.gate.len() + first.up.len() + first.down.len();
         let copies = footprint.div_ceil(block_bytes).max(1);
         let blocks: Vec<Block> = (0..copies)
-            .map(|_| Block { gate: weights(&first.gate), up: weights(&first.up), down: weights(&first.down), down_t: weights(&first.down_t) })
+            .map(|_| Block {
+                gate: weights(&first.gate),
+                up: weights(&first.up),
+                down: weights(&first.down),
+                down_t: weights(&first.down_t),
+            })
             .collect();
         let mats: Vec<FfnMats> = blocks
             .iter()
@@ -201,8 +244,10 @@ fn main() {
                 }
             })
             .collect();
-        let dense_bufs: Vec<&[u8]> = blocks.iter().flat_map(|b| [&b.gate[..], &b.up[..], &b.down[..]]).collect();
-        let sparse_bufs: Vec<&[u8]> = blocks.iter().flat_map(|b| [&b.gate[..], &b.up[..], &b.down_t[..]]).collect();
+        let dense_bufs: Vec<&[u8]> =
+            blocks.iter().flat_map(|b| [&b.gate[..], &b.up[..], &b.down[..]]).collect();
+        let sparse_bufs: Vec<&[u8]> =
+            blocks.iter().flat_map(|b| [&b.gate[..], &b.up[..], &b.down_t[..]]).collect();
 
         let mut rng = Rng::new(5);
         let x_f: Vec<f32> = (0..N_EMBD).map(|_| rng.next_f32()).collect();
@@ -230,7 +275,9 @@ fn main() {
                     for m in &mats {
                         x.set(&x_f, 1, N_EMBD);
                         matmul_many(&[m.gate.unwrap(), m.up], &x, &mut [&mut g, &mut u]);
-                        g.iter_mut().zip(&u).for_each(|(gi, ui)| *gi = FfnActivation::ReGlu.apply(*gi, *ui));
+                        g.iter_mut()
+                            .zip(&u)
+                            .for_each(|(gi, ui)| *gi = FfnActivation::ReGlu.apply(*gi, *ui));
                         hx.set(&g, 1, N_FF);
                         matmul(&m.down.unwrap(), &hx, &mut out);
                     }
@@ -255,7 +302,15 @@ fn main() {
                     }
                 });
                 let (d, s) = (median(&mut td), median(&mut ts));
-                let scatter = pool.install(|| scatter_read_gbs(&sparse_bufs, dtype.row_bytes(N_EMBD), &neurons, &dense_bufs, rounds));
+                let scatter = pool.install(|| {
+                    scatter_read_gbs(
+                        &sparse_bufs,
+                        dtype.row_bytes(N_EMBD),
+                        &neurons,
+                        &dense_bufs,
+                        rounds,
+                    )
+                });
                 let sparse_bytes = 3 * keep * dtype.row_bytes(N_EMBD);
                 println!(
                     "{:<5} {:>3} {:>5.0}% {:>9.2} {:>10.3} {:>7.2}x {:>5.1}x {:>10.1} {:>11.1} {:>7.1} {:>7.1}",

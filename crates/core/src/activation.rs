@@ -27,7 +27,8 @@ pub fn exp_poly(x: f32) -> f32 {
 }
 
 /// The polynomial's coefficients after the first (`exp_poly`).
-pub(crate) const EXP_POLY: [f32; 5] = [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5];
+pub(crate) const EXP_POLY: [f32; 5] =
+    [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5];
 
 #[inline]
 pub fn silu(x: f32) -> f32 {

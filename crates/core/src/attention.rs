@@ -20,7 +20,9 @@ impl KvType {
         match s {
             "f32" => Ok(KvType::F32),
             "f16" => Ok(KvType::F16),
-            _ => Err(Error::InvalidArgument(format!("KV cache type must be 'f16' or 'f32', got '{s}'"))),
+            _ => Err(Error::InvalidArgument(format!(
+                "KV cache type must be 'f16' or 'f32', got '{s}'"
+            ))),
         }
     }
 }
@@ -41,10 +43,12 @@ pub enum KvView<'a> {
 /// A zero-filled vector, or an error when the memory cannot be had (a plain `vec!` would abort
 /// the process). Zeroed allocations are mapped lazily by the OS: an unused context costs nothing.
 fn zeroed<T: Copy>(n: usize) -> Result<Vec<T>> {
-    let too_big = || Error::InvalidArgument(format!(
-        "cannot allocate a KV cache of {n} elements ({:.1} GiB): use a smaller context",
-        n as f64 * std::mem::size_of::<T>() as f64 / (1u64 << 30) as f64
-    ));
+    let too_big = || {
+        Error::InvalidArgument(format!(
+            "cannot allocate a KV cache of {n} elements ({:.1} GiB): use a smaller context",
+            n as f64 * std::mem::size_of::<T>() as f64 / (1u64 << 30) as f64
+        ))
+    };
     if n == 0 {
         return Ok(Vec::new());
     }
@@ -77,7 +81,9 @@ impl KvBuf {
                 match simd_level() {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c.
-                    SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { crate::avx2::f32_to_f16_row(src, dst) },
+                    SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe {
+                        crate::avx2::f32_to_f16_row(src, dst)
+                    },
                     _ => dst.iter_mut().zip(src).for_each(|(d, s)| *d = f32_to_f16(*s)),
                 }
             }
@@ -130,7 +136,14 @@ impl KvView<'_> {
 }
 
 /// scores[j] = scale * dot(q, row j), rows `stride` elements apart, the head at `offset`.
-pub fn scores_scalar(q: &[f32], cache: KvView, stride: usize, offset: usize, scale: f32, scores: &mut [f32]) {
+pub fn scores_scalar(
+    q: &[f32],
+    cache: KvView,
+    stride: usize,
+    offset: usize,
+    scale: f32,
+    scores: &mut [f32],
+) {
     for (j, s) in scores.iter_mut().enumerate() {
         let base = j * stride + offset;
         *s = q.iter().enumerate().map(|(d, a)| a * cache.get(base + d)).sum::<f32>() * scale;
@@ -138,7 +151,13 @@ pub fn scores_scalar(q: &[f32], cache: KvView, stride: usize, offset: usize, sca
 }
 
 /// out = sum_j weights[j] * row j.
-pub fn weighted_sum_scalar(weights: &[f32], cache: KvView, stride: usize, offset: usize, out: &mut [f32]) {
+pub fn weighted_sum_scalar(
+    weights: &[f32],
+    cache: KvView,
+    stride: usize,
+    offset: usize,
+    out: &mut [f32],
+) {
     out.fill(0.0);
     for (j, &w) in weights.iter().enumerate() {
         let base = j * stride + offset;
@@ -171,14 +190,31 @@ pub fn exp_shifted(row: &mut [f32]) -> (f32, f32) {
 
 /// Scalar twin of `avx2::attn_scores_group`: scores[h * n + j] for the heads in `qs` (g x hd).
 #[allow(clippy::too_many_arguments)]
-pub fn group_scores_scalar(qs: &[f32], hd: usize, cache: KvView, stride: usize, offset: usize, scale: f32, n: usize, scores: &mut [f32]) {
+pub fn group_scores_scalar(
+    qs: &[f32],
+    hd: usize,
+    cache: KvView,
+    stride: usize,
+    offset: usize,
+    scale: f32,
+    n: usize,
+    scores: &mut [f32],
+) {
     for (h, q) in qs.chunks_exact(hd).enumerate() {
         scores_scalar(q, cache, stride, offset, scale, &mut scores[h * n..(h + 1) * n]);
     }
 }
 
 /// Scalar twin of `avx2::attn_weighted_sum_group`.
-pub fn group_weighted_sum_scalar(weights: &[f32], n: usize, cache: KvView, stride: usize, offset: usize, out: &mut [f32], hd: usize) {
+pub fn group_weighted_sum_scalar(
+    weights: &[f32],
+    n: usize,
+    cache: KvView,
+    stride: usize,
+    offset: usize,
+    out: &mut [f32],
+    hd: usize,
+) {
     for (h, o) in out.chunks_exact_mut(hd).enumerate() {
         weighted_sum_scalar(&weights[h * n..(h + 1) * n], cache, stride, offset, o);
     }
@@ -225,7 +261,12 @@ fn attend_normalised(
     let g = qs.len() / hd;
     let mut parts = [Partial::default(); 8];
     let mut many = Vec::new();
-    let parts: &mut [Partial] = if g <= 8 { &mut parts[..g] } else { many.resize(g, Partial::default()); &mut many };
+    let parts: &mut [Partial] = if g <= 8 {
+        &mut parts[..g]
+    } else {
+        many.resize(g, Partial::default());
+        &mut many
+    };
     attend_group_masked(qs, hd, k, v, n, stride, offset, scale, softcap, scores, out, parts, seen);
     for (o, p) in out.chunks_exact_mut(hd).zip(parts.iter()) {
         let inv = 1.0 / p.sum;
@@ -257,15 +298,32 @@ pub fn attend_block(
     out: &mut [f32],
 ) {
     let g = qs.len() / hd / b;
-    assert!(b >= 1 && len0 >= 1 && qs.len() == b * g * hd && out.len() == qs.len(), "attention block: wrong shapes");
+    assert!(
+        b >= 1 && len0 >= 1 && qs.len() == b * g * hd && out.len() == qs.len(),
+        "attention block: wrong shapes"
+    );
     // (in pieces of as many queries as the group kernels take heads: a larger group would take
     // the scalar path, whose sums are ordered otherwise)
     let per_piece = (8 / g).max(1);
     for i0 in (0..b).step_by(per_piece) {
         let bb = per_piece.min(b - i0);
         let len = len0 + i0;
-        let (q, o) = (&qs[i0 * g * hd..(i0 + bb) * g * hd], &mut out[i0 * g * hd..(i0 + bb) * g * hd]);
-        attend_normalised(q, hd, k, v, len + bb - 1, stride, offset, scale, softcap, scores, o, |r| len + r / g);
+        let (q, o) =
+            (&qs[i0 * g * hd..(i0 + bb) * g * hd], &mut out[i0 * g * hd..(i0 + bb) * g * hd]);
+        attend_normalised(
+            q,
+            hd,
+            k,
+            v,
+            len + bb - 1,
+            stride,
+            offset,
+            scale,
+            softcap,
+            scores,
+            o,
+            |r| len + r / g,
+        );
     }
 }
 
@@ -362,8 +420,28 @@ fn attend_group_masked(
         // is a multiple of 16, 1 <= g <= 8, and the bounds the kernel reads were asserted above.
         unsafe {
             match k {
-                KvView::F32(_) => each_group_size!(attn_scores_group, false, qs, k.as_ptr(), stride, offset, scale, n, scores),
-                KvView::F16(_) => each_group_size!(attn_scores_group, true, qs, k.as_ptr(), stride, offset, scale, n, scores),
+                KvView::F32(_) => each_group_size!(
+                    attn_scores_group,
+                    false,
+                    qs,
+                    k.as_ptr(),
+                    stride,
+                    offset,
+                    scale,
+                    n,
+                    scores
+                ),
+                KvView::F16(_) => each_group_size!(
+                    attn_scores_group,
+                    true,
+                    qs,
+                    k.as_ptr(),
+                    stride,
+                    offset,
+                    scale,
+                    n,
+                    scores
+                ),
             }
         }
     } else {
@@ -388,8 +466,26 @@ fn attend_group_masked(
         // SAFETY: as above.
         unsafe {
             match v {
-                KvView::F32(_) => each_group_size!(attn_weighted_sum_group, false, scores, v.as_ptr(), stride, offset, n, out),
-                KvView::F16(_) => each_group_size!(attn_weighted_sum_group, true, scores, v.as_ptr(), stride, offset, n, out),
+                KvView::F32(_) => each_group_size!(
+                    attn_weighted_sum_group,
+                    false,
+                    scores,
+                    v.as_ptr(),
+                    stride,
+                    offset,
+                    n,
+                    out
+                ),
+                KvView::F16(_) => each_group_size!(
+                    attn_weighted_sum_group,
+                    true,
+                    scores,
+                    v.as_ptr(),
+                    stride,
+                    offset,
+                    n,
+                    out
+                ),
             }
         }
     } else {
@@ -399,7 +495,11 @@ fn attend_group_masked(
 
 /// Combines the partial results of stretches of one query's cache: each piece's `out` (g x hd)
 /// and `parts` (g) from `attend_group_partial`, into the normalised attention output `out`.
-pub fn merge_partials<'a>(pieces: impl Iterator<Item = (&'a [f32], &'a [Partial])> + Clone, hd: usize, out: &mut [f32]) {
+pub fn merge_partials<'a>(
+    pieces: impl Iterator<Item = (&'a [f32], &'a [Partial])> + Clone,
+    hd: usize,
+    out: &mut [f32],
+) {
     out.fill(0.0);
     for (h, o) in out.chunks_exact_mut(hd).enumerate() {
         let max = pieces.clone().map(|(_, p)| p[h].max).fold(f32::NEG_INFINITY, f32::max);
@@ -422,7 +522,15 @@ mod tests {
     use super::*;
 
     /// Plain per-head attention from the scalar pieces: the reference for the grouped path.
-    fn attend_one(q: &[f32], k: KvView, v: KvView, n: usize, stride: usize, offset: usize, scale: f32) -> Vec<f32> {
+    fn attend_one(
+        q: &[f32],
+        k: KvView,
+        v: KvView,
+        n: usize,
+        stride: usize,
+        offset: usize,
+        scale: f32,
+    ) -> Vec<f32> {
         let mut scores = vec![0.0; n];
         scores_scalar(q, k, stride, offset, scale, &mut scores);
         let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -457,7 +565,10 @@ mod tests {
                     for h in 0..g {
                         let one = attend_one(&qs[h * hd..(h + 1) * hd], k, v, n, stride, hd, 0.2);
                         for (x, y) in one.iter().zip(&out[h * hd..(h + 1) * hd]) {
-                            assert!((x - y).abs() < 1e-5, "{kind:?} g={g} hd={hd} n={n}: {x} vs {y}");
+                            assert!(
+                                (x - y).abs() < 1e-5,
+                                "{kind:?} g={g} hd={hd} n={n}: {x} vs {y}"
+                            );
                         }
                     }
                 }
@@ -486,14 +597,28 @@ mod tests {
                 // SAFETY: the level is Avx512; the caches hold n rows of `stride` with the head
                 // at offset hd (hd + hd <= stride), hd a multiple of 16.
                 unsafe {
-                    crate::avx2::attn_scores_group::<$f16, $g>(&qs, $k, stride, hd, 0.3, n, &mut s2);
-                    crate::avx512::attn_scores_group::<$f16, $g>(&qs, $k, stride, hd, 0.3, n, &mut s5);
-                    crate::avx2::attn_weighted_sum_group::<$f16, $g>(&w, $v, stride, hd, n, &mut o2);
-                    crate::avx512::attn_weighted_sum_group::<$f16, $g>(&w, $v, stride, hd, n, &mut o5);
+                    crate::avx2::attn_scores_group::<$f16, $g>(
+                        &qs, $k, stride, hd, 0.3, n, &mut s2,
+                    );
+                    crate::avx512::attn_scores_group::<$f16, $g>(
+                        &qs, $k, stride, hd, 0.3, n, &mut s5,
+                    );
+                    crate::avx2::attn_weighted_sum_group::<$f16, $g>(
+                        &w, $v, stride, hd, n, &mut o2,
+                    );
+                    crate::avx512::attn_weighted_sum_group::<$f16, $g>(
+                        &w, $v, stride, hd, n, &mut o5,
+                    );
                 }
                 let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
                 assert_eq!(bits(&s2), bits(&s5), "scores: g={} f16={} hd={hd} n={n}", $g, $f16);
-                assert_eq!(bits(&o2), bits(&o5), "weighted sums: g={} f16={} hd={hd} n={n}", $g, $f16);
+                assert_eq!(
+                    bits(&o2),
+                    bits(&o5),
+                    "weighted sums: g={} f16={} hd={hd} n={n}",
+                    $g,
+                    $f16
+                );
             }};
         }
         for kind in [KvType::F32, KvType::F16] {
@@ -501,9 +626,15 @@ mod tests {
                 for n in [1, 2, 3, 4, 5, 6, 7, 11, 13, 40] {
                     let stride = 2 * hd;
                     let mut kb = KvBuf::new(kind, n * stride).unwrap();
-                    kb.write(0, &(0..n * stride).map(|_| rng.next_f32() - 0.5).collect::<Vec<f32>>());
+                    kb.write(
+                        0,
+                        &(0..n * stride).map(|_| rng.next_f32() - 0.5).collect::<Vec<f32>>(),
+                    );
                     let mut vb = KvBuf::new(kind, n * stride).unwrap();
-                    vb.write(0, &(0..n * stride).map(|_| rng.next_f32() - 0.5).collect::<Vec<f32>>());
+                    vb.write(
+                        0,
+                        &(0..n * stride).map(|_| rng.next_f32() - 0.5).collect::<Vec<f32>>(),
+                    );
                     let (k, v) = (kb.view(n * stride).as_ptr(), vb.view(n * stride).as_ptr());
                     macro_rules! each_g {
                         ($f16:literal) => {{
@@ -533,26 +664,61 @@ mod tests {
     fn a_block_of_queries_equals_each_query_alone() {
         let mut rng = crate::sampler::Rng::new(17);
         for kind in [KvType::F32, KvType::F16] {
-            for (g, hd, b) in [(3, 64, 2), (1, 64, 8), (2, 32, 4), (4, 16, 2), (1, 48, 3), (3, 24, 2), (5, 16, 3)] {
+            for (g, hd, b) in
+                [(3, 64, 2), (1, 64, 8), (2, 32, 4), (4, 16, 2), (1, 48, 3), (3, 24, 2), (5, 16, 3)]
+            {
                 for len0 in [1, 6, 40] {
                     let n = len0 + b - 1;
                     let n_kv = 2;
                     let stride = n_kv * hd;
                     let mut kb = KvBuf::new(kind, n * stride).unwrap();
-                    kb.write(0, &(0..n * stride).map(|_| rng.next_f32() - 0.5).collect::<Vec<f32>>());
+                    kb.write(
+                        0,
+                        &(0..n * stride).map(|_| rng.next_f32() - 0.5).collect::<Vec<f32>>(),
+                    );
                     let mut vb = KvBuf::new(kind, n * stride).unwrap();
-                    vb.write(0, &(0..n * stride).map(|_| rng.next_f32() - 0.5).collect::<Vec<f32>>());
-                    let qs: Vec<f32> = (0..b * g * hd).map(|_| 4.0 * (rng.next_f32() - 0.5)).collect();
+                    vb.write(
+                        0,
+                        &(0..n * stride).map(|_| rng.next_f32() - 0.5).collect::<Vec<f32>>(),
+                    );
+                    let qs: Vec<f32> =
+                        (0..b * g * hd).map(|_| 4.0 * (rng.next_f32() - 0.5)).collect();
                     for softcap in [0.0, 0.7] {
                         let mut block = vec![0.0; b * g * hd];
-                        attend_block(&qs, hd, b, kb.view(n * stride), vb.view(n * stride), len0, stride, hd, 0.3, softcap, &mut Vec::new(), &mut block);
+                        attend_block(
+                            &qs,
+                            hd,
+                            b,
+                            kb.view(n * stride),
+                            vb.view(n * stride),
+                            len0,
+                            stride,
+                            hd,
+                            0.3,
+                            softcap,
+                            &mut Vec::new(),
+                            &mut block,
+                        );
                         for i in 0..b {
                             let m = len0 + i;
                             let mut alone = vec![0.0; g * hd];
                             let q = &qs[i * g * hd..(i + 1) * g * hd];
-                            attend_group(q, hd, kb.view(m * stride), vb.view(m * stride), m, stride, hd, 0.3, softcap, &mut Vec::new(), &mut alone);
+                            attend_group(
+                                q,
+                                hd,
+                                kb.view(m * stride),
+                                vb.view(m * stride),
+                                m,
+                                stride,
+                                hd,
+                                0.3,
+                                softcap,
+                                &mut Vec::new(),
+                                &mut alone,
+                            );
                             let got = &block[i * g * hd..(i + 1) * g * hd];
-                            let same = got.iter().zip(&alone).all(|(x, y)| x.to_bits() == y.to_bits());
+                            let same =
+                                got.iter().zip(&alone).all(|(x, y)| x.to_bits() == y.to_bits());
                             assert!(same, "{kind:?} g={g} hd={hd} b={b} len0={len0} softcap={softcap} query {i}");
                         }
                     }
@@ -575,7 +741,10 @@ mod tests {
                 assert_eq!(ma, mb);
                 assert!((sa - sb).abs() <= 1e-5 * sb, "n={n} spread={spread}: sum {sa} vs {sb}");
                 for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-                    assert!((x - y).abs() <= 1e-6 * y.max(1e-30) + 1e-37, "n={n} spread={spread} [{i}]: {x} vs {y}");
+                    assert!(
+                        (x - y).abs() <= 1e-6 * y.max(1e-30) + 1e-37,
+                        "n={n} spread={spread} [{i}]: {x} vs {y}"
+                    );
                 }
             }
         }
@@ -592,27 +761,64 @@ mod tests {
         let (g, hd, n_kv) = (3, 64, 2);
         let stride = n_kv * hd;
         for kind in [KvType::F32, KvType::F16] {
-            for (n, cuts) in [(40, vec![0, 13, 40]), (300, vec![0, 100, 101, 250, 300]), (9, vec![0, 9, 9])] {
+            for (n, cuts) in
+                [(40, vec![0, 13, 40]), (300, vec![0, 100, 101, 250, 300]), (9, vec![0, 9, 9])]
+            {
                 let mut kb = KvBuf::new(kind, n * stride).unwrap();
-                kb.write(0, &(0..n * stride).map(|_| (rng.next_f32() - 0.5) * 4.0).collect::<Vec<_>>());
+                kb.write(
+                    0,
+                    &(0..n * stride).map(|_| (rng.next_f32() - 0.5) * 4.0).collect::<Vec<_>>(),
+                );
                 let mut vb = KvBuf::new(kind, n * stride).unwrap();
                 vb.write(0, &(0..n * stride).map(|_| rng.next_f32() - 0.5).collect::<Vec<_>>());
                 let qs: Vec<f32> = (0..g * hd).map(|_| rng.next_f32() - 0.5).collect();
                 let mut whole = vec![0.0; g * hd];
-                attend_group(&qs, hd, kb.view(n * stride), vb.view(n * stride), n, stride, hd, 0.125, 0.0, &mut Vec::new(), &mut whole);
+                attend_group(
+                    &qs,
+                    hd,
+                    kb.view(n * stride),
+                    vb.view(n * stride),
+                    n,
+                    stride,
+                    hd,
+                    0.125,
+                    0.0,
+                    &mut Vec::new(),
+                    &mut whole,
+                );
                 let mut outs = vec![];
                 let mut parts = vec![];
                 for w in cuts.windows(2) {
                     let (a, len) = (w[0], w[1] - w[0]);
-                    let (k, v) = (kb.view_at(a * stride, len * stride), vb.view_at(a * stride, len * stride));
+                    let (k, v) = (
+                        kb.view_at(a * stride, len * stride),
+                        vb.view_at(a * stride, len * stride),
+                    );
                     let mut o = vec![0.0; g * hd];
                     let mut p = vec![Partial::default(); g];
-                    attend_group_partial(&qs, hd, k, v, len, stride, hd, 0.125, 0.0, &mut Vec::new(), &mut o, &mut p);
+                    attend_group_partial(
+                        &qs,
+                        hd,
+                        k,
+                        v,
+                        len,
+                        stride,
+                        hd,
+                        0.125,
+                        0.0,
+                        &mut Vec::new(),
+                        &mut o,
+                        &mut p,
+                    );
                     outs.push(o);
                     parts.push(p);
                 }
                 let mut merged = vec![0.0; g * hd];
-                merge_partials(outs.iter().map(|o| o.as_slice()).zip(parts.iter().map(|p| p.as_slice())), hd, &mut merged);
+                merge_partials(
+                    outs.iter().map(|o| o.as_slice()).zip(parts.iter().map(|p| p.as_slice())),
+                    hd,
+                    &mut merged,
+                );
                 for (x, y) in merged.iter().zip(&whole) {
                     assert!((x - y).abs() < 1e-5, "{kind:?} n={n} {cuts:?}: {x} vs {y}");
                 }
@@ -638,7 +844,19 @@ mod tests {
         let k = [0.0f32, 0.0, 2.0, 0.0];
         let v = [1.0f32, 0.0, 0.0, 1.0];
         let mut out = [0.0; 2];
-        attend_group(&q, 2, KvView::F32(&k), KvView::F32(&v), 2, 2, 0, 1.0, 0.0, &mut Vec::new(), &mut out);
+        attend_group(
+            &q,
+            2,
+            KvView::F32(&k),
+            KvView::F32(&v),
+            2,
+            2,
+            0,
+            1.0,
+            0.0,
+            &mut Vec::new(),
+            &mut out,
+        );
         let (e0, e1) = (1.0f32, 2.0f32.exp());
         assert!((out[0] - e0 / (e0 + e1)).abs() < 1e-6);
         assert!((out[1] - e1 / (e0 + e1)).abs() < 1e-6);

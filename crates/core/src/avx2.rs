@@ -55,7 +55,9 @@ impl<'a> Prefetch<'a> {
         self.due += self.lines;
         while self.due >= self.steps && self.line < self.lines {
             // SAFETY: line < lines, so the address lies within `next` (prefetches never fault)
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(self.next.as_ptr().add(64 * self.line) as *const i8) };
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(self.next.as_ptr().add(64 * self.line) as *const i8)
+            };
             self.line += 1;
             self.due -= self.steps;
         }
@@ -77,7 +79,15 @@ pub(crate) struct PrefetchRows<'a, const G: usize> {
 
 impl<'a, const G: usize> PrefetchRows<'a, G> {
     pub(crate) fn new(rows: impl Iterator<Item = &'a [u8]>, steps: usize) -> Self {
-        let mut p = PrefetchRows { rows: [&[][..]; G], count: 0, lines: 0, steps: steps.max(1), row: 0, line: 0, due: 0 };
+        let mut p = PrefetchRows {
+            rows: [&[][..]; G],
+            count: 0,
+            lines: 0,
+            steps: steps.max(1),
+            row: 0,
+            line: 0,
+            due: 0,
+        };
         for r in rows.take(G) {
             p.rows[p.count] = r;
             p.lines += r.len().div_ceil(64);
@@ -179,19 +189,31 @@ impl LegacyBlock for BlockQ4_1 {
 
 /// Twin of `quant::dot_q4_0_scalar`: `dot_legacy`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q4_0<const R: usize, const N: usize>(w: [&[BlockQ4_0]; R], a: [&[BlockQ8Act]; N], next: &[u8]) -> [[f32; N]; R] {
+pub unsafe fn dot_q4_0<const R: usize, const N: usize>(
+    w: [&[BlockQ4_0]; R],
+    a: [&[BlockQ8Act]; N],
+    next: &[u8],
+) -> [[f32; N]; R] {
     dot_legacy(w, a, next)
 }
 
 /// Twin of `quant::dot_q4_1_scalar`: `dot_legacy`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q4_1<const R: usize, const N: usize>(w: [&[BlockQ4_1]; R], a: [&[BlockQ8Act]; N], next: &[u8]) -> [[f32; N]; R] {
+pub unsafe fn dot_q4_1<const R: usize, const N: usize>(
+    w: [&[BlockQ4_1]; R],
+    a: [&[BlockQ8Act]; N],
+    next: &[u8],
+) -> [[f32; N]; R] {
     dot_legacy(w, a, next)
 }
 
 /// Twin of `quant::dot_q8_0_scalar`: `dot_legacy`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q8_0<const R: usize, const N: usize>(w: [&[BlockQ8_0]; R], a: [&[BlockQ8Act]; N], next: &[u8]) -> [[f32; N]; R] {
+pub unsafe fn dot_q8_0<const R: usize, const N: usize>(
+    w: [&[BlockQ8_0]; R],
+    a: [&[BlockQ8Act]; N],
+    next: &[u8],
+) -> [[f32; N]; R] {
     dot_legacy(w, a, next)
 }
 
@@ -204,7 +226,11 @@ pub unsafe fn dot_q8_0<const R: usize, const N: usize>(w: [&[BlockQ8_0]; R], a: 
 /// (`legacy_avx2::legacy_rows_all_tokens`) take in each lane, so that a token's dot is bit for
 /// bit the same in a prompt as alone.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dot_legacy<B: LegacyBlock, const R: usize, const N: usize>(w: [&[B]; R], a: [&[BlockQ8Act]; N], next: &[u8]) -> [[f32; N]; R] {
+pub(crate) unsafe fn dot_legacy<B: LegacyBlock, const R: usize, const N: usize>(
+    w: [&[B]; R],
+    a: [&[BlockQ8Act]; N],
+    next: &[u8],
+) -> [[f32; N]; R] {
     let mut prefetch = Prefetch::new(next, w[0].len());
     let (mut acc, mut mins) = ([[0.0f32; N]; R], [[0.0f32; N]; R]);
     // four rows: their float steps side by side in the lanes of one vector per token
@@ -220,10 +246,33 @@ pub(crate) unsafe fn dot_legacy<B: LegacyBlock, const R: usize, const N: usize>(
         // (written out: a closure would not be compiled for these features)
         let (mut d4, mut m4) = (_mm_setzero_ps(), _mm_setzero_ps());
         if R == 4 {
-            let b = [w[0].get_unchecked(i), w[1].get_unchecked(i), w[2].get_unchecked(i), w[3].get_unchecked(i)];
-            d4 = _mm_cvtph_ps(_mm_setr_epi16(b[0].scale_bits() as i16, b[1].scale_bits() as i16, b[2].scale_bits() as i16, b[3].scale_bits() as i16, 0, 0, 0, 0));
+            let b = [
+                w[0].get_unchecked(i),
+                w[1].get_unchecked(i),
+                w[2].get_unchecked(i),
+                w[3].get_unchecked(i),
+            ];
+            d4 = _mm_cvtph_ps(_mm_setr_epi16(
+                b[0].scale_bits() as i16,
+                b[1].scale_bits() as i16,
+                b[2].scale_bits() as i16,
+                b[3].scale_bits() as i16,
+                0,
+                0,
+                0,
+                0,
+            ));
             if B::MIN {
-                m4 = _mm_cvtph_ps(_mm_setr_epi16(b[0].min_bits() as i16, b[1].min_bits() as i16, b[2].min_bits() as i16, b[3].min_bits() as i16, 0, 0, 0, 0));
+                m4 = _mm_cvtph_ps(_mm_setr_epi16(
+                    b[0].min_bits() as i16,
+                    b[1].min_bits() as i16,
+                    b[2].min_bits() as i16,
+                    b[3].min_bits() as i16,
+                    0,
+                    0,
+                    0,
+                    0,
+                ));
             }
         }
         for j in 0..N {
@@ -233,11 +282,17 @@ pub(crate) unsafe fn dot_legacy<B: LegacyBlock, const R: usize, const N: usize>(
             // sum in 16 bits by fours (`WIDE` formats' in 32 bits)
             let mut p = [_mm256_setzero_si256(); R];
             for r in 0..R {
-                p[r] = _mm256_maddubs_epi16(u[r], if B::MIN { q } else { _mm256_sign_epi8(q, v[r]) });
+                p[r] =
+                    _mm256_maddubs_epi16(u[r], if B::MIN { q } else { _mm256_sign_epi8(q, v[r]) });
             }
             if R == 4 {
-                let sums = if B::WIDE { row_sums4_i32([p[0], p[1], p[2], p[3]]) } else { row_sums4_i16([p[0], p[1], p[2], p[3]]) };
-                acc4[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums), _mm_mul_ps(d4, _mm_set1_ps(ab.d)), acc4[j]);
+                let sums = if B::WIDE {
+                    row_sums4_i32([p[0], p[1], p[2], p[3]])
+                } else {
+                    row_sums4_i16([p[0], p[1], p[2], p[3]])
+                };
+                acc4[j] =
+                    _mm_fmadd_ps(_mm_cvtepi32_ps(sums), _mm_mul_ps(d4, _mm_set1_ps(ab.d)), acc4[j]);
                 if B::MIN {
                     mins4[j] = _mm_fmadd_ps(m4, _mm_set1_ps(ab.s), mins4[j]);
                 }
@@ -248,7 +303,11 @@ pub(crate) unsafe fn dot_legacy<B: LegacyBlock, const R: usize, const N: usize>(
                     let dd = _mm_set_ss(f16_to_f32(b.scale_bits()) * ab.d);
                     acc[r][j] = _mm_cvtss_f32(_mm_fmadd_ss(sum, dd, _mm_set_ss(acc[r][j])));
                     if B::MIN {
-                        mins[r][j] = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(f16_to_f32(b.min_bits())), _mm_set_ss(ab.s), _mm_set_ss(mins[r][j])));
+                        mins[r][j] = _mm_cvtss_f32(_mm_fmadd_ss(
+                            _mm_set_ss(f16_to_f32(b.min_bits())),
+                            _mm_set_ss(ab.s),
+                            _mm_set_ss(mins[r][j]),
+                        ));
                     }
                 }
             }
@@ -290,7 +349,12 @@ unsafe fn row_sums4_i16(p: [__m256i; 4]) -> __m128i {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn row_sums4_i32(p: [__m256i; 4]) -> __m128i {
     let ones = _mm256_set1_epi16(1);
-    hsum4_i32([_mm256_madd_epi16(p[0], ones), _mm256_madd_epi16(p[1], ones), _mm256_madd_epi16(p[2], ones), _mm256_madd_epi16(p[3], ones)])
+    hsum4_i32([
+        _mm256_madd_epi16(p[0], ones),
+        _mm256_madd_epi16(p[1], ones),
+        _mm256_madd_epi16(p[2], ones),
+        _mm256_madd_epi16(p[3], ones),
+    ])
 }
 
 /// The sum of sixteen 16-bit lanes, as i32 (exact).
@@ -333,7 +397,12 @@ unsafe fn load8(dtype: DType, w: *const u8, k: usize) -> __m256 {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_float<const N: usize>(dtype: DType, w: &[u8], a: [&[f32]; N], next: &[u8]) -> [f32; N] {
+pub unsafe fn dot_float<const N: usize>(
+    dtype: DType,
+    w: &[u8],
+    a: [&[f32]; N],
+    next: &[u8],
+) -> [f32; N] {
     let n = a[0].len();
     debug_assert_eq!(w.len(), dtype.row_bytes(n));
     let mut acc = [_mm256_setzero_ps(); N];
@@ -372,7 +441,12 @@ pub unsafe fn quantize_act(x: &[f32], out: &mut [BlockQ8Act]) {
     let sign_mask = _mm256_set1_ps(-0.0);
     for (blk, o) in x.chunks_exact(32).zip(out.iter_mut()) {
         let p = blk.as_ptr();
-        let v = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))];
+        let v = [
+            _mm256_loadu_ps(p),
+            _mm256_loadu_ps(p.add(8)),
+            _mm256_loadu_ps(p.add(16)),
+            _mm256_loadu_ps(p.add(24)),
+        ];
         let mut m = _mm256_andnot_ps(sign_mask, v[0]);
         for vi in &v[1..] {
             m = _mm256_max_ps(m, _mm256_andnot_ps(sign_mask, *vi));
@@ -530,7 +604,11 @@ unsafe fn hsum4(v: [__m256; 4]) -> __m128 {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn exp_ps(x: __m256) -> __m256 {
     let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.376_26)), _mm256_set1_ps(88.376_26));
-    let n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E), _mm256_set1_ps(0.5)));
+    let n = _mm256_floor_ps(_mm256_fmadd_ps(
+        x,
+        _mm256_set1_ps(std::f32::consts::LOG2_E),
+        _mm256_set1_ps(0.5),
+    ));
     // r = x - n ln 2, with ln 2 in two parts so the product is exact
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
@@ -539,7 +617,8 @@ unsafe fn exp_ps(x: __m256) -> __m256 {
         y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
     }
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
-    let pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    let pow2n =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n))
 }
 
@@ -551,8 +630,20 @@ unsafe fn exp_ps(x: __m256) -> __m256 {
 /// rows of n with t0 + T <= n.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn tiled_axpy<const T: usize>(w: &[f32], width: usize, cols: usize, ht: &[f32], n: usize, neurons: &[u32], t0: usize, y: *mut f32, stride: usize) {
-    debug_assert!(cols % 8 == 0 && cols <= width && w.len() >= neurons.len() * width && t0 + T <= n);
+pub unsafe fn tiled_axpy<const T: usize>(
+    w: &[f32],
+    width: usize,
+    cols: usize,
+    ht: &[f32],
+    n: usize,
+    neurons: &[u32],
+    t0: usize,
+    y: *mut f32,
+    stride: usize,
+) {
+    debug_assert!(
+        cols % 8 == 0 && cols <= width && w.len() >= neurons.len() * width && t0 + T <= n
+    );
     for c in (0..cols).step_by(8) {
         let mut acc = [_mm256_setzero_ps(); T];
         for t in 0..T {
@@ -576,7 +667,10 @@ pub unsafe fn tiled_axpy<const T: usize>(w: &[f32], width: usize, cols: usize, h
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn exp_poly_ps(x: __m256) -> __m256 {
     let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.376_26)), _mm256_set1_ps(88.376_26));
-    let t = _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)), _mm256_set1_ps(0.5));
+    let t = _mm256_add_ps(
+        _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+        _mm256_set1_ps(0.5),
+    );
     let n = _mm256_floor_ps(t);
     let r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693_359_4)));
     let r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.121_944_4e-4)));
@@ -585,7 +679,8 @@ unsafe fn exp_poly_ps(x: __m256) -> __m256 {
         y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(c));
     }
     y = _mm256_add_ps(_mm256_mul_ps(y, _mm256_mul_ps(r, r)), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
-    let pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    let pow2n =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n))
 }
 
@@ -600,7 +695,10 @@ pub unsafe fn activate(gelu: bool, gate: &mut [f32], up: &[f32]) {
     let lane = |x: __m256| {
         // the exponent: -x for SiLU, -2 sqrt(2 / pi) (x + 0.044715 x^3) for GELU
         let e = if gelu {
-            let cube = _mm256_mul_ps(x, _mm256_add_ps(one, _mm256_mul_ps(_mm256_set1_ps(0.044715), _mm256_mul_ps(x, x))));
+            let cube = _mm256_mul_ps(
+                x,
+                _mm256_add_ps(one, _mm256_mul_ps(_mm256_set1_ps(0.044715), _mm256_mul_ps(x, x))),
+            );
             _mm256_mul_ps(_mm256_set1_ps(crate::activation::MINUS_2_SQRT_2_OVER_PI), cube)
         } else {
             _mm256_xor_ps(x, _mm256_set1_ps(-0.0))
@@ -614,7 +712,8 @@ pub unsafe fn activate(gelu: bool, gate: &mut [f32], up: &[f32]) {
     }
     for i in body..n {
         let x = *g.add(i);
-        *g.add(i) = if gelu { crate::activation::gelu(x) } else { crate::activation::silu(x) } * *u.add(i);
+        *g.add(i) =
+            if gelu { crate::activation::gelu(x) } else { crate::activation::silu(x) } * *u.add(i);
     }
 }
 
@@ -779,7 +878,10 @@ pub unsafe fn axpy(dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
             let mut k = 0;
             while k < n8 {
                 let p = yp.add(k);
-                _mm256_storeu_ps(p, _mm256_fmadd_ps(load8(dtype, row.as_ptr(), k), av, _mm256_loadu_ps(p)));
+                _mm256_storeu_ps(
+                    p,
+                    _mm256_fmadd_ps(load8(dtype, row.as_ptr(), k), av, _mm256_loadu_ps(p)),
+                );
                 k += 8;
             }
             if n8 < n {
@@ -790,7 +892,12 @@ pub unsafe fn axpy(dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
         DType::Q4_0 => {
             let eight = _mm_set1_epi8(8);
             for (i, b) in crate::quant::cast_blocks::<BlockQ4_0>(row).iter().enumerate() {
-                axpy_block(yp.add(32 * i), nibbles_to_f32x4(&b.qs, eight), _mm256_mul_ps(av, splat_f16(b.d)), None);
+                axpy_block(
+                    yp.add(32 * i),
+                    nibbles_to_f32x4(&b.qs, eight),
+                    _mm256_mul_ps(av, splat_f16(b.d)),
+                    None,
+                );
             }
         }
         DType::Q4_1 => {
@@ -802,7 +909,12 @@ pub unsafe fn axpy(dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
         }
         DType::Q8_0 => {
             for (i, b) in crate::quant::cast_blocks::<BlockQ8_0>(row).iter().enumerate() {
-                axpy_block(yp.add(32 * i), i8x32_to_f32x4(_mm256_loadu_si256(b.qs.as_ptr() as *const __m256i)), _mm256_mul_ps(av, splat_f16(b.d)), None);
+                axpy_block(
+                    yp.add(32 * i),
+                    i8x32_to_f32x4(_mm256_loadu_si256(b.qs.as_ptr() as *const __m256i)),
+                    _mm256_mul_ps(av, splat_f16(b.d)),
+                    None,
+                );
             }
         }
         // the chunked formats (`sparse::axpy` sends them to `chunked_avx2::axpy_rows`)
@@ -814,7 +926,12 @@ pub unsafe fn axpy(dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
 /// loaded and stored once per R rows instead of once per row. SIMD twin of R calls of
 /// `quant::axpy_scalar`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn axpy_rows<const R: usize>(dtype: DType, rows: [&[u8]; R], a: [f32; R], y: &mut [f32]) {
+pub unsafe fn axpy_rows<const R: usize>(
+    dtype: DType,
+    rows: [&[u8]; R],
+    a: [f32; R],
+    y: &mut [f32],
+) {
     let n = y.len();
     let yp = y.as_mut_ptr();
     let mut av = [_mm256_setzero_ps(); R];
@@ -826,7 +943,12 @@ pub unsafe fn axpy_rows<const R: usize>(dtype: DType, rows: [&[u8]; R], a: [f32;
             let blocks = rows.map(|r| crate::quant::cast_blocks::<$block>(r));
             for i in 0..n / 32 {
                 let p = yp.add(32 * i);
-                let mut acc = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))];
+                let mut acc = [
+                    _mm256_loadu_ps(p),
+                    _mm256_loadu_ps(p.add(8)),
+                    _mm256_loadu_ps(p.add(16)),
+                    _mm256_loadu_ps(p.add(24)),
+                ];
                 let mut off = _mm256_setzero_ps();
                 for r in 0..R {
                     let $b = blocks[r].get_unchecked(i);
@@ -874,8 +996,14 @@ pub unsafe fn axpy_rows<const R: usize>(dtype: DType, rows: [&[u8]; R], a: [f32;
             let eight = _mm_set1_epi8(8);
             quantized!(BlockQ4_0, |b| nibbles_to_f32x4(&b.qs, eight), false)
         }
-        DType::Q4_1 => quantized!(BlockQ4_1, |b| nibbles_to_f32x4(&b.qs, _mm_setzero_si128()), true),
-        DType::Q8_0 => quantized!(BlockQ8_0, |b| i8x32_to_f32x4(_mm256_loadu_si256(b.qs.as_ptr() as *const __m256i)), false),
+        DType::Q4_1 => {
+            quantized!(BlockQ4_1, |b| nibbles_to_f32x4(&b.qs, _mm_setzero_si128()), true)
+        }
+        DType::Q8_0 => quantized!(
+            BlockQ8_0,
+            |b| i8x32_to_f32x4(_mm256_loadu_si256(b.qs.as_ptr() as *const __m256i)),
+            false
+        ),
         // the chunked formats (`sparse::axpy4` sends them to `chunked_avx2::axpy_rows`)
         _ => {
             for r in 0..R {

@@ -27,8 +27,8 @@
 
 use std::arch::x86_64::*;
 
-use crate::quant::chunked_avx2::Decoded;
 use crate::quant::chunked::{BlockIQ4NL, BlockQ5_0, BlockQ5_1, IQ4_VALUES};
+use crate::quant::chunked_avx2::Decoded;
 use crate::quant::{ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8_0, DType};
 
 /// An f16 scale as an f32 broadcast to 16 lanes.
@@ -44,7 +44,9 @@ unsafe fn splat_f16(bits: u16) -> __m512 {
 unsafe fn load16(dtype: DType, w: *const u8, k: usize) -> __m512 {
     match dtype {
         DType::F32 => _mm512_loadu_ps((w as *const f32).add(k)),
-        DType::F16 => _mm512_cvtph_ps(_mm256_loadu_si256((w as *const u16).add(k) as *const __m256i)),
+        DType::F16 => {
+            _mm512_cvtph_ps(_mm256_loadu_si256((w as *const u16).add(k) as *const __m256i))
+        }
         // bf16 is the top half of an f32: widen and shift left by 16.
         _ => {
             let h = _mm256_loadu_si256((w as *const u16).add(k) as *const __m256i);
@@ -57,8 +59,20 @@ unsafe fn load16(dtype: DType, w: *const u8, k: usize) -> __m512 {
 /// with AVX-512 F and `cols` a multiple of 16.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn tiled_axpy<const T: usize>(w: &[f32], width: usize, cols: usize, ht: &[f32], n: usize, neurons: &[u32], t0: usize, y: *mut f32, stride: usize) {
-    debug_assert!(cols % 16 == 0 && cols <= width && w.len() >= neurons.len() * width && t0 + T <= n);
+pub unsafe fn tiled_axpy<const T: usize>(
+    w: &[f32],
+    width: usize,
+    cols: usize,
+    ht: &[f32],
+    n: usize,
+    neurons: &[u32],
+    t0: usize,
+    y: *mut f32,
+    stride: usize,
+) {
+    debug_assert!(
+        cols % 16 == 0 && cols <= width && w.len() >= neurons.len() * width && t0 + T <= n
+    );
     for c in (0..cols).step_by(16) {
         let mut acc = [_mm512_setzero_ps(); T];
         for t in 0..T {
@@ -80,7 +94,12 @@ pub unsafe fn tiled_axpy<const T: usize>(w: &[f32], width: usize, cols: usize, h
 /// y += sum over r of a[r] * rows[r], R rows per pass over y (each block of y is loaded and
 /// stored once per R rows). SIMD twin of R calls of `quant::axpy_scalar`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn axpy_rows<const R: usize>(dtype: DType, rows: [&[u8]; R], a: [f32; R], y: &mut [f32]) {
+pub unsafe fn axpy_rows<const R: usize>(
+    dtype: DType,
+    rows: [&[u8]; R],
+    a: [f32; R],
+    y: &mut [f32],
+) {
     let n = y.len();
     let yp = y.as_mut_ptr();
     let mut av = [_mm512_setzero_ps(); R];
@@ -88,7 +107,8 @@ pub unsafe fn axpy_rows<const R: usize>(dtype: DType, rows: [&[u8]; R], a: [f32;
         av[r] = _mm512_set1_ps(a[r]);
     }
     // the 16 values of a nibble, as f32 lanes: 0..16
-    let nibble_values = _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.);
+    let nibble_values =
+        _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.);
     // 4-bit blocks: `$table` gives the 16 values a nibble stands for, times the row's coefficient
     macro_rules! nibble_rows {
         ($block:ty, |$b:ident, $a:ident| $table:expr) => {{
@@ -131,10 +151,17 @@ pub unsafe fn axpy_rows<const R: usize>(dtype: DType, rows: [&[u8]; R], a: [f32;
         }
         DType::Q4_0 => {
             let centered = _mm512_sub_ps(nibble_values, _mm512_set1_ps(8.0)); // q - 8
-            nibble_rows!(BlockQ4_0, |b, a| _mm512_mul_ps(centered, _mm512_mul_ps(a, splat_f16(b.d))))
+            nibble_rows!(BlockQ4_0, |b, a| _mm512_mul_ps(
+                centered,
+                _mm512_mul_ps(a, splat_f16(b.d))
+            ))
         }
         // q * d * a + m * a
-        DType::Q4_1 => nibble_rows!(BlockQ4_1, |b, a| _mm512_fmadd_ps(nibble_values, _mm512_mul_ps(a, splat_f16(b.d)), _mm512_mul_ps(a, splat_f16(b.m)))),
+        DType::Q4_1 => nibble_rows!(BlockQ4_1, |b, a| _mm512_fmadd_ps(
+            nibble_values,
+            _mm512_mul_ps(a, splat_f16(b.d)),
+            _mm512_mul_ps(a, splat_f16(b.m))
+        )),
         DType::Q8_0 => {
             let blocks = rows.map(|r| crate::quant::cast_blocks::<BlockQ8_0>(r));
             for i in 0..n / 32 {
@@ -144,8 +171,16 @@ pub unsafe fn axpy_rows<const R: usize>(dtype: DType, rows: [&[u8]; R], a: [f32;
                     let b = blocks[r].get_unchecked(i);
                     let s = _mm512_mul_ps(av[r], splat_f16(b.d));
                     let q = b.qs.as_ptr() as *const __m128i;
-                    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), s, lo);
-                    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q.add(1)))), s, hi);
+                    lo = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))),
+                        s,
+                        lo,
+                    );
+                    hi = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q.add(1)))),
+                        s,
+                        hi,
+                    );
                 }
                 _mm512_storeu_ps(p, lo);
                 _mm512_storeu_ps(p.add(16), hi);
@@ -159,7 +194,6 @@ pub unsafe fn axpy_rows<const R: usize>(dtype: DType, rows: [&[u8]; R], a: [f32;
         }
     }
 }
-
 
 /// How a quantized type's four blocks enter `dot_quads`.
 trait QuadBlocks {
@@ -192,13 +226,21 @@ impl Src {
     #[inline]
     fn mask(&self, off: usize, width: usize) -> u64 {
         let n = self.len.saturating_sub(off).min(width);
-        if n == 64 { u64::MAX } else { (1u64 << n) - 1 }
+        if n == 64 {
+            u64::MAX
+        } else {
+            (1u64 << n) - 1
+        }
     }
 
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn load64<const TAIL: bool>(self, off: usize) -> __m512i {
-        if TAIL { _mm512_maskz_loadu_epi8(self.mask(off, 64), self.p.add(off) as *const i8) } else { _mm512_loadu_si512(self.p.add(off) as *const _) }
+        if TAIL {
+            _mm512_maskz_loadu_epi8(self.mask(off, 64), self.p.add(off) as *const i8)
+        } else {
+            _mm512_loadu_si512(self.p.add(off) as *const _)
+        }
     }
 
     #[inline]
@@ -213,7 +255,11 @@ impl Src {
 
     #[inline]
     unsafe fn word<const TAIL: bool>(self, off: usize) -> u16 {
-        if TAIL && off + 2 > self.len { 0 } else { (self.p.add(off) as *const u16).read_unaligned() }
+        if TAIL && off + 2 > self.len {
+            0
+        } else {
+            (self.p.add(off) as *const u16).read_unaligned()
+        }
     }
 }
 
@@ -272,8 +318,15 @@ impl QuadBlocks for BlockQ4_0 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn unpack<const TAIL: bool>(src: Src) -> (__m512i, __m512i, __m512, __m512) {
         let (r0, r1) = (src.load64::<TAIL>(0), src.load64::<TAIL>(8));
-        let (lo, hi) = nibbles(_mm512_permutex2var_epi16(r0, index(&const { words_of_blocks([1, 10, 19, 32 + 24]) }), r1));
-        let d = f16_lanes(_mm512_permutexvar_epi16(index(&const { lanes_of_blocks([0, 9, 18, 27]) }), r0));
+        let (lo, hi) = nibbles(_mm512_permutex2var_epi16(
+            r0,
+            index(&const { words_of_blocks([1, 10, 19, 32 + 24]) }),
+            r1,
+        ));
+        let d = f16_lanes(_mm512_permutexvar_epi16(
+            index(&const { lanes_of_blocks([0, 9, 18, 27]) }),
+            r0,
+        ));
         (lo, hi, d, _mm512_setzero_ps())
     }
 }
@@ -288,9 +341,19 @@ impl QuadBlocks for BlockQ4_1 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn unpack<const TAIL: bool>(src: Src) -> (__m512i, __m512i, __m512, __m512) {
         let (r0, r1) = (src.load64::<TAIL>(0), src.load64::<TAIL>(16));
-        let (lo, hi) = nibbles(_mm512_permutex2var_epi16(r0, index(&const { words_of_blocks([2, 12, 22, 32 + 24]) }), r1));
-        let d = f16_lanes(_mm512_permutexvar_epi16(index(&const { lanes_of_blocks([0, 10, 20, 30]) }), r0));
-        let m = f16_lanes(_mm512_permutexvar_epi16(index(&const { lanes_of_blocks([1, 11, 21, 31]) }), r0));
+        let (lo, hi) = nibbles(_mm512_permutex2var_epi16(
+            r0,
+            index(&const { words_of_blocks([2, 12, 22, 32 + 24]) }),
+            r1,
+        ));
+        let d = f16_lanes(_mm512_permutexvar_epi16(
+            index(&const { lanes_of_blocks([0, 10, 20, 30]) }),
+            r0,
+        ));
+        let m = f16_lanes(_mm512_permutexvar_epi16(
+            index(&const { lanes_of_blocks([1, 11, 21, 31]) }),
+            r0,
+        ));
         (lo, hi, d, m)
     }
 }
@@ -315,8 +378,13 @@ impl QuadBlocks for BlockQ8_0 {
         let hi = _mm512_shuffle_i64x2::<0b11_01_11_01>(q01, q23);
         // the four scales (bytes 0, 34, 68, 102) as f32, each to its block's four lanes
         let word = |k: usize| src.word::<TAIL>(34 * k) as i64;
-        let four = _mm_cvtph_ps(_mm_cvtsi64_si128(word(0) | word(1) << 16 | word(2) << 32 | word(3) << 48));
-        let d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_castps128_ps512(four));
+        let four = _mm_cvtph_ps(_mm_cvtsi64_si128(
+            word(0) | word(1) << 16 | word(2) << 32 | word(3) << 48,
+        ));
+        let d = _mm512_permutexvar_ps(
+            _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+            _mm512_castps128_ps512(four),
+        );
         (_mm512_xor_si512(lo, sign), _mm512_xor_si512(hi, sign), d, _mm512_setzero_ps())
     }
 }
@@ -337,7 +405,9 @@ struct RegQuad {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn block_sums4(s: [__m512i; 4]) -> __m512i {
-    let pairs = |a: __m512i, b: __m512i| _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    let pairs = |a: __m512i, b: __m512i| {
+        _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b))
+    };
     let (s01, s23) = (pairs(s[0], s[1]), pairs(s[2], s[3]));
     _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23))
 }
@@ -369,7 +439,15 @@ unsafe fn rows_by_lane(v: [__m512; 4]) -> __m512 {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn step_total<const MIN: bool>(sums: __m512i, d: __m512, m: __m512, x: &ActQuad) -> __m512 {
     let dd = _mm512_mul_ps(d, _mm512_load_ps(x.d.as_ptr()));
-    let p = if MIN { _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), dd, _mm512_mul_ps(m, _mm512_load_ps(x.s.as_ptr()))) } else { _mm512_mul_ps(_mm512_cvtepi32_ps(sums), dd) };
+    let p = if MIN {
+        _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(sums),
+            dd,
+            _mm512_mul_ps(m, _mm512_load_ps(x.s.as_ptr())),
+        )
+    } else {
+        _mm512_mul_ps(_mm512_cvtepi32_ps(sums), dd)
+    };
     let p = _mm512_add_ps(p, _mm512_shuffle_f32x4::<0b10_11_00_01>(p, p));
     _mm512_add_ps(p, _mm512_shuffle_f32x4::<0b01_00_11_10>(p, p))
 }
@@ -394,7 +472,12 @@ unsafe fn dot_steps<const MIN: bool, const OFFSET: i32, const R: usize, const N:
     // R = 4: one vector per token, row r's total in lane r; else one per row and token (lane 0)
     let mut acc = [[_mm512_setzero_ps(); N]; R];
     let mut prefetch = crate::avx2::Prefetch::new(next, steps);
-    let zero = RegQuad { lo: _mm512_setzero_si512(), hi: _mm512_setzero_si512(), scale: _mm512_setzero_ps(), min: _mm512_setzero_ps() };
+    let zero = RegQuad {
+        lo: _mm512_setzero_si512(),
+        hi: _mm512_setzero_si512(),
+        scale: _mm512_setzero_ps(),
+        min: _mm512_setzero_ps(),
+    };
     for j in 0..steps {
         prefetch.step();
         // (a loop, not `array::from_fn`: its closure would not be compiled for these features)
@@ -404,7 +487,10 @@ unsafe fn dot_steps<const MIN: bool, const OFFSET: i32, const R: usize, const N:
         }
         let (d4, m4) = match (R, scales4(j)) {
             (4, Some(both)) => both,
-            (4, None) => (rows_by_lane([w[0].scale, w[1].scale, w[2].scale, w[3].scale]), rows_by_lane([w[0].min, w[1].min, w[2].min, w[3].min])),
+            (4, None) => (
+                rows_by_lane([w[0].scale, w[1].scale, w[2].scale, w[3].scale]),
+                rows_by_lane([w[0].min, w[1].min, w[2].min, w[3].min]),
+            ),
             _ => (zero.scale, zero.min),
         };
         for t in 0..N {
@@ -419,10 +505,12 @@ unsafe fn dot_steps<const MIN: bool, const OFFSET: i32, const R: usize, const N:
             let (a_lo, a_hi) = (bytes(&x.lo), bytes(&x.hi));
             let mut sums = [_mm512_setzero_si512(); R];
             for r in 0..R {
-                sums[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, w[r].lo, a_lo), w[r].hi, a_hi);
+                sums[r] =
+                    _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, w[r].lo, a_lo), w[r].hi, a_hi);
             }
             if R == 4 {
-                let total = step_total::<MIN>(block_sums4([sums[0], sums[1], sums[2], sums[3]]), d4, m4, x);
+                let total =
+                    step_total::<MIN>(block_sums4([sums[0], sums[1], sums[2], sums[3]]), d4, m4, x);
                 acc[0][t] = _mm512_add_ps(acc[0][t], total);
             } else {
                 for r in 0..R {
@@ -453,7 +541,11 @@ unsafe fn dot_steps<const MIN: bool, const OFFSET: i32, const R: usize, const N:
 /// (`QuadBlocks::unpack`), the last up to three through masked loads.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn dot_quads<B: QuadBlocks, const R: usize, const N: usize>(w: [&[B]; R], quads: [&[ActQuad]; N], next: &[u8]) -> [[f32; N]; R] {
+unsafe fn dot_quads<B: QuadBlocks, const R: usize, const N: usize>(
+    w: [&[B]; R],
+    quads: [&[ActQuad]; N],
+    next: &[u8],
+) -> [[f32; N]; R] {
     let blocks = w[0].len();
     debug_assert!(w.iter().all(|row| row.len() == blocks));
     let (full, rest) = (blocks / 4, blocks % 4);
@@ -470,7 +562,11 @@ unsafe fn dot_quads<B: QuadBlocks, const R: usize, const N: usize>(w: [&[B]; R],
         let idx = B::SCALE_INDEX?;
         let src = |r: usize| {
             let p = (w[r % R].as_ptr() as *const u8).add(B::BYTES * j);
-            if j < full { Src { p, len: B::BYTES }.load64::<false>(0) } else { Src { p, len: rest * std::mem::size_of::<B>() }.load64::<true>(0) }
+            if j < full {
+                Src { p, len: B::BYTES }.load64::<false>(0)
+            } else {
+                Src { p, len: rest * std::mem::size_of::<B>() }.load64::<true>(0)
+            }
         };
         Some(scales_of_four_rows(&idx, [src(0), src(1), src(2), src(3)]))
     };
@@ -507,24 +603,39 @@ unsafe fn scales_of_four_rows(idx: &[i16; 32], heads: [__m512i; 4]) -> (__m512, 
     let low = _mm512_permutex2var_epi16(heads[0], idx, heads[1]);
     let high = _mm512_permutex2var_epi16(heads[2], idx, heads[3]);
     let both = _mm512_mask_blend_epi16(0xCCCC_CCCC, low, high);
-    (_mm512_cvtph_ps(_mm512_castsi512_si256(both)), _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(both)))
+    (
+        _mm512_cvtph_ps(_mm512_castsi512_si256(both)),
+        _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(both)),
+    )
 }
 
 /// Twin of `quant::dot_q4_0_scalar`, for R rows of as many blocks.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn dot_q4_0<const R: usize, const N: usize>(w: [&[BlockQ4_0]; R], quads: [&[ActQuad]; N], next: &[u8]) -> [[f32; N]; R] {
+pub unsafe fn dot_q4_0<const R: usize, const N: usize>(
+    w: [&[BlockQ4_0]; R],
+    quads: [&[ActQuad]; N],
+    next: &[u8],
+) -> [[f32; N]; R] {
     dot_quads(w, quads, next)
 }
 
 /// Twin of `quant::dot_q4_1_scalar`, for R rows of as many blocks.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn dot_q4_1<const R: usize, const N: usize>(w: [&[BlockQ4_1]; R], quads: [&[ActQuad]; N], next: &[u8]) -> [[f32; N]; R] {
+pub unsafe fn dot_q4_1<const R: usize, const N: usize>(
+    w: [&[BlockQ4_1]; R],
+    quads: [&[ActQuad]; N],
+    next: &[u8],
+) -> [[f32; N]; R] {
     dot_quads(w, quads, next)
 }
 
 /// Twin of `quant::dot_q8_0_scalar`, for R rows of as many blocks.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn dot_q8_0<const R: usize, const N: usize>(w: [&[BlockQ8_0]; R], quads: [&[ActQuad]; N], next: &[u8]) -> [[f32; N]; R] {
+pub unsafe fn dot_q8_0<const R: usize, const N: usize>(
+    w: [&[BlockQ8_0]; R],
+    quads: [&[ActQuad]; N],
+    next: &[u8],
+) -> [[f32; N]; R] {
     dot_quads(w, quads, next)
 }
 
@@ -533,7 +644,12 @@ pub unsafe fn dot_q8_0<const R: usize, const N: usize>(w: [&[BlockQ8_0]; R], qua
 /// into one `RegQuad` (v + 128). Twin of `chunked::dot_scalar`. (The super-block formats go
 /// through `quant::superblock_avx2`, see `matmul::reads_q8k`.)
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn dot_chunked<const R: usize, const N: usize>(dtype: DType, rows: [&[u8]; R], quads: [&[ActQuad]; N], next: &[u8]) -> [[f32; N]; R] {
+pub unsafe fn dot_chunked<const R: usize, const N: usize>(
+    dtype: DType,
+    rows: [&[u8]; R],
+    quads: [&[ActQuad]; N],
+    next: &[u8],
+) -> [[f32; N]; R] {
     use crate::quant::chunked_avx2 as c2;
     let nb = quads[0].len() * 4; // (padded)
     let blocks = rows[0].len() / dtype.block_bytes() * (dtype.block_len() / 32);
@@ -545,7 +661,11 @@ pub unsafe fn dot_chunked<const R: usize, const N: usize>(dtype: DType, rows: [&
                 let row = rows[r];
                 let ch = |c: usize| {
                     let k = 4 * j + c;
-                    if k < blocks { $decode(row, k / PER_BLOCK, k % PER_BLOCK) } else { Decoded::zero() }
+                    if k < blocks {
+                        $decode(row, k / PER_BLOCK, k % PER_BLOCK)
+                    } else {
+                        Decoded::zero()
+                    }
                 };
                 match direct_quad($dtype, row, j, blocks) {
                     Some(q) => q,
@@ -571,9 +691,15 @@ pub unsafe fn dot_chunked<const R: usize, const N: usize>(dtype: DType, rows: [&
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn direct_quad(dtype: DType, row: &[u8], j: usize, blocks: usize) -> Option<RegQuad> {
     match dtype {
-        DType::Q5_0 if 4 * j + 4 <= blocks => Some(q5_0_quad(row.as_ptr().add(4 * j * std::mem::size_of::<BlockQ5_0>()))),
-        DType::Q5_1 if 4 * j + 4 <= blocks => Some(q5_1_quad(row.as_ptr().add(4 * j * std::mem::size_of::<BlockQ5_1>()))),
-        DType::IQ4_NL if 4 * j + 4 <= blocks => Some(iq4_nl_quad(row.as_ptr().add(4 * j * std::mem::size_of::<BlockIQ4NL>()))),
+        DType::Q5_0 if 4 * j + 4 <= blocks => {
+            Some(q5_0_quad(row.as_ptr().add(4 * j * std::mem::size_of::<BlockQ5_0>())))
+        }
+        DType::Q5_1 if 4 * j + 4 <= blocks => {
+            Some(q5_1_quad(row.as_ptr().add(4 * j * std::mem::size_of::<BlockQ5_1>())))
+        }
+        DType::IQ4_NL if 4 * j + 4 <= blocks => {
+            Some(iq4_nl_quad(row.as_ptr().add(4 * j * std::mem::size_of::<BlockIQ4NL>())))
+        }
         _ => None,
     }
 }
@@ -595,7 +721,10 @@ unsafe fn nibble_halves(q: __m512i) -> (__m512i, __m512i) {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn four_blocks(p: *const u8, stride: usize, qs: usize) -> (__m512i, __m512) {
     let q = |k: usize| _mm_loadu_si128(p.add(stride * k + qs) as *const __m128i);
-    let v = _mm512_inserti32x4::<3>(_mm512_inserti32x4::<2>(_mm512_inserti32x4::<1>(_mm512_castsi128_si512(q(0)), q(1)), q(2)), q(3));
+    let v = _mm512_inserti32x4::<3>(
+        _mm512_inserti32x4::<2>(_mm512_inserti32x4::<1>(_mm512_castsi128_si512(q(0)), q(1)), q(2)),
+        q(3),
+    );
     (v, block_f16_lanes(p, stride, 0))
 }
 
@@ -605,8 +734,12 @@ unsafe fn four_blocks(p: *const u8, stride: usize, qs: usize) -> (__m512i, __m51
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn block_f16_lanes(p: *const u8, stride: usize, offset: usize) -> __m512 {
     let word = |k: usize| (p.add(stride * k + offset) as *const u16).read_unaligned() as i64;
-    let four = _mm_cvtph_ps(_mm_cvtsi64_si128(word(0) | word(1) << 16 | word(2) << 32 | word(3) << 48));
-    _mm512_permutexvar_ps(_mm512_loadu_si512(LANES_OF_FOUR.as_ptr() as *const _), _mm512_castps128_ps512(four))
+    let four =
+        _mm_cvtph_ps(_mm_cvtsi64_si128(word(0) | word(1) << 16 | word(2) << 32 | word(3) << 48));
+    _mm512_permutexvar_ps(
+        _mm512_loadu_si512(LANES_OF_FOUR.as_ptr() as *const _),
+        _mm512_castps128_ps512(four),
+    )
 }
 
 /// The fifth bits of four Q5_0/Q5_1 blocks at `p` (`qh` at offset `qh`) as byte masks of the
@@ -629,19 +762,33 @@ fn fifth_bits(p: *const u8, stride: usize, qh: usize) -> (u64, u64) {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn signed_quad(lo: __m512i, hi: __m512i, scale: __m512) -> RegQuad {
     let flip = _mm512_set1_epi8(-128);
-    RegQuad { lo: _mm512_xor_si512(lo, flip), hi: _mm512_xor_si512(hi, flip), scale, min: _mm512_setzero_ps() }
+    RegQuad {
+        lo: _mm512_xor_si512(lo, flip),
+        hi: _mm512_xor_si512(hi, flip),
+        scale,
+        min: _mm512_setzero_ps(),
+    }
 }
 
 /// Four Q5_0 or Q5_1 blocks at `p` (`stride` bytes each, `qh` and `qs` at those offsets):
 /// q = nibble | fifth bit << 4, in `nibble_halves` order, and the blocks' scales.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn five_bit_blocks(p: *const u8, stride: usize, qh: usize, qs: usize) -> (__m512i, __m512i, __m512) {
+unsafe fn five_bit_blocks(
+    p: *const u8,
+    stride: usize,
+    qh: usize,
+    qs: usize,
+) -> (__m512i, __m512i, __m512) {
     let (q, d) = four_blocks(p, stride, qs);
     let (lo, hi) = nibble_halves(q);
     let (bits_lo, bits_hi) = fifth_bits(p, stride, qh);
     let sixteen = _mm512_set1_epi8(0x10);
-    (_mm512_or_si512(lo, _mm512_maskz_mov_epi8(bits_lo, sixteen)), _mm512_or_si512(hi, _mm512_maskz_mov_epi8(bits_hi, sixteen)), d)
+    (
+        _mm512_or_si512(lo, _mm512_maskz_mov_epi8(bits_lo, sixteen)),
+        _mm512_or_si512(hi, _mm512_maskz_mov_epi8(bits_hi, sixteen)),
+        d,
+    )
 }
 
 /// Four Q5_0 blocks at `p`: v = q - 16.
@@ -651,7 +798,12 @@ unsafe fn q5_0_quad(p: *const u8) -> RegQuad {
     let (lo, hi, d) = five_bit_blocks(p, std::mem::size_of::<BlockQ5_0>(), 2, 6);
     // v + 128 = q + 112
     let off = _mm512_set1_epi8(112);
-    RegQuad { lo: _mm512_add_epi8(lo, off), hi: _mm512_add_epi8(hi, off), scale: d, min: _mm512_setzero_ps() }
+    RegQuad {
+        lo: _mm512_add_epi8(lo, off),
+        hi: _mm512_add_epi8(hi, off),
+        scale: d,
+        min: _mm512_setzero_ps(),
+    }
 }
 
 /// Four Q5_1 blocks at `p`: v = q, weight d * v + m.
@@ -661,7 +813,12 @@ unsafe fn q5_1_quad(p: *const u8) -> RegQuad {
     const STRIDE: usize = std::mem::size_of::<BlockQ5_1>();
     let (lo, hi, d) = five_bit_blocks(p, STRIDE, 4, 8);
     let flip = _mm512_set1_epi8(-128);
-    RegQuad { lo: _mm512_xor_si512(lo, flip), hi: _mm512_xor_si512(hi, flip), scale: d, min: block_f16_lanes(p, STRIDE, 2) }
+    RegQuad {
+        lo: _mm512_xor_si512(lo, flip),
+        hi: _mm512_xor_si512(hi, flip),
+        scale: d,
+        min: block_f16_lanes(p, STRIDE, 2),
+    }
 }
 
 /// IQ4's 16 values in every 128-bit lane.
@@ -688,8 +845,18 @@ unsafe fn iq4_nl_quad(p: *const u8) -> RegQuad {
 unsafe fn gather(ch: [Decoded; 4]) -> RegQuad {
     let join = |x: __m256i, y: __m256i| _mm512_inserti64x4::<1>(_mm512_castsi256_si512(x), y);
     // the low 128 bits of each of the four, and the high 128 bits of each
-    let lows = |v: [__m256i; 4]| join(_mm256_permute2x128_si256::<0x20>(v[0], v[1]), _mm256_permute2x128_si256::<0x20>(v[2], v[3]));
-    let highs = |v: [__m256i; 4]| join(_mm256_permute2x128_si256::<0x31>(v[0], v[1]), _mm256_permute2x128_si256::<0x31>(v[2], v[3]));
+    let lows = |v: [__m256i; 4]| {
+        join(
+            _mm256_permute2x128_si256::<0x20>(v[0], v[1]),
+            _mm256_permute2x128_si256::<0x20>(v[2], v[3]),
+        )
+    };
+    let highs = |v: [__m256i; 4]| {
+        join(
+            _mm256_permute2x128_si256::<0x31>(v[0], v[1]),
+            _mm256_permute2x128_si256::<0x31>(v[2], v[3]),
+        )
+    };
     // (arrays written out: an `array::map` closure would not be compiled for AVX-512)
     let v = [ch[0].v, ch[1].v, ch[2].v, ch[3].v];
     let scale = |c: usize| _mm256_castps_si256(ch[c].scale);
@@ -698,7 +865,12 @@ unsafe fn gather(ch: [Decoded; 4]) -> RegQuad {
     let min = |c: usize| _mm256_castps_si256(_mm256_sub_ps(_mm256_setzero_ps(), ch[c].min));
     let min = [min(0), min(1), min(2), min(3)];
     let flip = _mm512_set1_epi8(-128);
-    RegQuad { lo: _mm512_xor_si512(lows(v), flip), hi: _mm512_xor_si512(highs(v), flip), scale: _mm512_castsi512_ps(lows(scale)), min: _mm512_castsi512_ps(lows(min)) }
+    RegQuad {
+        lo: _mm512_xor_si512(lows(v), flip),
+        hi: _mm512_xor_si512(highs(v), flip),
+        scale: _mm512_castsi512_ps(lows(scale)),
+        min: _mm512_castsi512_ps(lows(min)),
+    }
 }
 
 /// `avx2::attn_scores_group` with AVX-512VL's 32 vector registers: rows go in passes of 6 (up

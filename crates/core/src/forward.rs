@@ -73,7 +73,12 @@ pub trait Backend {
 
 /// Runs `tokens` (one per row) through every layer and returns the logits of the last
 /// `n_logits` rows (n_logits, n_vocab).
-pub fn forward<B: Backend>(b: &mut B, model: &Model, tokens: &[u32], n_logits: usize) -> Result<Vec<f32>> {
+pub fn forward<B: Backend>(
+    b: &mut B,
+    model: &Model,
+    tokens: &[u32],
+    n_logits: usize,
+) -> Result<Vec<f32>> {
     b.embed(tokens)?;
     for l in 0..model.config.n_layer {
         layer(b, model, l)?;

@@ -137,11 +137,15 @@ impl GgufFile {
             _ => Error::Io { path: path.to_path_buf(), source: e },
         })?;
         if file.metadata().map(|m| m.is_dir()).unwrap_or(false) {
-            return Err(Error::Format(format!("{} is a directory, not a GGUF file", path.display())));
+            return Err(Error::Format(format!(
+                "{} is a directory, not a GGUF file",
+                path.display()
+            )));
         }
         // SAFETY: the map is read-only; a file truncated by another process while mapped would
         // fault, which is the same contract every mmap-based model loader has.
-        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::Io { path: path.to_path_buf(), source: e })?;
+        let mmap = unsafe { Mmap::map(&file) }
+            .map_err(|e| Error::Io { path: path.to_path_buf(), source: e })?;
         advise_huge_pages(&mmap);
         let header = parse_header(&mmap)?;
         Ok(GgufFile {
@@ -150,7 +154,12 @@ impl GgufFile {
             version: header.version,
             index: header.metadata.iter().enumerate().map(|(i, (k, _))| (k.clone(), i)).collect(),
             metadata: header.metadata,
-            tensor_index: header.tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect(),
+            tensor_index: header
+                .tensors
+                .iter()
+                .enumerate()
+                .map(|(i, t)| (t.name.clone(), i))
+                .collect(),
             tensors: header.tensors,
             alignment: header.alignment,
             data_offset: header.data_offset,
@@ -177,14 +186,21 @@ impl GgufFile {
 
     /// Tensor `name` decoded to f32, row by row (rows of dims[0] elements), for inspection.
     pub fn read_f32(&self, name: &str) -> Result<Vec<f32>> {
-        let t = self.tensor(name).ok_or_else(|| Error::InvalidArgument(format!("the file has no tensor named '{name}'")))?;
-        let dtype = t.dtype.ok_or_else(|| Error::UnsupportedType { tensor: t.name.clone(), dtype: t.type_name() })?;
+        let t = self.tensor(name).ok_or_else(|| {
+            Error::InvalidArgument(format!("the file has no tensor named '{name}'"))
+        })?;
+        let dtype = t.dtype.ok_or_else(|| Error::UnsupportedType {
+            tensor: t.name.clone(),
+            dtype: t.type_name(),
+        })?;
         let row_len = t.dims.first().copied().unwrap_or(1) as usize;
         let n = t.n_elements() as usize;
         let mut out = vec![0.0f32; n];
         if row_len > 0 {
             let row_bytes = dtype.row_bytes(row_len);
-            for (o, bytes) in out.chunks_exact_mut(row_len).zip(self.tensor_bytes(t).chunks_exact(row_bytes)) {
+            for (o, bytes) in
+                out.chunks_exact_mut(row_len).zip(self.tensor_bytes(t).chunks_exact(row_bytes))
+            {
                 crate::quant::dequantize_row(dtype, bytes, o);
             }
         }
@@ -260,7 +276,8 @@ impl<'a> Cursor<'a> {
             return Err(Error::Format(format!("{what}: string length {len} is out of range")));
         }
         let bytes = self.take(len, what)?;
-        String::from_utf8(bytes.to_vec()).map_err(|_| Error::Format(format!("{what}: string is not valid UTF-8")))
+        String::from_utf8(bytes.to_vec())
+            .map_err(|_| Error::Format(format!("{what}: string is not valid UTF-8")))
     }
 
     fn value(&mut self, type_id: u32, key: &str, depth: u32) -> Result<Value> {
@@ -275,17 +292,25 @@ impl<'a> Cursor<'a> {
             7 => match self.u8(key)? {
                 0 => Value::Bool(false),
                 1 => Value::Bool(true),
-                b => return Err(Error::Format(format!("metadata '{key}': bool byte {b} is neither 0 nor 1"))),
+                b => {
+                    return Err(Error::Format(format!(
+                        "metadata '{key}': bool byte {b} is neither 0 nor 1"
+                    )))
+                }
             },
             8 => Value::Str(self.string(key)?),
             9 => {
                 if depth > 0 {
-                    return Err(Error::Format(format!("metadata '{key}': nested arrays are not supported")));
+                    return Err(Error::Format(format!(
+                        "metadata '{key}': nested arrays are not supported"
+                    )));
                 }
                 let elem_type = self.u32(key)?;
                 let len = self.u64(key)?;
                 if len > MAX_ARRAY_LEN {
-                    return Err(Error::Format(format!("metadata '{key}': array length {len} is out of range")));
+                    return Err(Error::Format(format!(
+                        "metadata '{key}': array length {len} is out of range"
+                    )));
                 }
                 // Each element takes at least one byte: a length beyond the bytes left is a lie.
                 if len > (self.buf.len() - self.pos) as u64 {
@@ -325,7 +350,9 @@ pub fn parse_header(buf: &[u8]) -> Result<Header> {
     };
     let version = c.u32("version")?;
     if version != 2 && version != 3 {
-        return Err(Error::Format(format!("GGUF version {version} is not supported (only 2 and 3)")));
+        return Err(Error::Format(format!(
+            "GGUF version {version} is not supported (only 2 and 3)"
+        )));
     }
     let n_tensors = c.u64("tensor count")?;
     let n_kv = c.u64("metadata count")?;
@@ -348,7 +375,9 @@ pub fn parse_header(buf: &[u8]) -> Result<Header> {
         None => DEFAULT_ALIGNMENT,
         Some((_, v)) => match v.as_u64() {
             Some(a) if a > 0 && a.is_power_of_two() && a <= 1 << 20 => a,
-            _ => return Err(Error::Format(format!("general.alignment {v:?} is not a power of two"))),
+            _ => {
+                return Err(Error::Format(format!("general.alignment {v:?} is not a power of two")))
+            }
         },
     };
 
@@ -357,7 +386,9 @@ pub fn parse_header(buf: &[u8]) -> Result<Header> {
         let name = c.string("tensor name")?;
         let n_dims = c.u32(&name)?;
         if n_dims == 0 || n_dims > MAX_DIMS {
-            return Err(Error::Format(format!("tensor '{name}': {n_dims} dimensions (1 to {MAX_DIMS} allowed)")));
+            return Err(Error::Format(format!(
+                "tensor '{name}': {n_dims} dimensions (1 to {MAX_DIMS} allowed)"
+            )));
         }
         let mut dims = Vec::with_capacity(n_dims as usize);
         for _ in 0..n_dims {
@@ -370,7 +401,9 @@ pub fn parse_header(buf: &[u8]) -> Result<Header> {
             .iter()
             .try_fold(1u64, |acc, &d| acc.checked_mul(d))
             .filter(|&n| n < 1 << 48)
-            .ok_or_else(|| Error::Format(format!("tensor '{name}': dimensions {dims:?} are out of range")))?;
+            .ok_or_else(|| {
+                Error::Format(format!("tensor '{name}': dimensions {dims:?} are out of range"))
+            })?;
         let n_bytes = match dtype {
             Some(dt) => {
                 if dims[0] % dt.block_len() as u64 != 0 {
@@ -385,15 +418,17 @@ pub fn parse_header(buf: &[u8]) -> Result<Header> {
             }
             // plain element types the engine does not compute with but index files use
             None => match type_id {
-                24 => n_elements,     // I8
-                25 => n_elements * 2, // I16
-                26 => n_elements * 4, // I32
+                24 => n_elements,          // I8
+                25 => n_elements * 2,      // I16
+                26 => n_elements * 4,      // I32
                 27 | 28 => n_elements * 8, // I64, F64
                 _ => 0,
             },
         };
         if offset % alignment != 0 {
-            return Err(Error::Format(format!("tensor '{name}': offset {offset} is not aligned to {alignment}")));
+            return Err(Error::Format(format!(
+                "tensor '{name}': offset {offset} is not aligned to {alignment}"
+            )));
         }
         tensors.push(TensorInfo { name, dims, type_id, dtype, offset, n_bytes });
     }

@@ -29,7 +29,8 @@ pub struct GpuIndex {
 }
 
 fn i32_tensor(file: &GgufFile, name: &str) -> Result<Vec<i32>> {
-    let t = file.tensor(name).ok_or_else(|| Error::Model(format!("GPU index has no tensor {name}")))?;
+    let t =
+        file.tensor(name).ok_or_else(|| Error::Model(format!("GPU index has no tensor {name}")))?;
     if t.type_id != I32_TYPE_ID || t.dims.len() != 1 {
         return Err(Error::Model(format!(
             "GPU index tensor {name} must be a 1-D I32 vector, found {} with shape {:?}",
@@ -37,7 +38,11 @@ fn i32_tensor(file: &GgufFile, name: &str) -> Result<Vec<i32>> {
             t.shape()
         )));
     }
-    Ok(file.tensor_bytes(t).chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
+    Ok(file
+        .tensor_bytes(t)
+        .chunks_exact(4)
+        .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect())
 }
 
 impl GpuIndex {
@@ -58,7 +63,8 @@ impl GpuIndex {
             .get("split.vram_capacity")
             .and_then(|v| v.as_u64())
             .ok_or_else(|| Error::Model("GPU index has no split.vram_capacity".into()))?;
-        let n_layer = (0..).take_while(|i| file.tensor(&format!("blk.{i}.gpu_idx")).is_some()).count();
+        let n_layer =
+            (0..).take_while(|i| file.tensor(&format!("blk.{i}.gpu_idx")).is_some()).count();
         if n_layer == 0 {
             return Err(Error::Model("GPU index has no blk.0.gpu_idx".into()));
         }
@@ -67,17 +73,25 @@ impl GpuIndex {
             let mask = i32_tensor(&file, &format!("blk.{i}.gpu_idx"))?;
             let bucket = i32_tensor(&file, &format!("blk.{i}.gpu_bucket"))?;
             if let Some(v) = mask.iter().find(|&&v| v != 0 && v != 1) {
-                return Err(Error::Model(format!("blk.{i}.gpu_idx holds {v}; only 0 and 1 are allowed")));
+                return Err(Error::Model(format!(
+                    "blk.{i}.gpu_idx holds {v}; only 0 and 1 are allowed"
+                )));
             }
-            let expected: Vec<u32> = (0..mask.len() as u32).filter(|&j| mask[j as usize] == 1).collect();
-            if bucket.len() != expected.len() || bucket.iter().zip(&expected).any(|(&b, &e)| b as i64 != e as i64) {
+            let expected: Vec<u32> =
+                (0..mask.len() as u32).filter(|&j| mask[j as usize] == 1).collect();
+            if bucket.len() != expected.len()
+                || bucket.iter().zip(&expected).any(|(&b, &e)| b as i64 != e as i64)
+            {
                 return Err(Error::Model(format!(
                     "blk.{i}.gpu_bucket ({} entries) is not the ascending list of the {} neurons blk.{i}.gpu_idx marks",
                     bucket.len(),
                     expected.len()
                 )));
             }
-            layers.push(LayerSplit { on_gpu: mask.iter().map(|&v| v == 1).collect(), gpu_bucket: expected });
+            layers.push(LayerSplit {
+                on_gpu: mask.iter().map(|&v| v == 1).collect(),
+                gpu_bucket: expected,
+            });
         }
         Ok(GpuIndex { vram_capacity, layers })
     }

@@ -15,7 +15,9 @@ use crate::quant::legacy_avx2;
 use crate::quant::superblock::{self, BlockQ8K};
 #[cfg(target_arch = "x86_64")]
 use crate::quant::superblock_avx2::GroupWidth;
-use crate::quant::{self, cast_blocks, ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK, QK_K};
+use crate::quant::{
+    self, cast_blocks, ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK, QK_K,
+};
 
 /// Instruction sets the kernels are written for, in increasing order: each level has every
 /// feature of the ones below it.
@@ -90,7 +92,9 @@ pub fn avx_vnni(level: SimdLevel) -> bool {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn detect() -> SimdLevel {
-    let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
+    let avx2 = is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c");
     let avx512 = is_x86_feature_detected!("avx512f")
         && is_x86_feature_detected!("avx512bw")
         && is_x86_feature_detected!("avx512vl")
@@ -129,7 +133,12 @@ impl<'a> QMatrix<'a> {
     /// Rows r0..r1 as a matrix of their own (a view, no copy).
     pub fn rows_range(&self, r0: usize, r1: usize) -> QMatrix<'a> {
         let rb = self.row_bytes();
-        QMatrix { dtype: self.dtype, rows: r1 - r0, cols: self.cols, data: &self.data[r0 * rb..r1 * rb] }
+        QMatrix {
+            dtype: self.dtype,
+            rows: r1 - r0,
+            cols: self.cols,
+            data: &self.data[r0 * rb..r1 * rb],
+        }
     }
 
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
@@ -193,7 +202,15 @@ impl Activations {
         self.set_rounded(x, n, cols, floats, per_32, per_256);
     }
 
-    fn set_rounded(&mut self, x: &[f32], n: usize, cols: usize, floats: bool, per_32: bool, per_256: bool) {
+    fn set_rounded(
+        &mut self,
+        x: &[f32],
+        n: usize,
+        cols: usize,
+        floats: bool,
+        per_32: bool,
+        per_256: bool,
+    ) {
         assert_eq!(x.len(), n * cols);
         self.n = n;
         self.cols = cols;
@@ -207,11 +224,15 @@ impl Activations {
             self.q8.clear();
             if per_32 {
                 self.q8.resize(n * nb, BlockQ8Act::default());
-                self.q8.par_chunks_mut(nb * 16).zip(x.par_chunks(cols * 16)).for_each(|(q, xs)| match level {
-                    #[cfg(target_arch = "x86_64")]
-                    // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c.
-                    SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { crate::avx2::quantize_act(xs, q) },
-                    _ => quant::quantize_act(xs, q),
+                self.q8.par_chunks_mut(nb * 16).zip(x.par_chunks(cols * 16)).for_each(|(q, xs)| {
+                    match level {
+                        #[cfg(target_arch = "x86_64")]
+                        // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c.
+                        SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe {
+                            crate::avx2::quantize_act(xs, q)
+                        },
+                        _ => quant::quantize_act(xs, q),
+                    }
                 });
             }
             self.q8_bias.clear();
@@ -219,7 +240,10 @@ impl Activations {
             if level == SimdLevel::Avx512 && n >= GROUP_MIN_TOKENS && per_32 {
                 self.q8_bias.resize(n * nb, 0);
                 // SAFETY: Avx512 is only reported when the CPU has AVX2's features too.
-                self.q8_bias.par_chunks_mut(nb * 16).zip(self.q8.par_chunks(nb * 16)).for_each(|(b, q)| unsafe { legacy_avx2::activation_bias(q, b) });
+                self.q8_bias
+                    .par_chunks_mut(nb * 16)
+                    .zip(self.q8.par_chunks(nb * 16))
+                    .for_each(|(b, q)| unsafe { legacy_avx2::activation_bias(q, b) });
             }
             self.q8k.clear();
             // (at every level: the tests read AVX-512 machines' activations at the lower levels
@@ -227,12 +251,16 @@ impl Activations {
             if cols % QK_K == 0 && per_256 {
                 let nk = cols / QK_K;
                 self.q8k.resize(n * nk, BlockQ8K::default());
-                self.q8k.par_chunks_mut(nk * 16).zip(x.par_chunks(cols * 16)).for_each(|(q, xs)| match level {
-                    #[cfg(target_arch = "x86_64")]
-                    // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
-                    SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { superblock::quantize_act_k_avx2(xs, q) },
-                    _ => superblock::quantize_act_k(xs, q),
-                });
+                self.q8k.par_chunks_mut(nk * 16).zip(x.par_chunks(cols * 16)).for_each(
+                    |(q, xs)| match level {
+                        #[cfg(target_arch = "x86_64")]
+                        // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
+                        SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe {
+                            superblock::quantize_act_k_avx2(xs, q)
+                        },
+                        _ => superblock::quantize_act_k(xs, q),
+                    },
+                );
             }
             self.quads.clear();
             // (a prompt's row groups read `q8`; the quads serve its masked products' one-token
@@ -240,11 +268,13 @@ impl Activations {
             if level == SimdLevel::Avx512 && per_32 {
                 let nq = quant::act_quads(nb);
                 self.quads.resize(n * nq, ActQuad::default());
-                self.quads.par_chunks_mut(nq * 16).zip(self.q8.par_chunks(nb * 16)).for_each(|(p, q)| {
-                    for (p, q) in p.chunks_mut(nq).zip(q.chunks(nb)) {
-                        quant::arrange_act_quads(q, p);
-                    }
-                });
+                self.quads.par_chunks_mut(nq * 16).zip(self.q8.par_chunks(nb * 16)).for_each(
+                    |(p, q)| {
+                        for (p, q) in p.chunks_mut(nq).zip(q.chunks(nb)) {
+                            quant::arrange_act_quads(q, p);
+                        }
+                    },
+                );
             }
         } else {
             self.q8.clear();
@@ -284,7 +314,14 @@ impl Activations {
 /// 7.1 -> 11.6 GB/s (Q4_0), 8.9 -> 12.9 (Q8_0), 7.8 -> 9.7 (F16) of a 12.4 GB/s plain read.
 /// Prefetching never changes a value.
 #[inline]
-pub(crate) fn dot_row<const N: usize>(w: &QMatrix, r: usize, next: Option<usize>, x: &Activations, t: [usize; N], level: SimdLevel) -> [f32; N] {
+pub(crate) fn dot_row<const N: usize>(
+    w: &QMatrix,
+    r: usize,
+    next: Option<usize>,
+    x: &Activations,
+    t: [usize; N],
+    level: SimdLevel,
+) -> [f32; N] {
     let next: &[u8] = next.map_or(&[], |n| w.row(n));
     let [v] = dot_row_group::<1, N>(w, r, next, x, t, level);
     v
@@ -294,7 +331,14 @@ pub(crate) fn dot_row<const N: usize>(w: &QMatrix, r: usize, next: Option<usize>
 /// the AVX-512 level (the rows share the activations' loads), a row at a time otherwise.
 /// `next`: the bytes the caller reads after these rows (prefetched, see `dot_row`).
 #[inline]
-fn dot_row_group<const R: usize, const N: usize>(w: &QMatrix, r: usize, next: &[u8], x: &Activations, t: [usize; N], level: SimdLevel) -> [[f32; N]; R] {
+fn dot_row_group<const R: usize, const N: usize>(
+    w: &QMatrix,
+    r: usize,
+    next: &[u8],
+    x: &Activations,
+    t: [usize; N],
+    level: SimdLevel,
+) -> [[f32; N]; R] {
     let rows: [&[u8]; R] = std::array::from_fn(|k| w.row(r + k));
     // the 32-weight formats: `$avx512` the AVX-512 kernel's call (`quads` the tokens'
     // `ActQuad`s), the AVX2 one `avx2::dot_legacy`, `$scalar(row, a)` the scalar twin
@@ -311,7 +355,9 @@ fn dot_row_group<const R: usize, const N: usize>(w: &QMatrix, r: usize, next: &[
                 },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
-                SimdLevel::Avx2 => unsafe { crate::avx2::dot_legacy(rows.map(|row| cast_blocks::<$block>(row)), a, next) },
+                SimdLevel::Avx2 => unsafe {
+                    crate::avx2::dot_legacy(rows.map(|row| cast_blocks::<$block>(row)), a, next)
+                },
                 _ => rows.map(|row| $scalar(row, a)),
             }
         }};
@@ -323,23 +369,51 @@ fn dot_row_group<const R: usize, const N: usize>(w: &QMatrix, r: usize, next: &[
             match level {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c.
-                SimdLevel::Avx2 | SimdLevel::Avx512 => rows.map(|row| unsafe { crate::avx2::dot_float(w.dtype, row, a, next) }),
+                SimdLevel::Avx2 | SimdLevel::Avx512 => {
+                    rows.map(|row| unsafe { crate::avx2::dot_float(w.dtype, row, a, next) })
+                }
                 _ => rows.map(|row| quant::dot_float_scalar(w.dtype, row, a)),
             }
         }
-        DType::Q4_0 => legacy!(BlockQ4_0, |q| crate::avx512::dot_q4_0(rows.map(cast_blocks), q, next), |row, a| quant::dot_q4_0_scalar(cast_blocks(row), a)),
-        DType::Q4_1 => legacy!(BlockQ4_1, |q| crate::avx512::dot_q4_1(rows.map(cast_blocks), q, next), |row, a| quant::dot_q4_1_scalar(cast_blocks(row), a)),
-        DType::Q8_0 => legacy!(BlockQ8_0, |q| crate::avx512::dot_q8_0(rows.map(cast_blocks), q, next), |row, a| quant::dot_q8_0_scalar(cast_blocks(row), a)),
-        DType::Q5_0 => legacy!(BlockQ5_0, |q| crate::avx512::dot_chunked(w.dtype, rows, q, next), |row, a| dot_scalar(w.dtype, row, a)),
-        DType::Q5_1 => legacy!(BlockQ5_1, |q| crate::avx512::dot_chunked(w.dtype, rows, q, next), |row, a| dot_scalar(w.dtype, row, a)),
-        DType::IQ4_NL => legacy!(BlockIQ4NL, |q| crate::avx512::dot_chunked(w.dtype, rows, q, next), |row, a| dot_scalar(w.dtype, row, a)),
+        DType::Q4_0 => legacy!(
+            BlockQ4_0,
+            |q| crate::avx512::dot_q4_0(rows.map(cast_blocks), q, next),
+            |row, a| quant::dot_q4_0_scalar(cast_blocks(row), a)
+        ),
+        DType::Q4_1 => legacy!(
+            BlockQ4_1,
+            |q| crate::avx512::dot_q4_1(rows.map(cast_blocks), q, next),
+            |row, a| quant::dot_q4_1_scalar(cast_blocks(row), a)
+        ),
+        DType::Q8_0 => legacy!(
+            BlockQ8_0,
+            |q| crate::avx512::dot_q8_0(rows.map(cast_blocks), q, next),
+            |row, a| quant::dot_q8_0_scalar(cast_blocks(row), a)
+        ),
+        DType::Q5_0 => {
+            legacy!(BlockQ5_0, |q| crate::avx512::dot_chunked(w.dtype, rows, q, next), |row, a| {
+                dot_scalar(w.dtype, row, a)
+            })
+        }
+        DType::Q5_1 => {
+            legacy!(BlockQ5_1, |q| crate::avx512::dot_chunked(w.dtype, rows, q, next), |row, a| {
+                dot_scalar(w.dtype, row, a)
+            })
+        }
+        DType::IQ4_NL => {
+            legacy!(BlockIQ4NL, |q| crate::avx512::dot_chunked(w.dtype, rows, q, next), |row, a| {
+                dot_scalar(w.dtype, row, a)
+            })
+        }
         // the super-block formats with per-256 activations
         dtype if reads_q8k(dtype) => {
             let a = t.map(|ti| x.q8k_row(ti));
             match level {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
-                SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { quant::superblock_avx2::dot(dtype, level == SimdLevel::Avx512, rows, a, next) },
+                SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe {
+                    quant::superblock_avx2::dot(dtype, level == SimdLevel::Avx512, rows, a, next)
+                },
                 _ => rows.map(|row| superblock::dot_scalar(dtype, row, a)),
             }
         }
@@ -361,7 +435,14 @@ fn group_rows(level: SimdLevel, dtype: DType) -> usize {
     match level {
         SimdLevel::Scalar => 1,
         _ if !dtype.is_quantized() => 1,
-        SimdLevel::Avx2 if !matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::Q5_0 | DType::Q5_1 | DType::IQ4_NL) && !superblock::is_superblock(dtype) => 1,
+        SimdLevel::Avx2
+            if !matches!(
+                dtype,
+                DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::Q5_0 | DType::Q5_1 | DType::IQ4_NL
+            ) && !superblock::is_superblock(dtype) =>
+        {
+            1
+        }
         _ => 4,
     }
 }
@@ -378,7 +459,13 @@ pub(crate) fn dot_rows<const N: usize>(
 ) {
     let row_bytes = w.row_bytes();
     // the bytes of rows a..b of this range, for the prefetch (none past the range)
-    let span = |a: usize, b: usize| -> &[u8] { if a < b { &w.data[a * row_bytes..b * row_bytes] } else { &[] } };
+    let span = |a: usize, b: usize| -> &[u8] {
+        if a < b {
+            &w.data[a * row_bytes..b * row_bytes]
+        } else {
+            &[]
+        }
+    };
     let mut r = rows.start;
     if N == 1 && group_rows(level, w.dtype) == 4 {
         while r + 4 <= rows.end {
@@ -430,7 +517,14 @@ pub fn matmul_many(mats: &[QMatrix], x: &Activations, outs: &mut [&mut [f32]]) {
     // first group waits on memory, so fewer, longer tasks: 8 per thread (SmolLM2 Q4_1 128-token
     // prompt 95 -> 88 ms; with 4, 85 ms, but threshold-mode prompts, whose tasks cost unevenly,
     // 240 -> 264 ms).
-    let target_chunks = threads * if n == 1 { 8 } else if n >= GROUP_MIN_TOKENS { 8 } else { 16 };
+    let target_chunks = threads
+        * if n == 1 {
+            8
+        } else if n >= GROUP_MIN_TOKENS {
+            8
+        } else {
+            16
+        };
     let chunk = (total_rows.div_ceil(target_chunks)).clamp(4, 4096).next_multiple_of(4);
     // Task k covers rows of one matrix; first_task[i] is matrix i's first task. Fixed-size
     // arrays, so that a decode step allocates nothing here.
@@ -443,14 +537,17 @@ pub fn matmul_many(mats: &[QMatrix], x: &Activations, outs: &mut [&mut [f32]]) {
     }
     let level = simd_level();
     (0..first_task[mats.len()]).into_par_iter().for_each(|task| {
-        let i = (0..mats.len()).rfind(|&i| first_task[i] <= task).expect("task 0 belongs to matrix 0");
+        let i =
+            (0..mats.len()).rfind(|&i| first_task[i] <= task).expect("task 0 belongs to matrix 0");
         let (w, out) = (&mats[i], ptrs[i]);
         let r0 = (task - first_task[i]) * chunk;
         let r1 = (r0 + chunk).min(w.rows);
         let rows = w.rows;
         // SAFETY: this task alone writes rows r0..r1 of matrix i, for every token; the
         // buffer length n * rows was asserted above.
-        rows_for_all_tokens(w, r0..r1, x, level, |t, r, v| unsafe { copy_values(v, out.at(t * rows + r)) });
+        rows_for_all_tokens(w, r0..r1, x, level, |t, r, v| unsafe {
+            copy_values(v, out.at(t * rows + r))
+        });
     });
 }
 
@@ -485,20 +582,49 @@ fn group_width(level: SimdLevel) -> GroupWidth {
 /// consecutive rows from it; a row group's at once, so that the stores to an output line not
 /// yet in cache are one, not one per value). Four tokens per pass over the rows, so each
 /// weight block is unpacked once for four tokens.
-fn rows_for_all_tokens(w: &QMatrix, rows: std::ops::Range<usize>, x: &Activations, level: SimdLevel, put: impl Fn(usize, usize, &[f32])) {
+fn rows_for_all_tokens(
+    w: &QMatrix,
+    rows: std::ops::Range<usize>,
+    x: &Activations,
+    level: SimdLevel,
+    put: impl Fn(usize, usize, &[f32]),
+) {
     let n = x.n;
     #[cfg(target_arch = "x86_64")]
     if level.has_avx2() && reads_q8k(w.dtype) && n >= GROUP_MIN_TOKENS {
         // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c, Avx512
         // when it has AVX-512 F/BW/VL/VNNI too, `avx_vnni` when it has AVX-VNNI; `q8k` holds n
         // tokens (cols is a multiple of 256 for these types).
-        unsafe { quant::superblock_avx2::rows_all_tokens(w.dtype, group_width(level), |r| w.row(r), w.cols, rows, &x.q8k, n, put) };
+        unsafe {
+            quant::superblock_avx2::rows_all_tokens(
+                w.dtype,
+                group_width(level),
+                |r| w.row(r),
+                w.cols,
+                rows,
+                &x.q8k,
+                n,
+                put,
+            )
+        };
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if level.has_avx2() && legacy_avx2::groups_rows(w.dtype) && n >= GROUP_MIN_TOKENS {
         // SAFETY: as above; `q8` holds n tokens.
-        unsafe { legacy_avx2::legacy_rows_all_tokens(w.dtype, group_width(level), |r| w.row(r), w.cols, rows, &x.q8, &x.q8_bias, n, put) };
+        unsafe {
+            legacy_avx2::legacy_rows_all_tokens(
+                w.dtype,
+                group_width(level),
+                |r| w.row(r),
+                w.cols,
+                rows,
+                &x.q8,
+                &x.q8_bias,
+                n,
+                put,
+            )
+        };
         return;
     }
     let mut t = 0;
@@ -531,13 +657,22 @@ fn rows_for_all_tokens(w: &QMatrix, rows: std::ops::Range<usize>, x: &Activation
 /// selected the row are computed (four such tokens per pass over the row), the others are left
 /// as they were; without it, runs of consecutive rows are read as one stream for all tokens.
 /// Each value equals the one `matmul_many` computes for that row and token.
-pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: &Activations, outs: &mut [&mut [f32]]) {
+pub fn matmul_selected(
+    mats: &[QMatrix],
+    sel: &[u32],
+    keep: Option<&[bool]>,
+    x: &Activations,
+    outs: &mut [&mut [f32]],
+) {
     assert_eq!(mats.len(), outs.len());
     let (n, m) = (x.n, sel.len());
     for (w, o) in mats.iter().zip(outs.iter()) {
         assert_eq!(w.cols, x.cols, "matmul: weight has {} columns, input has {}", w.cols, x.cols);
         assert_eq!(o.len(), n * m, "matmul: output buffer has the wrong size");
-        assert!(sel.last().is_none_or(|&j| (j as usize) < w.rows), "matmul: selected row out of range");
+        assert!(
+            sel.last().is_none_or(|&j| (j as usize) < w.rows),
+            "matmul: selected row out of range"
+        );
         assert!(keep.is_none_or(|k| k.len() == n * w.rows), "matmul: mask has the wrong size");
     }
     debug_assert!(sel.windows(2).all(|p| p[0] < p[1]), "selection must be sorted and distinct");
@@ -545,7 +680,8 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
     let chunk = m.div_ceil(threads * 16).max(4);
     let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr())).collect();
     let level = simd_level();
-    let tasks: Vec<(usize, usize)> = (0..mats.len()).flat_map(|i| (0..m.div_ceil(chunk)).map(move |c| (i, c * chunk))).collect();
+    let tasks: Vec<(usize, usize)> =
+        (0..mats.len()).flat_map(|i| (0..m.div_ceil(chunk)).map(move |c| (i, c * chunk))).collect();
     // the mask over the selected rows transposed, (m, n): a row's tokens side by side (read by
     // row, the (n, rows) mask costs a cache line per token and row)
     let mut kept_by_row = Vec::new();
@@ -561,83 +697,115 @@ pub fn matmul_selected(mats: &[QMatrix], sel: &[u32], keep: Option<&[bool]>, x: 
         });
     }
     let kept_by_row = &kept_by_row;
-    tasks.par_iter().for_each_init(|| (Vec::new(), Vec::new(), Vec::new()), |(tokens, hot, cold), &(i, k0)| {
-        let (w, out) = (&mats[i], ptrs[i]);
-        let part = &sel[k0..(k0 + chunk).min(m)];
-        // SAFETY (both branches): this task alone writes columns k0..k0 + part.len() of matrix
-        // i's output, for every token; the buffer length n * m was asserted above.
-        let put = |t: usize, k: usize, v: f32| unsafe { *out.at(t * m + k) = v };
-        if keep.is_some() {
-            // rows an eighth or more of the tokens selected go through the row groups for
-            // every token, only the kept cells written (cheaper than per cell from there; the
-            // values are the same, bit for bit): with a power law of firing rates the few hot
-            // rows hold most of the cells (`benches/sparse_e2e.py synthetic --layers 2`,
-            // predictor 64-token prompt: gate and up 29 -> 25 ms)
-            hot.clear();
-            cold.clear();
-            #[cfg(target_arch = "x86_64")]
-            let grouped = level.has_avx2() && (legacy_avx2::groups_rows(w.dtype) || reads_q8k(w.dtype)) && n >= GROUP_MIN_TOKENS;
-            #[cfg(not(target_arch = "x86_64"))]
-            let grouped = false;
-            let kept_of = |k: usize| &kept_by_row[(k0 + k) * n..(k0 + k + 1) * n];
-            for k in 0..part.len() {
-                let kept = kept_of(k).iter().filter(|&&x| x).count();
-                if grouped && 8 * kept >= n {
-                    hot.push(k);
-                } else if kept > 0 {
-                    cold.push(k);
+    tasks.par_iter().for_each_init(
+        || (Vec::new(), Vec::new(), Vec::new()),
+        |(tokens, hot, cold), &(i, k0)| {
+            let (w, out) = (&mats[i], ptrs[i]);
+            let part = &sel[k0..(k0 + chunk).min(m)];
+            // SAFETY (both branches): this task alone writes columns k0..k0 + part.len() of matrix
+            // i's output, for every token; the buffer length n * m was asserted above.
+            let put = |t: usize, k: usize, v: f32| unsafe { *out.at(t * m + k) = v };
+            if keep.is_some() {
+                // rows an eighth or more of the tokens selected go through the row groups for
+                // every token, only the kept cells written (cheaper than per cell from there; the
+                // values are the same, bit for bit): with a power law of firing rates the few hot
+                // rows hold most of the cells (`benches/sparse_e2e.py synthetic --layers 2`,
+                // predictor 64-token prompt: gate and up 29 -> 25 ms)
+                hot.clear();
+                cold.clear();
+                #[cfg(target_arch = "x86_64")]
+                let grouped = level.has_avx2()
+                    && (legacy_avx2::groups_rows(w.dtype) || reads_q8k(w.dtype))
+                    && n >= GROUP_MIN_TOKENS;
+                #[cfg(not(target_arch = "x86_64"))]
+                let grouped = false;
+                let kept_of = |k: usize| &kept_by_row[(k0 + k) * n..(k0 + k + 1) * n];
+                for k in 0..part.len() {
+                    let kept = kept_of(k).iter().filter(|&&x| x).count();
+                    if grouped && 8 * kept >= n {
+                        hot.push(k);
+                    } else if kept > 0 {
+                        cold.push(k);
+                    }
                 }
-            }
-            #[cfg(target_arch = "x86_64")]
-            if !hot.is_empty() {
-                let row = |r: usize| w.row(part[hot[r]] as usize);
-                let put_kept = |t: usize, r: usize, v: &[f32]| {
-                    for (i, &vi) in v.iter().enumerate() {
-                        let k = hot[r + i];
-                        if kept_of(k)[t] {
-                            put(t, k0 + k, vi);
+                #[cfg(target_arch = "x86_64")]
+                if !hot.is_empty() {
+                    let row = |r: usize| w.row(part[hot[r]] as usize);
+                    let put_kept = |t: usize, r: usize, v: &[f32]| {
+                        for (i, &vi) in v.iter().enumerate() {
+                            let k = hot[r + i];
+                            if kept_of(k)[t] {
+                                put(t, k0 + k, vi);
+                            }
+                        }
+                    };
+                    // SAFETY: as in `rows_for_all_tokens`.
+                    unsafe {
+                        if reads_q8k(w.dtype) {
+                            quant::superblock_avx2::rows_all_tokens(
+                                w.dtype,
+                                group_width(level),
+                                row,
+                                w.cols,
+                                0..hot.len(),
+                                &x.q8k,
+                                n,
+                                put_kept,
+                            );
+                        } else {
+                            legacy_avx2::legacy_rows_all_tokens(
+                                w.dtype,
+                                group_width(level),
+                                row,
+                                w.cols,
+                                0..hot.len(),
+                                &x.q8,
+                                &x.q8_bias,
+                                n,
+                                put_kept,
+                            );
                         }
                     }
-                };
-                // SAFETY: as in `rows_for_all_tokens`.
-                unsafe {
-                    if reads_q8k(w.dtype) {
-                        quant::superblock_avx2::rows_all_tokens(w.dtype, group_width(level), row, w.cols, 0..hot.len(), &x.q8k, n, put_kept);
-                    } else {
-                        legacy_avx2::legacy_rows_all_tokens(w.dtype, group_width(level), row, w.cols, 0..hot.len(), &x.q8, &x.q8_bias, n, put_kept);
+                }
+                for (c, &k) in cold.iter().enumerate() {
+                    let j = part[k] as usize;
+                    tokens.clear();
+                    tokens.extend((0..n).filter(|&t| kept_of(k)[t]));
+                    let next = cold.get(c + 1).map(|&k| part[k] as usize);
+                    // (`dot_row` brings in the next row as it goes; the one after on its way now,
+                    // since a cold row's few tokens take less time than memory does)
+                    if let Some(&k) = cold.get(c + 2) {
+                        prefetch(w.row(part[k] as usize));
+                    }
+                    let mut g = tokens.chunks_exact(4);
+                    for q in &mut g {
+                        let v = dot_row(w, j, next, x, [q[0], q[1], q[2], q[3]], level);
+                        q.iter().zip(v).for_each(|(&t, vt)| put(t, k0 + k, vt));
+                    }
+                    // the last one to three tokens in one pass over the row too
+                    match *g.remainder() {
+                        [a] => put(a, k0 + k, dot_row(w, j, next, x, [a], level)[0]),
+                        [a, b] => dot_row(w, j, next, x, [a, b], level)
+                            .into_iter()
+                            .zip([a, b])
+                            .for_each(|(v, t)| put(t, k0 + k, v)),
+                        [a, b, c] => dot_row(w, j, next, x, [a, b, c], level)
+                            .into_iter()
+                            .zip([a, b, c])
+                            .for_each(|(v, t)| put(t, k0 + k, v)),
+                        _ => {}
                     }
                 }
+                return;
             }
-            for (c, &k) in cold.iter().enumerate() {
-                let j = part[k] as usize;
-                tokens.clear();
-                tokens.extend((0..n).filter(|&t| kept_of(k)[t]));
-                let next = cold.get(c + 1).map(|&k| part[k] as usize);
-                // (`dot_row` brings in the next row as it goes; the one after on its way now,
-                // since a cold row's few tokens take less time than memory does)
-                if let Some(&k) = cold.get(c + 2) {
-                    prefetch(w.row(part[k] as usize));
-                }
-                let mut g = tokens.chunks_exact(4);
-                for q in &mut g {
-                    let v = dot_row(w, j, next, x, [q[0], q[1], q[2], q[3]], level);
-                    q.iter().zip(v).for_each(|(&t, vt)| put(t, k0 + k, vt));
-                }
-                // the last one to three tokens in one pass over the row too
-                match *g.remainder() {
-                    [a] => put(a, k0 + k, dot_row(w, j, next, x, [a], level)[0]),
-                    [a, b] => dot_row(w, j, next, x, [a, b], level).into_iter().zip([a, b]).for_each(|(v, t)| put(t, k0 + k, v)),
-                    [a, b, c] => dot_row(w, j, next, x, [a, b, c], level).into_iter().zip([a, b, c]).for_each(|(v, t)| put(t, k0 + k, v)),
-                    _ => {}
-                }
+            for (k, rows) in runs(part) {
+                let (base, start) = (k0 + k, rows.start);
+                rows_for_all_tokens(w, rows, x, level, |t, r, v| {
+                    v.iter().enumerate().for_each(|(i, &vi)| put(t, base + r + i - start, vi))
+                });
             }
-            return;
-        }
-        for (k, rows) in runs(part) {
-            let (base, start) = (k0 + k, rows.start);
-            rows_for_all_tokens(w, rows, x, level, |t, r, v| v.iter().enumerate().for_each(|(i, &vi)| put(t, base + r + i - start, vi)));
-        }
-    });
+        },
+    );
 }
 
 /// The runs of consecutive rows in a sorted selection: (k, rows) where sel[k..k + rows.len()]
@@ -670,7 +838,8 @@ mod tests {
         (0..n).map(|_| rng.next_f32() * 2.0 - 1.0).collect()
     }
 
-    const ALL: [DType; 6] = [DType::F32, DType::F16, DType::BF16, DType::Q4_0, DType::Q4_1, DType::Q8_0];
+    const ALL: [DType; 6] =
+        [DType::F32, DType::F16, DType::BF16, DType::Q4_0, DType::Q4_1, DType::Q8_0];
 
     /// Every SIMD dot (AVX2, and AVX-512 where the CPU has it) must agree with its scalar twin
     /// on random data (same quantized inputs, so only float summation order differs); odd block
@@ -691,7 +860,11 @@ mod tests {
                 let data: Vec<u8> = w_f.chunks(cols).flat_map(|r| quantize_row(dtype, r)).collect();
                 let w = QMatrix { dtype, rows: 3, cols, data: &data };
                 // AVX-512 where this CPU has it (the activations hold its quads then)
-                let levels: &[SimdLevel] = if simd_level() == SimdLevel::Avx512 { &[SimdLevel::Avx2, SimdLevel::Avx512] } else { &[SimdLevel::Avx2] };
+                let levels: &[SimdLevel] = if simd_level() == SimdLevel::Avx512 {
+                    &[SimdLevel::Avx2, SimdLevel::Avx512]
+                } else {
+                    &[SimdLevel::Avx2]
+                };
                 for r in 0..3 {
                     let s4 = dot_row(&w, r, None, &x, [0, 1, 2, 3], SimdLevel::Scalar);
                     // the scalar twin (every level reads the same activations)
@@ -701,13 +874,29 @@ mod tests {
                         let v1 = dot_row(&w, r, None, &x, [0], level);
                         let v2 = dot_row(&w, r, None, &x, [2, 3], level);
                         let v4 = dot_row(&w, r, None, &x, [0, 1, 2, 3], level);
-                        assert!((want(level, 0) - v1[0]).abs() <= tol, "{level:?} {dtype:?} cols {cols}: {} vs {}", want(level, 0), v1[0]);
+                        assert!(
+                            (want(level, 0) - v1[0]).abs() <= tol,
+                            "{level:?} {dtype:?} cols {cols}: {} vs {}",
+                            want(level, 0),
+                            v1[0]
+                        );
                         for k in 0..2 {
-                            assert!((want(level, 2 + k) - v2[k]).abs() <= tol, "{level:?} {dtype:?} x2 cols {cols} k {k}");
+                            assert!(
+                                (want(level, 2 + k) - v2[k]).abs() <= tol,
+                                "{level:?} {dtype:?} x2 cols {cols} k {k}"
+                            );
                         }
                         for k in 0..4 {
-                            assert!((want(level, k) - v4[k]).abs() <= tol, "{level:?} {dtype:?} x4 cols {cols} k {k}: {} vs {}", want(level, k), v4[k]);
-                            assert!((s4[k] - dot_row(&w, r, None, &x, [k], SimdLevel::Scalar)[0]).abs() <= 1e-5);
+                            assert!(
+                                (want(level, k) - v4[k]).abs() <= tol,
+                                "{level:?} {dtype:?} x4 cols {cols} k {k}: {} vs {}",
+                                want(level, k),
+                                v4[k]
+                            );
+                            assert!(
+                                (s4[k] - dot_row(&w, r, None, &x, [k], SimdLevel::Scalar)[0]).abs()
+                                    <= 1e-5
+                            );
                         }
                     }
                 }
@@ -717,7 +906,12 @@ mod tests {
                         let group = dot_row_group::<3, 1>(&w, 0, &[], &x, [t], level);
                         for (r, v) in group.iter().enumerate() {
                             let alone = dot_row(&w, r, None, &x, [t], level)[0];
-                            assert_eq!(v[0].to_bits(), alone.to_bits(), "{level:?} {dtype:?} cols {cols} row {r} of a group: {} vs {alone}", v[0]);
+                            assert_eq!(
+                                v[0].to_bits(),
+                                alone.to_bits(),
+                                "{level:?} {dtype:?} cols {cols} row {r} of a group: {} vs {alone}",
+                                v[0]
+                            );
                         }
                     }
                 }
@@ -770,14 +964,18 @@ mod tests {
                     dequantize_row(dtype, w.row(r), &mut wr);
                     for t in 0..n {
                         let xr = &x_f[t * cols..(t + 1) * cols];
-                        let exact: f64 = wr.iter().zip(xr).map(|(a, b)| *a as f64 * *b as f64).sum();
+                        let exact: f64 =
+                            wr.iter().zip(xr).map(|(a, b)| *a as f64 * *b as f64).sum();
                         let tol = if dtype.is_quantized() {
                             wr.iter().map(|v| v.abs() as f64).sum::<f64>() / 127.0 * 0.5 + 1e-4
                         } else {
                             1e-4
                         };
                         let got = out[t * rows + r] as f64;
-                        assert!((got - exact).abs() <= tol, "{dtype:?} n={n} r={r} t={t}: {got} vs {exact}");
+                        assert!(
+                            (got - exact).abs() <= tol,
+                            "{dtype:?} n={n} r={r} t={t}: {got} vs {exact}"
+                        );
                     }
                 }
             }
@@ -802,7 +1000,9 @@ mod tests {
                     continue;
                 }
                 let (rows, n) = (13, 11);
-                let data: Vec<u8> = (0..rows).flat_map(|r| random_quantized_row(dtype, cols, (50 * s + r) as u64)).collect();
+                let data: Vec<u8> = (0..rows)
+                    .flat_map(|r| random_quantized_row(dtype, cols, (50 * s + r) as u64))
+                    .collect();
                 let w = QMatrix { dtype, rows, cols, data: &data };
                 let x_f = random_vec(n * cols, 9 + s as u64);
                 let product = |t0: usize, m: usize| {
@@ -822,8 +1022,17 @@ mod tests {
                     let alone = product(t, 1);
                     for r in 0..rows {
                         let p = prompt[t * rows + r];
-                        assert_eq!(p.to_bits(), alone[r].to_bits(), "{dtype:?} cols {cols} token {t} row {r}: prompt {p} vs alone {}", alone[r]);
-                        assert_eq!(batch[t * rows + r].to_bits(), alone[r].to_bits(), "{dtype:?} cols {cols} token {t} row {r}: batch");
+                        assert_eq!(
+                            p.to_bits(),
+                            alone[r].to_bits(),
+                            "{dtype:?} cols {cols} token {t} row {r}: prompt {p} vs alone {}",
+                            alone[r]
+                        );
+                        assert_eq!(
+                            batch[t * rows + r].to_bits(),
+                            alone[r].to_bits(),
+                            "{dtype:?} cols {cols} token {t} row {r}: batch"
+                        );
                     }
                 }
             }
@@ -835,24 +1044,40 @@ mod tests {
     #[test]
     fn prompts_and_one_token_kernels_agree_below_avx512() {
         use crate::quant::tests::{random_quantized_row, QUANTIZED};
-        let levels: &[SimdLevel] = if detect().has_avx2() { &[SimdLevel::Scalar, SimdLevel::Avx2] } else { &[SimdLevel::Scalar] };
+        let levels: &[SimdLevel] = if detect().has_avx2() {
+            &[SimdLevel::Scalar, SimdLevel::Avx2]
+        } else {
+            &[SimdLevel::Scalar]
+        };
         for &level in levels {
             for (s, dtype) in QUANTIZED.into_iter().enumerate() {
                 let cols = if dtype.block_len() == QK_K { 512 } else { 96 };
                 let (rows, n) = (6, 11);
-                let data: Vec<u8> = (0..rows).flat_map(|r| random_quantized_row(dtype, cols, (70 * s + r) as u64)).collect();
+                let data: Vec<u8> = (0..rows)
+                    .flat_map(|r| random_quantized_row(dtype, cols, (70 * s + r) as u64))
+                    .collect();
                 let w = QMatrix { dtype, rows, cols, data: &data };
                 let mut x = Activations::default();
                 x.set(&random_vec(n * cols, 3 + s as u64), n, cols);
                 let prompt = std::sync::Mutex::new(vec![f32::NAN; n * rows]);
-                rows_for_all_tokens(&w, 0..rows, &x, level, |t, r, v| prompt.lock().unwrap()[t * rows + r..][..v.len()].copy_from_slice(v));
+                rows_for_all_tokens(&w, 0..rows, &x, level, |t, r, v| {
+                    prompt.lock().unwrap()[t * rows + r..][..v.len()].copy_from_slice(v)
+                });
                 let prompt = prompt.into_inner().unwrap();
                 for t in 0..n {
                     let pair = dot_row(&w, 1, None, &x, [t, (t + 1) % n], level)[0];
-                    assert_eq!(pair.to_bits(), prompt[t * rows + 1].to_bits(), "{level:?} {dtype:?} token {t}: pair");
+                    assert_eq!(
+                        pair.to_bits(),
+                        prompt[t * rows + 1].to_bits(),
+                        "{level:?} {dtype:?} token {t}: pair"
+                    );
                     for r in 0..rows {
                         let alone = dot_row(&w, r, None, &x, [t], level)[0];
-                        assert_eq!(prompt[t * rows + r].to_bits(), alone.to_bits(), "{level:?} {dtype:?} token {t} row {r}");
+                        assert_eq!(
+                            prompt[t * rows + r].to_bits(),
+                            alone.to_bits(),
+                            "{level:?} {dtype:?} token {t} row {r}"
+                        );
                     }
                 }
             }
@@ -870,8 +1095,20 @@ mod tests {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
         let (rows, cols, n) = (70, 512, 40);
         let mut rng = crate::sampler::Rng::new(17);
-        for (s, dtype) in [DType::Q4_K, DType::Q6_K, DType::IQ4_XS, DType::Q2_K, DType::Q5_0, DType::IQ4_NL].into_iter().enumerate() {
-            let data: Vec<u8> = (0..rows).flat_map(|r| crate::quant::chunked::tests::random_row(dtype, cols, 40 + 100 * s as u64 + r as u64)).collect();
+        for (s, dtype) in
+            [DType::Q4_K, DType::Q6_K, DType::IQ4_XS, DType::Q2_K, DType::Q5_0, DType::IQ4_NL]
+                .into_iter()
+                .enumerate()
+        {
+            let data: Vec<u8> = (0..rows)
+                .flat_map(|r| {
+                    crate::quant::chunked::tests::random_row(
+                        dtype,
+                        cols,
+                        40 + 100 * s as u64 + r as u64,
+                    )
+                })
+                .collect();
             let w = QMatrix { dtype, rows, cols, data: &data };
             let mut x = Activations::default();
             x.set(&random_vec(n * cols, 9), n, cols);
@@ -879,14 +1116,21 @@ mod tests {
             pool.install(|| matmul(&w, &x, &mut full));
             let sel: Vec<u32> = (0..rows as u32).filter(|j| j % 5 != 3).collect();
             let m = sel.len();
-            let mask: Vec<bool> = (0..n * rows).map(|i| rng.next_f32() < [0.02, 0.1, 0.4, 0.9][i % rows % 4]).collect();
+            let mask: Vec<bool> = (0..n * rows)
+                .map(|i| rng.next_f32() < [0.02, 0.1, 0.4, 0.9][i % rows % 4])
+                .collect();
             let mut c = vec![f32::NAN; n * m];
             pool.install(|| matmul_selected(&[w], &sel, Some(&mask), &x, &mut [&mut c]));
             for t in 0..n {
                 for (k, &j) in sel.iter().enumerate() {
                     let want = full[t * rows + j as usize];
                     match mask[t * rows + j as usize] {
-                        true => assert_eq!(c[t * m + k].to_bits(), want.to_bits(), "{dtype:?} t={t} row {j}: {} vs {want}", c[t * m + k]),
+                        true => assert_eq!(
+                            c[t * m + k].to_bits(),
+                            want.to_bits(),
+                            "{dtype:?} t={t} row {j}: {} vs {want}",
+                            c[t * m + k]
+                        ),
                         false => assert!(c[t * m + k].is_nan()),
                     }
                 }
@@ -911,22 +1155,35 @@ mod tests {
                 let mut full = vec![0.0; n * rows];
                 pool.install(|| matmul(&g, &x, &mut full));
                 for keep in [0.0, 0.05, 0.3, 0.9, 1.0] {
-                    let sel: Vec<u32> = (0..rows as u32).filter(|_| rng.next_f32() < keep || keep == 1.0).collect();
+                    let sel: Vec<u32> =
+                        (0..rows as u32).filter(|_| rng.next_f32() < keep || keep == 1.0).collect();
                     let m = sel.len();
                     let (mut a, mut b) = (vec![f32::NAN; n * m], vec![f32::NAN; n * m]);
-                    pool.install(|| matmul_selected(&[g, u], &sel, None, &x, &mut [&mut a, &mut b]));
+                    pool.install(|| {
+                        matmul_selected(&[g, u], &sel, None, &x, &mut [&mut a, &mut b])
+                    });
                     // and only the cells a random mask keeps (the rest stay NaN), rows kept by
                     // few tokens (one at a time, or two, three) and by many (row groups)
-                    let mask: Vec<bool> = (0..n * rows).map(|i| rng.next_f32() < [0.02, 0.1, 0.4, 0.9][i % rows % 4]).collect();
+                    let mask: Vec<bool> = (0..n * rows)
+                        .map(|i| rng.next_f32() < [0.02, 0.1, 0.4, 0.9][i % rows % 4])
+                        .collect();
                     let mut c = vec![f32::NAN; n * m];
                     pool.install(|| matmul_selected(&[g], &sel, Some(&mask), &x, &mut [&mut c]));
                     for t in 0..n {
                         for (k, &j) in sel.iter().enumerate() {
                             let want = full[t * rows + j as usize];
-                            assert_eq!(a[t * m + k].to_bits(), want.to_bits(), "{dtype:?} n={n} keep={keep} t={t} row {j}");
+                            assert_eq!(
+                                a[t * m + k].to_bits(),
+                                want.to_bits(),
+                                "{dtype:?} n={n} keep={keep} t={t} row {j}"
+                            );
                             assert_eq!(b[t * m + k].to_bits(), want.to_bits());
                             match mask[t * rows + j as usize] {
-                                true => assert_eq!(c[t * m + k].to_bits(), want.to_bits(), "masked {dtype:?} n={n} t={t} row {j}"),
+                                true => assert_eq!(
+                                    c[t * m + k].to_bits(),
+                                    want.to_bits(),
+                                    "masked {dtype:?} n={n} t={t} row {j}"
+                                ),
                                 false => assert!(c[t * m + k].is_nan()),
                             }
                         }

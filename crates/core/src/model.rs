@@ -77,7 +77,9 @@ impl FfnActivation {
     pub fn apply_all(self, gate: &mut [f32], up: &[f32]) {
         assert_eq!(gate.len(), up.len(), "activation: gate and up differ in length");
         #[cfg(target_arch = "x86_64")]
-        if matches!(self, FfnActivation::SwiGlu | FfnActivation::GeGlu) && crate::matmul::simd_level().has_avx2() {
+        if matches!(self, FfnActivation::SwiGlu | FfnActivation::GeGlu)
+            && crate::matmul::simd_level().has_avx2()
+        {
             // SAFETY: has_avx2 means the CPU has avx2, fma and f16c; the lengths are equal.
             return unsafe { crate::avx2::activate(self == FfnActivation::GeGlu, gate, up) };
         }
@@ -112,7 +114,9 @@ impl FfnActivation {
                 (Some("drelu" | "dreglu"), false) => Ok(FfnActivation::DReGlu),
                 (Some("relu"), true) => Ok(FfnActivation::Relu),
                 (Some("gelu"), true) => Ok(FfnActivation::Gelu),
-                _ => Err(Error::Model(format!("{key} = {v:?} is not an activation {arch} supports"))),
+                _ => {
+                    Err(Error::Model(format!("{key} = {v:?} is not an activation {arch} supports")))
+                }
             };
         }
         Ok(match (arch, file.magic) {
@@ -218,9 +222,23 @@ pub struct Yarn {
 impl Yarn {
     /// ggml's `ggml_rope_yarn_corr_dims`: the frequencies that turn `beta_fast` and `beta_slow`
     /// times over the original context bound the ramp.
-    fn new(rope_dim: usize, n_ctx_orig: usize, base: f32, beta_fast: f32, beta_slow: f32, ext_factor: f32) -> Yarn {
-        let dim = |rotations: f32| rope_dim as f32 * (n_ctx_orig as f32 / (rotations * 2.0 * std::f32::consts::PI)).ln() / (2.0 * base.ln());
-        Yarn { low: dim(beta_fast).floor().max(0.0), high: dim(beta_slow).ceil().min(rope_dim as f32 - 1.0), ext_factor }
+    fn new(
+        rope_dim: usize,
+        n_ctx_orig: usize,
+        base: f32,
+        beta_fast: f32,
+        beta_slow: f32,
+        ext_factor: f32,
+    ) -> Yarn {
+        let dim = |rotations: f32| {
+            rope_dim as f32 * (n_ctx_orig as f32 / (rotations * 2.0 * std::f32::consts::PI)).ln()
+                / (2.0 * base.ln())
+        };
+        Yarn {
+            low: dim(beta_fast).floor().max(0.0),
+            high: dim(beta_slow).ceil().min(rope_dim as f32 - 1.0),
+            ext_factor,
+        }
     }
 
     /// How much of frequency i stays original (0..=ext_factor).
@@ -248,7 +266,8 @@ impl Config {
 
     /// Whether layer l attends over a sliding window.
     pub fn slides(&self, l: usize) -> bool {
-        self.sliding_window > 0 && (self.swa_pattern <= 1 || l % self.swa_pattern < self.swa_pattern - 1)
+        self.sliding_window > 0
+            && (self.swa_pattern <= 1 || l % self.swa_pattern < self.swa_pattern - 1)
     }
 
     /// The RoPE frequency set layer l uses: 0 (the model's base and scaling), or 1 (the sliding
@@ -269,7 +288,8 @@ impl Config {
         let base = if set == 0 { self.rope_base } else { self.rope_base_swa };
         let inv_freq = (0..self.rope_dim / 2)
             .map(|i| {
-                let original = base.powf(-2.0 * i as f32 / self.rope_dim as f32) / factors.map_or(1.0, |f| f[i]);
+                let original = base.powf(-2.0 * i as f32 / self.rope_dim as f32)
+                    / factors.map_or(1.0, |f| f[i]);
                 match (set, self.rope_yarn) {
                     (0, Some(yarn)) => {
                         let share = yarn.original_share(i);
@@ -303,30 +323,30 @@ pub struct Predictor<'a> {
 
 /// Per-layer weights. Shapes are row-major (rows, cols); a matrix maps cols -> rows.
 pub struct LayerWeights<'a> {
-    pub attn_norm: Vec<f32>,            // (n_embd)
-    pub attn_norm_b: Option<Vec<f32>>,  // (n_embd), LayerNorm families
-    pub attn_norm_2: Option<Vec<f32>>,  // (n_embd), Falcon-40B: separate norm for attention
+    pub attn_norm: Vec<f32>,           // (n_embd)
+    pub attn_norm_b: Option<Vec<f32>>, // (n_embd), LayerNorm families
+    pub attn_norm_2: Option<Vec<f32>>, // (n_embd), Falcon-40B: separate norm for attention
     pub attn_norm_2_b: Option<Vec<f32>>,
-    pub wq: QMatrix<'a>,                // (n_head * head_dim, n_embd)
-    pub q_norm: Option<Vec<f32>>,       // (head_dim), RMSNorm of each q head (qwen3, gemma3)
-    pub k_norm: Option<Vec<f32>>,       // (head_dim), RMSNorm of each k head
-    pub wk: QMatrix<'a>,                // (n_head_kv * head_dim, n_embd)
-    pub wv: QMatrix<'a>,                // (n_head_kv * head_dim, n_embd)
-    pub bq: Option<Vec<f32>>,           // (n_head * head_dim), qwen2, opt
-    pub bk: Option<Vec<f32>>,           // (n_head_kv * head_dim)
-    pub bv: Option<Vec<f32>>,           // (n_head_kv * head_dim)
-    pub wo: QMatrix<'a>,                // (n_embd, n_head * head_dim)
-    pub bo: Option<Vec<f32>>,           // (n_embd), opt
+    pub wq: QMatrix<'a>,                  // (n_head * head_dim, n_embd)
+    pub q_norm: Option<Vec<f32>>,         // (head_dim), RMSNorm of each q head (qwen3, gemma3)
+    pub k_norm: Option<Vec<f32>>,         // (head_dim), RMSNorm of each k head
+    pub wk: QMatrix<'a>,                  // (n_head_kv * head_dim, n_embd)
+    pub wv: QMatrix<'a>,                  // (n_head_kv * head_dim, n_embd)
+    pub bq: Option<Vec<f32>>,             // (n_head * head_dim), qwen2, opt
+    pub bk: Option<Vec<f32>>,             // (n_head_kv * head_dim)
+    pub bv: Option<Vec<f32>>,             // (n_head_kv * head_dim)
+    pub wo: QMatrix<'a>,                  // (n_embd, n_head * head_dim)
+    pub bo: Option<Vec<f32>>,             // (n_embd), opt
     pub attn_post_norm: Option<Vec<f32>>, // (n_embd), gemma2/3: RMSNorm of the attention output
     pub ffn_post_norm: Option<Vec<f32>>,  // (n_embd), gemma2/3: RMSNorm of the FFN output
-    pub ffn_norm: Option<Vec<f32>>,     // (n_embd); Falcon has none (the FFN reads attn_norm's output)
-    pub ffn_norm_b: Option<Vec<f32>>,   // (n_embd), opt
-    pub ffn_gate: Option<QMatrix<'a>>,  // (n_ff, n_embd); none for Falcon and OPT
-    pub ffn_up: QMatrix<'a>,            // (n_ff, n_embd)
-    pub ffn_up_b: Option<Vec<f32>>,     // (n_ff), opt
-    pub ffn_down: Option<QMatrix<'a>>,  // (n_embd, n_ff), plain files
+    pub ffn_norm: Option<Vec<f32>>, // (n_embd); Falcon has none (the FFN reads attn_norm's output)
+    pub ffn_norm_b: Option<Vec<f32>>, // (n_embd), opt
+    pub ffn_gate: Option<QMatrix<'a>>, // (n_ff, n_embd); none for Falcon and OPT
+    pub ffn_up: QMatrix<'a>,        // (n_ff, n_embd)
+    pub ffn_up_b: Option<Vec<f32>>, // (n_ff), opt
+    pub ffn_down: Option<QMatrix<'a>>, // (n_embd, n_ff), plain files
     pub ffn_down_t: Option<QMatrix<'a>>, // (n_ff, n_embd), PowerInfer files: row j = neuron j's output
-    pub ffn_down_b: Option<Vec<f32>>,   // (n_embd), opt
+    pub ffn_down_b: Option<Vec<f32>>,    // (n_embd), opt
     pub predictor: Option<Predictor<'a>>,
 }
 
@@ -334,10 +354,10 @@ pub struct Weights<'a> {
     pub token_embd: QMatrix<'a>,            // (n_vocab, n_embd)
     pub position_embd: Option<QMatrix<'a>>, // (n_ctx_train + 2, n_embd), opt
     pub layers: Vec<LayerWeights<'a>>,
-    pub output_norm: Vec<f32>,              // (n_embd)
-    pub output_norm_b: Option<Vec<f32>>,    // (n_embd), LayerNorm families
-    pub output: QMatrix<'a>,                // (n_vocab, n_embd); token_embd when tied
-    pub rope_freqs: Option<Vec<f32>>,       // (rope_dim / 2), Llama 3: each frequency is divided by its factor
+    pub output_norm: Vec<f32>,           // (n_embd)
+    pub output_norm_b: Option<Vec<f32>>, // (n_embd), LayerNorm families
+    pub output: QMatrix<'a>,             // (n_vocab, n_embd); token_embd when tied
+    pub rope_freqs: Option<Vec<f32>>, // (rope_dim / 2), Llama 3: each frequency is divided by its factor
     /// LongRoPE (Phi-3 128k): frequency factors as `rope_freqs`, [short, long] (rope_dim / 2
     /// each): the long ones for sessions whose context exceeds `Config::rope_ctx_orig`.
     pub rope_factors: Option<[Vec<f32>; 2]>,
@@ -399,7 +419,8 @@ pub enum InputGroup {
 }
 
 impl InputGroup {
-    pub const ALL: [InputGroup; 4] = [InputGroup::Qkv, InputGroup::Out, InputGroup::FfnIn, InputGroup::Down];
+    pub const ALL: [InputGroup; 4] =
+        [InputGroup::Qkv, InputGroup::Out, InputGroup::FfnIn, InputGroup::Down];
 
     /// The group's matrices read through input-major copies, in output order (gateless FFNs
     /// have no gate; down reads `down_t`, so its list is empty).
@@ -456,12 +477,21 @@ fn required<T>(v: Option<T>, key: &str) -> Result<T> {
 impl Config {
     pub fn from_file(file: &GgufFile) -> Result<Config> {
         let arch = match file.get("general.architecture") {
-            Some(v) => v.as_str().ok_or_else(|| Error::Model("general.architecture is not a string".into()))?.to_string(),
-            None => return Err(Error::Model("required metadata key general.architecture is missing".into())),
+            Some(v) => v
+                .as_str()
+                .ok_or_else(|| Error::Model("general.architecture is not a string".into()))?
+                .to_string(),
+            None => {
+                return Err(Error::Model(
+                    "required metadata key general.architecture is missing".into(),
+                ))
+            }
         };
         let (family, rope_style) = match arch.as_str() {
             "llama" | "mistral" | "bamboo" => (Family::Llama, RopeStyle::Normal),
-            "qwen2" | "qwen3" | "gemma" | "gemma2" | "gemma3" | "phi3" => (Family::Llama, RopeStyle::NeoX),
+            "qwen2" | "qwen3" | "gemma" | "gemma2" | "gemma3" | "phi3" => {
+                (Family::Llama, RopeStyle::NeoX)
+            }
             "falcon" => (Family::Falcon, RopeStyle::NeoX),
             "opt" => (Family::Opt, RopeStyle::None),
             _ => return Err(Error::UnknownArchitecture(arch)),
@@ -469,29 +499,43 @@ impl Config {
         let k = |name: &str| format!("{arch}.{name}");
         let n_embd = required(meta_usize(file, &k("embedding_length"))?, &k("embedding_length"))?;
         let n_layer = required(meta_usize(file, &k("block_count"))?, &k("block_count"))?;
-        let n_ff = required(meta_usize(file, &k("feed_forward_length"))?, &k("feed_forward_length"))?;
-        let n_head = required(meta_usize(file, &k("attention.head_count"))?, &k("attention.head_count"))?;
+        let n_ff =
+            required(meta_usize(file, &k("feed_forward_length"))?, &k("feed_forward_length"))?;
+        let n_head =
+            required(meta_usize(file, &k("attention.head_count"))?, &k("attention.head_count"))?;
         let n_head_kv = meta_usize(file, &k("attention.head_count_kv"))?.unwrap_or(n_head);
         if n_embd == 0 || n_layer == 0 || n_ff == 0 || n_head == 0 || n_head_kv == 0 {
-            return Err(Error::Model("embedding length, block count, FFN length and head counts must be > 0".into()));
+            return Err(Error::Model(
+                "embedding length, block count, FFN length and head counts must be > 0".into(),
+            ));
         }
         if n_head % n_head_kv != 0 {
-            return Err(Error::Model(format!("head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")));
+            return Err(Error::Model(format!(
+                "head_count {n_head} is not a multiple of head_count_kv {n_head_kv}"
+            )));
         }
         let head_dim = match meta_usize(file, &k("attention.key_length"))? {
             Some(d) => d,
             None if n_embd % n_head == 0 => n_embd / n_head,
-            None => return Err(Error::Model(format!("embedding length {n_embd} is not divisible by {n_head} heads"))),
+            None => {
+                return Err(Error::Model(format!(
+                    "embedding length {n_embd} is not divisible by {n_head} heads"
+                )))
+            }
         };
         let rope_dim = match rope_style {
             RopeStyle::None => 0,
             _ => meta_usize(file, &k("rope.dimension_count"))?.unwrap_or(head_dim),
         };
         if rope_dim > head_dim || rope_dim % 2 != 0 || head_dim % 2 != 0 {
-            return Err(Error::Model(format!("rope dimension {rope_dim} does not fit head size {head_dim}")));
+            return Err(Error::Model(format!(
+                "rope dimension {rope_dim} does not fit head size {head_dim}"
+            )));
         }
         let norm_eps = match family {
-            Family::Llama => meta_f32(file, &k("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5),
+            Family::Llama => {
+                meta_f32(file, &k("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5)
+            }
             _ => meta_f32(file, &k("attention.layer_norm_epsilon"))?.unwrap_or(1e-5),
         };
         let embd = file
@@ -508,7 +552,8 @@ impl Config {
         // Gemma's query_pre_attn_scalar, as llama.cpp derives it: n_embd / n_head for the 27B
         // models (Gemma 2: 46 layers, Gemma 3: 62), the head size otherwise
         let big_gemma = (arch == "gemma2" && n_layer == 46) || (arch == "gemma3" && n_layer == 62);
-        let attn_scale = 1.0 / (if big_gemma { (n_embd / n_head) as f32 } else { head_dim as f32 }).sqrt();
+        let attn_scale =
+            1.0 / (if big_gemma { (n_embd / n_head) as f32 } else { head_dim as f32 }).sqrt();
         let rope_base = meta_f32(file, &k("rope.freq_base"))?.unwrap_or(10000.0);
         let scaling_type = file.get(&k("rope.scaling.type")).map(|v| v.as_str());
         let factor = || -> Result<f32> {
@@ -516,23 +561,38 @@ impl Config {
             if factor > 0.0 && factor.is_finite() {
                 Ok(factor)
             } else {
-                Err(Error::Model(format!("{} = {factor} is not a positive factor", k("rope.scaling.factor"))))
+                Err(Error::Model(format!(
+                    "{} = {factor} is not a positive factor",
+                    k("rope.scaling.factor")
+                )))
             }
         };
-        let rope_ctx_orig = meta_usize(file, &k("rope.scaling.original_context_length"))?.unwrap_or(n_ctx_train);
+        let rope_ctx_orig =
+            meta_usize(file, &k("rope.scaling.original_context_length"))?.unwrap_or(n_ctx_train);
         // llama.cpp's defaults: YaRN's original context is the trained one, beta 32 and 1
-        let yarn_f32 = |key: &str, default: f32| meta_f32(file, &k(&format!("rope.scaling.yarn_{key}"))).map(|v| v.unwrap_or(default));
+        let yarn_f32 = |key: &str, default: f32| {
+            meta_f32(file, &k(&format!("rope.scaling.yarn_{key}"))).map(|v| v.unwrap_or(default))
+        };
         let (rope_freq_scale, rope_yarn) = match scaling_type {
             None | Some(Some("none")) => (1.0, None),
             Some(Some("linear")) => (1.0 / factor()?, None),
             Some(Some("yarn")) => {
-                let yarn = Yarn::new(rope_dim, rope_ctx_orig, rope_base, yarn_f32("beta_fast", 32.0)?, yarn_f32("beta_slow", 1.0)?, yarn_f32("ext_factor", 1.0)?);
+                let yarn = Yarn::new(
+                    rope_dim,
+                    rope_ctx_orig,
+                    rope_base,
+                    yarn_f32("beta_fast", 32.0)?,
+                    yarn_f32("beta_slow", 1.0)?,
+                    yarn_f32("ext_factor", 1.0)?,
+                );
                 (1.0 / factor()?, Some(yarn))
             }
             // llama3 scaling is baked into the file's `rope_freqs` factors, LongRoPE's into
             // `rope_factors_short/long`
             Some(Some("llama3")) => (1.0, None),
-            Some(Some("longrope")) if file.tensor("rope_factors_long.weight").is_some() => (1.0, None),
+            Some(Some("longrope")) if file.tensor("rope_factors_long.weight").is_some() => {
+                (1.0, None)
+            }
             Some(other) => {
                 return Err(Error::Model(format!(
                     "{} = {:?} is not supported (supported: none, linear, yarn, llama3, longrope)",
@@ -550,10 +610,15 @@ impl Config {
             let mscale = |m: f32| if factor <= 1.0 { 1.0 } else { 0.1 * m * factor.ln() + 1.0 };
             let log_mul = meta_f32(file, &k("rope.scaling.yarn_log_multiplier"))?.unwrap_or(0.0);
             let attn = if log_mul != 0.0 { mscale(1.0) / mscale(log_mul) } else { mscale(1.0) };
-            rope_magnitude *= attn / (1.0 + 0.1 * factor.ln()) * (1.0 + 0.1 * (1.0 / rope_freq_scale).ln());
+            rope_magnitude *=
+                attn / (1.0 + 0.1 * factor.ln()) * (1.0 + 0.1 * (1.0 / rope_freq_scale).ln());
         }
-        if file.tensor("rope_factors_long.weight").is_some() != file.tensor("rope_factors_short.weight").is_some() {
-            return Err(Error::Model(format!("{arch}: LongRoPE needs both rope_factors_long and rope_factors_short")));
+        if file.tensor("rope_factors_long.weight").is_some()
+            != file.tensor("rope_factors_short.weight").is_some()
+        {
+            return Err(Error::Model(format!(
+                "{arch}: LongRoPE needs both rope_factors_long and rope_factors_short"
+            )));
         }
         let (sliding_window, swa_pattern) = match arch.as_str() {
             "gemma2" => (meta_usize(file, &k("attention.sliding_window"))?.unwrap_or(4096), 2),
@@ -561,9 +626,14 @@ impl Config {
             // llama.cpp runs Phi-3's window as full attention (its ggml-org/llama.cpp#13676)
             _ => (0, 0),
         };
-        let softcap = |name: &str, default: f32| -> Result<f32> { Ok(meta_f32(file, &k(name))?.unwrap_or(default)) };
+        let softcap = |name: &str, default: f32| -> Result<f32> {
+            Ok(meta_f32(file, &k(name))?.unwrap_or(default))
+        };
         let (attn_softcap, final_softcap) = match arch.as_str() {
-            "gemma2" => (softcap("attn_logit_softcapping", 50.0)?, softcap("final_logit_softcapping", 30.0)?),
+            "gemma2" => (
+                softcap("attn_logit_softcapping", 50.0)?,
+                softcap("final_logit_softcapping", 30.0)?,
+            ),
             "gemma3" => (0.0, softcap("final_logit_softcapping", 0.0)?),
             _ => (0.0, 0.0),
         };
@@ -603,10 +673,15 @@ impl Config {
 
 /// Looks up a matrix, checks its type and shape, and borrows its bytes.
 fn matrix<'a>(file: &'a GgufFile, name: &str, rows: usize, cols: usize) -> Result<QMatrix<'a>> {
-    let t = file.tensor(name).ok_or_else(|| Error::Model(format!("required tensor {name} is missing")))?;
+    let t = file
+        .tensor(name)
+        .ok_or_else(|| Error::Model(format!("required tensor {name} is missing")))?;
     let dtype = supported(t)?;
     if t.shape() != [rows as u64, cols as u64] {
-        return Err(Error::Model(format!("tensor {name} has shape {:?}, expected [{rows}, {cols}]", t.shape())));
+        return Err(Error::Model(format!(
+            "tensor {name} has shape {:?}, expected [{rows}, {cols}]",
+            t.shape()
+        )));
     }
     let data = file.tensor_bytes(t);
     let align = match dtype {
@@ -629,7 +704,10 @@ fn vector(file: &GgufFile, name: &str, n: usize) -> Result<Option<Vec<f32>>> {
     let Some(t) = file.tensor(name) else { return Ok(None) };
     let dtype = supported(t)?;
     if t.n_elements() != n as u64 {
-        return Err(Error::Model(format!("tensor {name} has {} elements, expected {n}", t.n_elements())));
+        return Err(Error::Model(format!(
+            "tensor {name} has {} elements, expected {n}",
+            t.n_elements()
+        )));
     }
     let mut out = vec![0.0; n];
     quant::dequantize_row(dtype, file.tensor_bytes(t), &mut out);
@@ -644,7 +722,12 @@ fn missing(name: &str) -> Error {
     Error::Model(format!("required tensor {name} is missing"))
 }
 
-fn optional_matrix<'a>(file: &'a GgufFile, name: &str, rows: usize, cols: usize) -> Result<Option<QMatrix<'a>>> {
+fn optional_matrix<'a>(
+    file: &'a GgufFile,
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<Option<QMatrix<'a>>> {
     if file.tensor(name).is_none() {
         return Ok(None);
     }
@@ -657,7 +740,11 @@ fn predictor<'a>(file: &'a GgufFile, i: usize, c: &Config) -> Result<Option<Pred
     let (t1, t2) = match (file.tensor(&n1), file.tensor(&n2)) {
         (None, None) => return Ok(None),
         (Some(t1), Some(t2)) => (t1, t2),
-        _ => return Err(Error::Model(format!("layer {i} has only one of {n1} and {n2}; a predictor needs both"))),
+        _ => {
+            return Err(Error::Model(format!(
+                "layer {i} has only one of {n1} and {n2}; a predictor needs both"
+            )))
+        }
     };
     let (s1, s2) = (t1.shape(), t2.shape());
     let hidden = if s1.len() == 2 { s1[0] as usize } else { 0 };
@@ -673,7 +760,10 @@ fn predictor<'a>(file: &'a GgufFile, i: usize, c: &Config) -> Result<Option<Pred
             c.n_ff, c.n_ff
         )));
     }
-    Ok(Some(Predictor { fc1: matrix(file, &n1, hidden, c.n_embd)?, fc2: matrix(file, &n2, c.n_ff, hidden)? }))
+    Ok(Some(Predictor {
+        fc1: matrix(file, &n1, hidden, c.n_embd)?,
+        fc2: matrix(file, &n2, c.n_ff, hidden)?,
+    }))
 }
 
 impl Weights<'_> {
@@ -685,9 +775,14 @@ impl Weights<'_> {
             // attention projections: separate, or fused [q; k; v] rows (Falcon, Phi-3)
             let (wq, wk, wv) = match c.family {
                 _ if file.tensor(&n("attn_qkv.weight")).is_some() => {
-                    let qkv = matrix(file, &n("attn_qkv.weight"), c.q_dim() + 2 * c.kv_dim(), c.n_embd)?;
+                    let qkv =
+                        matrix(file, &n("attn_qkv.weight"), c.q_dim() + 2 * c.kv_dim(), c.n_embd)?;
                     let (q, kv) = (c.q_dim(), c.kv_dim());
-                    (qkv.rows_range(0, q), qkv.rows_range(q, q + kv), qkv.rows_range(q + kv, q + 2 * kv))
+                    (
+                        qkv.rows_range(0, q),
+                        qkv.rows_range(q, q + kv),
+                        qkv.rows_range(q + kv, q + 2 * kv),
+                    )
                 }
                 _ => (
                     matrix(file, &n("attn_q.weight"), c.q_dim(), c.n_embd)?,
@@ -715,12 +810,18 @@ impl Weights<'_> {
             // gate and up: separate, or fused [gate; up] rows in ffn_up (Phi-3)
             let fused_up = c.ffn_activation.has_gate()
                 && file.tensor(&n("ffn_gate.weight")).is_none()
-                && file.tensor(&n("ffn_up.weight")).is_some_and(|t| t.shape().first() == Some(&(2 * c.n_ff as u64)));
+                && file
+                    .tensor(&n("ffn_up.weight"))
+                    .is_some_and(|t| t.shape().first() == Some(&(2 * c.n_ff as u64)));
             let (ffn_gate, ffn_up) = if fused_up {
                 let gate_up = matrix(file, &n("ffn_up.weight"), 2 * c.n_ff, c.n_embd)?;
                 (Some(gate_up.rows_range(0, c.n_ff)), gate_up.rows_range(c.n_ff, 2 * c.n_ff))
             } else {
-                let gate = if c.ffn_activation.has_gate() { Some(matrix(file, &n("ffn_gate.weight"), c.n_ff, c.n_embd)?) } else { None };
+                let gate = if c.ffn_activation.has_gate() {
+                    Some(matrix(file, &n("ffn_gate.weight"), c.n_ff, c.n_embd)?)
+                } else {
+                    None
+                };
                 (gate, matrix(file, &n("ffn_up.weight"), c.n_ff, c.n_embd)?)
             };
             let ffn_norm = match c.family {
@@ -755,10 +856,16 @@ impl Weights<'_> {
                 predictor: predictor(file, i, c)?,
             });
         }
-        let output = if c.tied_output { token_embd } else { matrix(file, "output.weight", c.n_vocab, c.n_embd)? };
+        let output = if c.tied_output {
+            token_embd
+        } else {
+            matrix(file, "output.weight", c.n_vocab, c.n_embd)?
+        };
         let position_embd = match c.family {
             Family::Opt => {
-                let t = file.tensor("position_embd.weight").ok_or_else(|| missing("position_embd.weight"))?;
+                let t = file
+                    .tensor("position_embd.weight")
+                    .ok_or_else(|| missing("position_embd.weight"))?;
                 Some(matrix(file, "position_embd.weight", t.shape()[0] as usize, c.n_embd)?)
             }
             _ => None,
@@ -771,7 +878,10 @@ impl Weights<'_> {
             output_norm_b: vector(file, "output_norm.bias", c.n_embd)?,
             output,
             rope_freqs: vector(file, "rope_freqs.weight", c.rope_dim / 2)?,
-            rope_factors: match (vector(file, "rope_factors_short.weight", c.rope_dim / 2)?, vector(file, "rope_factors_long.weight", c.rope_dim / 2)?) {
+            rope_factors: match (
+                vector(file, "rope_factors_short.weight", c.rope_dim / 2)?,
+                vector(file, "rope_factors_long.weight", c.rope_dim / 2)?,
+            ) {
                 (Some(short), Some(long)) => Some([short, long]),
                 _ => None,
             },
@@ -788,14 +898,27 @@ impl Model {
         let weights = Weights::load(&file, &config)?;
         // SAFETY: see the field comment on `Model::weights`: the slices point into the memory map
         // owned by `file`, which lives exactly as long as the Model and is dropped after them.
-        let weights: Weights<'static> = unsafe { std::mem::transmute::<Weights<'_>, Weights<'static>>(weights) };
-        let threads = if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
+        let weights: Weights<'static> =
+            unsafe { std::mem::transmute::<Weights<'_>, Weights<'static>>(weights) };
+        let threads = if threads == 0 {
+            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+        } else {
+            threads
+        };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("powerinfer-{i}"))
             .build()
             .map_err(|e| Error::InvalidArgument(format!("cannot start {threads} threads: {e}")))?;
-        Ok(Model { config, weights, file, built_down_t: OnceLock::new(), built_input_major: Default::default(), input_norms: OnceLock::new(), pool })
+        Ok(Model {
+            config,
+            weights,
+            file,
+            built_down_t: OnceLock::new(),
+            built_input_major: Default::default(),
+            input_norms: OnceLock::new(),
+            pool,
+        })
     }
 
     /// True when every layer has a predictor.
@@ -823,7 +946,8 @@ impl Model {
     /// None for a gate the layer does not have.
     pub fn input_major(&self, l: usize, m: LayerMatrix) -> Option<QMatrix<'_>> {
         let src = m.of(&self.weights.layers[l])?;
-        let built = self.built_input_major[m as usize].get_or_init(|| self.transpose(|lw| m.of(lw)));
+        let built =
+            self.built_input_major[m as usize].get_or_init(|| self.transpose(|lw| m.of(lw)));
         Some(Self::view(built, l, src.cols, src.rows))
     }
 
@@ -834,7 +958,12 @@ impl Model {
 
     fn view(built: &Transposed, l: usize, rows: usize, cols: usize) -> QMatrix<'_> {
         let data = built.layers[l].as_deref().expect("built for every layer");
-        QMatrix { dtype: built.dtype, rows, cols, data: &data[..rows * built.dtype.row_bytes(cols)] }
+        QMatrix {
+            dtype: built.dtype,
+            rows,
+            cols,
+            data: &data[..rows * built.dtype.row_bytes(cols)],
+        }
     }
 
     /// Transposed copies of the matrix `pick` gives for each layer (None: no copy). The copy
@@ -842,7 +971,10 @@ impl Model {
     /// Q8_0, whose rounding is far below a 4-bit source's steps; it costs one pass over the
     /// weights, and memory: 1.7x the bytes of a 4-bit source (`InputGroup` byte accounting in
     /// the session counts what reading it costs).
-    fn transpose(&self, pick: impl Fn(&LayerWeights<'static>) -> Option<QMatrix<'static>> + Sync) -> Transposed {
+    fn transpose(
+        &self,
+        pick: impl Fn(&LayerWeights<'static>) -> Option<QMatrix<'static>> + Sync,
+    ) -> Transposed {
         let source = self.weights.layers.iter().find_map(&pick);
         let dtype = match source.map(|m| m.dtype) {
             Some(DType::F32) => DType::F32,
@@ -852,7 +984,8 @@ impl Model {
         // Q8_0 rows need whole blocks; the loader only accepts quantized files whose widths
         // are multiples of 32, but a float file could have any width.
         let out_width = source.map_or(0, |m| m.rows);
-        let dtype = if dtype == DType::Q8_0 && out_width % quant::QK != 0 { DType::F32 } else { dtype };
+        let dtype =
+            if dtype == DType::Q8_0 && out_width % quant::QK != 0 { DType::F32 } else { dtype };
         let layers = self.install(|| {
             self.weights
                 .layers
@@ -860,7 +993,8 @@ impl Model {
                 .map(|lw| {
                     let m = pick(lw)?;
                     // page-aligned, so the f16 block scales are aligned too
-                    let mut out = crate::gguf::weight_buffer(m.cols * dtype.row_bytes(m.rows)).expect("anonymous memory for a transposed copy");
+                    let mut out = crate::gguf::weight_buffer(m.cols * dtype.row_bytes(m.rows))
+                        .expect("anonymous memory for a transposed copy");
                     m.transpose_into(dtype, &mut out);
                     Some(out)
                 })
@@ -903,7 +1037,9 @@ impl Model {
                                 row.iter().map(|w| w * w).sum::<f32>()
                             }));
                         }
-                        (None, None) => unreachable!("the loader requires one of ffn_down, ffn_down_t"),
+                        (None, None) => {
+                            unreachable!("the loader requires one of ffn_down, ffn_down_t")
+                        }
                     }
                     groups.iter_mut().for_each(|g| g.iter_mut().for_each(|v| *v = v.sqrt()));
                     groups
@@ -933,8 +1069,23 @@ mod activation_tests {
     #[test]
     fn batch_activation_equals_one_neuron_bit_for_bit() {
         let mut rng = crate::sampler::Rng::new(11);
-        let mut gate: Vec<f32> = (0..1003).map(|i| (rng.next_f32() - 0.5) * [0.01, 2.0, 20.0, 300.0][i % 4]).collect();
-        gate.extend([0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, 89.0, -89.0, 1e30, -1e30, f32::INFINITY, f32::NEG_INFINITY, f32::NAN]);
+        let mut gate: Vec<f32> =
+            (0..1003).map(|i| (rng.next_f32() - 0.5) * [0.01, 2.0, 20.0, 300.0][i % 4]).collect();
+        gate.extend([
+            0.0,
+            -0.0,
+            1e-30,
+            -1e-30,
+            88.0,
+            -88.0,
+            89.0,
+            -89.0,
+            1e30,
+            -1e30,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+        ]);
         let up: Vec<f32> = (0..gate.len()).map(|_| rng.next_f32() * 2.0 - 1.0).collect();
         for act in [FfnActivation::SwiGlu, FfnActivation::GeGlu] {
             for len in [gate.len(), 7, 8, 9, 1] {
@@ -942,20 +1093,42 @@ mod activation_tests {
                 act.apply_all(&mut batch, &up[..len]);
                 for i in 0..len {
                     let one = act.apply(gate[i], up[i]);
-                    assert_eq!(batch[i].to_bits(), one.to_bits(), "{act:?} [{i}] of {len}: gate {} -> {} vs {}", gate[i], batch[i], one);
+                    assert_eq!(
+                        batch[i].to_bits(),
+                        one.to_bits(),
+                        "{act:?} [{i}] of {len}: gate {} -> {} vs {}",
+                        gate[i],
+                        batch[i],
+                        one
+                    );
                 }
             }
             for (&g, &u) in gate.iter().zip(&up).filter(|(g, _)| g.abs() < 50.0) {
                 let x = g as f64;
-                let want = u as f64 * match act {
-                    FfnActivation::SwiGlu => x / (1.0 + (-x).exp()),
-                    // 0.5 x (1 + tanh(u)), as x sigmoid(2u) (the tanh form cancels to 0 in f64)
-                    _ => x / (1.0 + (-2.0 * (2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).exp()),
-                };
+                let want = u as f64
+                    * match act {
+                        FfnActivation::SwiGlu => x / (1.0 + (-x).exp()),
+                        // 0.5 x (1 + tanh(u)), as x sigmoid(2u) (the tanh form cancels to 0 in f64)
+                        _ => {
+                            x / (1.0
+                                + (-2.0
+                                    * (2.0 / std::f64::consts::PI).sqrt()
+                                    * (x + 0.044715 * x * x * x))
+                                    .exp())
+                        }
+                    };
                 let got = act.apply(g, u) as f64;
                 // (GELU's exponent is computed in f32 and e^x turns its rounding into relative error)
-                let tolerance = 1e-6 * if act == FfnActivation::GeGlu { 1.0 + gelu_exponent(g).abs() as f64 } else { 1.0 };
-                assert!((got - want).abs() <= tolerance * want.abs() + 1e-30, "{act:?} gate {g}: {got} vs {want}");
+                let tolerance = 1e-6
+                    * if act == FfnActivation::GeGlu {
+                        1.0 + gelu_exponent(g).abs() as f64
+                    } else {
+                        1.0
+                    };
+                assert!(
+                    (got - want).abs() <= tolerance * want.abs() + 1e-30,
+                    "{act:?} gate {g}: {got} vs {want}"
+                );
             }
         }
     }

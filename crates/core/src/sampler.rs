@@ -62,7 +62,15 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_k: 40, top_p: 0.95, min_p: 0.05, repeat_penalty: 1.0, repeat_last_n: 64, banned: Vec::new() }
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.05,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
+            banned: Vec::new(),
+        }
     }
 }
 
@@ -70,7 +78,10 @@ impl SamplingParams {
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::InvalidArgument(m));
         if !self.temperature.is_finite() || self.temperature < 0.0 {
-            return bad(format!("temperature must be a finite number >= 0, got {}", self.temperature));
+            return bad(format!(
+                "temperature must be a finite number >= 0, got {}",
+                self.temperature
+            ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad(format!("top_p must be in (0, 1], got {}", self.top_p));
@@ -79,7 +90,10 @@ impl SamplingParams {
             return bad(format!("min_p must be in [0, 1], got {}", self.min_p));
         }
         if !self.repeat_penalty.is_finite() || self.repeat_penalty <= 0.0 {
-            return bad(format!("repeat_penalty must be a finite number > 0, got {}", self.repeat_penalty));
+            return bad(format!(
+                "repeat_penalty must be a finite number > 0, got {}",
+                self.repeat_penalty
+            ));
         }
         Ok(())
     }
@@ -124,7 +138,8 @@ impl Sampler {
         let c = &mut self.candidates;
         c.clear();
         c.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
-        let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let by_logit_desc =
+            |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         // top-k: keep the k largest (partial selection, then sort only those).
         if p.top_k > 0 && p.top_k < c.len() {
             c.select_nth_unstable_by(p.top_k - 1, by_logit_desc);
@@ -189,7 +204,15 @@ mod tests {
     use super::*;
 
     fn params(temperature: f32, top_k: usize, top_p: f32, min_p: f32) -> SamplingParams {
-        SamplingParams { temperature, top_k, top_p, min_p, repeat_penalty: 1.0, repeat_last_n: 64, banned: Vec::new() }
+        SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
+            banned: Vec::new(),
+        }
     }
 
     #[test]

@@ -12,11 +12,16 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::attention::{attend_block, attend_group, attend_group_partial, merge_partials, KvBuf, KvType, Partial};
+use crate::attention::{
+    attend_block, attend_group, attend_group_partial, merge_partials, KvBuf, KvType, Partial,
+};
 use crate::error::{Error, Result};
 use crate::forward::forward;
 use crate::matmul::{matmul, matmul_many, matmul_selected, Activations, QMatrix};
-use crate::model::{Config, Family, FfnActivation, InputGroup, LayerWeights, Model, RopeSet, RopeStyle, Weights, OPT_POSITION_OFFSET};
+use crate::model::{
+    Config, Family, FfnActivation, InputGroup, LayerWeights, Model, RopeSet, RopeStyle, Weights,
+    OPT_POSITION_OFFSET,
+};
 use crate::sparse::{down_t_matmul, sparse_ffn, FfnMats, SparseScratch, DENSE_FRACTION};
 
 mod batch;
@@ -29,25 +34,25 @@ mod observe;
 mod scratch;
 mod sparsity;
 pub use batch::{check_batch, decode_batch};
-pub use cpu::CpuPass;
-pub use math::softcap;
-pub use input_sparsity::time_input_sparsity;
-pub use scratch::Capture;
-pub use sparsity::{FfnStats, Sparsity, SparsityMode};
 use calibration::*;
+pub use cpu::CpuPass;
 use ffn::*;
+pub use input_sparsity::time_input_sparsity;
 use input_sparsity::*;
+pub use math::softcap;
 use math::*;
 use observe::*;
+pub use scratch::Capture;
 use scratch::*;
+pub use sparsity::{FfnStats, Sparsity, SparsityMode};
 
 pub struct Session {
     pub model: Arc<Model>,
     pub n_ctx: usize,
     /// Every token evaluated so far; `tokens.len()` is the next position.
     pub tokens: Vec<u32>,
-    k_cache: Vec<KvBuf>,     // per layer (rows, n_head_kv * head_dim): n_ctx rows, or a ring's
-    v_cache: Vec<KvBuf>,     // per layer, as k_cache
+    k_cache: Vec<KvBuf>, // per layer (rows, n_head_kv * head_dim): n_ctx rows, or a ring's
+    v_cache: Vec<KvBuf>, // per layer, as k_cache
     /// Per layer: the ring a sliding-window layer keeps (see `KvRing`), or None (one row per
     /// position).
     kv_ring: Vec<Option<KvRing>>,
@@ -87,11 +92,21 @@ impl Session {
             return Err(Error::InvalidArgument(format!("n_ctx {n_ctx} is too large")));
         }
         // sliding layers keep a ring of their window when it is smaller than the context
-        let kv_ring: Vec<Option<KvRing>> =
-            (0..c.n_layer).map(|l| (c.slides(l) && KvRing::rows(c.sliding_window) < n_ctx).then(|| KvRing::new(c.sliding_window))).collect();
+        let kv_ring: Vec<Option<KvRing>> = (0..c.n_layer)
+            .map(|l| {
+                (c.slides(l) && KvRing::rows(c.sliding_window) < n_ctx)
+                    .then(|| KvRing::new(c.sliding_window))
+            })
+            .collect();
         let rows = |l: usize| kv_ring[l].as_ref().map_or(n_ctx, |r| KvRing::rows(r.window));
-        let cache = || (0..c.n_layer).map(|l| KvBuf::new(kv_type, rows(l) * c.kv_dim())).collect::<Result<Vec<_>>>();
-        let rope = (0..c.rope_sets()).map(|set| c.rope(set, model.weights.rope_factors(c, n_ctx))).collect();
+        let cache = || {
+            (0..c.n_layer)
+                .map(|l| KvBuf::new(kv_type, rows(l) * c.kv_dim()))
+                .collect::<Result<Vec<_>>>()
+        };
+        let rope = (0..c.rope_sets())
+            .map(|set| c.rope(set, model.weights.rope_factors(c, n_ctx)))
+            .collect();
         Ok(Session {
             n_ctx,
             tokens: Vec::new(),
@@ -128,7 +143,8 @@ impl Session {
     /// for every evaluated token; see `Capture`. While recording, every FFN is computed densely
     /// on the batch path, whatever the sparsity mode.
     pub fn set_capture(&mut self, on: bool) {
-        self.state.recorder = on.then(|| Recorder::Capture(Capture::new(self.model.config.n_layer)));
+        self.state.recorder =
+            on.then(|| Recorder::Capture(Capture::new(self.model.config.n_layer)));
     }
 
     /// Returns what was recorded since capturing started or since the last call, and keeps
@@ -169,12 +185,15 @@ impl Session {
         self.check_room(tokens)?;
         let model = Arc::clone(&self.model);
         // passes of at most UBATCH tokens (a ring's spare rows where a sliding layer keeps a ring)
-        let per_pass = if self.kv_ring.iter().any(Option::is_some) { KvRing::PASS_ROWS } else { Self::UBATCH };
+        let per_pass =
+            if self.kv_ring.iter().any(Option::is_some) { KvRing::PASS_ROWS } else { Self::UBATCH };
         let mut logits = Vec::new();
         for (i, part) in tokens.chunks(per_pass).enumerate() {
             let last = (i + 1) * per_pass >= tokens.len();
             let n_logits = if all_logits { part.len() } else { usize::from(last) };
-            logits.extend(model.install(|| forward(&mut CpuPass::new(self, part.len()), &model, part, n_logits))?);
+            logits.extend(model.install(|| {
+                forward(&mut CpuPass::new(self, part.len()), &model, part, n_logits)
+            })?);
             self.tokens.extend_from_slice(part);
         }
         Ok(logits)
@@ -204,7 +223,9 @@ impl Session {
             return Err(Error::InvalidArgument("no tokens to evaluate".into()));
         }
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
-            return Err(Error::InvalidArgument(format!("token id {bad} is out of range (vocabulary has {n_vocab})")));
+            return Err(Error::InvalidArgument(format!(
+                "token id {bad} is out of range (vocabulary has {n_vocab})"
+            )));
         }
         let needed = self.pos() + tokens.len();
         if needed > self.n_ctx {
@@ -254,4 +275,3 @@ impl KvRing {
         pos <= first_needed + self.slots()
     }
 }
-

@@ -15,17 +15,19 @@
 
 use rayon::prelude::*;
 
-use crate::matmul::{dot_row, matmul, matmul_many, prefetch, simd_level, Activations, QMatrix, SimdLevel};
+use crate::matmul::{
+    dot_row, matmul, matmul_many, prefetch, simd_level, Activations, QMatrix, SimdLevel,
+};
 use crate::model::FfnActivation;
 use crate::quant::{self, DType};
 
 /// One FFN block as the sparse operators read it.
 #[derive(Clone, Copy)]
 pub struct FfnMats<'a> {
-    pub gate: Option<QMatrix<'a>>,  // (n_ff, n_embd); None for gateless FFNs (Falcon, OPT)
-    pub up: QMatrix<'a>,            // (n_ff, n_embd)
+    pub gate: Option<QMatrix<'a>>, // (n_ff, n_embd); None for gateless FFNs (Falcon, OPT)
+    pub up: QMatrix<'a>,           // (n_ff, n_embd)
     pub up_bias: Option<&'a [f32]>, // (n_ff), OPT
-    pub down_t: QMatrix<'a>,        // (n_ff, n_embd): row j is the output vector of neuron j
+    pub down_t: QMatrix<'a>,       // (n_ff, n_embd): row j is the output vector of neuron j
     /// (n_embd, n_ff): the row-major down matrix when the model has it, for selections dense
     /// enough that the dense kernels are faster (see `DENSE_FRACTION`).
     pub down: Option<QMatrix<'a>>,
@@ -35,12 +37,12 @@ pub struct FfnMats<'a> {
 /// Reusable buffers of the sparse operators (one set per session).
 #[derive(Default)]
 pub struct SparseScratch {
-    acc: Vec<f32>, // (n_chunks, n_embd) per-chunk partial sums of the down projection
-    gate: Vec<f32>, // (n_ff) dense gate pre-activations, then activations (dense fallback)
-    up: Vec<f32>,   // (n_ff) dense up pre-activations (dense fallback)
-    h: Activations, // (1, n_ff) the masked activations as the down product reads them
-    ht: Vec<f32>,  // (n_ff, n_tokens) activations transposed, for `down_t_matmul`
-    nz: Vec<u32>,  // neurons with a nonzero activation for some token (and not in `tiled`)
+    acc: Vec<f32>,   // (n_chunks, n_embd) per-chunk partial sums of the down projection
+    gate: Vec<f32>,  // (n_ff) dense gate pre-activations, then activations (dense fallback)
+    up: Vec<f32>,    // (n_ff) dense up pre-activations (dense fallback)
+    h: Activations,  // (1, n_ff) the masked activations as the down product reads them
+    ht: Vec<f32>,    // (n_ff, n_tokens) activations transposed, for `down_t_matmul`
+    nz: Vec<u32>,    // neurons with a nonzero activation for some token (and not in `tiled`)
     tiled: Vec<u32>, // neurons enough tokens need to go through `tiled_axpy`
 }
 
@@ -64,7 +66,9 @@ pub fn axpy(level: SimdLevel, dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
     match level {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c.
-        SimdLevel::Avx2 | SimdLevel::Avx512 if quant::is_chunked(dtype) => unsafe { quant::chunked_avx2::axpy_rows::<1>(dtype, [row], [a], y) },
+        SimdLevel::Avx2 | SimdLevel::Avx512 if quant::is_chunked(dtype) => unsafe {
+            quant::chunked_avx2::axpy_rows::<1>(dtype, [row], [a], y)
+        },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI and AVX2's features.
         SimdLevel::Avx512 => unsafe { crate::avx512::axpy_rows::<1>(dtype, [row], [a], y) },
@@ -81,7 +85,9 @@ pub fn axpy4(level: SimdLevel, dtype: DType, rows: [&[u8]; 4], a: [f32; 4], y: &
     match level {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c.
-        SimdLevel::Avx2 | SimdLevel::Avx512 if quant::is_chunked(dtype) => unsafe { quant::chunked_avx2::axpy_rows::<4>(dtype, rows, a, y) },
+        SimdLevel::Avx2 | SimdLevel::Avx512 if quant::is_chunked(dtype) => unsafe {
+            quant::chunked_avx2::axpy_rows::<4>(dtype, rows, a, y)
+        },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         SimdLevel::Avx512 => unsafe { crate::avx512::axpy_rows::<4>(dtype, rows, a, y) },
@@ -149,70 +155,80 @@ pub fn sparse_ffn(
     // ReLU-type gates: a non-positive gate makes the neuron zero, so up is not even read.
     let gate_decides = matches!(m.act, FfnActivation::ReGlu | FfnActivation::DReGlu);
 
-    let used: usize = scratch.acc.par_chunks_mut(n_embd).enumerate().map(|(k, acc)| {
-        acc.fill(0.0);
-        let chunk = &neurons[neurons.len() * k / n_chunks..neurons.len() * (k + 1) / n_chunks];
-        let mut used = 0;
-        // Per group of neurons, three passes that each stream one matrix: gate dots, up dots
-        // for the neurons still alive, then axpys four rows at a time. Consecutive neurons
-        // are dotted as one run of rows.
-        let mut vals = [0.0f32; GROUP]; // gate values, then activations
-        let mut alive = [0u32; GROUP];
-        for group in chunk.chunks(GROUP) {
-            // gate -> activation side
-            let mut n_alive = 0;
-            match (gate_values, &m.gate) {
-                (Some(gv), _) => group.iter().enumerate().for_each(|(i, &j)| vals[i] = gv[j as usize]),
-                (None, Some(gw)) => dot_selected(gw, group, x, level, &mut vals),
-                (None, None) => {}
-            }
-            for (i, &j) in group.iter().enumerate() {
-                if !(gate_decides && vals[i] <= 0.0) {
-                    vals[n_alive] = vals[i];
-                    alive[n_alive] = j;
-                    n_alive += 1;
-                }
-            }
-            // up, then the activation
-            let mut ups = [0.0f32; GROUP];
-            dot_selected(&m.up, &alive[..n_alive], x, level, &mut ups);
-            let mut n_active = 0;
-            for i in 0..n_alive {
-                let j = alive[i] as usize;
-                let u = ups[i] + m.up_bias.map_or(0.0, |b| b[j]);
-                let h = m.act.apply(vals[i], u);
-                if h != 0.0 {
-                    vals[n_active] = h;
-                    alive[n_active] = j as u32;
-                    n_active += 1;
-                }
-            }
-            // axpy of each active neuron's down_t row into this chunk's accumulator, four rows
-            // per pass, span by span with the next four rows' span prefetched (see `spans`)
-            let dtype = m.down_t.dtype;
-            for (q, quad) in alive[..n_active].chunks(4).enumerate() {
-                let next = alive[..n_active].get(4 * (q + 1)..(4 * (q + 2)).min(n_active)).unwrap_or(&[]);
-                let a = &vals[4 * q..4 * q + quad.len()];
-                for span in spans(dtype, n_embd) {
-                    let bytes = dtype.row_bytes(span.start)..dtype.row_bytes(span.end);
-                    for &j in next {
-                        prefetch(&m.down_t.row(j as usize)[bytes.clone()]);
+    let used: usize = scratch
+        .acc
+        .par_chunks_mut(n_embd)
+        .enumerate()
+        .map(|(k, acc)| {
+            acc.fill(0.0);
+            let chunk = &neurons[neurons.len() * k / n_chunks..neurons.len() * (k + 1) / n_chunks];
+            let mut used = 0;
+            // Per group of neurons, three passes that each stream one matrix: gate dots, up dots
+            // for the neurons still alive, then axpys four rows at a time. Consecutive neurons
+            // are dotted as one run of rows.
+            let mut vals = [0.0f32; GROUP]; // gate values, then activations
+            let mut alive = [0u32; GROUP];
+            for group in chunk.chunks(GROUP) {
+                // gate -> activation side
+                let mut n_alive = 0;
+                match (gate_values, &m.gate) {
+                    (Some(gv), _) => {
+                        group.iter().enumerate().for_each(|(i, &j)| vals[i] = gv[j as usize])
                     }
-                    let y = &mut acc[span];
-                    if let [j0, j1, j2, j3] = *quad {
-                        let rows = [j0, j1, j2, j3].map(|j| &m.down_t.row(j as usize)[bytes.clone()]);
-                        axpy4(level, dtype, rows, [a[0], a[1], a[2], a[3]], y);
-                    } else {
-                        for (&j, &aj) in quad.iter().zip(a) {
-                            axpy(level, dtype, &m.down_t.row(j as usize)[bytes.clone()], aj, y);
+                    (None, Some(gw)) => dot_selected(gw, group, x, level, &mut vals),
+                    (None, None) => {}
+                }
+                for (i, &j) in group.iter().enumerate() {
+                    if !(gate_decides && vals[i] <= 0.0) {
+                        vals[n_alive] = vals[i];
+                        alive[n_alive] = j;
+                        n_alive += 1;
+                    }
+                }
+                // up, then the activation
+                let mut ups = [0.0f32; GROUP];
+                dot_selected(&m.up, &alive[..n_alive], x, level, &mut ups);
+                let mut n_active = 0;
+                for i in 0..n_alive {
+                    let j = alive[i] as usize;
+                    let u = ups[i] + m.up_bias.map_or(0.0, |b| b[j]);
+                    let h = m.act.apply(vals[i], u);
+                    if h != 0.0 {
+                        vals[n_active] = h;
+                        alive[n_active] = j as u32;
+                        n_active += 1;
+                    }
+                }
+                // axpy of each active neuron's down_t row into this chunk's accumulator, four rows
+                // per pass, span by span with the next four rows' span prefetched (see `spans`)
+                let dtype = m.down_t.dtype;
+                for (q, quad) in alive[..n_active].chunks(4).enumerate() {
+                    let next = alive[..n_active]
+                        .get(4 * (q + 1)..(4 * (q + 2)).min(n_active))
+                        .unwrap_or(&[]);
+                    let a = &vals[4 * q..4 * q + quad.len()];
+                    for span in spans(dtype, n_embd) {
+                        let bytes = dtype.row_bytes(span.start)..dtype.row_bytes(span.end);
+                        for &j in next {
+                            prefetch(&m.down_t.row(j as usize)[bytes.clone()]);
+                        }
+                        let y = &mut acc[span];
+                        if let [j0, j1, j2, j3] = *quad {
+                            let rows =
+                                [j0, j1, j2, j3].map(|j| &m.down_t.row(j as usize)[bytes.clone()]);
+                            axpy4(level, dtype, rows, [a[0], a[1], a[2], a[3]], y);
+                        } else {
+                            for (&j, &aj) in quad.iter().zip(a) {
+                                axpy(level, dtype, &m.down_t.row(j as usize)[bytes.clone()], aj, y);
+                            }
                         }
                     }
                 }
+                used += n_active;
             }
-            used += n_active;
-        }
-        used
-    }).sum();
+            used
+        })
+        .sum();
 
     // Sum the chunk accumulators in chunk order.
     let acc = &scratch.acc;
@@ -314,7 +330,18 @@ const TILED_CHUNK: usize = 32;
 /// `y` must be valid for reads and writes of those `tokens` rows' `cols`, which nothing else
 /// may touch meanwhile (other threads write the columns between them).
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn tiled_axpy_scalar(w: &[f32], width: usize, ht: &[f32], n: usize, neurons: &[u32], t0: usize, tokens: usize, y: *mut f32, stride: usize, cols: std::ops::Range<usize>) {
+pub(crate) unsafe fn tiled_axpy_scalar(
+    w: &[f32],
+    width: usize,
+    ht: &[f32],
+    n: usize,
+    neurons: &[u32],
+    t0: usize,
+    tokens: usize,
+    y: *mut f32,
+    stride: usize,
+    cols: std::ops::Range<usize>,
+) {
     for t in 0..tokens {
         for c in cols.clone() {
             let y = y.add(t * stride + c);
@@ -333,7 +360,16 @@ pub(crate) unsafe fn tiled_axpy_scalar(w: &[f32], width: usize, ht: &[f32], n: u
 /// # Safety
 /// As `tiled_axpy_scalar`'s, for all n rows and columns 0..width.
 #[allow(clippy::too_many_arguments)]
-unsafe fn tiled_axpy(level: SimdLevel, w: &[f32], width: usize, ht: &[f32], n: usize, neurons: &[u32], y: *mut f32, stride: usize) {
+unsafe fn tiled_axpy(
+    level: SimdLevel,
+    w: &[f32],
+    width: usize,
+    ht: &[f32],
+    n: usize,
+    neurons: &[u32],
+    y: *mut f32,
+    stride: usize,
+) {
     let lanes = match level {
         SimdLevel::Avx512 => 16,
         SimdLevel::Avx2 => 8,
@@ -352,8 +388,28 @@ unsafe fn tiled_axpy(level: SimdLevel, w: &[f32], width: usize, ht: &[f32], n: u
                     // (the level's features are the CPU's; the rows, w and ht as the caller
                     // vouches, `simd` a multiple of the lanes, t0 + $t <= n)
                     match level {
-                        SimdLevel::Avx512 => crate::avx512::tiled_axpy::<$t>(w, width, simd, ht, n, neurons, t0, y.add(t0 * stride), stride),
-                        _ => crate::avx2::tiled_axpy::<$t>(w, width, simd, ht, n, neurons, t0, y.add(t0 * stride), stride),
+                        SimdLevel::Avx512 => crate::avx512::tiled_axpy::<$t>(
+                            w,
+                            width,
+                            simd,
+                            ht,
+                            n,
+                            neurons,
+                            t0,
+                            y.add(t0 * stride),
+                            stride,
+                        ),
+                        _ => crate::avx2::tiled_axpy::<$t>(
+                            w,
+                            width,
+                            simd,
+                            ht,
+                            n,
+                            neurons,
+                            t0,
+                            y.add(t0 * stride),
+                            stride,
+                        ),
                     }
                     t0 += $t;
                 }
@@ -376,7 +432,13 @@ unsafe fn tiled_axpy(level: SimdLevel, w: &[f32], width: usize, ht: &[f32], n: u
 /// tiles (`TILED_FROM`); of the rest, a slice that few tokens need goes to the axpy kernels as
 /// stored, once per token (as one token's does), one that more need is dequantized once and
 /// read as floats by each (`DEQUANTIZE_FROM`).
-pub fn down_t_matmul(down_t: &QMatrix, h: &[f32], n: usize, out: &mut [f32], scratch: &mut SparseScratch) {
+pub fn down_t_matmul(
+    down_t: &QMatrix,
+    h: &[f32],
+    n: usize,
+    out: &mut [f32],
+    scratch: &mut SparseScratch,
+) {
     let (n_ff, n_embd) = (down_t.rows, down_t.cols);
     assert_eq!(h.len(), n * n_ff);
     assert_eq!(out.len(), n * n_embd);
@@ -401,7 +463,9 @@ pub fn down_t_matmul(down_t: &QMatrix, h: &[f32], n: usize, out: &mut [f32], scr
     out.fill(0.0);
     let threads = rayon::current_num_threads().max(1);
     let unit = down_t.dtype.block_len().max(32);
-    let width = (n_embd.div_ceil(threads * CHUNKS_PER_THREAD)).next_multiple_of(unit).min(n_embd.next_multiple_of(unit));
+    let width = (n_embd.div_ceil(threads * CHUNKS_PER_THREAD))
+        .next_multiple_of(unit)
+        .min(n_embd.next_multiple_of(unit));
     let n_tasks = n_embd.div_ceil(width);
     let (ht, nz, tiled) = (&scratch.ht, &scratch.nz, &scratch.tiled);
     let level = simd_level();
@@ -422,7 +486,13 @@ pub fn down_t_matmul(down_t: &QMatrix, h: &[f32], n: usize, out: &mut [f32], scr
                 for &ahead in nz.get(4 * i + 4..4 * i + 8).unwrap_or(&[]) {
                     prefetch(slice(ahead));
                 }
-                axpy4(level, down_t.dtype, [0, 1, 2, 3].map(|k| slice(q[k])), [0, 1, 2, 3].map(|k| ht[q[k] as usize]), y);
+                axpy4(
+                    level,
+                    down_t.dtype,
+                    [0, 1, 2, 3].map(|k| slice(q[k])),
+                    [0, 1, 2, 3].map(|k| ht[q[k] as usize]),
+                    y,
+                );
             }
             for &j in quads.remainder() {
                 axpy(level, down_t.dtype, slice(j), ht[j as usize], y);
@@ -440,7 +510,11 @@ pub fn down_t_matmul(down_t: &QMatrix, h: &[f32], n: usize, out: &mut [f32], scr
                 if let Some(&ahead) = tiled.get(c * TILED_CHUNK + k + 2) {
                     prefetch(&down_t.row(ahead as usize)[b0..b1]);
                 }
-                quant::dequantize_row(down_t.dtype, &down_t.row(j as usize)[b0..b1], &mut w[k * (c1 - c0)..(k + 1) * (c1 - c0)]);
+                quant::dequantize_row(
+                    down_t.dtype,
+                    &down_t.row(j as usize)[b0..b1],
+                    &mut w[k * (c1 - c0)..(k + 1) * (c1 - c0)],
+                );
             }
             // SAFETY: this task alone touches columns c0..c1 of every token's row (n rows of
             // n_embd, asserted above)
@@ -468,7 +542,9 @@ pub fn down_t_matmul(down_t: &QMatrix, h: &[f32], n: usize, out: &mut [f32], scr
                 if hv != 0.0 {
                     // SAFETY: this task alone writes columns c0..c1 of every token's row, and
                     // out.len() == n * n_embd was asserted above.
-                    let y = unsafe { std::slice::from_raw_parts_mut(optr.at(t * n_embd + c0), c1 - c0) };
+                    let y = unsafe {
+                        std::slice::from_raw_parts_mut(optr.at(t * n_embd + c0), c1 - c0)
+                    };
                     axpy(level, dtype, slice, hv, y);
                 }
             }
@@ -483,7 +559,8 @@ mod tests {
     use crate::quant::tests::random_vec;
     use crate::quant::{dequantize_row, quantize_row};
 
-    const ALL: [DType; 6] = [DType::F32, DType::F16, DType::BF16, DType::Q4_0, DType::Q4_1, DType::Q8_0];
+    const ALL: [DType; 6] =
+        [DType::F32, DType::F16, DType::BF16, DType::Q4_0, DType::Q4_1, DType::Q8_0];
 
     fn matrix(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
         random_vec(rows * cols, seed).chunks(cols).flat_map(|r| quantize_row(dtype, r)).collect()
@@ -516,7 +593,12 @@ mod tests {
                 quant::axpy_scalar(dtype, &row, 0.37, &mut ys);
                 axpy(SimdLevel::Avx2, dtype, &row, 0.37, &mut yv);
                 for i in 0..n {
-                    assert!((ys[i] - yv[i]).abs() <= 1e-6, "{dtype:?} n={n} i={i}: {} vs {}", ys[i], yv[i]);
+                    assert!(
+                        (ys[i] - yv[i]).abs() <= 1e-6,
+                        "{dtype:?} n={n} i={i}: {} vs {}",
+                        ys[i],
+                        yv[i]
+                    );
                 }
             }
         }
@@ -536,7 +618,12 @@ mod tests {
                 let rr = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
                 axpy4(SimdLevel::Avx2, dtype, rr, a, &mut yv);
                 for i in 0..n {
-                    assert!((ys[i] - yv[i]).abs() <= 1e-5, "x4 {dtype:?} n={n} i={i}: {} vs {}", ys[i], yv[i]);
+                    assert!(
+                        (ys[i] - yv[i]).abs() <= 1e-5,
+                        "x4 {dtype:?} n={n} i={i}: {} vs {}",
+                        ys[i],
+                        yv[i]
+                    );
                 }
             }
         }
@@ -562,7 +649,8 @@ mod tests {
                 if n % dtype.block_len() != 0 {
                     continue;
                 }
-                let rows: Vec<Vec<u8>> = (0..4).map(|r| any_row(dtype, n, 60 + r + n as u64)).collect();
+                let rows: Vec<Vec<u8>> =
+                    (0..4).map(|r| any_row(dtype, n, 60 + r + n as u64)).collect();
                 let a = [0.5, -1.25, 2.0, 0.125];
                 let y0 = random_vec(n, 97);
                 let (mut ys, mut y1, mut y4) = (y0.clone(), y0.clone(), y0.clone());
@@ -573,8 +661,18 @@ mod tests {
                 let rr = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
                 axpy4(SimdLevel::Avx512, dtype, rr, a, &mut y4);
                 for i in 0..n {
-                    assert!((ys[i] - y1[i]).abs() <= 1e-5, "x1 {dtype:?} n={n} i={i}: {} vs {}", ys[i], y1[i]);
-                    assert!((ys[i] - y4[i]).abs() <= 1e-5, "x4 {dtype:?} n={n} i={i}: {} vs {}", ys[i], y4[i]);
+                    assert!(
+                        (ys[i] - y1[i]).abs() <= 1e-5,
+                        "x1 {dtype:?} n={n} i={i}: {} vs {}",
+                        ys[i],
+                        y1[i]
+                    );
+                    assert!(
+                        (ys[i] - y4[i]).abs() <= 1e-5,
+                        "x4 {dtype:?} n={n} i={i}: {} vs {}",
+                        ys[i],
+                        y4[i]
+                    );
                 }
             }
         }
@@ -596,11 +694,20 @@ mod tests {
     #[test]
     fn sparse_ffn_matches_dense_operator() {
         let (n_ff, n_embd) = (200, 96);
-        let acts = [FfnActivation::SwiGlu, FfnActivation::ReGlu, FfnActivation::DReGlu, FfnActivation::Relu];
+        let acts = [
+            FfnActivation::SwiGlu,
+            FfnActivation::ReGlu,
+            FfnActivation::DReGlu,
+            FfnActivation::Relu,
+        ];
         for threads in [1, 3] {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
             for dtype in ALL {
-                let (gd, ud, dd) = (matrix(dtype, n_ff, n_embd, 1), matrix(dtype, n_ff, n_embd, 2), matrix(dtype, n_ff, n_embd, 3));
+                let (gd, ud, dd) = (
+                    matrix(dtype, n_ff, n_embd, 1),
+                    matrix(dtype, n_ff, n_embd, 2),
+                    matrix(dtype, n_ff, n_embd, 3),
+                );
                 let gate = QMatrix { dtype, rows: n_ff, cols: n_embd, data: &gd };
                 let up = QMatrix { dtype, rows: n_ff, cols: n_embd, data: &ud };
                 let down_t = QMatrix { dtype, rows: n_ff, cols: n_embd, data: &dd };
@@ -620,7 +727,8 @@ mod tests {
                     };
                     for density in [0.0, 0.1, 0.5, 1.0] {
                         let mut rng = crate::sampler::Rng::new(7);
-                        let neurons: Vec<u32> = (0..n_ff as u32).filter(|_| rng.next_f32() < density).collect();
+                        let neurons: Vec<u32> =
+                            (0..n_ff as u32).filter(|_| rng.next_f32() < density).collect();
                         // dense reference over the selection
                         let mut want = vec![0.0f64; n_embd];
                         let mut row = vec![0.0f32; n_embd];
@@ -642,12 +750,19 @@ mod tests {
                         let scale = want.iter().map(|v| v.abs()).fold(1e-3, f64::max);
                         for i in 0..n_embd {
                             let err = (got[i] as f64 - want[i]).abs() / scale;
-                            assert!(err < 1e-5, "{dtype:?} {act:?} density {density} t{threads} [{i}]: {} vs {}", got[i], want[i]);
+                            assert!(
+                                err < 1e-5,
+                                "{dtype:?} {act:?} density {density} t{threads} [{i}]: {} vs {}",
+                                got[i],
+                                want[i]
+                            );
                         }
                         // precomputed gate values give the same result
                         if act.has_gate() {
                             let mut pre = vec![0.0f32; n_embd];
-                            pool.install(|| sparse_ffn(&m, &x, &neurons, Some(&g), &mut pre, &mut scratch));
+                            pool.install(|| {
+                                sparse_ffn(&m, &x, &neurons, Some(&g), &mut pre, &mut scratch)
+                            });
                             assert_eq!(pre, got);
                         }
                     }
@@ -665,7 +780,11 @@ mod tests {
         let (n_ff, n_embd) = (160, 64);
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
         for dtype in [DType::F32, DType::F16, DType::Q8_0, DType::Q4_0] {
-            let (gd, ud, dd) = (matrix(dtype, n_ff, n_embd, 31), matrix(dtype, n_ff, n_embd, 32), matrix(dtype, n_embd, n_ff, 33));
+            let (gd, ud, dd) = (
+                matrix(dtype, n_ff, n_embd, 31),
+                matrix(dtype, n_ff, n_embd, 32),
+                matrix(dtype, n_embd, n_ff, 33),
+            );
             let gate = QMatrix { dtype, rows: n_ff, cols: n_embd, data: &gd };
             let up = QMatrix { dtype, rows: n_ff, cols: n_embd, data: &ud };
             let down = QMatrix { dtype, rows: n_embd, cols: n_ff, data: &dd };
@@ -677,13 +796,17 @@ mod tests {
             let (mut g, mut u) = (vec![0.0f32; n_ff], vec![0.0f32; n_ff]);
             pool.install(|| matmul_many(&[gate, up], &x, &mut [&mut g, &mut u]));
             for act in [FfnActivation::SwiGlu, FfnActivation::ReGlu] {
-                let m = FfnMats { gate: Some(gate), up, up_bias: None, down_t, down: Some(down), act };
+                let m =
+                    FfnMats { gate: Some(gate), up, up_bias: None, down_t, down: Some(down), act };
                 for skip_every in [0usize, 11] {
-                    let neurons: Vec<u32> = (0..n_ff as u32).filter(|&j| skip_every == 0 || j as usize % skip_every != 3).collect();
+                    let neurons: Vec<u32> = (0..n_ff as u32)
+                        .filter(|&j| skip_every == 0 || j as usize % skip_every != 3)
+                        .collect();
                     assert!(neurons.len() as f64 >= DENSE_FRACTION * n_ff as f64);
                     let mut got = vec![0.0f32; n_embd];
                     let mut scratch = SparseScratch::default();
-                    let used = pool.install(|| sparse_ffn(&m, &x, &neurons, None, &mut got, &mut scratch));
+                    let used =
+                        pool.install(|| sparse_ffn(&m, &x, &neurons, None, &mut got, &mut scratch));
                     let mut h = vec![0.0f32; n_ff];
                     for &j in &neurons {
                         h[j as usize] = act.apply(g[j as usize], u[j as usize]);
@@ -700,8 +823,17 @@ mod tests {
                     for c in 0..n_embd {
                         down.dequantize_row(c, &mut w);
                         let want: f64 = w.iter().zip(&h).map(|(a, b)| *a as f64 * *b as f64).sum();
-                        let scale: f64 = w.iter().zip(&h).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum::<f64>().max(1e-6);
-                        assert!((got[c] as f64 - want).abs() <= 1e-5 * scale, "{dtype:?} {act:?} [{c}]: {} vs {want}", got[c]);
+                        let scale: f64 = w
+                            .iter()
+                            .zip(&h)
+                            .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                            .sum::<f64>()
+                            .max(1e-6);
+                        assert!(
+                            (got[c] as f64 - want).abs() <= 1e-5 * scale,
+                            "{dtype:?} {act:?} [{c}]: {} vs {want}",
+                            got[c]
+                        );
                     }
                 }
             }
@@ -729,13 +861,32 @@ mod tests {
                 let y0 = random_vec(n * stride, 8);
                 let mut want = y0.clone();
                 // SAFETY: n rows of `stride` >= width, owned here
-                unsafe { tiled_axpy_scalar(&w, width, &ht, n, &neurons, 0, n, want.as_mut_ptr(), stride, 0..width) };
+                unsafe {
+                    tiled_axpy_scalar(
+                        &w,
+                        width,
+                        &ht,
+                        n,
+                        &neurons,
+                        0,
+                        n,
+                        want.as_mut_ptr(),
+                        stride,
+                        0..width,
+                    )
+                };
                 for &level in &levels {
                     let mut got = y0.clone();
                     // SAFETY: as above; `levels` holds what this CPU has
-                    unsafe { tiled_axpy(level, &w, width, &ht, n, &neurons, got.as_mut_ptr(), stride) };
+                    unsafe {
+                        tiled_axpy(level, &w, width, &ht, n, &neurons, got.as_mut_ptr(), stride)
+                    };
                     for i in 0..n * stride {
-                        assert_eq!(got[i].to_bits(), want[i].to_bits(), "{level:?} n={n} width={width} [{i}]");
+                        assert_eq!(
+                            got[i].to_bits(),
+                            want[i].to_bits(),
+                            "{level:?} n={n} width={width} [{i}]"
+                        );
                     }
                 }
             }
@@ -773,7 +924,12 @@ mod tests {
                     }
                 }
                 for i in 0..n * n_embd {
-                    assert!((out[i] as f64 - want[i]).abs() < 1e-4, "{dtype:?} n={n} [{i}]: {} vs {}", out[i], want[i]);
+                    assert!(
+                        (out[i] as f64 - want[i]).abs() < 1e-4,
+                        "{dtype:?} n={n} [{i}]: {} vs {}",
+                        out[i],
+                        want[i]
+                    );
                 }
             }
         }

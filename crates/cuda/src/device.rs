@@ -22,7 +22,10 @@ pub use emulated::Emulated;
 
 /// An element type of device buffers (f32 activations, u8 weight rows and caches, i32/u32 ids
 /// and counters).
-pub trait Elem: DeviceRepr + ValidAsZeroBits + Copy + Default + Send + Sync + Unpin + 'static {}
+pub trait Elem:
+    DeviceRepr + ValidAsZeroBits + Copy + Default + Send + Sync + Unpin + 'static
+{
+}
 impl Elem for f32 {}
 impl Elem for u8 {}
 impl Elem for i32 {}
@@ -48,7 +51,12 @@ pub fn type_slot(dtype: DType) -> Result<usize> {
         DType::Q6_K => 11,
         DType::IQ4_NL => 12,
         DType::IQ4_XS => 13,
-        DType::BF16 => return Err(CudaError::Unsupported(format!("{} weights have no GPU kernel", dtype.name()))),
+        DType::BF16 => {
+            return Err(CudaError::Unsupported(format!(
+                "{} weights have no GPU kernel",
+                dtype.name()
+            )))
+        }
     })
 }
 
@@ -66,9 +74,16 @@ pub fn act_code(act: FfnActivation) -> Result<i32> {
 
 /// The activation a kernel's code stands for (the inverse of `act_code`).
 pub fn act_of_code(code: i32) -> Option<FfnActivation> {
-    [FfnActivation::SwiGlu, FfnActivation::ReGlu, FfnActivation::DReGlu, FfnActivation::Relu, FfnActivation::Gelu, FfnActivation::GeGlu]
-        .into_iter()
-        .find(|&a| act_code(a).ok() == Some(code))
+    [
+        FfnActivation::SwiGlu,
+        FfnActivation::ReGlu,
+        FfnActivation::DReGlu,
+        FfnActivation::Relu,
+        FfnActivation::Gelu,
+        FfnActivation::GeGlu,
+    ]
+    .into_iter()
+    .find(|&a| act_code(a).ok() == Some(code))
 }
 
 /// The shape and scoring of an attention call.
@@ -141,7 +156,13 @@ pub trait Device: Send + Sync + Sized + 'static {
     fn read<T: Elem>(&self, src: &Self::Buf<T>, dst: &mut [T]) -> Result<()>;
     fn clear<T: Elem>(&self, dst: &mut Self::Buf<T>) -> Result<()>;
     /// Copies elements src_start .. src_start + n of `src` to the first n of `dst` (queued).
-    fn copy<T: Elem>(&self, src: &Self::Buf<T>, src_start: usize, dst: &mut Self::Buf<T>, n: usize) -> Result<()>;
+    fn copy<T: Elem>(
+        &self,
+        src: &Self::Buf<T>,
+        src_start: usize,
+        dst: &mut Self::Buf<T>,
+        n: usize,
+    ) -> Result<()>;
     fn synchronize(&self) -> Result<()>;
 
     /// A recorded sequence of kernel launches, replayed as one launch (a CUDA graph).
@@ -155,11 +176,31 @@ pub trait Device: Send + Sync + Sized + 'static {
     fn launch_graph(&self, graph: &Self::Graph) -> Result<()>;
 
     /// `quantize_q8`: the first `n_blocks` blocks of `x` as `BlockQ8Act` bytes.
-    fn quantize_q8(&self, x: &Self::Buf<f32>, q8: &mut Self::Buf<u8>, n_blocks: usize) -> Result<()>;
+    fn quantize_q8(
+        &self,
+        x: &Self::Buf<f32>,
+        q8: &mut Self::Buf<u8>,
+        n_blocks: usize,
+    ) -> Result<()>;
     /// `matvec_*`: y[r] = w[r] . x (+ bias[r]), relu'd when asked.
-    fn matvec(&self, w: &DMat<Self>, x: &DActs<Self>, bias: Option<&Self::Buf<f32>>, y: &mut Self::Buf<f32>, relu: bool, m: usize) -> Result<()>;
+    fn matvec(
+        &self,
+        w: &DMat<Self>,
+        x: &DActs<Self>,
+        bias: Option<&Self::Buf<f32>>,
+        y: &mut Self::Buf<f32>,
+        relu: bool,
+        m: usize,
+    ) -> Result<()>;
     /// `matvec3_*`: three matrices of one type and width on one input (y_i = w_i . x + bias_i).
-    fn matvec3(&self, w: [&DMat<Self>; 3], x: &DActs<Self>, bias: [Option<&Self::Buf<f32>>; 3], y: [&mut Self::Buf<f32>; 3], m: usize) -> Result<()>;
+    fn matvec3(
+        &self,
+        w: [&DMat<Self>; 3],
+        x: &DActs<Self>,
+        bias: [Option<&Self::Buf<f32>>; 3],
+        y: [&mut Self::Buf<f32>; 3],
+        m: usize,
+    ) -> Result<()>;
     /// `ffn_hot_*`: h[i] for the packed hot row i (neuron bucket[i]); `selected` is a counter
     /// slot the selected rows are added to.
     #[allow(clippy::too_many_arguments)]
@@ -178,7 +219,13 @@ pub trait Device: Send + Sync + Sized + 'static {
         m: usize,
     ) -> Result<()>;
     /// `down_partial_*`: partial[k, c] = sum over the rows i of chunk k of h[i] * down_t[i, c].
-    fn down_partial(&self, down_t: &DMat<Self>, h: &Self::Buf<f32>, partial: &mut Self::Buf<f32>, rows_per_chunk: usize) -> Result<()>;
+    fn down_partial(
+        &self,
+        down_t: &DMat<Self>,
+        h: &Self::Buf<f32>,
+        partial: &mut Self::Buf<f32>,
+        rows_per_chunk: usize,
+    ) -> Result<()>;
     /// `ffn_merge`: x[c] += sum_k partial[k, c] + cpu_part[c] + bias[c].
     fn ffn_merge(
         &self,
@@ -190,22 +237,76 @@ pub trait Device: Send + Sync + Sized + 'static {
         cols: usize,
     ) -> Result<()>;
     /// `rmsnorm`, also rounding `out` to int8 blocks in `q8` when given.
-    fn rmsnorm(&self, x: &Self::Buf<f32>, w: &Self::Buf<f32>, out: &mut Self::Buf<f32>, q8: Option<&mut Self::Buf<u8>>, n: usize, eps: f32, m: usize) -> Result<()>;
+    fn rmsnorm(
+        &self,
+        x: &Self::Buf<f32>,
+        w: &Self::Buf<f32>,
+        out: &mut Self::Buf<f32>,
+        q8: Option<&mut Self::Buf<u8>>,
+        n: usize,
+        eps: f32,
+        m: usize,
+    ) -> Result<()>;
     /// `rmsnorm` with y: x += y, then out = the norm of x (and its int8 blocks).
     #[allow(clippy::too_many_arguments)]
-    fn add_rmsnorm(&self, x: &mut Self::Buf<f32>, y: &Self::Buf<f32>, w: &Self::Buf<f32>, out: &mut Self::Buf<f32>, q8: Option<&mut Self::Buf<u8>>, n: usize, eps: f32, m: usize) -> Result<()>;
+    fn add_rmsnorm(
+        &self,
+        x: &mut Self::Buf<f32>,
+        y: &Self::Buf<f32>,
+        w: &Self::Buf<f32>,
+        out: &mut Self::Buf<f32>,
+        q8: Option<&mut Self::Buf<u8>>,
+        n: usize,
+        eps: f32,
+        m: usize,
+    ) -> Result<()>;
     /// `head_rmsnorm`: each of the n_heads heads of x (head_dim each) RMS-normed in place, times w.
-    fn head_rmsnorm(&self, x: &mut Self::Buf<f32>, w: &Self::Buf<f32>, n_heads: usize, head_dim: usize, eps: f32) -> Result<()>;
+    fn head_rmsnorm(
+        &self,
+        x: &mut Self::Buf<f32>,
+        w: &Self::Buf<f32>,
+        n_heads: usize,
+        head_dim: usize,
+        eps: f32,
+    ) -> Result<()>;
     /// x += y (+ bias)
-    fn add_into(&self, x: &mut Self::Buf<f32>, y: &Self::Buf<f32>, bias: Option<&Self::Buf<f32>>, n: usize) -> Result<()>;
+    fn add_into(
+        &self,
+        x: &mut Self::Buf<f32>,
+        y: &Self::Buf<f32>,
+        bias: Option<&Self::Buf<f32>>,
+        n: usize,
+    ) -> Result<()>;
     fn add_bias(&self, x: &mut Self::Buf<f32>, bias: &Self::Buf<f32>, n: usize) -> Result<()>;
     #[allow(clippy::too_many_arguments)]
     /// `rope` of q (n_head heads) and k (n_head_kv heads) at one position.
-    fn rope(&self, q: &mut Self::Buf<f32>, k: &mut Self::Buf<f32>, cos: &Self::Buf<f32>, sin: &Self::Buf<f32>, n_head: usize, n_head_kv: usize, head_dim: usize, rope_dim: usize, neox: bool, m: usize) -> Result<()>;
+    fn rope(
+        &self,
+        q: &mut Self::Buf<f32>,
+        k: &mut Self::Buf<f32>,
+        cos: &Self::Buf<f32>,
+        sin: &Self::Buf<f32>,
+        n_head: usize,
+        n_head_kv: usize,
+        head_dim: usize,
+        rope_dim: usize,
+        neox: bool,
+        m: usize,
+    ) -> Result<()>;
     /// Stores one position's k and v in the caches, as f32 or (`f16`) f16 elements; the
     /// position is `pos[0]`, read on the device.
     #[allow(clippy::too_many_arguments)]
-    fn kv_store(&self, k: &Self::Buf<f32>, v: &Self::Buf<f32>, k_cache: &mut Self::Buf<u8>, v_cache: &mut Self::Buf<u8>, pos: &Self::Buf<i32>, kv_dim: usize, f16: bool, m: usize) -> Result<()>;
+    fn kv_store(
+        &self,
+        k: &Self::Buf<f32>,
+        v: &Self::Buf<f32>,
+        k_cache: &mut Self::Buf<u8>,
+        v_cache: &mut Self::Buf<u8>,
+        pos: &Self::Buf<i32>,
+        kv_dim: usize,
+        f16: bool,
+        m: usize,
+    ) -> Result<()>;
     /// Causal attention of one query (n_head * head_dim) at position `pos[0]` (read on the
     /// device) over cache positions 0..=pos[0], or the last `at.window` of them; scores scaled
     /// by `at.scale` and soft-capped by `at.softcap` (0: none).

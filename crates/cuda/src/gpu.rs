@@ -8,7 +8,9 @@ use powerinfer_core::quant::{DType, QK};
 
 use crate::device::{Buf, Cuda, Device, Elem, Emulated};
 // what the executor and the kernel tests know these by
-pub use crate::device::{act_code, act_of_code, type_slot, AttnShape, DActs, DMat, Result, Q8_BLOCK_BYTES};
+pub use crate::device::{
+    act_code, act_of_code, type_slot, AttnShape, DActs, DMat, Result, Q8_BLOCK_BYTES,
+};
 use crate::CudaError;
 
 /// Rows of the down projection one block of `down_partial` sums; the merge then adds
@@ -96,9 +98,17 @@ impl<D: Device> Gpu<D> {
     }
 
     /// Copies elements src_start .. src_start + n of `src` to the first n of `dst` (queued).
-    pub fn copy<T: Elem>(&self, src: &Buf<D, T>, src_start: usize, dst: &mut Buf<D, T>, n: usize) -> Result<()> {
+    pub fn copy<T: Elem>(
+        &self,
+        src: &Buf<D, T>,
+        src_start: usize,
+        dst: &mut Buf<D, T>,
+        n: usize,
+    ) -> Result<()> {
         if src_start + n > D::len(src) || n > D::len(dst) {
-            return Err(CudaError::Unsupported(format!("a copy of {n} elements from {src_start} runs past a buffer")));
+            return Err(CudaError::Unsupported(format!(
+                "a copy of {n} elements from {src_start} runs past a buffer"
+            )));
         }
         self.dev.copy(src, src_start, dst, n)
     }
@@ -122,7 +132,11 @@ impl<D: Device> Gpu<D> {
 
     /// Device activations for vectors of up to `n` values (zeros).
     pub fn acts(&self, n: usize) -> Result<DActs<D>> {
-        Ok(DActs { f32s: self.zeros(n)?, q8: self.zeros(n.div_ceil(QK) * Q8_BLOCK_BYTES)?, rounded: false })
+        Ok(DActs {
+            f32s: self.zeros(n)?,
+            q8: self.zeros(n.div_ceil(QK) * Q8_BLOCK_BYTES)?,
+            rounded: false,
+        })
     }
 
     /// Rounds the first `n` values of `a.f32s` to int8 blocks in `a.q8` (the CPU's
@@ -137,23 +151,40 @@ impl<D: Device> Gpu<D> {
 
     fn check_rounding(a: &DActs<D>, n: usize) -> Result<()> {
         if n % QK != 0 || n.div_ceil(QK) * Q8_BLOCK_BYTES > D::len(&a.q8) || n > D::len(&a.f32s) {
-            return Err(CudaError::Unsupported(format!("{n} activations cannot be quantized in blocks of {QK} here")));
+            return Err(CudaError::Unsupported(format!(
+                "{n} activations cannot be quantized in blocks of {QK} here"
+            )));
         }
         Ok(())
     }
 
     /// Checks that `x` can feed a product with `cols` inputs of type `dtype`, for m rows.
     fn check_input(dtype: DType, cols: usize, x: &DActs<D>, m: usize) -> Result<()> {
-        let short = if dtype.is_quantized() { D::len(&x.q8) < m * cols / QK * Q8_BLOCK_BYTES } else { D::len(&x.f32s) < m * cols };
+        let short = if dtype.is_quantized() {
+            D::len(&x.q8) < m * cols / QK * Q8_BLOCK_BYTES
+        } else {
+            D::len(&x.f32s) < m * cols
+        };
         if short {
-            return Err(CudaError::Unsupported(format!("an activation buffer is shorter than the {cols} inputs of a {} matrix", dtype.name())));
+            return Err(CudaError::Unsupported(format!(
+                "an activation buffer is shorter than the {cols} inputs of a {} matrix",
+                dtype.name()
+            )));
         }
         Ok(())
     }
 
     /// y[t, r] = W[r] . x[t] (+ bias[r]), relu'd when asked, for every row of `w` and each of
     /// the m rows of x. A quantized `w` reads `x.q8` (see `quantize_for`).
-    pub fn matvec(&self, w: &DMat<D>, x: &DActs<D>, bias: Option<&Buf<D, f32>>, y: &mut Buf<D, f32>, relu: bool, m: usize) -> Result<()> {
+    pub fn matvec(
+        &self,
+        w: &DMat<D>,
+        x: &DActs<D>,
+        bias: Option<&Buf<D, f32>>,
+        y: &mut Buf<D, f32>,
+        relu: bool,
+        m: usize,
+    ) -> Result<()> {
         Self::check_input(w.dtype, w.cols, x, m)?;
         type_slot(w.dtype)?;
         Self::holds("a matvec's output", y, m * w.rows)?;
@@ -163,7 +194,14 @@ impl<D: Device> Gpu<D> {
 
     /// y_i = w_i . x (+ bias_i) for three matrices on one input (q, k and v): one launch where
     /// they share a type and width, else three.
-    pub fn matvec3(&self, w: [&DMat<D>; 3], x: &DActs<D>, bias: [Option<&Buf<D, f32>>; 3], y: [&mut Buf<D, f32>; 3], m: usize) -> Result<()> {
+    pub fn matvec3(
+        &self,
+        w: [&DMat<D>; 3],
+        x: &DActs<D>,
+        bias: [Option<&Buf<D, f32>>; 3],
+        y: [&mut Buf<D, f32>; 3],
+        m: usize,
+    ) -> Result<()> {
         let [y0, y1, y2] = y;
         if w.iter().any(|mat| mat.dtype != w[0].dtype || mat.cols != w[0].cols) {
             self.matvec(w[0], x, bias[0], y0, false, m)?;
@@ -203,7 +241,11 @@ impl<D: Device> Gpu<D> {
         }
         if let Some(g) = gate {
             if g.dtype != up.dtype || g.rows != up.rows || g.cols != up.cols {
-                return Err(CudaError::Unsupported(format!("gate ({}) and up ({}) differ in type or shape", g.dtype.name(), up.dtype.name())));
+                return Err(CudaError::Unsupported(format!(
+                    "gate ({}) and up ({}) differ in type or shape",
+                    g.dtype.name(),
+                    up.dtype.name()
+                )));
             }
         }
         Self::check_input(up.dtype, up.cols, x, m)?;
@@ -213,12 +255,29 @@ impl<D: Device> Gpu<D> {
         if let Some((counts, slot)) = &selected {
             Self::holds("the selection counters", counts, slot + 1)?;
         }
-        self.dev.ffn_hot(gate, up, bucket, x, up_bias, pred_logits, threshold, selected, act_code(act)?, h, m)
+        self.dev.ffn_hot(
+            gate,
+            up,
+            bucket,
+            x,
+            up_bias,
+            pred_logits,
+            threshold,
+            selected,
+            act_code(act)?,
+            h,
+            m,
+        )
     }
 
     /// partial[k, c] = sum over the rows i of chunk k of h[i] * down_t[i, c]; returns the
     /// number of chunks written.
-    pub fn down_partial(&self, down_t: &DMat<D>, h: &Buf<D, f32>, partial: &mut Buf<D, f32>) -> Result<usize> {
+    pub fn down_partial(
+        &self,
+        down_t: &DMat<D>,
+        h: &Buf<D, f32>,
+        partial: &mut Buf<D, f32>,
+    ) -> Result<usize> {
         type_slot(down_t.dtype)?;
         let n_chunks = down_t.rows.div_ceil(ROWS_PER_CHUNK);
         if n_chunks == 0 {
@@ -250,7 +309,16 @@ impl<D: Device> Gpu<D> {
     /// out = RMSNorm(x) * w for each of m rows of n, rounded to int8 blocks in the same launch
     /// when `round` (the matrices that read it next are quantized: `any_quantized`).
     #[allow(clippy::too_many_arguments)]
-    pub fn rmsnorm(&self, x: &Buf<D, f32>, w: &Buf<D, f32>, out: &mut DActs<D>, n: usize, eps: f32, round: bool, m: usize) -> Result<()> {
+    pub fn rmsnorm(
+        &self,
+        x: &Buf<D, f32>,
+        w: &Buf<D, f32>,
+        out: &mut DActs<D>,
+        n: usize,
+        eps: f32,
+        round: bool,
+        m: usize,
+    ) -> Result<()> {
         Self::holds("a norm's input", x, m * n)?;
         let (f32s, q8) = Self::norm_output(w, out, n, round, m)?;
         self.dev.rmsnorm(x, w, f32s, q8, n, eps, m)
@@ -258,7 +326,17 @@ impl<D: Device> Gpu<D> {
 
     /// x += y, then `rmsnorm` of x (one launch: a residual add and the next norm).
     #[allow(clippy::too_many_arguments)]
-    pub fn add_rmsnorm(&self, x: &mut Buf<D, f32>, y: &Buf<D, f32>, w: &Buf<D, f32>, out: &mut DActs<D>, n: usize, eps: f32, round: bool, m: usize) -> Result<()> {
+    pub fn add_rmsnorm(
+        &self,
+        x: &mut Buf<D, f32>,
+        y: &Buf<D, f32>,
+        w: &Buf<D, f32>,
+        out: &mut DActs<D>,
+        n: usize,
+        eps: f32,
+        round: bool,
+        m: usize,
+    ) -> Result<()> {
         Self::holds("a norm's input", x, m * n)?;
         Self::holds("a residual's addend", y, m * n)?;
         let (f32s, q8) = Self::norm_output(w, out, n, round, m)?;
@@ -271,7 +349,13 @@ impl<D: Device> Gpu<D> {
     }
 
     /// A norm's checked weights and output: its values, and its int8 blocks when it rounds.
-    fn norm_output<'o>(w: &Buf<D, f32>, out: &'o mut DActs<D>, n: usize, round: bool, m: usize) -> Result<(&'o mut Buf<D, f32>, Option<&'o mut Buf<D, u8>>)> {
+    fn norm_output<'o>(
+        w: &Buf<D, f32>,
+        out: &'o mut DActs<D>,
+        n: usize,
+        round: bool,
+        m: usize,
+    ) -> Result<(&'o mut Buf<D, f32>, Option<&'o mut Buf<D, u8>>)> {
         Self::holds("a norm's weights", w, n)?;
         Self::holds("a norm's output", &out.f32s, m * n)?;
         if round {
@@ -283,14 +367,27 @@ impl<D: Device> Gpu<D> {
 
     /// Each of the n_heads heads of x (head_dim each) RMS-normed in place, times w (head_dim);
     /// one head of n values is an in-place RMSNorm of a vector.
-    pub fn head_rmsnorm(&self, x: &mut Buf<D, f32>, w: &Buf<D, f32>, n_heads: usize, head_dim: usize, eps: f32) -> Result<()> {
+    pub fn head_rmsnorm(
+        &self,
+        x: &mut Buf<D, f32>,
+        w: &Buf<D, f32>,
+        n_heads: usize,
+        head_dim: usize,
+        eps: f32,
+    ) -> Result<()> {
         Self::holds("a per-head norm's input", x, n_heads * head_dim)?;
         Self::holds("a per-head norm's weights", w, head_dim)?;
         self.dev.head_rmsnorm(x, w, n_heads, head_dim, eps)
     }
 
     /// x += y (+ bias)
-    pub fn add_into(&self, x: &mut Buf<D, f32>, y: &Buf<D, f32>, bias: Option<&Buf<D, f32>>, n: usize) -> Result<()> {
+    pub fn add_into(
+        &self,
+        x: &mut Buf<D, f32>,
+        y: &Buf<D, f32>,
+        bias: Option<&Buf<D, f32>>,
+        n: usize,
+    ) -> Result<()> {
         Self::holds("a sum's output", x, n)?;
         Self::holds("a sum's input", y, n)?;
         Self::holds_opt("a bias", bias, n)?;
@@ -306,12 +403,26 @@ impl<D: Device> Gpu<D> {
     /// RoPE on q (n_head heads) and k (n_head_kv heads) of m rows, each at its own position's
     /// angles (cos and sin: m rows of rope_dim / 2), in one launch.
     #[allow(clippy::too_many_arguments)]
-    pub fn rope(&self, q: &mut Buf<D, f32>, k: &mut Buf<D, f32>, cos: &Buf<D, f32>, sin: &Buf<D, f32>, n_head: usize, n_head_kv: usize, head_dim: usize, rope_dim: usize, neox: bool, m: usize) -> Result<()> {
+    pub fn rope(
+        &self,
+        q: &mut Buf<D, f32>,
+        k: &mut Buf<D, f32>,
+        cos: &Buf<D, f32>,
+        sin: &Buf<D, f32>,
+        n_head: usize,
+        n_head_kv: usize,
+        head_dim: usize,
+        rope_dim: usize,
+        neox: bool,
+        m: usize,
+    ) -> Result<()> {
         if rope_dim == 0 {
             return Ok(());
         }
         if rope_dim > head_dim || rope_dim % 2 != 0 {
-            return Err(CudaError::Unsupported(format!("RoPE over {rope_dim} of {head_dim} head dimensions")));
+            return Err(CudaError::Unsupported(format!(
+                "RoPE over {rope_dim} of {head_dim} head dimensions"
+            )));
         }
         Self::holds("RoPE's queries", q, m * n_head * head_dim)?;
         Self::holds("RoPE's keys", k, m * n_head_kv * head_dim)?;
@@ -327,7 +438,8 @@ impl<D: Device> Gpu<D> {
 
     /// Sets `p` to `pos` (queued: kernels queued after this read it).
     pub fn set_pos(&self, p: &mut DevicePos<D>, pos: usize) -> Result<()> {
-        let v = i32::try_from(pos).map_err(|_| CudaError::Unsupported(format!("position {pos} is out of range")))?;
+        let v = i32::try_from(pos)
+            .map_err(|_| CudaError::Unsupported(format!("position {pos} is out of range")))?;
         self.dev.write(&[v], &mut p.buf)?;
         p.value = pos;
         Ok(())
@@ -336,10 +448,23 @@ impl<D: Device> Gpu<D> {
     /// Stores m rows of k and v at positions pos .. pos + m of the caches (u8 buffers of f32
     /// or f16 elements).
     #[allow(clippy::too_many_arguments)]
-    pub fn kv_store(&self, k: &Buf<D, f32>, v: &Buf<D, f32>, k_cache: &mut Buf<D, u8>, v_cache: &mut Buf<D, u8>, pos: &DevicePos<D>, kv_dim: usize, f16: bool, m: usize) -> Result<()> {
+    pub fn kv_store(
+        &self,
+        k: &Buf<D, f32>,
+        v: &Buf<D, f32>,
+        k_cache: &mut Buf<D, u8>,
+        v_cache: &mut Buf<D, u8>,
+        pos: &DevicePos<D>,
+        kv_dim: usize,
+        f16: bool,
+        m: usize,
+    ) -> Result<()> {
         let elem = if f16 { 2 } else { 4 };
         if (pos.value + m) * kv_dim * elem > D::len(k_cache).min(D::len(v_cache)) {
-            return Err(CudaError::Unsupported(format!("position {} is past the GPU KV cache", pos.value + m - 1)));
+            return Err(CudaError::Unsupported(format!(
+                "position {} is past the GPU KV cache",
+                pos.value + m - 1
+            )));
         }
         Self::holds("a new key", k, m * kv_dim)?;
         Self::holds("a new value", v, m * kv_dim)?;

@@ -20,13 +20,13 @@
 use std::sync::{Arc, Mutex};
 
 use powerinfer_core::attention::KvType;
-use powerinfer_core::matmul::{Activations, QMatrix};
-use powerinfer_core::quant::DType;
 use powerinfer_core::forward::{forward, Backend, Norm, Part};
+use powerinfer_core::matmul::{Activations, QMatrix};
 use powerinfer_core::model::{Family, Model, RopeStyle};
+use powerinfer_core::quant::DType;
 use powerinfer_core::session::{softcap, CpuPass, FfnStats, Session, Sparsity, SparsityMode};
-use powerinfer_core::Result as CoreResult;
 use powerinfer_core::sparse::{sparse_ffn, FfnMats, SparseScratch};
+use powerinfer_core::Result as CoreResult;
 
 use crate::device::{Buf, Device};
 use crate::gpu::{AttnShape, DActs, DMat, DevicePos, Gpu, Result, ROWS_PER_CHUNK};
@@ -47,7 +47,11 @@ pub struct GpuPlan {
 impl GpuPlan {
     /// Everything on the GPU.
     pub fn full(n_layer: usize, n_ff: usize) -> GpuPlan {
-        GpuPlan { dense_on_gpu: vec![true; n_layer], neuron_on_gpu: vec![vec![true; n_ff]; n_layer], output_on_gpu: true }
+        GpuPlan {
+            dense_on_gpu: vec![true; n_layer],
+            neuron_on_gpu: vec![vec![true; n_ff]; n_layer],
+            output_on_gpu: true,
+        }
     }
 
     /// llama.cpp's `-ngl`: the first `k` layers wholly on the GPU, the others wholly on the CPU.
@@ -85,7 +89,7 @@ pub struct PlacementReport {
 
 struct DenseGpu<D: Device> {
     attn_norm: Buf<D, f32>,
-    q_norm: Option<Buf<D, f32>>,         // (head_dim) Qwen 3, Gemma 3
+    q_norm: Option<Buf<D, f32>>, // (head_dim) Qwen 3, Gemma 3
     k_norm: Option<Buf<D, f32>>,
     attn_post_norm: Option<Buf<D, f32>>, // (n_embd) Gemma 2, 3
     ffn_post_norm: Option<Buf<D, f32>>,
@@ -102,9 +106,9 @@ struct DenseGpu<D: Device> {
 }
 
 struct HotGpu<D: Device> {
-    bucket: Buf<D, i32>, // (n_hot) neuron ids of the packed rows
-    gate: Option<DMat<D>>,     // (n_hot, n_embd)
-    up: DMat<D>,               // (n_hot, n_embd)
+    bucket: Buf<D, i32>,   // (n_hot) neuron ids of the packed rows
+    gate: Option<DMat<D>>, // (n_hot, n_embd)
+    up: DMat<D>,           // (n_hot, n_embd)
     down: HotDown<D>,
     up_bias: Option<Buf<D, f32>>, // (n_ff)
 }
@@ -155,7 +159,11 @@ pub struct HybridModel<D: Device> {
 /// attention scores, PROMPT_ROWS * n_head * n_ctx floats, are the largest).
 pub const PROMPT_ROWS: usize = 32;
 
-fn upload_opt<D: Device>(gpu: &Gpu<D>, v: Option<&Vec<f32>>, bytes: &mut usize) -> Result<Option<Buf<D, f32>>> {
+fn upload_opt<D: Device>(
+    gpu: &Gpu<D>,
+    v: Option<&Vec<f32>>,
+    bytes: &mut usize,
+) -> Result<Option<Buf<D, f32>>> {
     v.map(|v| {
         *bytes += v.len() * 4;
         gpu.upload(v)
@@ -169,7 +177,10 @@ fn upload_opt<D: Device>(gpu: &Gpu<D>, v: Option<&Vec<f32>>, bytes: &mut usize) 
 pub fn unsupported_reason(model: &Model, mode: Option<SparsityMode>) -> Option<String> {
     let c = &model.config;
     if c.family != Family::Llama {
-        return Some(format!("the GPU executor runs LLaMA-family models; {} runs on the CPU", c.architecture));
+        return Some(format!(
+            "the GPU executor runs LLaMA-family models; {} runs on the CPU",
+            c.architecture
+        ));
     }
     let w = &model.weights;
     let mut mats = vec![&w.output];
@@ -179,7 +190,10 @@ pub fn unsupported_reason(model: &Model, mode: Option<SparsityMode>) -> Option<S
         mats.extend(lw.predictor.iter().flat_map(|p| [&p.fc1, &p.fc2]));
     }
     if let Some(m) = mats.iter().find(|m| crate::gpu::type_slot(m.dtype).is_err()) {
-        return Some(format!("the GPU executor has no kernel for {:?} weights; this model runs on the CPU", m.dtype));
+        return Some(format!(
+            "the GPU executor has no kernel for {:?} weights; this model runs on the CPU",
+            m.dtype
+        ));
     }
     if mode == Some(SparsityMode::Threshold) {
         return Some(THRESHOLD_IS_CPU_ONLY.into());
@@ -187,7 +201,8 @@ pub fn unsupported_reason(model: &Model, mode: Option<SparsityMode>) -> Option<S
     None
 }
 
-const THRESHOLD_IS_CPU_ONLY: &str = "threshold sparsity runs on the CPU only; use 'predictor' or 'dense' on the GPU";
+const THRESHOLD_IS_CPU_ONLY: &str =
+    "threshold sparsity runs on the CPU only; use 'predictor' or 'dense' on the GPU";
 
 /// A plain file's row-major `ffn_down` (n_embd, n_ff) as neuron-major rows (n_ff, n_embd) in
 /// F16. The engine's own neuron-major copy of a quantized `ffn_down` is Q8_0 (compact, for the
@@ -207,10 +222,19 @@ impl<D: Device> HybridModel<D> {
             return Err(CudaError::Unsupported(why));
         }
         if plan.dense_on_gpu.len() != c.n_layer || plan.neuron_on_gpu.len() != c.n_layer {
-            return Err(CudaError::Plan(format!("the placement has {} layers, the model {}", plan.neuron_on_gpu.len(), c.n_layer)));
+            return Err(CudaError::Plan(format!(
+                "the placement has {} layers, the model {}",
+                plan.neuron_on_gpu.len(),
+                c.n_layer
+            )));
         }
-        if let Some((l, m)) = plan.neuron_on_gpu.iter().enumerate().find(|(_, m)| m.len() != c.n_ff) {
-            return Err(CudaError::Plan(format!("layer {l} of the placement has {} neurons, the model {}", m.len(), c.n_ff)));
+        if let Some((l, m)) = plan.neuron_on_gpu.iter().enumerate().find(|(_, m)| m.len() != c.n_ff)
+        {
+            return Err(CudaError::Plan(format!(
+                "layer {l} of the placement has {} neurons, the model {}",
+                m.len(),
+                c.n_ff
+            )));
         }
         let mut report = PlacementReport {
             gpu_name: gpu.name.clone(),
@@ -231,7 +255,8 @@ impl<D: Device> HybridModel<D> {
                 bytes += d.bytes();
                 Ok(d)
             };
-            let (wq, wk, wv, wo) = (mat(&lw.wq, None)?, mat(&lw.wk, None)?, mat(&lw.wv, None)?, mat(&lw.wo, None)?);
+            let (wq, wk, wv, wo) =
+                (mat(&lw.wq, None)?, mat(&lw.wk, None)?, mat(&lw.wv, None)?, mat(&lw.wo, None)?);
             let predictor = match &lw.predictor {
                 Some(p) => Some((mat(&p.fc1, None)?, mat(&p.fc2, None)?)),
                 None => None,
@@ -263,11 +288,15 @@ impl<D: Device> HybridModel<D> {
                 _ => None,
             };
             let exact = match (lw.ffn_down_t, lw.ffn_down) {
-                (None, Some(down)) if down.dtype.is_quantized() && down_rows.is_none() => Some(exact_down_t(&down)),
+                (None, Some(down)) if down.dtype.is_quantized() && down_rows.is_none() => {
+                    Some(exact_down_t(&down))
+                }
                 _ => None,
             };
             let down_t = match &exact {
-                Some(rows) => QMatrix { dtype: DType::F16, rows: c.n_ff, cols: c.n_embd, data: rows },
+                Some(rows) => {
+                    QMatrix { dtype: DType::F16, rows: c.n_ff, cols: c.n_embd, data: rows }
+                }
                 None => model.down_t(l),
             };
             let hot = if hot_ids.is_empty() {
@@ -304,7 +333,14 @@ impl<D: Device> HybridModel<D> {
             report.layers_on_gpu += 1;
             report.hot_neurons += hot_ids.len();
             let cold_down_t = if cold.is_empty() { None } else { exact };
-            layers.push(Some(GpuLayer { dense, hot, down_bias, n_hot: hot_ids.len(), cold, cold_down_t }));
+            layers.push(Some(GpuLayer {
+                dense,
+                hot,
+                down_bias,
+                n_hot: hot_ids.len(),
+                cold,
+                cold_down_t,
+            }));
         }
         let output = if plan.output_on_gpu {
             let w = gpu.upload_rows(&model.weights.output, None)?;
@@ -315,9 +351,23 @@ impl<D: Device> HybridModel<D> {
         };
         report.output_on_gpu = output.is_some();
         gpu.synchronize()?;
-        let graphable = output.is_some() && layers.iter().all(|l| l.as_ref().is_some_and(|l| l.cold.is_empty()));
-        let batched = graphable && layers.iter().flatten().all(|l| matches!(l.hot.as_ref().map(|h| &h.down), Some(HotDown::Rows(_))));
-        Ok(HybridModel { model, gpu, layers, output, report, graphable, batched, step_lock: Mutex::new(()) })
+        let graphable = output.is_some()
+            && layers.iter().all(|l| l.as_ref().is_some_and(|l| l.cold.is_empty()));
+        let batched = graphable
+            && layers
+                .iter()
+                .flatten()
+                .all(|l| matches!(l.hot.as_ref().map(|h| &h.down), Some(HotDown::Rows(_))));
+        Ok(HybridModel {
+            model,
+            gpu,
+            layers,
+            output,
+            report,
+            graphable,
+            batched,
+            step_lock: Mutex::new(()),
+        })
     }
 }
 
@@ -345,25 +395,25 @@ struct DeviceState<D: Device> {
     k_cache: Vec<Option<Buf<D, u8>>>, // per GPU layer (n_ctx, kv_dim) f16 or f32
     v_cache: Vec<Option<Buf<D, u8>>>,
     // device activations
-    x: DActs<D>,              // (rows, n_embd) residual (the predictor's input); rows: 1, or PROMPT_ROWS
-    x_tail: Buf<D, f32>,      // (rows, n_embd) the last rows of x, when only they need logits
-    xb: DActs<D>,             // (n_embd) normed input
-    q: Buf<D, f32>,           // (q_dim)
-    k: Buf<D, f32>,           // (kv_dim)
-    v: Buf<D, f32>,           // (kv_dim)
-    att: DActs<D>,            // (q_dim)
-    attn_out: Buf<D, f32>,    // (n_embd)
-    scores: Buf<D, f32>,      // (n_head, n_ctx)
-    pred_hidden: DActs<D>,    // (max predictor hidden)
+    x: DActs<D>, // (rows, n_embd) residual (the predictor's input); rows: 1, or PROMPT_ROWS
+    x_tail: Buf<D, f32>, // (rows, n_embd) the last rows of x, when only they need logits
+    xb: DActs<D>, // (n_embd) normed input
+    q: Buf<D, f32>, // (q_dim)
+    k: Buf<D, f32>, // (kv_dim)
+    v: Buf<D, f32>, // (kv_dim)
+    att: DActs<D>, // (q_dim)
+    attn_out: Buf<D, f32>, // (n_embd)
+    scores: Buf<D, f32>, // (n_head, n_ctx)
+    pred_hidden: DActs<D>, // (max predictor hidden)
     pred_logits: Buf<D, f32>, // (n_ff)
-    h: DActs<D>,              // (max n_hot)
-    ffn_out: Buf<D, f32>,     // (n_embd) the FFN's output when its down projection is `HotDown::Rows`
-    partial: Buf<D, f32>,     // (max chunks, n_embd)
-    cpu_part: Buf<D, f32>,    // (n_embd)
-    cos: Vec<Buf<D, f32>>,    // per RoPE set (rope_dim / 2)
+    h: DActs<D>, // (max n_hot)
+    ffn_out: Buf<D, f32>, // (n_embd) the FFN's output when its down projection is `HotDown::Rows`
+    partial: Buf<D, f32>, // (max chunks, n_embd)
+    cpu_part: Buf<D, f32>, // (n_embd)
+    cos: Vec<Buf<D, f32>>, // per RoPE set (rope_dim / 2)
     sin: Vec<Buf<D, f32>>,
-    logits: Buf<D, f32>,      // (n_vocab)
-    selected: Buf<D, u32>,    // (n_layer) neurons the predictor selected, counted on the GPU
+    logits: Buf<D, f32>,   // (n_vocab)
+    selected: Buf<D, u32>, // (n_layer) neurons the predictor selected, counted on the GPU
     /// The current GPU layer's FFN output, summed into the residual by `ffn_merge`: this many
     /// chunks of hot partial sums, plus `cpu_part` when the layer has cold neurons (or, for
     /// `HotDown::Rows`, all in `ffn_out`).
@@ -414,7 +464,8 @@ struct Ledger {
 
 impl<D: Device> HybridSession<D> {
     pub fn new(hm: Arc<HybridModel<D>>, n_ctx: usize, kv_type: KvType) -> Result<HybridSession<D>> {
-        let cpu = Session::new(Arc::clone(&hm.model), n_ctx, kv_type).map_err(|e| CudaError::Plan(e.to_string()))?;
+        let cpu = Session::new(Arc::clone(&hm.model), n_ctx, kv_type)
+            .map_err(|e| CudaError::Plan(e.to_string()))?;
         let c = &hm.model.config;
         let g = &hm.gpu;
         let kv_f16 = kv_type == KvType::F16;
@@ -425,7 +476,13 @@ impl<D: Device> HybridSession<D> {
             k_cache.push(layer.as_ref().map(|_| g.zeros::<u8>(cache_bytes)).transpose()?);
             v_cache.push(layer.as_ref().map(|_| g.zeros::<u8>(cache_bytes)).transpose()?);
         }
-        let max_hidden = hm.layers.iter().flatten().filter_map(|l| l.dense.predictor.as_ref().map(|p| p.0.rows)).max().unwrap_or(1);
+        let max_hidden = hm
+            .layers
+            .iter()
+            .flatten()
+            .filter_map(|l| l.dense.predictor.as_ref().map(|p| p.0.rows))
+            .max()
+            .unwrap_or(1);
         let max_hot = hm.layers.iter().flatten().map(|l| l.n_hot).max().unwrap_or(1);
         let max_chunks = max_hot.div_ceil(ROWS_PER_CHUNK).max(1);
         let rows = if hm.batched { PROMPT_ROWS } else { 1 };
@@ -445,8 +502,12 @@ impl<D: Device> HybridSession<D> {
             ffn_out: g.zeros(rows * c.n_embd)?,
             partial: g.zeros(max_chunks * c.n_embd)?,
             cpu_part: g.zeros(c.n_embd)?,
-            cos: (0..c.rope_sets()).map(|_| g.zeros(rows * c.rope_dim / 2)).collect::<Result<_>>()?,
-            sin: (0..c.rope_sets()).map(|_| g.zeros(rows * c.rope_dim / 2)).collect::<Result<_>>()?,
+            cos: (0..c.rope_sets())
+                .map(|_| g.zeros(rows * c.rope_dim / 2))
+                .collect::<Result<_>>()?,
+            sin: (0..c.rope_sets())
+                .map(|_| g.zeros(rows * c.rope_dim / 2))
+                .collect::<Result<_>>()?,
             logits: g.zeros(rows * c.n_vocab)?,
             selected: g.zeros(c.n_layer)?,
             ffn_chunks: 0,
@@ -464,7 +525,11 @@ impl<D: Device> HybridSession<D> {
             selected_h: vec![0; c.n_layer],
             pos: g.pos()?,
             ledger_stats: Vec::new(),
-            graph: if hm.graphable && std::env::var("POWERINFER_CUDA_GRAPH").as_deref() != Ok("0") { Graph::None } else { Graph::Off },
+            graph: if hm.graphable && std::env::var("POWERINFER_CUDA_GRAPH").as_deref() != Ok("0") {
+                Graph::None
+            } else {
+                Graph::Off
+            },
             k_cache,
             v_cache,
             kv_f16,
@@ -540,7 +605,14 @@ impl<D: Device> HybridSession<D> {
             let pos = self.cpu.pos();
             let (cpu, dev) = (&mut self.cpu, &mut self.dev);
             let logits = model.install(|| {
-                let mut pass = HybridPass { hm: &hm, dev, cpu: CpuPass::new(cpu, chunk.len()), pos, m: chunk.len(), on_gpu: false };
+                let mut pass = HybridPass {
+                    hm: &hm,
+                    dev,
+                    cpu: CpuPass::new(cpu, chunk.len()),
+                    pos,
+                    m: chunk.len(),
+                    on_gpu: false,
+                };
                 forward(&mut pass, model, chunk, n_logits)
             })?;
             self.cpu.tokens.extend_from_slice(chunk);
@@ -563,7 +635,8 @@ impl<D: Device> HybridSession<D> {
         let pos = self.cpu.pos();
         let (cpu, dev) = (&mut self.cpu, &mut self.dev);
         let logits = model.install(|| {
-            let mut pass = HybridPass { hm: &hm, dev, cpu: CpuPass::new(cpu, 1), pos, m: 1, on_gpu: false };
+            let mut pass =
+                HybridPass { hm: &hm, dev, cpu: CpuPass::new(cpu, 1), pos, m: 1, on_gpu: false };
             if matches!(pass.dev.graph, Graph::Ready { .. }) {
                 pass.embed(&[tok])?;
                 return pass.replay();
@@ -593,7 +666,11 @@ impl<D: Device> HybridSession<D> {
         let n_ff = self.hm.model.config.n_ff as u64;
         for l in dev.counted_on_gpu.drain(..) {
             let selected = dev.selected_h[l] as u64;
-            self.cpu.add_stats(FfnStats { neurons: n_ff, skipped: n_ff - selected, ..Default::default() });
+            self.cpu.add_stats(FfnStats {
+                neurons: n_ff,
+                skipped: n_ff - selected,
+                ..Default::default()
+            });
             dev.counts.gpu_neurons += selected;
         }
         Ok(())
@@ -629,7 +706,9 @@ impl<'a, D: Device> HybridPass<'a, D> {
     /// advanced as the recorded token advanced them, the logits read.
     fn replay(&mut self) -> CoreResult<Vec<f32>> {
         let (g, dev) = (&self.hm.gpu, &mut *self.dev);
-        let Graph::Ready { graph, ledger } = &dev.graph else { return Err(CudaError::Plan("a replay without a recording".into()).into()) };
+        let Graph::Ready { graph, ledger } = &dev.graph else {
+            return Err(CudaError::Plan("a replay without a recording".into()).into());
+        };
         g.launch_graph(graph)?;
         for &s in &ledger.stats {
             self.cpu.session().add_stats(s);
@@ -669,7 +748,10 @@ impl<'a, D: Device> HybridPass<'a, D> {
         let predicted = sp.mode == SparsityMode::Predictor;
         let threshold = sp.predictor_cutoff(l);
         if predicted {
-            let (fc1, fc2) = d.predictor.as_ref().ok_or_else(|| CudaError::Plan(format!("layer {l} has no predictor")))?;
+            let (fc1, fc2) = d
+                .predictor
+                .as_ref()
+                .ok_or_else(|| CudaError::Plan(format!("layer {l} has no predictor")))?;
             g.quantize_for(&[fc1], &mut dev.x, c.n_embd)?;
             g.matvec(fc1, &dev.x, None, &mut dev.pred_hidden.f32s, true, 1)?;
             g.quantize_for(&[fc2], &mut dev.pred_hidden, fc1.rows)?;
@@ -679,7 +761,9 @@ impl<'a, D: Device> HybridPass<'a, D> {
         // the CPU needs the FFN input (and the predictor's verdict) before the hot kernels are queued
         let has_cold = !layer.cold.is_empty();
         if m > 1 && (predicted || has_cold) {
-            return Err(CudaError::Unsupported("several rows at once with a predictor or cold neurons".into()));
+            return Err(CudaError::Unsupported(
+                "several rows at once with a predictor or cold neurons".into(),
+            ));
         }
         if has_cold {
             g.read(&dev.xb.f32s, &mut dev.xb_h)?;
@@ -699,10 +783,28 @@ impl<'a, D: Device> HybridPass<'a, D> {
                 (&mut dev.selected, l)
             });
             g.quantize_for(&[&hot.up], &mut dev.xb, m * c.n_embd)?;
-            g.ffn_hot(hot.gate.as_ref(), &hot.up, &hot.bucket, &dev.xb, hot.up_bias.as_ref(), pred, threshold, count, c.ffn_activation, &mut dev.h.f32s, m)?;
+            g.ffn_hot(
+                hot.gate.as_ref(),
+                &hot.up,
+                &hot.bucket,
+                &dev.xb,
+                hot.up_bias.as_ref(),
+                pred,
+                threshold,
+                count,
+                c.ffn_activation,
+                &mut dev.h.f32s,
+                m,
+            )?;
             match &hot.down {
-                HotDown::Columns(_) if m > 1 => return Err(CudaError::Unsupported("several rows at once over neuron-major down rows".into())),
-                HotDown::Columns(down_t) => dev.ffn_chunks = g.down_partial(down_t, &dev.h.f32s, &mut dev.partial)?,
+                HotDown::Columns(_) if m > 1 => {
+                    return Err(CudaError::Unsupported(
+                        "several rows at once over neuron-major down rows".into(),
+                    ))
+                }
+                HotDown::Columns(down_t) => {
+                    dev.ffn_chunks = g.down_partial(down_t, &dev.h.f32s, &mut dev.partial)?
+                }
                 HotDown::Rows(down) => {
                     g.quantize_for(&[down], &mut dev.h, m * c.n_ff)?;
                     g.matvec(down, &dev.h, layer.down_bias.as_ref(), &mut dev.ffn_out, false, m)?;
@@ -717,8 +819,18 @@ impl<'a, D: Device> HybridPass<'a, D> {
             dev.neurons.clear();
             if predicted {
                 let pred_h = &dev.pred_h;
-                dev.neurons.extend(layer.cold.iter().copied().filter(|&j| Sparsity::predictor_selects(pred_h[j as usize], threshold)));
-                let selected = dev.pred_h.iter().filter(|&&v| Sparsity::predictor_selects(v, threshold)).count();
+                dev.neurons.extend(
+                    layer
+                        .cold
+                        .iter()
+                        .copied()
+                        .filter(|&j| Sparsity::predictor_selects(pred_h[j as usize], threshold)),
+                );
+                let selected = dev
+                    .pred_h
+                    .iter()
+                    .filter(|&&v| Sparsity::predictor_selects(v, threshold))
+                    .count();
                 stats.neurons = c.n_ff as u64;
                 stats.skipped = (c.n_ff - selected) as u64;
                 dev.counts.cpu_neurons += dev.neurons.len() as u64;
@@ -731,15 +843,31 @@ impl<'a, D: Device> HybridPass<'a, D> {
             }
             let lw = &model.weights.layers[l];
             let down_t = match &layer.cold_down_t {
-                Some(rows) => QMatrix { dtype: DType::F16, rows: c.n_ff, cols: c.n_embd, data: rows },
+                Some(rows) => {
+                    QMatrix { dtype: DType::F16, rows: c.n_ff, cols: c.n_embd, data: rows }
+                }
                 None => model.down_t(l),
             };
-            let mats = FfnMats { gate: lw.ffn_gate, up: lw.ffn_up, up_bias: lw.ffn_up_b.as_deref(), down_t, down: lw.ffn_down, act: c.ffn_activation };
+            let mats = FfnMats {
+                gate: lw.ffn_gate,
+                up: lw.ffn_up,
+                up_bias: lw.ffn_up_b.as_deref(),
+                down_t,
+                down: lw.ffn_down,
+                act: c.ffn_activation,
+            };
             dev.acts.set(&dev.xb_h, 1, c.n_embd);
             if dev.neurons.is_empty() {
                 dev.cpu_out_h.iter_mut().for_each(|v| *v = 0.0);
             } else {
-                sparse_ffn(&mats, &dev.acts, &dev.neurons, None, &mut dev.cpu_out_h, &mut dev.scratch);
+                sparse_ffn(
+                    &mats,
+                    &dev.acts,
+                    &dev.neurons,
+                    None,
+                    &mut dev.cpu_out_h,
+                    &mut dev.scratch,
+                );
             }
             g.write(&dev.cpu_out_h, &mut dev.cpu_part)?;
         } else if !predicted {
@@ -776,7 +904,11 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         }
         if matches!(self.dev.graph, Graph::None) && self.m == 1 {
             let before = self.dev.counts.gpu_neurons;
-            self.dev.graph = if self.hm.gpu.begin_capture()? { Graph::Recording { gpu_neurons_before: before } } else { Graph::Off };
+            self.dev.graph = if self.hm.gpu.begin_capture()? {
+                Graph::Recording { gpu_neurons_before: before }
+            } else {
+                Graph::Off
+            };
         }
         Ok(())
     }
@@ -790,14 +922,28 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         }
         let c = &self.hm.model.config;
         let (w, round) = norm_target(layer, which)?;
-        Ok(self.hm.gpu.rmsnorm(&self.dev.x.f32s, w, &mut self.dev.xb, c.n_embd, c.norm_eps, round, self.m)?)
+        Ok(self.hm.gpu.rmsnorm(
+            &self.dev.x.f32s,
+            w,
+            &mut self.dev.xb,
+            c.n_embd,
+            c.norm_eps,
+            round,
+            self.m,
+        )?)
     }
 
     fn qkv(&mut self, l: usize) -> CoreResult<()> {
         let Some(layer) = self.place(l)? else { return self.cpu.qkv(l) };
         let (c, g, d, dev) = (&self.hm.model.config, &self.hm.gpu, &layer.dense, &mut *self.dev);
         g.quantize_for(&[&d.wq, &d.wk, &d.wv], &mut dev.xb, self.m * c.n_embd)?;
-        Ok(g.matvec3([&d.wq, &d.wk, &d.wv], &dev.xb, [d.bq.as_ref(), d.bk.as_ref(), d.bv.as_ref()], [&mut dev.q, &mut dev.k, &mut dev.v], self.m)?)
+        Ok(g.matvec3(
+            [&d.wq, &d.wk, &d.wv],
+            &dev.xb,
+            [d.bq.as_ref(), d.bk.as_ref(), d.bv.as_ref()],
+            [&mut dev.q, &mut dev.k, &mut dev.v],
+            self.m,
+        )?)
     }
 
     fn rope(&mut self, l: usize) -> CoreResult<()> {
@@ -808,15 +954,39 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         let neox = c.rope_style == RopeStyle::NeoX;
         // this layer's set of angles (sliding layers may have their own base)
         let (cos, sin) = (&dev.cos[c.rope_set(l)], &dev.sin[c.rope_set(l)]);
-        Ok(g.rope(&mut dev.q, &mut dev.k, cos, sin, c.n_head, c.n_head_kv, c.head_dim, c.rope_dim, neox, self.m)?)
+        Ok(g.rope(
+            &mut dev.q,
+            &mut dev.k,
+            cos,
+            sin,
+            c.n_head,
+            c.n_head_kv,
+            c.head_dim,
+            c.rope_dim,
+            neox,
+            self.m,
+        )?)
     }
 
     fn qk_norm(&mut self, l: usize) -> CoreResult<()> {
         let Some(layer) = self.place(l)? else { return self.cpu.qk_norm(l) };
         let (c, g, d, dev) = (&self.hm.model.config, &self.hm.gpu, &layer.dense, &mut *self.dev);
-        let missing = || CudaError::Plan(format!("layer {l} has only one of attn_q_norm and attn_k_norm"));
-        g.head_rmsnorm(&mut dev.q, d.q_norm.as_ref().ok_or_else(missing)?, self.m * c.n_head, c.head_dim, c.norm_eps)?;
-        Ok(g.head_rmsnorm(&mut dev.k, d.k_norm.as_ref().ok_or_else(missing)?, self.m * c.n_head_kv, c.head_dim, c.norm_eps)?)
+        let missing =
+            || CudaError::Plan(format!("layer {l} has only one of attn_q_norm and attn_k_norm"));
+        g.head_rmsnorm(
+            &mut dev.q,
+            d.q_norm.as_ref().ok_or_else(missing)?,
+            self.m * c.n_head,
+            c.head_dim,
+            c.norm_eps,
+        )?;
+        Ok(g.head_rmsnorm(
+            &mut dev.k,
+            d.k_norm.as_ref().ok_or_else(missing)?,
+            self.m * c.n_head_kv,
+            c.head_dim,
+            c.norm_eps,
+        )?)
     }
 
     fn kv_store(&mut self, l: usize) -> CoreResult<()> {
@@ -824,8 +994,20 @@ impl<D: Device> Backend for HybridPass<'_, D> {
             return self.cpu.kv_store(l);
         }
         let (c, dev) = (&self.hm.model.config, &mut *self.dev);
-        let (kc, vc) = (dev.k_cache[l].as_mut().expect("GPU layer"), dev.v_cache[l].as_mut().expect("GPU layer"));
-        Ok(self.hm.gpu.kv_store(&dev.k, &dev.v, kc, vc, &dev.pos, c.kv_dim(), dev.kv_f16, self.m)?)
+        let (kc, vc) = (
+            dev.k_cache[l].as_mut().expect("GPU layer"),
+            dev.v_cache[l].as_mut().expect("GPU layer"),
+        );
+        Ok(self.hm.gpu.kv_store(
+            &dev.k,
+            &dev.v,
+            kc,
+            vc,
+            &dev.pos,
+            c.kv_dim(),
+            dev.kv_f16,
+            self.m,
+        )?)
     }
 
     fn attend(&mut self, l: usize) -> CoreResult<()> {
@@ -833,7 +1015,10 @@ impl<D: Device> Backend for HybridPass<'_, D> {
             return self.cpu.attend(l);
         }
         let (c, dev) = (&self.hm.model.config, &mut *self.dev);
-        let (kc, vc) = (dev.k_cache[l].as_ref().expect("GPU layer"), dev.v_cache[l].as_ref().expect("GPU layer"));
+        let (kc, vc) = (
+            dev.k_cache[l].as_ref().expect("GPU layer"),
+            dev.v_cache[l].as_ref().expect("GPU layer"),
+        );
         let at = AttnShape {
             n_ctx: dev.n_ctx,
             n_head: c.n_head,
@@ -843,7 +1028,17 @@ impl<D: Device> Backend for HybridPass<'_, D> {
             softcap: c.attn_softcap,
             window: if c.slides(l) { c.sliding_window } else { 0 },
         };
-        Ok(self.hm.gpu.attention(&dev.q, kc, vc, &mut dev.scores, &mut dev.att.f32s, &dev.pos, &at, dev.kv_f16, self.m)?)
+        Ok(self.hm.gpu.attention(
+            &dev.q,
+            kc,
+            vc,
+            &mut dev.scores,
+            &mut dev.att.f32s,
+            &dev.pos,
+            &at,
+            dev.kv_f16,
+            self.m,
+        )?)
     }
 
     fn attn_out(&mut self, l: usize) -> CoreResult<()> {
@@ -861,7 +1056,8 @@ impl<D: Device> Backend for HybridPass<'_, D> {
                 let before = self.cpu.session().stats();
                 self.cpu.ffn(l)?;
                 let after = self.cpu.session().stats();
-                self.dev.counts.cpu_neurons += (after.neurons - after.skipped) - (before.neurons - before.skipped);
+                self.dev.counts.cpu_neurons +=
+                    (after.neurons - after.skipped) - (before.neurons - before.skipped);
                 Ok(())
             }
         }
@@ -873,7 +1069,13 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         let missing = || CudaError::Plan(format!("layer {l} has no {part:?} post-norm"));
         let out = match part {
             Part::Attn => {
-                g.head_rmsnorm(&mut dev.attn_out, d.attn_post_norm.as_ref().ok_or_else(missing)?, self.m, c.n_embd, c.norm_eps)?;
+                g.head_rmsnorm(
+                    &mut dev.attn_out,
+                    d.attn_post_norm.as_ref().ok_or_else(missing)?,
+                    self.m,
+                    c.n_embd,
+                    c.norm_eps,
+                )?;
                 return Ok(());
             }
             Part::Ffn => d.ffn_post_norm.as_ref().ok_or_else(missing)?,
@@ -882,7 +1084,14 @@ impl<D: Device> Backend for HybridPass<'_, D> {
             // the norm needs the whole FFN output: the parts merged into ffn_out first
             g.clear(&mut dev.ffn_out)?;
             let cold = dev.ffn_has_cold.then_some(&dev.cpu_part);
-            g.ffn_merge(&mut dev.ffn_out, &dev.partial, dev.ffn_chunks, cold, layer.down_bias.as_ref(), c.n_embd)?;
+            g.ffn_merge(
+                &mut dev.ffn_out,
+                &dev.partial,
+                dev.ffn_chunks,
+                cold,
+                layer.down_bias.as_ref(),
+                c.n_embd,
+            )?;
             dev.ffn_whole = true;
         }
         Ok(g.head_rmsnorm(&mut dev.ffn_out, out, self.m, c.n_embd, c.norm_eps)?)
@@ -894,7 +1103,9 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         // the norm that reads x next, on the device: the add and that norm in one launch
         let next = match part {
             Part::Attn => Some((layer, l, Norm::Ffn)),
-            Part::Ffn => self.hm.layers.get(l + 1).and_then(|n| n.as_ref()).map(|n| (n, l + 1, Norm::Attn)),
+            Part::Ffn => {
+                self.hm.layers.get(l + 1).and_then(|n| n.as_ref()).map(|n| (n, l + 1, Norm::Attn))
+            }
         };
         let dev = &mut *self.dev;
         let addend = match part {
@@ -910,10 +1121,19 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         match part {
             Part::Attn => g.add_into(&mut dev.x.f32s, &dev.attn_out, None, m * c.n_embd)?,
             // x += hot partial sums + cold part (+ bias), or the whole FFN's output
-            Part::Ffn if dev.ffn_whole => g.add_into(&mut dev.x.f32s, &dev.ffn_out, None, m * c.n_embd)?,
+            Part::Ffn if dev.ffn_whole => {
+                g.add_into(&mut dev.x.f32s, &dev.ffn_out, None, m * c.n_embd)?
+            }
             Part::Ffn => {
                 let cold = dev.ffn_has_cold.then_some(&dev.cpu_part);
-                g.ffn_merge(&mut dev.x.f32s, &dev.partial, dev.ffn_chunks, cold, layer.down_bias.as_ref(), c.n_embd)?
+                g.ffn_merge(
+                    &mut dev.x.f32s,
+                    &dev.partial,
+                    dev.ffn_chunks,
+                    cold,
+                    layer.down_bias.as_ref(),
+                    c.n_embd,
+                )?
             }
         }
         Ok(())
@@ -942,7 +1162,11 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         if let Graph::Recording { gpu_neurons_before } = dev.graph {
             // the recorded token's kernels have not run yet: they run as the graph's first replay
             let graph = g.end_capture()?;
-            let ledger = Ledger { stats: std::mem::take(&mut dev.ledger_stats), counted_on_gpu: dev.counted_on_gpu.clone(), gpu_neurons: dev.counts.gpu_neurons - gpu_neurons_before };
+            let ledger = Ledger {
+                stats: std::mem::take(&mut dev.ledger_stats),
+                counted_on_gpu: dev.counted_on_gpu.clone(),
+                gpu_neurons: dev.counts.gpu_neurons - gpu_neurons_before,
+            };
             g.launch_graph(&graph)?;
             dev.graph = Graph::Ready { graph, ledger };
         }
@@ -995,7 +1219,11 @@ impl<D: Device> PlacedModel for HybridModel<D> {
 }
 
 /// Places `model` on device `D` per `plan`, behind the run-time interface.
-pub fn place<D: Device>(model: Arc<Model>, gpu: Gpu<D>, plan: &GpuPlan) -> Result<Arc<dyn PlacedModel>> {
+pub fn place<D: Device>(
+    model: Arc<Model>,
+    gpu: Gpu<D>,
+    plan: &GpuPlan,
+) -> Result<Arc<dyn PlacedModel>> {
     Ok(Arc::new(HybridModel::new(model, gpu, plan)?))
 }
 
@@ -1074,7 +1302,11 @@ mod tests {
             got.dequantize_row(j, &mut row);
             for (c, &v) in row.iter().enumerate() {
                 down.dequantize_row(c, &mut full);
-                assert!((v - full[j]).abs() <= full[j].abs() / 1024.0, "neuron {j} col {c}: {v} vs {}", full[j]);
+                assert!(
+                    (v - full[j]).abs() <= full[j].abs() / 1024.0,
+                    "neuron {j} col {c}: {v} vs {}",
+                    full[j]
+                );
             }
         }
     }
@@ -1086,8 +1318,16 @@ mod tests {
     fn hot_plus_cold_equals_all() {
         let mut rng = Rng::new(7);
         let (n_embd, n_ff) = (64, 96);
-        for (dtype, act) in [(DType::F32, FfnActivation::ReGlu), (DType::Q8_0, FfnActivation::SwiGlu), (DType::Q4_0, FfnActivation::DReGlu)] {
-            let (g, u, d) = (matrix(&mut rng, dtype, n_ff, n_embd), matrix(&mut rng, dtype, n_ff, n_embd), matrix(&mut rng, DType::F32, n_ff, n_embd));
+        for (dtype, act) in [
+            (DType::F32, FfnActivation::ReGlu),
+            (DType::Q8_0, FfnActivation::SwiGlu),
+            (DType::Q4_0, FfnActivation::DReGlu),
+        ] {
+            let (g, u, d) = (
+                matrix(&mut rng, dtype, n_ff, n_embd),
+                matrix(&mut rng, dtype, n_ff, n_embd),
+                matrix(&mut rng, DType::F32, n_ff, n_embd),
+            );
             let gate = QMatrix { dtype, rows: n_ff, cols: n_embd, data: &g };
             let up = QMatrix { dtype, rows: n_ff, cols: n_embd, data: &u };
             let down_t = QMatrix { dtype: DType::F32, rows: n_ff, cols: n_embd, data: &d };
@@ -1096,26 +1336,43 @@ mod tests {
             let mask: Vec<bool> = (0..n_ff).map(|j| j % 3 != 1).collect();
             let (hot, cold) = split_neurons(&mask);
             assert_eq!(hot.len() + cold.len(), n_ff);
-            assert!(hot.iter().all(|&j| mask[j as usize]) && cold.iter().all(|&j| !mask[j as usize]));
+            assert!(
+                hot.iter().all(|&j| mask[j as usize]) && cold.iter().all(|&j| !mask[j as usize])
+            );
 
             let thr = 0.1;
-            let (pg, pu, pd) = (twin::pack_rows(&gate, &hot), twin::pack_rows(&up, &hot), twin::pack_rows(&down_t, &hot));
+            let (pg, pu, pd) = (
+                twin::pack_rows(&gate, &hot),
+                twin::pack_rows(&up, &hot),
+                twin::pack_rows(&down_t, &hot),
+            );
             let packed = |dtype, data| QMatrix { dtype, rows: hot.len(), cols: n_embd, data };
-            let h = twin::ffn_hot(Some(&packed(dtype, &pg)), &packed(dtype, &pu), &hot, &x, None, Some((&logits, thr)), act);
+            let h = twin::ffn_hot(
+                Some(&packed(dtype, &pg)),
+                &packed(dtype, &pu),
+                &hot,
+                &x,
+                None,
+                Some((&logits, thr)),
+                act,
+            );
             let gpu_part = twin::down(&packed(DType::F32, &pd), &h);
             let mats = FfnMats { gate: Some(gate), up, up_bias: None, down_t, down: None, act };
             let mut acts = Activations::default();
             acts.set(&x, 1, n_embd);
             let mut scratch = SparseScratch::default();
-            let cold_sel: Vec<u32> = cold.iter().copied().filter(|&j| logits[j as usize] >= thr).collect();
+            let cold_sel: Vec<u32> =
+                cold.iter().copied().filter(|&j| logits[j as usize] >= thr).collect();
             let mut cpu_part = vec![0.0; n_embd];
             sparse_ffn(&mats, &acts, &cold_sel, None, &mut cpu_part, &mut scratch);
-            let all_sel: Vec<u32> = (0..n_ff as u32).filter(|&j| logits[j as usize] >= thr).collect();
+            let all_sel: Vec<u32> =
+                (0..n_ff as u32).filter(|&j| logits[j as usize] >= thr).collect();
             let mut all = vec![0.0; n_embd];
             sparse_ffn(&mats, &acts, &all_sel, None, &mut all, &mut scratch);
             let merged: Vec<f32> = gpu_part.iter().zip(&cpu_part).map(|(a, b)| a + b).collect();
             let norm = all.iter().map(|v| v * v).sum::<f32>().sqrt();
-            let err = merged.iter().zip(&all).map(|(a, b)| (a - b) * (a - b)).sum::<f32>().sqrt() / norm;
+            let err =
+                merged.iter().zip(&all).map(|(a, b)| (a - b) * (a - b)).sum::<f32>().sqrt() / norm;
             // both sides read quantized weights' input as the same int8 blocks
             assert!(err < 1e-5, "{dtype:?}: relative error {err}");
         }

@@ -60,11 +60,20 @@ pub fn probe() -> Result<Vec<DeviceInfo>, CudaError> {
         let dev = result::device::get(ordinal).map_err(|e| CudaError::Driver(e.to_string()))?;
         let name = result::device::get_name(dev).map_err(|e| CudaError::Driver(e.to_string()))?;
         // SAFETY: `dev` is a valid handle returned by the driver above.
-        let total_memory = unsafe { result::device::total_mem(dev) }.map_err(|e| CudaError::Driver(e.to_string()))?;
-        let attr = |a| unsafe { result::device::get_attribute(dev, a) }.map_err(|e| CudaError::Driver(e.to_string()));
+        let total_memory = unsafe { result::device::total_mem(dev) }
+            .map_err(|e| CudaError::Driver(e.to_string()))?;
+        let attr = |a| {
+            unsafe { result::device::get_attribute(dev, a) }
+                .map_err(|e| CudaError::Driver(e.to_string()))
+        };
         let major = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
         let minor = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
-        devices.push(DeviceInfo { ordinal: ordinal as usize, name, total_memory, compute_capability: (major, minor) });
+        devices.push(DeviceInfo {
+            ordinal: ordinal as usize,
+            name,
+            total_memory,
+            compute_capability: (major, minor),
+        });
     }
     Ok(devices)
 }

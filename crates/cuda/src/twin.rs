@@ -4,10 +4,10 @@
 //! runs the twins in place of the kernels, so the hybrid executor runs without a GPU.
 
 use powerinfer_core::matmul::QMatrix;
-use rayon::prelude::*;
 use powerinfer_core::model::FfnActivation;
-use powerinfer_core::session::Sparsity;
 use powerinfer_core::quant::{dequantize_row, quantize_act, BlockQ8Act, DType, QK};
+use powerinfer_core::session::Sparsity;
+use rayon::prelude::*;
 
 use crate::device::AttnShape;
 
@@ -45,7 +45,12 @@ pub fn q8_bytes(x: &[f32]) -> Vec<u8> {
     quantize_act(x, &mut blocks);
     blocks
         .iter()
-        .flat_map(|b| b.d.to_le_bytes().into_iter().chain(b.s.to_le_bytes()).chain(b.qs.iter().map(|&q| q as u8)))
+        .flat_map(|b| {
+            b.d.to_le_bytes()
+                .into_iter()
+                .chain(b.s.to_le_bytes())
+                .chain(b.qs.iter().map(|&q| q as u8))
+        })
         .collect()
 }
 
@@ -167,17 +172,28 @@ pub fn attention(q: &[f32], k: &[f32], v: &[f32], len: usize, at: &AttnShape) ->
     let (n_head, n_head_kv, head_dim) = (at.n_head, at.n_head_kv, at.head_dim);
     let kv_dim = n_head_kv * head_dim;
     let first = if at.window > 0 { len.saturating_sub(at.window) } else { 0 };
-    let cap = |s: f64| if at.softcap > 0.0 { at.softcap as f64 * (s / at.softcap as f64).tanh() } else { s };
+    let cap = |s: f64| {
+        if at.softcap > 0.0 {
+            at.softcap as f64 * (s / at.softcap as f64).tanh()
+        } else {
+            s
+        }
+    };
     let mut out = vec![0.0f32; n_head * head_dim];
     for h in 0..n_head {
         let g = h / (n_head / n_head_kv);
         let qh = &q[h * head_dim..(h + 1) * head_dim];
-        let scores: Vec<f64> = (first..len).map(|t| cap(dot(qh, &k[t * kv_dim + g * head_dim..][..head_dim]) * at.scale as f64)).collect();
+        let scores: Vec<f64> = (first..len)
+            .map(|t| cap(dot(qh, &k[t * kv_dim + g * head_dim..][..head_dim]) * at.scale as f64))
+            .collect();
         let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
         let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
         let sum: f64 = e.iter().sum();
         for d in 0..head_dim {
-            let acc: f64 = (first..len).zip(&e).map(|(t, &p)| p * v[t * kv_dim + g * head_dim + d] as f64).sum();
+            let acc: f64 = (first..len)
+                .zip(&e)
+                .map(|(t, &p)| p * v[t * kv_dim + g * head_dim + d] as f64)
+                .sum();
             out[h * head_dim + d] = (acc / sum) as f32;
         }
     }

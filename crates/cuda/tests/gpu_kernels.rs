@@ -5,7 +5,9 @@
 
 use powerinfer_core::matmul::{matmul, Activations, QMatrix};
 use powerinfer_core::model::FfnActivation;
-use powerinfer_core::quant::{dequantize_row, f32_to_f16, quantize_act, quantize_row, BlockQ8Act, DType, QK};
+use powerinfer_core::quant::{
+    dequantize_row, f32_to_f16, quantize_act, quantize_row, BlockQ8Act, DType, QK,
+};
 use powerinfer_core::sampler::Rng;
 use powerinfer_cuda::device::Cuda;
 use powerinfer_cuda::gpu::{AttnShape, DActs, DMat, Gpu, Q8_BLOCK_BYTES};
@@ -15,7 +17,10 @@ fn gpu() -> Option<Gpu> {
     match Gpu::open(0) {
         Ok(g) => Some(g),
         Err(e) => {
-            assert!(std::env::var("POWERINFER_REQUIRE_GPU").as_deref() != Ok("1"), "POWERINFER_REQUIRE_GPU=1 but no GPU: {e}");
+            assert!(
+                std::env::var("POWERINFER_REQUIRE_GPU").as_deref() != Ok("1"),
+                "POWERINFER_REQUIRE_GPU=1 but no GPU: {e}"
+            );
             eprintln!("skipped, no GPU: {e}");
             None
         }
@@ -47,10 +52,14 @@ fn matrix(rng: &mut Rng, dtype: DType, rows: usize, cols: usize) -> Vec<u8> {
         return (0..rows).flat_map(|_| quantize_row(dtype, &random(rng, cols, 0.5))).collect();
     }
     let (len, bytes) = (dtype.block_len(), dtype.row_bytes(dtype.block_len()));
-    let mut out: Vec<u8> = (0..rows * cols / len * bytes).map(|_| (rng.next_u64() & 0xFF) as u8).collect();
+    let mut out: Vec<u8> =
+        (0..rows * cols / len * bytes).map(|_| (rng.next_u64() & 0xFF) as u8).collect();
     for blk in out.chunks_exact_mut(bytes) {
         for &at in f16_fields(dtype) {
-            let v = (0.5 + 0.5 * rng.next_f32()) * if rng.next_u64() & 1 == 0 { 1.0 } else { -1.0 } * 0.5 / 16.0;
+            let v = (0.5 + 0.5 * rng.next_f32())
+                * if rng.next_u64() & 1 == 0 { 1.0 } else { -1.0 }
+                * 0.5
+                / 16.0;
             blk[at..at + 2].copy_from_slice(&f32_to_f16(v).to_le_bytes());
         }
     }
@@ -94,13 +103,21 @@ fn quantize_is_bit_identical_to_the_cpu() {
     x[100] = 0.0;
     let mut want = vec![BlockQ8Act::default(); n / QK];
     quantize_act(&x, &mut want);
-    let want_bytes: Vec<u8> = want.iter().flat_map(|b| {
-        let mut v = b.d.to_le_bytes().to_vec();
-        v.extend(b.s.to_le_bytes());
-        v.extend(b.qs.iter().map(|&q| q as u8));
-        v
-    }).collect();
-    let reader = g.upload_rows(&QMatrix { dtype: DType::Q8_0, rows: 1, cols: n, data: &quantize_row(DType::Q8_0, &x) }, None).unwrap();
+    let want_bytes: Vec<u8> = want
+        .iter()
+        .flat_map(|b| {
+            let mut v = b.d.to_le_bytes().to_vec();
+            v.extend(b.s.to_le_bytes());
+            v.extend(b.qs.iter().map(|&q| q as u8));
+            v
+        })
+        .collect();
+    let reader = g
+        .upload_rows(
+            &QMatrix { dtype: DType::Q8_0, rows: 1, cols: n, data: &quantize_row(DType::Q8_0, &x) },
+            None,
+        )
+        .unwrap();
     let a = device_acts(&g, &x, &reader);
     let mut got = vec![0u8; n / QK * Q8_BLOCK_BYTES];
     g.read(&a.q8, &mut got).unwrap();
@@ -157,7 +174,15 @@ fn matvec_matches_twin() {
                     acts.set(&x, 1, cols);
                     let mut cpu = vec![0.0; rows];
                     matmul(&m, &acts, &mut cpu);
-                    assert!(rel_err(&y, &cpu.iter().zip(&bias).map(|(v, b)| if relu { (v + b).max(0.0) } else { v + b }).collect::<Vec<_>>()) < 1e-5);
+                    assert!(
+                        rel_err(
+                            &y,
+                            &cpu.iter()
+                                .zip(&bias)
+                                .map(|(v, b)| if relu { (v + b).max(0.0) } else { v + b })
+                                .collect::<Vec<_>>()
+                        ) < 1e-5
+                    );
                 }
             }
         }
@@ -173,7 +198,11 @@ fn matvec3_matches_three_matvecs() {
     for dtype in TYPES {
         let rows = [1024, 256, 256];
         let data: Vec<Vec<u8>> = rows.iter().map(|&r| matrix(&mut rng, dtype, r, cols)).collect();
-        let ms: Vec<QMatrix> = rows.iter().zip(&data).map(|(&r, d)| QMatrix { dtype, rows: r, cols, data: d }).collect();
+        let ms: Vec<QMatrix> = rows
+            .iter()
+            .zip(&data)
+            .map(|(&r, d)| QMatrix { dtype, rows: r, cols, data: d })
+            .collect();
         let dms: Vec<_> = ms.iter().map(|m| g.upload_rows(m, None).unwrap()).collect();
         let x = random(&mut rng, cols, 1.0);
         let dx = device_acts(&g, &x, &dms[0]);
@@ -183,7 +212,8 @@ fn matvec3_matches_three_matvecs() {
             let mut ys: Vec<_> = rows.iter().map(|&r| poisoned(&g, r)).collect();
             let [y0, y1, y2] = &mut ys[..] else { unreachable!() };
             let b = |i: usize| with_bias.then(|| &db[i]);
-            g.matvec3([&dms[0], &dms[1], &dms[2]], &dx, [b(0), b(1), b(2)], [y0, y1, y2], 1).unwrap();
+            g.matvec3([&dms[0], &dms[1], &dms[2]], &dx, [b(0), b(1), b(2)], [y0, y1, y2], 1)
+                .unwrap();
             for i in 0..3 {
                 let mut got = vec![0.0; rows[i]];
                 g.read(&ys[i], &mut got).unwrap();
@@ -200,8 +230,17 @@ fn ffn_hot_and_down_match_twin() {
     let mut rng = Rng::new(2);
     let (n_embd, n_ff) = (1024, 3000);
     for dtype in TYPES {
-        for act in [FfnActivation::ReGlu, FfnActivation::SwiGlu, FfnActivation::DReGlu, FfnActivation::GeGlu] {
-            let (gd, ud, dd) = (matrix(&mut rng, dtype, n_ff, n_embd), matrix(&mut rng, dtype, n_ff, n_embd), matrix(&mut rng, dtype, n_ff, n_embd));
+        for act in [
+            FfnActivation::ReGlu,
+            FfnActivation::SwiGlu,
+            FfnActivation::DReGlu,
+            FfnActivation::GeGlu,
+        ] {
+            let (gd, ud, dd) = (
+                matrix(&mut rng, dtype, n_ff, n_embd),
+                matrix(&mut rng, dtype, n_ff, n_embd),
+                matrix(&mut rng, dtype, n_ff, n_embd),
+            );
             let gate = QMatrix { dtype, rows: n_ff, cols: n_embd, data: &gd };
             let up = QMatrix { dtype, rows: n_ff, cols: n_embd, data: &ud };
             let down_t = QMatrix { dtype, rows: n_ff, cols: n_embd, data: &dd };
@@ -214,7 +253,11 @@ fn ffn_hot_and_down_match_twin() {
             let dup = g.upload_rows(&up, Some(&bucket)).unwrap();
             let ddown = g.upload_rows(&down_t, Some(&bucket)).unwrap();
             // the twins read the hot rows packed, as the GPU holds them
-            let (pg, pu, pd) = (twin::pack_rows(&gate, &bucket), twin::pack_rows(&up, &bucket), twin::pack_rows(&down_t, &bucket));
+            let (pg, pu, pd) = (
+                twin::pack_rows(&gate, &bucket),
+                twin::pack_rows(&up, &bucket),
+                twin::pack_rows(&down_t, &bucket),
+            );
             let packed = |data| QMatrix { dtype, rows: bucket.len(), cols: n_embd, data };
             let (hot_gate, hot_up, hot_down) = (packed(&pg), packed(&pu), packed(&pd));
             let dbucket = g.upload(&bucket.iter().map(|&j| j as i32).collect::<Vec<_>>()).unwrap();
@@ -223,7 +266,20 @@ fn ffn_hot_and_down_match_twin() {
                 let mut dh = poisoned(&g, bucket.len());
                 let p = pred.then_some(&dlogits);
                 let mut counts = g.upload(&[7u32, 0, 7]).unwrap();
-                g.ffn_hot(Some(&dgate), &dup, &dbucket, &dx, None, p, thr, pred.then_some((&mut counts, 1)), act, &mut dh, 1).unwrap();
+                g.ffn_hot(
+                    Some(&dgate),
+                    &dup,
+                    &dbucket,
+                    &dx,
+                    None,
+                    p,
+                    thr,
+                    pred.then_some((&mut counts, 1)),
+                    act,
+                    &mut dh,
+                    1,
+                )
+                .unwrap();
                 let mut h = vec![0.0; bucket.len()];
                 g.read(&dh, &mut h).unwrap();
                 // the selection count lands in its slot only
@@ -231,7 +287,15 @@ fn ffn_hot_and_down_match_twin() {
                 g.read(&counts, &mut n).unwrap();
                 let passing = bucket.iter().filter(|&&j| logits[j as usize] >= thr).count() as u32;
                 assert_eq!(n, [7, if pred { passing } else { 0 }, 7], "{dtype:?} {act:?}");
-                let want = twin::ffn_hot(Some(&hot_gate), &hot_up, &bucket, &x, None, pred.then_some((&logits[..], thr)), act);
+                let want = twin::ffn_hot(
+                    Some(&hot_gate),
+                    &hot_up,
+                    &bucket,
+                    &x,
+                    None,
+                    pred.then_some((&logits[..], thr)),
+                    act,
+                );
                 assert!(rel_err(&h, &want) < 1e-5, "{dtype:?} {act:?} pred={pred}");
                 if pred {
                     // early exit: rows the predictor rejects are exactly zero
@@ -247,14 +311,19 @@ fn ffn_hot_and_down_match_twin() {
                 let cpu_part = random(&mut rng, n_embd, 1.0);
                 let bias = random(&mut rng, n_embd, 1.0);
                 let mut dx_res = g.upload(&base).unwrap();
-                let mut partial = poisoned(&g, bucket.len().div_ceil(powerinfer_cuda::gpu::ROWS_PER_CHUNK) * n_embd);
+                let mut partial = poisoned(
+                    &g,
+                    bucket.len().div_ceil(powerinfer_cuda::gpu::ROWS_PER_CHUNK) * n_embd,
+                );
                 let chunks = g.down_partial(&ddown, &dh, &mut partial).unwrap();
                 let (dcpu, dbias) = (g.upload(&cpu_part).unwrap(), g.upload(&bias).unwrap());
-                g.ffn_merge(&mut dx_res, &partial, chunks, Some(&dcpu), Some(&dbias), n_embd).unwrap();
+                g.ffn_merge(&mut dx_res, &partial, chunks, Some(&dcpu), Some(&dbias), n_embd)
+                    .unwrap();
                 let mut got = vec![0.0; n_embd];
                 g.read(&dx_res, &mut got).unwrap();
                 let d = twin::down(&hot_down, &h);
-                let want: Vec<f32> = (0..n_embd).map(|c| base[c] + d[c] + cpu_part[c] + bias[c]).collect();
+                let want: Vec<f32> =
+                    (0..n_embd).map(|c| base[c] + d[c] + cpu_part[c] + bias[c]).collect();
                 assert!(rel_err(&got, &want) < 1e-5, "down {dtype:?} {act:?} pred={pred}");
             }
         }
@@ -270,13 +339,16 @@ fn norm_rope_attention_match_twin() {
     let (x, w) = (random(&mut rng, n, 2.0), random(&mut rng, n, 1.0));
     let mut dout = g.acts(n).unwrap();
     dout.f32s = poisoned(&g, n);
-    g.rmsnorm(&g.upload(&x).unwrap(), &g.upload(&w).unwrap(), &mut dout, n, 1e-5, false, 1).unwrap();
+    g.rmsnorm(&g.upload(&x).unwrap(), &g.upload(&w).unwrap(), &mut dout, n, 1e-5, false, 1)
+        .unwrap();
     let mut out = vec![0.0; n];
     g.read(&dout.f32s, &mut out).unwrap();
     assert!(rel_err(&out, &twin::rmsnorm(&x, &w, 1e-5)) < 1e-5);
     // for a quantized reader the norm also rounds its output: the bytes `quantize_q8` writes
     let reader_data = quantize_row(DType::Q8_0, &vec![0.5; n]);
-    let reader = g.upload_rows(&QMatrix { dtype: DType::Q8_0, rows: 1, cols: n, data: &reader_data }, None).unwrap();
+    let reader = g
+        .upload_rows(&QMatrix { dtype: DType::Q8_0, rows: 1, cols: n, data: &reader_data }, None)
+        .unwrap();
     g.rmsnorm(&g.upload(&x).unwrap(), &g.upload(&w).unwrap(), &mut dout, n, 1e-5, true, 1).unwrap();
     assert!(dout.rounded);
     let mut fused = vec![0u8; n / QK * Q8_BLOCK_BYTES];
@@ -299,7 +371,10 @@ fn norm_rope_attention_match_twin() {
         let (mut ha, mut hb) = (vec![0.0f32; n], vec![0.0f32; n]);
         g.read(a, &mut ha).unwrap();
         g.read(b, &mut hb).unwrap();
-        assert_eq!(ha.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), hb.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        assert_eq!(
+            ha.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            hb.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
     }
     let (mut qa, mut qb) = (vec![0u8; n / QK * Q8_BLOCK_BYTES], vec![0u8; n / QK * Q8_BLOCK_BYTES]);
     g.read(&fused.q8, &mut qa).unwrap();
@@ -322,10 +397,23 @@ fn norm_rope_attention_match_twin() {
     let (n_head, n_head_kv, hd, rd) = (8, 2, 128, 64);
     for neox in [false, true] {
         let (q, k) = (random(&mut rng, n_head * hd, 1.0), random(&mut rng, n_head_kv * hd, 1.0));
-        let angles: Vec<f32> = (0..rd / 2).map(|i| 37.0 * 10000f32.powf(-2.0 * i as f32 / rd as f32)).collect();
+        let angles: Vec<f32> =
+            (0..rd / 2).map(|i| 37.0 * 10000f32.powf(-2.0 * i as f32 / rd as f32)).collect();
         let (cos, sin): (Vec<f32>, Vec<f32>) = angles.iter().map(|a| (a.cos(), a.sin())).unzip();
         let (mut dq, mut dk) = (g.upload(&q).unwrap(), g.upload(&k).unwrap());
-        g.rope(&mut dq, &mut dk, &g.upload(&cos).unwrap(), &g.upload(&sin).unwrap(), n_head, n_head_kv, hd, rd, neox, 1).unwrap();
+        g.rope(
+            &mut dq,
+            &mut dk,
+            &g.upload(&cos).unwrap(),
+            &g.upload(&sin).unwrap(),
+            n_head,
+            n_head_kv,
+            hd,
+            rd,
+            neox,
+            1,
+        )
+        .unwrap();
         for (d, x) in [(&dq, &q), (&dk, &k)] {
             let mut got = vec![0.0; x.len()];
             g.read(d, &mut got).unwrap();
@@ -348,7 +436,17 @@ fn norm_rope_attention_match_twin() {
         for pos in 0..len {
             let (k, v) = (random(&mut rng, kv_dim, 1.0), random(&mut rng, kv_dim, 1.0));
             g.set_pos(&mut at, pos).unwrap();
-            g.kv_store(&g.upload(&k).unwrap(), &g.upload(&v).unwrap(), &mut kc, &mut vc, &at, kv_dim, f16, 1).unwrap();
+            g.kv_store(
+                &g.upload(&k).unwrap(),
+                &g.upload(&v).unwrap(),
+                &mut kc,
+                &mut vc,
+                &at,
+                kv_dim,
+                f16,
+                1,
+            )
+            .unwrap();
             // the twin sees what the cache holds: f16-rounded values for an f16 cache
             let round = |x: Vec<f32>| -> Vec<f32> {
                 if !f16 {
@@ -364,11 +462,34 @@ fn norm_rope_attention_match_twin() {
         let q = random(&mut rng, n_head * hd, 1.0);
         // plain; Gemma's: another scale, soft-capped scores, a sliding window shorter than the
         // context (and one longer)
-        let plain = AttnShape { n_ctx, n_head, n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt(), softcap: 0.0, window: 0 };
-        for at_shape in [plain, AttnShape { scale: 0.0625, softcap: 2.0, window: 100, ..plain }, AttnShape { window: 1000, ..plain }] {
+        let plain = AttnShape {
+            n_ctx,
+            n_head,
+            n_head_kv,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+            softcap: 0.0,
+            window: 0,
+        };
+        for at_shape in [
+            plain,
+            AttnShape { scale: 0.0625, softcap: 2.0, window: 100, ..plain },
+            AttnShape { window: 1000, ..plain },
+        ] {
             let mut scores = poisoned(&g, n_head * n_ctx);
             let mut dout = poisoned(&g, n_head * hd);
-            g.attention(&g.upload(&q).unwrap(), &kc, &vc, &mut scores, &mut dout, &at, &at_shape, f16, 1).unwrap();
+            g.attention(
+                &g.upload(&q).unwrap(),
+                &kc,
+                &vc,
+                &mut scores,
+                &mut dout,
+                &at,
+                &at_shape,
+                f16,
+                1,
+            )
+            .unwrap();
             let mut got = vec![0.0; n_head * hd];
             g.read(&dout, &mut got).unwrap();
             let want = twin::attention(&q, &ks, &vs, len, &at_shape);
@@ -400,15 +521,36 @@ fn a_recorded_token_replays_at_every_position() {
     let wdata = matrix(&mut rng, DType::F32, 48, n_head * hd);
     let w = QMatrix { dtype: DType::F32, rows: 48, cols: n_head * hd, data: &wdata };
     let dw = g.upload_rows(&w, None).unwrap();
-    let (mut kc, mut vc) = (g.zeros::<u8>(n_ctx * kv_dim * 4).unwrap(), g.zeros::<u8>(n_ctx * kv_dim * 4).unwrap());
-    let (mut dk, mut dv, mut dq) = (g.zeros::<f32>(kv_dim).unwrap(), g.zeros::<f32>(kv_dim).unwrap(), g.zeros::<f32>(n_head * hd).unwrap());
-    let (mut scores, mut att, mut y) = (g.zeros::<f32>(n_head * n_ctx).unwrap(), g.acts(n_head * hd).unwrap(), g.zeros::<f32>(48).unwrap());
-    let shape = AttnShape { n_ctx, n_head, n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt(), softcap: 0.0, window: 0 };
+    let (mut kc, mut vc) =
+        (g.zeros::<u8>(n_ctx * kv_dim * 4).unwrap(), g.zeros::<u8>(n_ctx * kv_dim * 4).unwrap());
+    let (mut dk, mut dv, mut dq) = (
+        g.zeros::<f32>(kv_dim).unwrap(),
+        g.zeros::<f32>(kv_dim).unwrap(),
+        g.zeros::<f32>(n_head * hd).unwrap(),
+    );
+    let (mut scores, mut att, mut y) = (
+        g.zeros::<f32>(n_head * n_ctx).unwrap(),
+        g.acts(n_head * hd).unwrap(),
+        g.zeros::<f32>(48).unwrap(),
+    );
+    let shape = AttnShape {
+        n_ctx,
+        n_head,
+        n_head_kv,
+        head_dim: hd,
+        scale: 1.0 / (hd as f32).sqrt(),
+        softcap: 0.0,
+        window: 0,
+    };
     let mut at = g.pos().unwrap();
     let (mut ks, mut vs) = (Vec::new(), Vec::new());
     let mut graph = None;
     for pos in 0..40 {
-        let (k, v, q) = (random(&mut rng, kv_dim, 1.0), random(&mut rng, kv_dim, 1.0), random(&mut rng, n_head * hd, 1.0));
+        let (k, v, q) = (
+            random(&mut rng, kv_dim, 1.0),
+            random(&mut rng, kv_dim, 1.0),
+            random(&mut rng, n_head * hd, 1.0),
+        );
         g.write(&k, &mut dk).unwrap();
         g.write(&v, &mut dv).unwrap();
         g.write(&q, &mut dq).unwrap();
@@ -420,7 +562,8 @@ fn a_recorded_token_replays_at_every_position() {
             None if pos == 3 => {
                 assert!(g.begin_capture().unwrap());
                 g.kv_store(&dk, &dv, &mut kc, &mut vc, &at, kv_dim, false, 1).unwrap();
-                g.attention(&dq, &kc, &vc, &mut scores, &mut att.f32s, &at, &shape, false, 1).unwrap();
+                g.attention(&dq, &kc, &vc, &mut scores, &mut att.f32s, &at, &shape, false, 1)
+                    .unwrap();
                 g.matvec(&dw, &att, None, &mut y, false, 1).unwrap();
                 let recorded = g.end_capture().unwrap();
                 g.launch_graph(&recorded).unwrap();
@@ -428,7 +571,8 @@ fn a_recorded_token_replays_at_every_position() {
             }
             None => {
                 g.kv_store(&dk, &dv, &mut kc, &mut vc, &at, kv_dim, false, 1).unwrap();
-                g.attention(&dq, &kc, &vc, &mut scores, &mut att.f32s, &at, &shape, false, 1).unwrap();
+                g.attention(&dq, &kc, &vc, &mut scores, &mut att.f32s, &at, &shape, false, 1)
+                    .unwrap();
                 g.matvec(&dw, &att, None, &mut y, false, 1).unwrap();
             }
             Some(recorded) => g.launch_graph(recorded).unwrap(),
@@ -451,7 +595,13 @@ fn batch_rows_equal_rows_one_at_a_time() {
     let (q_dim, kv_dim, half) = (n_head * hd, n_head_kv * hd, hd / 2);
     for dtype in [DType::F32, DType::Q4_K, DType::Q8_0] {
         let mat = |rng: &mut Rng, rows, cols| matrix(rng, dtype, rows, cols);
-        let (wq, wk, wv, up, down) = (mat(&mut rng, q_dim, n_embd), mat(&mut rng, kv_dim, n_embd), mat(&mut rng, kv_dim, n_embd), mat(&mut rng, n_ff, n_embd), mat(&mut rng, n_embd, n_ff));
+        let (wq, wk, wv, up, down) = (
+            mat(&mut rng, q_dim, n_embd),
+            mat(&mut rng, kv_dim, n_embd),
+            mat(&mut rng, kv_dim, n_embd),
+            mat(&mut rng, n_ff, n_embd),
+            mat(&mut rng, n_embd, n_ff),
+        );
         let qm = |rows, cols, data| QMatrix { dtype, rows, cols, data };
         let dwq = g.upload_rows(&qm(q_dim, n_embd, &wq), None).unwrap();
         let dwk = g.upload_rows(&qm(kv_dim, n_embd, &wk), None).unwrap();
@@ -464,18 +614,37 @@ fn batch_rows_equal_rows_one_at_a_time() {
         let angles: Vec<f32> = (0..m * half).map(|i| (i as f32 * 0.37).sin()).collect();
         let cos = g.upload(&angles.iter().map(|a| a.cos()).collect::<Vec<_>>()).unwrap();
         let sin = g.upload(&angles.iter().map(|a| a.sin()).collect::<Vec<_>>()).unwrap();
-        let shape = AttnShape { n_ctx, n_head, n_head_kv, head_dim: hd, scale: 0.125, softcap: 0.0, window: 3 };
+        let shape = AttnShape {
+            n_ctx,
+            n_head,
+            n_head_kv,
+            head_dim: hd,
+            scale: 0.125,
+            softcap: 0.0,
+            window: 3,
+        };
         let first = 7; // the rows' first position (the cache already holds 0..7)
 
         // one layer's worth of the kernels over `rows` rows starting at row r0
-        let run = |r0: usize, rows: usize, kc: &mut cudarc::driver::CudaSlice<u8>, vc: &mut cudarc::driver::CudaSlice<u8>| -> Vec<Vec<f32>> {
+        let run = |r0: usize,
+                   rows: usize,
+                   kc: &mut cudarc::driver::CudaSlice<u8>,
+                   vc: &mut cudarc::driver::CudaSlice<u8>|
+         -> Vec<Vec<f32>> {
             let dx = g.upload(&x[r0 * n_embd..(r0 + rows) * n_embd]).unwrap();
             let mut xb = g.acts(rows * n_embd).unwrap();
-            g.rmsnorm(&dx, &norm_w, &mut xb, n_embd, 1e-5, Gpu::any_quantized(&[&dwq]), rows).unwrap();
+            g.rmsnorm(&dx, &norm_w, &mut xb, n_embd, 1e-5, Gpu::any_quantized(&[&dwq]), rows)
+                .unwrap();
             g.quantize_for(&[&dwq], &mut xb, rows * n_embd).unwrap();
-            let (mut q, mut k, mut v) = (g.zeros::<f32>(rows * q_dim).unwrap(), g.zeros::<f32>(rows * kv_dim).unwrap(), g.zeros::<f32>(rows * kv_dim).unwrap());
-            g.matvec3([&dwq, &dwk, &dwv], &xb, [None, None, None], [&mut q, &mut k, &mut v], rows).unwrap();
-            let (mut c, mut s_) = (g.zeros::<f32>(rows * half).unwrap(), g.zeros::<f32>(rows * half).unwrap());
+            let (mut q, mut k, mut v) = (
+                g.zeros::<f32>(rows * q_dim).unwrap(),
+                g.zeros::<f32>(rows * kv_dim).unwrap(),
+                g.zeros::<f32>(rows * kv_dim).unwrap(),
+            );
+            g.matvec3([&dwq, &dwk, &dwv], &xb, [None, None, None], [&mut q, &mut k, &mut v], rows)
+                .unwrap();
+            let (mut c, mut s_) =
+                (g.zeros::<f32>(rows * half).unwrap(), g.zeros::<f32>(rows * half).unwrap());
             g.copy(&cos, r0 * half, &mut c, rows * half).unwrap();
             g.copy(&sin, r0 * half, &mut s_, rows * half).unwrap();
             g.rope(&mut q, &mut k, &c, &s_, n_head, n_head_kv, hd, hd, true, rows).unwrap();
@@ -486,7 +655,20 @@ fn batch_rows_equal_rows_one_at_a_time() {
             let mut att = g.acts(rows * q_dim).unwrap();
             g.attention(&q, kc, vc, &mut scores, &mut att.f32s, &at, &shape, false, rows).unwrap();
             let mut h = g.acts(rows * n_ff).unwrap();
-            g.ffn_hot(None, &dup, &bucket, &xb, None, None, 0.0, None, FfnActivation::Relu, &mut h.f32s, rows).unwrap();
+            g.ffn_hot(
+                None,
+                &dup,
+                &bucket,
+                &xb,
+                None,
+                None,
+                0.0,
+                None,
+                FfnActivation::Relu,
+                &mut h.f32s,
+                rows,
+            )
+            .unwrap();
             g.quantize_for(&[&ddown], &mut h, rows * n_ff).unwrap();
             let mut y = g.zeros::<f32>(rows * n_embd).unwrap();
             g.matvec(&ddown, &h, None, &mut y, false, rows).unwrap();
@@ -495,7 +677,14 @@ fn batch_rows_equal_rows_one_at_a_time() {
                 g.read(b, &mut out).unwrap();
                 out
             };
-            vec![read(&xb.f32s, rows * n_embd), read(&q, rows * q_dim), read(&k, rows * kv_dim), read(&att.f32s, rows * q_dim), read(&h.f32s, rows * n_ff), read(&y, rows * n_embd)]
+            vec![
+                read(&xb.f32s, rows * n_embd),
+                read(&q, rows * q_dim),
+                read(&k, rows * kv_dim),
+                read(&att.f32s, rows * q_dim),
+                read(&h.f32s, rows * n_ff),
+                read(&y, rows * n_embd),
+            ]
         };
         let prefix = random(&mut rng, first * kv_dim, 1.0);
         let fresh_cache = || {

@@ -22,14 +22,31 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 create_exception!(_core, GGUFError, PyValueError, "The file is not a well-formed GGUF file.");
-create_exception!(_core, ModelError, PyValueError, "The GGUF file does not hold a model this engine can run.");
-create_exception!(_core, ContextLengthError, PyValueError, "The tokens do not fit in the context window.");
+create_exception!(
+    _core,
+    ModelError,
+    PyValueError,
+    "The GGUF file does not hold a model this engine can run."
+);
+create_exception!(
+    _core,
+    ContextLengthError,
+    PyValueError,
+    "The tokens do not fit in the context window."
+);
 create_exception!(_core, CudaUnavailableError, PyException, "No usable CUDA driver or device.");
-create_exception!(_core, GpuError, PyRuntimeError, "The GPU executor failed or cannot run this model or placement.");
+create_exception!(
+    _core,
+    GpuError,
+    PyRuntimeError,
+    "The GPU executor failed or cannot run this model or placement."
+);
 
 fn cuda_to_py(e: CudaError) -> PyErr {
     match e {
-        CudaError::NoDriver | CudaError::NoDevice(_) => CudaUnavailableError::new_err(e.to_string()),
+        CudaError::NoDriver | CudaError::NoDevice(_) => {
+            CudaUnavailableError::new_err(e.to_string())
+        }
         CudaError::Plan(_) => PyValueError::new_err(e.to_string()),
         _ => GpuError::new_err(e.to_string()),
     }
@@ -41,7 +58,9 @@ fn to_py(e: Error) -> PyErr {
         Error::FileNotFound(_) => PyFileNotFoundError::new_err(msg),
         Error::Io { .. } => PyOSError::new_err(msg),
         Error::Format(_) => GGUFError::new_err(msg),
-        Error::UnsupportedType { .. } | Error::UnknownArchitecture(_) | Error::Model(_) => ModelError::new_err(msg),
+        Error::UnsupportedType { .. } | Error::UnknownArchitecture(_) | Error::Model(_) => {
+            ModelError::new_err(msg)
+        }
         Error::ContextOverflow { .. } => ContextLengthError::new_err(msg),
         Error::InvalidArgument(_) => PyValueError::new_err(msg),
         Error::Device(_) => GpuError::new_err(msg),
@@ -214,8 +233,17 @@ impl PyModel {
     /// Times one token's products of input group `group` (0 qkv, 1 attn_output, 2 ffn_gate_up,
     /// 3 ffn_down) of `layer`, dense and skipping the share `skip` of the inputs:
     /// (dense seconds, sparse seconds, dense bytes, sparse bytes), medians of `reps` runs.
-    fn time_input_sparsity(&self, py: Python<'_>, layer: usize, group: usize, skip: f64, reps: usize) -> PyResult<(f64, f64, u64, u64)> {
-        let g = *InputGroup::ALL.get(group).ok_or_else(|| PyValueError::new_err(format!("input group must be 0..4, got {group}")))?;
+    fn time_input_sparsity(
+        &self,
+        py: Python<'_>,
+        layer: usize,
+        group: usize,
+        skip: f64,
+        reps: usize,
+    ) -> PyResult<(f64, f64, u64, u64)> {
+        let g = *InputGroup::ALL.get(group).ok_or_else(|| {
+            PyValueError::new_err(format!("input group must be 0..4, got {group}"))
+        })?;
         compute(py, || time_input_sparsity(&self.inner, layer, g, skip, reps))
     }
 
@@ -249,7 +277,15 @@ impl PySampler {
         seed: u64,
         banned: Vec<u32>,
     ) -> PyResult<Self> {
-        let params = SamplingParams { temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, banned };
+        let params = SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            repeat_penalty,
+            repeat_last_n,
+            banned,
+        };
         Ok(PySampler { inner: Mutex::new(Sampler::new(params, seed).map_err(to_py)?) })
     }
 
@@ -264,7 +300,8 @@ impl PySampler {
 }
 
 fn lock<T>(m: &Mutex<T>) -> PyResult<std::sync::MutexGuard<'_, T>> {
-    m.lock().map_err(|_| PyRuntimeError::new_err("object is unusable after an earlier internal error"))
+    m.lock()
+        .map_err(|_| PyRuntimeError::new_err("object is unusable after an earlier internal error"))
 }
 
 /// A model placed on the GPU (hot neurons and dense tensors per a placement); sessions made
@@ -283,15 +320,32 @@ impl PyGpuModel {
     /// the kernels' scalar twins (the same executor without a GPU; slow, for checking).
     #[new]
     #[pyo3(signature = (model, dense_on_gpu, neuron_on_gpu, output_on_gpu, device = DeviceArg::Ordinal(0)))]
-    fn new(py: Python<'_>, model: &PyModel, dense_on_gpu: Vec<bool>, neuron_on_gpu: Vec<Vec<bool>>, output_on_gpu: bool, device: DeviceArg) -> PyResult<Self> {
+    fn new(
+        py: Python<'_>,
+        model: &PyModel,
+        dense_on_gpu: Vec<bool>,
+        neuron_on_gpu: Vec<Vec<bool>>,
+        output_on_gpu: bool,
+        device: DeviceArg,
+    ) -> PyResult<Self> {
         let plan = GpuPlan { dense_on_gpu, neuron_on_gpu, output_on_gpu };
         let m = Arc::clone(&model.inner);
         let placed = match device {
-            DeviceArg::Ordinal(n) => py.detach(|| catch_unwind(AssertUnwindSafe(|| Gpu::open(n).and_then(|gpu| place(m, gpu, &plan))))),
-            DeviceArg::Name(name) if name == "emulated" => py.detach(|| catch_unwind(AssertUnwindSafe(|| place(m, Gpu::emulated(), &plan)))),
-            DeviceArg::Name(name) => return Err(PyValueError::new_err(format!("device must be a CUDA ordinal or 'emulated', got {name:?}"))),
+            DeviceArg::Ordinal(n) => py.detach(|| {
+                catch_unwind(AssertUnwindSafe(|| Gpu::open(n).and_then(|gpu| place(m, gpu, &plan))))
+            }),
+            DeviceArg::Name(name) if name == "emulated" => {
+                py.detach(|| catch_unwind(AssertUnwindSafe(|| place(m, Gpu::emulated(), &plan))))
+            }
+            DeviceArg::Name(name) => {
+                return Err(PyValueError::new_err(format!(
+                    "device must be a CUDA ordinal or 'emulated', got {name:?}"
+                )))
+            }
         };
-        let inner = placed.map_err(|_| GpuError::new_err("internal error while placing the model on the GPU"))?.map_err(cuda_to_py)?;
+        let inner = placed
+            .map_err(|_| GpuError::new_err("internal error while placing the model on the GPU"))?
+            .map_err(cuda_to_py)?;
         Ok(PyGpuModel { inner })
     }
 
@@ -346,7 +400,9 @@ impl Exec {
     fn cpu_only(&mut self, what: &str) -> Result<&mut Session, Error> {
         match self {
             Exec::Cpu(s) => Ok(s),
-            Exec::Gpu(_) => Err(Error::InvalidArgument(format!("{what} runs on CPU sessions only"))),
+            Exec::Gpu(_) => {
+                Err(Error::InvalidArgument(format!("{what} runs on CPU sessions only")))
+            }
         }
     }
 
@@ -381,13 +437,23 @@ struct PySession {
 impl PySession {
     #[new]
     #[pyo3(signature = (model, n_ctx, kv_type = "f16", gpu = None))]
-    fn new(py: Python<'_>, model: &PyModel, n_ctx: usize, kv_type: &str, gpu: Option<&PyGpuModel>) -> PyResult<Self> {
+    fn new(
+        py: Python<'_>,
+        model: &PyModel,
+        n_ctx: usize,
+        kv_type: &str,
+        gpu: Option<&PyGpuModel>,
+    ) -> PyResult<Self> {
         let kv_type = KvType::parse(kv_type).map_err(to_py)?;
         let exec = match gpu {
-            None => Exec::Cpu(Session::new(Arc::clone(&model.inner), n_ctx, kv_type).map_err(to_py)?),
+            None => {
+                Exec::Cpu(Session::new(Arc::clone(&model.inner), n_ctx, kv_type).map_err(to_py)?)
+            }
             Some(g) => {
                 if !Arc::ptr_eq(g.inner.model(), &model.inner) {
-                    return Err(PyValueError::new_err("the GpuModel was built from a different Model"));
+                    return Err(PyValueError::new_err(
+                        "the GpuModel was built from a different Model",
+                    ));
                 }
                 if n_ctx == 0 {
                     return Err(PyValueError::new_err("n_ctx must be > 0"));
@@ -395,13 +461,20 @@ impl PySession {
                 let placed = Arc::clone(&g.inner);
                 let h = py
                     .detach(|| catch_unwind(AssertUnwindSafe(|| placed.session(n_ctx, kv_type))))
-                    .map_err(|_| GpuError::new_err("internal error while creating the GPU session"))?
+                    .map_err(|_| {
+                        GpuError::new_err("internal error while creating the GPU session")
+                    })?
                     .map_err(cuda_to_py)?;
                 Exec::Gpu(h)
             }
         };
         let c = &model.inner.config;
-        Ok(PySession { inner: Mutex::new(exec), n_vocab: c.n_vocab, n_embd: c.n_embd, n_ff: c.n_ff })
+        Ok(PySession {
+            inner: Mutex::new(exec),
+            n_vocab: c.n_vocab,
+            n_embd: c.n_embd,
+            n_ff: c.n_ff,
+        })
     }
 
     /// "cpu", or the GpuModel's device: "cuda" or "emulated".
@@ -454,7 +527,12 @@ impl PySession {
     /// Evaluates `tokens`; returns logits of shape (len(tokens), n_vocab) when `all_logits`,
     /// else the last token's logits (n_vocab,).
     #[pyo3(signature = (tokens, all_logits = false))]
-    fn eval<'py>(&self, py: Python<'py>, tokens: Vec<u32>, all_logits: bool) -> PyResult<Bound<'py, PyAny>> {
+    fn eval<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: Vec<u32>,
+        all_logits: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let n = tokens.len();
         let logits = compute(py, || lock_core(&self.inner)?.eval(&tokens, all_logits))?;
         let arr = PyArray1::from_vec(py, logits);
@@ -519,20 +597,38 @@ impl PySession {
     /// |act(gate)| thresholds that skip that fraction of neurons. Leaves the session empty.
     /// Calibration is a dense pass on the CPU, a hybrid session's included (its CPU state; the
     /// device cache is rewritten from position 0 by the next eval).
-    fn calibrate(&self, py: Python<'_>, tokens: Vec<u32>, window: usize, targets: Vec<f64>) -> PyResult<Vec<Vec<f32>>> {
+    fn calibrate(
+        &self,
+        py: Python<'_>,
+        tokens: Vec<u32>,
+        window: usize,
+        targets: Vec<f64>,
+    ) -> PyResult<Vec<Vec<f32>>> {
         compute(py, || lock_core(&self.inner)?.cpu().calibrate(&tokens, window, &targets))
     }
 
     /// Runs `tokens` densely in windows and returns, per recall target, the per-layer predictor
     /// cut-offs that keep that fraction of the truly firing neurons. Leaves the session empty.
-    fn calibrate_predictor(&self, py: Python<'_>, tokens: Vec<u32>, window: usize, recalls: Vec<f64>) -> PyResult<Vec<Vec<f32>>> {
+    fn calibrate_predictor(
+        &self,
+        py: Python<'_>,
+        tokens: Vec<u32>,
+        window: usize,
+        recalls: Vec<f64>,
+    ) -> PyResult<Vec<Vec<f32>>> {
         compute(py, || lock_core(&self.inner)?.cpu().calibrate_predictor(&tokens, window, &recalls))
     }
 
     /// Runs `tokens` densely in windows and returns, per input sparsity level, per layer, for
     /// each input group (qkv, attn_output, ffn_gate_up, ffn_down) the (score cut-off, share of
     /// the squared scores below it) pair. Leaves the session empty.
-    fn calibrate_inputs(&self, py: Python<'_>, tokens: Vec<u32>, window: usize, levels: Vec<f64>) -> PyResult<Vec<Vec<[(f32, f64); 4]>>> {
+    fn calibrate_inputs(
+        &self,
+        py: Python<'_>,
+        tokens: Vec<u32>,
+        window: usize,
+        levels: Vec<f64>,
+    ) -> PyResult<Vec<Vec<[(f32, f64); 4]>>> {
         compute(py, || lock_core(&self.inner)?.cpu().calibrate_inputs(&tokens, window, &levels))
     }
 
@@ -548,11 +644,13 @@ impl PySession {
     /// (n_layer, n_tokens, n_embd) and (n_layer, n_tokens, n_ff). `inputs` is what the layer's
     /// predictor reads; `scores` is |act(gate, up)| for ReLU-family FFNs (zero exactly when the
     /// neuron does not fire) and |act(gate)| for SwiGLU/GELU. Raises when not recording.
-    fn take_capture<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
-        let cap = lock(&self.inner)?
-            .cpu()
-            .take_capture()
-            .ok_or_else(|| PyValueError::new_err("the session is not capturing; call set_capture(True) first"))?;
+    fn take_capture<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+        let cap = lock(&self.inner)?.cpu().take_capture().ok_or_else(|| {
+            PyValueError::new_err("the session is not capturing; call set_capture(True) first")
+        })?;
         let n_layer = cap.inputs.len();
         let n = cap.n_tokens;
         let stack = |parts: Vec<Vec<f32>>, width: usize| -> PyResult<Bound<'py, PyAny>> {
@@ -563,18 +661,29 @@ impl PySession {
     }
 
     /// Evaluates `tokens` and samples the next token in one call (no logits cross into Python).
-    fn eval_and_sample(&self, py: Python<'_>, tokens: Vec<u32>, sampler: &PySampler) -> PyResult<u32> {
+    fn eval_and_sample(
+        &self,
+        py: Python<'_>,
+        tokens: Vec<u32>,
+        sampler: &PySampler,
+    ) -> PyResult<u32> {
         compute(py, || {
             let mut session = lock_core(&self.inner)?;
             let mut logits = session.eval(&tokens, false)?;
-            let mut sampler = sampler.inner.lock().map_err(|_| Error::InvalidArgument("sampler is unusable".into()))?;
+            let mut sampler = sampler
+                .inner
+                .lock()
+                .map_err(|_| Error::InvalidArgument("sampler is unusable".into()))?;
             Ok(sampler.sample(&mut logits, &session.cpu_ref().tokens))
         })
     }
 }
 
 /// The sessions of a batched call, each once.
-fn distinct_sessions<'a>(sessions: &'a [PyRef<'_, PySession>], n_tokens: usize) -> PyResult<Vec<&'a PySession>> {
+fn distinct_sessions<'a>(
+    sessions: &'a [PyRef<'_, PySession>],
+    n_tokens: usize,
+) -> PyResult<Vec<&'a PySession>> {
     if sessions.len() != n_tokens {
         return Err(PyValueError::new_err(format!(
             "batched decode needs one token per session, got {} tokens for {} sessions",
@@ -593,10 +702,15 @@ fn distinct_sessions<'a>(sessions: &'a [PyRef<'_, PySession>], n_tokens: usize) 
 
 /// Locks every session (in address order, so two batches over the same sessions in different
 /// orders cannot deadlock), runs the batch, and hands each session and its logits row to `each`.
-fn run_batch<T>(refs: &[&PySession], tokens: &[u32], mut each: impl FnMut(usize, &Session, Vec<f32>) -> T) -> Result<Vec<T>, Error> {
+fn run_batch<T>(
+    refs: &[&PySession],
+    tokens: &[u32],
+    mut each: impl FnMut(usize, &Session, Vec<f32>) -> T,
+) -> Result<Vec<T>, Error> {
     let mut order: Vec<usize> = (0..refs.len()).collect();
     order.sort_by_key(|&i| refs[i] as *const PySession as usize);
-    let mut slots: Vec<Option<std::sync::MutexGuard<'_, Exec>>> = (0..refs.len()).map(|_| None).collect();
+    let mut slots: Vec<Option<std::sync::MutexGuard<'_, Exec>>> =
+        (0..refs.len()).map(|_| None).collect();
     for &i in &order {
         slots[i] = Some(lock_core(&refs[i].inner)?);
     }
@@ -604,11 +718,19 @@ fn run_batch<T>(refs: &[&PySession], tokens: &[u32], mut each: impl FnMut(usize,
     if guards.iter().all(|g| matches!(**g, Exec::Cpu(_))) {
         let mut cpu: Vec<&mut Session> = guards.iter_mut().map(|g| g.cpu()).collect();
         let logits = powerinfer_core::session::decode_batch(&mut cpu, tokens)?;
-        return Ok(cpu.iter().zip(logits).enumerate().map(|(i, (s, row))| each(i, s, row)).collect());
+        return Ok(cpu
+            .iter()
+            .zip(logits)
+            .enumerate()
+            .map(|(i, (s, row))| each(i, s, row))
+            .collect());
     }
     // Hybrid sessions decode one token at a time (the executor has no batched kernels yet):
     // each in turn, after the whole batch is checked, so that a refused batch changes no session.
-    powerinfer_core::session::check_batch(&guards.iter().map(|g| g.cpu_ref()).collect::<Vec<_>>(), tokens)?;
+    powerinfer_core::session::check_batch(
+        &guards.iter().map(|g| g.cpu_ref()).collect::<Vec<_>>(),
+        tokens,
+    )?;
     let mut out = Vec::with_capacity(guards.len());
     for (i, (g, &tok)) in guards.iter_mut().zip(tokens).enumerate() {
         let row = g.eval(&[tok], false)?;
@@ -622,7 +744,11 @@ fn run_batch<T>(refs: &[&PySession], tokens: &[u32], mut each: impl FnMut(usize,
 /// Each row is exactly what a single-token `Session.eval` gives; on the CPU the weights are
 /// read once for all, hybrid sessions step in turn.
 #[pyfunction]
-fn eval_batch<'py>(py: Python<'py>, sessions: Vec<PyRef<'py, PySession>>, tokens: Vec<u32>) -> PyResult<Bound<'py, PyArray2<f32>>> {
+fn eval_batch<'py>(
+    py: Python<'py>,
+    sessions: Vec<PyRef<'py, PySession>>,
+    tokens: Vec<u32>,
+) -> PyResult<Bound<'py, PyArray2<f32>>> {
     let refs = distinct_sessions(&sessions, tokens.len())?;
     let rows = compute(py, || run_batch(&refs, &tokens, |_, _, row| row))?;
     let n_vocab = rows.first().map_or(0, |r| r.len());
@@ -633,29 +759,44 @@ fn eval_batch<'py>(py: Python<'py>, sessions: Vec<PyRef<'py, PySession>>, tokens
 /// Like `eval_batch`, then samples each session's next token with its own sampler (over its own
 /// history, as `Session.eval_and_sample` does) and returns the tokens in order.
 #[pyfunction]
-fn decode_batch(py: Python<'_>, sessions: Vec<PyRef<'_, PySession>>, tokens: Vec<u32>, samplers: Vec<PyRef<'_, PySampler>>) -> PyResult<Vec<u32>> {
+fn decode_batch(
+    py: Python<'_>,
+    sessions: Vec<PyRef<'_, PySession>>,
+    tokens: Vec<u32>,
+    samplers: Vec<PyRef<'_, PySampler>>,
+) -> PyResult<Vec<u32>> {
     let refs = distinct_sessions(&sessions, tokens.len())?;
     if samplers.len() != sessions.len() {
-        return Err(PyValueError::new_err(format!("decode_batch needs one sampler per session, got {} for {}", samplers.len(), sessions.len())));
+        return Err(PyValueError::new_err(format!(
+            "decode_batch needs one sampler per session, got {} for {}",
+            samplers.len(),
+            sessions.len()
+        )));
     }
     let samplers: Vec<&PySampler> = samplers.iter().map(|r| &**r).collect();
     for (i, a) in samplers.iter().enumerate() {
         if samplers[..i].iter().any(|b| std::ptr::eq(*a, *b)) {
-            return Err(PyValueError::new_err(format!("sampler {i} appears twice in the batch; each session needs its own")));
+            return Err(PyValueError::new_err(format!(
+                "sampler {i} appears twice in the batch; each session needs its own"
+            )));
         }
     }
     compute(py, || {
         // every sampler first, so nothing can fail between the evaluation and the sampling
         let mut locked = samplers
             .iter()
-            .map(|s| s.inner.lock().map_err(|_| Error::InvalidArgument("sampler is unusable".into())))
+            .map(|s| {
+                s.inner.lock().map_err(|_| Error::InvalidArgument("sampler is unusable".into()))
+            })
             .collect::<Result<Vec<_>, Error>>()?;
         run_batch(&refs, &tokens, |i, session, mut row| locked[i].sample(&mut row, &session.tokens))
     })
 }
 
 fn lock_core<T>(m: &Mutex<T>) -> Result<std::sync::MutexGuard<'_, T>, Error> {
-    m.lock().map_err(|_| Error::InvalidArgument("session is unusable after an earlier internal error".into()))
+    m.lock().map_err(|_| {
+        Error::InvalidArgument("session is unusable after an earlier internal error".into())
+    })
 }
 
 /// Which SIMD kernels this CPU runs ("avx2" or "scalar").
@@ -669,8 +810,14 @@ fn read_gpu_index<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, Py
     let masks = PyList::empty(py);
     let buckets = PyList::empty(py);
     for l in &index.layers {
-        masks.append(PyArray1::from_vec(py, l.on_gpu.iter().map(|&b| b as i32).collect::<Vec<i32>>()))?;
-        buckets.append(PyArray1::from_vec(py, l.gpu_bucket.iter().map(|&b| b as i32).collect::<Vec<i32>>()))?;
+        masks.append(PyArray1::from_vec(
+            py,
+            l.on_gpu.iter().map(|&b| b as i32).collect::<Vec<i32>>(),
+        ))?;
+        buckets.append(PyArray1::from_vec(
+            py,
+            l.gpu_bucket.iter().map(|&b| b as i32).collect::<Vec<i32>>(),
+        ))?;
     }
     d.set_item("gpu_idx", masks)?;
     d.set_item("gpu_bucket", buckets)?;
@@ -700,7 +847,8 @@ fn gpu_unsupported_reason(model: &PyModel, mode: &str) -> PyResult<Option<String
 /// Lists CUDA devices; raises CudaUnavailableError when there is no driver or no device.
 #[pyfunction]
 fn cuda_devices<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-    let devices = powerinfer_cuda::probe().map_err(|e| CudaUnavailableError::new_err(e.to_string()))?;
+    let devices =
+        powerinfer_cuda::probe().map_err(|e| CudaUnavailableError::new_err(e.to_string()))?;
     let list = PyList::empty(py);
     for d in devices {
         let item = PyDict::new(py);

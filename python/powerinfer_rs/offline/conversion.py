@@ -32,7 +32,13 @@ import numpy as np
 from .. import _core
 
 OUT_TYPES = ("f32", "f16", "q4_0", "q8_0")
-_ACTIVATION_KEY_VALUE = {"swiglu": "silu", "reglu": "relu", "dreglu": "drelu", "relu": "relu", "gelu": "gelu"}
+_ACTIVATION_KEY_VALUE = {
+    "swiglu": "silu",
+    "reglu": "relu",
+    "dreglu": "drelu",
+    "relu": "relu",
+    "gelu": "gelu",
+}
 
 
 def _qtype(name: str):
@@ -59,7 +65,9 @@ def _encode(data: np.ndarray, qtype) -> np.ndarray:
         return np.ascontiguousarray(data, dtype=np.float16)
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     if data.shape[-1] % block:
-        raise ValueError(f"rows of {data.shape[-1]} values cannot be stored as {qtype.name} (blocks of {block})")
+        raise ValueError(
+            f"rows of {data.shape[-1]} values cannot be stored as {qtype.name} (blocks of {block})"
+        )
     return gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), qtype)
 
 
@@ -104,8 +112,14 @@ def convert(
 
 
 def _check_predictors(pred: dict, n_layer: int, n_embd: int, n_ff: int) -> None:
-    if len(pred["fc1"]) != n_layer or len(pred["fc2"]) != n_layer or len(pred["thresholds"]) != n_layer:
-        raise ValueError(f"the predictors cover {len(pred['fc1'])} layers but the model has {n_layer}")
+    if (
+        len(pred["fc1"]) != n_layer
+        or len(pred["fc2"]) != n_layer
+        or len(pred["thresholds"]) != n_layer
+    ):
+        raise ValueError(
+            f"the predictors cover {len(pred['fc1'])} layers but the model has {n_layer}"
+        )
     for l, (a, b) in enumerate(zip(pred["fc1"], pred["fc2"])):
         if a.ndim != 2 or a.shape[1] != n_embd or b.shape != (n_ff, a.shape[0]):
             raise ValueError(
@@ -119,7 +133,9 @@ def _add_predictors(w, pred: dict, ptype) -> None:
         w.add_tensor(f"blk.{l}.fc2.weight", _encode(b, ptype), raw_dtype=ptype)
 
 
-def _add_sparse_keys(w, arch: str, activation: str, pred: dict, sparse_threshold: float | None) -> None:
+def _add_sparse_keys(
+    w, arch: str, activation: str, pred: dict, sparse_threshold: float | None
+) -> None:
     global_thr, per_layer = _predictor_thresholds(pred, sparse_threshold)
     w.add_float32("powerinfer.sparse_threshold", global_thr)
     w.add_array("powerinfer_rs.predictor_thresholds", [float(t) for t in per_layer])
@@ -136,7 +152,13 @@ def _finish(w, output: str) -> None:
 
 
 def _convert_gguf(
-    src: Path, pred: dict, output: str, outtype: str | None, ptype, sparse_threshold: float | None, down_type: str | None
+    src: Path,
+    pred: dict,
+    output: str,
+    outtype: str | None,
+    ptype,
+    sparse_threshold: float | None,
+    down_type: str | None,
 ) -> None:
     import gguf
 
@@ -154,7 +176,12 @@ def _convert_gguf(
 
     w = gguf.GGUFWriter(output, arch)
     target = _qtype(outtype) if outtype else None
-    skip = {"general.architecture", f"{arch}.ffn_activation", "powerinfer.sparse_threshold", "powerinfer_rs.predictor_thresholds"}
+    skip = {
+        "general.architecture",
+        f"{arch}.ffn_activation",
+        "powerinfer.sparse_threshold",
+        "powerinfer_rs.predictor_thresholds",
+    }
     for field in reader.fields.values():
         if field.name.startswith("GGUF.") or field.name in skip:
             continue
@@ -178,16 +205,30 @@ def _convert_gguf(
                 down_out = ttype
             elif down_type is not None:
                 down_out = _qtype(down_type)
-            elif target is not None or ttype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            elif target is not None or ttype in (
+                gguf.GGMLQuantizationType.F32,
+                gguf.GGMLQuantizationType.F16,
+            ):
                 down_out = out_type
             else:
                 down_out = gguf.GGMLQuantizationType.Q8_0
             dense = gguf.quants.dequantize(t.data, ttype).reshape(rows_cols)  # (n_embd, n_ff)
-            w.add_tensor(name.replace("ffn_down", "ffn_down_t"), _encode(dense.T, down_out), raw_dtype=down_out)
+            w.add_tensor(
+                name.replace("ffn_down", "ffn_down_t"),
+                _encode(dense.T, down_out),
+                raw_dtype=down_out,
+            )
         elif name.endswith(".ffn_down.bias"):
-            w.add_tensor(name.replace("ffn_down", "ffn_down_t"), np.asarray(t.data, dtype=np.float32))
+            w.add_tensor(
+                name.replace("ffn_down", "ffn_down_t"), np.asarray(t.data, dtype=np.float32)
+            )
         elif out_type == ttype:
-            w.add_tensor(name, t.data, raw_shape=None if t.data.dtype == np.uint8 else rows_cols, raw_dtype=ttype)
+            w.add_tensor(
+                name,
+                t.data,
+                raw_shape=None if t.data.dtype == np.uint8 else rows_cols,
+                raw_dtype=ttype,
+            )
         else:
             dense = gguf.quants.dequantize(t.data, ttype).reshape(rows_cols)
             w.add_tensor(name, _encode(dense, out_type), raw_dtype=out_type)
@@ -203,7 +244,9 @@ def _permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _convert_safetensors(src: Path, pred: dict, output: str, outtype: str | None, ptype, sparse_threshold: float | None) -> None:
+def _convert_safetensors(
+    src: Path, pred: dict, output: str, outtype: str | None, ptype, sparse_threshold: float | None
+) -> None:
     import gguf
     from safetensors.numpy import load_file
 
@@ -213,7 +256,9 @@ def _convert_safetensors(src: Path, pred: dict, output: str, outtype: str | None
     hp = json.loads(cfg_path.read_text())
     archs = hp.get("architectures") or []
     if not archs or archs[0] not in ("LlamaForCausalLM", "MistralForCausalLM"):
-        raise ValueError(f"safetensors conversion supports LlamaForCausalLM and MistralForCausalLM, not {archs}")
+        raise ValueError(
+            f"safetensors conversion supports LlamaForCausalLM and MistralForCausalLM, not {archs}"
+        )
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{src} has no *.safetensors files")
@@ -283,11 +328,15 @@ def _add_hf_tokenizer(w, src: Path, hp: dict) -> None:
     """gpt2-style vocabulary keys from a byte-level BPE `tokenizer.json`."""
     path = src / "tokenizer.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{src} has no tokenizer.json (needed to put the vocabulary in the GGUF)")
+        raise FileNotFoundError(
+            f"{src} has no tokenizer.json (needed to put the vocabulary in the GGUF)"
+        )
     tj = json.loads(path.read_text(encoding="utf-8"))
     model = tj.get("model", {})
     if model.get("type") != "BPE":
-        raise ValueError(f"{path}: only byte-level BPE tokenizers are converted, found {model.get('type')!r}")
+        raise ValueError(
+            f"{path}: only byte-level BPE tokenizers are converted, found {model.get('type')!r}"
+        )
     vocab: dict[str, int] = dict(model["vocab"])
     special = set()
     for t in tj.get("added_tokens", []):

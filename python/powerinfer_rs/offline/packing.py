@@ -67,7 +67,9 @@ def text_files(paths: list[str] | str) -> list[Path]:
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            files.extend(sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES))
+            files.extend(
+                sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
+            )
         elif p.is_file():
             files.append(p)
         else:
@@ -114,7 +116,11 @@ def pack(
         ids = tokenizer.encode(read_text(f), add_bos=False)
         return ids + ([sep] if sep is not None else [])
 
-    train_files = [f for f in files if (f.resolve() not in held if held is not None else not _is_eval(f, eval_fraction))]
+    train_files = [
+        f
+        for f in files
+        if (f.resolve() not in held if held is not None else not _is_eval(f, eval_fraction))
+    ]
     if held is not None:
         eval_files = text_files(eval_paths)
     else:
@@ -149,10 +155,19 @@ def pack(
         "eval_files": [str(f) for f in eval_files],
         "split": split,
     }
-    shard = {"train": np.asarray(train, dtype=dtype), "eval": np.asarray(held_out, dtype=dtype), "meta": meta}
+    shard = {
+        "train": np.asarray(train, dtype=dtype),
+        "eval": np.asarray(held_out, dtype=dtype),
+        "meta": meta,
+    }
     if output is not None:
         tmp = f"{output}.tmp.npz"
-        np.savez_compressed(tmp, train=shard["train"], eval=shard["eval"], meta=np.frombuffer(json.dumps(meta).encode(), np.uint8))
+        np.savez_compressed(
+            tmp,
+            train=shard["train"],
+            eval=shard["eval"],
+            meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
+        )
         os.replace(tmp, output)
     return shard
 
@@ -168,9 +183,15 @@ def load_shard(path: str | os.PathLike, tokenizer=None) -> dict:
             meta = json.loads(bytes(z["meta"]).decode())
             shard = {"train": z["train"], "eval": z["eval"], "meta": meta}
     except (KeyError, ValueError, OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not a token shard written by `powerinfer-rs pack` ({e})") from e
+        raise ValueError(
+            f"{path} is not a token shard written by `powerinfer-rs pack` ({e})"
+        ) from e
     if meta.get("version") != SHARD_VERSION:
-        raise ValueError(f"{path}: shard version {meta.get('version')!r}, this version reads {SHARD_VERSION}")
+        raise ValueError(
+            f"{path}: shard version {meta.get('version')!r}, this version reads {SHARD_VERSION}"
+        )
     if tokenizer is not None and meta["tokenizer"] != tokenizer_fingerprint(tokenizer):
-        raise ValueError(f"{path} was tokenized with another vocabulary than this model's; pack the text again for it")
+        raise ValueError(
+            f"{path} was tokenized with another vocabulary than this model's; pack the text again for it"
+        )
     return shard

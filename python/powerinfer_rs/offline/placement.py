@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import math
 
-from ..placement import Placement, gpu_index_path, measure_cpu_bandwidth, model_bytes, parse_bytes, plan, write_gpu_index
+from ..placement import (
+    Placement,
+    gpu_index_path,
+    measure_cpu_bandwidth,
+    model_bytes,
+    parse_bytes,
+    plan,
+    write_gpu_index,
+)
 from ..profile_file import load_profile
 
 
@@ -36,7 +44,11 @@ def place(
         raise ValueError(f"group must be >= 1, got {group}")
     if kv_type not in ("f16", "f32"):
         raise ValueError(f"kv_type must be 'f16' or 'f32', got {kv_type!r}")
-    for name, v in (("gpu_bandwidth", gpu_bandwidth), ("sync_latency", sync_latency), ("time_limit", time_limit)):
+    for name, v in (
+        ("gpu_bandwidth", gpu_bandwidth),
+        ("sync_latency", sync_latency),
+        ("time_limit", time_limit),
+    ):
         if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
             raise ValueError(f"{name} must be a positive number, got {v!r}")
     prof = load_profile(profile)

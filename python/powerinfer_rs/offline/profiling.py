@@ -63,7 +63,9 @@ def profile(
     if getattr(engine, "device", None) != "cpu" or getattr(engine, "sparsity", None) != "dense":
         raise ValueError("profile() needs an engine loaded with device='cpu' and sparsity='dense'")
     if window > engine.n_ctx:
-        raise ValueError(f"window {window} is longer than the engine's context ({engine.n_ctx}); load it with n_ctx >= {window}")
+        raise ValueError(
+            f"window {window} is longer than the engine's context ({engine.n_ctx}); load it with n_ctx >= {window}"
+        )
     cfg = engine.config
     n_layer, n_embd, n_ff = cfg["n_layer"], cfg["n_embd"], cfg["n_ff"]
     activation = cfg["ffn_activation"]
@@ -80,7 +82,9 @@ def profile(
         thresholds = np.zeros(n_layer, dtype=np.float32)
     else:
         calib = ids[: max(2, min(len(ids), 16 * window))]
-        thresholds = np.array(session.calibrate(calib, window, [float(target_sparsity)])[0], dtype=np.float32)
+        thresholds = np.array(
+            session.calibrate(calib, window, [float(target_sparsity)])[0], dtype=np.float32
+        )
 
     counts = np.zeros((n_layer, n_ff), dtype=np.int64)
     train_x = np.zeros((n_layer, train_tokens, n_embd), dtype=np.float16)
@@ -93,8 +97,8 @@ def profile(
             counts += fired.sum(axis=1)
             keep = min(n, train_tokens - seen) if seen < train_tokens else 0
             if keep > 0:
-                train_x[:, seen:seen + keep] = inputs[:, :keep]
-                train_labels[:, seen:seen + keep] = np.packbits(fired[:, :keep], axis=-1)
+                train_x[:, seen : seen + keep] = inputs[:, :keep]
+                train_labels[:, seen : seen + keep] = np.packbits(fired[:, :keep], axis=-1)
             seen += n
             bar.update(n)
     finally:
@@ -108,7 +112,9 @@ def profile(
         "n_tokens": seen,
         "n_ff": n_ff,
         "n_embd": n_embd,
-        "target_sparsity": float(target_sparsity) if activation not in EXACT_ZERO_ACTIVATIONS else float("nan"),
+        "target_sparsity": float(target_sparsity)
+        if activation not in EXACT_ZERO_ACTIVATIONS
+        else float("nan"),
         "thresholds": thresholds,
         "counts": counts,
         "train_x": train_x[:, : min(train_tokens, seen)],
@@ -118,7 +124,9 @@ def profile(
     save_profile(output, result)
     result["path"] = output
     if plot:
-        result["plot"] = plot_frequencies(result, plot if isinstance(plot, str) else output + ".png")
+        result["plot"] = plot_frequencies(
+            result, plot if isinstance(plot, str) else output + ".png"
+        )
     return result
 
 
@@ -129,7 +137,7 @@ def captured_windows(session, ids: list[int], window: int):
     session.set_capture(True)
     try:
         for start in range(0, len(ids), window):
-            chunk = ids[start:start + window]
+            chunk = ids[start : start + window]
             if len(chunk) < 2:
                 break
             session.truncate(0)
@@ -146,9 +154,11 @@ def _progress(total: int, enabled: bool, desc: str = "profiling", unit: str = "t
     except ImportError:  # tqdm is optional: count silently without it
         enabled = False
     if not enabled:
+
         class _Silent:
             def update(self, n: int) -> None: ...
             def close(self) -> None: ...
+
         return _Silent()
     return tqdm(total=total, unit=unit, desc=desc, smoothing=0.1)
 
@@ -198,8 +208,10 @@ def layer_stats(p: dict) -> list[dict]:
     for c in counts:
         total = c.sum()
         top = np.sort(c)[::-1][: max(1, math.ceil(0.1 * len(c)))]
-        out.append({
-            "sparsity": 1.0 - total / (len(c) * max(p["n_tokens"], 1)),
-            "skew": float(top.sum() / total) if total > 0 else 0.0,
-        })
+        out.append(
+            {
+                "sparsity": 1.0 - total / (len(c) * max(p["n_tokens"], 1)),
+                "skew": float(top.sum() / total) if total > 0 else 0.0,
+            }
+        )
     return out

@@ -41,8 +41,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .. import _core
-from . import packing
-from . import torch_model
+from . import packing, torch_model
 
 INSTALL_HINT = "relufy needs PyTorch: pip install 'powerinfer-rs[relufy]'"
 ACTIVATIONS = {"reglu": "relu", "relu": "relu", "dreglu": "drelu", "drelu": "drelu"}
@@ -68,7 +67,9 @@ class RelufySettings:
     seq_len: int = 256  # tokens per window
     lr: float = 1e-4  # peak learning rate
     warmup: float = 0.05  # share of steps of linear warm-up
-    blend: float = 0.3  # share of steps over which silu turns into relu (measured: benches/relufy_swap.py)
+    blend: float = (
+        0.3  # share of steps over which silu turns into relu (measured: benches/relufy_swap.py)
+    )
     l1: float = 0.3  # peak weight of the L1 penalty (mean |activation| is ~0.25 on SmolLM2)
     l1_full: float = 0.8  # share of steps by which the L1 weight reaches its peak
     ce_weight: float = 0.5  # weight of the next-token cross-entropy beside the KL
@@ -129,13 +130,17 @@ def _load_source(model_path: str):
         raise FileNotFoundError(f"model file {model_path!r} does not exist")
     with open(model_path, "rb") as f:
         if f.read(4) == b"PWRI":
-            raise ValueError(f"{model_path} is a PowerInfer GGUF (ReLU-family with predictors); relufy takes a plain SwiGLU GGUF")
+            raise ValueError(
+                f"{model_path} is a PowerInfer GGUF (ReLU-family with predictors); relufy takes a plain SwiGLU GGUF"
+            )
     model = _core.Model(model_path, 1)
     metadata = model.metadata()
     cfg = torch_model.read_config(model, metadata)
     act = model.config()["ffn_activation"]
     if act != "swiglu":
-        raise ValueError(f"{model_path} already has a {act} FFN; relufy turns SwiGLU models into ReLU-family ones")
+        raise ValueError(
+            f"{model_path} already has a {act} FFN; relufy turns SwiGLU models into ReLU-family ones"
+        )
     gf = _core.GgufFile(model_path)
     present = {t["name"] for t in gf.tensors()}
     names = torch_model.layer_tensor_names(cfg, present)
@@ -158,7 +163,13 @@ def _check_writable(path: str) -> None:
 def _windows(tokens: np.ndarray, seq_len: int, count: int) -> np.ndarray:
     """Up to `count` consecutive, non-overlapping windows of seq_len + 1 tokens."""
     n = min(count, (len(tokens) - 1) // seq_len)
-    return np.stack([tokens[i * seq_len : i * seq_len + seq_len + 1].astype(np.int64) for i in range(n)]) if n else np.zeros((0, seq_len + 1), np.int64)
+    return (
+        np.stack(
+            [tokens[i * seq_len : i * seq_len + seq_len + 1].astype(np.int64) for i in range(n)]
+        )
+        if n
+        else np.zeros((0, seq_len + 1), np.int64)
+    )
 
 
 def relufy(
@@ -195,7 +206,9 @@ def relufy(
     if minutes is not None and not (isinstance(minutes, (int, float)) and 0 < minutes < 1e6):
         raise ValueError(f"minutes must be a positive number, got {minutes!r}")
     if outtype not in OUT_TYPES:
-        raise ValueError(f"unsupported output type {outtype!r}: choose one of {', '.join(OUT_TYPES)}")
+        raise ValueError(
+            f"unsupported output type {outtype!r}: choose one of {', '.join(OUT_TYPES)}"
+        )
     model = os.fspath(model)
     output = os.fspath(output)
     if os.path.abspath(output) == os.path.abspath(model):
@@ -203,7 +216,9 @@ def relufy(
     torch = import_torch()
     _, metadata, cfg, tensors, fixed = _load_source(model)
     if cfg.sliding_window and settings.seq_len > cfg.sliding_window:
-        raise ValueError(f"seq_len {settings.seq_len} exceeds the model's sliding window {cfg.sliding_window}")
+        raise ValueError(
+            f"seq_len {settings.seq_len} exceeds the model's sliding window {cfg.sliding_window}"
+        )
     _check_writable(output)
     checkpoint = checkpoint or f"{output}.ckpt"
     report = report or (output[:-5] if output.endswith(".gguf") else output) + ".relufy.json"
@@ -230,14 +245,19 @@ def relufy(
     eval_len = min(settings.seq_len, max(1, len(eval_stream) - 1))
     eval_windows = _windows(eval_stream, eval_len, max(1, eval_tokens // eval_len))
     if len(eval_windows) == 0:
-        raise ValueError("the held-out slice of the corpus is empty; give more files or --eval files")
+        raise ValueError(
+            "the held-out slice of the corpus is empty; give more files or --eval files"
+        )
 
     dev = _pick_device(torch, device)
     if threads:
         torch.set_num_threads(threads)
     cuda = dev.type == "cuda"
     if not cuda:
-        warnings.warn("relufy on the CPU trains in float32 and is slow; a CUDA GPU is 50-100x faster", stacklevel=2)
+        warnings.warn(
+            "relufy on the CPU trains in float32 and is slow; a CUDA GPU is 50-100x faster",
+            stacklevel=2,
+        )
     torch.manual_seed(settings.seed)
 
     student = torch_model.build(torch, cfg, tensors, fixed).to(dev)
@@ -246,13 +266,17 @@ def relufy(
     # the teacher keeps float32 weights (and float64 RoPE frequencies): under autocast its
     # products run in bf16 all the same
     teacher.requires_grad_(False).eval()
-    opt = torch.optim.AdamW(student.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay)
+    opt = torch.optim.AdamW(
+        student.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay
+    )
     state = {"step": 0, "curve": [], "seconds": 0.0}
     fingerprint = model_fingerprint(model)
     if resume:
         if minutes is not None:
             # the step count a time budget chose is the checkpoint's
-            settings = dataclasses.replace(settings, steps=_checkpoint_settings(torch, resume).get("steps", settings.steps))
+            settings = dataclasses.replace(
+                settings, steps=_checkpoint_settings(torch, resume).get("steps", settings.steps)
+            )
         state = _restore(torch, resume, student, opt, settings, fingerprint)
     compiled = None
     if cuda and (compile is None or compile):
@@ -275,14 +299,21 @@ def relufy(
         b = torch.tensor(blend, dtype=torch.float32, device=dev)
         try:
             with autocast:
-                s_logits, l1, zeros = (compiled or student)(x, blend=b, activation=settings.activation, stats=True)
+                s_logits, l1, zeros = (compiled or student)(
+                    x, blend=b, activation=settings.activation, stats=True
+                )
         except Exception as e:  # pragma: no cover - torch.compile failing at its first call
             if compiled is None:
                 raise
-            warnings.warn(f"torch.compile failed at the first step ({type(e).__name__}: {e}); training eagerly", stacklevel=2)
+            warnings.warn(
+                f"torch.compile failed at the first step ({type(e).__name__}: {e}); training eagerly",
+                stacklevel=2,
+            )
             compiled = None
             with autocast:
-                s_logits, l1, zeros = student(x, blend=b, activation=settings.activation, stats=True)
+                s_logits, l1, zeros = student(
+                    x, blend=b, activation=settings.activation, stats=True
+                )
         kl, ce = _kl_ce(torch, s_logits, t_logits, y)
         loss = kl + settings.ce_weight * ce + lam * l1.mean()
         opt.zero_grad(set_to_none=True)
@@ -290,12 +321,21 @@ def relufy(
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         opt.step()
         zero = float(zeros.sum()) / (cfg.n_layer * cfg.n_ff * x.numel())
-        return {"loss": loss.item(), "kl": kl.item(), "zero": zero, "blend": blend, "l1_weight": lam}
+        return {
+            "loss": loss.item(),
+            "kl": kl.item(),
+            "zero": zero,
+            "blend": blend,
+            "l1_weight": lam,
+        }
 
     tokens_per_step = settings.batch * settings.seq_len
     if minutes is not None and not resume:
         # as many steps as fit the time: a few trial steps timed, then undone
-        saved = ({k: v.detach().clone() for k, v in student.state_dict().items()}, copy.deepcopy(opt.state_dict()))
+        saved = (
+            {k: v.detach().clone() for k, v in student.state_dict().items()},
+            copy.deepcopy(opt.state_dict()),
+        )
         for i in range(8):
             if i == 3:
                 _sync(torch, dev)
@@ -307,8 +347,12 @@ def relufy(
         opt.load_state_dict(saved[1])
         settings = dataclasses.replace(settings, steps=max(1, int(minutes * 60 / per_step)))
         if progress:
-            print(f"relufy: {per_step * 1000:.0f} ms a step ({tokens_per_step / per_step:.0f} tokens/s): "
-                  f"{settings.steps} steps in {minutes:g} minutes", file=sys.stderr, flush=True)
+            print(
+                f"relufy: {per_step * 1000:.0f} ms a step ({tokens_per_step / per_step:.0f} tokens/s): "
+                f"{settings.steps} steps in {minutes:g} minutes",
+                file=sys.stderr,
+                flush=True,
+            )
 
     eval_every = eval_every or max(1, settings.steps // 10)
     checkpoint_every = checkpoint_every or max(1, settings.steps // 10)
@@ -320,12 +364,21 @@ def relufy(
     if not state["curve"]:
         # where training starts: the bare swap, beside the original's perplexity
         bare = evaluate(few, 1.0)
-        state["curve"].append({"step": 0, "tokens": 0, "ppl_original": evaluate(few, 0.0, teacher)["ppl"], **_brief(bare)})
+        state["curve"].append(
+            {
+                "step": 0,
+                "tokens": 0,
+                "ppl_original": evaluate(few, 0.0, teacher)["ppl"],
+                **_brief(bare),
+            }
+        )
 
     bar = _progress_bar(settings.steps, state["step"], progress)
     t0 = time.time()
     seconds_before, first_step = state["seconds"], state["step"]
-    stop_at = settings.steps if max_steps is None else min(settings.steps, state["step"] + max_steps)
+    stop_at = (
+        settings.steps if max_steps is None else min(settings.steps, state["step"] + max_steps)
+    )
     while state["step"] < stop_at:
         r = train_step(state["step"])
         state["step"] += 1
@@ -333,28 +386,56 @@ def relufy(
         if bar is not None:
             bar.update(1)
             done = (state["step"] - first_step) * tokens_per_step
-            bar.set_postfix(tok_s=f"{done / max(time.time() - t0, 1e-9):.0f}", loss=f"{r['loss']:.3f}", kl=f"{r['kl']:.3f}",
-                            zeros=f"{r['zero']:.1%}", blend=f"{r['blend']:.2f}", refresh=False)
+            bar.set_postfix(
+                tok_s=f"{done / max(time.time() - t0, 1e-9):.0f}",
+                loss=f"{r['loss']:.3f}",
+                kl=f"{r['kl']:.3f}",
+                zeros=f"{r['zero']:.1%}",
+                blend=f"{r['blend']:.2f}",
+                refresh=False,
+            )
         if state["step"] % eval_every == 0 or state["step"] == settings.steps:
             e = evaluate(few, 1.0)
-            state["curve"].append({"step": state["step"], "tokens": state["step"] * tokens_per_step,
-                                   "train_zero_share": r["zero"], "l1_weight": r["l1_weight"],
-                                   "minutes": state["seconds"] / 60, **_brief(e)})
+            state["curve"].append(
+                {
+                    "step": state["step"],
+                    "tokens": state["step"] * tokens_per_step,
+                    "train_zero_share": r["zero"],
+                    "l1_weight": r["l1_weight"],
+                    "minutes": state["seconds"] / 60,
+                    **_brief(e),
+                }
+            )
             if bar is not None:
-                bar.write(f"step {state['step']}: eval ppl {e['ppl']:.2f}, kl {e['kl']:.4f}, zeros {e['zero_share']:.1%}")
+                bar.write(
+                    f"step {state['step']}: eval ppl {e['ppl']:.2f}, kl {e['kl']:.4f}, zeros {e['zero_share']:.1%}"
+                )
         if state["step"] % checkpoint_every == 0 or state["step"] == stop_at:
             _save(torch, checkpoint, student, opt, settings, fingerprint, state)
     if bar is not None:
         bar.close()
     if state["step"] < settings.steps:
-        return {"finished": False, "step": state["step"], "steps": settings.steps, "checkpoint": checkpoint,
-                "curve": state["curve"]}
+        return {
+            "finished": False,
+            "step": state["step"],
+            "steps": settings.steps,
+            "checkpoint": checkpoint,
+            "curve": state["curve"],
+        }
 
     # the held-out slice: the original, the relufied model in float, and both GGUFs in the engine
     before = evaluate(eval_windows, 0.0, teacher)
     after = evaluate(eval_windows, 1.0)
-    _write_gguf(model, output, student.gguf_tensors(), outtype,
-                {"activation": ACTIVATIONS[settings.activation], "train_tokens": state["step"] * tokens_per_step})
+    _write_gguf(
+        model,
+        output,
+        student.gguf_tensors(),
+        outtype,
+        {
+            "activation": ACTIVATIONS[settings.activation],
+            "train_tokens": state["step"] * tokens_per_step,
+        },
+    )
     engine_before = _engine_perplexity(model, eval_windows)
     engine_after = _engine_perplexity(output, eval_windows)
     result = {
@@ -428,7 +509,9 @@ def _kl_ce(torch, s_logits, t_logits, targets):
     return kl, ce
 
 
-def _evaluate(torch, student, teacher, windows: np.ndarray, blend: float, activation: str, dev, autocast) -> dict:
+def _evaluate(
+    torch, student, teacher, windows: np.ndarray, blend: float, activation: str, dev, autocast
+) -> dict:
     """Perplexity, KL to the teacher and exact-zero shares of `student` at `blend` over windows."""
     nll = kl = 0.0
     count = 0
@@ -487,11 +570,18 @@ def _progress_bar(total: int, initial: int, enabled: bool):
     return tqdm(total=total, initial=initial, unit="step", desc="relufy", file=sys.stderr)
 
 
-def _save(torch, path: str, student, opt, settings: RelufySettings, fingerprint: str, state: dict) -> None:
+def _save(
+    torch, path: str, student, opt, settings: RelufySettings, fingerprint: str, state: dict
+) -> None:
     tmp = f"{path}.tmp"
     torch.save(
-        {"student": student.state_dict(), "optimizer": opt.state_dict(), "settings": asdict(settings),
-         "model": fingerprint, "state": state},
+        {
+            "student": student.state_dict(),
+            "optimizer": opt.state_dict(),
+            "settings": asdict(settings),
+            "model": fingerprint,
+            "state": state,
+        },
         tmp,
     )
     os.replace(tmp, path)
@@ -519,9 +609,16 @@ def _restore(torch, path: str, student, opt, settings: RelufySettings, fingerpri
         raise ValueError(f"{path} is not a relufy checkpoint ({e})") from e
     if ck_model != fingerprint:
         raise ValueError(f"checkpoint {path} was written for another model file than this one")
-    differ = {k: (v, getattr(settings, k)) for k, v in ck_settings.items() if getattr(settings, k, None) != v}
+    differ = {
+        k: (v, getattr(settings, k))
+        for k, v in ck_settings.items()
+        if getattr(settings, k, None) != v
+    }
     if differ:
-        raise ValueError(f"checkpoint {path} was written with other settings: " + ", ".join(f"{k} {a!r} there, {b!r} now" for k, (a, b) in differ.items()))
+        raise ValueError(
+            f"checkpoint {path} was written with other settings: "
+            + ", ".join(f"{k} {a!r} there, {b!r} now" for k, (a, b) in differ.items())
+        )
     student.load_state_dict(ck["student"])
     opt.load_state_dict(ck["optimizer"])
     return ck["state"]
@@ -530,14 +627,18 @@ def _restore(torch, path: str, student, opt, settings: RelufySettings, fingerpri
 def requantize(source: str, output: str, outtype: str) -> str:
     """A copy of a relufied (or any plain llama-family) GGUF with its 2-D weights in `outtype`."""
     if outtype not in OUT_TYPES:
-        raise ValueError(f"unsupported output type {outtype!r}: choose one of {', '.join(OUT_TYPES)}")
+        raise ValueError(
+            f"unsupported output type {outtype!r}: choose one of {', '.join(OUT_TYPES)}"
+        )
     gf = _core.GgufFile(source)
     tensors = {t["name"]: gf.read_tensor(t["name"]) for t in gf.tensors()}
     _write_gguf(source, output, tensors, outtype, {})
     return output
 
 
-def _write_gguf(source: str, output: str, tensors: dict[str, np.ndarray], outtype: str, relufied: dict) -> None:
+def _write_gguf(
+    source: str, output: str, tensors: dict[str, np.ndarray], outtype: str, relufied: dict
+) -> None:
     """The source's metadata and tensor order with `tensors` replacing theirs (2-D ones stored
     in `outtype`, others in F32) and, for a relufied model, its activation and training tokens.
     Written beside the output and moved into place when complete."""
@@ -576,7 +677,12 @@ def _write_gguf(source: str, output: str, tensors: dict[str, np.ndarray], outtyp
             w.add_tensor(t.name, np.ascontiguousarray(data, np.float32))
         else:
             shape = tuple(int(d) for d in reversed(t.shape))
-            w.add_tensor(t.name, t.data, raw_shape=None if t.data.dtype == np.uint8 else shape, raw_dtype=t.tensor_type)
+            w.add_tensor(
+                t.name,
+                t.data,
+                raw_shape=None if t.data.dtype == np.uint8 else shape,
+                raw_dtype=t.tensor_type,
+            )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

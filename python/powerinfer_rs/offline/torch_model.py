@@ -48,10 +48,14 @@ def read_config(model, metadata: dict) -> LayerConfig:
     c = model.config()
     arch = c["architecture"]
     if arch not in ARCHITECTURES:
-        raise ValueError(f"relufy supports the architectures {', '.join(ARCHITECTURES)}; this model is {arch!r}")
+        raise ValueError(
+            f"relufy supports the architectures {', '.join(ARCHITECTURES)}; this model is {arch!r}"
+        )
     scaling = metadata.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none", "linear", "llama3"):
-        raise ValueError(f"relufy does not implement {arch}.rope.scaling.type = {scaling!r} (none, linear and llama3 are)")
+        raise ValueError(
+            f"relufy does not implement {arch}.rope.scaling.type = {scaling!r} (none, linear and llama3 are)"
+        )
     factor = float(metadata.get(f"{arch}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
     return LayerConfig(
         arch=arch,
@@ -80,16 +84,39 @@ def layer_tensor_names(cfg: LayerConfig, present: set[str]) -> list[str]:
         names.append("output.weight")
     for l in range(cfg.n_layer):
         p = f"blk.{l}."
-        names += [p + s for s in ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
-                                  "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")]
-        names += [p + s for s in ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_q_norm.weight", "attn_k_norm.weight")
-                  if p + s in present]
+        names += [
+            p + s
+            for s in (
+                "attn_norm.weight",
+                "attn_q.weight",
+                "attn_k.weight",
+                "attn_v.weight",
+                "attn_output.weight",
+                "ffn_norm.weight",
+                "ffn_gate.weight",
+                "ffn_up.weight",
+                "ffn_down.weight",
+            )
+        ]
+        names += [
+            p + s
+            for s in (
+                "attn_q.bias",
+                "attn_k.bias",
+                "attn_v.bias",
+                "attn_q_norm.weight",
+                "attn_k_norm.weight",
+            )
+            if p + s in present
+        ]
     missing = [n for n in names if n not in present]
     if missing:
         raise ValueError(f"the model lacks tensors relufy needs: {', '.join(missing[:5])}")
     extra = sorted(present - set(names) - set(FIXED_TENSORS))
     if extra:
-        raise ValueError(f"relufy does not know what to do with the tensors {', '.join(extra[:5])} of this {cfg.arch} model")
+        raise ValueError(
+            f"relufy does not know what to do with the tensors {', '.join(extra[:5])} of this {cfg.arch} model"
+        )
     return names
 
 
@@ -102,10 +129,18 @@ def build(torch, cfg: LayerConfig, tensors: dict[str, np.ndarray], fixed: dict[s
             super().__init__()
             self.cfg = cfg
             # ParameterDict keys cannot hold dots
-            self.w = nn.ParameterDict({k.replace(".", "__"): nn.Parameter(torch.from_numpy(np.ascontiguousarray(v, np.float32)).clone())
-                                       for k, v in tensors.items()})
+            self.w = nn.ParameterDict(
+                {
+                    k.replace(".", "__"): nn.Parameter(
+                        torch.from_numpy(np.ascontiguousarray(v, np.float32)).clone()
+                    )
+                    for k, v in tensors.items()
+                }
+            )
             half = cfg.rope_dim // 2
-            inv = cfg.rope_freq_scale * cfg.rope_base ** (-np.arange(half, dtype=np.float64) * 2 / cfg.rope_dim)
+            inv = cfg.rope_freq_scale * cfg.rope_base ** (
+                -np.arange(half, dtype=np.float64) * 2 / cfg.rope_dim
+            )
             if "rope_freqs.weight" in fixed:
                 inv = inv / fixed["rope_freqs.weight"].astype(np.float64)
             self.register_buffer("inv_freq", torch.from_numpy(inv), persistent=False)
@@ -129,7 +164,9 @@ def build(torch, cfg: LayerConfig, tensors: dict[str, np.ndarray], fixed: dict[s
                 a, b = xr[..., 0::2], xr[..., 1::2]
             c, s = cos[None, :, None, :].to(x.dtype), sin[None, :, None, :].to(x.dtype)
             ra, rb = a * c - b * s, a * s + b * c
-            rotated = torch.cat([ra, rb], -1) if cfg.rope_neox else torch.stack([ra, rb], -1).flatten(-2)
+            rotated = (
+                torch.cat([ra, rb], -1) if cfg.rope_neox else torch.stack([ra, rb], -1).flatten(-2)
+            )
             return torch.cat([rotated, rest], -1)
 
         def forward(self, ids, blend=1.0, activation: str = "reglu", stats: bool = False):
@@ -151,8 +188,14 @@ def build(torch, cfg: LayerConfig, tensors: dict[str, np.ndarray], fixed: dict[s
                 b = f"blk.{l}."
                 # attention rmsnorm, q/k/v for every position
                 h = self.rmsnorm(x, self.p(b + "attn_norm.weight"))
-                q, k, v = (F.linear(h, self.p(b + f"attn_{n}.weight"), self.p(b + f"attn_{n}.bias") if self.has(b + f"attn_{n}.bias") else None)
-                           for n in "qkv")
+                q, k, v = (
+                    F.linear(
+                        h,
+                        self.p(b + f"attn_{n}.weight"),
+                        self.p(b + f"attn_{n}.bias") if self.has(b + f"attn_{n}.bias") else None,
+                    )
+                    for n in "qkv"
+                )
                 q, k, v = q.view(B, T, nh, hd), k.view(B, T, nkv, hd), v.view(B, T, nkv, hd)
                 if self.has(b + "attn_q_norm.weight"):
                     q = self.rmsnorm(q, self.p(b + "attn_q_norm.weight"))
@@ -161,17 +204,28 @@ def build(torch, cfg: LayerConfig, tensors: dict[str, np.ndarray], fixed: dict[s
                 # causal attention, each group of n_head / n_head_kv query heads on one kv head
                 q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
                 if nkv != nh:
-                    k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
-                a = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0 / math.sqrt(hd))
-                x = x + F.linear(a.transpose(1, 2).reshape(B, T, nh * hd), self.p(b + "attn_output.weight"))
+                    k, v = (
+                        k.repeat_interleave(nh // nkv, dim=1),
+                        v.repeat_interleave(nh // nkv, dim=1),
+                    )
+                a = F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=1.0 / math.sqrt(hd)
+                )
+                x = x + F.linear(
+                    a.transpose(1, 2).reshape(B, T, nh * hd), self.p(b + "attn_output.weight")
+                )
                 # ffn rmsnorm, gate and up, the activation, down
                 h = self.rmsnorm(x, self.p(b + "ffn_norm.weight"))
                 g = F.linear(h, self.p(b + "ffn_gate.weight"))  # (B, T, n_ff)
                 u = F.linear(h, self.p(b + "ffn_up.weight"))
-                gate = (1 - blend) * F.silu(g) + blend * F.relu(g)  # blend 1: 0 * silu + relu, exactly relu
+                gate = (1 - blend) * F.silu(g) + blend * F.relu(
+                    g
+                )  # blend 1: 0 * silu + relu, exactly relu
                 up = (1 - blend) * u + blend * F.relu(u) if activation == "dreglu" else u
                 if stats:
-                    l1.append(gate.abs().mean() + (up.abs().mean() if activation == "dreglu" else 0))
+                    l1.append(
+                        gate.abs().mean() + (up.abs().mean() if activation == "dreglu" else 0)
+                    )
                     with torch.no_grad():
                         zero = g <= 0
                         if activation == "dreglu":
@@ -186,6 +240,8 @@ def build(torch, cfg: LayerConfig, tensors: dict[str, np.ndarray], fixed: dict[s
             return logits
 
         def gguf_tensors(self) -> dict[str, np.ndarray]:
-            return {k.replace("__", "."): v.detach().float().cpu().numpy() for k, v in self.w.items()}
+            return {
+                k.replace("__", "."): v.detach().float().cpu().numpy() for k, v in self.w.items()
+            }
 
     return LlamaFamily()

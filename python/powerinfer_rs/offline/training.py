@@ -86,7 +86,7 @@ def fit_layer(
     for _ in range(epochs):
         perm = rng.permutation(n)
         for b in range(steps_per_epoch):
-            idx = perm[b * batch:(b + 1) * batch]
+            idx = perm[b * batch : (b + 1) * batch]
             xb, yb = xs[idx], y[idx]
             # forward: z (B, H) -> a = relu(z) -> logits (B, n_ff)
             z = xb @ w1.T
@@ -94,7 +94,9 @@ def fit_layer(
             logits = a @ w2.T
             prob = 1.0 / (1.0 + np.exp(-np.clip(logits, -30, 30)))
             # d loss / d logits for -[w y log s + (1 - y) log(1 - s)], averaged
-            g = (prob * (pos_weight * yb + 1.0 - yb) - pos_weight * yb) / np.float32(len(idx) * n_ff)
+            g = (prob * (pos_weight * yb + 1.0 - yb) - pos_weight * yb) / np.float32(
+                len(idx) * n_ff
+            )
             gw2 = g.T @ a
             ga = g @ w2
             ga *= z > 0
@@ -203,14 +205,30 @@ def train(
             gain = ev["predicted_sparsity"] - (best[2]["predicted_sparsity"] if best else -1.0)
             if best is None or gain > 0:
                 best = (fc1, fc2, ev, h)
-            if hidden is not None or efficiency >= efficiency_target or gain < min_gain or h * 2 > max_hidden:
+            if (
+                hidden is not None
+                or efficiency >= efficiency_target
+                or gain < min_gain
+                or h * 2 > max_hidden
+            ):
                 break
             h *= 2
         fc1, fc2, ev, h = best
         fc1s.append(fc1)
         fc2s.append(fc2)
-        results.append(LayerResult(l, h, ev["threshold"], ev["recall"], ev["precision"], ev["predicted_sparsity"],
-                                   ev["true_sparsity"], tried, time.perf_counter() - t0))
+        results.append(
+            LayerResult(
+                l,
+                h,
+                ev["threshold"],
+                ev["recall"],
+                ev["precision"],
+                ev["predicted_sparsity"],
+                ev["true_sparsity"],
+                tried,
+                time.perf_counter() - t0,
+            )
+        )
         bar.update(1)
     bar.close()
 
@@ -223,7 +241,10 @@ def train(
         "table": table,
     }
     if layers is None:
-        output = output or (p.get("path") or "predictors") .removesuffix(".profile.npz") + ".predictors.npz"
+        output = (
+            output
+            or (p.get("path") or "predictors").removesuffix(".profile.npz") + ".predictors.npz"
+        )
         save_predictors(output, out)
         report = report or output + ".txt"
         with open(report, "w") as fh:
@@ -235,7 +256,11 @@ def train(
 def format_table(results: list[LayerResult], p: dict, recall_target: float) -> str:
     lines = [
         f"predictors for {p.get('model', '?')}: {p['train_x'].shape[1]} training tokens, recall target {recall_target:.2f}"
-        + (f", labels = threshold rule at sparsity {p['target_sparsity']:.2f}" if not math.isnan(p["target_sparsity"]) else ""),
+        + (
+            f", labels = threshold rule at sparsity {p['target_sparsity']:.2f}"
+            if not math.isnan(p["target_sparsity"])
+            else ""
+        ),
         "layer  hidden  threshold  recall  precision  pred_sparsity  true_sparsity  tried",
     ]
     for r in results:
@@ -272,7 +297,10 @@ def load_predictors(path: str) -> dict:
                 "thresholds": z["thresholds"].astype(np.float32),
             }
     except FileNotFoundError:
-        raise FileNotFoundError(f"predictors {path!r} not found (train them with `powerinfer-rs train-predictors`)") from None
+        raise FileNotFoundError(
+            f"predictors {path!r} not found (train them with `powerinfer-rs train-predictors`)"
+        ) from None
     except (KeyError, ValueError, OSError, EOFError) as e:
-        raise ValueError(f"{path!r} is not a predictor file written by powerinfer-rs: {e}") from None
-
+        raise ValueError(
+            f"{path!r} is not a predictor file written by powerinfer-rs: {e}"
+        ) from None

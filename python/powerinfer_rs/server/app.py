@@ -10,7 +10,8 @@ import logging
 import os
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,8 +32,14 @@ def _model_id(engine: Engine) -> str:
     return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
 
 
-def create_app(engine: Engine, model_id: str | None = None, api_key: str | None = None, slots: int = 4, batch: bool = True,
-               prompt_cache: int | None = None) -> FastAPI:
+def create_app(
+    engine: Engine,
+    model_id: str | None = None,
+    api_key: str | None = None,
+    slots: int = 4,
+    batch: bool = True,
+    prompt_cache: int | None = None,
+) -> FastAPI:
     """The FastAPI app serving `engine` as model `model_id` (default: the file name without
     .gguf). `api_key`: require `Authorization: Bearer <api_key>` on /v1/*. `slots`: generations
     run at once (round-robin); later requests wait their turn in arrival order. `batch=False`
@@ -42,22 +49,32 @@ def create_app(engine: Engine, model_id: str | None = None, api_key: str | None 
         raise ValueError(f"slots must be a positive int, got {slots!r}")
     if api_key is not None and not api_key:
         raise ValueError("api_key must be a non-empty string or None")
-    if prompt_cache is not None and (not isinstance(prompt_cache, int) or isinstance(prompt_cache, bool) or prompt_cache < 0):
+    if prompt_cache is not None and (
+        not isinstance(prompt_cache, int) or isinstance(prompt_cache, bool) or prompt_cache < 0
+    ):
         raise ValueError(f"prompt_cache must be an int >= 0 or None, got {prompt_cache!r}")
     model_id = model_id or _model_id(engine)
     created = int(os.path.getmtime(engine.path))
     fingerprint = f"powerinfer-rs-{__version__}-{engine.sparsity}-{engine.device}"
     state: dict[str, Any] = {}
 
-    def chunker(obj: str, rid: str, body: _Sampling, choice: Callable[[Any, str | None], dict]) -> Callable[[Any, str | None], dict]:
+    def chunker(
+        obj: str, rid: str, body: _Sampling, choice: Callable[[Any, str | None], dict]
+    ) -> Callable[[Any, str | None], dict]:
         """The builder of one response's chunks: `chunk(part, finish)` is OpenAI's object `obj`
         with the single choice `choice(part, finish)`; with include_usage a stream's chunks carry
         "usage": null until the last (the caller fills it in a whole response)."""
         created_at, usage_field = int(time.time()), include_usage(body)
 
         def chunk(part: Any, finish: str | None) -> dict:
-            c = {"id": rid, "object": obj, "created": created_at, "model": model_id, "system_fingerprint": fingerprint,
-                 "choices": [choice(part, finish)]}
+            c = {
+                "id": rid,
+                "object": obj,
+                "created": created_at,
+                "model": model_id,
+                "system_fingerprint": fingerprint,
+                "choices": [choice(part, finish)],
+            }
             if usage_field:
                 c["usage"] = None
             return c
@@ -91,14 +108,17 @@ def create_app(engine: Engine, model_id: str | None = None, api_key: str | None 
             message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error') or first.get('msg')}"
         else:
             message = "; ".join(
-                f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body') or 'body'}: {err.get('msg')}" for err in errors
+                f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body') or 'body'}: {err.get('msg')}"
+                for err in errors
             )
         return await on_api_error(request, APIError(400, message, param=param))
 
     @app.exception_handler(Exception)
     async def on_fault(request: Request, e: Exception):
         log.exception("internal error on %s %s", request.method, request.url.path)
-        return await on_api_error(request, APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+        return await on_api_error(
+            request, APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, e: StarletteHTTPException):
@@ -112,13 +132,24 @@ def create_app(engine: Engine, model_id: str | None = None, api_key: str | None 
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), api_key.encode()
+        ):
             what = "missing" if not header else "invalid"
-            raise APIError(401, f"{what} API key: send 'Authorization: Bearer <key>' with the key the server was started with", code="invalid_api_key")
+            raise APIError(
+                401,
+                f"{what} API key: send 'Authorization: Bearer <key>' with the key the server was started with",
+                code="invalid_api_key",
+            )
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_id:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{model_id}'", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model '{name}' does not exist; this server serves '{model_id}'",
+                param="model",
+                code="model_not_found",
+            )
 
     def model_card() -> dict:
         return {
@@ -151,7 +182,9 @@ def create_app(engine: Engine, model_id: str | None = None, api_key: str | None 
 
     # ----- generation
 
-    def prepare(body: _Sampling, prompt_ids: list[int], max_tokens: int | None, explicit: bool) -> Generation:
+    def prepare(
+        body: _Sampling, prompt_ids: list[int], max_tokens: int | None, explicit: bool
+    ) -> Generation:
         """Checks the prompt against the context and opens a generation (no compute yet)."""
         n_prompt, n_ctx = len(prompt_ids), engine.n_ctx
         if n_prompt == 0:
@@ -191,13 +224,19 @@ def create_app(engine: Engine, model_id: str | None = None, api_key: str | None 
             )
         except (ValueError, OverflowError) as e:
             first = str(e).split(" ", 1)[0]
-            raise APIError(400, str(e), param=first if first in type(body).model_fields else None) from None
+            raise APIError(
+                400, str(e), param=first if first in type(body).model_fields else None
+            ) from None
         gen.prefill_chunk = PREFILL_CHUNK
         return gen
 
     def refuse_unsupported(body: _Sampling) -> None:
         if body.n != 1:
-            raise APIError(400, f"n={body.n} is not supported: this server returns one choice per request (n=1)", param="n")
+            raise APIError(
+                400,
+                f"n={body.n} is not supported: this server returns one choice per request (n=1)",
+                param="n",
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(body, name):
                 raise APIError(400, f"{name} is not supported (use repeat_penalty)", param=name)
@@ -208,7 +247,9 @@ def create_app(engine: Engine, model_id: str | None = None, api_key: str | None 
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
             if len(prompt) != 1:
-                raise APIError(400, f"one prompt per request is supported, got {len(prompt)}", param="prompt")
+                raise APIError(
+                    400, f"one prompt per request is supported, got {len(prompt)}", param="prompt"
+                )
             prompt = prompt[0]
         if isinstance(prompt, str):
             check_text(prompt, "prompt")
@@ -216,24 +257,38 @@ def create_app(engine: Engine, model_id: str | None = None, api_key: str | None 
         ids = list(prompt)
         bad = [t for t in ids if not 0 <= t < engine.n_vocab]
         if bad:
-            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{engine.n_vocab - 1})", param="prompt")
+            raise APIError(
+                400,
+                f"token id {bad[0]} is outside the vocabulary (0..{engine.n_vocab - 1})",
+                param="prompt",
+            )
         return ids, engine.detokenize(ids)
 
     def chat_prompt(body: ChatRequest) -> list[int]:
         if body.tools or body.functions:
             raise APIError(400, "tools and function calling are not supported", param="tools")
         if body.response_format and body.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
+            raise APIError(
+                400, "only response_format {'type': 'text'} is supported", param="response_format"
+            )
         if body.logprobs:
             raise APIError(400, "logprobs are not supported", param="logprobs")
         messages = []
         for i, m in enumerate(body.messages):
             # an assistant turn may come without content (it made tool calls); a request may not
             if m.content is None and m.role in ("system", "developer", "user"):
-                raise APIError(400, f"messages[{i}]: a '{m.role}' message needs content", param=f"messages.{i}.content")
+                raise APIError(
+                    400,
+                    f"messages[{i}]: a '{m.role}' message needs content",
+                    param=f"messages.{i}.content",
+                )
             if isinstance(m.content, list):
                 if any(p.type != "text" or p.text is None for p in m.content):
-                    raise APIError(400, f"messages[{i}]: only text content parts are supported", param=f"messages.{i}.content")
+                    raise APIError(
+                        400,
+                        f"messages[{i}]: only text content parts are supported",
+                        param=f"messages.{i}.content",
+                    )
                 content = "".join(p.text for p in m.content)
             else:
                 content = m.content or ""
@@ -245,7 +300,9 @@ def create_app(engine: Engine, model_id: str | None = None, api_key: str | None 
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         except Exception as e:  # the template itself failed (jinja2 errors)
-            raise APIError(400, f"the model's chat template failed on these messages: {e}", param="messages") from None
+            raise APIError(
+                400, f"the model's chat template failed on these messages: {e}", param="messages"
+            ) from None
         return engine.tokenizer.encode(text, add_bos=False, special=True)
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
@@ -266,14 +323,31 @@ def create_app(engine: Engine, model_id: str | None = None, api_key: str | None 
 
         gen, prompt_text = await run_in_threadpool(setup)
         echo = prompt_text if body.echo else ""
-        chunk = chunker("text_completion", f"cmpl-{uuid.uuid4().hex}", body,
-                        lambda text, finish: {"text": text, "index": 0, "logprobs": None, "finish_reason": finish})
+        chunk = chunker(
+            "text_completion",
+            f"cmpl-{uuid.uuid4().hex}",
+            body,
+            lambda text, finish: {
+                "text": text,
+                "index": 0,
+                "logprobs": None,
+                "finish_reason": finish,
+            },
+        )
 
         if body.stream:
             first = [chunk(echo, None)] if echo else []
-            return EventStream(state["scheduler"], Job(gen, asyncio.get_running_loop()),
-                               lambda t: chunk(t, None), lambda r: chunk("", r), first, include_usage(body))
-        text, reason = await run_to_end(state["scheduler"], Job(gen, asyncio.get_running_loop()), request)
+            return EventStream(
+                state["scheduler"],
+                Job(gen, asyncio.get_running_loop()),
+                lambda t: chunk(t, None),
+                lambda r: chunk("", r),
+                first,
+                include_usage(body),
+            )
+        text, reason = await run_to_end(
+            state["scheduler"], Job(gen, asyncio.get_running_loop()), request
+        )
         out = chunk(echo + text, reason)
         out["usage"] = usage(gen)
         return out
@@ -291,17 +365,41 @@ def create_app(engine: Engine, model_id: str | None = None, api_key: str | None 
             return prepare(body, chat_prompt(body), max_tokens, explicit)
 
         gen = await run_in_threadpool(setup)
-        chunk = chunker("chat.completion.chunk", f"chatcmpl-{uuid.uuid4().hex}", body,
-                        lambda delta, finish: {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish})
+        chunk = chunker(
+            "chat.completion.chunk",
+            f"chatcmpl-{uuid.uuid4().hex}",
+            body,
+            lambda delta, finish: {
+                "index": 0,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": finish,
+            },
+        )
 
         if body.stream:
             first = [chunk({"role": "assistant", "content": ""}, None)]
-            return EventStream(state["scheduler"], Job(gen, asyncio.get_running_loop()),
-                               lambda t: chunk({"content": t}, None), lambda r: chunk({}, r), first, include_usage(body))
-        text, reason = await run_to_end(state["scheduler"], Job(gen, asyncio.get_running_loop()), request)
+            return EventStream(
+                state["scheduler"],
+                Job(gen, asyncio.get_running_loop()),
+                lambda t: chunk({"content": t}, None),
+                lambda r: chunk({}, r),
+                first,
+                include_usage(body),
+            )
+        text, reason = await run_to_end(
+            state["scheduler"], Job(gen, asyncio.get_running_loop()), request
+        )
         out = chunk(None, reason)
         out["object"] = "chat.completion"
-        out["choices"] = [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}]
+        out["choices"] = [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": reason,
+            }
+        ]
         out["usage"] = usage(gen)
         return out
 
@@ -342,9 +440,17 @@ class RequestLog:
             log.info(line)
 
 
-def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8080, model_id: str | None = None,
-          api_key: str | None = None, slots: int = 4, batch: bool = True, prompt_cache: int | None = None,
-          log_level: str = "info") -> None:
+def serve(
+    engine: Engine,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    model_id: str | None = None,
+    api_key: str | None = None,
+    slots: int = 4,
+    batch: bool = True,
+    prompt_cache: int | None = None,
+    log_level: str = "info",
+) -> None:
     """Serves `engine` until interrupted. Binds first, then prints the address it listens on
     (with the real port when `port` is 0)."""
     import socket
@@ -365,8 +471,16 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8080, model_id: s
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     log.info(
         "serving %s (%s, n_ctx %d, %s, %s) at http://%s:%d/v1 with %d slot(s)%s%s",
-        model_id or _model_id(engine), engine.architecture, engine.n_ctx, f"sparsity {engine.sparsity}", f"device {engine.device}",
-        shown, bound, slots, "" if batch else ", no batching", ", API key required" if api_key else "",
+        model_id or _model_id(engine),
+        engine.architecture,
+        engine.n_ctx,
+        f"sparsity {engine.sparsity}",
+        f"device {engine.device}",
+        shown,
+        bound,
+        slots,
+        "" if batch else ", no batching",
+        ", API key required" if api_key else "",
     )
     config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])

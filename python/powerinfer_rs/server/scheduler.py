@@ -95,8 +95,13 @@ class Scheduler:
     def counts(self) -> dict[str, int]:
         with self._cond:
             sessions = sum(j.generation.holds_session for j in self._active)
-            return {"slots_total": self.slots, "slots_busy": len(self._active), "queued": len(self._waiting),
-                    "sessions": sessions, "cached_sessions": len(self._cache)}
+            return {
+                "slots_total": self.slots,
+                "slots_busy": len(self._active),
+                "queued": len(self._waiting),
+                "sessions": sessions,
+                "cached_sessions": len(self._cache),
+            }
 
     def _adopt_cached(self, gen: Generation) -> None:
         """Gives `gen` the cached session sharing the longest prefix with its prompt, if any."""
@@ -159,7 +164,9 @@ class Scheduler:
             # one step each; the generations past their prompt share one batched evaluation
             try:
                 results = self.engine.step_many([j.generation for j in live], batch=self.batch)
-            except Exception as e:  # a fault outside any one generation: fail this round's jobs, keep serving
+            except (
+                Exception
+            ) as e:  # a fault outside any one generation: fail this round's jobs, keep serving
                 log.exception("scheduler round failed")
                 results = [e] * len(live)
                 for job in live:

@@ -11,13 +11,33 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 class APIError(Exception):
     """An error answered with OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type,
+            param,
+            code,
+        )
 
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        body = {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 
@@ -31,8 +51,18 @@ class StreamOptions(BaseModel):
 
 # Fields OpenAI's reference marks nullable: an explicit null means the default.
 _NULL_MEANS_DEFAULT = {
-    "temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-    "repeat_penalty", "echo", "max_tokens", "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "presence_penalty",
+    "frequency_penalty",
+    "top_k",
+    "min_p",
+    "repeat_penalty",
+    "echo",
+    "max_tokens",
+    "max_completion_tokens",
 }
 
 
@@ -54,7 +84,9 @@ class _Sampling(BaseModel):
     stream: StrictBool = False  # "true" or 1 is a client bug, not a request to stream
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # llama.cpp's range: a signed 64-bit integer
+    seed: int | None = Field(
+        None, ge=-(2**63), le=2**63 - 1
+    )  # llama.cpp's range: a signed 64-bit integer
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
@@ -105,7 +137,9 @@ def check_text(text: str, param: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise APIError(400, f"{param} is not valid Unicode: {e.reason} at position {e.start}", param=param) from None
+        raise APIError(
+            400, f"{param} is not valid Unicode: {e.reason} at position {e.start}", param=param
+        ) from None
 
 
 def include_usage(body: _Sampling) -> bool:

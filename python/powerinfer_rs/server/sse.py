@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -19,8 +20,12 @@ from .schemas import APIError
 
 def usage(gen: Generation) -> dict[str, Any]:
     p, c = gen.stats["prompt_tokens"], gen.stats["generated_tokens"]
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": gen.stats["cached_tokens"]}}
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": c,
+        "total_tokens": p + c,
+        "prompt_tokens_details": {"cached_tokens": gen.stats["cached_tokens"]},
+    }
 
 
 def note(request_or_scope, **fields) -> None:
@@ -31,8 +36,15 @@ def note(request_or_scope, **fields) -> None:
 
 def note_generation(scope, gen: Generation, reason: str) -> None:
     s = gen.stats
-    note(scope, prompt_tokens=s["prompt_tokens"], cached_tokens=s["cached_tokens"], completion_tokens=s["generated_tokens"],
-          decode_tps=s["decode_tps"], prefill_tps=s["prefill_tps"], finish=reason)
+    note(
+        scope,
+        prompt_tokens=s["prompt_tokens"],
+        cached_tokens=s["cached_tokens"],
+        completion_tokens=s["generated_tokens"],
+        decode_tps=s["decode_tps"],
+        prefill_tps=s["prefill_tps"],
+        finish=reason,
+    )
 
 
 async def until_disconnect(receive) -> None:
@@ -99,7 +111,15 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, scheduler: Scheduler, job: Job, text_chunk, end_chunk, first: list[dict], include_usage: bool):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        job: Job,
+        text_chunk,
+        end_chunk,
+        first: list[dict],
+        include_usage: bool,
+    ):
         # no Content-Length: the body's size is not known until the generation ends
         self.status_code, self.background = 200, None
         self.raw_headers = [
@@ -116,8 +136,18 @@ class EventStream(Response):
         self.scheduler.submit(job)
 
         async def event(data: dict | str) -> None:
-            payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-            await send({"type": "http.response.body", "body": f"data: {payload}\n\n".encode(), "more_body": True})
+            payload = (
+                data
+                if isinstance(data, str)
+                else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+            )
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": f"data: {payload}\n\n".encode(),
+                    "more_body": True,
+                }
+            )
 
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
@@ -132,12 +162,27 @@ class EventStream(Response):
                     if kind == "error":
                         reason = "error"
                         note(scope, error=f"generation failed: {value}")
-                        await event({"error": {"message": f"generation failed: {value}", "type": "server_error", "param": None, "code": None}})
+                        await event(
+                            {
+                                "error": {
+                                    "message": f"generation failed: {value}",
+                                    "type": "server_error",
+                                    "param": None,
+                                    "code": None,
+                                }
+                            }
+                        )
                     else:
                         reason = value
                         await event(self.end_chunk(value))
                         if self.include_usage:
-                            await event({**self.end_chunk(None), "choices": [], "usage": usage(job.generation)})
+                            await event(
+                                {
+                                    **self.end_chunk(None),
+                                    "choices": [],
+                                    "usage": usage(job.generation),
+                                }
+                            )
             if ended:
                 await event("[DONE]")
                 await send({"type": "http.response.body", "body": b"", "more_body": False})

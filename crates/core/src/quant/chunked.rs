@@ -118,7 +118,8 @@ pub struct BlockIQ4XS {
 const _: () = assert!(std::mem::size_of::<BlockIQ4XS>() == 136);
 
 /// The non-linear 4-bit grid of IQ4_NL and IQ4_XS.
-pub const IQ4_VALUES: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+pub const IQ4_VALUES: [i8; 16] =
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
 
 /// 32 consecutive weights: w[i] = scale[i / 16] * v[i] - min[i / 16].
 #[derive(Clone, Copy, Debug, Default)]
@@ -129,7 +130,17 @@ pub struct Chunk {
 }
 
 /// The types read through `chunk`.
-pub const CHUNKED: [DType; 9] = [DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS];
+pub const CHUNKED: [DType; 9] = [
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q2_K,
+    DType::Q3_K,
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+    DType::IQ4_NL,
+    DType::IQ4_XS,
+];
 
 /// Whether `dtype` is read through `chunk`.
 pub fn is_chunked(dtype: DType) -> bool {
@@ -236,8 +247,12 @@ pub fn int_chunk(dtype: DType, row: &[u8], k: usize, out: &mut IntChunk) {
             let (g, h) = (c / 2, c % 2);
             let q = &qs[g * 32..g * 32 + 32];
             match qh {
-                None => out.v.iter_mut().zip(q).for_each(|(v, &q)| *v = ((q >> (4 * h)) & 0x0F) as i8),
-                Some(qh) => out.v.iter_mut().zip(q).zip(qh).for_each(|((v, &q), &b)| *v = (((q >> (4 * h)) & 0x0F) | (((b >> c) & 1) << 4)) as i8),
+                None => {
+                    out.v.iter_mut().zip(q).for_each(|(v, &q)| *v = ((q >> (4 * h)) & 0x0F) as i8)
+                }
+                Some(qh) => out.v.iter_mut().zip(q).zip(qh).for_each(|((v, &q), &b)| {
+                    *v = (((q >> (4 * h)) & 0x0F) | (((b >> c) & 1) << 4)) as i8
+                }),
             }
             (out.scale, out.min) = ([sc as i32; 2], [m as i32; 2]);
             (out.d, out.dmin) = (f16_to_f32(d), f16_to_f32(dmin));
@@ -311,7 +326,12 @@ pub(crate) fn k4_scales(s: &[u8; 12]) -> [u32; 4] {
     const LOW6: u32 = 0x3f3f_3f3f;
     // sub-blocks 0..4: the low 6 bits of bytes 0..4 (scales) and 4..8 (minima); 4..8: a nibble
     // of bytes 8..12 and the top two bits of bytes 0..4 (scales) or 4..8 (minima)
-    [w0 & LOW6, (w2 & LOW4) | (((w0 >> 6) & LOW2) << 4), w1 & LOW6, ((w2 >> 4) & LOW4) | (((w1 >> 6) & LOW2) << 4)]
+    [
+        w0 & LOW6,
+        (w2 & LOW4) | (((w0 >> 6) & LOW2) << 4),
+        w1 & LOW6,
+        ((w2 >> 4) & LOW4) | (((w1 >> 6) & LOW2) << 4),
+    ]
 }
 
 /// Decodes one row of a chunked type into `out[..n]`.
@@ -369,7 +389,8 @@ pub(crate) mod tests {
     /// Random bytes with small finite f16 scales: a valid block of any chunked type.
     pub(crate) fn random_row(dtype: DType, n: usize, seed: u64) -> Vec<u8> {
         let mut rng = crate::sampler::Rng::new(seed);
-        let mut row: Vec<u8> = (0..dtype.row_bytes(n)).map(|_| (rng.next_f32() * 256.0) as u8).collect();
+        let mut row: Vec<u8> =
+            (0..dtype.row_bytes(n)).map(|_| (rng.next_f32() * 256.0) as u8).collect();
         let fields: &[usize] = match dtype {
             DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
             DType::Q2_K => &[80, 82],
@@ -397,9 +418,14 @@ pub(crate) mod tests {
             let x = random_vec(n, 3);
             let mut a = vec![BlockQ8Act::default(); n / QK];
             quantize_act(&x, &mut a);
-            let want: f64 = w.iter().enumerate().map(|(i, &wi)| wi as f64 * a[i / QK].d as f64 * a[i / QK].qs[i % QK] as f64).sum();
+            let want: f64 = w
+                .iter()
+                .enumerate()
+                .map(|(i, &wi)| wi as f64 * a[i / QK].d as f64 * a[i / QK].qs[i % QK] as f64)
+                .sum();
             let got = dot_scalar(dtype, &row, [&a])[0] as f64;
-            let scale: f64 = w.iter().enumerate().map(|(i, &wi)| (wi as f64 * x[i] as f64).abs()).sum();
+            let scale: f64 =
+                w.iter().enumerate().map(|(i, &wi)| (wi as f64 * x[i] as f64).abs()).sum();
             assert!((got - want).abs() <= 1e-5 * scale, "{dtype:?}: {got} vs {want}");
             let mut y = vec![1.0f32; n];
             axpy_scalar(dtype, &row, 0.5, &mut y);

@@ -10,7 +10,10 @@
 
 use std::arch::x86_64::*;
 
-use super::chunked::{BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, IQ4_VALUES};
+use super::chunked::{
+    BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K,
+    IQ4_VALUES,
+};
 use super::{cast_blocks, BlockQ4_0, BlockQ4_1, BlockQ8_0, DType, QK};
 // an f16 scale broadcast to 8 f32 lanes (see there why a broadcast)
 use crate::avx2::splat_f16 as f16;
@@ -30,7 +33,12 @@ impl Decoded {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(crate) unsafe fn zero() -> Decoded {
-        Decoded { v: _mm256_setzero_si256(), scale: _mm256_setzero_ps(), min: _mm256_setzero_ps(), min_halves: _mm256_setzero_ps() }
+        Decoded {
+            v: _mm256_setzero_si256(),
+            scale: _mm256_setzero_ps(),
+            min: _mm256_setzero_ps(),
+            min_halves: _mm256_setzero_ps(),
+        }
     }
 }
 
@@ -139,14 +147,24 @@ pub(crate) unsafe fn q4_0(row: &[u8], b: usize, _c: usize) -> Decoded {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn q4_1(row: &[u8], b: usize, _c: usize) -> Decoded {
     let x = cast_blocks::<BlockQ4_1>(row).get_unchecked(b);
-    Decoded { v: nibbles(x.qs.as_ptr()), scale: f16(x.d), min: _mm256_sub_ps(_mm256_setzero_ps(), f16(x.m)), min_halves: _mm256_setzero_ps() }
+    Decoded {
+        v: nibbles(x.qs.as_ptr()),
+        scale: f16(x.d),
+        min: _mm256_sub_ps(_mm256_setzero_ps(), f16(x.m)),
+        min_halves: _mm256_setzero_ps(),
+    }
 }
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn q8_0(row: &[u8], b: usize, _c: usize) -> Decoded {
     let x = cast_blocks::<BlockQ8_0>(row).get_unchecked(b);
-    Decoded { v: load32(x.qs.as_ptr() as *const u8), scale: f16(x.d), min: _mm256_setzero_ps(), min_halves: _mm256_setzero_ps() }
+    Decoded {
+        v: load32(x.qs.as_ptr() as *const u8),
+        scale: f16(x.d),
+        min: _mm256_setzero_ps(),
+        min_halves: _mm256_setzero_ps(),
+    }
 }
 
 impl LegacyBlock for BlockIQ4NL {
@@ -159,7 +177,8 @@ impl LegacyBlock for BlockIQ4NL {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn weights(&self) -> __m256i {
-        let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(IQ4_VALUES.as_ptr() as *const __m128i));
+        let table =
+            _mm256_broadcastsi128_si256(_mm_loadu_si128(IQ4_VALUES.as_ptr() as *const __m128i));
         _mm256_shuffle_epi8(table, nibbles(self.qs.as_ptr()))
     }
 }
@@ -218,7 +237,12 @@ pub(crate) unsafe fn q5_1(row: &[u8], b: usize, _c: usize) -> Decoded {
     let x = cast_blocks::<BlockQ5_1>(row).get_unchecked(b);
     let v = x.weights();
     // (d * q) + m, as d * q - (-m)
-    Decoded { v, scale: f16(x.d), min: _mm256_sub_ps(_mm256_setzero_ps(), f16(x.m)), min_halves: _mm256_setzero_ps() }
+    Decoded {
+        v,
+        scale: f16(x.d),
+        min: _mm256_sub_ps(_mm256_setzero_ps(), f16(x.m)),
+        min_halves: _mm256_setzero_ps(),
+    }
 }
 
 #[inline]
@@ -252,7 +276,12 @@ pub(crate) unsafe fn q3_k(row: &[u8], b: usize, c: usize) -> Decoded {
         let high = (x.scales[8 + j % 4] >> (2 * (j / 4))) & 3;
         (low | (high << 4)) as i32 - 32
     };
-    Decoded { v, scale: halves(d, scale(2 * c), scale(2 * c + 1)), min: _mm256_setzero_ps(), min_halves: _mm256_setzero_ps() }
+    Decoded {
+        v,
+        scale: halves(d, scale(2 * c), scale(2 * c + 1)),
+        min: _mm256_setzero_ps(),
+        min_halves: _mm256_setzero_ps(),
+    }
 }
 
 /// Q4_K's and Q5_K's common part: the low 4 bits, the scale and the minimum.
@@ -262,7 +291,12 @@ unsafe fn k4(d: u16, dmin: u16, scales: &[u8; 12], qs: *const u8, c: usize) -> D
     let (sc, m) = super::chunked::scale_min_k4(scales, c);
     let (g, h) = (c / 2, c % 2);
     let v = _mm256_and_si256(shr(load32(qs.add(32 * g)), 4 * h), _mm256_set1_epi8(LOW4));
-    Decoded { v, scale: times(f16(d), sc as i32), min: times(f16(dmin), m as i32), min_halves: _mm256_setzero_ps() }
+    Decoded {
+        v,
+        scale: times(f16(d), sc as i32),
+        min: times(f16(dmin), m as i32),
+        min_halves: _mm256_setzero_ps(),
+    }
 }
 
 #[inline]
@@ -277,7 +311,10 @@ pub(crate) unsafe fn q4_k(row: &[u8], b: usize, c: usize) -> Decoded {
 pub(crate) unsafe fn q5_k(row: &[u8], b: usize, c: usize) -> Decoded {
     let x = cast_blocks::<BlockQ5K>(row).get_unchecked(b);
     let mut ch = k4(x.d, x.dmin, &x.scales, x.qs.as_ptr(), c);
-    ch.v = _mm256_or_si256(ch.v, _mm256_and_si256(has_bit(load32(x.qh.as_ptr()), c), _mm256_set1_epi8(0x10)));
+    ch.v = _mm256_or_si256(
+        ch.v,
+        _mm256_and_si256(has_bit(load32(x.qh.as_ptr()), c), _mm256_set1_epi8(0x10)),
+    );
     ch
 }
 
@@ -286,11 +323,19 @@ pub(crate) unsafe fn q5_k(row: &[u8], b: usize, c: usize) -> Decoded {
 pub(crate) unsafe fn q6_k(row: &[u8], b: usize, c: usize) -> Decoded {
     let x = cast_blocks::<BlockQ6K>(row).get_unchecked(b);
     let (g, s) = (c / 4, c % 4);
-    let low = _mm256_and_si256(shr(load32(x.ql.as_ptr().add(64 * g + 32 * (s % 2))), 4 * (s / 2)), _mm256_set1_epi8(LOW4));
+    let low = _mm256_and_si256(
+        shr(load32(x.ql.as_ptr().add(64 * g + 32 * (s % 2))), 4 * (s / 2)),
+        _mm256_set1_epi8(LOW4),
+    );
     let high = _mm256_and_si256(shr(load32(x.qh.as_ptr().add(32 * g)), 2 * s), _mm256_set1_epi8(3));
     let v = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
     let d = f16(x.d);
-    Decoded { v, scale: halves(d, x.scales[2 * c] as i32, x.scales[2 * c + 1] as i32), min: _mm256_setzero_ps(), min_halves: _mm256_setzero_ps() }
+    Decoded {
+        v,
+        scale: halves(d, x.scales[2 * c] as i32, x.scales[2 * c + 1] as i32),
+        min: _mm256_setzero_ps(),
+        min_halves: _mm256_setzero_ps(),
+    }
 }
 
 /// 16 bytes of IQ4 nibbles to their grid values.
@@ -298,7 +343,12 @@ pub(crate) unsafe fn q6_k(row: &[u8], b: usize, c: usize) -> Decoded {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn iq4(qs: *const u8, scale: __m256) -> Decoded {
     let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(IQ4_VALUES.as_ptr() as *const __m128i));
-    Decoded { v: _mm256_shuffle_epi8(table, nibbles(qs)), scale, min: _mm256_setzero_ps(), min_halves: _mm256_setzero_ps() }
+    Decoded {
+        v: _mm256_shuffle_epi8(table, nibbles(qs)),
+        scale,
+        min: _mm256_setzero_ps(),
+        min_halves: _mm256_setzero_ps(),
+    }
 }
 
 #[inline]
@@ -345,20 +395,36 @@ pub(crate) use with_decoder;
 /// each chunk decoded, its weights scale * v - min widened to floats. The SIMD twin of R calls
 /// of `chunked::axpy_scalar` (each weight rounded as there; the sum fused).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn axpy_rows<const R: usize>(dtype: DType, rows: [&[u8]; R], a: [f32; R], y: &mut [f32]) {
+pub unsafe fn axpy_rows<const R: usize>(
+    dtype: DType,
+    rows: [&[u8]; R],
+    a: [f32; R],
+    y: &mut [f32],
+) {
     let (n, yp) = (y.len(), y.as_mut_ptr());
     macro_rules! rows_axpy {
         ($decode:path, $dtype:expr) => {{
             const PER_BLOCK: usize = chunks_per_block($dtype);
             for k in 0..n / QK {
                 let p = yp.add(QK * k);
-                let mut acc = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))];
+                let mut acc = [
+                    _mm256_loadu_ps(p),
+                    _mm256_loadu_ps(p.add(8)),
+                    _mm256_loadu_ps(p.add(16)),
+                    _mm256_loadu_ps(p.add(24)),
+                ];
                 for r in 0..R {
                     let ch = $decode(rows[r], k / PER_BLOCK, k % PER_BLOCK);
                     // the halves' scales and minima ([h0 x 4, h1 x 4]) to all lanes each
                     let min = _mm256_add_ps(ch.min, ch.min_halves);
-                    let scale = [_mm256_permute2f128_ps::<0x00>(ch.scale, ch.scale), _mm256_permute2f128_ps::<0x11>(ch.scale, ch.scale)];
-                    let min = [_mm256_permute2f128_ps::<0x00>(min, min), _mm256_permute2f128_ps::<0x11>(min, min)];
+                    let scale = [
+                        _mm256_permute2f128_ps::<0x00>(ch.scale, ch.scale),
+                        _mm256_permute2f128_ps::<0x11>(ch.scale, ch.scale),
+                    ];
+                    let min = [
+                        _mm256_permute2f128_ps::<0x00>(min, min),
+                        _mm256_permute2f128_ps::<0x11>(min, min),
+                    ];
                     let w = crate::avx2::i8x32_to_f32x4(ch.v);
                     let ar = _mm256_set1_ps(a[r]);
                     for j in 0..4 {
@@ -394,7 +460,8 @@ mod tests {
                 chunk(dtype, &row, k, &mut want);
                 // SAFETY: AVX2 checked above
                 let got = unsafe { decode(dtype, &row, k) };
-                let (mut v, mut scale, mut min, mut min_halves) = ([0i8; 32], [0.0f32; 8], [0.0f32; 8], [0.0f32; 8]);
+                let (mut v, mut scale, mut min, mut min_halves) =
+                    ([0i8; 32], [0.0f32; 8], [0.0f32; 8], [0.0f32; 8]);
                 unsafe {
                     _mm256_storeu_si256(v.as_mut_ptr() as *mut __m256i, got.v);
                     _mm256_storeu_ps(scale.as_mut_ptr(), got.scale);

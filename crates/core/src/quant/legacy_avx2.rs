@@ -45,7 +45,9 @@ struct LegacyGroup {
 unsafe fn prefetch_ahead<B>(rows: &[&[u8]], b: usize) {
     for row in rows {
         // (past the row's end it reads the next row's, or nothing: prefetches never fault)
-        _mm_prefetch::<_MM_HINT_T0>(row.as_ptr().wrapping_add(b * std::mem::size_of::<B>() + 128) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(
+            row.as_ptr().wrapping_add(b * std::mem::size_of::<B>() + 128) as *const i8
+        );
     }
 }
 
@@ -68,7 +70,10 @@ unsafe fn unpack_legacy_group<B: LegacyBlock>(rows: &[&[u8]], out: &mut [LegacyG
                 o.m[r] = f16_to_f32(blk.min_bits());
             } else {
                 _mm256_storeu_si256(staged_v[r].as_mut_ptr() as *mut __m256i, v);
-                _mm256_storeu_si256(staged_u[r].as_mut_ptr() as *mut __m256i, _mm256_sign_epi8(v, v));
+                _mm256_storeu_si256(
+                    staged_u[r].as_mut_ptr() as *mut __m256i,
+                    _mm256_sign_epi8(v, v),
+                );
             }
             o.d[r] = f16_to_f32(blk.scale_bits());
         }
@@ -83,11 +88,22 @@ unsafe fn unpack_legacy_group<B: LegacyBlock>(rows: &[&[u8]], out: &mut [LegacyG
 /// AVX-VNNI twin): acc = fma(sum, d * d_a, acc), and for Q4_1 min = fma(m, s_a, min).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn legacy_block_end<B: LegacyBlock, const T: usize>(x: &LegacyGroup, a: [&[BlockQ8Act]; T], b: usize, sums: &[__m256i; T], acc: &mut [__m256; T], mins: &mut [__m256; T]) {
+unsafe fn legacy_block_end<B: LegacyBlock, const T: usize>(
+    x: &LegacyGroup,
+    a: [&[BlockQ8Act]; T],
+    b: usize,
+    sums: &[__m256i; T],
+    acc: &mut [__m256; T],
+    mins: &mut [__m256; T],
+) {
     let d = _mm256_load_ps(x.d.as_ptr());
     for t in 0..T {
         let ab = a[t].get_unchecked(b);
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(d, _mm256_set1_ps(ab.d)), acc[t]);
+        acc[t] = _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(sums[t]),
+            _mm256_mul_ps(d, _mm256_set1_ps(ab.d)),
+            acc[t],
+        );
         if B::MIN {
             mins[t] = _mm256_fmadd_ps(_mm256_load_ps(x.m.as_ptr()), _mm256_set1_ps(ab.s), mins[t]);
         }
@@ -97,10 +113,16 @@ unsafe fn legacy_block_end<B: LegacyBlock, const T: usize>(x: &LegacyGroup, a: [
 /// Each token's lanes: acc (+ min for Q4_1).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn legacy_result<B: LegacyBlock, const T: usize>(acc: &[__m256; T], mins: &[__m256; T]) -> [[f32; 8]; T] {
+unsafe fn legacy_result<B: LegacyBlock, const T: usize>(
+    acc: &[__m256; T],
+    mins: &[__m256; T],
+) -> [[f32; 8]; T] {
     let mut out = [[0.0f32; 8]; T];
     for t in 0..T {
-        _mm256_storeu_ps(out[t].as_mut_ptr(), if B::MIN { _mm256_add_ps(acc[t], mins[t]) } else { acc[t] });
+        _mm256_storeu_ps(
+            out[t].as_mut_ptr(),
+            if B::MIN { _mm256_add_ps(acc[t], mins[t]) } else { acc[t] },
+        );
     }
     out
 }
@@ -110,7 +132,10 @@ unsafe fn legacy_result<B: LegacyBlock, const T: usize>(acc: &[__m256; T], mins:
 /// lane.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn legacy_group_dot<B: LegacyBlock, const T: usize>(g: &[LegacyGroup], a: [&[BlockQ8Act]; T]) -> [[f32; 8]; T] {
+unsafe fn legacy_group_dot<B: LegacyBlock, const T: usize>(
+    g: &[LegacyGroup],
+    a: [&[BlockQ8Act]; T],
+) -> [[f32; 8]; T] {
     let (mut acc, mut mins) = ([_mm256_setzero_ps(); T], [_mm256_setzero_ps(); T]);
     let ones = _mm256_set1_epi16(1);
     let word = |p: *const i8| (p as *const i32).read_unaligned();
@@ -126,7 +151,11 @@ unsafe fn legacy_group_dot<B: LegacyBlock, const T: usize>(g: &[LegacyGroup], a:
                 let act = _mm256_set1_epi32(word(a[t].get_unchecked(b).qs.as_ptr().add(4 * k)));
                 let act = if B::MIN { act } else { _mm256_sign_epi8(act, v) };
                 let pairs = _mm256_maddubs_epi16(u, act);
-                sums[t] = if B::WIDE { _mm256_add_epi32(sums[t], _mm256_madd_epi16(pairs, ones)) } else { _mm256_add_epi16(sums[t], pairs) };
+                sums[t] = if B::WIDE {
+                    _mm256_add_epi32(sums[t], _mm256_madd_epi16(pairs, ones))
+                } else {
+                    _mm256_add_epi16(sums[t], pairs)
+                };
             }
         }
         if !B::WIDE {
@@ -143,7 +172,10 @@ unsafe fn legacy_group_dot<B: LegacyBlock, const T: usize>(g: &[LegacyGroup], a:
 /// sums, the same float steps.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-unsafe fn legacy_group_dot_vnni<B: LegacyBlock, const T: usize>(g: &[LegacyGroup], a: [&[BlockQ8Act]; T]) -> [[f32; 8]; T] {
+unsafe fn legacy_group_dot_vnni<B: LegacyBlock, const T: usize>(
+    g: &[LegacyGroup],
+    a: [&[BlockQ8Act]; T],
+) -> [[f32; 8]; T] {
     let (mut acc, mut mins) = ([_mm256_setzero_ps(); T], [_mm256_setzero_ps(); T]);
     let word = |p: *const i8| (p as *const i32).read_unaligned();
     for (b, x) in g.iter().enumerate() {
@@ -206,7 +238,12 @@ unsafe fn unpack_legacy_group16<B: LegacyBlock>(rows: &[&[u8]], out: &mut [Legac
 /// counting as +0.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn legacy_group_dot_512<B: LegacyBlock, const T: usize>(g: &[LegacyGroup16], a: [&[BlockQ8Act]; T], bias: [&[i32]; T], out: &mut [[f32; 16]; T]) {
+unsafe fn legacy_group_dot_512<B: LegacyBlock, const T: usize>(
+    g: &[LegacyGroup16],
+    a: [&[BlockQ8Act]; T],
+    bias: [&[i32]; T],
+    out: &mut [[f32; 16]; T],
+) {
     let mut acc = [_mm512_setzero_ps(); T];
     let word = |p: *const i8| (p as *const i32).read_unaligned();
     for q in (0..g.len()).step_by(4) {
@@ -223,14 +260,26 @@ unsafe fn legacy_group_dot_512<B: LegacyBlock, const T: usize>(g: &[LegacyGroup1
             for k in 0..8 {
                 let u = _mm512_load_si512(x.u[k].as_ptr() as *const _);
                 for t in 0..T {
-                    sums[t] = _mm512_dpbusd_epi32(sums[t], u, _mm512_set1_epi32(word(a[t].get_unchecked(b).qs.as_ptr().add(4 * k))));
+                    sums[t] = _mm512_dpbusd_epi32(
+                        sums[t],
+                        u,
+                        _mm512_set1_epi32(word(a[t].get_unchecked(b).qs.as_ptr().add(4 * k))),
+                    );
                 }
             }
             let (d, m) = (_mm512_load_ps(x.d.as_ptr()), _mm512_load_ps(x.m.as_ptr()));
             for t in 0..T {
                 let ab = a[t].get_unchecked(b);
                 let dd = _mm512_mul_ps(d, _mm512_set1_ps(ab.d));
-                let p = if B::MIN { _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t]), dd, _mm512_mul_ps(m, _mm512_set1_ps(ab.s))) } else { _mm512_mul_ps(_mm512_cvtepi32_ps(sums[t]), dd) };
+                let p = if B::MIN {
+                    _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(sums[t]),
+                        dd,
+                        _mm512_mul_ps(m, _mm512_set1_ps(ab.s)),
+                    )
+                } else {
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(sums[t]), dd)
+                };
                 match b - q {
                     0 => first[t] = p,
                     1 => first[t] = _mm512_add_ps(first[t], p),
@@ -260,7 +309,10 @@ pub unsafe fn activation_bias(q8: &[BlockQ8Act], out: &mut [i32]) {
     let (flip, zero) = (_mm256_set1_epi8(-128), _mm256_setzero_si256());
     for (o, blk) in out.iter_mut().zip(q8) {
         // sum(a + 128) of 32 bytes by `vpsadbw`, then less 32 * 128
-        let sad = _mm256_sad_epu8(_mm256_xor_si256(_mm256_loadu_si256(blk.qs.as_ptr() as *const __m256i), flip), zero);
+        let sad = _mm256_sad_epu8(
+            _mm256_xor_si256(_mm256_loadu_si256(blk.qs.as_ptr() as *const __m256i), flip),
+            zero,
+        );
         *o = -128 * (crate::avx2::hsum_i32(sad) - 32 * 128);
     }
 }
@@ -269,10 +321,21 @@ pub unsafe fn activation_bias(q8: &[BlockQ8Act], out: &mut [i32]) {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn legacy_rows_16<'a, B: LegacyBlock>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8: &[BlockQ8Act], bias: &[i32], n: usize, put: impl Fn(usize, usize, &[f32])) {
+unsafe fn legacy_rows_16<'a, B: LegacyBlock>(
+    row: impl Fn(usize) -> &'a [u8],
+    cols: usize,
+    rows: std::ops::Range<usize>,
+    q8: &[BlockQ8Act],
+    bias: &[i32],
+    n: usize,
+    put: impl Fn(usize, usize, &[f32]),
+) {
     let nb = cols / QK;
     assert_eq!(q8.len(), n * nb, "activations: wrong size for {n} tokens of {cols}");
-    assert!(B::MIN || bias.len() == n * nb, "activations' sums: wrong size for {n} tokens of {cols}");
+    assert!(
+        B::MIN || bias.len() == n * nb,
+        "activations' sums: wrong size for {n} tokens of {cols}"
+    );
     let token = |t: usize| &q8[t * nb..(t + 1) * nb];
     let bias_of = |t: usize| if B::MIN { &bias[..0] } else { &bias[t * nb..(t + 1) * nb] };
     let mut group = vec![LegacyGroup16::default(); nb];
@@ -284,7 +347,8 @@ unsafe fn legacy_rows_16<'a, B: LegacyBlock>(row: impl Fn(usize) -> &'a [u8], co
             bytes[r - r0] = row(r);
         }
         unpack_legacy_group16::<B>(&bytes[..r1 - r0], &mut group);
-        let mut prefetch = PrefetchRows::<16>::new((r1..(r1 + 16).min(rows.end)).map(&row), n / 4 + n % 4);
+        let mut prefetch =
+            PrefetchRows::<16>::new((r1..(r1 + 16).min(rows.end)).map(&row), n / 4 + n % 4);
         let mut t = 0;
         macro_rules! tokens {
             ($T:literal) => {{
@@ -321,7 +385,10 @@ unsafe fn legacy_rows_16<'a, B: LegacyBlock>(row: impl Fn(usize) -> &'a [u8], co
 /// Whether a type's prompts go in these row groups (`legacy_rows_all_tokens`): the 32-weight
 /// formats.
 pub fn groups_rows(dtype: DType) -> bool {
-    matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::IQ4_NL)
+    matches!(
+        dtype,
+        DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::IQ4_NL
+    )
 }
 
 /// A prompt's product with Q4_0, Q5_0 or Q4_1 rows in groups of eight (`LegacyGroup`), each group
@@ -333,7 +400,17 @@ pub fn groups_rows(dtype: DType) -> bool {
 /// where the CPU has it).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn legacy_rows_all_tokens<'a>(dtype: DType, width: GroupWidth, row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8: &[BlockQ8Act], bias: &[i32], n: usize, put: impl Fn(usize, usize, &[f32])) {
+pub unsafe fn legacy_rows_all_tokens<'a>(
+    dtype: DType,
+    width: GroupWidth,
+    row: impl Fn(usize) -> &'a [u8],
+    cols: usize,
+    rows: std::ops::Range<usize>,
+    q8: &[BlockQ8Act],
+    bias: &[i32],
+    n: usize,
+    put: impl Fn(usize, usize, &[f32]),
+) {
     macro_rules! by_width {
         ($block:ty) => {
             match width {
@@ -357,7 +434,15 @@ pub unsafe fn legacy_rows_all_tokens<'a>(dtype: DType, width: GroupWidth, row: i
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn legacy_rows<'a, B: LegacyBlock>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8: &[BlockQ8Act], n: usize, vnni: bool, put: impl Fn(usize, usize, &[f32])) {
+unsafe fn legacy_rows<'a, B: LegacyBlock>(
+    row: impl Fn(usize) -> &'a [u8],
+    cols: usize,
+    rows: std::ops::Range<usize>,
+    q8: &[BlockQ8Act],
+    n: usize,
+    vnni: bool,
+    put: impl Fn(usize, usize, &[f32]),
+) {
     let nb = cols / QK;
     assert_eq!(q8.len(), n * nb, "activations: wrong size for {n} tokens of {cols}");
     let token = |t: usize| &q8[t * nb..(t + 1) * nb];
@@ -370,12 +455,17 @@ unsafe fn legacy_rows<'a, B: LegacyBlock>(row: impl Fn(usize) -> &'a [u8], cols:
             bytes[r - r0] = row(r);
         }
         unpack_legacy_group::<B>(&bytes[..r1 - r0], &mut group);
-        let mut prefetch = PrefetchRows::<8>::new((r1..(r1 + 8).min(rows.end)).map(&row), n / 4 + n % 4);
+        let mut prefetch =
+            PrefetchRows::<8>::new((r1..(r1 + 8).min(rows.end)).map(&row), n / 4 + n % 4);
         let mut t = 0;
         while t + 4 <= n {
             prefetch.step();
             let four = [token(t), token(t + 1), token(t + 2), token(t + 3)];
-            let dots = if vnni { legacy_group_dot_vnni::<B, 4>(&group, four) } else { legacy_group_dot::<B, 4>(&group, four) };
+            let dots = if vnni {
+                legacy_group_dot_vnni::<B, 4>(&group, four)
+            } else {
+                legacy_group_dot::<B, 4>(&group, four)
+            };
             for (k, lanes) in dots.iter().enumerate() {
                 put(t + k, r0, &lanes[..r1 - r0]);
             }
@@ -383,7 +473,11 @@ unsafe fn legacy_rows<'a, B: LegacyBlock>(row: impl Fn(usize) -> &'a [u8], cols:
         }
         for t in t..n {
             prefetch.step();
-            let one = if vnni { legacy_group_dot_vnni::<B, 1>(&group, [token(t)]) } else { legacy_group_dot::<B, 1>(&group, [token(t)]) };
+            let one = if vnni {
+                legacy_group_dot_vnni::<B, 1>(&group, [token(t)])
+            } else {
+                legacy_group_dot::<B, 1>(&group, [token(t)])
+            };
             put(t, r0, &one[0][..r1 - r0]);
         }
         r0 = r1;
@@ -413,7 +507,9 @@ mod tests {
             }
             for cols in [96, 256, 576, 1536] {
                 let (rows, n) = (19, 13);
-                let data: Vec<u8> = (0..rows).flat_map(|r| random_quantized_row(dtype, cols, (100 * s + r) as u64)).collect();
+                let data: Vec<u8> = (0..rows)
+                    .flat_map(|r| random_quantized_row(dtype, cols, (100 * s + r) as u64))
+                    .collect();
                 let w = QMatrix { dtype, rows, cols, data: &data };
                 let mut x = Activations::default();
                 x.set(&random_vec(n * cols, 5 + s as u64), n, cols);
@@ -428,14 +524,32 @@ mod tests {
                 for (width, level) in widths {
                     let got = std::cell::RefCell::new(vec![f32::NAN; n * rows]);
                     // SAFETY: AVX2 checked above, AVX-VNNI and AVX-512 where the CPU has them
-                    unsafe { legacy_rows_all_tokens(dtype, width, |r| w.row(r), cols, 1..rows, &x.q8, &x.q8_bias, n, |t, r, v| got.borrow_mut()[t * rows + r..][..v.len()].copy_from_slice(v)) };
+                    unsafe {
+                        legacy_rows_all_tokens(
+                            dtype,
+                            width,
+                            |r| w.row(r),
+                            cols,
+                            1..rows,
+                            &x.q8,
+                            &x.q8_bias,
+                            n,
+                            |t, r, v| {
+                                got.borrow_mut()[t * rows + r..][..v.len()].copy_from_slice(v)
+                            },
+                        )
+                    };
                     let got = got.into_inner();
                     for t in 0..n {
                         assert!(got[t * rows].is_nan(), "{dtype:?}: row 0 was not asked for");
                         for r in 1..rows {
                             let alone = dot_row(&w, r, None, &x, [t], level)[0];
                             let v = got[t * rows + r];
-                            assert_eq!(v.to_bits(), alone.to_bits(), "{dtype:?} cols {cols} {width:?} row {r} token {t}: {v} vs {alone}");
+                            assert_eq!(
+                                v.to_bits(),
+                                alone.to_bits(),
+                                "{dtype:?} cols {cols} {width:?} row {r} token {t}: {v} vs {alone}"
+                            );
                         }
                     }
                 }

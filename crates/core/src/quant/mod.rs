@@ -108,7 +108,9 @@ impl DType {
     pub fn block_len(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::BF16 => 1,
-            DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::IQ4_XS => QK_K,
+            DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::IQ4_XS => {
+                QK_K
+            }
             _ => QK,
         }
     }
@@ -145,10 +147,46 @@ impl DType {
 /// Name of any ggml type id, including ones we cannot compute with (for error messages and `info`).
 pub fn type_name(id: u32) -> String {
     const NAMES: [&str; 40] = [
-        "F32", "F16", "Q4_0", "Q4_1", "Q4_2", "Q4_3", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "Q2_K", "Q3_K", "Q4_K",
-        "Q5_K", "Q6_K", "Q8_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS",
-        "I8", "I16", "I32", "I64", "F64", "IQ1_M", "BF16", "Q4_0_4_4", "Q4_0_4_8", "Q4_0_8_8", "TQ1_0", "TQ2_0",
-        "IQ4_NL_4_4", "IQ4_NL_4_8", "IQ4_NL_8_8", "MXFP4",
+        "F32",
+        "F16",
+        "Q4_0",
+        "Q4_1",
+        "Q4_2",
+        "Q4_3",
+        "Q5_0",
+        "Q5_1",
+        "Q8_0",
+        "Q8_1",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "Q8_K",
+        "IQ2_XXS",
+        "IQ2_XS",
+        "IQ3_XXS",
+        "IQ1_S",
+        "IQ4_NL",
+        "IQ3_S",
+        "IQ2_S",
+        "IQ4_XS",
+        "I8",
+        "I16",
+        "I32",
+        "I64",
+        "F64",
+        "IQ1_M",
+        "BF16",
+        "Q4_0_4_4",
+        "Q4_0_4_8",
+        "Q4_0_8_8",
+        "TQ1_0",
+        "TQ2_0",
+        "IQ4_NL_4_4",
+        "IQ4_NL_4_8",
+        "IQ4_NL_8_8",
+        "MXFP4",
     ];
     NAMES.get(id as usize).map(|s| s.to_string()).unwrap_or_else(|| format!("type#{id}"))
 }
@@ -240,7 +278,9 @@ pub fn arrange_act_quads(blocks: &[BlockQ8Act], out: &mut [ActQuad]) {
         o.hi[16 * k..16 * k + 16].copy_from_slice(&b.qs[16..]);
         for lane in 4 * k..4 * k + 4 {
             let bytes = 4 * (lane - 4 * k);
-            let sum = |h: usize| b.qs[16 * h + bytes..16 * h + bytes + 4].iter().map(|&q| q as i32).sum::<i32>();
+            let sum = |h: usize| {
+                b.qs[16 * h + bytes..16 * h + bytes + 4].iter().map(|&q| q as i32).sum::<i32>()
+            };
             (o.d[lane], o.s[lane]) = (b.d, b.s);
             o.bias[lane] = -8 * (sum(0) + sum(1));
         }
@@ -290,7 +330,10 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {
             }
         }
         DType::Q4_0 => {
-            for (b, o) in cast_blocks::<BlockQ4_0>(&bytes[..dtype.row_bytes(n)]).iter().zip(out.chunks_exact_mut(QK)) {
+            for (b, o) in cast_blocks::<BlockQ4_0>(&bytes[..dtype.row_bytes(n)])
+                .iter()
+                .zip(out.chunks_exact_mut(QK))
+            {
                 let d = f16_to_f32(b.d);
                 for j in 0..QK / 2 {
                     o[j] = ((b.qs[j] & 0x0F) as i32 - 8) as f32 * d;
@@ -299,7 +342,10 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {
             }
         }
         DType::Q4_1 => {
-            for (b, o) in cast_blocks::<BlockQ4_1>(&bytes[..dtype.row_bytes(n)]).iter().zip(out.chunks_exact_mut(QK)) {
+            for (b, o) in cast_blocks::<BlockQ4_1>(&bytes[..dtype.row_bytes(n)])
+                .iter()
+                .zip(out.chunks_exact_mut(QK))
+            {
                 let (d, m) = (f16_to_f32(b.d), f16_to_f32(b.m));
                 for j in 0..QK / 2 {
                     o[j] = (b.qs[j] & 0x0F) as f32 * d + m;
@@ -308,7 +354,10 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {
             }
         }
         DType::Q8_0 => {
-            for (b, o) in cast_blocks::<BlockQ8_0>(&bytes[..dtype.row_bytes(n)]).iter().zip(out.chunks_exact_mut(QK)) {
+            for (b, o) in cast_blocks::<BlockQ8_0>(&bytes[..dtype.row_bytes(n)])
+                .iter()
+                .zip(out.chunks_exact_mut(QK))
+            {
                 let d = f16_to_f32(b.d);
                 for j in 0..QK {
                     o[j] = b.qs[j] as f32 * d;
@@ -328,10 +377,13 @@ pub fn quantize_row(dtype: DType, x: &[f32]) -> Vec<u8> {
     match dtype {
         DType::F32 => x.iter().for_each(|v| out.extend(v.to_le_bytes())),
         DType::F16 => x.iter().for_each(|v| out.extend(f32_to_f16(*v).to_le_bytes())),
-        DType::BF16 => x.iter().for_each(|v| out.extend(bf16::from_f32(*v).to_bits().to_le_bytes())),
+        DType::BF16 => {
+            x.iter().for_each(|v| out.extend(bf16::from_f32(*v).to_bits().to_le_bytes()))
+        }
         DType::Q4_0 => {
             for blk in x.chunks_exact(QK) {
-                let max = blk.iter().copied().fold(0.0f32, |m, v| if v.abs() > m.abs() { v } else { m });
+                let max =
+                    blk.iter().copied().fold(0.0f32, |m, v| if v.abs() > m.abs() { v } else { m });
                 let d = max / -8.0;
                 let id = if d != 0.0 { 1.0 / d } else { 0.0 };
                 out.extend(f32_to_f16(d).to_le_bytes());
@@ -487,7 +539,20 @@ pub(crate) mod tests {
 
     /// Every quantized type, and a random valid row of `cols` weights of one: the legacy types
     /// quantized from random values, the chunked ones random blocks with small scales.
-    pub(crate) const QUANTIZED: [DType; 12] = [DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS];
+    pub(crate) const QUANTIZED: [DType; 12] = [
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q8_0,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q2_K,
+        DType::Q3_K,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+        DType::IQ4_NL,
+        DType::IQ4_XS,
+    ];
 
     pub(crate) fn random_quantized_row(dtype: DType, cols: usize, seed: u64) -> Vec<u8> {
         match dtype {
@@ -522,7 +587,10 @@ pub(crate) mod tests {
         // Q4_0 of 0..32 scaled: max |x| is the last element (31), d = -31/8, and it maps to q=0.
         let x: Vec<f32> = (0..32).map(|i| i as f32).collect();
         let q = quantize_row(DType::Q4_0, &x);
-        assert_eq!(f16_to_f32(u16::from_le_bytes([q[0], q[1]])), f16::from_f32(-31.0 / 8.0).to_f32());
+        assert_eq!(
+            f16_to_f32(u16::from_le_bytes([q[0], q[1]])),
+            f16::from_f32(-31.0 / 8.0).to_f32()
+        );
         assert_eq!(q[2 + 15] >> 4, 0); // element 31
         assert_eq!(q[2] & 0x0F, 8); // element 0
     }
@@ -559,7 +627,8 @@ pub(crate) mod tests {
                 _ => dot_q8_0_scalar(cast_blocks(&q), [&ab])[0],
             };
             // Only the activation's int8 rounding separates the two: bounded by sum |w| * d_a / 2.
-            let bound: f64 = wd.iter().map(|v| v.abs() as f64).sum::<f64>() * (1.0 / 127.0) * 0.5 + 1e-4;
+            let bound: f64 =
+                wd.iter().map(|v| v.abs() as f64).sum::<f64>() * (1.0 / 127.0) * 0.5 + 1e-4;
             assert!((got as f64 - exact).abs() < bound, "{dtype:?}: {got} vs {exact}");
         }
     }

@@ -31,7 +31,8 @@ impl Default for BlockQ8K {
 }
 
 /// The types whose dots read `BlockQ8K` activations (below AVX-512).
-pub const SUPERBLOCK: [DType; 6] = [DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_XS];
+pub const SUPERBLOCK: [DType; 6] =
+    [DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_XS];
 
 /// Whether `dtype` is one of `SUPERBLOCK`.
 pub fn is_superblock(dtype: DType) -> bool {
@@ -84,7 +85,15 @@ pub unsafe fn quantize_act_k_avx2(x: &[f32], out: &mut [BlockQ8K]) {
 /// min * a. Every path (one token, prompts, AVX2, AVX-512, this module's twin) takes it in
 /// this form, so a dot is bit for bit the same in all of them.
 #[inline(always)]
-pub(crate) fn block_step(min: bool, acc: f32, sums: i32, mins: i32, d: f32, dmin: f32, d_a: f32) -> f32 {
+pub(crate) fn block_step(
+    min: bool,
+    acc: f32,
+    sums: i32,
+    mins: i32,
+    d: f32,
+    dmin: f32,
+    d_a: f32,
+) -> f32 {
     let acc = (sums as f32).mul_add(d * d_a, acc);
     if min {
         (-(mins as f32)).mul_add(dmin * d_a, acc)
@@ -109,7 +118,11 @@ pub fn dot_scalar<const N: usize>(dtype: DType, row: &[u8], a: [&[BlockQ8K]; N])
                 let ab = &a[t][b];
                 for h in 0..2 {
                     let k = 2 * c + h;
-                    let dot: i32 = ch.v[16 * h..16 * h + 16].iter().zip(&ab.qs[16 * k..16 * k + 16]).map(|(&v, &q)| v as i32 * q as i32).sum();
+                    let dot: i32 = ch.v[16 * h..16 * h + 16]
+                        .iter()
+                        .zip(&ab.qs[16 * k..16 * k + 16])
+                        .map(|(&v, &q)| v as i32 * q as i32)
+                        .sum();
                     sums[t] += ch.scale[h] * dot;
                     mins[t] += ch.min[h] * ab.bsums[k] as i32;
                 }
@@ -158,7 +171,10 @@ pub(crate) mod tests {
                 assert_eq!(q as f64, want, "block {b} element {i}");
             }
             for g in 0..16 {
-                assert_eq!(blk.bsums[g] as i32, blk.qs[16 * g..16 * g + 16].iter().map(|&q| q as i32).sum::<i32>());
+                assert_eq!(
+                    blk.bsums[g] as i32,
+                    blk.qs[16 * g..16 * g + 16].iter().map(|&q| q as i32).sum::<i32>()
+                );
             }
         }
         assert_eq!(a[0].qs[3], -127);
@@ -169,7 +185,10 @@ pub(crate) mod tests {
             // SAFETY: AVX2 checked above
             unsafe { quantize_act_k_avx2(&x, &mut b) };
             for (p, q) in a.iter().zip(&b) {
-                assert!(p.d.to_bits() == q.d.to_bits() && p.qs == q.qs && p.bsums == q.bsums, "AVX2 build differs");
+                assert!(
+                    p.d.to_bits() == q.d.to_bits() && p.qs == q.qs && p.bsums == q.bsums,
+                    "AVX2 build differs"
+                );
             }
         }
     }
@@ -187,9 +206,20 @@ pub(crate) mod tests {
             let got = dot_scalar(dtype, &row, [&acts[0], &acts[1]]);
             for t in 0..2 {
                 let a = &acts[t];
-                let want: f64 = w.iter().enumerate().map(|(i, &wi)| wi as f64 * a[i / QK_K].d as f64 * a[i / QK_K].qs[i % QK_K] as f64).sum();
-                let scale: f64 = w.iter().zip(&xs[t]).map(|(&wi, &x)| (wi as f64 * x as f64).abs()).sum();
-                assert!((got[t] as f64 - want).abs() <= 1e-5 * scale, "{dtype:?} token {t}: {} vs {want}", got[t]);
+                let want: f64 = w
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &wi)| {
+                        wi as f64 * a[i / QK_K].d as f64 * a[i / QK_K].qs[i % QK_K] as f64
+                    })
+                    .sum();
+                let scale: f64 =
+                    w.iter().zip(&xs[t]).map(|(&wi, &x)| (wi as f64 * x as f64).abs()).sum();
+                assert!(
+                    (got[t] as f64 - want).abs() <= 1e-5 * scale,
+                    "{dtype:?} token {t}: {} vs {want}",
+                    got[t]
+                );
             }
         }
     }

@@ -22,11 +22,14 @@
 
 use std::arch::x86_64::*;
 
-use super::chunked::{k4_scales, q3_k_scales, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, IQ4_VALUES};
+use super::chunked::{
+    k4_scales, q3_k_scales, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K,
+    IQ4_VALUES,
+};
 use super::chunked_avx2::{has_bit, load32, nibbles};
+use super::superblock::block_step;
 use super::superblock::BlockQ8K;
 use super::{cast_blocks, DType, QK_K};
-use super::superblock::block_step;
 use crate::avx2::{hsum4_i32, hsum_i32, Prefetch, PrefetchRows};
 
 /// Chunk c (32 activations) of a token.
@@ -75,7 +78,10 @@ unsafe fn pair16(x: __m256i, k: usize) -> __m256i {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn halves(scales: __m256i) -> [__m256i; 2] {
-    [_mm256_permute2x128_si256::<0x00>(scales, scales), _mm256_permute2x128_si256::<0x11>(scales, scales)]
+    [
+        _mm256_permute2x128_si256::<0x00>(scales, scales),
+        _mm256_permute2x128_si256::<0x11>(scales, scales),
+    ]
 }
 
 /// Bits 2s and 2s + 1 of every byte of x, as 0..4.
@@ -124,7 +130,15 @@ trait SuperBlock {
 /// sums[t] += scale * v * a for chunk c of every token.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn add_chunk<const N: usize>(signed: bool, sums: &mut [__m256i; N], u: __m256i, v: __m256i, scales: __m256i, a: [&BlockQ8K; N], c: usize) {
+unsafe fn add_chunk<const N: usize>(
+    signed: bool,
+    sums: &mut [__m256i; N],
+    u: __m256i,
+    v: __m256i,
+    scales: __m256i,
+    a: [&BlockQ8K; N],
+    c: usize,
+) {
     for t in 0..N {
         let x = if signed { _mm256_sign_epi8(acts(a[t], c), v) } else { acts(a[t], c) };
         sums[t] = _mm256_add_epi32(sums[t], scaled(u, x, scales));
@@ -134,13 +148,20 @@ unsafe fn add_chunk<const N: usize>(signed: bool, sums: &mut [__m256i; N], u: __
 /// The block's extra term per token: the offset comes off `sums`; the minima's sums are returned.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn extras<B: SuperBlock, const N: usize>(blk: &Block, sums: &mut [__m256i; N], a: [&BlockQ8K; N]) -> [__m256i; N] {
+unsafe fn extras<B: SuperBlock, const N: usize>(
+    blk: &Block,
+    sums: &mut [__m256i; N],
+    a: [&BlockQ8K; N],
+) -> [__m256i; N] {
     let mut mins = [_mm256_setzero_si256(); N];
     for t in 0..N {
         if B::MIN {
             mins[t] = _mm256_madd_epi16(blk.extra, bsums(a[t]));
         } else if B::OFFSET_SHIFT > 0 {
-            let offset = _mm256_sll_epi32(_mm256_madd_epi16(blk.extra, bsums(a[t])), _mm_cvtsi32_si128(B::OFFSET_SHIFT));
+            let offset = _mm256_sll_epi32(
+                _mm256_madd_epi16(blk.extra, bsums(a[t])),
+                _mm_cvtsi32_si128(B::OFFSET_SHIFT),
+            );
             sums[t] = _mm256_sub_epi32(sums[t], offset);
         }
     }
@@ -150,7 +171,14 @@ unsafe fn extras<B: SuperBlock, const N: usize>(blk: &Block, sums: &mut [__m256i
 /// `superblock::block_step` from the lanes of a block's sums for a token.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn float_step(min: bool, acc: &mut f32, blk: &Block, sums: __m256i, mins: __m256i, d_a: f32) {
+unsafe fn float_step(
+    min: bool,
+    acc: &mut f32,
+    blk: &Block,
+    sums: __m256i,
+    mins: __m256i,
+    d_a: f32,
+) {
     let m = if min { hsum_i32(mins) } else { 0 };
     *acc = block_step(min, *acc, hsum_i32(sums), m, blk.d, blk.dmin, d_a);
 }
@@ -196,7 +224,8 @@ impl SuperBlock for BlockQ3K {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn decode(&self, mut each: impl FnMut(usize, __m256i, __m256i, __m256i)) -> Block {
         let packed = q3_k_scales(&self.scales);
-        let signed = _mm_sub_epi8(_mm_loadu_si128(packed.as_ptr() as *const __m128i), _mm_set1_epi8(32));
+        let signed =
+            _mm_sub_epi8(_mm_loadu_si128(packed.as_ptr() as *const __m128i), _mm_set1_epi8(32));
         let all = _mm256_cvtepi8_epi16(signed);
         let scales = halves(all);
         let hmask = load32(self.hmask.as_ptr());
@@ -217,7 +246,14 @@ impl SuperBlock for BlockQ3K {
 /// unsigned 6-bit scale and minimum per 32 weights.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn k4_decode(d: u16, dmin: u16, packed: &[u8; 12], qs: &[u8; 128], qh: Option<&[u8; 32]>, mut each: impl FnMut(usize, __m256i, __m256i, __m256i)) -> Block {
+unsafe fn k4_decode(
+    d: u16,
+    dmin: u16,
+    packed: &[u8; 12],
+    qs: &[u8; 128],
+    qh: Option<&[u8; 32]>,
+    mut each: impl FnMut(usize, __m256i, __m256i, __m256i),
+) -> Block {
     let sm = k4_scales(packed);
     let sm = _mm_loadu_si128(sm.as_ptr() as *const __m128i);
     let scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
@@ -225,7 +261,8 @@ unsafe fn k4_decode(d: u16, dmin: u16, packed: &[u8; 12], qs: &[u8; 128], qh: Op
     let high = qh.map(|qh| load32(qh.as_ptr()));
     for g in 0..4 {
         let q = load32(qs.as_ptr().add(32 * g));
-        let nibbles = [_mm256_and_si256(q, low4), _mm256_and_si256(_mm256_srli_epi16::<4>(q), low4)];
+        let nibbles =
+            [_mm256_and_si256(q, low4), _mm256_and_si256(_mm256_srli_epi16::<4>(q), low4)];
         for (h, mut u) in nibbles.into_iter().enumerate() {
             let c = 2 * g + h;
             if let Some(high) = high {
@@ -235,7 +272,10 @@ unsafe fn k4_decode(d: u16, dmin: u16, packed: &[u8; 12], qs: &[u8; 128], qh: Op
         }
     }
     // minimum k for bsums 2k and 2k + 1
-    let mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
+    let mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(
+        sm,
+        _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15),
+    ));
     Block { d: f16(d), dmin: f16(dmin), extra: mins }
 }
 
@@ -278,7 +318,8 @@ impl SuperBlock for BlockQ6K {
         let scales = halves(all);
         let (low4, top2) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
         for g in 0..2 {
-            let ql = [load32(self.ql.as_ptr().add(64 * g)), load32(self.ql.as_ptr().add(64 * g + 32))];
+            let ql =
+                [load32(self.ql.as_ptr().add(64 * g)), load32(self.ql.as_ptr().add(64 * g + 32))];
             let qh = load32(self.qh.as_ptr().add(32 * g));
             for s in 0..4 {
                 let low = if s < 2 { ql[s] } else { _mm256_srli_epi16::<4>(ql[s - 2]) };
@@ -301,7 +342,10 @@ impl SuperBlock for BlockQ6K {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn per_16(scales: __m256i) -> __m256i {
-    _mm256_or_si256(_mm256_and_si256(scales, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32::<16>(scales))
+    _mm256_or_si256(
+        _mm256_and_si256(scales, _mm256_set1_epi32(0xFFFF)),
+        _mm256_slli_epi32::<16>(scales),
+    )
 }
 
 /// The eight 6-bit scales of an IQ4_XS block, less 32 (`chunked::iq4_xs_scale`), in 32-bit
@@ -309,9 +353,18 @@ unsafe fn per_16(scales: __m256i) -> __m256i {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn iq4_xs_scales(x: &BlockIQ4XS) -> __m256i {
-    let low = _mm256_srlv_epi32(_mm256_set1_epi32(u32::from_le_bytes(x.scales_l) as i32), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
-    let high = _mm256_srlv_epi32(_mm256_set1_epi32(x.scales_h as i32), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
-    let six = _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi32(0x0F)), _mm256_slli_epi32::<4>(_mm256_and_si256(high, _mm256_set1_epi32(3))));
+    let low = _mm256_srlv_epi32(
+        _mm256_set1_epi32(u32::from_le_bytes(x.scales_l) as i32),
+        _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28),
+    );
+    let high = _mm256_srlv_epi32(
+        _mm256_set1_epi32(x.scales_h as i32),
+        _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14),
+    );
+    let six = _mm256_or_si256(
+        _mm256_and_si256(low, _mm256_set1_epi32(0x0F)),
+        _mm256_slli_epi32::<4>(_mm256_and_si256(high, _mm256_set1_epi32(3))),
+    );
     _mm256_sub_epi32(six, _mm256_set1_epi32(32))
 }
 
@@ -328,7 +381,8 @@ impl SuperBlock for BlockIQ4XS {
         let ls = iq4_xs_scales(self);
         // as 16-bit lanes 0..8, in both 128-bit lanes
         let scales = _mm256_permute4x64_epi64::<0b10_00_10_00>(_mm256_packs_epi32(ls, ls));
-        let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(IQ4_VALUES.as_ptr() as *const __m128i));
+        let table =
+            _mm256_broadcastsi128_si256(_mm_loadu_si128(IQ4_VALUES.as_ptr() as *const __m128i));
         for c in 0..8 {
             let v = _mm256_shuffle_epi8(table, nibbles(self.qs.as_ptr().add(16 * c)));
             each(c, _mm256_sign_epi8(v, v), v, lane16(scales, c));
@@ -373,8 +427,20 @@ unsafe fn rows_dot_with<B: SuperBlock, P, const R: usize, const N: usize>(
 /// R rows of format B against N tokens with AVX2, a chunk per `vpmaddubsw`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_dot<B: SuperBlock, const R: usize, const N: usize>(rows: [&[u8]; R], a: [&[BlockQ8K]; N], next: &[u8]) -> [[f32; N]; R] {
-    rows_dot_with::<B, (), R, N>(rows, a, next, |_| (), |x, _, at, sums| x.decode(|c, u, v, scales| add_chunk(B::SIGNED, sums, u, v, scales, at, c)))
+unsafe fn rows_dot<B: SuperBlock, const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    a: [&[BlockQ8K]; N],
+    next: &[u8],
+) -> [[f32; N]; R] {
+    rows_dot_with::<B, (), R, N>(
+        rows,
+        a,
+        next,
+        |_| (),
+        |x, _, at, sums| {
+            x.decode(|c, u, v, scales| add_chunk(B::SIGNED, sums, u, v, scales, at, c))
+        },
+    )
 }
 
 /// A super-block format decoded two chunks per 512-bit register, for the one-token dots with
@@ -422,7 +488,10 @@ const NIBBLE_PAIRS: [[usize; 2]; 4] = [[0, 2], [1, 3], [4, 6], [5, 7]];
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn bits_of_pair(x: __m512i, [c0, c1]: [usize; 2]) -> __mmask64 {
-    let bits = _mm512_inserti64x4::<1>(_mm512_set1_epi8((1u8 << c0) as i8), _mm256_set1_epi8((1u8 << c1) as i8));
+    let bits = _mm512_inserti64x4::<1>(
+        _mm512_set1_epi8((1u8 << c0) as i8),
+        _mm256_set1_epi8((1u8 << c1) as i8),
+    );
     _mm512_test_epi8_mask(x, bits)
 }
 
@@ -445,9 +514,21 @@ impl SuperBlock512 for BlockQ2K {
         let q = _mm512_loadu_si512(self.qs.as_ptr() as *const _);
         let three = _mm512_set1_epi8(3);
         each(0, _mm512_and_si512(q, three), _mm512_permutexvar_epi32(index16(&IDX[0]), scales));
-        each(1, _mm512_and_si512(_mm512_srli_epi16::<2>(q), three), _mm512_permutexvar_epi32(index16(&IDX[1]), scales));
-        each(2, _mm512_and_si512(_mm512_srli_epi16::<4>(q), three), _mm512_permutexvar_epi32(index16(&IDX[2]), scales));
-        each(3, _mm512_and_si512(_mm512_srli_epi16::<6>(q), three), _mm512_permutexvar_epi32(index16(&IDX[3]), scales));
+        each(
+            1,
+            _mm512_and_si512(_mm512_srli_epi16::<2>(q), three),
+            _mm512_permutexvar_epi32(index16(&IDX[1]), scales),
+        );
+        each(
+            2,
+            _mm512_and_si512(_mm512_srli_epi16::<4>(q), three),
+            _mm512_permutexvar_epi32(index16(&IDX[2]), scales),
+        );
+        each(
+            3,
+            _mm512_and_si512(_mm512_srli_epi16::<6>(q), three),
+            _mm512_permutexvar_epi32(index16(&IDX[3]), scales),
+        );
         let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(packed), low4));
         Block { d: f16(self.d), dmin: f16(self.dmin), extra: mins }
     }
@@ -460,13 +541,15 @@ impl SuperBlock512 for BlockQ3K {
     unsafe fn decode512(&self, mut each: impl FnMut(usize, __m512i, __m512i)) -> Block {
         const IDX: [[i32; 16]; 4] = pair_scale_index(CRUMB_PAIRS, false);
         let packed = q3_k_scales(&self.scales);
-        let signed = _mm_sub_epi8(_mm_loadu_si128(packed.as_ptr() as *const __m128i), _mm_set1_epi8(32));
+        let signed =
+            _mm_sub_epi8(_mm_loadu_si128(packed.as_ptr() as *const __m128i), _mm_set1_epi8(32));
         // (the high words zero: `vpdpwssd` pairs them with the sums' high words)
         let scales = _mm512_and_si512(_mm512_cvtepi8_epi32(signed), _mm512_set1_epi32(0xFFFF));
         let q = _mm512_loadu_si512(self.qs.as_ptr() as *const _);
         let hmask = both_halves(self.hmask.as_ptr());
         let (three, four) = (_mm512_set1_epi8(3), _mm512_set1_epi8(4));
-        let crumbs = [q, _mm512_srli_epi16::<2>(q), _mm512_srli_epi16::<4>(q), _mm512_srli_epi16::<6>(q)];
+        let crumbs =
+            [q, _mm512_srli_epi16::<2>(q), _mm512_srli_epi16::<4>(q), _mm512_srli_epi16::<6>(q)];
         for (p, crumb) in crumbs.into_iter().enumerate() {
             let low = _mm512_and_si512(crumb, three);
             let u = _mm512_mask_add_epi8(low, bits_of_pair(hmask, CRUMB_PAIRS[p]), low, four);
@@ -479,7 +562,14 @@ impl SuperBlock512 for BlockQ3K {
 /// Q4_K's and Q5_K's `decode512`: the nibbles of `qs` (and `qh`'s bit c << 4 for Q5_K).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn k4_decode512(d: u16, dmin: u16, packed: &[u8; 12], qs: &[u8; 128], qh: Option<&[u8; 32]>, mut each: impl FnMut(usize, __m512i, __m512i)) -> Block {
+unsafe fn k4_decode512(
+    d: u16,
+    dmin: u16,
+    packed: &[u8; 12],
+    qs: &[u8; 128],
+    qh: Option<&[u8; 32]>,
+    mut each: impl FnMut(usize, __m512i, __m512i),
+) -> Block {
     const IDX: [[i32; 16]; 4] = pair_scale_index(NIBBLE_PAIRS, true);
     let sm = k4_scales(packed);
     let sm = _mm_loadu_si128(sm.as_ptr() as *const __m128i);
@@ -489,16 +579,25 @@ unsafe fn k4_decode512(d: u16, dmin: u16, packed: &[u8; 12], qs: &[u8; 128], qh:
     let high = qh.map(|qh| both_halves(qh.as_ptr()));
     for g in 0..2 {
         let q = _mm512_loadu_si512(qs.as_ptr().add(64 * g) as *const _);
-        let nibbles = [_mm512_and_si512(q, low4), _mm512_and_si512(_mm512_srli_epi16::<4>(q), low4)];
+        let nibbles =
+            [_mm512_and_si512(q, low4), _mm512_and_si512(_mm512_srli_epi16::<4>(q), low4)];
         for (h, mut u) in nibbles.into_iter().enumerate() {
             let p = 2 * g + h;
             if let Some(high) = high {
-                u = _mm512_mask_add_epi8(u, bits_of_pair(high, NIBBLE_PAIRS[p]), u, _mm512_set1_epi8(0x10));
+                u = _mm512_mask_add_epi8(
+                    u,
+                    bits_of_pair(high, NIBBLE_PAIRS[p]),
+                    u,
+                    _mm512_set1_epi8(0x10),
+                );
             }
             each(p, u, _mm512_permutexvar_epi32(index16(&IDX[p]), scales));
         }
     }
-    let mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
+    let mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(
+        sm,
+        _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15),
+    ));
     Block { d: f16(d), dmin: f16(dmin), extra: mins }
 }
 
@@ -534,12 +633,21 @@ impl SuperBlock512 for BlockQ6K {
         let scales = _mm512_and_si512(_mm512_cvtepi8_epi32(all), _mm512_set1_epi32(0xFFFF));
         let (low4, top2) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x30));
         // bits (0, 1) | (2, 3) to bits 4, 5: left by 4 | 2; bits (4, 5) | (6, 7): right by 0 | 2
-        let (left, right) = (_mm512_inserti64x4::<1>(_mm512_set1_epi16(4), _mm256_set1_epi16(2)), _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(2)));
+        let (left, right) = (
+            _mm512_inserti64x4::<1>(_mm512_set1_epi16(4), _mm256_set1_epi16(2)),
+            _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(2)),
+        );
         for g in 0..2 {
             let ql = _mm512_loadu_si512(self.ql.as_ptr().add(64 * g) as *const _);
             let qh = both_halves(self.qh.as_ptr().add(32 * g));
-            let first = _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_and_si512(_mm512_sllv_epi16(qh, left), top2));
-            let second = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(ql), low4), _mm512_and_si512(_mm512_srlv_epi16(qh, right), top2));
+            let first = _mm512_or_si512(
+                _mm512_and_si512(ql, low4),
+                _mm512_and_si512(_mm512_sllv_epi16(qh, left), top2),
+            );
+            let second = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16::<4>(ql), low4),
+                _mm512_and_si512(_mm512_srlv_epi16(qh, right), top2),
+            );
             each(2 * g, first, _mm512_permutexvar_epi32(index16(&IDX[2 * g]), scales));
             each(2 * g + 1, second, _mm512_permutexvar_epi32(index16(&IDX[2 * g + 1]), scales));
         }
@@ -550,7 +658,12 @@ impl SuperBlock512 for BlockQ6K {
 /// A pair of chunks against N tokens: wide[t] += scales * (u . a), four weights per lane.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn add_pair<const N: usize>(wide: &mut [__m512i; N], u: __m512i, scales: __m512i, acts: &[__m512i; N]) {
+unsafe fn add_pair<const N: usize>(
+    wide: &mut [__m512i; N],
+    u: __m512i,
+    scales: __m512i,
+    acts: &[__m512i; N],
+) {
     for t in 0..N {
         let part = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, acts[t]);
         wide[t] = _mm512_dpwssd_epi32(wide[t], part, scales);
@@ -565,7 +678,14 @@ unsafe fn paired_acts<B: SuperBlock512, const N: usize>(at: [&BlockQ8K; N]) -> [
     for (p, [c0, c1]) in B::PAIRS.into_iter().enumerate() {
         for t in 0..N {
             let q = at[t].qs.as_ptr() as *const u8;
-            acts[p][t] = if c1 == c0 + 1 { _mm512_loadu_si512(q.add(32 * c0) as *const _) } else { _mm512_inserti64x4::<1>(_mm512_castsi256_si512(load32(q.add(32 * c0))), load32(q.add(32 * c1))) };
+            acts[p][t] = if c1 == c0 + 1 {
+                _mm512_loadu_si512(q.add(32 * c0) as *const _)
+            } else {
+                _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(load32(q.add(32 * c0))),
+                    load32(q.add(32 * c1)),
+                )
+            };
         }
     }
     acts
@@ -576,7 +696,13 @@ unsafe fn paired_acts<B: SuperBlock512, const N: usize>(at: [&BlockQ8K; N]) -> [
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn fold<const N: usize>(wide: &[__m512i; N], sums: &mut [__m256i; N]) {
     for t in 0..N {
-        sums[t] = _mm256_add_epi32(sums[t], _mm256_add_epi32(_mm512_castsi512_si256(wide[t]), _mm512_extracti64x4_epi64::<1>(wide[t])));
+        sums[t] = _mm256_add_epi32(
+            sums[t],
+            _mm256_add_epi32(
+                _mm512_castsi512_si256(wide[t]),
+                _mm512_extracti64x4_epi64::<1>(wide[t]),
+            ),
+        );
     }
 }
 
@@ -585,13 +711,23 @@ unsafe fn fold<const N: usize>(wide: &[__m512i; N], sums: &mut [__m256i; N]) {
 /// exact integer sums and float steps as `rows_dot`'s.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn rows_dot_512<B: SuperBlock512, const R: usize, const N: usize>(rows: [&[u8]; R], a: [&[BlockQ8K]; N], next: &[u8]) -> [[f32; N]; R] {
-    rows_dot_with::<B, _, R, N>(rows, a, next, |at| paired_acts::<B, N>(at), |x, acts, _, sums| {
-        let mut wide = [_mm512_setzero_si512(); N];
-        let blk = x.decode512(|p, u, scales| add_pair(&mut wide, u, scales, &acts[p]));
-        fold(&wide, sums);
-        blk
-    })
+unsafe fn rows_dot_512<B: SuperBlock512, const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    a: [&[BlockQ8K]; N],
+    next: &[u8],
+) -> [[f32; N]; R] {
+    rows_dot_with::<B, _, R, N>(
+        rows,
+        a,
+        next,
+        |at| paired_acts::<B, N>(at),
+        |x, acts, _, sums| {
+            let mut wide = [_mm512_setzero_si512(); N];
+            let blk = x.decode512(|p, u, scales| add_pair(&mut wide, u, scales, &acts[p]));
+            fold(&wide, sums);
+            blk
+        },
+    )
 }
 
 /// IQ4_XS rows against N tokens with AVX-512 VNNI: two chunks per 512-bit step, the grid
@@ -599,34 +735,65 @@ unsafe fn rows_dot_512<B: SuperBlock512, const R: usize, const N: usize>(rows: [
 /// activations' sums; the same exact integer sums and float steps as `rows_dot`'s.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn rows_dot_iq4_xs_512<const R: usize, const N: usize>(rows: [&[u8]; R], a: [&[BlockQ8K]; N], next: &[u8]) -> [[f32; N]; R] {
-    let biased = _mm_xor_si128(_mm_loadu_si128(IQ4_VALUES.as_ptr() as *const __m128i), _mm_set1_epi8(-128));
+unsafe fn rows_dot_iq4_xs_512<const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    a: [&[BlockQ8K]; N],
+    next: &[u8],
+) -> [[f32; N]; R] {
+    let biased =
+        _mm_xor_si128(_mm_loadu_si128(IQ4_VALUES.as_ptr() as *const __m128i), _mm_set1_epi8(-128));
     let table = _mm512_broadcast_i32x4(biased);
     let low4 = _mm512_set1_epi8(0x0F);
     // 32 bytes of nibbles (chunks 2h, 2h + 1) to 128-bit lanes: low, high nibbles of chunk 2h, of 2h + 1
     let spread = _mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3);
-    rows_dot_with::<BlockIQ4XS, (), R, N>(rows, a, next, |_| (), |x, _, at, sums| {
-        let ls = _mm512_castsi256_si512(iq4_xs_scales(x));
-        let mut wide = [_mm512_setzero_si512(); N];
-        for h in 0..4 {
-            let q = _mm512_permutexvar_epi64(spread, _mm512_castsi256_si512(load32(x.qs.as_ptr().add(32 * h))));
-            let u = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_mask_blend_epi64(0b1100_1100, q, _mm512_srli_epi16::<4>(q)), low4));
-            // chunk 2h's scale in lanes 0..8, 2h + 1's in 8..16
-            let which = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(2 * h as i32), _mm512_set1_epi32(2 * h as i32 + 1));
-            let scale = _mm512_permutexvar_epi32(which, ls);
-            for t in 0..N {
-                let part = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(at[t].qs.as_ptr().add(64 * h) as *const _));
-                wide[t] = _mm512_add_epi32(wide[t], _mm512_mullo_epi32(part, scale));
+    rows_dot_with::<BlockIQ4XS, (), R, N>(
+        rows,
+        a,
+        next,
+        |_| (),
+        |x, _, at, sums| {
+            let ls = _mm512_castsi256_si512(iq4_xs_scales(x));
+            let mut wide = [_mm512_setzero_si512(); N];
+            for h in 0..4 {
+                let q = _mm512_permutexvar_epi64(
+                    spread,
+                    _mm512_castsi256_si512(load32(x.qs.as_ptr().add(32 * h))),
+                );
+                let u = _mm512_shuffle_epi8(
+                    table,
+                    _mm512_and_si512(
+                        _mm512_mask_blend_epi64(0b1100_1100, q, _mm512_srli_epi16::<4>(q)),
+                        low4,
+                    ),
+                );
+                // chunk 2h's scale in lanes 0..8, 2h + 1's in 8..16
+                let which = _mm512_mask_blend_epi32(
+                    0xFF00,
+                    _mm512_set1_epi32(2 * h as i32),
+                    _mm512_set1_epi32(2 * h as i32 + 1),
+                );
+                let scale = _mm512_permutexvar_epi32(which, ls);
+                for t in 0..N {
+                    let part = _mm512_dpbusd_epi32(
+                        _mm512_setzero_si512(),
+                        u,
+                        _mm512_loadu_si512(at[t].qs.as_ptr().add(64 * h) as *const _),
+                    );
+                    wide[t] = _mm512_add_epi32(wide[t], _mm512_mullo_epi32(part, scale));
+                }
             }
-        }
-        let blk = Block { d: f16(x.d), dmin: 0.0, extra: per_16(_mm512_castsi512_si256(ls)) };
-        fold(&wide, sums);
-        // the 128 of the grid values, through the activations' sums
-        for t in 0..N {
-            sums[t] = _mm256_sub_epi32(sums[t], _mm256_slli_epi32::<7>(_mm256_madd_epi16(blk.extra, bsums(at[t]))));
-        }
-        blk
-    })
+            let blk = Block { d: f16(x.d), dmin: 0.0, extra: per_16(_mm512_castsi512_si256(ls)) };
+            fold(&wide, sums);
+            // the 128 of the grid values, through the activations' sums
+            for t in 0..N {
+                sums[t] = _mm256_sub_epi32(
+                    sums[t],
+                    _mm256_slli_epi32::<7>(_mm256_madd_epi16(blk.extra, bsums(at[t]))),
+                );
+            }
+            blk
+        },
+    )
 }
 
 /// Per block and token, `superblock::block_step` of R rows: four rows side by side in the
@@ -646,17 +813,26 @@ impl<const R: usize, const N: usize> FloatSteps<R, N> {
     /// A block's steps from its exact integer sums (and minima's sums, `min`).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn add(&mut self, min: bool, blks: &[Block; R], sums: &[[__m256i; N]; R], mins: &[[__m256i; N]; R], at: [&BlockQ8K; N]) {
+    unsafe fn add(
+        &mut self,
+        min: bool,
+        blks: &[Block; R],
+        sums: &[[__m256i; N]; R],
+        mins: &[[__m256i; N]; R],
+        at: [&BlockQ8K; N],
+    ) {
         for t in 0..N {
             if R == 4 {
                 let d_a = _mm_set1_ps(at[t].d);
                 let d = _mm_setr_ps(blks[0].d, blks[1].d, blks[2].d, blks[3].d);
                 let total = hsum4_i32([sums[0][t], sums[1][t], sums[2][t], sums[3][t]]);
-                self.acc4[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(total), _mm_mul_ps(d, d_a), self.acc4[t]);
+                self.acc4[t] =
+                    _mm_fmadd_ps(_mm_cvtepi32_ps(total), _mm_mul_ps(d, d_a), self.acc4[t]);
                 if min {
                     let dmin = _mm_setr_ps(blks[0].dmin, blks[1].dmin, blks[2].dmin, blks[3].dmin);
                     let total = hsum4_i32([mins[0][t], mins[1][t], mins[2][t], mins[3][t]]);
-                    self.acc4[t] = _mm_fnmadd_ps(_mm_cvtepi32_ps(total), _mm_mul_ps(dmin, d_a), self.acc4[t]);
+                    self.acc4[t] =
+                        _mm_fnmadd_ps(_mm_cvtepi32_ps(total), _mm_mul_ps(dmin, d_a), self.acc4[t]);
                 }
             } else {
                 for r in 0..R {
@@ -686,7 +862,13 @@ impl<const R: usize, const N: usize> FloatSteps<R, N> {
 /// bytes read after these rows (prefetched, see `matmul::dot_row`); `wide`: with
 /// AVX-512 VNNI (only where the CPU has AVX-512 F/BW/VL/VNNI).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot<const R: usize, const N: usize>(dtype: DType, wide: bool, rows: [&[u8]; R], a: [&[BlockQ8K]; N], next: &[u8]) -> [[f32; N]; R] {
+pub unsafe fn dot<const R: usize, const N: usize>(
+    dtype: DType,
+    wide: bool,
+    rows: [&[u8]; R],
+    a: [&[BlockQ8K]; N],
+    next: &[u8],
+) -> [[f32; N]; R] {
     match dtype {
         DType::IQ4_XS if wide => rows_dot_iq4_xs_512::<R, N>(rows, a, next),
         DType::Q2_K if wide => rows_dot_512::<BlockQ2K, R, N>(rows, a, next),
@@ -731,7 +913,14 @@ const _: () = assert!(std::mem::size_of::<RowGroupBlock<8>>() == 4928);
 
 impl<const G: usize> Default for RowGroupBlock<G> {
     fn default() -> Self {
-        RowGroupBlock { u: [[0; G]; QK_K / 4], v: [[0; G]; QK_K / 4], scales: [[0; G]; 16], extra: [[0; G]; 8], d: [0.0; G], dmin: [0.0; G] }
+        RowGroupBlock {
+            u: [[0; G]; QK_K / 4],
+            v: [[0; G]; QK_K / 4],
+            scales: [[0; G]; 16],
+            extra: [[0; G]; 8],
+            d: [0.0; G],
+            dmin: [0.0; G],
+        }
     }
 }
 
@@ -759,7 +948,12 @@ impl<const G: usize> Staged<G> {
 /// side into `staged` and turned into the group's row-per-lane order by `transpose_chunk`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn unpack_group<'a, B: SuperBlock, const G: usize>(rows: impl Iterator<Item = &'a [u8]>, count: usize, out: &mut [RowGroupBlock<G>], staged: &mut Staged<G>) {
+unsafe fn unpack_group<'a, B: SuperBlock, const G: usize>(
+    rows: impl Iterator<Item = &'a [u8]>,
+    count: usize,
+    out: &mut [RowGroupBlock<G>],
+    staged: &mut Staged<G>,
+) {
     if count < G {
         out.fill(RowGroupBlock::default());
     }
@@ -771,7 +965,8 @@ unsafe fn unpack_group<'a, B: SuperBlock, const G: usize>(rows: impl Iterator<It
         // rows past `count` read 0
         for r in count..G {
             for c in 0..8 {
-                (staged.u[c][transpose_slot::<G>(r)], staged.v[c][transpose_slot::<G>(r)]) = ([0; 8], [0; 8]);
+                (staged.u[c][transpose_slot::<G>(r)], staged.v[c][transpose_slot::<G>(r)]) =
+                    ([0; 8], [0; 8]);
             }
         }
     }
@@ -794,7 +989,10 @@ unsafe fn unpack_group<'a, B: SuperBlock, const G: usize>(rows: impl Iterator<It
             let blk = blocks[r].get_unchecked(b).decode(|c, u, v, scales| {
                 if B::SIGNED && G == 16 {
                     // `group_dot` takes signed weights as v + 128 in `u`
-                    _mm256_storeu_si256(staged[c][slot].as_mut_ptr() as *mut __m256i, _mm256_xor_si256(v, _mm256_set1_epi8(-128)));
+                    _mm256_storeu_si256(
+                        staged[c][slot].as_mut_ptr() as *mut __m256i,
+                        _mm256_xor_si256(v, _mm256_set1_epi8(-128)),
+                    );
                 } else {
                     _mm256_storeu_si256(staged[c][slot].as_mut_ptr() as *mut __m256i, u);
                 }
@@ -804,14 +1002,23 @@ unsafe fn unpack_group<'a, B: SuperBlock, const G: usize>(rows: impl Iterator<It
                 // the halves' scales: lanes 0 and 8
                 let first = _mm256_extract_epi16::<0>(scales) as i16;
                 let second = _mm256_extract_epi16::<8>(scales) as i16;
-                (o.scales[2 * c][r], o.scales[2 * c + 1][r]) = (pair(first, first), pair(second, second));
+                (o.scales[2 * c][r], o.scales[2 * c + 1][r]) =
+                    (pair(first, first), pair(second, second));
             });
             let mut extra = [0u32; 8];
             _mm256_storeu_si256(extra.as_mut_ptr() as *mut __m256i, blk.extra);
             for j in 0..8 {
                 // (per 32: both halves of lane j hold sub-block j's, as the one-token kernels
                 // pair them with the sums per 16)
-                o.extra[j][r] = if B::SCALE_WEIGHTS == 32 { if j < 4 { extra[2 * j] & 0xFFFF | extra[2 * j + 1] << 16 } else { 0 } } else { extra[j] };
+                o.extra[j][r] = if B::SCALE_WEIGHTS == 32 {
+                    if j < 4 {
+                        extra[2 * j] & 0xFFFF | extra[2 * j + 1] << 16
+                    } else {
+                        0
+                    }
+                } else {
+                    extra[j]
+                };
             }
             (o.d[r], o.dmin[r]) = (blk.d, blk.dmin);
         }
@@ -841,7 +1048,10 @@ pub(crate) fn transpose_slot<const G: usize>(r: usize) -> usize {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn transpose_chunk<const G: usize>(staged: &[[u32; 8]; G], out: &mut [[u32; G]]) {
     if G == 16 {
-        transpose_chunk_16(&*(staged as *const [[u32; 8]; G] as *const [[u32; 8]; 16]), &mut *(out as *mut [[u32; G]] as *mut [[u32; 16]]));
+        transpose_chunk_16(
+            &*(staged as *const [[u32; 8]; G] as *const [[u32; 8]; 16]),
+            &mut *(out as *mut [[u32; G]] as *mut [[u32; 16]]),
+        );
         return;
     }
     // (loops, not `array::from_fn`: its closures would not be compiled for these features)
@@ -860,12 +1070,19 @@ pub(crate) unsafe fn transpose_chunk<const G: usize>(staged: &[[u32; 8]; G], out
     for h in 0..2 {
         for j in 0..4 {
             let (a, b) = (t[4 * h + j / 2], t[4 * h + 2 + j / 2]);
-            s[4 * h + j] = if j % 2 == 0 { _mm256_unpacklo_epi64(a, b) } else { _mm256_unpackhi_epi64(a, b) };
+            s[4 * h + j] =
+                if j % 2 == 0 { _mm256_unpacklo_epi64(a, b) } else { _mm256_unpackhi_epi64(a, b) };
         }
     }
     for j in 0..4 {
-        _mm256_storeu_si256(out[j].as_mut_ptr() as *mut __m256i, _mm256_permute2x128_si256::<0x20>(s[j], s[4 + j]));
-        _mm256_storeu_si256(out[j + 4].as_mut_ptr() as *mut __m256i, _mm256_permute2x128_si256::<0x31>(s[j], s[4 + j]));
+        _mm256_storeu_si256(
+            out[j].as_mut_ptr() as *mut __m256i,
+            _mm256_permute2x128_si256::<0x20>(s[j], s[4 + j]),
+        );
+        _mm256_storeu_si256(
+            out[j + 4].as_mut_ptr() as *mut __m256i,
+            _mm256_permute2x128_si256::<0x31>(s[j], s[4 + j]),
+        );
     }
 }
 
@@ -889,13 +1106,20 @@ unsafe fn transpose_chunk_16(staged: &[[u32; 8]; 16], out: &mut [[u32; 16]]) {
     for h in 0..2 {
         for j in 0..4 {
             let (a, b) = (t[4 * h + j / 2], t[4 * h + 2 + j / 2]);
-            s[4 * h + j] = if j % 2 == 0 { _mm512_unpacklo_epi64(a, b) } else { _mm512_unpackhi_epi64(a, b) };
+            s[4 * h + j] =
+                if j % 2 == 0 { _mm512_unpacklo_epi64(a, b) } else { _mm512_unpackhi_epi64(a, b) };
         }
     }
     for j in 0..4 {
         // lanes 0, 2 of s[j] (rows 0..4, 4..8) and of s[4 + j] (rows 8..12, 12..16)
-        _mm512_storeu_si512(out[j].as_mut_ptr() as *mut _, _mm512_shuffle_i32x4::<0b10_00_10_00>(s[j], s[4 + j]));
-        _mm512_storeu_si512(out[j + 4].as_mut_ptr() as *mut _, _mm512_shuffle_i32x4::<0b11_01_11_01>(s[j], s[4 + j]));
+        _mm512_storeu_si512(
+            out[j].as_mut_ptr() as *mut _,
+            _mm512_shuffle_i32x4::<0b10_00_10_00>(s[j], s[4 + j]),
+        );
+        _mm512_storeu_si512(
+            out[j + 4].as_mut_ptr() as *mut _,
+            _mm512_shuffle_i32x4::<0b11_01_11_01>(s[j], s[4 + j]),
+        );
     }
 }
 
@@ -903,7 +1127,11 @@ unsafe fn transpose_chunk_16(staged: &[[u32; 8]; 16], out: &mut [[u32; 16]]) {
 /// bit `dot`'s (the same exact integer sums, the same `block_step` per lane).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn group_dot<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<16>], a: [&[BlockQ8K]; T], out: &mut [[f32; 16]; T]) {
+unsafe fn group_dot<B: SuperBlock, const T: usize>(
+    g: &[RowGroupBlock<16>],
+    a: [&[BlockQ8K]; T],
+    out: &mut [[f32; 16]; T],
+) {
     let mut acc = [_mm512_setzero_ps(); T];
     let word = |p: *const i8| (p as *const i32).read_unaligned();
     for (b, x) in g.iter().enumerate() {
@@ -913,7 +1141,8 @@ unsafe fn group_dot<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<16>], a: [
         // one 32-bit lane, then meet the scale, by `vpdpwssd` where they surely fit 16 bits and
         // the run is as long as the scale's (its low 16 bits times the scale), else by `vpmulld`
         let scale_steps = B::SCALE_WEIGHTS / 4;
-        let by_16_bits = B::STEPS_IN_16_BITS >= scale_steps || (B::STEPS_IN_16_BITS > 0 && scale_steps == 4);
+        let by_16_bits =
+            B::STEPS_IN_16_BITS >= scale_steps || (B::STEPS_IN_16_BITS > 0 && scale_steps == 4);
         let run = if by_16_bits { B::STEPS_IN_16_BITS } else { scale_steps };
         for h in (0..16).step_by(scale_steps / 4) {
             let scales = _mm512_load_si512(x.scales[h].as_ptr() as *const _);
@@ -923,7 +1152,11 @@ unsafe fn group_dot<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<16>], a: [
                     // (signed weights are v + 128 here, the 128 comes off below)
                     let u = _mm512_load_si512(x.u[k].as_ptr() as *const _);
                     for t in 0..T {
-                        part[t] = _mm512_dpbusd_epi32(part[t], u, _mm512_set1_epi32(word(at[t].qs.as_ptr().add(4 * k))));
+                        part[t] = _mm512_dpbusd_epi32(
+                            part[t],
+                            u,
+                            _mm512_set1_epi32(word(at[t].qs.as_ptr().add(4 * k))),
+                        );
                     }
                 }
                 if by_16_bits {
@@ -949,12 +1182,17 @@ unsafe fn group_dot<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<16>], a: [
                 let (pairs, sums_of) = extra_pairs::<B>(at[t]);
                 for j in 0..pairs {
                     let pair = _mm512_set1_epi32(word(sums_of.add(2 * j) as *const i8));
-                    e = _mm512_dpwssd_epi32(e, _mm512_load_si512(x.extra[j].as_ptr() as *const _), pair);
+                    e = _mm512_dpwssd_epi32(
+                        e,
+                        _mm512_load_si512(x.extra[j].as_ptr() as *const _),
+                        pair,
+                    );
                 }
                 if B::MIN {
                     mins[t] = e;
                 } else {
-                    sums[t] = _mm512_sub_epi32(sums[t], _mm512_sll_epi32(e, _mm_cvtsi32_si128(shift)));
+                    sums[t] =
+                        _mm512_sub_epi32(sums[t], _mm512_sll_epi32(e, _mm_cvtsi32_si128(shift)));
                 }
             }
         }
@@ -963,7 +1201,8 @@ unsafe fn group_dot<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<16>], a: [
             let d_a = _mm512_set1_ps(at[t].d);
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t]), _mm512_mul_ps(d, d_a), acc[t]);
             if B::MIN {
-                acc[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[t]), _mm512_mul_ps(dmin, d_a), acc[t]);
+                acc[t] =
+                    _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[t]), _mm512_mul_ps(dmin, d_a), acc[t]);
             }
         }
     }
@@ -977,14 +1216,23 @@ unsafe fn group_dot<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<16>], a: [
 /// eight with the sums per 16 (the same exact integer sum).
 #[inline(always)]
 fn extra_pairs<B: SuperBlock>(a: &BlockQ8K) -> (usize, *const i16) {
-    if B::SCALE_WEIGHTS == 32 { (4, a.bsums32.as_ptr()) } else { (8, a.bsums.as_ptr()) }
+    if B::SCALE_WEIGHTS == 32 {
+        (4, a.bsums32.as_ptr())
+    } else {
+        (8, a.bsums.as_ptr())
+    }
 }
 
 /// The end of a block of an 8-row group (`group_dot_avx2`, `group_dot_vnni`): the minima's
 /// sums or the offset from the activations' sums per 16, then the block's float step per lane.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn block_end_8<B: SuperBlock, const T: usize>(x: &RowGroupBlock<8>, at: [&BlockQ8K; T], sums: &mut [__m256i; T], acc: &mut [__m256; T]) {
+unsafe fn block_end_8<B: SuperBlock, const T: usize>(
+    x: &RowGroupBlock<8>,
+    at: [&BlockQ8K; T],
+    sums: &mut [__m256i; T],
+    acc: &mut [__m256; T],
+) {
     let word = |p: *const i8| (p as *const i32).read_unaligned();
     let mut mins = [_mm256_setzero_si256(); T];
     if B::MIN || B::OFFSET_SHIFT > 0 {
@@ -993,12 +1241,18 @@ unsafe fn block_end_8<B: SuperBlock, const T: usize>(x: &RowGroupBlock<8>, at: [
             let (pairs, sums_of) = extra_pairs::<B>(at[t]);
             for j in 0..pairs {
                 let pair = _mm256_set1_epi32(word(sums_of.add(2 * j) as *const i8));
-                e = _mm256_add_epi32(e, _mm256_madd_epi16(load32(x.extra[j].as_ptr() as *const u8), pair));
+                e = _mm256_add_epi32(
+                    e,
+                    _mm256_madd_epi16(load32(x.extra[j].as_ptr() as *const u8), pair),
+                );
             }
             if B::MIN {
                 mins[t] = e;
             } else {
-                sums[t] = _mm256_sub_epi32(sums[t], _mm256_sll_epi32(e, _mm_cvtsi32_si128(B::OFFSET_SHIFT)));
+                sums[t] = _mm256_sub_epi32(
+                    sums[t],
+                    _mm256_sll_epi32(e, _mm_cvtsi32_si128(B::OFFSET_SHIFT)),
+                );
             }
         }
     }
@@ -1007,7 +1261,8 @@ unsafe fn block_end_8<B: SuperBlock, const T: usize>(x: &RowGroupBlock<8>, at: [
         let d_a = _mm256_set1_ps(at[t].d);
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(d, d_a), acc[t]);
         if B::MIN {
-            acc[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins[t]), _mm256_mul_ps(dmin, d_a), acc[t]);
+            acc[t] =
+                _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins[t]), _mm256_mul_ps(dmin, d_a), acc[t]);
         }
     }
 }
@@ -1016,7 +1271,10 @@ unsafe fn block_end_8<B: SuperBlock, const T: usize>(x: &RowGroupBlock<8>, at: [
 /// `vpdpwssd` as `vpmaddwd` + `vpaddd` (the same exact sums).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn group_dot_avx2<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<8>], a: [&[BlockQ8K]; T]) -> [__m256; T] {
+unsafe fn group_dot_avx2<B: SuperBlock, const T: usize>(
+    g: &[RowGroupBlock<8>],
+    a: [&[BlockQ8K]; T],
+) -> [__m256; T] {
     let mut acc = [_mm256_setzero_ps(); T];
     let word = |p: *const i8| (p as *const i32).read_unaligned();
     for (b, x) in g.iter().enumerate() {
@@ -1032,7 +1290,10 @@ unsafe fn group_dot_avx2<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<8>], 
                     if B::SIGNED {
                         act = _mm256_sign_epi8(act, v);
                     }
-                    sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(_mm256_maddubs_epi16(u, act), scales));
+                    sums[t] = _mm256_add_epi32(
+                        sums[t],
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(u, act), scales),
+                    );
                 }
             }
         }
@@ -1046,12 +1307,16 @@ unsafe fn group_dot_avx2<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<8>], 
 /// format moved onto the activations as `group_dot_avx2` does; the same exact sums.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-unsafe fn group_dot_vnni<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<8>], a: [&[BlockQ8K]; T]) -> [__m256; T] {
+unsafe fn group_dot_vnni<B: SuperBlock, const T: usize>(
+    g: &[RowGroupBlock<8>],
+    a: [&[BlockQ8K]; T],
+) -> [__m256; T] {
     let mut acc = [_mm256_setzero_ps(); T];
     let word = |p: *const i8| (p as *const i32).read_unaligned();
     // (as in `group_dot`)
     let scale_steps = B::SCALE_WEIGHTS / 4;
-    let by_16_bits = B::STEPS_IN_16_BITS >= scale_steps || (B::STEPS_IN_16_BITS > 0 && scale_steps == 4);
+    let by_16_bits =
+        B::STEPS_IN_16_BITS >= scale_steps || (B::STEPS_IN_16_BITS > 0 && scale_steps == 4);
     let run = if by_16_bits { B::STEPS_IN_16_BITS } else { scale_steps };
     for (b, x) in g.iter().enumerate() {
         let at: [&BlockQ8K; T] = std::array::from_fn(|t| a[t].get_unchecked(b));
@@ -1093,12 +1358,20 @@ unsafe fn group_dot_vnni<B: SuperBlock, const T: usize>(g: &[RowGroupBlock<8>], 
 /// 16-row groups (AVX-512), `group_dot_avx2` for 8-row ones.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn group_dots<B: SuperBlock, const G: usize, const T: usize>(g: &[RowGroupBlock<G>], a: [&[BlockQ8K]; T], vnni: bool) -> [[f32; G]; T] {
+unsafe fn group_dots<B: SuperBlock, const G: usize, const T: usize>(
+    g: &[RowGroupBlock<G>],
+    a: [&[BlockQ8K]; T],
+    vnni: bool,
+) -> [[f32; G]; T] {
     let mut out = [[0.0f32; G]; T];
     if G == 16 {
         // SAFETY (the casts): G is 16, the same types
         let out16 = &mut *(&mut out as *mut [[f32; G]; T] as *mut [[f32; 16]; T]);
-        group_dot::<B, T>(&*(g as *const [RowGroupBlock<G>] as *const [RowGroupBlock<16>]), a, out16);
+        group_dot::<B, T>(
+            &*(g as *const [RowGroupBlock<G>] as *const [RowGroupBlock<16>]),
+            a,
+            out16,
+        );
     } else {
         assert_eq!(G, 8);
         // SAFETY (the cast): G is 8, the same type
@@ -1114,7 +1387,15 @@ unsafe fn group_dots<B: SuperBlock, const G: usize, const T: usize>(g: &[RowGrou
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn rows_tokens_grouped<'a, B: SuperBlock, const G: usize>(row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8k: &[BlockQ8K], n: usize, vnni: bool, put: impl Fn(usize, usize, &[f32])) {
+unsafe fn rows_tokens_grouped<'a, B: SuperBlock, const G: usize>(
+    row: impl Fn(usize) -> &'a [u8],
+    cols: usize,
+    rows: std::ops::Range<usize>,
+    q8k: &[BlockQ8K],
+    n: usize,
+    vnni: bool,
+    put: impl Fn(usize, usize, &[f32]),
+) {
     let nb = cols / super::QK_K;
     assert_eq!(q8k.len(), n * nb, "activations: wrong size for {n} tokens of {cols}");
     let token = |t: usize| &q8k[t * nb..(t + 1) * nb];
@@ -1125,20 +1406,38 @@ unsafe fn rows_tokens_grouped<'a, B: SuperBlock, const G: usize>(row: impl Fn(us
         let r1 = (r0 + G).min(rows.end);
         unpack_group::<B, G>((r0..r1).map(&row), r1 - r0, &mut group, &mut staged);
         let emit = |t: usize, lanes: &[f32; G]| put(t, r0, &lanes[..r1 - r0]);
-        let mut prefetch = PrefetchRows::<G>::new((r1..(r1 + G).min(rows.end)).map(&row), n / 4 + n % 4);
+        let mut prefetch =
+            PrefetchRows::<G>::new((r1..(r1 + G).min(rows.end)).map(&row), n / 4 + n % 4);
         let mut t = 0;
         // with AVX-512, eight tokens per pass: eight independent chains of `vpdpbusd` (their
         // latency, not their throughput, bounds four), in 32 registers
         while G == 16 && t + 8 <= n {
             prefetch.step();
             prefetch.step();
-            let dots = group_dots::<B, G, 8>(&group, [token(t), token(t + 1), token(t + 2), token(t + 3), token(t + 4), token(t + 5), token(t + 6), token(t + 7)], vnni);
+            let dots = group_dots::<B, G, 8>(
+                &group,
+                [
+                    token(t),
+                    token(t + 1),
+                    token(t + 2),
+                    token(t + 3),
+                    token(t + 4),
+                    token(t + 5),
+                    token(t + 6),
+                    token(t + 7),
+                ],
+                vnni,
+            );
             dots.iter().enumerate().for_each(|(k, lanes)| emit(t + k, lanes));
             t += 8;
         }
         while t + 4 <= n {
             prefetch.step();
-            let dots = group_dots::<B, G, 4>(&group, [token(t), token(t + 1), token(t + 2), token(t + 3)], vnni);
+            let dots = group_dots::<B, G, 4>(
+                &group,
+                [token(t), token(t + 1), token(t + 2), token(t + 3)],
+                vnni,
+            );
             dots.iter().enumerate().for_each(|(k, lanes)| emit(t + k, lanes));
             t += 4;
         }
@@ -1166,13 +1465,28 @@ pub enum GroupWidth {
 /// where the CPU has it).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn rows_all_tokens<'a>(dtype: DType, width: GroupWidth, row: impl Fn(usize) -> &'a [u8], cols: usize, rows: std::ops::Range<usize>, q8k: &[BlockQ8K], n: usize, put: impl Fn(usize, usize, &[f32])) {
+pub unsafe fn rows_all_tokens<'a>(
+    dtype: DType,
+    width: GroupWidth,
+    row: impl Fn(usize) -> &'a [u8],
+    cols: usize,
+    rows: std::ops::Range<usize>,
+    q8k: &[BlockQ8K],
+    n: usize,
+    put: impl Fn(usize, usize, &[f32]),
+) {
     macro_rules! by_width {
         ($block:ty) => {
             match width {
-                GroupWidth::Avx512 => rows_tokens_grouped::<$block, 16>(row, cols, rows, q8k, n, false, put),
-                GroupWidth::AvxVnni => rows_tokens_grouped::<$block, 8>(row, cols, rows, q8k, n, true, put),
-                GroupWidth::Avx2 => rows_tokens_grouped::<$block, 8>(row, cols, rows, q8k, n, false, put),
+                GroupWidth::Avx512 => {
+                    rows_tokens_grouped::<$block, 16>(row, cols, rows, q8k, n, false, put)
+                }
+                GroupWidth::AvxVnni => {
+                    rows_tokens_grouped::<$block, 8>(row, cols, rows, q8k, n, true, put)
+                }
+                GroupWidth::Avx2 => {
+                    rows_tokens_grouped::<$block, 8>(row, cols, rows, q8k, n, false, put)
+                }
             }
         };
     }
@@ -1203,12 +1517,17 @@ mod tests {
             eprintln!("skipping: no AVX2 on this CPU");
             return;
         }
-        let widths: &[bool] = if crate::matmul::detect() == crate::matmul::SimdLevel::Avx512 { &[false, true] } else { &[false] };
+        let widths: &[bool] = if crate::matmul::detect() == crate::matmul::SimdLevel::Avx512 {
+            &[false, true]
+        } else {
+            &[false]
+        };
         let n = 1024;
         let acts: Vec<Vec<BlockQ8K>> = (0..4).map(|t| q8k(&random_vec(n, 80 + t))).collect();
         let a4 = [&acts[0][..], &acts[1][..], &acts[2][..], &acts[3][..]];
         for (s, dtype) in SUPERBLOCK.into_iter().enumerate() {
-            let rows: Vec<Vec<u8>> = (0..4).map(|r| random_row(dtype, n, 90 + 10 * s as u64 + r)).collect();
+            let rows: Vec<Vec<u8>> =
+                (0..4).map(|r| random_row(dtype, n, 90 + 10 * s as u64 + r)).collect();
             let rows4 = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
             for &wide in widths {
                 // SAFETY: AVX2 checked above, AVX-512 where `wide`.
@@ -1217,12 +1536,26 @@ mod tests {
                     for r in 0..4 {
                         let want = dot_scalar(dtype, rows4[r], a4);
                         for t in 0..4 {
-                            assert_eq!(all[r][t].to_bits(), want[t].to_bits(), "{dtype:?} wide {wide} row {r} token {t}: {} vs {}", all[r][t], want[t]);
+                            assert_eq!(
+                                all[r][t].to_bits(),
+                                want[t].to_bits(),
+                                "{dtype:?} wide {wide} row {r} token {t}: {} vs {}",
+                                all[r][t],
+                                want[t]
+                            );
                             let alone = dot(dtype, wide, [rows4[r]], [a4[t]], &[])[0][0];
-                            assert_eq!(alone.to_bits(), all[r][t].to_bits(), "{dtype:?} wide {wide} row {r} token {t}: alone vs in a group");
+                            assert_eq!(
+                                alone.to_bits(),
+                                all[r][t].to_bits(),
+                                "{dtype:?} wide {wide} row {r} token {t}: alone vs in a group"
+                            );
                         }
                         let two = dot(dtype, wide, [rows4[r]], [a4[1], a4[3]], &[])[0];
-                        assert_eq!([two[0].to_bits(), two[1].to_bits()], [all[r][1].to_bits(), all[r][3].to_bits()], "{dtype:?} wide {wide} two tokens");
+                        assert_eq!(
+                            [two[0].to_bits(), two[1].to_bits()],
+                            [all[r][1].to_bits(), all[r][3].to_bits()],
+                            "{dtype:?} wide {wide} two tokens"
+                        );
                     }
                 }
             }
@@ -1246,20 +1579,41 @@ mod tests {
             widths.push(GroupWidth::Avx512);
         }
         let (cols, rows, n) = (512, 19, 13);
-        let acts: Vec<BlockQ8K> = (0..n).flat_map(|t| q8k(&random_vec(cols, 300 + t as u64))).collect();
+        let acts: Vec<BlockQ8K> =
+            (0..n).flat_map(|t| q8k(&random_vec(cols, 300 + t as u64))).collect();
         let token = |t: usize| &acts[t * 2..(t + 1) * 2];
         for (s, dtype) in SUPERBLOCK.into_iter().enumerate() {
-            let data: Vec<Vec<u8>> = (0..rows).map(|r| random_row(dtype, cols, 400 + 30 * s as u64 + r as u64)).collect();
+            let data: Vec<Vec<u8>> = (0..rows)
+                .map(|r| random_row(dtype, cols, 400 + 30 * s as u64 + r as u64))
+                .collect();
             for &width in &widths {
                 let got = std::cell::RefCell::new(vec![f32::NAN; n * rows]);
                 // SAFETY: each width only where the CPU has it (above)
-                unsafe { rows_all_tokens(dtype, width, |r| &data[r][..], cols, 1..rows, &acts, n, |t, r, v| got.borrow_mut()[t * rows + r..][..v.len()].copy_from_slice(v)) };
+                unsafe {
+                    rows_all_tokens(
+                        dtype,
+                        width,
+                        |r| &data[r][..],
+                        cols,
+                        1..rows,
+                        &acts,
+                        n,
+                        |t, r, v| got.borrow_mut()[t * rows + r..][..v.len()].copy_from_slice(v),
+                    )
+                };
                 let got = got.into_inner();
                 for t in 0..n {
                     for r in 1..rows {
                         // SAFETY: AVX2 checked above, AVX-512 where the width is
-                        let alone = unsafe { dot(dtype, width == GroupWidth::Avx512, [&data[r][..]], [token(t)], &[])[0][0] };
-                        assert_eq!(got[t * rows + r].to_bits(), alone.to_bits(), "{dtype:?} {width:?} row {r} token {t}");
+                        let alone = unsafe {
+                            dot(dtype, width == GroupWidth::Avx512, [&data[r][..]], [token(t)], &[])
+                                [0][0]
+                        };
+                        assert_eq!(
+                            got[t * rows + r].to_bits(),
+                            alone.to_bits(),
+                            "{dtype:?} {width:?} row {r} token {t}"
+                        );
                     }
                     assert!(got[t * rows].is_nan(), "{dtype:?} {width:?}: row 0 was not asked for");
                 }

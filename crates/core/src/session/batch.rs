@@ -28,16 +28,23 @@ pub fn check_batch(sessions: &[&Session], tokens: &[u32]) -> Result<()> {
     let c = &model.config;
     for (i, (se, &tok)) in sessions.iter().zip(tokens).enumerate() {
         if !Arc::ptr_eq(&se.model, model) {
-            return Err(Error::InvalidArgument(format!("session {i} runs another model than session 0")));
+            return Err(Error::InvalidArgument(format!(
+                "session {i} runs another model than session 0"
+            )));
         }
         if tok as usize >= c.n_vocab {
-            return Err(Error::InvalidArgument(format!("token id {tok} is out of range (vocabulary has {})", c.n_vocab)));
+            return Err(Error::InvalidArgument(format!(
+                "token id {tok} is out of range (vocabulary has {})",
+                c.n_vocab
+            )));
         }
         if se.pos() + 1 > se.n_ctx {
             return Err(Error::ContextOverflow { needed: se.pos() + 1, n_ctx: se.n_ctx });
         }
         if se.state.recorder.is_some() {
-            return Err(Error::InvalidArgument(format!("session {i} is calibrating or capturing; evaluate it alone")));
+            return Err(Error::InvalidArgument(format!(
+                "session {i} is calibrating or capturing; evaluate it alone"
+            )));
         }
     }
     Ok(())
@@ -49,11 +56,21 @@ pub fn decode_batch(sessions: &mut [&mut Session], tokens: &[u32]) -> Result<Vec
     check_batch(&sessions.iter().map(|s| &**s).collect::<Vec<_>>(), tokens)?;
     let model = Arc::clone(&sessions[0].model);
     // input sparsity reads other copies of the weights per row: such sessions run one by one
-    if sessions.iter().any(|se| se.state.sparsity.mode == SparsityMode::Threshold && !se.state.sparsity.input_thresholds.is_empty()) {
+    if sessions.iter().any(|se| {
+        se.state.sparsity.mode == SparsityMode::Threshold
+            && !se.state.sparsity.input_thresholds.is_empty()
+    }) {
         return sessions.iter_mut().zip(tokens).map(|(se, &tok)| se.eval(&[tok], false)).collect();
     }
     let n = tokens.len();
-    let logits = model.install(|| forward(&mut CpuPass::batch(sessions.iter_mut().map(|se| &mut **se).collect()), &model, tokens, n))?;
+    let logits = model.install(|| {
+        forward(
+            &mut CpuPass::batch(sessions.iter_mut().map(|se| &mut **se).collect()),
+            &model,
+            tokens,
+            n,
+        )
+    })?;
     for (se, &tok) in sessions.iter_mut().zip(tokens) {
         se.tokens.push(tok);
     }

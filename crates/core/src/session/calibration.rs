@@ -71,7 +71,8 @@ impl ScoreHistogram {
         let a = v.abs();
         self.counts.add(a);
         if a > 0.0 && a.is_finite() {
-            let i = ((a.log2() - MagnitudeHistogram::LOG2_MIN) * MagnitudeHistogram::PER_OCTAVE).max(0.0) as usize;
+            let i = ((a.log2() - MagnitudeHistogram::LOG2_MIN) * MagnitudeHistogram::PER_OCTAVE)
+                .max(0.0) as usize;
             let last = self.energy.len() - 1;
             self.energy[i.min(last)] += (a as f64) * (a as f64);
         }
@@ -83,8 +84,16 @@ impl ScoreHistogram {
     pub(crate) fn cut(&self, fraction: f64) -> (f32, f64) {
         let cut = self.counts.quantile(fraction);
         let total: f64 = self.energy.iter().sum();
-        let edge = |i: usize| ((i + 1) as f32 / MagnitudeHistogram::PER_OCTAVE + MagnitudeHistogram::LOG2_MIN).exp2();
-        let below: f64 = self.energy.iter().enumerate().take_while(|&(i, _)| edge(i) <= cut).map(|(_, e)| e).sum();
+        let edge = |i: usize| {
+            ((i + 1) as f32 / MagnitudeHistogram::PER_OCTAVE + MagnitudeHistogram::LOG2_MIN).exp2()
+        };
+        let below: f64 = self
+            .energy
+            .iter()
+            .enumerate()
+            .take_while(|&(i, _)| edge(i) <= cut)
+            .map(|(_, e)| e)
+            .sum();
         (cut, if total > 0.0 { below / total } else { 0.0 })
     }
 }
@@ -113,8 +122,13 @@ impl SignedHistogram {
     /// The largest bin edge t with at most `fraction` of the values below it, so that at least
     /// 1 - fraction of them are >= t (a cut-off with at least that recall on these values).
     pub(crate) fn lower_cut(&self, fraction: f64) -> f32 {
-        let edge = |i: usize| ((i as f32) / MagnitudeHistogram::PER_OCTAVE + MagnitudeHistogram::LOG2_MIN).exp2();
-        let total = self.neg.zeros + self.neg.bins.iter().sum::<u64>() + self.pos.zeros + self.pos.bins.iter().sum::<u64>();
+        let edge = |i: usize| {
+            ((i as f32) / MagnitudeHistogram::PER_OCTAVE + MagnitudeHistogram::LOG2_MIN).exp2()
+        };
+        let total = self.neg.zeros
+            + self.neg.bins.iter().sum::<u64>()
+            + self.pos.zeros
+            + self.pos.bins.iter().sum::<u64>();
         let allowed = (fraction * total as f64).floor() as u64;
         // in increasing value: the negative bins from the largest magnitude down, then zero
         // and the positive bins; stop at the first bin that would put too many below the cut
@@ -172,13 +186,27 @@ impl Session {
     /// Runs `tokens` densely (in windows of at most `window` tokens, each from an empty context)
     /// and returns, for each target sparsity in `targets`, the per-layer |act(gate)| thresholds
     /// under which that fraction of the neurons fall. The session is left empty and dense.
-    pub fn calibrate(&mut self, tokens: &[u32], window: usize, targets: &[f64]) -> Result<Vec<Vec<f32>>> {
+    pub fn calibrate(
+        &mut self,
+        tokens: &[u32],
+        window: usize,
+        targets: &[f64],
+    ) -> Result<Vec<Vec<f32>>> {
         if let Some(t) = targets.iter().find(|t| !(0.0..1.0).contains(*t)) {
-            return Err(Error::InvalidArgument(format!("target sparsity must be in [0, 1), got {t}")));
+            return Err(Error::InvalidArgument(format!(
+                "target sparsity must be in [0, 1), got {t}"
+            )));
         }
         let hists = vec![MagnitudeHistogram::new(); self.model.config.n_layer];
-        match self.record_windows(tokens, window, Sparsity::dense(), Calibration::GateMagnitudes(hists))? {
-            Calibration::GateMagnitudes(hists) => Ok(targets.iter().map(|&t| hists.iter().map(|h| h.quantile(t)).collect()).collect()),
+        match self.record_windows(
+            tokens,
+            window,
+            Sparsity::dense(),
+            Calibration::GateMagnitudes(hists),
+        )? {
+            Calibration::GateMagnitudes(hists) => {
+                Ok(targets.iter().map(|&t| hists.iter().map(|h| h.quantile(t)).collect()).collect())
+            }
             _ => unreachable!("recorded what was asked"),
         }
     }
@@ -187,18 +215,34 @@ impl Session {
     /// `recalls`, the per-layer predictor cut-offs that keep at least that fraction of the
     /// neurons that truly fired (nonzero activation) on these tokens. Needs predictors in every
     /// layer. The session is left empty, in its previous mode.
-    pub fn calibrate_predictor(&mut self, tokens: &[u32], window: usize, recalls: &[f64]) -> Result<Vec<Vec<f32>>> {
+    pub fn calibrate_predictor(
+        &mut self,
+        tokens: &[u32],
+        window: usize,
+        recalls: &[f64],
+    ) -> Result<Vec<Vec<f32>>> {
         if let Some(r) = recalls.iter().find(|r| !(**r > 0.0 && **r <= 1.0)) {
-            return Err(Error::InvalidArgument(format!("recall target must be in (0, 1], got {r}")));
+            return Err(Error::InvalidArgument(format!(
+                "recall target must be in (0, 1], got {r}"
+            )));
         }
         if let Some(l) = self.model.weights.layers.iter().position(|l| l.predictor.is_none()) {
-            return Err(Error::InvalidArgument(format!("predictor calibration needs a predictor in every layer, but layer {l} has none")));
+            return Err(Error::InvalidArgument(format!(
+                "predictor calibration needs a predictor in every layer, but layer {l} has none"
+            )));
         }
         // every neuron selected: the predictor runs, the FFN stays dense
-        let all = Sparsity { mode: SparsityMode::Predictor, predictor_threshold: f32::MIN, ..Sparsity::dense() };
+        let all = Sparsity {
+            mode: SparsityMode::Predictor,
+            predictor_threshold: f32::MIN,
+            ..Sparsity::dense()
+        };
         let hists = vec![SignedHistogram::new(); self.model.config.n_layer];
         match self.record_windows(tokens, window, all, Calibration::ActiveLogits(hists))? {
-            Calibration::ActiveLogits(hists) => Ok(recalls.iter().map(|&r| hists.iter().map(|h| h.lower_cut(1.0 - r)).collect()).collect()),
+            Calibration::ActiveLogits(hists) => Ok(recalls
+                .iter()
+                .map(|&r| hists.iter().map(|h| h.lower_cut(1.0 - r)).collect())
+                .collect()),
             _ => unreachable!("recorded what was asked"),
         }
     }
@@ -208,24 +252,45 @@ impl Session {
     /// |x_i| * |W[:, i]| at or below which that share of the group's inputs fall, and the share
     /// of the sum of squared scores those inputs carry (how much of the output the skipped
     /// inputs would have made, were the columns orthogonal).
-    pub fn calibrate_inputs(&mut self, tokens: &[u32], window: usize, levels: &[f64]) -> Result<Vec<Vec<GroupCuts>>> {
+    pub fn calibrate_inputs(
+        &mut self,
+        tokens: &[u32],
+        window: usize,
+        levels: &[f64],
+    ) -> Result<Vec<Vec<GroupCuts>>> {
         if let Some(t) = levels.iter().find(|t| !(0.0..1.0).contains(*t)) {
-            return Err(Error::InvalidArgument(format!("input sparsity level must be in [0, 1), got {t}")));
+            return Err(Error::InvalidArgument(format!(
+                "input sparsity level must be in [0, 1), got {t}"
+            )));
         }
         let hists = vec![[(); 4].map(|_| ScoreHistogram::new()); self.model.config.n_layer];
-        match self.record_windows(tokens, window, Sparsity::dense(), Calibration::InputScores(hists))? {
-            Calibration::InputScores(hists) => {
-                Ok(levels.iter().map(|&t| hists.iter().map(|h| [0, 1, 2, 3].map(|g| h[g].cut(t))).collect()).collect())
-            }
+        match self.record_windows(
+            tokens,
+            window,
+            Sparsity::dense(),
+            Calibration::InputScores(hists),
+        )? {
+            Calibration::InputScores(hists) => Ok(levels
+                .iter()
+                .map(|&t| hists.iter().map(|h| [0, 1, 2, 3].map(|g| h[g].cut(t))).collect())
+                .collect()),
             _ => unreachable!("recorded what was asked"),
         }
     }
 
     /// Evaluates `tokens` in windows of at most `window` tokens, each from an empty context, in
     /// mode `sp`, recording into `rec`; returns what was recorded and restores the mode.
-    fn record_windows(&mut self, tokens: &[u32], window: usize, sp: Sparsity, rec: Calibration) -> Result<Calibration> {
+    fn record_windows(
+        &mut self,
+        tokens: &[u32],
+        window: usize,
+        sp: Sparsity,
+        rec: Calibration,
+    ) -> Result<Calibration> {
         if tokens.len() < 2 || window < 2 {
-            return Err(Error::InvalidArgument("calibration needs at least 2 tokens and a window of 2".into()));
+            return Err(Error::InvalidArgument(
+                "calibration needs at least 2 tokens and a window of 2".into(),
+            ));
         }
         let saved = std::mem::replace(&mut self.state.sparsity, sp);
         self.state.recorder = Some(Recorder::Calibration(rec));
@@ -264,7 +329,8 @@ mod tests {
     fn signed_histogram_cut_keeps_the_asked_share() {
         let mut rng = crate::sampler::Rng::new(5);
         for shift in [-3.0f32, -0.2, 0.0, 0.7, 4.0] {
-            let mut vals: Vec<f32> = (0..20000).map(|_| (rng.next_f32() - 0.5) * 6.0 + shift).collect();
+            let mut vals: Vec<f32> =
+                (0..20000).map(|_| (rng.next_f32() - 0.5) * 6.0 + shift).collect();
             vals.extend([0.0; 300]);
             let mut h = SignedHistogram::new();
             vals.iter().for_each(|&v| h.add(v));
@@ -272,12 +338,22 @@ mod tests {
             for fraction in [0.0, 0.001, 0.01, 0.05, 0.3, 0.9] {
                 let cut = h.lower_cut(fraction);
                 let below = vals.iter().filter(|&&v| v < cut).count();
-                assert!(below as f64 <= fraction * vals.len() as f64, "shift {shift} fraction {fraction}: {below} below {cut}");
+                assert!(
+                    below as f64 <= fraction * vals.len() as f64,
+                    "shift {shift} fraction {fraction}: {below} below {cut}"
+                );
                 // the exact quantile is not far above the cut
                 let exact = vals[(fraction * vals.len() as f64).floor() as usize];
                 let bin = 2f32.powf(1.0 / 64.0);
-                let ok = if exact > 0.0 { cut >= 0.0 && (cut == 0.0 && exact < 1e-3 || exact <= cut * bin * bin) } else { cut <= exact && cut >= exact * bin * bin };
-                assert!(ok || exact == cut, "shift {shift} fraction {fraction}: cut {cut}, exact quantile {exact}");
+                let ok = if exact > 0.0 {
+                    cut >= 0.0 && (cut == 0.0 && exact < 1e-3 || exact <= cut * bin * bin)
+                } else {
+                    cut <= exact && cut >= exact * bin * bin
+                };
+                assert!(
+                    ok || exact == cut,
+                    "shift {shift} fraction {fraction}: cut {cut}, exact quantile {exact}"
+                );
             }
         }
     }

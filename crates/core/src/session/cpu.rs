@@ -24,14 +24,26 @@ impl<'a> CpuPass<'a> {
     pub fn new(se: &'a mut Session, n: usize) -> CpuPass<'a> {
         let pos0 = se.pos();
         let s = std::mem::take(&mut se.s);
-        CpuPass { model: Arc::clone(&se.model), rows: (pos0..pos0 + n).map(|p| (0, p)).collect(), sessions: vec![se], s, borrowed_scratch: true }
+        CpuPass {
+            model: Arc::clone(&se.model),
+            rows: (pos0..pos0 + n).map(|p| (0, p)).collect(),
+            sessions: vec![se],
+            s,
+            borrowed_scratch: true,
+        }
     }
 
     /// A pass of one row per session, each at its session's next position (a batch that
     /// `check_batch` accepted, without input sparsity).
     pub(crate) fn batch(sessions: Vec<&'a mut Session>) -> CpuPass<'a> {
         let rows = sessions.iter().enumerate().map(|(i, se)| (i, se.pos())).collect();
-        CpuPass { model: Arc::clone(&sessions[0].model), sessions, rows, s: Scratch::default(), borrowed_scratch: false }
+        CpuPass {
+            model: Arc::clone(&sessions[0].model),
+            sessions,
+            rows,
+            s: Scratch::default(),
+            borrowed_scratch: false,
+        }
     }
 
     /// The residual stream x (n, n_embd), for an executor that moves it between devices.
@@ -70,7 +82,13 @@ fn count(sessions: &mut [&mut Session], stats: FfnStats) {
 
 /// A projection group's input cut-off (input sparsity), after showing its input x to the
 /// session's recorder; only one-session passes have either.
-fn cut_and_record(sessions: &mut [&mut Session], model: &Model, l: usize, g: InputGroup, x: &[f32]) -> Option<f32> {
+fn cut_and_record(
+    sessions: &mut [&mut Session],
+    model: &Model,
+    l: usize,
+    g: InputGroup,
+    x: &[f32],
+) -> Option<f32> {
     let [se] = sessions else { return None };
     if let Some(r) = &mut se.state.recorder {
         r.projection_input(model, l, g, x);
@@ -112,7 +130,19 @@ impl Backend for CpuPass<'_> {
         let cut = cut_and_record(sessions, model, l, InputGroup::Qkv, x);
         let mut stats = FfnStats::default();
         let outs: &mut [&mut [f32]] = &mut [&mut s.q, &mut s.k, &mut s.v];
-        project(model, l, InputGroup::Qkv, cut, x, n, &mut s.acts, &mut s.masked, &mut s.sparse, outs, &mut stats);
+        project(
+            model,
+            l,
+            InputGroup::Qkv,
+            cut,
+            x,
+            n,
+            &mut s.acts,
+            &mut s.masked,
+            &mut s.sparse,
+            outs,
+            &mut stats,
+        );
         add_bias(&mut s.q, lw.bq.as_deref());
         add_bias(&mut s.k, lw.bk.as_deref());
         add_bias(&mut s.v, lw.bv.as_deref());
@@ -122,7 +152,8 @@ impl Backend for CpuPass<'_> {
 
     fn qk_norm(&mut self, l: usize) -> Result<()> {
         let (c, lw, s) = (&self.model.config, &self.model.weights.layers[l], &mut self.s);
-        let missing = || Error::Model(format!("layer {l} has only one of attn_q_norm and attn_k_norm"));
+        let missing =
+            || Error::Model(format!("layer {l} has only one of attn_q_norm and attn_k_norm"));
         rmsnorm_in_place(&mut s.q, lw.q_norm.as_ref().ok_or_else(missing)?, c.norm_eps);
         rmsnorm_in_place(&mut s.k, lw.k_norm.as_ref().ok_or_else(missing)?, c.norm_eps);
         Ok(())
@@ -166,8 +197,23 @@ impl Backend for CpuPass<'_> {
             // which lie in `len` consecutive cache rows from `first`
             let se = &sessions[rows[t].0];
             let (first, len) = se.kv_window(l, rows[t].1);
-            let (k, v) = (se.k_cache[l].view_at(first * kv_dim, len * kv_dim), se.v_cache[l].view_at(first * kv_dim, len * kv_dim));
-            attend_group(qs, hd, k, v, len, kv_dim, g * hd, c.attn_scale, c.attn_softcap, scores, out);
+            let (k, v) = (
+                se.k_cache[l].view_at(first * kv_dim, len * kv_dim),
+                se.v_cache[l].view_at(first * kv_dim, len * kv_dim),
+            );
+            attend_group(
+                qs,
+                hd,
+                k,
+                v,
+                len,
+                kv_dim,
+                g * hd,
+                c.attn_scale,
+                c.attn_softcap,
+                scores,
+                out,
+            );
         };
         if rows.len() == 1 {
             // Decode: the cache's stretch is cut into pieces of consecutive positions, each a
@@ -178,11 +224,18 @@ impl Backend for CpuPass<'_> {
             let (first, len) = sessions[rows[0].0].kv_window(l, rows[0].1);
             const PIECE_BYTES: usize = 64 << 10;
             let row_bytes = 2 * kv_dim * sessions[rows[0].0].k_cache[l].elem_bytes();
-            let pieces = (2 * rayon::current_num_threads()).max(len * row_bytes / PIECE_BYTES).min(len / 64).max(1);
+            let pieces = (2 * rayon::current_num_threads())
+                .max(len * row_bytes / PIECE_BYTES)
+                .min(len / 64)
+                .max(1);
             let w = group * hd;
             if pieces == 1 {
                 s.scores.resize_with(c.n_head_kv, Vec::new);
-                s.att.par_chunks_mut(w).zip(s.scores.par_iter_mut()).enumerate().for_each(|(idx, (out, scores))| attend(idx, out, scores));
+                s.att
+                    .par_chunks_mut(w)
+                    .zip(s.scores.par_iter_mut())
+                    .enumerate()
+                    .for_each(|(idx, (out, scores))| attend(idx, out, scores));
                 return Ok(());
             }
             s.scores.resize_with(pieces, Vec::new);
@@ -190,19 +243,42 @@ impl Backend for CpuPass<'_> {
             s.split_parts.resize(pieces * c.n_head, Partial::default());
             let se = &sessions[rows[0].0];
             let (kc, vc) = (&se.k_cache[l], &se.v_cache[l]);
-            let tasks = s.split_out.par_chunks_mut(q_dim).zip(s.split_parts.par_chunks_mut(c.n_head)).zip(s.scores.par_iter_mut());
+            let tasks = s
+                .split_out
+                .par_chunks_mut(q_dim)
+                .zip(s.split_parts.par_chunks_mut(c.n_head))
+                .zip(s.scores.par_iter_mut());
             tasks.enumerate().for_each(|(piece, ((outs, parts), scores))| {
                 let (a, b) = (piece * len / pieces, (piece + 1) * len / pieces);
-                let (k, v) = (kc.view_at((first + a) * kv_dim, (b - a) * kv_dim), vc.view_at((first + a) * kv_dim, (b - a) * kv_dim));
-                for (g, (out, parts)) in outs.chunks_exact_mut(w).zip(parts.chunks_exact_mut(group)).enumerate() {
+                let (k, v) = (
+                    kc.view_at((first + a) * kv_dim, (b - a) * kv_dim),
+                    vc.view_at((first + a) * kv_dim, (b - a) * kv_dim),
+                );
+                for (g, (out, parts)) in
+                    outs.chunks_exact_mut(w).zip(parts.chunks_exact_mut(group)).enumerate()
+                {
                     let qs = &q[g * w..(g + 1) * w];
-                    attend_group_partial(qs, hd, k, v, b - a, kv_dim, g * hd, c.attn_scale, c.attn_softcap, scores, out, parts);
+                    attend_group_partial(
+                        qs,
+                        hd,
+                        k,
+                        v,
+                        b - a,
+                        kv_dim,
+                        g * hd,
+                        c.attn_scale,
+                        c.attn_softcap,
+                        scores,
+                        out,
+                        parts,
+                    );
                 }
             });
             for (g, out) in s.att.chunks_exact_mut(w).enumerate() {
                 // kv head g's slice of every piece
                 let outs = s.split_out.chunks_exact(q_dim).map(|o| &o[g * w..(g + 1) * w]);
-                let parts = s.split_parts.chunks_exact(c.n_head).map(|p| &p[g * group..(g + 1) * group]);
+                let parts =
+                    s.split_parts.chunks_exact(c.n_head).map(|p| &p[g * group..(g + 1) * group]);
                 merge_partials(outs.zip(parts), hd, out);
             }
         } else {
@@ -217,7 +293,11 @@ impl Backend for CpuPass<'_> {
                 let (i, pos) = rows[t];
                 let window = sessions[i].kv_window(l, pos);
                 let mut b = 1;
-                while b < per_block && t + b < rows.len() && rows[t + b] == (i, pos + b) && sessions[i].kv_window(l, pos + b) == (window.0, window.1 + b) {
+                while b < per_block
+                    && t + b < rows.len()
+                    && rows[t + b] == (i, pos + b)
+                    && sessions[i].kv_window(l, pos + b) == (window.0, window.1 + b)
+                {
                     b += 1;
                 }
                 blocks.push((t, b));
@@ -232,30 +312,52 @@ impl Backend for CpuPass<'_> {
                 rest = tail;
             }
             let w = group * hd;
-            blocks.into_par_iter().zip(outs).for_each_init(|| (Vec::new(), Vec::new(), Vec::new()), |(scores, qbuf, obuf), ((t0, b), out)| {
-                if b == 1 {
-                    for (g, out) in out.chunks_exact_mut(w).enumerate() {
-                        attend(t0 * c.n_head_kv + g, out, scores);
+            blocks.into_par_iter().zip(outs).for_each_init(
+                || (Vec::new(), Vec::new(), Vec::new()),
+                |(scores, qbuf, obuf), ((t0, b), out)| {
+                    if b == 1 {
+                        for (g, out) in out.chunks_exact_mut(w).enumerate() {
+                            attend(t0 * c.n_head_kv + g, out, scores);
+                        }
+                        return;
                     }
-                    return;
-                }
-                let se = &sessions[rows[t0].0];
-                let (first, len0) = se.kv_window(l, rows[t0].1);
-                let n = len0 + b - 1;
-                let (k, v) = (se.k_cache[l].view_at(first * kv_dim, n * kv_dim), se.v_cache[l].view_at(first * kv_dim, n * kv_dim));
-                for g in 0..c.n_head_kv {
-                    // the block's queries' heads of kv head g, query by query
-                    qbuf.clear();
-                    for i in 0..b {
-                        qbuf.extend_from_slice(&q[(t0 + i) * q_dim + g * w..(t0 + i) * q_dim + (g + 1) * w]);
+                    let se = &sessions[rows[t0].0];
+                    let (first, len0) = se.kv_window(l, rows[t0].1);
+                    let n = len0 + b - 1;
+                    let (k, v) = (
+                        se.k_cache[l].view_at(first * kv_dim, n * kv_dim),
+                        se.v_cache[l].view_at(first * kv_dim, n * kv_dim),
+                    );
+                    for g in 0..c.n_head_kv {
+                        // the block's queries' heads of kv head g, query by query
+                        qbuf.clear();
+                        for i in 0..b {
+                            qbuf.extend_from_slice(
+                                &q[(t0 + i) * q_dim + g * w..(t0 + i) * q_dim + (g + 1) * w],
+                            );
+                        }
+                        obuf.resize(b * w, 0.0);
+                        attend_block(
+                            qbuf,
+                            hd,
+                            b,
+                            k,
+                            v,
+                            len0,
+                            kv_dim,
+                            g * hd,
+                            c.attn_scale,
+                            c.attn_softcap,
+                            scores,
+                            obuf,
+                        );
+                        for i in 0..b {
+                            out[i * q_dim + g * w..i * q_dim + (g + 1) * w]
+                                .copy_from_slice(&obuf[i * w..(i + 1) * w]);
+                        }
                     }
-                    obuf.resize(b * w, 0.0);
-                    attend_block(qbuf, hd, b, k, v, len0, kv_dim, g * hd, c.attn_scale, c.attn_softcap, scores, obuf);
-                    for i in 0..b {
-                        out[i * q_dim + g * w..i * q_dim + (g + 1) * w].copy_from_slice(&obuf[i * w..(i + 1) * w]);
-                    }
-                }
-            });
+                },
+            );
         }
         Ok(())
     }
@@ -267,7 +369,19 @@ impl Backend for CpuPass<'_> {
         let cut = cut_and_record(sessions, model, l, InputGroup::Out, x);
         let mut stats = FfnStats::default();
         let outs: &mut [&mut [f32]] = &mut [&mut s.attn_out];
-        project(model, l, InputGroup::Out, cut, x, n, &mut s.acts, &mut s.masked, &mut s.sparse, outs, &mut stats);
+        project(
+            model,
+            l,
+            InputGroup::Out,
+            cut,
+            x,
+            n,
+            &mut s.acts,
+            &mut s.masked,
+            &mut s.sparse,
+            outs,
+            &mut stats,
+        );
         add_bias(&mut s.attn_out, lw.bo.as_deref());
         count(sessions, stats);
         Ok(())
@@ -279,7 +393,9 @@ impl Backend for CpuPass<'_> {
         let lw = &model.weights.layers[l];
         if let [se] = &mut sessions[..] {
             ffn(model, &mut se.state, s, l, n);
-        } else if lw.ffn_down.is_some() && sessions.iter().all(|se| se.state.sparsity.mode == SparsityMode::Dense) {
+        } else if lw.ffn_down.is_some()
+            && sessions.iter().all(|se| se.state.sparsity.mode == SparsityMode::Dense)
+        {
             // dense sessions share one pass over every row: the path one dense token takes
             let mut dense = PassState::new(Sparsity::dense());
             ffn(model, &mut dense, s, l, n);
@@ -307,7 +423,9 @@ impl Backend for CpuPass<'_> {
             Part::Attn => (&mut s.attn_out, &lw.attn_post_norm),
             Part::Ffn => (&mut s.ffn_out, &lw.ffn_post_norm),
         };
-        let w = w.as_ref().ok_or_else(|| Error::Model(format!("layer {l} has no {part:?} post-norm")))?;
+        let w = w
+            .as_ref()
+            .ok_or_else(|| Error::Model(format!("layer {l} has no {part:?} post-norm")))?;
         rmsnorm_in_place(out, w, c.norm_eps);
         Ok(())
     }
@@ -326,7 +444,14 @@ impl Backend for CpuPass<'_> {
         }
         // final norm and classifier of the last m rows
         let x = &s.x[(n - m) * dim..n * dim];
-        norm(c.family, &mut s.xb[..m * dim], x, &w.output_norm, w.output_norm_b.as_deref(), c.norm_eps);
+        norm(
+            c.family,
+            &mut s.xb[..m * dim],
+            x,
+            &w.output_norm,
+            w.output_norm_b.as_deref(),
+            c.norm_eps,
+        );
         s.acts.set_for(&s.xb[..m * dim], m, dim, &[w.output]);
         let mut logits = vec![0.0f32; m * c.n_vocab];
         matmul(&w.output, &s.acts, &mut logits);

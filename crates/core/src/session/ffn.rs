@@ -47,7 +47,8 @@ pub(crate) fn ffn(model: &Model, st: &mut PassState, s: &mut Scratch, l: usize, 
             s.keep.extend(s.gate.iter().map(|&g| act.gate_part(g).abs() > thr));
         }
     }
-    let selected = if mode == SparsityMode::Dense { n * n_ff } else { s.keep.iter().filter(|&&k| k).count() };
+    let selected =
+        if mode == SparsityMode::Dense { n * n_ff } else { s.keep.iter().filter(|&&k| k).count() };
     st.stats.neurons += (n * n_ff) as u64;
     st.stats.skipped += (n * n_ff - selected) as u64;
     // weight bytes: a sparse mode reads the selected neurons' gate rows (all of them when
@@ -61,7 +62,11 @@ pub(crate) fn ffn(model: &Model, st: &mut PassState, s: &mut Scratch, l: usize, 
     st.stats.weight_bytes_read += match mode {
         SparsityMode::Dense => n * (gate_bytes + lw.ffn_up.data.len() + down_bytes),
         _ => {
-            let gate_read = if gate_ready { n * gate_bytes } else { selected * lw.ffn_gate.map_or(0, |g| g.row_bytes()) };
+            let gate_read = if gate_ready {
+                n * gate_bytes
+            } else {
+                selected * lw.ffn_gate.map_or(0, |g| g.row_bytes())
+            };
             gate_read + selected * (lw.ffn_up.row_bytes() + model.down_t(l).row_bytes())
         }
     } as u64;
@@ -91,11 +96,20 @@ pub(crate) fn ffn(model: &Model, st: &mut PassState, s: &mut Scratch, l: usize, 
             activate(lw, act, &mut s.gate, &s.up);
             count_recall(&mut st.stats, &s.gate, &s.keep);
         }
-    } else if mode != SparsityMode::Dense && !recording && !track_recall && (selected as f64) < DENSE_FRACTION * (n * n_ff) as f64 {
+    } else if mode != SparsityMode::Dense
+        && !recording
+        && !track_recall
+        && (selected as f64) < DENSE_FRACTION * (n * n_ff) as f64
+    {
         // batch, sparse: only the rows of the neurons some token selected
         union_of_selections(&s.keep, n, n_ff, &mut s.picked, &mut s.neurons);
         union_ffn(lw, act, &model.down_t(l), n, gate_ready, s);
-    } else if mode == SparsityMode::Dense && !recording && lw.ffn_down.is_none() && lw.ffn_gate.is_some() && matches!(act, FfnActivation::ReGlu | FfnActivation::DReGlu) {
+    } else if mode == SparsityMode::Dense
+        && !recording
+        && lw.ffn_down.is_none()
+        && lw.ffn_gate.is_some()
+        && matches!(act, FfnActivation::ReGlu | FfnActivation::DReGlu)
+    {
         // batch, dense, a ReLU gate and only the neuron-major down: the gate densely, then up
         // and down only where it is positive (exact: the ReLU zeroes the rest, as one token's
         // fused operator skips them; the same values bit for bit)
@@ -152,20 +166,48 @@ fn ffn_inputs(model: &Model, st: &mut PassState, s: &mut Scratch, l: usize, n: u
         Some(_) => &mut [&mut s.gate, &mut s.up],
         None => &mut [&mut s.gate],
     };
-    project(model, l, InputGroup::FfnIn, cut, x, n, &mut s.acts, &mut s.masked, &mut s.sparse, outs, &mut st.stats);
+    project(
+        model,
+        l,
+        InputGroup::FfnIn,
+        cut,
+        x,
+        n,
+        &mut s.acts,
+        &mut s.masked,
+        &mut s.sparse,
+        outs,
+        &mut st.stats,
+    );
     add_bias(if lw.ffn_gate.is_some() { &mut s.up } else { &mut s.gate }, lw.ffn_up_b.as_deref());
     // h = act(gate, up) (n, n_ff) in s.gate
     activate(lw, act, &mut s.gate, &s.up);
 
     // down (n, n_embd): only the neurons whose |h_j| * |down[:, j]| exceeds the cut-off
     let cut = sp.input_cut(l, InputGroup::Down);
-    project_down(model, l, cut, &mut s.gate[..n * n_ff], n, &mut s.acts, &mut s.sparse, &mut s.ffn_out, &mut st.stats);
+    project_down(
+        model,
+        l,
+        cut,
+        &mut s.gate[..n * n_ff],
+        n,
+        &mut s.acts,
+        &mut s.sparse,
+        &mut s.ffn_out,
+        &mut st.stats,
+    );
     add_bias(&mut s.ffn_out, lw.ffn_down_b.as_deref());
 }
 
 /// The union of a batch's selections, keep (n, n_ff), into `union` (sorted neuron indices,
 /// through the mask `any`).
-fn union_of_selections(keep: &[bool], n: usize, n_ff: usize, any: &mut Vec<bool>, union: &mut Vec<u32>) {
+fn union_of_selections(
+    keep: &[bool],
+    n: usize,
+    n_ff: usize,
+    any: &mut Vec<bool>,
+    union: &mut Vec<u32>,
+) {
     union.clear();
     any.clear();
     any.resize(n_ff, false);
@@ -182,7 +224,14 @@ fn union_of_selections(keep: &[bool], n: usize, n_ff: usize, any: &mut Vec<bool>
 /// neurons some token kept. Each token gets what token-by-token sparse decode computes, up
 /// to float summation order. Reads s.acts (n, n_embd) and, with `gate_ready`, the dense
 /// gate values in s.gate; writes s.ffn_out (n, n_embd).
-fn union_ffn(lw: &LayerWeights, act: FfnActivation, down_t: &QMatrix, n: usize, gate_ready: bool, s: &mut Scratch) {
+fn union_ffn(
+    lw: &LayerWeights,
+    act: FfnActivation,
+    down_t: &QMatrix,
+    n: usize,
+    gate_ready: bool,
+    s: &mut Scratch,
+) {
     let n_ff = down_t.rows;
     let (sel, m) = (&s.neurons, s.neurons.len());
     // per selected row: gate values (n, m) (gateless: up + bias), up values (n, m)
@@ -191,7 +240,13 @@ fn union_ffn(lw: &LayerWeights, act: FfnActivation, down_t: &QMatrix, n: usize, 
     // (only the cells of the tokens that selected the neuron)
     let keep = Some(&s.keep[..n * n_ff]);
     match (&lw.ffn_gate, gate_ready) {
-        (Some(g), false) => matmul_selected(&[*g, lw.ffn_up], sel, keep, &s.acts, &mut [&mut s.sel_gate, &mut s.sel_up]),
+        (Some(g), false) => matmul_selected(
+            &[*g, lw.ffn_up],
+            sel,
+            keep,
+            &s.acts,
+            &mut [&mut s.sel_gate, &mut s.sel_up],
+        ),
         (Some(_), true) => matmul_selected(&[lw.ffn_up], sel, keep, &s.acts, &mut [&mut s.sel_up]),
         (None, false) => matmul_selected(&[lw.ffn_up], sel, keep, &s.acts, &mut [&mut s.sel_gate]),
         (None, true) => {}
@@ -207,7 +262,11 @@ fn union_ffn(lw: &LayerWeights, act: FfnActivation, down_t: &QMatrix, n: usize, 
                 continue;
             }
             let bias = up_bias.map_or(0.0, |b| b[j]);
-            let gate = if gate_ready { s.gate[i] } else { s.sel_gate[t * m + k] + if lw.ffn_gate.is_none() { bias } else { 0.0 } };
+            let gate = if gate_ready {
+                s.gate[i]
+            } else {
+                s.sel_gate[t * m + k] + if lw.ffn_gate.is_none() { bias } else { 0.0 }
+            };
             s.up[i] = match lw.ffn_gate {
                 Some(_) => act.apply(gate, s.sel_up[t * m + k] + bias),
                 None => act.apply(0.0, gate),
@@ -231,7 +290,13 @@ fn gate_values(lw: &LayerWeights, x: &Activations, gate: &mut [f32]) {
 /// Gate and up pre-activations (n, n_ff) each, in one pass over both matrices; gateless
 /// FFNs put up + bias in `gate` and leave `up` alone. With `gate_ready` the gate (or the
 /// gateless up) is already in place and only up is computed.
-fn gate_and_up(lw: &LayerWeights, x: &Activations, gate: &mut [f32], up: &mut [f32], gate_ready: bool) {
+fn gate_and_up(
+    lw: &LayerWeights,
+    x: &Activations,
+    gate: &mut [f32],
+    up: &mut [f32],
+    gate_ready: bool,
+) {
     match (&lw.ffn_gate, gate_ready) {
         (Some(g), false) => matmul_many(&[*g, lw.ffn_up], x, &mut [gate, &mut *up]),
         (Some(_), true) => matmul(&lw.ffn_up, x, up),

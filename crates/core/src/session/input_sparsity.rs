@@ -55,26 +55,41 @@ pub(crate) fn project(
 /// cut at its own `skip` quantile of scores: (dense seconds, sparse seconds, bytes dense,
 /// bytes sparse) per product, the medians of `reps` alternating runs. Calibration uses it to
 /// keep input sparsity off matrices where it is not faster on this machine.
-pub fn time_input_sparsity(model: &Model, l: usize, g: InputGroup, skip: f64, reps: usize) -> Result<(f64, f64, u64, u64)> {
+pub fn time_input_sparsity(
+    model: &Model,
+    l: usize,
+    g: InputGroup,
+    skip: f64,
+    reps: usize,
+) -> Result<(f64, f64, u64, u64)> {
     let c = &model.config;
     if l >= c.n_layer || !(0.0..1.0).contains(&skip) || reps == 0 {
-        return Err(Error::InvalidArgument(format!("bad layer {l}, skip share {skip} or repetitions {reps}")));
+        return Err(Error::InvalidArgument(format!(
+            "bad layer {l}, skip share {skip} or repetitions {reps}"
+        )));
     }
     let lw = &model.weights.layers[l];
     let norms = model.input_norms(l, g);
     let n_in = norms.len();
     // a deterministic input with a spread of magnitudes
-    let x: Vec<f32> = (0..n_in).map(|i| ((i as f32 * 0.618_034).fract() - 0.5) * (1.0 + (i % 7) as f32)).collect();
+    let x: Vec<f32> = (0..n_in)
+        .map(|i| ((i as f32 * 0.618_034).fract() - 0.5) * (1.0 + (i % 7) as f32))
+        .collect();
     let mut scores: Vec<f32> = x.iter().zip(norms).map(|(v, w)| v.abs() * w).collect();
     scores.sort_by(f32::total_cmp);
     let k = ((skip * n_in as f64) as usize).min(n_in - 1);
     let cut = if k == 0 { None } else { Some(scores[k - 1]) };
     let outs_len: Vec<usize> = match g {
         InputGroup::Down => vec![c.n_embd],
-        _ => g.matrices(lw).iter().map(|m| m.of(lw).expect("the group's matrices exist").rows).collect(),
+        _ => g
+            .matrices(lw)
+            .iter()
+            .map(|m| m.of(lw).expect("the group's matrices exist").rows)
+            .collect(),
     };
     let mut bufs: Vec<Vec<f32>> = outs_len.iter().map(|&n| vec![0.0; n]).collect();
-    let (mut acts, mut masked, mut sparse) = (Activations::default(), Vec::new(), SparseScratch::default());
+    let (mut acts, mut masked, mut sparse) =
+        (Activations::default(), Vec::new(), SparseScratch::default());
     let mut run = |cut: Option<f32>, stats: &mut FfnStats| {
         let mut outs: Vec<&mut [f32]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
         match g {
@@ -84,7 +99,19 @@ pub fn time_input_sparsity(model: &Model, l: usize, g: InputGroup, skip: f64, re
                 masked.extend_from_slice(&x);
                 project_down(model, l, cut, &mut masked, 1, &mut acts, &mut sparse, outs[0], stats);
             }
-            _ => project(model, l, g, cut, &x, 1, &mut acts, &mut masked, &mut sparse, &mut outs, stats),
+            _ => project(
+                model,
+                l,
+                g,
+                cut,
+                &x,
+                1,
+                &mut acts,
+                &mut masked,
+                &mut sparse,
+                &mut outs,
+                stats,
+            ),
         }
     };
     let (mut dense_t, mut sparse_t) = (Vec::with_capacity(reps), Vec::with_capacity(reps));
@@ -106,7 +133,12 @@ pub fn time_input_sparsity(model: &Model, l: usize, g: InputGroup, skip: f64, re
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    Ok((median(&mut dense_t), median(&mut sparse_t), dense_st.weight_bytes_read, sparse_st.weight_bytes_read))
+    Ok((
+        median(&mut dense_t),
+        median(&mut sparse_t),
+        dense_st.weight_bytes_read,
+        sparse_st.weight_bytes_read,
+    ))
 }
 
 /// out (n, n_embd) = h (n, n_ff) @ down^T for layer `l`. With a cut-off, the activations whose
@@ -114,7 +146,17 @@ pub fn time_input_sparsity(model: &Model, l: usize, g: InputGroup, skip: f64, re
 /// the kept neurons' rows of `down_t`. Without one, the row-major down matrix when the model
 /// has it. Counts the neurons, the skipped ones and the weight bytes.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn project_down(model: &Model, l: usize, cut: Option<f32>, h: &mut [f32], n: usize, acts: &mut Activations, sparse: &mut SparseScratch, out: &mut [f32], stats: &mut FfnStats) {
+pub(crate) fn project_down(
+    model: &Model,
+    l: usize,
+    cut: Option<f32>,
+    h: &mut [f32],
+    n: usize,
+    acts: &mut Activations,
+    sparse: &mut SparseScratch,
+    out: &mut [f32],
+    stats: &mut FfnStats,
+) {
     let lw = &model.weights.layers[l];
     let down_t = model.down_t(l);
     let n_ff = down_t.rows;
@@ -128,7 +170,8 @@ pub(crate) fn project_down(model: &Model, l: usize, cut: Option<f32>, h: &mut [f
             stats.weight_bytes_read += (n * down_bytes) as u64;
         }
         (cut, _) => {
-            let kept = cut.map_or(n * n_ff, |cut| mask_below(h, model.input_norms(l, InputGroup::Down), cut));
+            let kept = cut
+                .map_or(n * n_ff, |cut| mask_below(h, model.input_norms(l, InputGroup::Down), cut));
             stats.skipped += (n * n_ff - kept) as u64;
             stats.weight_bytes_read += (kept * down_t.row_bytes()) as u64;
             down_t_matmul(&down_t, h, n, out, sparse);

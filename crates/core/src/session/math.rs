@@ -8,11 +8,23 @@ const PARALLEL_FROM: usize = 1 << 15;
 
 /// Applies `f` to each `len`-long row of `x` (with the matching row of `y`), on the pool when
 /// they are many: the rows are independent, so the results do not depend on it.
-fn each_row<T: Sync>(x: &mut [f32], y: &[T], len: usize, y_len: usize, f: impl Fn(usize, &mut [f32], &[T]) + Sync) {
+fn each_row<T: Sync>(
+    x: &mut [f32],
+    y: &[T],
+    len: usize,
+    y_len: usize,
+    f: impl Fn(usize, &mut [f32], &[T]) + Sync,
+) {
     if x.len() >= PARALLEL_FROM {
-        x.par_chunks_exact_mut(len).zip(y.par_chunks_exact(y_len.max(1))).enumerate().for_each(|(t, (r, yr))| f(t, r, yr));
+        x.par_chunks_exact_mut(len)
+            .zip(y.par_chunks_exact(y_len.max(1)))
+            .enumerate()
+            .for_each(|(t, (r, yr))| f(t, r, yr));
     } else {
-        x.chunks_exact_mut(len).zip(y.chunks_exact(y_len.max(1))).enumerate().for_each(|(t, (r, yr))| f(t, r, yr));
+        x.chunks_exact_mut(len)
+            .zip(y.chunks_exact(y_len.max(1)))
+            .enumerate()
+            .for_each(|(t, (r, yr))| f(t, r, yr));
     }
 }
 
@@ -68,7 +80,14 @@ pub(crate) fn layernorm(out: &mut [f32], x: &[f32], w: &[f32], b: Option<&[f32]>
 }
 
 /// The family's normalization: RMSNorm for LLaMA-style models, LayerNorm (with bias) otherwise.
-pub(crate) fn norm(family: Family, out: &mut [f32], x: &[f32], w: &[f32], b: Option<&[f32]>, eps: f32) {
+pub(crate) fn norm(
+    family: Family,
+    out: &mut [f32],
+    x: &[f32],
+    w: &[f32],
+    b: Option<&[f32]>,
+    eps: f32,
+) {
     match family {
         Family::Llama => rmsnorm(out, x, w, eps),
         Family::Falcon | Family::Opt => layernorm(out, x, w, b, eps),
@@ -92,7 +111,14 @@ pub(crate) fn add_into(x: &mut [f32], d: &[f32]) {
 }
 
 /// Rotates each head of `x` (n, n_heads * head_dim) by its token's angles.
-pub(crate) fn rope(x: &mut [f32], head_dim: usize, rope_dim: usize, style: RopeStyle, cos: &[f32], sin: &[f32]) {
+pub(crate) fn rope(
+    x: &mut [f32],
+    head_dim: usize,
+    rope_dim: usize,
+    style: RopeStyle,
+    cos: &[f32],
+    sin: &[f32],
+) {
     let half = rope_dim / 2;
     if half == 0 || style == RopeStyle::None {
         return;

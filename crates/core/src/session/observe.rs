@@ -31,11 +31,20 @@ impl Recorder {
 
     /// Layer l's FFN before the activation: the residual x and the normed input xb (n,
     /// n_embd), the gate pre-activations (n, n_ff) (gateless FFNs: up + bias).
-    pub(crate) fn ffn_gate(&mut self, model: &Model, l: usize, x: &[f32], xb: &[f32], gate: &[f32]) {
+    pub(crate) fn ffn_gate(
+        &mut self,
+        model: &Model,
+        l: usize,
+        x: &[f32],
+        xb: &[f32],
+        gate: &[f32],
+    ) {
         let act = model.config.ffn_activation;
         self.projection_input(model, l, InputGroup::FfnIn, xb);
         match self {
-            Recorder::Calibration(Calibration::GateMagnitudes(hists)) => gate.iter().for_each(|&g| hists[l].add(act.gate_part(g))),
+            Recorder::Calibration(Calibration::GateMagnitudes(hists)) => {
+                gate.iter().for_each(|&g| hists[l].add(act.gate_part(g)))
+            }
             Recorder::Capture(cap) => {
                 cap.inputs[l].extend_from_slice(x);
                 if !fires_exactly(act) {
@@ -48,14 +57,24 @@ impl Recorder {
 
     /// Layer l's FFN after the activation, for n rows: the activations h (n, n_ff) and the
     /// predictor logits (n, n_ff) when a predictor ran.
-    pub(crate) fn ffn_activations(&mut self, model: &Model, l: usize, n: usize, h: &[f32], pred_logits: &[f32]) {
+    pub(crate) fn ffn_activations(
+        &mut self,
+        model: &Model,
+        l: usize,
+        n: usize,
+        h: &[f32],
+        pred_logits: &[f32],
+    ) {
         let c = &model.config;
         self.projection_input(model, l, InputGroup::Down, h);
         match self {
             Recorder::Calibration(Calibration::ActiveLogits(hists)) => {
                 // the logits of the neurons that truly fired (every neuron is selected while
                 // calibrating, so none was zeroed)
-                h.iter().zip(pred_logits).filter(|(&h, _)| h != 0.0).for_each(|(_, &z)| hists[l].add(z));
+                h.iter()
+                    .zip(pred_logits)
+                    .filter(|(&h, _)| h != 0.0)
+                    .for_each(|(_, &z)| hists[l].add(z));
             }
             Recorder::Capture(cap) => {
                 if fires_exactly(c.ffn_activation) {

@@ -20,39 +20,43 @@ pub struct Capture {
 
 impl Capture {
     pub(crate) fn new(n_layer: usize) -> Capture {
-        Capture { n_tokens: 0, inputs: vec![Vec::new(); n_layer], scores: vec![Vec::new(); n_layer] }
+        Capture {
+            n_tokens: 0,
+            inputs: vec![Vec::new(); n_layer],
+            scores: vec![Vec::new(); n_layer],
+        }
     }
 }
 
 /// Activation buffers, resized per batch and reused across calls.
 #[derive(Default)]
 pub(crate) struct Scratch {
-    pub(crate) x: Vec<f32>,        // (n, n_embd) residual stream
-    pub(crate) xb: Vec<f32>,       // (n, n_embd) normed input of attention or FFN
-    pub(crate) q: Vec<f32>,        // (n, q_dim)
-    pub(crate) k: Vec<f32>,        // (n, kv_dim)
-    pub(crate) v: Vec<f32>,        // (n, kv_dim)
-    pub(crate) att: Vec<f32>,      // (n, q_dim) attention output before the projection
-    pub(crate) attn_out: Vec<f32>, // (n, n_embd) attention block output
-    pub(crate) ffn_out: Vec<f32>,  // (n, n_embd) FFN block output
-    pub(crate) gate: Vec<f32>,     // (n, n_ff) gate values, then activations
-    pub(crate) up: Vec<f32>,       // (n, n_ff)
-    pub(crate) keep: Vec<bool>,    // (n, n_ff) neurons selected by the predictor or threshold
-    pub(crate) neurons: Vec<u32>,  // selected neuron indices of one token, or of a batch's union
-    pub(crate) picked: Vec<bool>,  // (n_ff) whether some token of the batch selected the neuron
+    pub(crate) x: Vec<f32>,           // (n, n_embd) residual stream
+    pub(crate) xb: Vec<f32>,          // (n, n_embd) normed input of attention or FFN
+    pub(crate) q: Vec<f32>,           // (n, q_dim)
+    pub(crate) k: Vec<f32>,           // (n, kv_dim)
+    pub(crate) v: Vec<f32>,           // (n, kv_dim)
+    pub(crate) att: Vec<f32>,         // (n, q_dim) attention output before the projection
+    pub(crate) attn_out: Vec<f32>,    // (n, n_embd) attention block output
+    pub(crate) ffn_out: Vec<f32>,     // (n, n_embd) FFN block output
+    pub(crate) gate: Vec<f32>,        // (n, n_ff) gate values, then activations
+    pub(crate) up: Vec<f32>,          // (n, n_ff)
+    pub(crate) keep: Vec<bool>,       // (n, n_ff) neurons selected by the predictor or threshold
+    pub(crate) neurons: Vec<u32>,     // selected neuron indices of one token, or of a batch's union
+    pub(crate) picked: Vec<bool>,     // (n_ff) whether some token of the batch selected the neuron
     pub(crate) sel_gate: Vec<f32>, // (n, selected) gate values of the union's rows in sparse prefill
     pub(crate) sel_up: Vec<f32>,   // (n, selected) up values of the union's rows in sparse prefill
     pub(crate) pred_hidden: Vec<f32>, // (n, predictor hidden)
     pub(crate) pred_logits: Vec<f32>, // (n, n_ff)
-    pub(crate) masked: Vec<f32>,   // (n, inputs) a projection's input with the skipped inputs zeroed
+    pub(crate) masked: Vec<f32>, // (n, inputs) a projection's input with the skipped inputs zeroed
     pub(crate) scores: Vec<Vec<f32>>, // decode: per kv head, or per piece of the cache, attention scores
     pub(crate) split_out: Vec<f32>, // decode: (pieces, q_dim) unnormalised attention output per piece
     pub(crate) split_parts: Vec<crate::attention::Partial>, // decode: (pieces, n_head) max and sum per piece
     pub(crate) acts: Activations,
     pub(crate) pred_acts: Activations,
     pub(crate) sparse: SparseScratch,
-    pub(crate) cos: Vec<f32>,      // (RoPE sets, n, rope_dim / 2)
-    pub(crate) sin: Vec<f32>,      // (RoPE sets, n, rope_dim / 2)
+    pub(crate) cos: Vec<f32>, // (RoPE sets, n, rope_dim / 2)
+    pub(crate) sin: Vec<f32>, // (RoPE sets, n, rope_dim / 2)
 }
 
 impl Scratch {
@@ -69,7 +73,13 @@ impl Scratch {
 
     /// Token embeddings of a batch: x[t] = token_embd[tokens[t]] (+ position_embd[positions[t]
     /// + 2] for OPT), with xb as room for the position row (free until the first norm).
-    pub(crate) fn embed(&mut self, w: &Weights, dim: usize, tokens: &[u32], positions: impl Iterator<Item = usize>) {
+    pub(crate) fn embed(
+        &mut self,
+        w: &Weights,
+        dim: usize,
+        tokens: &[u32],
+        positions: impl Iterator<Item = usize>,
+    ) {
         for ((t, &tok), pos) in tokens.iter().enumerate().zip(positions) {
             let xt = &mut self.x[t * dim..(t + 1) * dim];
             w.token_embd.dequantize_row(tok as usize, xt);
@@ -83,7 +93,11 @@ impl Scratch {
 
     /// RoPE angles of each token's position for every RoPE set (`Config::rope_set`), shared by
     /// the layers: cos, sin (sets, n, rope_dim / 2).
-    pub(crate) fn rope_angles(&mut self, sets: &[RopeSet], positions: impl ExactSizeIterator<Item = usize> + Clone) {
+    pub(crate) fn rope_angles(
+        &mut self,
+        sets: &[RopeSet],
+        positions: impl ExactSizeIterator<Item = usize> + Clone,
+    ) {
         let (half, n) = (sets[0].inv_freq.len(), positions.len());
         self.cos.resize(sets.len() * n * half, 0.0);
         self.sin.resize(sets.len() * n * half, 0.0);

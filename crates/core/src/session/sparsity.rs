@@ -19,7 +19,9 @@ impl SparsityMode {
             "dense" => Ok(SparsityMode::Dense),
             "predictor" => Ok(SparsityMode::Predictor),
             "threshold" => Ok(SparsityMode::Threshold),
-            _ => Err(Error::InvalidArgument(format!("sparsity must be 'dense', 'predictor' or 'threshold', got '{s}'"))),
+            _ => Err(Error::InvalidArgument(format!(
+                "sparsity must be 'dense', 'predictor' or 'threshold', got '{s}'"
+            ))),
         }
     }
 
@@ -93,7 +95,10 @@ impl Session {
         let model = Arc::clone(&self.model);
         let c = &model.config;
         if !sp.predictor_threshold.is_finite() {
-            return Err(Error::InvalidArgument(format!("predictor threshold must be finite, got {}", sp.predictor_threshold)));
+            return Err(Error::InvalidArgument(format!(
+                "predictor threshold must be finite, got {}",
+                sp.predictor_threshold
+            )));
         }
         match sp.mode {
             SparsityMode::Dense => {}
@@ -113,7 +118,9 @@ impl Session {
                     )));
                 }
                 if let Some((l, t)) = per_layer.iter().enumerate().find(|(_, t)| !t.is_finite()) {
-                    return Err(Error::InvalidArgument(format!("layer {l} predictor threshold must be finite, got {t}")));
+                    return Err(Error::InvalidArgument(format!(
+                        "layer {l} predictor threshold must be finite, got {t}"
+                    )));
                 }
             }
             SparsityMode::Threshold if !sp.input_thresholds.is_empty() => {
@@ -125,9 +132,13 @@ impl Session {
                         sp.layer_thresholds.len()
                     )));
                 }
-                let bad = sp.input_thresholds.iter().enumerate().find_map(|(l, t)| t.iter().find(|v| !(v.is_finite() && **v >= 0.0)).map(|v| (l, *v)));
+                let bad = sp.input_thresholds.iter().enumerate().find_map(|(l, t)| {
+                    t.iter().find(|v| !(v.is_finite() && **v >= 0.0)).map(|v| (l, *v))
+                });
                 if let Some((l, t)) = bad {
-                    return Err(Error::InvalidArgument(format!("layer {l} input cut-off must be finite and >= 0, got {t}")));
+                    return Err(Error::InvalidArgument(format!(
+                        "layer {l} input cut-off must be finite and >= 0, got {t}"
+                    )));
                 }
                 // the input-major copies the cut-offs will read, built now (once per model)
                 for (l, t) in sp.input_thresholds.iter().enumerate() {
@@ -147,8 +158,12 @@ impl Session {
                         sp.layer_thresholds.len()
                     )));
                 }
-                if let Some((l, t)) = sp.layer_thresholds.iter().enumerate().find(|(_, t)| !t.is_finite()) {
-                    return Err(Error::InvalidArgument(format!("layer {l} threshold must be finite, got {t}")));
+                if let Some((l, t)) =
+                    sp.layer_thresholds.iter().enumerate().find(|(_, t)| !t.is_finite())
+                {
+                    return Err(Error::InvalidArgument(format!(
+                        "layer {l} threshold must be finite, got {t}"
+                    )));
                 }
             }
         }

@@ -5,7 +5,10 @@
 use std::sync::Arc;
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    LaunchConfig, PushKernelArg,
+};
 use cudarc::nvrtc::Ptx;
 
 use super::{type_slot, AttnShape, DActs, DMat, Device, Elem, Result};
@@ -14,7 +17,10 @@ use crate::CudaError;
 /// PTX compiled from `kernels/powerinfer.cu` by `scripts/gen_ptx.sh` (checked in CI).
 pub const PTX: &str = include_str!("../../kernels/powerinfer.ptx");
 
-const TYPE_SUFFIX: [&str; 14] = ["f32", "f16", "q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"];
+const TYPE_SUFFIX: [&str; 14] = [
+    "f32", "f16", "q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
+    "iq4_nl", "iq4_xs",
+];
 
 impl From<cudarc::driver::DriverError> for CudaError {
     fn from(e: cudarc::driver::DriverError) -> Self {
@@ -69,9 +75,9 @@ impl Cuda {
     /// an error (probed first, as cudarc panics on first use without libcuda).
     pub fn open(ordinal: usize) -> Result<Cuda> {
         let devices = crate::probe()?;
-        let info = devices
-            .get(ordinal)
-            .ok_or_else(|| CudaError::NoDevice(format!("device {ordinal} requested, {} present", devices.len())))?;
+        let info = devices.get(ordinal).ok_or_else(|| {
+            CudaError::NoDevice(format!("device {ordinal} requested, {} present", devices.len()))
+        })?;
         let ctx = CudaContext::new(ordinal)?;
         // One stream of our own, not the legacy default stream, which cannot record graphs.
         // SAFETY: every buffer and launch of this device goes through this one stream, so
@@ -81,8 +87,12 @@ impl Cuda {
         let module = ctx.load_module(Ptx::from_src(PTX)).map_err(|e| {
             CudaError::Driver(format!("loading the kernels' PTX failed ({e}); the PTX needs a driver for CUDA 13.0 or newer"))
         })?;
-        let f = |name: &str| module.load_function(name).map_err(|e| CudaError::Driver(format!("kernel {name}: {e}")));
-        let per_type = |base: &str| TYPE_SUFFIX.iter().map(|s| f(&format!("{base}_{s}"))).collect::<Result<Vec<_>>>();
+        let f = |name: &str| {
+            module.load_function(name).map_err(|e| CudaError::Driver(format!("kernel {name}: {e}")))
+        };
+        let per_type = |base: &str| {
+            TYPE_SUFFIX.iter().map(|s| f(&format!("{base}_{s}"))).collect::<Result<Vec<_>>>()
+        };
         let k = Kernels {
             quantize_q8: f("quantize_q8")?,
             matvec: per_type("matvec")?,
@@ -144,7 +154,13 @@ impl Device for Cuda {
         Ok(self.stream.memcpy_dtoh(&view, dst)?)
     }
 
-    fn copy<T: Elem>(&self, src: &CudaSlice<T>, src_start: usize, dst: &mut CudaSlice<T>, n: usize) -> Result<()> {
+    fn copy<T: Elem>(
+        &self,
+        src: &CudaSlice<T>,
+        src_start: usize,
+        dst: &mut CudaSlice<T>,
+        n: usize,
+    ) -> Result<()> {
         let from = src.slice(src_start..src_start + n);
         let mut to = dst.slice_mut(..n);
         Ok(self.stream.memcpy_dtod(&from, &mut to)?)
@@ -169,14 +185,22 @@ impl Device for Cuda {
 
     fn end_capture(&self) -> Result<Graph> {
         let graph = self.stream.end_capture(CUgraphInstantiate_flags(0))?;
-        Ok(Graph(graph.ok_or_else(|| CudaError::Driver("the recorded kernel sequence is empty".into()))?))
+        Ok(Graph(
+            graph
+                .ok_or_else(|| CudaError::Driver("the recorded kernel sequence is empty".into()))?,
+        ))
     }
 
     fn launch_graph(&self, graph: &Graph) -> Result<()> {
         Ok(graph.0.launch()?)
     }
 
-    fn quantize_q8(&self, x: &CudaSlice<f32>, q8: &mut CudaSlice<u8>, n_blocks: usize) -> Result<()> {
+    fn quantize_q8(
+        &self,
+        x: &CudaSlice<f32>,
+        q8: &mut CudaSlice<u8>,
+        n_blocks: usize,
+    ) -> Result<()> {
         let n = n_blocks as i32;
         let mut b = self.stream.launch_builder(&self.k.quantize_q8);
         b.arg(x).arg(q8).arg(&n);
@@ -185,18 +209,42 @@ impl Device for Cuda {
         Ok(())
     }
 
-    fn matvec(&self, w: &DMat<Self>, x: &DActs<Self>, bias: Option<&CudaSlice<f32>>, y: &mut CudaSlice<f32>, relu: bool, m: usize) -> Result<()> {
+    fn matvec(
+        &self,
+        w: &DMat<Self>,
+        x: &DActs<Self>,
+        bias: Option<&CudaSlice<f32>>,
+        y: &mut CudaSlice<f32>,
+        relu: bool,
+        m: usize,
+    ) -> Result<()> {
         let f = &self.k.matvec[type_slot(w.dtype)?];
-        let (row_bytes, rows, cols, relu, bias) = (w.row_bytes as u64, w.rows as i32, w.cols as i32, relu as i32, self.ptr(bias));
+        let (row_bytes, rows, cols, relu, bias) =
+            (w.row_bytes as u64, w.rows as i32, w.cols as i32, relu as i32, self.ptr(bias));
         let mut b = self.stream.launch_builder(f);
-        b.arg(&w.data).arg(&row_bytes).arg(&x.f32s).arg(&x.q8).arg(&bias).arg(y).arg(&rows).arg(&cols).arg(&relu);
+        b.arg(&w.data)
+            .arg(&row_bytes)
+            .arg(&x.f32s)
+            .arg(&x.q8)
+            .arg(&bias)
+            .arg(y)
+            .arg(&rows)
+            .arg(&cols)
+            .arg(&relu);
         // SAFETY: argument types and order match `matvec_*` in powerinfer.cu; x is checked by
         // `Gpu`, y and bias are sized by the callers.
         unsafe { b.launch(cfg((blocks(w.rows, WARPS), m as u32), 32 * WARPS as u32)) }?;
         Ok(())
     }
 
-    fn matvec3(&self, w: [&DMat<Self>; 3], x: &DActs<Self>, bias: [Option<&CudaSlice<f32>>; 3], y: [&mut CudaSlice<f32>; 3], m: usize) -> Result<()> {
+    fn matvec3(
+        &self,
+        w: [&DMat<Self>; 3],
+        x: &DActs<Self>,
+        bias: [Option<&CudaSlice<f32>>; 3],
+        y: [&mut CudaSlice<f32>; 3],
+        m: usize,
+    ) -> Result<()> {
         let f = &self.k.matvec3[type_slot(w[0].dtype)?];
         let (row_bytes, cols) = (w[0].row_bytes as u64, w[0].cols as i32);
         let rows = w.map(|m| m.rows as i32);
@@ -204,10 +252,24 @@ impl Device for Cuda {
         let [y0, y1, y2] = y;
         let mut l = self.stream.launch_builder(f);
         l.arg(&w[0].data).arg(&w[1].data).arg(&w[2].data).arg(&row_bytes).arg(&x.f32s).arg(&x.q8);
-        l.arg(&b[0]).arg(&b[1]).arg(&b[2]).arg(y0).arg(y1).arg(y2).arg(&rows[0]).arg(&rows[1]).arg(&rows[2]).arg(&cols);
+        l.arg(&b[0])
+            .arg(&b[1])
+            .arg(&b[2])
+            .arg(y0)
+            .arg(y1)
+            .arg(y2)
+            .arg(&rows[0])
+            .arg(&rows[1])
+            .arg(&rows[2])
+            .arg(&cols);
         // SAFETY: matches `matvec3_*`; the three matrices share type and width and each y and
         // bias holds its matrix's rows (checked by `Gpu`).
-        unsafe { l.launch(cfg((blocks(w.iter().map(|w| w.rows).sum(), WARPS), m as u32), 32 * WARPS as u32)) }?;
+        unsafe {
+            l.launch(cfg(
+                (blocks(w.iter().map(|w| w.rows).sum(), WARPS), m as u32),
+                32 * WARPS as u32,
+            ))
+        }?;
         Ok(())
     }
 
@@ -230,11 +292,21 @@ impl Device for Cuda {
         let (row_bytes, n_hot, cols) = (up.row_bytes as u64, up.rows as i32, up.cols as i32);
         let (up_bias, pred) = (self.ptr(up_bias), self.ptr(pred_logits));
         let selected = match selected {
-            Some((counts, slot)) => counts.device_ptr_mut(&self.stream).0 + (slot * std::mem::size_of::<u32>()) as u64,
+            Some((counts, slot)) => {
+                counts.device_ptr_mut(&self.stream).0 + (slot * std::mem::size_of::<u32>()) as u64
+            }
             None => 0,
         };
         let mut b = self.stream.launch_builder(f);
-        b.arg(&gate_ptr).arg(&up.data).arg(&row_bytes).arg(bucket).arg(&x.f32s).arg(&x.q8).arg(&up_bias).arg(&pred).arg(&threshold);
+        b.arg(&gate_ptr)
+            .arg(&up.data)
+            .arg(&row_bytes)
+            .arg(bucket)
+            .arg(&x.f32s)
+            .arg(&x.q8)
+            .arg(&up_bias)
+            .arg(&pred)
+            .arg(&threshold);
         b.arg(&selected).arg(h).arg(&n_hot).arg(&cols).arg(&act);
         // SAFETY: matches `ffn_hot_*`; bucket and h hold n_hot entries, up_bias and pred_logits
         // n_ff; `selected` is null or one u32 inside `counts` (checked by `Gpu`).
@@ -242,10 +314,21 @@ impl Device for Cuda {
         Ok(())
     }
 
-    fn down_partial(&self, down_t: &DMat<Self>, h: &CudaSlice<f32>, partial: &mut CudaSlice<f32>, rows_per_chunk: usize) -> Result<()> {
+    fn down_partial(
+        &self,
+        down_t: &DMat<Self>,
+        h: &CudaSlice<f32>,
+        partial: &mut CudaSlice<f32>,
+        rows_per_chunk: usize,
+    ) -> Result<()> {
         let f = &self.k.down_partial[type_slot(down_t.dtype)?];
         let n_chunks = down_t.rows.div_ceil(rows_per_chunk);
-        let (row_bytes, n_hot, cols, per) = (down_t.row_bytes as u64, down_t.rows as i32, down_t.cols as i32, rows_per_chunk as i32);
+        let (row_bytes, n_hot, cols, per) = (
+            down_t.row_bytes as u64,
+            down_t.rows as i32,
+            down_t.cols as i32,
+            rows_per_chunk as i32,
+        );
         let mut b = self.stream.launch_builder(f);
         b.arg(&down_t.data).arg(&row_bytes).arg(h).arg(&n_hot).arg(&cols).arg(&per).arg(partial);
         // SAFETY: matches `down_partial_*`; partial holds n_chunks * cols floats.
@@ -262,7 +345,8 @@ impl Device for Cuda {
         bias: Option<&CudaSlice<f32>>,
         cols: usize,
     ) -> Result<()> {
-        let (n_chunks_i, cols_i, cpu, bias) = (n_chunks as i32, cols as i32, self.ptr(cpu_part), self.ptr(bias));
+        let (n_chunks_i, cols_i, cpu, bias) =
+            (n_chunks as i32, cols as i32, self.ptr(cpu_part), self.ptr(bias));
         let mut b = self.stream.launch_builder(&self.k.ffn_merge);
         b.arg(x).arg(partial).arg(&n_chunks_i).arg(&cpu).arg(&bias).arg(&cols_i);
         // SAFETY: matches `ffn_merge`.
@@ -270,7 +354,16 @@ impl Device for Cuda {
         Ok(())
     }
 
-    fn rmsnorm(&self, x: &CudaSlice<f32>, w: &CudaSlice<f32>, out: &mut CudaSlice<f32>, q8: Option<&mut CudaSlice<u8>>, n: usize, eps: f32, m: usize) -> Result<()> {
+    fn rmsnorm(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        q8: Option<&mut CudaSlice<u8>>,
+        n: usize,
+        eps: f32,
+        m: usize,
+    ) -> Result<()> {
         let n_i = n as i32;
         let q8 = q8.map_or(0, |q| q.device_ptr_mut(&self.stream).0);
         let no_y = 0u64;
@@ -282,7 +375,17 @@ impl Device for Cuda {
         Ok(())
     }
 
-    fn add_rmsnorm(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, w: &CudaSlice<f32>, out: &mut CudaSlice<f32>, q8: Option<&mut CudaSlice<u8>>, n: usize, eps: f32, m: usize) -> Result<()> {
+    fn add_rmsnorm(
+        &self,
+        x: &mut CudaSlice<f32>,
+        y: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        q8: Option<&mut CudaSlice<u8>>,
+        n: usize,
+        eps: f32,
+        m: usize,
+    ) -> Result<()> {
         let n_i = n as i32;
         let q8 = q8.map_or(0, |q| q.device_ptr_mut(&self.stream).0);
         let mut b = self.stream.launch_builder(&self.k.rmsnorm);
@@ -292,7 +395,14 @@ impl Device for Cuda {
         Ok(())
     }
 
-    fn head_rmsnorm(&self, x: &mut CudaSlice<f32>, w: &CudaSlice<f32>, n_heads: usize, head_dim: usize, eps: f32) -> Result<()> {
+    fn head_rmsnorm(
+        &self,
+        x: &mut CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        n_heads: usize,
+        head_dim: usize,
+        eps: f32,
+    ) -> Result<()> {
         let (nh, hd) = (n_heads as i32, head_dim as i32);
         let mut b = self.stream.launch_builder(&self.k.head_rmsnorm);
         b.arg(x).arg(w).arg(&nh).arg(&hd).arg(&eps);
@@ -301,7 +411,13 @@ impl Device for Cuda {
         Ok(())
     }
 
-    fn add_into(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, bias: Option<&CudaSlice<f32>>, n: usize) -> Result<()> {
+    fn add_into(
+        &self,
+        x: &mut CudaSlice<f32>,
+        y: &CudaSlice<f32>,
+        bias: Option<&CudaSlice<f32>>,
+        n: usize,
+    ) -> Result<()> {
         let (n_i, bias) = (n as i32, self.ptr(bias));
         let mut b = self.stream.launch_builder(&self.k.add_into);
         b.arg(x).arg(y).arg(&bias).arg(&n_i);
@@ -319,16 +435,41 @@ impl Device for Cuda {
         Ok(())
     }
 
-    fn rope(&self, q: &mut CudaSlice<f32>, k: &mut CudaSlice<f32>, cos: &CudaSlice<f32>, sin: &CudaSlice<f32>, n_head: usize, n_head_kv: usize, head_dim: usize, rope_dim: usize, neox: bool, m: usize) -> Result<()> {
-        let (nh, nkv, hd, rd, nx) = (n_head as i32, n_head_kv as i32, head_dim as i32, rope_dim as i32, neox as i32);
+    fn rope(
+        &self,
+        q: &mut CudaSlice<f32>,
+        k: &mut CudaSlice<f32>,
+        cos: &CudaSlice<f32>,
+        sin: &CudaSlice<f32>,
+        n_head: usize,
+        n_head_kv: usize,
+        head_dim: usize,
+        rope_dim: usize,
+        neox: bool,
+        m: usize,
+    ) -> Result<()> {
+        let (nh, nkv, hd, rd, nx) =
+            (n_head as i32, n_head_kv as i32, head_dim as i32, rope_dim as i32, neox as i32);
         let mut b = self.stream.launch_builder(&self.k.rope);
         b.arg(q).arg(k).arg(cos).arg(sin).arg(&nh).arg(&nkv).arg(&hd).arg(&rd).arg(&nx);
         // SAFETY: matches `rope`; sizes checked by `Gpu`.
-        unsafe { b.launch(cfg((blocks((n_head + n_head_kv) * rope_dim / 2, 256), m as u32), 256)) }?;
+        unsafe {
+            b.launch(cfg((blocks((n_head + n_head_kv) * rope_dim / 2, 256), m as u32), 256))
+        }?;
         Ok(())
     }
 
-    fn kv_store(&self, k: &CudaSlice<f32>, v: &CudaSlice<f32>, k_cache: &mut CudaSlice<u8>, v_cache: &mut CudaSlice<u8>, pos: &CudaSlice<i32>, kv_dim: usize, f16: bool, m: usize) -> Result<()> {
+    fn kv_store(
+        &self,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        k_cache: &mut CudaSlice<u8>,
+        v_cache: &mut CudaSlice<u8>,
+        pos: &CudaSlice<i32>,
+        kv_dim: usize,
+        f16: bool,
+        m: usize,
+    ) -> Result<()> {
         let (d, h) = (kv_dim as i32, f16 as i32);
         let mut b = self.stream.launch_builder(&self.k.kv_store);
         b.arg(k).arg(v).arg(k_cache).arg(v_cache).arg(pos).arg(&d).arg(&h);
@@ -349,10 +490,25 @@ impl Device for Cuda {
         f16: bool,
         m: usize,
     ) -> Result<()> {
-        let (ctx_i, nh, nkv, hd, h) = (at.n_ctx as i32, at.n_head as i32, at.n_head_kv as i32, at.head_dim as i32, f16 as i32);
+        let (ctx_i, nh, nkv, hd, h) = (
+            at.n_ctx as i32,
+            at.n_head as i32,
+            at.n_head_kv as i32,
+            at.head_dim as i32,
+            f16 as i32,
+        );
         let window = i32::try_from(at.window).unwrap_or(i32::MAX);
         let mut b = self.stream.launch_builder(&self.k.attention);
-        b.arg(q).arg(k_cache).arg(v_cache).arg(scores).arg(out).arg(pos).arg(&ctx_i).arg(&nh).arg(&nkv).arg(&hd);
+        b.arg(q)
+            .arg(k_cache)
+            .arg(v_cache)
+            .arg(scores)
+            .arg(out)
+            .arg(pos)
+            .arg(&ctx_i)
+            .arg(&nh)
+            .arg(&nkv)
+            .arg(&hd);
         b.arg(&at.scale).arg(&at.softcap).arg(&window).arg(&h);
         // SAFETY: matches `attention`; scores holds n_head * n_ctx floats and pos[0] < n_ctx (checked by `Gpu`).
         unsafe { b.launch(cfg((at.n_head as u32, m as u32), 256)) }?;

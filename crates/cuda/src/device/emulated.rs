@@ -42,9 +42,15 @@ fn input(m: &DMat<Emulated>, x: &DActs<Emulated>, t: usize) -> Vec<f32> {
 /// The values of a KV cache's first `n` elements, stored as f16 or f32 bytes.
 fn cache_values(cache: &[u8], n: usize, f16: bool) -> Vec<f32> {
     if f16 {
-        cache[..2 * n].chunks_exact(2).map(|b| f16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect()
+        cache[..2 * n]
+            .chunks_exact(2)
+            .map(|b| f16_to_f32(u16::from_le_bytes([b[0], b[1]])))
+            .collect()
     } else {
-        cache[..4 * n].chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+        cache[..4 * n]
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
     }
 }
 
@@ -91,7 +97,13 @@ impl Device for Emulated {
         Ok(())
     }
 
-    fn copy<T: Elem>(&self, src: &Vec<T>, src_start: usize, dst: &mut Vec<T>, n: usize) -> Result<()> {
+    fn copy<T: Elem>(
+        &self,
+        src: &Vec<T>,
+        src_start: usize,
+        dst: &mut Vec<T>,
+        n: usize,
+    ) -> Result<()> {
         dst[..n].copy_from_slice(&src[src_start..src_start + n]);
         Ok(())
     }
@@ -125,15 +137,31 @@ impl Device for Emulated {
         Ok(())
     }
 
-    fn matvec(&self, w: &DMat<Self>, x: &DActs<Self>, bias: Option<&Vec<f32>>, y: &mut Vec<f32>, relu: bool, m: usize) -> Result<()> {
+    fn matvec(
+        &self,
+        w: &DMat<Self>,
+        x: &DActs<Self>,
+        bias: Option<&Vec<f32>>,
+        y: &mut Vec<f32>,
+        relu: bool,
+        m: usize,
+    ) -> Result<()> {
         for t in 0..m {
-            let out = twin::matvec_seen(&view(w), &input(w, x, t), bias.map(|b| &b[..w.rows]), relu);
+            let out =
+                twin::matvec_seen(&view(w), &input(w, x, t), bias.map(|b| &b[..w.rows]), relu);
             y[t * w.rows..(t + 1) * w.rows].copy_from_slice(&out);
         }
         Ok(())
     }
 
-    fn matvec3(&self, w: [&DMat<Self>; 3], x: &DActs<Self>, bias: [Option<&Vec<f32>>; 3], y: [&mut Vec<f32>; 3], m: usize) -> Result<()> {
+    fn matvec3(
+        &self,
+        w: [&DMat<Self>; 3],
+        x: &DActs<Self>,
+        bias: [Option<&Vec<f32>>; 3],
+        y: [&mut Vec<f32>; 3],
+        m: usize,
+    ) -> Result<()> {
         for ((w, b), y) in w.into_iter().zip(bias).zip(y) {
             self.matvec(w, x, b, y, false, m)?;
         }
@@ -155,37 +183,73 @@ impl Device for Emulated {
         m: usize,
     ) -> Result<()> {
         let act = act_of_code(act).ok_or_else(|| fault(format!("activation code {act}")))?;
-        let n_ids = up_bias.iter().chain(pred_logits.iter()).map(|b| b.len()).min().unwrap_or(usize::MAX);
+        let n_ids =
+            up_bias.iter().chain(pred_logits.iter()).map(|b| b.len()).min().unwrap_or(usize::MAX);
         let ids: Vec<u32> = bucket[..up.rows]
             .iter()
-            .map(|&j| if j >= 0 && (j as usize) < n_ids { Ok(j as u32) } else { Err(fault(format!("hot neuron id {j} out of range"))) })
+            .map(|&j| {
+                if j >= 0 && (j as usize) < n_ids {
+                    Ok(j as u32)
+                } else {
+                    Err(fault(format!("hot neuron id {j} out of range")))
+                }
+            })
             .collect::<Result<_>>()?;
         let pred = pred_logits.map(|p| (&p[..], threshold));
         if let Some((counts, slot)) = selected {
             let n = match pred {
-                Some((p, t)) => ids.iter().filter(|&&j| Sparsity::predictor_selects(p[j as usize], t)).count(),
+                Some((p, t)) => {
+                    ids.iter().filter(|&&j| Sparsity::predictor_selects(p[j as usize], t)).count()
+                }
                 None => ids.len(),
             };
             counts[slot] += (n * m) as u32;
         }
         for t in 0..m {
-            let out = twin::ffn_hot_seen(gate.map(view).as_ref(), &view(up), &ids, &input(up, x, t), up_bias.map(|b| &b[..]), pred, act);
+            let out = twin::ffn_hot_seen(
+                gate.map(view).as_ref(),
+                &view(up),
+                &ids,
+                &input(up, x, t),
+                up_bias.map(|b| &b[..]),
+                pred,
+                act,
+            );
             h[t * up.rows..(t + 1) * up.rows].copy_from_slice(&out);
         }
         Ok(())
     }
 
-    fn down_partial(&self, down_t: &DMat<Self>, h: &Vec<f32>, partial: &mut Vec<f32>, rows_per_chunk: usize) -> Result<()> {
+    fn down_partial(
+        &self,
+        down_t: &DMat<Self>,
+        h: &Vec<f32>,
+        partial: &mut Vec<f32>,
+        rows_per_chunk: usize,
+    ) -> Result<()> {
         let cols = down_t.cols;
         for (k, i0) in (0..down_t.rows).step_by(rows_per_chunk).enumerate() {
             let i1 = down_t.rows.min(i0 + rows_per_chunk);
-            let rows = QMatrix { dtype: down_t.dtype, rows: i1 - i0, cols, data: &down_t.data[i0 * down_t.row_bytes..i1 * down_t.row_bytes] };
+            let rows = QMatrix {
+                dtype: down_t.dtype,
+                rows: i1 - i0,
+                cols,
+                data: &down_t.data[i0 * down_t.row_bytes..i1 * down_t.row_bytes],
+            };
             partial[k * cols..(k + 1) * cols].copy_from_slice(&twin::down(&rows, &h[i0..i1]));
         }
         Ok(())
     }
 
-    fn ffn_merge(&self, x: &mut Vec<f32>, partial: &Vec<f32>, n_chunks: usize, cpu_part: Option<&Vec<f32>>, bias: Option<&Vec<f32>>, cols: usize) -> Result<()> {
+    fn ffn_merge(
+        &self,
+        x: &mut Vec<f32>,
+        partial: &Vec<f32>,
+        n_chunks: usize,
+        cpu_part: Option<&Vec<f32>>,
+        bias: Option<&Vec<f32>>,
+        cols: usize,
+    ) -> Result<()> {
         for (c, xc) in x[..cols].iter_mut().enumerate() {
             let mut v: f32 = (0..n_chunks).map(|k| partial[k * cols + c]).sum();
             v += cpu_part.map_or(0.0, |p| p[c]) + bias.map_or(0.0, |b| b[c]);
@@ -194,9 +258,22 @@ impl Device for Emulated {
         Ok(())
     }
 
-    fn rmsnorm(&self, x: &Vec<f32>, w: &Vec<f32>, out: &mut Vec<f32>, q8: Option<&mut Vec<u8>>, n: usize, eps: f32, m: usize) -> Result<()> {
+    fn rmsnorm(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        out: &mut Vec<f32>,
+        q8: Option<&mut Vec<u8>>,
+        n: usize,
+        eps: f32,
+        m: usize,
+    ) -> Result<()> {
         for t in 0..m {
-            out[t * n..(t + 1) * n].copy_from_slice(&twin::rmsnorm(&x[t * n..(t + 1) * n], &w[..n], eps));
+            out[t * n..(t + 1) * n].copy_from_slice(&twin::rmsnorm(
+                &x[t * n..(t + 1) * n],
+                &w[..n],
+                eps,
+            ));
         }
         if let Some(q8) = q8 {
             self.quantize_q8(out, q8, m * n / QK)?;
@@ -204,17 +281,40 @@ impl Device for Emulated {
         Ok(())
     }
 
-    fn add_rmsnorm(&self, x: &mut Vec<f32>, y: &Vec<f32>, w: &Vec<f32>, out: &mut Vec<f32>, q8: Option<&mut Vec<u8>>, n: usize, eps: f32, m: usize) -> Result<()> {
+    fn add_rmsnorm(
+        &self,
+        x: &mut Vec<f32>,
+        y: &Vec<f32>,
+        w: &Vec<f32>,
+        out: &mut Vec<f32>,
+        q8: Option<&mut Vec<u8>>,
+        n: usize,
+        eps: f32,
+        m: usize,
+    ) -> Result<()> {
         self.add_into(x, y, None, m * n)?;
         self.rmsnorm(x, w, out, q8, n, eps, m)
     }
 
-    fn head_rmsnorm(&self, x: &mut Vec<f32>, w: &Vec<f32>, n_heads: usize, head_dim: usize, eps: f32) -> Result<()> {
+    fn head_rmsnorm(
+        &self,
+        x: &mut Vec<f32>,
+        w: &Vec<f32>,
+        n_heads: usize,
+        head_dim: usize,
+        eps: f32,
+    ) -> Result<()> {
         twin::head_rmsnorm(&mut x[..n_heads * head_dim], &w[..head_dim], head_dim, eps);
         Ok(())
     }
 
-    fn add_into(&self, x: &mut Vec<f32>, y: &Vec<f32>, bias: Option<&Vec<f32>>, n: usize) -> Result<()> {
+    fn add_into(
+        &self,
+        x: &mut Vec<f32>,
+        y: &Vec<f32>,
+        bias: Option<&Vec<f32>>,
+        n: usize,
+    ) -> Result<()> {
         for i in 0..n {
             x[i] += y[i] + bias.map_or(0.0, |b| b[i]);
         }
@@ -226,7 +326,19 @@ impl Device for Emulated {
         Ok(())
     }
 
-    fn rope(&self, q: &mut Vec<f32>, k: &mut Vec<f32>, cos: &Vec<f32>, sin: &Vec<f32>, n_head: usize, n_head_kv: usize, head_dim: usize, rope_dim: usize, neox: bool, m: usize) -> Result<()> {
+    fn rope(
+        &self,
+        q: &mut Vec<f32>,
+        k: &mut Vec<f32>,
+        cos: &Vec<f32>,
+        sin: &Vec<f32>,
+        n_head: usize,
+        n_head_kv: usize,
+        head_dim: usize,
+        rope_dim: usize,
+        neox: bool,
+        m: usize,
+    ) -> Result<()> {
         let (half, qd, kd) = (rope_dim / 2, n_head * head_dim, n_head_kv * head_dim);
         for t in 0..m {
             let (c, s) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
@@ -236,7 +348,17 @@ impl Device for Emulated {
         Ok(())
     }
 
-    fn kv_store(&self, k: &Vec<f32>, v: &Vec<f32>, k_cache: &mut Vec<u8>, v_cache: &mut Vec<u8>, pos: &Vec<i32>, kv_dim: usize, f16: bool, m: usize) -> Result<()> {
+    fn kv_store(
+        &self,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        k_cache: &mut Vec<u8>,
+        v_cache: &mut Vec<u8>,
+        pos: &Vec<i32>,
+        kv_dim: usize,
+        f16: bool,
+        m: usize,
+    ) -> Result<()> {
         let pos = pos[0] as usize;
         for i in 0..m * kv_dim {
             store(k_cache, pos * kv_dim + i, k[i], f16);
@@ -261,7 +383,13 @@ impl Device for Emulated {
         let n = (pos[0] as usize + m) * at.n_head_kv * at.head_dim;
         let (k, v) = (cache_values(k_cache, n, f16), cache_values(v_cache, n, f16));
         for t in 0..m {
-            let o = twin::attention(&q[t * q_dim..(t + 1) * q_dim], &k, &v, pos[0] as usize + t + 1, at);
+            let o = twin::attention(
+                &q[t * q_dim..(t + 1) * q_dim],
+                &k,
+                &v,
+                pos[0] as usize + t + 1,
+                at,
+            );
             out[t * q_dim..(t + 1) * q_dim].copy_from_slice(&o);
         }
         Ok(())
