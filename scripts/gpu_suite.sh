@@ -34,7 +34,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 status=0
 echo "== Rust kernel tests"
-POWERINFER_REQUIRE_GPU=1 .gpu/gpu_kernels --test-threads 1 2>&1 | tee "$OUT/kernels.log" || status=1
+.gpu/gpu_kernels --ignored --test-threads 1 2>&1 | tee "$OUT/kernels.log" || status=1
 echo "== pytest -m gpu"
 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/pytest.log" || status=1
 echo "== benchmark"

@@ -6,6 +6,8 @@ for piece in engine.stream("The capital of France is"):
     print(piece, end="", flush=True)
 """
 
+from importlib import metadata as _metadata
+
 from ._core import (
     ContextLengthError,
     CudaUnavailableError,
@@ -18,7 +20,8 @@ from ._core import (
 from .engine import Engine
 from .models import default_model_path
 
-__version__ = "0.1.0"
+# the workspace version (Cargo.toml), which maturin writes into the package metadata
+__version__ = _metadata.version("powerinfer-rs")
 
 __all__ = [
     "Engine",
