@@ -4,14 +4,11 @@ force and each other, the per-layer minimum, budget parsing and the `.gpuidx` fi
 import itertools
 import shutil
 
+import gguf
 import numpy as np
 import pytest
-
-pytest.importorskip("highspy")
-gguf = pytest.importorskip("gguf")
-
-from powerinfer_rs import _core  # noqa: E402
-from powerinfer_rs import placement as pl  # noqa: E402
+from powerinfer_rs import _core
+from powerinfer_rs import placement as pl
 
 
 def _instance(rng, n_layer, n_ff, group, budget_groups, min_neurons=None, bytes_per_neuron=None):
@@ -138,7 +135,7 @@ def test_exact_hands_over_to_highs_past_its_state_limit(monkeypatch):
         [np.array([3.1]), np.array([2.0, 2.0])], [3.0, 2.0], budget=4, min_neurons=[0, 0], group=1
     )
     assert pl.exact(inst, max_states=1) is None
-    monkeypatch.setattr(pl, "_MAX_STATES", 1)
+    monkeypatch.setattr(pl.solver, "_MAX_STATES", 1)
     s = pl.solve(inst, mip_gap=0.0)
     assert s.method == "ilp" and s.optimal
     assert s.objective == pytest.approx(4.0)
