@@ -14,3 +14,19 @@ def test_the_version_is_the_workspaces():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "version" not in pyproject["project"]
     assert "version" in pyproject["project"]["dynamic"]
+
+
+def test_the_weight_type_table_agrees_with_ggml():
+    """Each row of the engine's type table against the `gguf` package's (llama.cpp's) own: type
+    id, block length and block bytes; the activations a type pairs with follow its block length."""
+    import gguf
+
+    rows = powerinfer_rs._core.weight_types()
+    assert [r["name"] for r in rows][:6] == ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"]
+    for r in rows:
+        t = gguf.GGMLQuantizationType[r["name"]]
+        assert r["ggml_id"] == t.value, r
+        assert (r["block_len"], r["block_bytes"]) == gguf.GGML_QUANT_SIZES[t], r
+        expected = {1: "f32", 32: "q8_per_32", 256: "q8_per_256"}[r["block_len"]]
+        assert r["activations"] == expected, r
+    assert [r["name"] for r in rows if not r["gpu"]] == ["BF16"]

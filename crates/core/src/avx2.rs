@@ -125,7 +125,7 @@ pub(crate) unsafe fn unpack_nibbles(qs: &[u8; 16]) -> __m256i {
 }
 
 /// A 32-weight block format read by `dot_legacy` and the prompts' row groups
-/// (`legacy_avx2::legacy_rows_all_tokens`): signed weights v times one f16 scale (Q4_0's q - 8,
+/// (`q32_x86::legacy_rows_all_tokens`): signed weights v times one f16 scale (Q4_0's q - 8,
 /// Q5_0's q - 16, Q8_0, IQ4_NL's grid values), or with `MIN` unsigned q times the scale plus an
 /// f16 minimum (Q4_1, Q5_1).
 pub(crate) trait LegacyBlock {
@@ -223,7 +223,7 @@ pub unsafe fn dot_q8_0<const R: usize, const N: usize>(
 /// the integer sum. A block's products sum exactly in integers, then one float step per block,
 /// row and token: acc = fma(sum, d * d_a, acc), and with minima min = fma(m, s_a, min) (s_a:
 /// the activations' scaled sum), the result acc (+ min): the steps the prompts' row groups
-/// (`legacy_avx2::legacy_rows_all_tokens`) take in each lane, so that a token's dot is bit for
+/// (`q32_x86::legacy_rows_all_tokens`) take in each lane, so that a token's dot is bit for
 /// bit the same in a prompt as alone.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dot_legacy<B: LegacyBlock, const R: usize, const N: usize>(
@@ -917,7 +917,7 @@ pub unsafe fn axpy(dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
                 );
             }
         }
-        // the chunked formats (`sparse::axpy` sends them to `chunked_avx2::axpy_rows`)
+        // the chunked formats (`sparse::axpy` sends them to `chunks_x86::axpy_rows`)
         _ => crate::quant::axpy_scalar(dtype, row, a, y),
     }
 }
@@ -1004,7 +1004,7 @@ pub unsafe fn axpy_rows<const R: usize>(
             |b| i8x32_to_f32x4(_mm256_loadu_si256(b.qs.as_ptr() as *const __m256i)),
             false
         ),
-        // the chunked formats (`sparse::axpy4` sends them to `chunked_avx2::axpy_rows`)
+        // the chunked formats (`sparse::axpy4` sends them to `chunks_x86::axpy_rows`)
         _ => {
             for r in 0..R {
                 crate::quant::axpy_scalar(dtype, rows[r], a[r], y);

@@ -12,7 +12,7 @@
 //! `vpdpbusd`) comes off in integers: the dot starts from the activations' exact per-lane sums
 //! (`ActQuad::bias`). Each block's products sum exactly in integers and take one float step
 //! per block; a step's four are summed pairwise, as a prompt's row groups
-//! (`quant::legacy_avx2`) sum them in each lane, so a token gets bit for bit the same dot
+//! (`quant::q32_x86`) sum them in each lane, so a token gets bit for bit the same dot
 //! alone, in batched decode and in a prompt. A row's last up to three blocks are a zero-padded
 //! step.
 //!
@@ -27,8 +27,8 @@
 
 use std::arch::x86_64::*;
 
-use crate::quant::chunked::{BlockIQ4NL, BlockQ5_0, BlockQ5_1, IQ4_VALUES};
-use crate::quant::chunked_avx2::Decoded;
+use crate::quant::chunks::{BlockIQ4NL, BlockQ5_0, BlockQ5_1, IQ4_VALUES};
+use crate::quant::chunks_x86::Decoded;
 use crate::quant::{ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8_0, DType};
 
 /// An f16 scale as an f32 broadcast to 16 lanes.
@@ -186,7 +186,7 @@ pub unsafe fn axpy_rows<const R: usize>(
                 _mm512_storeu_ps(p.add(16), hi);
             }
         }
-        // the chunked formats (`sparse::axpy4` sends them to `chunked_avx2::axpy_rows`)
+        // the chunked formats (`sparse::axpy4` sends them to `chunks_x86::axpy_rows`)
         _ => {
             for r in 0..R {
                 crate::quant::axpy_scalar(dtype, rows[r], a[r], y);
@@ -433,7 +433,7 @@ unsafe fn rows_by_lane(v: [__m512; 4]) -> __m512 {
 /// The float steps of a step's four blocks, per lane, from their exact sums `sums` (block c's
 /// in lanes 4c..4c + 4): p_c = sum_c * (d_c * d_a,c) (+ m_c * s_a,c: a single rounding of the
 /// sum, `fma`), and the step's total (p_0 + p_1) + (p_2 + p_3) in the lanes of block 0. These
-/// are the steps of the prompts' row groups (`legacy_avx2::legacy_rows_all_tokens` with
+/// are the steps of the prompts' row groups (`q32_x86::legacy_rows_all_tokens` with
 /// AVX-512), lane for lane.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -639,10 +639,10 @@ pub unsafe fn dot_q8_0<const R: usize, const N: usize>(
     dot_quads(w, quads, next)
 }
 
-/// R rows of a chunked type (`quant::chunked`) against N tokens: a step straight from the
+/// R rows of a chunked type (`quant::chunks`) against N tokens: a step straight from the
 /// blocks (`direct_quad`) or the format's AVX2 chunk decoder four times, the chunks gathered
-/// into one `RegQuad` (v + 128). Twin of `chunked::dot_scalar`. (The super-block formats go
-/// through `quant::superblock_avx2`, see `matmul::reads_q8k`.)
+/// into one `RegQuad` (v + 128). Twin of `chunks::dot_scalar`. (The super-block formats go
+/// through `quant::q256_x86`, see `DType::reads_q8k`.)
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub unsafe fn dot_chunked<const R: usize, const N: usize>(
     dtype: DType,
@@ -650,7 +650,7 @@ pub unsafe fn dot_chunked<const R: usize, const N: usize>(
     quads: [&[ActQuad]; N],
     next: &[u8],
 ) -> [[f32; N]; R] {
-    use crate::quant::chunked_avx2 as c2;
+    use crate::quant::chunks_x86 as c2;
     let nb = quads[0].len() * 4; // (padded)
     let blocks = rows[0].len() / dtype.block_bytes() * (dtype.block_len() / 32);
     debug_assert!(blocks <= nb && nb < blocks + 4);

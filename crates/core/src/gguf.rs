@@ -440,13 +440,15 @@ pub fn parse_header(buf: &[u8]) -> Result<Header> {
         match end {
             Some(end) if end <= file_len => {}
             _ => {
+                // (the offset is named as the file gives it: data_offset + offset may overflow)
                 return Err(Error::Format(format!(
-                    "tensor '{}' data (offset {}, {} bytes) runs past the end of the file ({} bytes): the file is truncated or corrupt",
+                    "tensor '{}' data (offset {} past the data section at {}, {} bytes) runs past the end of the file ({} bytes): the file is truncated or corrupt",
                     t.name,
-                    data_offset + t.offset,
+                    t.offset,
+                    data_offset,
                     t.n_bytes,
                     file_len
-                )))
+                )));
             }
         }
     }
@@ -611,6 +613,22 @@ mod tests {
         let mut b = Builder::new(b"GGUF", 3, 0, 1);
         b.str("k").u32(7).b.push(5);
         assert!(err_of(&b.pad_data(0)).contains("bool"));
+    }
+
+    #[test]
+    fn rejects_tensor_offset_near_u64_max() {
+        // found by fuzzing (fuzz/regressions/tensor-offset-overflow.gguf): one F32 tensor whose
+        // aligned offset overflows when added to the data section's start
+        let f: &[u8] = b"GGUF\x03\0\0\0\x01\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\
+            \x01\0\0\0\0\0\0\0t\x01\0\0\0\x01\0\0\0\0\0\0\0\0\0\0\0\
+            \xe0\xff\xff\xff\xff\xff\xff\xff";
+        assert_eq!(f.len(), 57);
+        let mut b = Builder::new(b"GGUF", 3, 1, 0);
+        b.tensor("t", &[1], 0, u64::MAX - 31);
+        assert_eq!(f, b.b.as_slice());
+        let err = err_of(f);
+        assert!(err.contains("past the end"), "{err}");
+        assert!(err.contains(&format!("offset {}", u64::MAX - 31)), "{err}");
     }
 
     #[test]

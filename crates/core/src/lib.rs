@@ -5,6 +5,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod dtype;
 pub mod error;
 pub mod forward;
 pub mod gguf;

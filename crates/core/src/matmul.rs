@@ -10,17 +10,17 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
+use crate::quant::q256::{self, BlockQ8K};
 #[cfg(target_arch = "x86_64")]
-use crate::quant::legacy_avx2;
-use crate::quant::superblock::{self, BlockQ8K};
+use crate::quant::q256_x86::GroupWidth;
 #[cfg(target_arch = "x86_64")]
-use crate::quant::superblock_avx2::GroupWidth;
+use crate::quant::q32_x86;
 use crate::quant::{
     self, cast_blocks, ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK, QK_K,
 };
 
 /// Instruction sets the kernels are written for, in increasing order: each level has every
-/// feature of the ones below it.
+/// feature of the ones below it. The discriminant indexes `TypeTraits::decode_rows`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum SimdLevel {
     Scalar,
@@ -170,18 +170,18 @@ pub struct Activations {
     pub q8: Vec<BlockQ8Act>,
     /// With AVX-512 and at least `GROUP_MIN_TOKENS` tokens: -128 times each `q8` block's sum
     /// (n, cols / 32), where the prompts' 16-row groups of signed formats start their sums
-    /// (`legacy_avx2::activation_bias`); empty otherwise.
+    /// (`q32_x86::activation_bias`); empty otherwise.
     pub q8_bias: Vec<i32>,
     /// With AVX-512: `q8` again, in groups of four blocks as the 512-bit one-token dots read
     /// them (n, cols / 128).
     pub quads: Vec<ActQuad>,
     /// The rows quantized per 256, which the super-block formats read (n, cols / 256), see
-    /// `reads_q8k`; empty where cols is not a multiple of 256.
+    /// `DType::reads_q8k`; empty where cols is not a multiple of 256.
     pub q8k: Vec<BlockQ8K>,
 }
 
 /// Batches from this many tokens up are multiplied through unpacked weights (row groups,
-/// `quant::superblock_avx2` and `quant::legacy_avx2`): decoding a row once for them all beats
+/// `quant::q256_x86` and `quant::q32_x86`): decoding a row once for them all beats
 /// decoding it once per four tokens.
 pub const GROUP_MIN_TOKENS: usize = 8;
 
@@ -197,8 +197,8 @@ impl Activations {
     /// needs neither the floats nor per-32 blocks; a prompt's float copy is megabytes).
     pub fn set_for(&mut self, x: &[f32], n: usize, cols: usize, readers: &[QMatrix]) {
         let floats = readers.iter().any(|m| !m.dtype.is_quantized());
-        let per_256 = readers.iter().any(|m| reads_q8k(m.dtype));
-        let per_32 = readers.iter().any(|m| m.dtype.is_quantized() && !reads_q8k(m.dtype));
+        let per_256 = readers.iter().any(|m| m.dtype.reads_q8k());
+        let per_32 = readers.iter().any(|m| m.dtype.is_quantized() && !m.dtype.reads_q8k());
         self.set_rounded(x, n, cols, floats, per_32, per_256);
     }
 
@@ -243,7 +243,7 @@ impl Activations {
                 self.q8_bias
                     .par_chunks_mut(nb * 16)
                     .zip(self.q8.par_chunks(nb * 16))
-                    .for_each(|(b, q)| unsafe { legacy_avx2::activation_bias(q, b) });
+                    .for_each(|(b, q)| unsafe { q32_x86::activation_bias(q, b) });
             }
             self.q8k.clear();
             // (at every level: the tests read AVX-512 machines' activations at the lower levels
@@ -256,9 +256,9 @@ impl Activations {
                         #[cfg(target_arch = "x86_64")]
                         // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
                         SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe {
-                            superblock::quantize_act_k_avx2(xs, q)
+                            q256::quantize_act_k_avx2(xs, q)
                         },
-                        _ => superblock::quantize_act_k(xs, q),
+                        _ => q256::quantize_act_k(xs, q),
                     },
                 );
             }
@@ -362,7 +362,7 @@ fn dot_row_group<const R: usize, const N: usize>(
             }
         }};
     }
-    use quant::chunked::{dot_scalar, BlockIQ4NL, BlockQ5_0, BlockQ5_1};
+    use quant::chunks::{dot_scalar, BlockIQ4NL, BlockQ5_0, BlockQ5_1};
     match w.dtype {
         DType::F32 | DType::F16 | DType::BF16 => {
             let a = t.map(|ti| x.f32_row(ti));
@@ -406,49 +406,24 @@ fn dot_row_group<const R: usize, const N: usize>(
             })
         }
         // the super-block formats with per-256 activations
-        dtype if reads_q8k(dtype) => {
+        dtype if dtype.reads_q8k() => {
             let a = t.map(|ti| x.q8k_row(ti));
             match level {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
                 SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe {
-                    quant::superblock_avx2::dot(dtype, level == SimdLevel::Avx512, rows, a, next)
+                    quant::q256_x86::dot(dtype, level == SimdLevel::Avx512, rows, a, next)
                 },
-                _ => rows.map(|row| superblock::dot_scalar(dtype, row, a)),
+                _ => rows.map(|row| q256::dot_scalar(dtype, row, a)),
             }
         }
         dtype => unreachable!("{} has no dot product", dtype.name()),
     }
 }
 
-/// Whether products of `dtype` read the per-256 activations (`Activations::q8k`, ggml's
-/// pairing, `quant::superblock`): the super-block formats, at every level.
-pub(crate) fn reads_q8k(dtype: DType) -> bool {
-    superblock::is_superblock(dtype)
-}
-
-/// Rows per kernel call in decode (`dot_row_group`), by level and type: four where the rows
-/// share a pass over the token's activations and their sums do not wait on each other (1.3-1.8x
-/// on 576-column rows); one for the chunked formats on AVX2, whose decoded chunks fill the 16
-/// registers already (two or four rows spilled and ran 1.2-1.7x slower, `kquant_decode`).
-fn group_rows(level: SimdLevel, dtype: DType) -> usize {
-    match level {
-        SimdLevel::Scalar => 1,
-        _ if !dtype.is_quantized() => 1,
-        SimdLevel::Avx2
-            if !matches!(
-                dtype,
-                DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::Q5_0 | DType::Q5_1 | DType::IQ4_NL
-            ) && !superblock::is_superblock(dtype) =>
-        {
-            1
-        }
-        _ => 4,
-    }
-}
-
 /// Weight rows r0..r1 against N activation rows: `put(r, values)` receives each row's N dot
-/// products. One token (decode) goes `group_rows` rows per kernel call.
+/// products. One token (decode) goes the type's `decode_rows` at this level per kernel call
+/// (`dtype::TYPES`).
 pub(crate) fn dot_rows<const N: usize>(
     w: &QMatrix,
     rows: std::ops::Range<usize>,
@@ -467,7 +442,7 @@ pub(crate) fn dot_rows<const N: usize>(
         }
     };
     let mut r = rows.start;
-    if N == 1 && group_rows(level, w.dtype) == 4 {
+    if N == 1 && w.dtype.traits().decode_rows[level as usize] == 4 {
         while r + 4 <= rows.end {
             let next = span(r + 4, (r + 8).min(rows.end));
             for (k, v) in dot_row_group::<4, N>(w, r, next, x, t, level).into_iter().enumerate() {
@@ -503,10 +478,10 @@ pub fn matmul_many(mats: &[QMatrix], x: &Activations, outs: &mut [&mut [f32]]) {
     for (m, o) in mats.iter().zip(outs.iter()) {
         assert_eq!(m.cols, x.cols, "matmul: weight has {} columns, input has {}", m.cols, x.cols);
         assert_eq!(o.len(), n * m.rows, "matmul: output buffer has the wrong size");
-        if m.dtype.is_quantized() && !reads_q8k(m.dtype) {
+        if m.dtype.is_quantized() && !m.dtype.reads_q8k() {
             assert_eq!(x.q8.len(), n * x.cols / QK);
         }
-        if reads_q8k(m.dtype) {
+        if m.dtype.reads_q8k() {
             assert_eq!(x.q8k.len(), n * x.cols / QK_K);
         }
     }
@@ -591,12 +566,12 @@ fn rows_for_all_tokens(
 ) {
     let n = x.n;
     #[cfg(target_arch = "x86_64")]
-    if level.has_avx2() && reads_q8k(w.dtype) && n >= GROUP_MIN_TOKENS {
+    if level.has_avx2() && w.dtype.reads_q8k() && n >= GROUP_MIN_TOKENS {
         // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c, Avx512
         // when it has AVX-512 F/BW/VL/VNNI too, `avx_vnni` when it has AVX-VNNI; `q8k` holds n
         // tokens (cols is a multiple of 256 for these types).
         unsafe {
-            quant::superblock_avx2::rows_all_tokens(
+            quant::q256_x86::rows_all_tokens(
                 w.dtype,
                 group_width(level),
                 |r| w.row(r),
@@ -610,10 +585,10 @@ fn rows_for_all_tokens(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if level.has_avx2() && legacy_avx2::groups_rows(w.dtype) && n >= GROUP_MIN_TOKENS {
+    if level.has_avx2() && q32_x86::groups_rows(w.dtype) && n >= GROUP_MIN_TOKENS {
         // SAFETY: as above; `q8` holds n tokens.
         unsafe {
-            legacy_avx2::legacy_rows_all_tokens(
+            q32_x86::legacy_rows_all_tokens(
                 w.dtype,
                 group_width(level),
                 |r| w.row(r),
@@ -715,7 +690,7 @@ pub fn matmul_selected(
                 cold.clear();
                 #[cfg(target_arch = "x86_64")]
                 let grouped = level.has_avx2()
-                    && (legacy_avx2::groups_rows(w.dtype) || reads_q8k(w.dtype))
+                    && (q32_x86::groups_rows(w.dtype) || w.dtype.reads_q8k())
                     && n >= GROUP_MIN_TOKENS;
                 #[cfg(not(target_arch = "x86_64"))]
                 let grouped = false;
@@ -741,8 +716,8 @@ pub fn matmul_selected(
                     };
                     // SAFETY: as in `rows_for_all_tokens`.
                     unsafe {
-                        if reads_q8k(w.dtype) {
-                            quant::superblock_avx2::rows_all_tokens(
+                        if w.dtype.reads_q8k() {
+                            quant::q256_x86::rows_all_tokens(
                                 w.dtype,
                                 group_width(level),
                                 row,
@@ -753,7 +728,7 @@ pub fn matmul_selected(
                                 put_kept,
                             );
                         } else {
-                            legacy_avx2::legacy_rows_all_tokens(
+                            q32_x86::legacy_rows_all_tokens(
                                 w.dtype,
                                 group_width(level),
                                 row,
@@ -1102,7 +1077,7 @@ mod tests {
         {
             let data: Vec<u8> = (0..rows)
                 .flat_map(|r| {
-                    crate::quant::chunked::tests::random_row(
+                    crate::quant::chunks::tests::random_row(
                         dtype,
                         cols,
                         40 + 100 * s as u64 + r as u64,

@@ -684,11 +684,7 @@ fn matrix<'a>(file: &'a GgufFile, name: &str, rows: usize, cols: usize) -> Resul
         )));
     }
     let data = file.tensor_bytes(t);
-    let align = match dtype {
-        DType::F32 => 4,
-        DType::F16 | DType::BF16 => 2,
-        _ => 2, // quant blocks start with an f16 scale
-    };
+    let align = dtype.traits().align;
     if data.as_ptr() as usize % align != 0 {
         return Err(Error::Model(format!("tensor {name} data is not {align}-byte aligned")));
     }

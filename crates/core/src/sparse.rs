@@ -66,8 +66,8 @@ pub fn axpy(level: SimdLevel, dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
     match level {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c.
-        SimdLevel::Avx2 | SimdLevel::Avx512 if quant::is_chunked(dtype) => unsafe {
-            quant::chunked_avx2::axpy_rows::<1>(dtype, [row], [a], y)
+        SimdLevel::Avx2 | SimdLevel::Avx512 if dtype.is_chunked() => unsafe {
+            quant::chunks_x86::axpy_rows::<1>(dtype, [row], [a], y)
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI and AVX2's features.
@@ -85,8 +85,8 @@ pub fn axpy4(level: SimdLevel, dtype: DType, rows: [&[u8]; 4], a: [f32; 4], y: &
     match level {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c.
-        SimdLevel::Avx2 | SimdLevel::Avx512 if quant::is_chunked(dtype) => unsafe {
-            quant::chunked_avx2::axpy_rows::<4>(dtype, rows, a, y)
+        SimdLevel::Avx2 | SimdLevel::Avx512 if dtype.is_chunked() => unsafe {
+            quant::chunks_x86::axpy_rows::<4>(dtype, rows, a, y)
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
@@ -559,6 +559,7 @@ mod tests {
     use crate::quant::tests::random_vec;
     use crate::quant::{dequantize_row, quantize_row};
 
+    /// The float types and those whose blocks the kernels read directly.
     const ALL: [DType; 6] =
         [DType::F32, DType::F16, DType::BF16, DType::Q4_0, DType::Q4_1, DType::Q8_0];
 
@@ -568,8 +569,8 @@ mod tests {
 
     /// A row of any type: quantized from random values, or random valid blocks (chunked types).
     fn any_row(dtype: DType, n: usize, seed: u64) -> Vec<u8> {
-        if quant::is_chunked(dtype) {
-            crate::quant::chunked::tests::random_row(dtype, n, seed)
+        if dtype.is_chunked() {
+            crate::quant::chunks::tests::random_row(dtype, n, seed)
         } else {
             quantize_row(dtype, &random_vec(n, seed))
         }
@@ -582,7 +583,7 @@ mod tests {
             eprintln!("skipping: no AVX2 on this CPU");
             return;
         }
-        for dtype in ALL.into_iter().chain(quant::chunked::CHUNKED) {
+        for dtype in DType::ALL {
             for n in [32, 64, 96, 576, 4096] {
                 if n % dtype.block_len() != 0 {
                     continue;
@@ -603,7 +604,7 @@ mod tests {
             }
         }
         // four rows at once
-        for dtype in ALL.into_iter().chain(quant::chunked::CHUNKED) {
+        for dtype in DType::ALL {
             for n in [32, 96, 4096] {
                 if n % dtype.block_len() != 0 {
                     continue;
@@ -644,7 +645,7 @@ mod tests {
             eprintln!("skipping: no AVX-512 VNNI on this CPU");
             return;
         }
-        for dtype in ALL.into_iter().chain(quant::chunked::CHUNKED) {
+        for dtype in DType::ALL {
             for n in [32, 64, 96, 576, 4096] {
                 if n % dtype.block_len() != 0 {
                     continue;

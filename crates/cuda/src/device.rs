@@ -33,30 +33,16 @@ impl Elem for u32 {}
 
 pub type Result<T> = std::result::Result<T, CudaError>;
 
-/// Index of a weight type in the per-type kernel tables (`TYPE_SUFFIX` in device/cuda.rs).
-/// Every type the engine reads has kernels but BF16.
+/// The weight types with GPU kernels (`TypeTraits::gpu`), in table order: the per-type kernel
+/// tables of a device hold one entry for each, named `<kernel>_<type name in lower case>`.
+pub fn gpu_types() -> impl Iterator<Item = DType> {
+    DType::ALL.into_iter().filter(|d| d.traits().gpu)
+}
+
+/// Index of a weight type in the per-type kernel tables (`gpu_types`).
 pub fn type_slot(dtype: DType) -> Result<usize> {
-    Ok(match dtype {
-        DType::F32 => 0,
-        DType::F16 => 1,
-        DType::Q4_0 => 2,
-        DType::Q4_1 => 3,
-        DType::Q8_0 => 4,
-        DType::Q5_0 => 5,
-        DType::Q5_1 => 6,
-        DType::Q2_K => 7,
-        DType::Q3_K => 8,
-        DType::Q4_K => 9,
-        DType::Q5_K => 10,
-        DType::Q6_K => 11,
-        DType::IQ4_NL => 12,
-        DType::IQ4_XS => 13,
-        DType::BF16 => {
-            return Err(CudaError::Unsupported(format!(
-                "{} weights have no GPU kernel",
-                dtype.name()
-            )))
-        }
+    gpu_types().position(|d| d == dtype).ok_or_else(|| {
+        CudaError::Unsupported(format!("{} weights have no GPU kernel", dtype.name()))
     })
 }
 

@@ -3,9 +3,11 @@
 //! machines without a GPU (`probe` says whether one is usable). `device` is where buffers live
 //! and kernels run: CUDA (committed PTX, compiled from `kernels/powerinfer.cu`) or an emulated
 //! device on host memory that runs each kernel's scalar twin (`twin`); `gpu` is the executor's
-//! checked view of either; `hybrid` is the CPU+GPU backend of the one forward pass, generic over the device.
+//! checked view of either; `hybrid` is the CPU+GPU backend of the one forward pass, generic over the device;
+//! `executor` runs a session on the CPU or the hybrid backend and decodes batches.
 
 pub mod device;
+pub mod executor;
 pub mod gpu;
 pub mod hybrid;
 pub mod twin;

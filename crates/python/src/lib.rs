@@ -13,8 +13,9 @@ use powerinfer_core::gpu_index::GpuIndex;
 use powerinfer_core::model::InputGroup;
 use powerinfer_core::session::{time_input_sparsity, Sparsity, SparsityMode};
 use powerinfer_core::{Error, Model, Sampler, SamplingParams, Session};
+use powerinfer_cuda::executor::{self, Executor};
 use powerinfer_cuda::gpu::Gpu;
-use powerinfer_cuda::hybrid::{place, GpuPlan, HybridRun, PlacedModel};
+use powerinfer_cuda::hybrid::{place, GpuPlan, PlacedModel};
 use powerinfer_cuda::CudaError;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyFileNotFoundError, PyOSError, PyRuntimeError, PyValueError};
@@ -375,59 +376,10 @@ enum DeviceArg {
     Name(String),
 }
 
-/// A session runs on the CPU, or on a `GpuModel` through the hybrid executor.
-enum Exec {
-    Cpu(Session),
-    Gpu(Box<dyn HybridRun>),
-}
-
-impl Exec {
-    /// The CPU session: the whole executor, or the hybrid's (history, sparsity, CPU layers).
-    fn cpu(&mut self) -> &mut Session {
-        match self {
-            Exec::Cpu(s) => s,
-            Exec::Gpu(h) => h.cpu_mut(),
-        }
-    }
-
-    fn cpu_ref(&self) -> &Session {
-        match self {
-            Exec::Cpu(s) => s,
-            Exec::Gpu(h) => h.cpu(),
-        }
-    }
-
-    fn cpu_only(&mut self, what: &str) -> Result<&mut Session, Error> {
-        match self {
-            Exec::Cpu(s) => Ok(s),
-            Exec::Gpu(_) => {
-                Err(Error::InvalidArgument(format!("{what} runs on CPU sessions only")))
-            }
-        }
-    }
-
-    fn eval(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>, Error> {
-        match self {
-            Exec::Cpu(s) => s.eval(tokens, all_logits),
-            Exec::Gpu(h) => h.eval(tokens, all_logits),
-        }
-    }
-
-    fn set_sparsity(&mut self, sp: Sparsity) -> Result<(), Error> {
-        match self {
-            Exec::Cpu(s) => s.set_sparsity(sp),
-            Exec::Gpu(h) => h.set_sparsity(sp).map_err(|e| match e {
-                CudaError::Plan(m) => Error::InvalidArgument(m),
-                e => Error::InvalidArgument(e.to_string()),
-            }),
-        }
-    }
-}
-
 /// One conversation: KV cache, position and token history.
 #[pyclass(name = "Session", module = "powerinfer_rs._core")]
 struct PySession {
-    inner: Mutex<Exec>,
+    inner: Mutex<Executor>,
     n_vocab: usize,
     n_embd: usize,
     n_ff: usize,
@@ -446,9 +398,9 @@ impl PySession {
     ) -> PyResult<Self> {
         let kv_type = KvType::parse(kv_type).map_err(to_py)?;
         let exec = match gpu {
-            None => {
-                Exec::Cpu(Session::new(Arc::clone(&model.inner), n_ctx, kv_type).map_err(to_py)?)
-            }
+            None => Executor::Cpu(
+                Session::new(Arc::clone(&model.inner), n_ctx, kv_type).map_err(to_py)?,
+            ),
             Some(g) => {
                 if !Arc::ptr_eq(g.inner.model(), &model.inner) {
                     return Err(PyValueError::new_err(
@@ -465,7 +417,7 @@ impl PySession {
                         GpuError::new_err("internal error while creating the GPU session")
                     })?
                     .map_err(cuda_to_py)?;
-                Exec::Gpu(h)
+                Executor::Hybrid(h)
             }
         };
         let c = &model.inner.config;
@@ -480,26 +432,20 @@ impl PySession {
     /// "cpu", or the GpuModel's device: "cuda" or "emulated".
     #[getter]
     fn device(&self) -> PyResult<&'static str> {
-        Ok(match &*lock(&self.inner)? {
-            Exec::Cpu(_) => "cpu",
-            Exec::Gpu(h) => h.device(),
-        })
+        Ok(lock(&self.inner)?.device())
     }
 
     /// GPU sessions: KV cache bytes held on the GPU, and the neurons computed on each side
     /// since the last call (then reset): {"kv_bytes", "gpu_neurons", "cpu_neurons"}. None on the CPU.
     fn take_split<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        match &mut *lock(&self.inner)? {
-            Exec::Cpu(_) => Ok(None),
-            Exec::Gpu(h) => {
-                let counts = h.take_counts();
-                let d = PyDict::new(py);
-                d.set_item("kv_bytes", h.kv_bytes())?;
-                d.set_item("gpu_neurons", counts.gpu_neurons)?;
-                d.set_item("cpu_neurons", counts.cpu_neurons)?;
-                Ok(Some(d))
-            }
-        }
+        let Some((kv_bytes, counts)) = lock(&self.inner)?.take_split() else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        d.set_item("kv_bytes", kv_bytes)?;
+        d.set_item("gpu_neurons", counts.gpu_neurons)?;
+        d.set_item("cpu_neurons", counts.cpu_neurons)?;
+        Ok(Some(d))
     }
 
     #[getter]
@@ -709,34 +655,20 @@ fn run_batch<T>(
 ) -> Result<Vec<T>, Error> {
     let mut order: Vec<usize> = (0..refs.len()).collect();
     order.sort_by_key(|&i| refs[i] as *const PySession as usize);
-    let mut slots: Vec<Option<std::sync::MutexGuard<'_, Exec>>> =
+    let mut slots: Vec<Option<std::sync::MutexGuard<'_, Executor>>> =
         (0..refs.len()).map(|_| None).collect();
     for &i in &order {
         slots[i] = Some(lock_core(&refs[i].inner)?);
     }
     let mut guards: Vec<_> = slots.into_iter().flatten().collect();
-    if guards.iter().all(|g| matches!(**g, Exec::Cpu(_))) {
-        let mut cpu: Vec<&mut Session> = guards.iter_mut().map(|g| g.cpu()).collect();
-        let logits = powerinfer_core::session::decode_batch(&mut cpu, tokens)?;
-        return Ok(cpu
-            .iter()
-            .zip(logits)
-            .enumerate()
-            .map(|(i, (s, row))| each(i, s, row))
-            .collect());
-    }
-    // Hybrid sessions decode one token at a time (the executor has no batched kernels yet):
-    // each in turn, after the whole batch is checked, so that a refused batch changes no session.
-    powerinfer_core::session::check_batch(
-        &guards.iter().map(|g| g.cpu_ref()).collect::<Vec<_>>(),
-        tokens,
-    )?;
-    let mut out = Vec::with_capacity(guards.len());
-    for (i, (g, &tok)) in guards.iter_mut().zip(tokens).enumerate() {
-        let row = g.eval(&[tok], false)?;
-        out.push(each(i, g.cpu_ref(), row));
-    }
-    Ok(out)
+    let mut execs: Vec<&mut Executor> = guards.iter_mut().map(|g| &mut **g).collect();
+    let logits = executor::decode_batch(&mut execs, tokens)?;
+    Ok(execs
+        .iter()
+        .zip(logits)
+        .enumerate()
+        .map(|(i, (e, row))| each(i, e.cpu_ref(), row))
+        .collect())
 }
 
 /// Evaluates the next token of several sessions of one model as one batch (`tokens[i]` at the
@@ -799,7 +731,6 @@ fn lock_core<T>(m: &Mutex<T>) -> Result<std::sync::MutexGuard<'_, T>, Error> {
     })
 }
 
-/// Which SIMD kernels this CPU runs ("avx2" or "scalar").
 /// Reads a `.generated.gpuidx` hot/cold split: a dict with `vram_capacity` (bytes) and, per
 /// layer, `gpu_idx` (int32 0/1 mask) and `gpu_bucket` (int32 ascending GPU neuron indices).
 #[pyfunction]
@@ -822,6 +753,31 @@ fn read_gpu_index<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, Py
     d.set_item("gpu_idx", masks)?;
     d.set_item("gpu_bucket", buckets)?;
     Ok(d)
+}
+
+/// The weight types the engine computes with, one dict per row of its type table: `name`
+/// (ggml's), `ggml_id`, `block_len` (elements), `block_bytes`, `activations` ("f32",
+/// "q8_per_32" or "q8_per_256"), `gpu` (whether GPU kernels exist for it).
+#[pyfunction]
+fn weight_types(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
+    use powerinfer_core::dtype::{ActFormat, TYPES};
+    let rows = PyList::empty(py);
+    for t in &TYPES {
+        let d = PyDict::new(py);
+        d.set_item("name", t.name)?;
+        d.set_item("ggml_id", t.ggml_id)?;
+        d.set_item("block_len", t.block_len)?;
+        d.set_item("block_bytes", t.block_bytes)?;
+        let activations = match t.activations {
+            ActFormat::F32 => "f32",
+            ActFormat::Q8Per32 => "q8_per_32",
+            ActFormat::Q8Per256 => "q8_per_256",
+        };
+        d.set_item("activations", activations)?;
+        d.set_item("gpu", t.gpu)?;
+        rows.append(d)?;
+    }
+    Ok(rows)
 }
 
 /// The SIMD level the kernels run at: "scalar", "avx2", "avxvnni" (AVX2 with AVX-VNNI) or
@@ -869,6 +825,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyGpuModel>()?;
     m.add_class::<PySampler>()?;
     m.add_function(wrap_pyfunction!(simd_level, m)?)?;
+    m.add_function(wrap_pyfunction!(weight_types, m)?)?;
     m.add_function(wrap_pyfunction!(eval_batch, m)?)?;
     m.add_function(wrap_pyfunction!(decode_batch, m)?)?;
     m.add_function(wrap_pyfunction!(read_gpu_index, m)?)?;

@@ -23,7 +23,8 @@ pub struct BlockQ5_0 {
     pub qh: [u8; 4],
     pub qs: [u8; QK / 2],
 }
-const _: () = assert!(std::mem::size_of::<BlockQ5_0>() == 22);
+// the table's size for the type (`dtype::TYPES`)
+const _: () = assert!(std::mem::size_of::<BlockQ5_0>() == DType::Q5_0.traits().block_bytes);
 
 /// ggml block_q5_1: 32 weights = d * q + m, q in 0..32, bits as Q5_0.
 #[repr(C)]
@@ -34,7 +35,8 @@ pub struct BlockQ5_1 {
     pub qh: [u8; 4],
     pub qs: [u8; QK / 2],
 }
-const _: () = assert!(std::mem::size_of::<BlockQ5_1>() == 24);
+// the table's size for the type (`dtype::TYPES`)
+const _: () = assert!(std::mem::size_of::<BlockQ5_1>() == DType::Q5_1.traits().block_bytes);
 
 /// ggml block_q2_K: 256 weights in 16 groups of 16: d * (scales[g] & 15) * q - dmin *
 /// (scales[g] >> 4), q in 0..4 (2 bits).
@@ -46,7 +48,8 @@ pub struct BlockQ2K {
     pub d: u16,
     pub dmin: u16,
 }
-const _: () = assert!(std::mem::size_of::<BlockQ2K>() == 84);
+// the table's size for the type (`dtype::TYPES`)
+const _: () = assert!(std::mem::size_of::<BlockQ2K>() == DType::Q2_K.traits().block_bytes);
 
 /// ggml block_q3_K: 256 weights in 16 groups of 16: d * (scale[g] - 32) * q, q in -4..4 (2 low
 /// bits in qs, the high bit inverted in hmask), 6-bit scales packed in 12 bytes.
@@ -58,7 +61,8 @@ pub struct BlockQ3K {
     pub scales: [u8; 12],
     pub d: u16,
 }
-const _: () = assert!(std::mem::size_of::<BlockQ3K>() == 110);
+// the table's size for the type (`dtype::TYPES`)
+const _: () = assert!(std::mem::size_of::<BlockQ3K>() == DType::Q3_K.traits().block_bytes);
 
 /// ggml block_q4_K: 256 weights in 8 groups of 32: d * sc[g] * q - dmin * m[g], q in 0..16,
 /// 6-bit sc and m packed in 12 bytes.
@@ -70,7 +74,8 @@ pub struct BlockQ4K {
     pub scales: [u8; 12],
     pub qs: [u8; QK_K / 2],
 }
-const _: () = assert!(std::mem::size_of::<BlockQ4K>() == 144);
+// the table's size for the type (`dtype::TYPES`)
+const _: () = assert!(std::mem::size_of::<BlockQ4K>() == DType::Q4_K.traits().block_bytes);
 
 /// ggml block_q5_K: as Q4_K with a fifth bit per weight (qh), q in 0..32.
 #[repr(C)]
@@ -82,7 +87,8 @@ pub struct BlockQ5K {
     pub qh: [u8; QK_K / 8],
     pub qs: [u8; QK_K / 2],
 }
-const _: () = assert!(std::mem::size_of::<BlockQ5K>() == 176);
+// the table's size for the type (`dtype::TYPES`)
+const _: () = assert!(std::mem::size_of::<BlockQ5K>() == DType::Q5_K.traits().block_bytes);
 
 /// ggml block_q6_K: 256 weights in 16 groups of 16: d * scales[g] * (q - 32), q in 0..64 (4 low
 /// bits in ql, 2 high bits in qh).
@@ -94,7 +100,8 @@ pub struct BlockQ6K {
     pub scales: [i8; QK_K / 16],
     pub d: u16,
 }
-const _: () = assert!(std::mem::size_of::<BlockQ6K>() == 210);
+// the table's size for the type (`dtype::TYPES`)
+const _: () = assert!(std::mem::size_of::<BlockQ6K>() == DType::Q6_K.traits().block_bytes);
 
 /// ggml block_iq4_nl: 32 weights = d * IQ4_VALUES[q], q in 0..16.
 #[repr(C)]
@@ -103,7 +110,8 @@ pub struct BlockIQ4NL {
     pub d: u16,
     pub qs: [u8; QK / 2],
 }
-const _: () = assert!(std::mem::size_of::<BlockIQ4NL>() == 18);
+// the table's size for the type (`dtype::TYPES`)
+const _: () = assert!(std::mem::size_of::<BlockIQ4NL>() == DType::IQ4_NL.traits().block_bytes);
 
 /// ggml block_iq4_xs: 256 weights in 8 groups of 32: d * (ls[g] - 32) * IQ4_VALUES[q], 6-bit ls
 /// (low 4 bits in scales_l, high 2 in scales_h).
@@ -115,7 +123,8 @@ pub struct BlockIQ4XS {
     pub scales_l: [u8; QK_K / 64],
     pub qs: [u8; QK_K / 2],
 }
-const _: () = assert!(std::mem::size_of::<BlockIQ4XS>() == 136);
+// the table's size for the type (`dtype::TYPES`)
+const _: () = assert!(std::mem::size_of::<BlockIQ4XS>() == DType::IQ4_XS.traits().block_bytes);
 
 /// The non-linear 4-bit grid of IQ4_NL and IQ4_XS.
 pub const IQ4_VALUES: [i8; 16] =
@@ -127,24 +136,6 @@ pub struct Chunk {
     pub v: [i8; QK],
     pub scale: [f32; 2],
     pub min: [f32; 2],
-}
-
-/// The types read through `chunk`.
-pub const CHUNKED: [DType; 9] = [
-    DType::Q5_0,
-    DType::Q5_1,
-    DType::Q2_K,
-    DType::Q3_K,
-    DType::Q4_K,
-    DType::Q5_K,
-    DType::Q6_K,
-    DType::IQ4_NL,
-    DType::IQ4_XS,
-];
-
-/// Whether `dtype` is read through `chunk`.
-pub fn is_chunked(dtype: DType) -> bool {
-    CHUNKED.contains(&dtype)
 }
 
 fn block<T>(row: &[u8], i: usize) -> &T {
@@ -411,7 +402,7 @@ pub(crate) mod tests {
     #[test]
     fn dot_equals_dequantized_dot() {
         let n = 512;
-        for (s, dtype) in CHUNKED.into_iter().enumerate() {
+        for (s, dtype) in DType::ALL.into_iter().filter(|d| d.is_chunked()).enumerate() {
             let row = random_row(dtype, n, 10 + s as u64);
             let mut w = vec![0.0f32; n];
             dequantize_row(dtype, &row, &mut w);

@@ -4,13 +4,13 @@
 //! (`axpy_rows`) of every chunked format and the last blocks of a row in the AVX-512 dots
 //! (`avx512::dot_chunked`). The dot products read whole blocks elsewhere: the 32-weight formats
 //! through `avx2::LegacyBlock` (this module implements it for Q5_0, Q5_1 and IQ4_NL), the
-//! super-block formats per 256 (`superblock_avx2`).
+//! super-block formats per 256 (`q256_x86`).
 
 #![allow(clippy::missing_safety_doc)]
 
 use std::arch::x86_64::*;
 
-use super::chunked::{
+use super::chunks::{
     BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K,
     IQ4_VALUES,
 };
@@ -100,7 +100,7 @@ pub(super) unsafe fn has_bit(x: __m256i, c: usize) -> __m256i {
     _mm256_cmpeq_epi8(_mm256_and_si256(x, m), m)
 }
 
-/// Chunk k of a row of `dtype`: the SIMD twin of `chunked::chunk`. The row loops call the
+/// Chunk k of a row of `dtype`: the SIMD twin of `chunks::chunk`. The row loops call the
 /// per-format decoders directly, so that each loop is compiled for one format.
 #[cfg(test)]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -288,7 +288,7 @@ pub(crate) unsafe fn q3_k(row: &[u8], b: usize, c: usize) -> Decoded {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn k4(d: u16, dmin: u16, scales: &[u8; 12], qs: *const u8, c: usize) -> Decoded {
-    let (sc, m) = super::chunked::scale_min_k4(scales, c);
+    let (sc, m) = super::chunks::scale_min_k4(scales, c);
     let (g, h) = (c / 2, c % 2);
     let v = _mm256_and_si256(shr(load32(qs.add(32 * g)), 4 * h), _mm256_set1_epi8(LOW4));
     Decoded {
@@ -362,7 +362,7 @@ pub(crate) unsafe fn iq4_nl(row: &[u8], b: usize, _c: usize) -> Decoded {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn iq4_xs(row: &[u8], b: usize, c: usize) -> Decoded {
     let x = cast_blocks::<BlockIQ4XS>(row).get_unchecked(b);
-    iq4(x.qs.as_ptr().add(16 * c), times(f16(x.d), super::chunked::iq4_xs_scale(x, c)))
+    iq4(x.qs.as_ptr().add(16 * c), times(f16(x.d), super::chunks::iq4_xs_scale(x, c)))
 }
 
 /// `$then!(decoder, DType)` with `$dtype`'s chunk decoder, for any quantized type: one arm per
@@ -370,7 +370,7 @@ pub(crate) unsafe fn iq4_xs(row: &[u8], b: usize, c: usize) -> Decoded {
 /// format at a time (the sparse down projection and the AVX-512 one-token dots' last blocks).
 macro_rules! with_decoder {
     ($dtype:expr, $then:ident) => {{
-        use $crate::quant::chunked_avx2 as decoders;
+        use $crate::quant::chunks_x86 as decoders;
         use $crate::quant::DType as T;
         match $dtype {
             T::Q4_0 => $then!(decoders::q4_0, T::Q4_0),
@@ -393,7 +393,7 @@ pub(crate) use with_decoder;
 
 /// y += sum over r of a[r] * row r, for R rows of a chunked type (the sparse down projection):
 /// each chunk decoded, its weights scale * v - min widened to floats. The SIMD twin of R calls
-/// of `chunked::axpy_scalar` (each weight rounded as there; the sum fused).
+/// of `chunks::axpy_scalar` (each weight rounded as there; the sum fused).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn axpy_rows<const R: usize>(
     dtype: DType,
@@ -444,7 +444,7 @@ pub unsafe fn axpy_rows<const R: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::chunked::{chunk, tests::random_row, Chunk, CHUNKED};
+    use crate::quant::chunks::{chunk, tests::random_row, Chunk};
 
     /// Every decoder gives the scalar decoder's bytes, scales and minima.
     #[test]
@@ -453,7 +453,7 @@ mod tests {
             eprintln!("skipping: no AVX2 on this CPU");
             return;
         }
-        for (s, dtype) in CHUNKED.into_iter().enumerate() {
+        for (s, dtype) in DType::ALL.into_iter().filter(|d| d.is_chunked()).enumerate() {
             let row = random_row(dtype, 1024, 40 + s as u64);
             let mut want = Chunk::default();
             for k in 0..1024 / QK {

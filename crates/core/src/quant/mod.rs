@@ -4,145 +4,23 @@
 //! Weights keep their file format; activations are quantized per 32-element block to `BlockQ8Act`
 //! (int8 with an f32 scale and the scaled block sum) so quantized weights can use integer dot
 //! products, as llama.cpp does with its q8_0/q8_1 activation blocks; below AVX-512 the 256-weight
-//! formats read them per super-block instead (`superblock::BlockQ8K`, ggml's q8_K).
+//! formats read them per super-block instead (`q256::BlockQ8K`, ggml's q8_K).
 
 use half::{bf16, f16};
 
-pub mod chunked;
+pub mod chunks;
 #[cfg(target_arch = "x86_64")]
-pub mod chunked_avx2;
+pub mod chunks_x86;
+pub mod q256;
 #[cfg(target_arch = "x86_64")]
-pub mod legacy_avx2;
-pub mod superblock;
+pub mod q256_x86;
 #[cfg(target_arch = "x86_64")]
-pub mod superblock_avx2;
-pub use chunked::{is_chunked, QK_K};
+pub mod q32_x86;
+pub use chunks::QK_K;
 
 pub const QK: usize = 32;
 
-/// ggml's tensor types the engine computes with (named as ggml names them).
-#[allow(non_camel_case_types)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum DType {
-    F32,
-    F16,
-    BF16,
-    Q4_0,
-    Q4_1,
-    Q8_0,
-    // read through `chunked`
-    Q5_0,
-    Q5_1,
-    Q2_K,
-    Q3_K,
-    Q4_K,
-    Q5_K,
-    Q6_K,
-    IQ4_NL,
-    IQ4_XS,
-}
-
-impl DType {
-    pub fn from_id(id: u32) -> Option<DType> {
-        Some(match id {
-            0 => DType::F32,
-            1 => DType::F16,
-            2 => DType::Q4_0,
-            3 => DType::Q4_1,
-            8 => DType::Q8_0,
-            6 => DType::Q5_0,
-            7 => DType::Q5_1,
-            10 => DType::Q2_K,
-            11 => DType::Q3_K,
-            12 => DType::Q4_K,
-            13 => DType::Q5_K,
-            14 => DType::Q6_K,
-            20 => DType::IQ4_NL,
-            23 => DType::IQ4_XS,
-            30 => DType::BF16,
-            _ => return None,
-        })
-    }
-
-    pub fn id(self) -> u32 {
-        match self {
-            DType::F32 => 0,
-            DType::F16 => 1,
-            DType::Q4_0 => 2,
-            DType::Q4_1 => 3,
-            DType::Q8_0 => 8,
-            DType::Q5_0 => 6,
-            DType::Q5_1 => 7,
-            DType::Q2_K => 10,
-            DType::Q3_K => 11,
-            DType::Q4_K => 12,
-            DType::Q5_K => 13,
-            DType::Q6_K => 14,
-            DType::IQ4_NL => 20,
-            DType::IQ4_XS => 23,
-            DType::BF16 => 30,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            DType::F32 => "F32",
-            DType::F16 => "F16",
-            DType::BF16 => "BF16",
-            DType::Q4_0 => "Q4_0",
-            DType::Q4_1 => "Q4_1",
-            DType::Q8_0 => "Q8_0",
-            DType::Q5_0 => "Q5_0",
-            DType::Q5_1 => "Q5_1",
-            DType::Q2_K => "Q2_K",
-            DType::Q3_K => "Q3_K",
-            DType::Q4_K => "Q4_K",
-            DType::Q5_K => "Q5_K",
-            DType::Q6_K => "Q6_K",
-            DType::IQ4_NL => "IQ4_NL",
-            DType::IQ4_XS => "IQ4_XS",
-        }
-    }
-
-    /// Elements per block.
-    pub fn block_len(self) -> usize {
-        match self {
-            DType::F32 | DType::F16 | DType::BF16 => 1,
-            DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::IQ4_XS => {
-                QK_K
-            }
-            _ => QK,
-        }
-    }
-
-    pub fn block_bytes(self) -> usize {
-        match self {
-            DType::F32 => 4,
-            DType::F16 | DType::BF16 => 2,
-            DType::Q4_0 => std::mem::size_of::<BlockQ4_0>(),
-            DType::Q4_1 => std::mem::size_of::<BlockQ4_1>(),
-            DType::Q8_0 => std::mem::size_of::<BlockQ8_0>(),
-            DType::Q5_0 => std::mem::size_of::<chunked::BlockQ5_0>(),
-            DType::Q5_1 => std::mem::size_of::<chunked::BlockQ5_1>(),
-            DType::Q2_K => std::mem::size_of::<chunked::BlockQ2K>(),
-            DType::Q3_K => std::mem::size_of::<chunked::BlockQ3K>(),
-            DType::Q4_K => std::mem::size_of::<chunked::BlockQ4K>(),
-            DType::Q5_K => std::mem::size_of::<chunked::BlockQ5K>(),
-            DType::Q6_K => std::mem::size_of::<chunked::BlockQ6K>(),
-            DType::IQ4_NL => std::mem::size_of::<chunked::BlockIQ4NL>(),
-            DType::IQ4_XS => std::mem::size_of::<chunked::BlockIQ4XS>(),
-        }
-    }
-
-    pub fn row_bytes(self, n: usize) -> usize {
-        n / self.block_len() * self.block_bytes()
-    }
-
-    /// Quantized weight types take int8 activations; float types take f32 activations.
-    pub fn is_quantized(self) -> bool {
-        !matches!(self, DType::F32 | DType::F16 | DType::BF16)
-    }
-}
+pub use crate::dtype::DType;
 
 /// Name of any ggml type id, including ones we cannot compute with (for error messages and `info`).
 pub fn type_name(id: u32) -> String {
@@ -199,7 +77,8 @@ pub struct BlockQ4_0 {
     pub d: u16, // f16
     pub qs: [u8; QK / 2],
 }
-const _: () = assert!(std::mem::size_of::<BlockQ4_0>() == 18);
+// the table's size for the type (`dtype::TYPES`)
+const _: () = assert!(std::mem::size_of::<BlockQ4_0>() == DType::Q4_0.traits().block_bytes);
 
 /// ggml block_q4_1: 32 weights = d * q + m, q in 0..16, same nibble order as Q4_0.
 #[repr(C)]
@@ -209,7 +88,8 @@ pub struct BlockQ4_1 {
     pub m: u16, // f16
     pub qs: [u8; QK / 2],
 }
-const _: () = assert!(std::mem::size_of::<BlockQ4_1>() == 20);
+// the table's size for the type (`dtype::TYPES`)
+const _: () = assert!(std::mem::size_of::<BlockQ4_1>() == DType::Q4_1.traits().block_bytes);
 
 /// ggml block_q8_0: 32 weights = d * q, q in -127..=127.
 #[repr(C)]
@@ -218,7 +98,8 @@ pub struct BlockQ8_0 {
     pub d: u16, // f16
     pub qs: [i8; QK],
 }
-const _: () = assert!(std::mem::size_of::<BlockQ8_0>() == 34);
+// the table's size for the type (`dtype::TYPES`)
+const _: () = assert!(std::mem::size_of::<BlockQ8_0>() == DType::Q8_0.traits().block_bytes);
 
 /// Activation block: 32 values = d * q, plus s = d * sum(q), which lets Q4_0's offset (-8) and
 /// Q4_1's minimum be applied once per block instead of per element. Scales are f32 (ggml's
@@ -364,7 +245,7 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {
                 }
             }
         }
-        _ => chunked::dequantize_row(dtype, &bytes[..dtype.row_bytes(n)], out),
+        _ => chunks::dequantize_row(dtype, &bytes[..dtype.row_bytes(n)], out),
     }
 }
 
@@ -512,8 +393,8 @@ pub fn dot_float_scalar<const N: usize>(dtype: DType, w: &[u8], a: [&[f32]; N]) 
 // `down_t` scaled by its activation). `row` holds `y.len()` elements of type `dtype`.
 
 pub fn axpy_scalar(dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
-    if is_chunked(dtype) {
-        return chunked::axpy_scalar(dtype, row, a, y);
+    if dtype.is_chunked() {
+        return chunks::axpy_scalar(dtype, row, a, y);
     }
     let mut w = [0.0f32; QK];
     let (bl, bb) = (dtype.block_len(), dtype.block_bytes());
@@ -557,7 +438,7 @@ pub(crate) mod tests {
     pub(crate) fn random_quantized_row(dtype: DType, cols: usize, seed: u64) -> Vec<u8> {
         match dtype {
             DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => quantize_row(dtype, &random_vec(cols, seed)),
-            _ => chunked::tests::random_row(dtype, cols, seed),
+            _ => chunks::tests::random_row(dtype, cols, seed),
         }
     }
 

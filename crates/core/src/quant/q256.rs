@@ -5,9 +5,9 @@
 //! (`BlockQ8Act`) need a float step per 32. This is ggml's own pairing for these formats, so
 //! the activations are rounded as llama.cpp rounds them. The AVX-512 dots read the same
 //! formats with per-32 activations (`avx512::dot_chunked`); these serve the AVX2 level
-//! (`superblock_avx2`) and the scalar one (this module's `dot_scalar`, their twin).
+//! (`q256_x86`) and the scalar one (this module's `dot_scalar`, their twin).
 
-use super::chunked::{int_chunk, IntChunk, QK_K};
+use super::chunks::{int_chunk, IntChunk, QK_K};
 use super::{DType, QK};
 
 /// ggml block_q8_K: 256 activations = d * qs, and bsums[g] = the sum of qs[16g..16g + 16]
@@ -28,15 +28,6 @@ impl Default for BlockQ8K {
     fn default() -> Self {
         BlockQ8K { d: 0.0, qs: [0; QK_K], bsums: [0; QK_K / 16], bsums32: [0; QK_K / 32] }
     }
-}
-
-/// The types whose dots read `BlockQ8K` activations (below AVX-512).
-pub const SUPERBLOCK: [DType; 6] =
-    [DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_XS];
-
-/// Whether `dtype` is one of `SUPERBLOCK`.
-pub fn is_superblock(dtype: DType) -> bool {
-    SUPERBLOCK.contains(&dtype)
 }
 
 /// ggml's `nearest_int`: round half to even through the float adder (exact for |x| < 2^22),
@@ -102,9 +93,9 @@ pub(crate) fn block_step(
     }
 }
 
-/// Scalar dot of one row of a `SUPERBLOCK` type with N rows of Q8_K activations: per
+/// Scalar dot of one row of a type that reads per-256 activations with N rows of Q8_K activations: per
 /// super-block the integer sums of scale * v * a and of min * a (from `bsums`), then
-/// `block_step`. The twin of `superblock_avx2::dot`, bit for bit.
+/// `block_step`. The twin of `q256_x86::dot`, bit for bit.
 pub fn dot_scalar<const N: usize>(dtype: DType, row: &[u8], a: [&[BlockQ8K]; N]) -> [f32; N] {
     const CHUNKS: usize = QK_K / QK;
     let has_min = matches!(dtype, DType::Q2_K | DType::Q4_K | DType::Q5_K);
@@ -138,7 +129,7 @@ pub fn dot_scalar<const N: usize>(dtype: DType, row: &[u8], a: [&[BlockQ8K]; N])
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::quant::chunked::{dequantize_row, tests::random_row};
+    use crate::quant::chunks::{dequantize_row, tests::random_row};
     use crate::quant::tests::random_vec;
 
     /// Q8_K blocks of x.
@@ -197,7 +188,7 @@ pub(crate) mod tests {
     #[test]
     fn dot_equals_dequantized_dot() {
         let n = 1024;
-        for (s, dtype) in SUPERBLOCK.into_iter().enumerate() {
+        for (s, dtype) in DType::ALL.into_iter().filter(|d| d.reads_q8k()).enumerate() {
             let row = random_row(dtype, n, 20 + s as u64);
             let mut w = vec![0.0f32; n];
             dequantize_row(dtype, &row, &mut w);

@@ -1,9 +1,9 @@
 //! AVX2 (and, for prompts, AVX-512) kernels of the 256-weight formats against Q8_K activations,
-//! twins of `superblock::dot_scalar`. Per super-block, each 32-weight chunk is decoded to
+//! twins of `q256::dot_scalar`. Per super-block, each 32-weight chunk is decoded to
 //! unsigned bytes u (< 128); `vpmaddubsw` multiplies them with a token's activations and
 //! `vpmaddwd` with the chunk's integer scales (one per 16 weights, as 16-bit lanes), and the
 //! block's products sum exactly in 32-bit lanes. Then one float step per block and token
-//! (`superblock::block_step`), where per-32 activations need one per chunk (`chunked_avx2`).
+//! (`q256::block_step`), where per-32 activations need one per chunk (`chunks_x86`).
 //!
 //! Formats with negative weights stay unsigned where an offset makes them so, and the offset
 //! comes off through the activations' sums per 16 (`bsums`): Q3_K's v = u - 4, Q6_K's
@@ -22,13 +22,13 @@
 
 use std::arch::x86_64::*;
 
-use super::chunked::{
+use super::chunks::{
     k4_scales, q3_k_scales, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K,
     IQ4_VALUES,
 };
-use super::chunked_avx2::{has_bit, load32, nibbles};
-use super::superblock::block_step;
-use super::superblock::BlockQ8K;
+use super::chunks_x86::{has_bit, load32, nibbles};
+use super::q256::block_step;
+use super::q256::BlockQ8K;
 use super::{cast_blocks, DType, QK_K};
 use crate::avx2::{hsum4_i32, hsum_i32, Prefetch, PrefetchRows};
 
@@ -168,7 +168,7 @@ unsafe fn extras<B: SuperBlock, const N: usize>(
     mins
 }
 
-/// `superblock::block_step` from the lanes of a block's sums for a token.
+/// `q256::block_step` from the lanes of a block's sums for a token.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn float_step(
@@ -348,7 +348,7 @@ unsafe fn per_16(scales: __m256i) -> __m256i {
     )
 }
 
-/// The eight 6-bit scales of an IQ4_XS block, less 32 (`chunked::iq4_xs_scale`), in 32-bit
+/// The eight 6-bit scales of an IQ4_XS block, less 32 (`chunks::iq4_xs_scale`), in 32-bit
 /// lanes: nibble c of `scales_l` and bits 2c, 2c + 1 of `scales_h` for lane c.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -796,7 +796,7 @@ unsafe fn rows_dot_iq4_xs_512<const R: usize, const N: usize>(
     )
 }
 
-/// Per block and token, `superblock::block_step` of R rows: four rows side by side in the
+/// Per block and token, `q256::block_step` of R rows: four rows side by side in the
 /// lanes of one vector per token, else one by one.
 struct FloatSteps<const R: usize, const N: usize> {
     acc: [[f32; N]; R],
@@ -858,7 +858,7 @@ impl<const R: usize, const N: usize> FloatSteps<R, N> {
     }
 }
 
-/// R rows of a `superblock::SUPERBLOCK` type against N tokens of Q8_K activations; `next`: the
+/// R rows of a type that reads per-256 activations against N tokens of Q8_K activations; `next`: the
 /// bytes read after these rows (prefetched, see `matmul::dot_row`); `wide`: with
 /// AVX-512 VNNI (only where the CPU has AVX-512 F/BW/VL/VNNI).
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -1458,7 +1458,7 @@ pub enum GroupWidth {
     Avx512,
 }
 
-/// A prompt's product with rows of a `superblock::SUPERBLOCK` type: `rows` of a weight matrix
+/// A prompt's product with rows of a type that reads per-256 activations: `rows` of a weight matrix
 /// (`row(r)` its bytes, `cols` wide) against `n` tokens (`q8k`: n * cols / 256), put(t, r,
 /// values of rows r, r + 1, ..); `width`: 16-row groups with AVX-512 (only where the CPU has
 /// AVX-512 F/BW/VL/VNNI), else 8-row groups with AVX2, and AVX-VNNI where `width` says so (only
@@ -1504,8 +1504,8 @@ pub unsafe fn rows_all_tokens<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::chunked::tests::random_row;
-    use crate::quant::superblock::{dot_scalar, tests::q8k, SUPERBLOCK};
+    use crate::quant::chunks::tests::random_row;
+    use crate::quant::q256::{dot_scalar, tests::q8k};
     use crate::quant::tests::random_vec;
 
     /// Every format's AVX2 dot (and the AVX-512 one, where the CPU has it) equals the
@@ -1525,7 +1525,7 @@ mod tests {
         let n = 1024;
         let acts: Vec<Vec<BlockQ8K>> = (0..4).map(|t| q8k(&random_vec(n, 80 + t))).collect();
         let a4 = [&acts[0][..], &acts[1][..], &acts[2][..], &acts[3][..]];
-        for (s, dtype) in SUPERBLOCK.into_iter().enumerate() {
+        for (s, dtype) in DType::ALL.into_iter().filter(|d| d.reads_q8k()).enumerate() {
             let rows: Vec<Vec<u8>> =
                 (0..4).map(|r| random_row(dtype, n, 90 + 10 * s as u64 + r)).collect();
             let rows4 = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
@@ -1582,7 +1582,7 @@ mod tests {
         let acts: Vec<BlockQ8K> =
             (0..n).flat_map(|t| q8k(&random_vec(cols, 300 + t as u64))).collect();
         let token = |t: usize| &acts[t * 2..(t + 1) * 2];
-        for (s, dtype) in SUPERBLOCK.into_iter().enumerate() {
+        for (s, dtype) in DType::ALL.into_iter().filter(|d| d.reads_q8k()).enumerate() {
             let data: Vec<Vec<u8>> = (0..rows)
                 .map(|r| random_row(dtype, cols, 400 + 30 * s as u64 + r as u64))
                 .collect();

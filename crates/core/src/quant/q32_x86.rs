@@ -1,5 +1,5 @@
 //! Prompts of the 32-weight formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; the 256-weight
-//! formats' groups are in `superblock_avx2`): weight rows decoded once per product into
+//! formats' groups are in `q256_x86`): weight rows decoded once per product into
 //! row-interleaved groups, a row per 32-bit lane, dotted with several tokens per step, so one
 //! `vpmaddubsw` (AVX2), 256-bit `vpdpbusd` (AVX-VNNI; eight rows, `LegacyGroup`) or 512-bit
 //! `vpdpbusd` (AVX-512 VNNI; sixteen rows, `LegacyGroup16`) serves a group and a block's float
@@ -16,14 +16,14 @@
 
 use std::arch::x86_64::*;
 
-use super::chunked::{BlockIQ4NL, BlockQ5_0, BlockQ5_1};
+use super::chunks::{BlockIQ4NL, BlockQ5_0, BlockQ5_1};
 use super::f16_to_f32;
-use super::superblock_avx2::{transpose_chunk, transpose_slot, GroupWidth};
+use super::q256_x86::{transpose_chunk, transpose_slot, GroupWidth};
 use super::{cast_blocks, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK};
 use crate::avx2::{LegacyBlock, PrefetchRows};
 
 /// Eight rows' block of a `LegacyBlock` format for a prompt, rows across the lanes (as
-/// `superblock_avx2::RowGroupBlock`): step k holds weights 4k..4k + 4 of each row, row r's
+/// `q256_x86::RowGroupBlock`): step k holds weights 4k..4k + 4 of each row, row r's
 /// four bytes in 32-bit lane r, so one `vpmaddubsw` with a token's four activations broadcast
 /// serves eight rows, and a block's float step is one vector for all of them.
 #[repr(C, align(32))]
@@ -502,7 +502,7 @@ mod tests {
         }
         for (s, dtype) in QUANTIZED.into_iter().enumerate() {
             if !groups_rows(dtype) {
-                // read per super-block at this level (`superblock_avx2`)
+                // read per super-block at this level (`q256_x86`)
                 continue;
             }
             for cols in [96, 256, 576, 1536] {

@@ -11,16 +11,11 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
-use super::{type_slot, AttnShape, DActs, DMat, Device, Elem, Result};
+use super::{gpu_types, type_slot, AttnShape, DActs, DMat, Device, Elem, Result};
 use crate::CudaError;
 
 /// PTX compiled from `kernels/powerinfer.cu` by `scripts/gen_ptx.sh` (checked in CI).
 pub const PTX: &str = include_str!("../../kernels/powerinfer.ptx");
-
-const TYPE_SUFFIX: [&str; 14] = [
-    "f32", "f16", "q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
-    "iq4_nl", "iq4_xs",
-];
 
 impl From<cudarc::driver::DriverError> for CudaError {
     fn from(e: cudarc::driver::DriverError) -> Self {
@@ -91,7 +86,9 @@ impl Cuda {
             module.load_function(name).map_err(|e| CudaError::Driver(format!("kernel {name}: {e}")))
         };
         let per_type = |base: &str| {
-            TYPE_SUFFIX.iter().map(|s| f(&format!("{base}_{s}"))).collect::<Result<Vec<_>>>()
+            gpu_types()
+                .map(|t| f(&format!("{base}_{}", t.name().to_lowercase())))
+                .collect::<Result<Vec<_>>>()
         };
         let k = Kernels {
             quantize_q8: f("quantize_q8")?,
