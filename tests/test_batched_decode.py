@@ -233,15 +233,19 @@ def test_engine_step_many_gives_each_generation_its_own_text(tmp_path, monkeypat
 
 
 def test_batches_over_the_same_sessions_in_any_order_do_not_deadlock(tmp_path):
+    """Two threads batch the same two sessions in opposite orders until the context is full:
+    neither waits on the other forever, every batch either runs whole or is refused, and each
+    thread stops at a ContextLengthError (each asks for more batches than the context holds)."""
     import threading
 
+    n_ctx, batches = 40, 60
     model = _core.Model(write_model(tmp_path / "m.gguf"), 0)
-    a, b = _core.Session(model, 200), _core.Session(model, 200)
+    a, b = _core.Session(model, n_ctx), _core.Session(model, n_ctx)
     errors = []
 
     def run(pair):
         try:
-            for _ in range(60):
+            for _ in range(batches):
                 _core.eval_batch(pair, [1, 2])
         except Exception as e:  # only a full context may stop it
             errors.append(e)
@@ -255,4 +259,6 @@ def test_batches_over_the_same_sessions_in_any_order_do_not_deadlock(tmp_path):
     for t in threads:
         t.join(timeout=60)
     assert not any(t.is_alive() for t in threads), "deadlock"
+    assert len(errors) == 2, errors
     assert all(isinstance(e, _core.ContextLengthError) for e in errors)
+    assert a.pos == b.pos == n_ctx

@@ -457,6 +457,7 @@ PROSE = (
 )
 
 
+@pytest.mark.slow
 @ON_DEVICES
 def test_hybrid_on_smollm2_is_as_close_to_float64_as_the_cpu(device):
     """SmolLM2 (Q4_1 + Q8_0) wholly on the device, split about half and half, and with half its

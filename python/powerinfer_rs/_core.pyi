@@ -1,5 +1,7 @@
-"""Type stubs of the Rust extension module."""
+"""Type stubs of the Rust extension module (crates/python/src/lib.rs). tests/test_stubs.py checks
+that they name exactly what the module holds, with the same arguments and defaults."""
 
+from collections.abc import Sequence
 from os import PathLike
 from typing import Any
 
@@ -31,6 +33,11 @@ class Model:
     @property
     def magic(self) -> str: ...
     def config(self) -> dict[str, Any]: ...
+    # (dense seconds, sparse seconds, dense bytes, sparse bytes); group 0 qkv, 1 attn_output,
+    # 2 ffn_gate_up, 3 ffn_down
+    def time_input_sparsity(
+        self, layer: int, group: int, skip: float, reps: int
+    ) -> tuple[float, float, int, int]: ...
     def metadata(self) -> dict[str, Any]: ...
     def tensors(self) -> list[dict[str, Any]]: ...
 
@@ -44,6 +51,7 @@ class Sampler:
         repeat_penalty: float = 1.0,
         repeat_last_n: int = 64,
         seed: int = 0,
+        banned: Sequence[int] = (),  # token ids never sampled
     ) -> None: ...
     def sample(self, logits: npt.NDArray[np.float32], recent: list[int]) -> int: ...
 
@@ -82,17 +90,32 @@ class Session:
         layer_thresholds: list[float] | None = None,
         track_recall: bool = False,
         predictor_layer_thresholds: list[float] | None = None,
+        # per layer, the [qkv, attn_output, ffn_gate_up, ffn_down] score cut-offs (0 for none)
+        input_thresholds: list[list[float]] | None = None,
     ) -> None: ...
     @property
     def sparsity(self) -> str: ...
     def take_stats(self) -> dict[str, int]: ...
+    # per target sparsity, per layer: the |act(gate)| cut-off
     def calibrate(
         self, tokens: list[int], window: int, targets: list[float]
     ) -> list[list[float]]: ...
+    # per recall target, per layer: the predictor cut-off
+    def calibrate_predictor(
+        self, tokens: list[int], window: int, recalls: list[float]
+    ) -> list[list[float]]: ...
+    # per level, per layer, per input group: (score cut-off, share of the squared scores below)
+    def calibrate_inputs(
+        self, tokens: list[int], window: int, levels: list[float]
+    ) -> list[list[list[tuple[float, float]]]]: ...
     def set_capture(self, on: bool) -> None: ...
     def take_capture(self) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]: ...
 
 def simd_level() -> str: ...
+
+# one dict per weight type the engine computes with: name, ggml_id, block_len, block_bytes,
+# activations ("f32", "q8_per_32" or "q8_per_256"), gpu
+def weight_types() -> list[dict[str, Any]]: ...
 def eval_batch(sessions: list[Session], tokens: list[int]) -> npt.NDArray[np.float32]: ...
 def decode_batch(
     sessions: list[Session], tokens: list[int], samplers: list[Sampler]
