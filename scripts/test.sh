@@ -24,6 +24,13 @@ $PY -m pip install -q ".[test,relufy]"
 $PY scripts/llamacpp_vocabs.py >/dev/null \
     || echo "note: could not fetch llama.cpp's vocabularies; their tests will fail (vocabs in POWERINFER_TEST_REQUIRES)"
 
+# Formatting and lints first: they take a minute and fail fast (settings: rustfmt.toml,
+# Cargo.toml's [workspace.lints], pyproject.toml's [tool.ruff]).
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --release -- -D warnings
+$PY -m ruff format --check python tests benches scripts
+$PY -m ruff check python tests benches scripts
+
 # The committed PTX must be what kernels/powerinfer.cu compiles to (nvcc from PyPI, no GPU needed).
 scripts/gen_ptx.sh --check
 cargo test --release -p powerinfer-core -p powerinfer-cuda

@@ -386,7 +386,7 @@ fn attend_group_masked(
     let needed = if n == 0 { 0 } else { (n - 1) * stride + offset + hd };
     assert!(needed <= k.len() && needed <= v.len(), "attention reads past the KV cache");
     scores.resize(g * n, 0.0);
-    let fast = simd_level().has_avx2() && hd % 16 == 0 && (1..=8).contains(&g);
+    let fast = simd_level().has_avx2() && hd.is_multiple_of(16) && (1..=8).contains(&g);
 
     // (AVX-512's kernels are the AVX2 ones with twice the registers: the same bits)
     #[cfg(target_arch = "x86_64")]

@@ -412,7 +412,7 @@ pub unsafe fn dot_float<const N: usize>(
     let eb = dtype.block_bytes();
     let mut k = 0;
     while k < n8 {
-        if (k * eb) % 64 == 0 && k * eb < next.len() {
+        if (k * eb).is_multiple_of(64) && k * eb < next.len() {
             _mm_prefetch::<_MM_HINT_T0>(next.as_ptr().add(k * eb) as *const i8);
         }
         let wv = load8(dtype, wp, k);
@@ -642,7 +642,7 @@ pub unsafe fn tiled_axpy<const T: usize>(
     stride: usize,
 ) {
     debug_assert!(
-        cols % 8 == 0 && cols <= width && w.len() >= neurons.len() * width && t0 + T <= n
+        cols.is_multiple_of(8) && cols <= width && w.len() >= neurons.len() * width && t0 + T <= n
     );
     for c in (0..cols).step_by(8) {
         let mut acc = [_mm256_setzero_ps(); T];

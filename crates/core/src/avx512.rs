@@ -71,7 +71,7 @@ pub unsafe fn tiled_axpy<const T: usize>(
     stride: usize,
 ) {
     debug_assert!(
-        cols % 16 == 0 && cols <= width && w.len() >= neurons.len() * width && t0 + T <= n
+        cols.is_multiple_of(16) && cols <= width && w.len() >= neurons.len() * width && t0 + T <= n
     );
     for c in (0..cols).step_by(16) {
         let mut acc = [_mm512_setzero_ps(); T];
@@ -163,7 +163,7 @@ pub unsafe fn axpy_rows<const R: usize>(
             _mm512_mul_ps(a, splat_f16(b.m))
         )),
         DType::Q8_0 => {
-            let blocks = rows.map(|r| crate::quant::cast_blocks::<BlockQ8_0>(r));
+            let blocks = rows.map(crate::quant::cast_blocks::<BlockQ8_0>);
             for i in 0..n / 32 {
                 let p = yp.add(32 * i);
                 let (mut lo, mut hi) = (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)));

@@ -493,10 +493,10 @@ mod tests {
         }
         fn pad_data(&mut self, n: usize) -> Vec<u8> {
             let mut b = self.b.clone();
-            while b.len() % 32 != 0 {
+            while !b.len().is_multiple_of(32) {
                 b.push(0);
             }
-            b.extend(std::iter::repeat(0u8).take(n));
+            b.extend(std::iter::repeat_n(0u8, n));
             b
         }
     }

@@ -218,7 +218,7 @@ impl Activations {
         if floats {
             self.f32s.extend_from_slice(x);
         }
-        if cols % QK == 0 {
+        if cols.is_multiple_of(QK) {
             let nb = cols / QK;
             let level = simd_level();
             self.q8.clear();
@@ -248,7 +248,7 @@ impl Activations {
             self.q8k.clear();
             // (at every level: the tests read AVX-512 machines' activations at the lower levels
             // too, and a pass over the row is small beside any product that reads it)
-            if cols % QK_K == 0 && per_256 {
+            if cols.is_multiple_of(QK_K) && per_256 {
                 let nk = cols / QK_K;
                 self.q8k.resize(n * nk, BlockQ8K::default());
                 self.q8k.par_chunks_mut(nk * 16).zip(x.par_chunks(cols * 16)).for_each(
@@ -492,14 +492,8 @@ pub fn matmul_many(mats: &[QMatrix], x: &Activations, outs: &mut [&mut [f32]]) {
     // first group waits on memory, so fewer, longer tasks: 8 per thread (SmolLM2 Q4_1 128-token
     // prompt 95 -> 88 ms; with 4, 85 ms, but threshold-mode prompts, whose tasks cost unevenly,
     // 240 -> 264 ms).
-    let target_chunks = threads
-        * if n == 1 {
-            8
-        } else if n >= GROUP_MIN_TOKENS {
-            8
-        } else {
-            16
-        };
+    // Decode tokens and row-group prompts take 8 per thread, short batches 16.
+    let target_chunks = threads * if n == 1 || n >= GROUP_MIN_TOKENS { 8 } else { 16 };
     let chunk = (total_rows.div_ceil(target_chunks)).clamp(4, 4096).next_multiple_of(4);
     // Task k covers rows of one matrix; first_task[i] is matrix i's first task. Fixed-size
     // arrays, so that a decode step allocates nothing here.

@@ -685,7 +685,7 @@ fn matrix<'a>(file: &'a GgufFile, name: &str, rows: usize, cols: usize) -> Resul
     }
     let data = file.tensor_bytes(t);
     let align = dtype.traits().align;
-    if data.as_ptr() as usize % align != 0 {
+    if !(data.as_ptr() as usize).is_multiple_of(align) {
         return Err(Error::Model(format!("tensor {name} data is not {align}-byte aligned")));
     }
     Ok(QMatrix { dtype, rows, cols, data })

@@ -12,6 +12,8 @@ use crate::hybrid::{HybridRun, SplitCounts};
 use crate::CudaError;
 
 /// A session on the CPU, or on a placed model through the hybrid backend.
+// (one per session, behind its lock: the CPU session's size is not copied around)
+#[allow(clippy::large_enum_variant)]
 pub enum Executor {
     Cpu(Session),
     Hybrid(Box<dyn HybridRun>),

@@ -150,7 +150,10 @@ impl<D: Device> Gpu<D> {
     }
 
     fn check_rounding(a: &DActs<D>, n: usize) -> Result<()> {
-        if n % QK != 0 || n.div_ceil(QK) * Q8_BLOCK_BYTES > D::len(&a.q8) || n > D::len(&a.f32s) {
+        if !n.is_multiple_of(QK)
+            || n.div_ceil(QK) * Q8_BLOCK_BYTES > D::len(&a.q8)
+            || n > D::len(&a.f32s)
+        {
             return Err(CudaError::Unsupported(format!(
                 "{n} activations cannot be quantized in blocks of {QK} here"
             )));
@@ -419,7 +422,7 @@ impl<D: Device> Gpu<D> {
         if rope_dim == 0 {
             return Ok(());
         }
-        if rope_dim > head_dim || rope_dim % 2 != 0 {
+        if rope_dim > head_dim || !rope_dim.is_multiple_of(2) {
             return Err(CudaError::Unsupported(format!(
                 "RoPE over {rope_dim} of {head_dim} head dimensions"
             )));

@@ -685,7 +685,7 @@ fn eval_batch<'py>(
     let rows = compute(py, || run_batch(&refs, &tokens, |_, _, row| row))?;
     let n_vocab = rows.first().map_or(0, |r| r.len());
     let flat: Vec<f32> = rows.into_iter().flatten().collect();
-    Ok(PyArray1::from_vec(py, flat).reshape([sessions.len(), n_vocab])?)
+    PyArray1::from_vec(py, flat).reshape([sessions.len(), n_vocab])
 }
 
 /// Like `eval_batch`, then samples each session's next token with its own sampler (over its own

@@ -182,8 +182,11 @@ pub fn f32_to_f16(v: f32) -> u16 {
 /// number of blocks; alignment is checked here because the cast needs it.
 pub fn cast_blocks<T>(bytes: &[u8]) -> &[T] {
     let size = std::mem::size_of::<T>();
-    assert!(bytes.len() % size == 0, "byte length is not a whole number of blocks");
-    assert!(bytes.as_ptr() as usize % std::mem::align_of::<T>() == 0, "misaligned block data");
+    assert!(bytes.len().is_multiple_of(size), "byte length is not a whole number of blocks");
+    assert!(
+        (bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()),
+        "misaligned block data"
+    );
     // SAFETY: length and alignment checked above; every T here is plain old data (integers).
     unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / size) }
 }

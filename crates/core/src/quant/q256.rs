@@ -65,6 +65,9 @@ pub fn quantize_act_k(x: &[f32], out: &mut [BlockQ8K]) {
 }
 
 /// `quantize_act_k` compiled with AVX2 (the compiler vectorizes its loops).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C (`SimdLevel::Avx2` or above).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn quantize_act_k_avx2(x: &[f32], out: &mut [BlockQ8K]) {

@@ -60,7 +60,7 @@ unsafe fn scaled(u: __m256i, a: __m256i, scales: __m256i) -> __m256i {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn lane16(x: __m256i, k: usize) -> __m256i {
-    _mm256_shuffle_epi8(x, _mm256_set1_epi16((2 * k | (2 * k + 1) << 8) as i16))
+    _mm256_shuffle_epi8(x, _mm256_set1_epi16(((2 * k) | ((2 * k + 1) << 8)) as i16))
 }
 
 /// 16-bit lanes 2k (to lanes 0..8) and 2k + 1 (to lanes 8..16) of a 128-bit lane (both lanes
@@ -68,8 +68,8 @@ unsafe fn lane16(x: __m256i, k: usize) -> __m256i {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn pair16(x: __m256i, k: usize) -> __m256i {
-    let first = _mm_set1_epi16((4 * k | (4 * k + 1) << 8) as i16);
-    let second = _mm_set1_epi16((4 * k + 2 | (4 * k + 3) << 8) as i16);
+    let first = _mm_set1_epi16(((4 * k) | ((4 * k + 1) << 8)) as i16);
+    let second = _mm_set1_epi16(((4 * k + 2) | ((4 * k + 3) << 8)) as i16);
     _mm256_shuffle_epi8(x, _mm256_set_m128i(second, first))
 }
 
