@@ -1,12 +1,15 @@
 """`hf://owner/repo/file.gguf` model names, against a loopback HTTP server that answers the way the
 Hugging Face Hub does (HF_ENDPOINT points `huggingface_hub` at it): download, cache, offline mode,
-and clear errors for a missing repository, file or revision and for malformed names."""
+clear errors for a missing repository, file or revision and for malformed names, and a Hub that
+cannot be reached (refused, silent, or huggingface.co from a machine without a network)."""
 
 import hashlib
 import os
+import socket
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -231,3 +234,127 @@ def test_malformed_hub_names_are_refused(name):
 def test_local_paths_pass_through(tmp_path):
     assert hub.resolve(tmp_path / "x.gguf") == str(tmp_path / "x.gguf")
     assert hub.resolve("relative/hf://x.gguf") == "relative/hf://x.gguf"
+
+
+# ----- no network: huggingface_hub alone retries its first request for about 30 seconds
+
+
+def _closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+class SilentServer:
+    """A port that never answers: it listens with a backlog of one that two connections fill,
+    so a further connection attempt waits, as one to a firewalled host does."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(0)
+        self.port = self.sock.getsockname()[1]
+        self.queued = []
+        for _ in range(2):
+            c = socket.socket()
+            c.setblocking(False)
+            try:
+                c.connect(("127.0.0.1", self.port))
+            except BlockingIOError:
+                pass
+            self.queued.append(c)
+
+    def close(self):
+        for c in self.queued:
+            c.close()
+        self.sock.close()
+
+
+@pytest.fixture
+def endpoint(monkeypatch, tmp_path):
+    """Points huggingface_hub, in this process, at an endpoint and an empty cache."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+    def point(url: str) -> None:
+        monkeypatch.setattr(constants, "ENDPOINT", url)
+
+    return point
+
+
+@pytest.mark.parametrize("kind", ["refused", "silent"])
+def test_an_unreachable_hub_is_a_clear_error_at_once(endpoint, kind):
+    """A refused connection, and an endpoint that never answers: the error comes within the
+    connection test's timeout, naming the endpoint, why, and that the file is not cached."""
+    silent = SilentServer() if kind == "silent" else None
+    port = silent.port if silent else _closed_port()
+    endpoint(f"http://127.0.0.1:{port}")
+    start = time.monotonic()
+    try:
+        with pytest.raises(FileNotFoundError) as e:
+            hub.resolve("hf://acme/tiny-GGUF/tiny-F32.gguf")
+    finally:
+        if silent:
+            silent.close()
+    seconds = time.monotonic() - start
+    assert seconds < hub.CONNECT_TIMEOUT + 1.5, seconds
+    message = str(e.value)
+    assert f"the Hugging Face Hub at http://127.0.0.1:{port} cannot be reached" in message
+    assert "not in the cache" in message and message.startswith("hf://acme/tiny-GGUF/tiny-F32.gguf")
+    why = "connection refused" if kind == "refused" else f"no answer from 127.0.0.1:{port}"
+    assert why in message, message
+
+
+def test_an_unreachable_hub_gives_the_cached_copy_at_once(tmp_path, fake_hub, model_bytes):
+    """Downloaded once, the file loads from the cache when the Hub goes away (the connection
+    test fails), without HF_HUB_OFFLINE."""
+    env = {"HF_ENDPOINT": fake_hub.url, "HF_HUB_CACHE": str(tmp_path / "cache")}
+    name = "hf://acme/tiny-GGUF/tiny-F32.gguf"
+    first = run_python(GENERATE.format(name=name), env)
+    assert first.returncode == 0, first.stderr
+    fake_hub.stop()
+    start = time.monotonic()
+    r = run_python(GENERATE.format(name=name), env)
+    seconds = time.monotonic() - start
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == first.stdout and fake_hub.downloads == 1
+    assert seconds < 15, seconds
+
+
+def test_without_a_network_the_cli_says_so_at_once(tmp_path):
+    """As a user meets it: `powerinfer-rs run -m hf://...` on a machine that cannot reach
+    huggingface.co fails within seconds with a message naming the problem (huggingface_hub
+    alone retries for about 30 seconds first)."""
+    if hub.unreachable("https://huggingface.co") is None:
+        pytest.skip("huggingface.co can be reached from this machine")
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "empty"), HF_HUB_DISABLE_TELEMETRY="1")
+    for name in ("HF_ENDPOINT", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        env.pop(name, None)
+    start = time.monotonic()
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "powerinfer_rs.cli",
+            "run",
+            "-m",
+            "hf://acme/tiny-GGUF/x.gguf",
+            "hi",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    seconds = time.monotonic() - start
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert (
+        "error: hf://acme/tiny-GGUF/x.gguf: the Hugging Face Hub at https://huggingface.co "
+        "cannot be reached" in r.stderr
+    ), r.stderr
+    assert "not in the cache" in r.stderr
+    assert seconds < 15, seconds

@@ -703,3 +703,73 @@ def test_slots_queue_and_no_starvation(smol, smol_engine):
     cancelled = [l for l in lines if "finish=cancelled" in l]
     assert len(cancelled) == 5
     assert sum("completion=0 tok" in l for l in cancelled) == 1  # the queued one never ran
+
+
+@pytest.mark.smollm
+@needs_smollm
+def test_chat_defaults_are_llamacpps_sampling_and_completions_keep_openais(smol, smol_engine):
+    """A chat request that leaves the sampling fields out samples as llama.cpp's command line
+    does (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05); the llama.cpp server's fields
+    top_k, min_p and repeat_penalty reach the sampler; a completion request that leaves them
+    out keeps OpenAI's defaults (temperature 1, top_p 1, no top-k or min-p)."""
+    client = smol.client()
+    messages = [{"role": "user", "content": QUESTIONS[2]}]
+    llama_cpp = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0)
+    for seed in (11, 12):
+        r = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct.Q4_1", messages=messages, max_tokens=24, seed=seed
+        )
+        want = smol_engine.chat(messages, max_tokens=24, seed=seed, **llama_cpp)
+        assert r.choices[0].message.content == want
+    assert want != smol_engine.chat(messages, max_tokens=24, temperature=0)  # not greedy
+
+    fields = dict(top_k=5, min_p=0.1, repeat_penalty=1.3)
+    r = httpx.post(
+        smol.url + "/v1/chat/completions",
+        json=dict(messages=messages, max_tokens=24, temperature=1.2, seed=5, **fields),
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    want = smol_engine.chat(messages, max_tokens=24, temperature=1.2, top_p=0.95, seed=5, **fields)
+    assert r.json()["choices"][0]["message"]["content"] == want
+
+    r = client.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1", prompt="Once upon a time", max_tokens=24, seed=3
+    )
+    openai_defaults = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0)
+    want = smol_engine.generate("Once upon a time", max_tokens=24, seed=3, **openai_defaults)
+    assert r.choices[0].text == want
+
+
+@pytest.mark.smollm
+@needs_smollm
+def test_a_chat_answer_that_repeats_itself_is_stopped(smol, smol_engine):
+    """SmolLM2's greedy answer to "What is the capital of France?" (its default system prompt)
+    loops until the context is full; the chat endpoint ends it with finish_reason "stop", as the
+    engine's guard does in process, and the log line says why. Streamed the same."""
+    client = smol.client()
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    gen = smol_engine.chat(
+        messages, stream=True, max_tokens=400, temperature=0, stop_repetition=True
+    )
+    want = "".join(gen)
+    assert gen.repetition is not None
+    before = len(smol.request_lines("/v1/chat/completions"))
+    r = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1", messages=messages, temperature=0
+    )
+    assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == gen.stats["generated_tokens"] < 400
+    assert wait_until(lambda: len(smol.request_lines("/v1/chat/completions")) == before + 1)
+    line = smol.request_lines("/v1/chat/completions")[before]
+    assert "finish=stop (stopped repeating itself: " + gen.repetition.describe() + ")" in line, line
+
+    async def streamed():
+        client = openai.AsyncOpenAI(
+            base_url=smol.url + "/v1", api_key="unused", max_retries=0, timeout=300
+        )
+        async with client:
+            return await _stream_chat(client, QUESTIONS[0], 400)
+
+    text, finish = asyncio.run(streamed())
+    assert text == want and finish == "stop"

@@ -19,12 +19,15 @@ from ._core import (
 )
 from .engine import Engine
 from .models import default_model_path
+from .settings import EngineSettings, SamplingSettings
 
 # the workspace version (Cargo.toml), which maturin writes into the package metadata
 __version__ = _metadata.version("powerinfer-rs")
 
 __all__ = [
     "Engine",
+    "EngineSettings",
+    "SamplingSettings",
     "GgufFile",
     "GGUFError",
     "ModelError",

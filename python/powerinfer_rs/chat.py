@@ -4,14 +4,20 @@ Answers stream as they are generated. The conversation is kept as long as it fit
 (the oldest turns are dropped first, the system message never), and the KV cache of the previous
 turn is reused, so a new turn evaluates only its new tokens. Ctrl-C stops the answer being
 written (what was written stays in the conversation), not the program; Ctrl-D or /exit ends it.
+An answer that only repeats itself is ended, with a line saying so (`SamplingSettings.
+stop_repetition`, on by default here). With a seed, the whole conversation can be had again:
+each turn's seed is drawn from it.
 """
 
 from __future__ import annotations
 
+import random
 import signal
 import sys
 import threading
 from typing import TextIO
+
+from .settings import CHAT, SamplingSettings
 
 HELP = """commands:
   /reset   forget the conversation (the system message stays)
@@ -65,11 +71,12 @@ def _read_message(stdin: TextIO, prompt: str) -> str | None:
 
 def run(
     engine,
-    sampling: dict,
+    sampling: SamplingSettings = CHAT,
     system: str | None = None,
     stdin: TextIO = sys.stdin,
     out: TextIO = sys.stdout,
 ) -> int:
+    """Talks with the user on `stdin`/`out` until end of input or /exit; returns the exit code."""
     if not engine.chat_template:
         raise ValueError("the model has no tokenizer.chat_template; give one with --chat-template")
     interactive = stdin.isatty()
@@ -83,10 +90,13 @@ def run(
         except ImportError:
             pass
         print(f"{engine!r}\n/help for commands, Ctrl-D to quit", file=sys.stderr)
+    print(sampling.describe(), file=sys.stderr)
     start = [{"role": "system", "content": system}] if system else []
     messages = list(start)
     cached = None  # (tokens, session) of the last finished answer
-    reserve = min(sampling["max_tokens"], engine.n_ctx // 2)
+    reserve = min(sampling.max_tokens, engine.n_ctx // 2)
+    kwargs = sampling.as_kwargs()
+    turn_seeds = random.Random(sampling.seed)
     while True:
         try:
             text = _read_message(stdin, "> ")
@@ -123,7 +133,7 @@ def run(
             continue
         pieces, gen = [], None
         try:
-            gen = engine.stream(ids, **sampling)
+            gen = engine.stream(ids, **dict(kwargs, seed=turn_seeds.getrandbits(64)))
             gen.keep_session = True
             if cached is not None:
                 gen.reuse_session(cached[1], cached[0])
@@ -140,6 +150,9 @@ def run(
             print("(stopped)", file=sys.stderr)
         else:
             out.write("\n")
+            if gen.repetition is not None:
+                out.flush()
+                print("(stopped: the answer was repeating itself)", file=sys.stderr)
         out.flush()
         messages.append({"role": "assistant", "content": "".join(pieces)})
         session = gen.finished_session if gen is not None else None

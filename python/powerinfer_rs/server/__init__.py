@@ -11,12 +11,16 @@ compute threads work on one evaluation at a time instead of fighting over the co
 holds no session; a finished or abandoned one (the client disconnected) gives its session back at
 once. The event loop never computes: it tokenizes in a worker thread and only moves text.
 
-This module must not change the engine's sampling or stopping rules: it maps OpenAI's request
-fields onto `Engine.stream` and its results back onto OpenAI's response shapes.
+This package must not change the engine's sampling or stopping rules: it maps OpenAI's request
+fields onto `Engine.stream` (with each endpoint's defaults from `settings`) and its results back
+onto OpenAI's response shapes.
 
-Modules: `schemas` (request bodies and the error type), `scheduler` (jobs, the scheduler thread
-and its prompt cache), `sse` (a job's events to the client, whole or as a server-sent-event
-stream), `app` (the FastAPI app, its routes, and `serve`).
+Modules: `schemas` (request bodies and the error type), `state` (what the routes share, on
+`app.state.server`, and the API key check), `generation` (a request's sampling, the prompt checks
+that open a generation, response chunks), `routes` (`models`, `completions`, `chat`), `errors`
+(errors in OpenAI's shape), `scheduler` (jobs, the scheduler thread and its prompt cache), `sse`
+(a job's events to the client, whole or as a server-sent-event stream), `app` (`create_app`, the
+request log line, and `serve`).
 """
 
 from .app import create_app, serve

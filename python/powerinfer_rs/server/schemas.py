@@ -78,8 +78,9 @@ class _Sampling(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=0)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # sampling: None (left out) takes the endpoint's default (`settings.COMPLETIONS`, `settings.CHAT`)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int = 1
     stream: StrictBool = False  # "true" or 1 is a client bug, not a request to stream
     stream_options: StreamOptions | None = None
@@ -92,9 +93,9 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # llama.cpp server's extensions
-    top_k: int = Field(0, ge=0, le=2**31 - 1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repeat_penalty: float = Field(1.0, gt=0.0)
+    top_k: int | None = Field(None, ge=0, le=2**31 - 1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repeat_penalty: float | None = Field(None, gt=0.0)
 
 
 class CompletionRequest(_Sampling):

@@ -45,6 +45,8 @@ def note_generation(scope, gen: Generation, reason: str) -> None:
         prefill_tps=s["prefill_tps"],
         finish=reason,
     )
+    if gen.repetition is not None:
+        note(scope, repetition=gen.repetition.describe())
 
 
 async def until_disconnect(receive) -> None:

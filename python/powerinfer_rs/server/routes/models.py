@@ -1,0 +1,46 @@
+"""/health (open to all: balancers poll it) and /v1/models (behind the API key)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+
+from ..state import ServerState, authorize, server_state
+
+health_router = APIRouter()
+router = APIRouter(dependencies=[Depends(authorize)])
+
+
+def model_card(state: ServerState) -> dict:
+    engine = state.engine
+    return {
+        "id": state.model_id,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "powerinfer-rs",
+        "meta": {
+            "architecture": engine.architecture,
+            "n_ctx": engine.n_ctx,
+            "n_vocab": engine.n_vocab,
+            "n_layer": engine.n_layer,
+            "sparsity": engine.sparsity,
+            "device": engine.device,
+        },
+    }
+
+
+@health_router.get("/health")
+async def health(request: Request):
+    state = server_state(request)
+    return {"status": "ok", "model": state.model_id, **state.scheduler.counts()}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request):
+    return {"object": "list", "data": [model_card(server_state(request))]}
+
+
+@router.get("/v1/models/{name:path}")
+async def get_model(name: str, request: Request):
+    state = server_state(request)
+    state.check_model(name)
+    return model_card(state)
