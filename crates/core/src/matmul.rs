@@ -1,5 +1,5 @@
 //! Matrix products of file-format weights with activations: the one place that picks the SIMD
-//! level and splits work across rayon threads. Kernels (`quant.rs`, `avx2.rs`) take slices and
+//! level and splits work across rayon threads. Kernels (`quant/`, `avx2.rs`, `avx512.rs`) take slices and
 //! know nothing about threads, so the pool can change without touching them.
 //!
 //! `y = x @ W^T` with W stored row-major as (rows, cols) in its file format and x as (n, cols).
@@ -456,16 +456,17 @@ pub(crate) fn dot_rows<const N: usize>(
     }
 }
 
-/// Raw output pointer shared by tasks that write disjoint elements.
+/// Raw output pointer shared by parallel tasks that write disjoint elements of one buffer
+/// (`matmul_many`: (token, row) cells; `sparse::down_t_matmul`: column ranges).
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: every task writes a disjoint set of (token, row) cells; see `matmul_many`.
+pub(crate) struct OutPtr(pub(crate) *mut f32);
+// SAFETY: every user's tasks write disjoint elements; each says how at its use.
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
     /// The pointer `offset` elements in (a method, so closures capture the whole Send wrapper).
-    fn at(self, offset: usize) -> *mut f32 {
+    pub(crate) fn at(self, offset: usize) -> *mut f32 {
         self.0.wrapping_add(offset)
     }
 }

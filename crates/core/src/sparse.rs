@@ -16,7 +16,7 @@
 use rayon::prelude::*;
 
 use crate::matmul::{
-    dot_row, matmul, matmul_many, prefetch, simd_level, Activations, QMatrix, SimdLevel,
+    dot_row, matmul, matmul_many, prefetch, simd_level, Activations, OutPtr, QMatrix, SimdLevel,
 };
 use crate::model::FfnActivation;
 use crate::quant::{self, DType};
@@ -284,20 +284,6 @@ fn dense_ffn(
     h.set(gate, 1, n_ff);
     matmul(down, h, out);
     used
-}
-
-/// Raw output pointer shared by tasks that write disjoint column ranges.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: each task writes only its own columns (see `down_t_matmul`).
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    /// The pointer `offset` elements in (a method, so closures capture the whole Send wrapper).
-    fn at(self, offset: usize) -> *mut f32 {
-        self.0.wrapping_add(offset)
-    }
 }
 
 fn f32_bytes(x: &[f32]) -> &[u8] {

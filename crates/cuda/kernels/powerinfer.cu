@@ -679,12 +679,6 @@ extern "C" __global__ void add_into(float* x, const float* y, const float* bias,
     if (i < n) x[i] += y[i] + (bias ? bias[i] : 0.0f);
 }
 
-// x[i] += bias[i]
-extern "C" __global__ void add_bias(float* x, const float* bias, int n) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) x[i] += bias[i];
-}
-
 // Rotary embedding of every head of q (n_head heads of head_dim) and k (n_head_kv) at one
 // position, from that position's cos/sin (rope_dim / 2), in one launch. neox = 0 rotates
 // (x[2i], x[2i+1]); neox = 1 rotates (x[i], x[i + rope_dim/2]).

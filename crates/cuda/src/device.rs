@@ -263,7 +263,6 @@ pub trait Device: Send + Sync + Sized + 'static {
         bias: Option<&Self::Buf<f32>>,
         n: usize,
     ) -> Result<()>;
-    fn add_bias(&self, x: &mut Self::Buf<f32>, bias: &Self::Buf<f32>, n: usize) -> Result<()>;
     #[allow(clippy::too_many_arguments)]
     /// `rope` of q (n_head heads) and k (n_head_kv heads) at one position.
     fn rope(

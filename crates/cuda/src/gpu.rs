@@ -397,12 +397,6 @@ impl<D: Device> Gpu<D> {
         self.dev.add_into(x, y, bias, n)
     }
 
-    pub fn add_bias(&self, x: &mut Buf<D, f32>, bias: &Buf<D, f32>, n: usize) -> Result<()> {
-        Self::holds("a sum's output", x, n)?;
-        Self::holds("a bias", bias, n)?;
-        self.dev.add_bias(x, bias, n)
-    }
-
     /// RoPE on q (n_head heads) and k (n_head_kv heads) of m rows, each at its own position's
     /// angles (cos and sin: m rows of rope_dim / 2), in one launch.
     #[allow(clippy::too_many_arguments)]

@@ -33,7 +33,6 @@ struct Kernels {
     rmsnorm: CudaFunction,
     head_rmsnorm: CudaFunction,
     add_into: CudaFunction,
-    add_bias: CudaFunction,
     rope: CudaFunction,
     kv_store: CudaFunction,
     attention: CudaFunction,
@@ -100,7 +99,6 @@ impl Cuda {
             rmsnorm: f("rmsnorm")?,
             head_rmsnorm: f("head_rmsnorm")?,
             add_into: f("add_into")?,
-            add_bias: f("add_bias")?,
             rope: f("rope")?,
             kv_store: f("kv_store")?,
             attention: f("attention")?,
@@ -419,15 +417,6 @@ impl Device for Cuda {
         let mut b = self.stream.launch_builder(&self.k.add_into);
         b.arg(x).arg(y).arg(&bias).arg(&n_i);
         // SAFETY: matches `add_into`.
-        unsafe { b.launch(cfg((blocks(n, 256), 1), 256)) }?;
-        Ok(())
-    }
-
-    fn add_bias(&self, x: &mut CudaSlice<f32>, bias: &CudaSlice<f32>, n: usize) -> Result<()> {
-        let n_i = n as i32;
-        let mut b = self.stream.launch_builder(&self.k.add_bias);
-        b.arg(x).arg(bias).arg(&n_i);
-        // SAFETY: matches `add_bias`.
         unsafe { b.launch(cfg((blocks(n, 256), 1), 256)) }?;
         Ok(())
     }

@@ -321,11 +321,6 @@ impl Device for Emulated {
         Ok(())
     }
 
-    fn add_bias(&self, x: &mut Vec<f32>, bias: &Vec<f32>, n: usize) -> Result<()> {
-        x[..n].iter_mut().zip(&bias[..n]).for_each(|(v, b)| *v += b);
-        Ok(())
-    }
-
     fn rope(
         &self,
         q: &mut Vec<f32>,
