@@ -45,7 +45,7 @@ def main() -> None:
             "gpu": read("gpu.txt").strip(),
             "cpu_cores": 16,
             "memory": "128 GiB",
-            "note": "lent GPU machine; CPU rows ran on its 16 cores",
+            "note": "GPU machine; CPU rows ran on its 16 cores",
         },
         "date": a.date,
         "commands": {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The relufy issue's real run on a lent GPU machine: SmolLM2-135M relufied on the packed
-# documentation corpus, then the offline pipeline on the result, within one session's device
-# time. Here first: scripts/gpu_bundle.sh (wheel, SmolLM2 in two parts) and
+# A real relufy run on a GPU machine reached by short remote calls: SmolLM2-135M relufied on
+# the packed documentation corpus, then the offline pipeline on the result, in about 30 minutes
+# of GPU time. Here first: scripts/gpu_bundle.sh (wheel, SmolLM2 in two parts) and
 # scripts/relufy_bundle.sh (the corpus). Then, on the GPU machine, one call after another (a
 # machine left idle goes back within a minute, and /tmp with it):
 #
