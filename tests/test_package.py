@@ -30,3 +30,31 @@ def test_the_weight_type_table_agrees_with_ggml():
         expected = {1: "f32", 32: "q8_per_32", 256: "q8_per_256"}[r["block_len"]]
         assert r["activations"] == expected, r
     assert [r["name"] for r in rows if not r["gpu"]] == ["BF16"]
+
+
+def test_the_documented_weight_types_are_the_engines():
+    """docs/models-and-formats.md's "Weight types" table names exactly the engine's types, with
+    the engine's block sizes and its GPU support."""
+    text = (ROOT / "docs" / "models-and-formats.md").read_text()
+    section = text.split("## Weight types", 1)[1].split("\n## ", 1)[0]
+    rows = [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in section.splitlines()
+        if line.startswith("|") and not line.startswith("|---")
+    ]
+    header, body = rows[0], rows[1:]
+    col = {name: i for i, name in enumerate(header)}
+    documented = {
+        r[col["type"]]: (
+            r[col["CPU"]],
+            r[col["GPU"]],
+            int(r[col["weights per block"]]),
+            int(r[col["bytes per block"]]),
+        )
+        for r in body
+    }
+    engine = {
+        t["name"]: ("yes", "yes" if t["gpu"] else "no", t["block_len"], t["block_bytes"])
+        for t in powerinfer_rs._core.weight_types()
+    }
+    assert documented == engine
