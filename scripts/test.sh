@@ -43,3 +43,6 @@ if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
     POWERINFER_SIMD=avx2 $PY -m pytest -q -ra --durations=25 -p no:cacheprovider "$@" tests/test_smollm2.py tests/test_gpu.py \
         tests/test_synthetic_models.py tests/test_architectures.py
 fi
+# A minute of coverage-guided fuzzing: the GGUF reader, the model build and the tokenizers
+# (scripts/fuzz.sh; longer runs: scripts/fuzz.sh SECONDS).
+scripts/fuzz.sh 60

@@ -1,6 +1,9 @@
 """Bad input gives a Python exception that names the problem; never a crash."""
 
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import powerinfer_rs
@@ -203,3 +206,29 @@ def test_sampler_rejects_bad_values_from_rust():
     s = _core.Sampler()
     with pytest.raises(ValueError, match="empty"):
         s.sample(np.zeros(0, dtype=np.float32), [])
+
+
+REGRESSIONS = sorted(
+    (Path(__file__).resolve().parent.parent / "fuzz" / "regressions" / "fixed").glob("*.gguf")
+)
+
+
+@pytest.mark.parametrize("path", REGRESSIONS, ids=lambda p: p.name)
+def test_files_the_fuzzer_found_are_clear_errors(path):
+    """Each input that once crashed the reader or the model build (fuzz/regressions/fixed) is
+    refused with an exception naming the problem; in a child process, so that an abort or a
+    panic shows as a failure here instead of ending the test run."""
+    code = (
+        "import sys\nfrom powerinfer_rs import _core\n"
+        "try:\n    _core.Model(sys.argv[1], 1)\n"
+        "except (_core.GGUFError, _core.ModelError) as e:\n    print(type(e).__name__, e)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith(("GGUFError", "ModelError")), run.stdout
+
+
+def test_the_fuzzers_findings_are_kept():
+    assert len(REGRESSIONS) >= 2

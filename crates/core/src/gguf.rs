@@ -617,8 +617,8 @@ mod tests {
 
     #[test]
     fn rejects_tensor_offset_near_u64_max() {
-        // found by fuzzing (fuzz/regressions/tensor-offset-overflow.gguf): one F32 tensor whose
-        // aligned offset overflows when added to the data section's start
+        // found by fuzzing (fuzz/regressions/fixed/tensor-offset-overflow.gguf): one F32 tensor
+        // whose aligned offset overflows when added to the data section's start
         let f: &[u8] = b"GGUF\x03\0\0\0\x01\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\
             \x01\0\0\0\0\0\0\0t\x01\0\0\0\x01\0\0\0\0\0\0\0\0\0\0\0\
             \xe0\xff\xff\xff\xff\xff\xff\xff";

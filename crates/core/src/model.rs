@@ -765,7 +765,9 @@ fn predictor<'a>(file: &'a GgufFile, i: usize, c: &Config) -> Result<Option<Pred
 impl Weights<'_> {
     fn load<'a>(file: &'a GgufFile, c: &Config) -> Result<Weights<'a>> {
         let token_embd = matrix(file, "token_embd.weight", c.n_vocab, c.n_embd)?;
-        let mut layers = Vec::with_capacity(c.n_layer);
+        // (no capacity from `n_layer`: it is the file's word until its layers' tensors are found,
+        // and a corrupt count would abort on the allocation)
+        let mut layers = Vec::new();
         for i in 0..c.n_layer {
             let n = |s: &str| format!("blk.{i}.{s}");
             // attention projections: separate, or fused [q; k; v] rows (Falcon, Phi-3)
