@@ -10,8 +10,6 @@
 
 use std::sync::Arc;
 
-use rayon::prelude::*;
-
 use crate::attention::{
     attend_block, attend_group, attend_group_partial, merge_partials, KvBuf, KvType, Partial,
 };
@@ -34,16 +32,16 @@ mod observe;
 mod scratch;
 mod sparsity;
 pub use batch::{check_batch, decode_batch};
-use calibration::*;
+use calibration::{mask_below, Calibration};
 pub use cpu::CpuPass;
-use ffn::*;
+use ffn::ffn;
 pub use input_sparsity::time_input_sparsity;
-use input_sparsity::*;
+use input_sparsity::{project, project_down};
 pub use math::softcap;
-use math::*;
-use observe::*;
+use math::{add_bias, add_into, norm, rmsnorm_in_place, rope};
+use observe::Recorder;
 pub use scratch::Capture;
-use scratch::*;
+use scratch::Scratch;
 pub use sparsity::{FfnStats, Sparsity, SparsityMode};
 
 pub struct Session {

@@ -555,10 +555,10 @@ impl<D: Device> HybridSession<D> {
     /// Dense and predictor modes run on the GPU; threshold mode needs the dense gate of every
     /// neuron and is CPU-only.
     pub fn set_sparsity(&mut self, sp: Sparsity) -> Result<()> {
-        if sp.mode == SparsityMode::Threshold && self.hm.layers.iter().any(|l| l.is_some()) {
+        if sp.mode() == SparsityMode::Threshold && self.hm.layers.iter().any(|l| l.is_some()) {
             return Err(CudaError::Unsupported(THRESHOLD_IS_CPU_ONLY.into()));
         }
-        if sp.track_recall {
+        if sp.track_recall() {
             return Err(CudaError::Unsupported("recall tracking runs on the CPU only".into()));
         }
         self.cpu.set_sparsity(sp).map_err(|e| CudaError::Plan(e.to_string()))?;
@@ -745,8 +745,8 @@ impl<'a, D: Device> HybridPass<'a, D> {
 
         // the predictor reads the residual x
         let sp = self.cpu.session().sparsity();
-        let predicted = sp.mode == SparsityMode::Predictor;
-        let threshold = sp.predictor_cutoff(l);
+        let predicted = sp.mode() == SparsityMode::Predictor;
+        let threshold = sp.predictor_cutoff(l).unwrap_or(0.0);
         if predicted {
             let (fc1, fc2) = d
                 .predictor

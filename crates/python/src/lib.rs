@@ -507,13 +507,33 @@ impl PySession {
         input_thresholds: Option<Vec<[f32; 4]>>,
     ) -> PyResult<()> {
         let mode = SparsityMode::parse(mode).map_err(to_py)?;
-        let sp = Sparsity {
-            mode,
-            predictor_threshold,
-            predictor_layer_thresholds: predictor_layer_thresholds.unwrap_or_default(),
-            layer_thresholds: layer_thresholds.unwrap_or_default(),
-            input_thresholds: input_thresholds.unwrap_or_default(),
-            track_recall,
+        let refuse = |m: String| to_py(Error::InvalidArgument(m));
+        if !predictor_threshold.is_finite() {
+            return Err(refuse(format!(
+                "predictor threshold must be finite, got {predictor_threshold}"
+            )));
+        }
+        // (the keywords as Python passes them; an empty list is none)
+        let gate_cutoffs = layer_thresholds.filter(|t| !t.is_empty());
+        let input_cutoffs = input_thresholds.filter(|t| !t.is_empty());
+        let sp = match mode {
+            SparsityMode::Dense => Sparsity::Dense,
+            SparsityMode::Predictor => Sparsity::Predictor {
+                cutoff: predictor_threshold,
+                layer_cutoffs: predictor_layer_thresholds.unwrap_or_default(),
+                track_recall,
+            },
+            SparsityMode::Threshold => match (gate_cutoffs, input_cutoffs) {
+                (gate, None) => Sparsity::GateThreshold { gate_cutoffs: gate.unwrap_or_default() },
+                (None, Some(input_cutoffs)) => Sparsity::Inputs { input_cutoffs },
+                (Some(gate), Some(input)) => {
+                    return Err(refuse(format!(
+                        "input sparsity needs per-layer cut-off sets and no neuron thresholds, got {} and {}",
+                        input.len(),
+                        gate.len()
+                    )))
+                }
+            },
         };
         compute(py, || lock_core(&self.inner)?.set_sparsity(sp))
     }
@@ -521,7 +541,7 @@ impl PySession {
     /// The sparsity mode in use.
     #[getter]
     fn sparsity(&self) -> PyResult<&'static str> {
-        Ok(lock(&self.inner)?.cpu_ref().sparsity().mode.name())
+        Ok(lock(&self.inner)?.cpu_ref().sparsity().mode().name())
     }
 
     /// FFN counters since the last call (then reset): neurons, skipped, truly_active,

@@ -11,7 +11,7 @@
 //!
 //! This must not change a session's state beyond what `eval` of one token would.
 
-use super::*;
+use super::{forward, Arc, CpuPass, Error, Result, Session};
 
 /// Checks a batch before anything runs, so that a refused batch changes no session: one token
 /// per session, one model, every token in the vocabulary, room for one more position, and no
@@ -56,10 +56,7 @@ pub fn decode_batch(sessions: &mut [&mut Session], tokens: &[u32]) -> Result<Vec
     check_batch(&sessions.iter().map(|s| &**s).collect::<Vec<_>>(), tokens)?;
     let model = Arc::clone(&sessions[0].model);
     // input sparsity reads other copies of the weights per row: such sessions run one by one
-    if sessions.iter().any(|se| {
-        se.state.sparsity.mode == SparsityMode::Threshold
-            && !se.state.sparsity.input_thresholds.is_empty()
-    }) {
+    if sessions.iter().any(|se| se.state.sparsity.is_inputs()) {
         return sessions.iter_mut().zip(tokens).map(|(se, &tok)| se.eval(&[tok], false)).collect();
     }
     let n = tokens.len();

@@ -2,7 +2,7 @@
 //! scores (input sparsity) and of predictor logits, recorded by a dense pass (as an observer,
 //! `observe.rs`) and read back as quantiles (`Session::calibrate*`).
 
-use super::*;
+use super::{Error, FfnStats, Recorder, Result, Session, Sparsity};
 
 /// Log-spaced histogram of |act(gate)| values for one layer, for threshold calibration.
 #[derive(Clone)]
@@ -232,10 +232,10 @@ impl Session {
             )));
         }
         // every neuron selected: the predictor runs, the FFN stays dense
-        let all = Sparsity {
-            mode: SparsityMode::Predictor,
-            predictor_threshold: f32::MIN,
-            ..Sparsity::dense()
+        let all = Sparsity::Predictor {
+            cutoff: f32::MIN,
+            layer_cutoffs: Vec::new(),
+            track_recall: false,
         };
         let hists = vec![SignedHistogram::new(); self.model.config.n_layer];
         match self.record_windows(tokens, window, all, Calibration::ActiveLogits(hists))? {

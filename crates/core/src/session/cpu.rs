@@ -6,8 +6,17 @@
 //! Passes over several sessions never see input sparsity or a recorder (`check_batch` and
 //! `decode_batch` keep those sessions out), so only a one-session pass consults them.
 
-use super::*;
+use super::{
+    add_bias, add_into, attend_block, attend_group, attend_group_partial, ffn, matmul,
+    merge_partials, norm, project, rmsnorm_in_place, rope, softcap, Arc, Error, FfnStats,
+    InputGroup, Model, Partial, PassState, Result, Scratch, Session, Sparsity,
+};
 use crate::forward::{Backend, Norm, Part};
+use rayon::iter::IndexedParallelIterator;
+use rayon::iter::IntoParallelIterator;
+use rayon::iter::IntoParallelRefMutIterator;
+use rayon::iter::ParallelIterator;
+use rayon::prelude::ParallelSliceMut;
 
 pub struct CpuPass<'a> {
     model: Arc<Model>,
@@ -394,7 +403,7 @@ impl Backend for CpuPass<'_> {
         if let [se] = &mut sessions[..] {
             ffn(model, &mut se.state, s, l, n);
         } else if lw.ffn_down.is_some()
-            && sessions.iter().all(|se| se.state.sparsity.mode == SparsityMode::Dense)
+            && sessions.iter().all(|se| matches!(se.state.sparsity, Sparsity::Dense))
         {
             // dense sessions share one pass over every row: the path one dense token takes
             let mut dense = PassState::new(Sparsity::dense());

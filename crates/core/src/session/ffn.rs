@@ -3,12 +3,20 @@
 //! of their selections, or with input sparsity through the input-major copies. A session with a
 //! recorder (`observe.rs`) takes the dense path, handing the recorder its values.
 
-use super::*;
+use super::{
+    add_bias, down_t_matmul, matmul, matmul_many, matmul_selected, project, project_down,
+    sparse_ffn, Activations, FfnActivation, FfnMats, FfnStats, InputGroup, LayerWeights, Model,
+    PassState, QMatrix, Scratch, Sparsity, SparsityMode, DENSE_FRACTION,
+};
+use rayon::iter::IndexedParallelIterator;
+use rayon::iter::ParallelIterator;
+use rayon::prelude::ParallelSlice;
+use rayon::prelude::ParallelSliceMut;
 
 /// FFN block of layer `l` over n rows of one session (`st`): reads the normed input s.xb (n,
 /// n_embd) and, for the predictor, the residual stream s.x; writes s.ffn_out (n, n_embd).
 pub(crate) fn ffn(model: &Model, st: &mut PassState, s: &mut Scratch, l: usize, n: usize) {
-    if st.sparsity.mode == SparsityMode::Threshold && !st.sparsity.input_thresholds.is_empty() {
+    if st.sparsity.is_inputs() {
         return ffn_inputs(model, st, s, l, n);
     }
     let lw = &model.weights.layers[l];
@@ -18,13 +26,13 @@ pub(crate) fn ffn(model: &Model, st: &mut PassState, s: &mut Scratch, l: usize, 
     s.acts.set_for(&s.xb, n, dim, &[lw.ffn_gate.unwrap_or(lw.ffn_up), lw.ffn_up]);
     s.gate.resize(n * n_ff, 0.0);
     s.up.resize(n * n_ff, 0.0);
-    let mode = sp.mode;
+    let mode = sp.mode();
 
     // which neurons each token keeps: s.keep (n, n_ff)
     let mut gate_ready = false; // s.gate holds gate pre-activations (up + bias when gateless)
-    match mode {
-        SparsityMode::Dense => {}
-        SparsityMode::Predictor => {
+    match sp {
+        Sparsity::Dense => {}
+        Sparsity::Predictor { .. } => {
             // predictor: logits (n, n_ff) = fc2 @ relu(fc1 @ x); keep where logits >= threshold
             let p = lw.predictor.as_ref().expect("checked by set_sparsity");
             s.pred_acts.set(&s.x, n, dim);
@@ -34,18 +42,19 @@ pub(crate) fn ffn(model: &Model, st: &mut PassState, s: &mut Scratch, l: usize, 
             s.pred_acts.set(&s.pred_hidden, n, p.fc1.rows);
             s.pred_logits.resize(n * n_ff, 0.0);
             matmul(&p.fc2, &s.pred_acts, &mut s.pred_logits);
-            let cutoff = sp.predictor_cutoff(l);
+            let cutoff = sp.predictor_cutoff(l).expect("predictor mode");
             s.keep.clear();
             s.keep.extend(s.pred_logits.iter().map(|&v| Sparsity::predictor_selects(v, cutoff)));
         }
-        SparsityMode::Threshold => {
+        Sparsity::GateThreshold { gate_cutoffs } => {
             // the gate (up for gateless FFNs) densely; keep where |act(gate)| > threshold
             gate_values(lw, &s.acts, &mut s.gate);
             gate_ready = true;
-            let thr = sp.layer_thresholds[l];
+            let thr = gate_cutoffs[l];
             s.keep.clear();
             s.keep.extend(s.gate.iter().map(|&g| act.gate_part(g).abs() > thr));
         }
+        Sparsity::Inputs { .. } => unreachable!("input sparsity takes ffn_inputs"),
     }
     let selected =
         if mode == SparsityMode::Dense { n * n_ff } else { s.keep.iter().filter(|&&k| k).count() };
@@ -70,7 +79,7 @@ pub(crate) fn ffn(model: &Model, st: &mut PassState, s: &mut Scratch, l: usize, 
             gate_read + selected * (lw.ffn_up.row_bytes() + model.down_t(l).row_bytes())
         }
     } as u64;
-    let track_recall = sp.track_recall && mode == SparsityMode::Predictor;
+    let track_recall = sp.track_recall();
 
     let recording = st.recorder.is_some();
     if n == 1 && (mode != SparsityMode::Dense || lw.ffn_down.is_none()) && !recording {

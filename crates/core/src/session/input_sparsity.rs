@@ -1,7 +1,10 @@
 //! Input sparsity: the layer's matrix products that skip the inputs whose score falls under a
 //! cut-off (through input-major copies), and the timing that tells whether skipping pays.
 
-use super::*;
+use super::{
+    down_t_matmul, mask_below, matmul, matmul_many, Activations, Error, FfnStats, InputGroup,
+    Model, Result, SparseScratch,
+};
 
 /// outs[k] (n, rows of matrix k) = x (n, cols) @ W_k^T for the matrices of input group `group`
 /// of layer `l` (not down, see `project_down`), which share the input x. With a cut-off for their `group`, a token's inputs whose score

@@ -1,6 +1,10 @@
 //! The small elementwise steps of the layer: norms, bias and residual adds, RoPE.
 
-use super::*;
+use super::{Family, RopeStyle};
+use rayon::iter::IndexedParallelIterator;
+use rayon::iter::ParallelIterator;
+use rayon::prelude::ParallelSlice;
+use rayon::prelude::ParallelSliceMut;
 
 /// Values from which a row-wise step runs on the pool (a prompt's; a token's few thousand stay
 /// on the calling thread).

@@ -4,7 +4,7 @@
 //! activation, the activations after it); recorders never change what the pass computes. A
 //! session with a recorder runs its FFNs densely, so that every neuron's value exists.
 
-use super::*;
+use super::{Calibration, Capture, FfnActivation, InputGroup, Model};
 
 /// What watches a session's pass.
 pub(crate) enum Recorder {

@@ -1,7 +1,7 @@
 //! What a session keeps between calls besides its KV cache: the forward pass's activation
 //! buffers (`Scratch`) and the profiler's records (`Capture`).
 
-use super::*;
+use super::{add_into, Activations, Config, RopeSet, SparseScratch, Weights, OPT_POSITION_OFFSET};
 
 /// Per-layer FFN records of every token evaluated while capturing, for the offline profiler and
 /// predictor training.

@@ -1,7 +1,7 @@
 //! How a session's FFNs are computed (`SparsityMode`, `Sparsity`, checked and set by
 //! `Session::set_sparsity`) and what they did (`FfnStats`).
 
-use super::*;
+use super::{Arc, Error, InputGroup, Result, Session};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SparsityMode {
@@ -34,41 +34,62 @@ impl SparsityMode {
     }
 }
 
-/// How a session computes its FFNs.
+/// How a session computes its FFNs (and, for input sparsity, its other products): a mode and
+/// the cut-offs that mode reads, so that no other combination can be asked for.
 #[derive(Debug, Clone)]
-pub struct Sparsity {
-    pub mode: SparsityMode,
-    /// Predictor mode: neuron j is computed iff its predictor logit is >= this.
-    pub predictor_threshold: f32,
-    /// Predictor mode: one cut-off per layer (as trained per layer by the offline toolchain);
-    /// when not empty it replaces `predictor_threshold`.
-    pub predictor_layer_thresholds: Vec<f32>,
-    /// Threshold mode: per layer, the |act(gate)| a neuron must exceed to be computed.
-    pub layer_thresholds: Vec<f32>,
-    /// Threshold mode, input sparsity (instead of `layer_thresholds`): per layer and
-    /// `InputGroup`, the score |x_i| * |W[:, i]| an input must exceed for the group's matrices
-    /// to read it (through their input-major copies); 0 reads every input with the row-major
-    /// kernels.
-    pub input_thresholds: Vec<[f32; 4]>,
-    /// Predictor mode: also compute the true activations (a dense pass) to measure recall.
-    pub track_recall: bool,
+pub enum Sparsity {
+    /// Every FFN neuron is computed.
+    Dense,
+    /// The layer's predictor picks the neurons: neuron j is computed iff its predictor logit is
+    /// at least the layer's cut-off (`predictor_cutoff`).
+    Predictor {
+        /// The cut-off of every layer without one of its own.
+        cutoff: f32,
+        /// One cut-off per layer (as trained per layer by the offline toolchain), or none.
+        layer_cutoffs: Vec<f32>,
+        /// Also compute the true activations (a dense pass) to measure recall.
+        track_recall: bool,
+    },
+    /// The gate is computed densely; per layer, neurons whose |act(gate)| is at most the
+    /// layer's cut-off are skipped.
+    GateThreshold { gate_cutoffs: Vec<f32> },
+    /// Input sparsity: per layer and `InputGroup`, the score |x_i| * |W[:, i]| an input must
+    /// exceed for the group's matrices to read it (through their input-major copies); 0 reads
+    /// every input with the row-major kernels.
+    Inputs { input_cutoffs: Vec<[f32; 4]> },
 }
 
 impl Sparsity {
     pub fn dense() -> Sparsity {
-        Sparsity {
-            mode: SparsityMode::Dense,
-            predictor_threshold: 0.0,
-            predictor_layer_thresholds: Vec::new(),
-            layer_thresholds: Vec::new(),
-            input_thresholds: Vec::new(),
-            track_recall: false,
+        Sparsity::Dense
+    }
+
+    /// The mode's name as users choose it: gate thresholds and input sparsity are both
+    /// "threshold" (training-free, calibrated per layer).
+    pub fn mode(&self) -> SparsityMode {
+        match self {
+            Sparsity::Dense => SparsityMode::Dense,
+            Sparsity::Predictor { .. } => SparsityMode::Predictor,
+            Sparsity::GateThreshold { .. } | Sparsity::Inputs { .. } => SparsityMode::Threshold,
         }
     }
 
-    /// Layer `l`'s predictor cut-off: the per-layer one when set, else the global one.
-    pub fn predictor_cutoff(&self, l: usize) -> f32 {
-        self.predictor_layer_thresholds.get(l).copied().unwrap_or(self.predictor_threshold)
+    /// Layer `l`'s predictor cut-off, in predictor mode.
+    pub fn predictor_cutoff(&self, l: usize) -> Option<f32> {
+        match self {
+            Sparsity::Predictor { cutoff, layer_cutoffs, .. } => {
+                Some(layer_cutoffs.get(l).copied().unwrap_or(*cutoff))
+            }
+            _ => None,
+        }
+    }
+
+    pub fn track_recall(&self) -> bool {
+        matches!(self, Sparsity::Predictor { track_recall: true, .. })
+    }
+
+    pub fn is_inputs(&self) -> bool {
+        matches!(self, Sparsity::Inputs { .. })
     }
 
     /// The predictor's rule, the one every executor applies (the CPU's selection, the hybrid
@@ -82,8 +103,9 @@ impl Sparsity {
 
     /// Layer `l`'s cut-off for input group `g`, when that group skips inputs.
     pub(crate) fn input_cut(&self, l: usize, g: InputGroup) -> Option<f32> {
-        let t = self.input_thresholds.get(l)?[g as usize];
-        (self.mode == SparsityMode::Threshold && t > 0.0).then_some(t)
+        let Sparsity::Inputs { input_cutoffs } = self else { return None };
+        let t = input_cutoffs.get(l)?[g as usize];
+        (t > 0.0).then_some(t)
     }
 }
 
@@ -94,45 +116,43 @@ impl Session {
     pub fn set_sparsity(&mut self, sp: Sparsity) -> Result<()> {
         let model = Arc::clone(&self.model);
         let c = &model.config;
-        if !sp.predictor_threshold.is_finite() {
-            return Err(Error::InvalidArgument(format!(
-                "predictor threshold must be finite, got {}",
-                sp.predictor_threshold
-            )));
-        }
-        match sp.mode {
-            SparsityMode::Dense => {}
-            SparsityMode::Predictor => {
+        match &sp {
+            Sparsity::Dense => {}
+            Sparsity::Predictor { cutoff, layer_cutoffs, .. } => {
+                if !cutoff.is_finite() {
+                    return Err(Error::InvalidArgument(format!(
+                        "predictor threshold must be finite, got {cutoff}"
+                    )));
+                }
                 if let Some(l) = model.weights.layers.iter().position(|l| l.predictor.is_none()) {
                     return Err(Error::InvalidArgument(format!(
                         "predictor mode needs a predictor in every layer, but layer {l} has no blk.{l}.fc1/fc2 \
                          (use sparsity='threshold' or 'dense')"
                     )));
                 }
-                let per_layer = &sp.predictor_layer_thresholds;
-                if !per_layer.is_empty() && per_layer.len() != c.n_layer {
+                if !layer_cutoffs.is_empty() && layer_cutoffs.len() != c.n_layer {
                     return Err(Error::InvalidArgument(format!(
                         "predictor mode needs {} per-layer thresholds (or none), got {}",
                         c.n_layer,
-                        per_layer.len()
+                        layer_cutoffs.len()
                     )));
                 }
-                if let Some((l, t)) = per_layer.iter().enumerate().find(|(_, t)| !t.is_finite()) {
+                if let Some((l, t)) = layer_cutoffs.iter().enumerate().find(|(_, t)| !t.is_finite())
+                {
                     return Err(Error::InvalidArgument(format!(
                         "layer {l} predictor threshold must be finite, got {t}"
                     )));
                 }
             }
-            SparsityMode::Threshold if !sp.input_thresholds.is_empty() => {
-                if sp.input_thresholds.len() != c.n_layer || !sp.layer_thresholds.is_empty() {
+            Sparsity::Inputs { input_cutoffs } => {
+                if input_cutoffs.len() != c.n_layer {
                     return Err(Error::InvalidArgument(format!(
-                        "input sparsity needs {} per-layer cut-off sets and no neuron thresholds, got {} and {}",
+                        "input sparsity needs {} per-layer cut-off sets, got {}",
                         c.n_layer,
-                        sp.input_thresholds.len(),
-                        sp.layer_thresholds.len()
+                        input_cutoffs.len()
                     )));
                 }
-                let bad = sp.input_thresholds.iter().enumerate().find_map(|(l, t)| {
+                let bad = input_cutoffs.iter().enumerate().find_map(|(l, t)| {
                     t.iter().find(|v| !(v.is_finite() && **v >= 0.0)).map(|v| (l, *v))
                 });
                 if let Some((l, t)) = bad {
@@ -141,7 +161,7 @@ impl Session {
                     )));
                 }
                 // the input-major copies the cut-offs will read, built now (once per model)
-                for (l, t) in sp.input_thresholds.iter().enumerate() {
+                for (l, t) in input_cutoffs.iter().enumerate() {
                     for g in InputGroup::ALL.into_iter().filter(|&g| t[g as usize] > 0.0) {
                         g.matrices(&model.weights.layers[l]).iter().for_each(|&m| {
                             model.input_major(l, m);
@@ -150,16 +170,15 @@ impl Session {
                     model.input_norms(l, InputGroup::Qkv);
                 }
             }
-            SparsityMode::Threshold => {
-                if sp.layer_thresholds.len() != c.n_layer {
+            Sparsity::GateThreshold { gate_cutoffs } => {
+                if gate_cutoffs.len() != c.n_layer {
                     return Err(Error::InvalidArgument(format!(
                         "threshold mode needs {} layer thresholds, got {}",
                         c.n_layer,
-                        sp.layer_thresholds.len()
+                        gate_cutoffs.len()
                     )));
                 }
-                if let Some((l, t)) =
-                    sp.layer_thresholds.iter().enumerate().find(|(_, t)| !t.is_finite())
+                if let Some((l, t)) = gate_cutoffs.iter().enumerate().find(|(_, t)| !t.is_finite())
                 {
                     return Err(Error::InvalidArgument(format!(
                         "layer {l} threshold must be finite, got {t}"
@@ -167,7 +186,7 @@ impl Session {
                 }
             }
         }
-        if sp.mode != SparsityMode::Dense {
+        if sp.mode() != SparsityMode::Dense {
             (0..c.n_layer).for_each(|l| {
                 model.down_t(l);
             });
