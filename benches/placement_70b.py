@@ -34,8 +34,8 @@ def main() -> None:
         "--mip-gap", type=float, default=1e-4, help="HiGHS relative gap (default 1e-4, as `solve`)"
     )
     ap.add_argument("--cpu-bandwidth", type=float, default=50e9)
-    ap.add_argument("--gpu-bandwidth", type=float, default=1000e9)
-    ap.add_argument("--sync-latency", type=float, default=20e-6)
+    ap.add_argument("--gpu-bandwidth", type=float, default=pl.costs.DEFAULT_GPU_BANDWIDTH)
+    ap.add_argument("--sync-latency", type=float, default=pl.costs.DEFAULT_SYNC_LATENCY)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
 

@@ -94,9 +94,9 @@ def install_hint(path: str) -> str:
 
 
 def gpu_present() -> bool:
-    from powerinfer_rs import gpu
+    from powerinfer_rs.device import cuda_available
 
-    return gpu.cuda_available()[0]
+    return cuda_available()[0]
 
 
 @pytest.fixture(scope="module")

@@ -240,6 +240,51 @@ def test_min_gpu_neurons_formula():
     )
 
 
+def test_min_gpu_neurons_rejects_speeds_it_cannot_divide_by():
+    """A bandwidth of zero (or negative, infinite, NaN) is named in a ValueError rather than
+    dividing by zero; a sync latency of 0 means any number of neurons pays, a negative one is an
+    error. `plan` passes the same error on."""
+    for cpu, gpu in ((0.0, 1000e9), (50e9, 0), (-1.0, 1000e9), (50e9, float("inf"))):
+        name = "cpu_bandwidth" if cpu <= 0 else "gpu_bandwidth"
+        with pytest.raises(ValueError, match=name):
+            pl.min_gpu_neurons(1e6, cpu, gpu, 20e-6, 1000)
+    with pytest.raises(ValueError, match="cpu_bandwidth"):
+        pl.min_gpu_neurons(1e6, float("nan"), 1000e9, 20e-6, 1000)
+    with pytest.raises(ValueError, match="sync_latency"):
+        pl.min_gpu_neurons(1e6, 50e9, 1000e9, -20e-6, 1000)
+    assert pl.min_gpu_neurons(1e6, 50e9, 1000e9, 0.0, 1000) == 0
+    mb = pl.ModelBytes(
+        n_layer=1,
+        n_ff=64,
+        neuron_bytes=np.array([1000.0]),
+        layer_dense_bytes=np.array([50_000.0]),
+        output_bytes=20_000,
+        kv_cache_bytes=10_000,
+    )
+    with pytest.raises(ValueError, match="gpu_bandwidth"):
+        pl.plan(mb, [np.linspace(1, 0, 64)], 10**6, 50e9, 0.0, 20e-6)
+
+
+def test_kv_bytes_per_layer_knows_f16_and_f32_only():
+    """`model_bytes` counts an f16 cache; f32 takes twice that, and any other type is named in a
+    ValueError rather than sized as f16."""
+    mb = pl.ModelBytes(
+        n_layer=2,
+        n_ff=64,
+        neuron_bytes=np.array([1000.0, 1000.0]),
+        layer_dense_bytes=np.array([50_000.0, 50_000.0]),
+        output_bytes=20_000,
+        kv_cache_bytes=10_000,
+    )
+    assert pl.kv_bytes_per_layer(mb, "f16") == 5_000
+    assert pl.kv_bytes_per_layer(mb, "f32") == 10_000
+    for bad in ("q8_0", "F16", ""):
+        with pytest.raises(ValueError, match=f"kv_type must be 'f16' or 'f32', got {bad!r}"):
+            pl.kv_bytes_per_layer(mb, bad)
+    with pytest.raises(ValueError, match="'q8_0'"):
+        pl.plan(mb, [np.linspace(1, 0, 64)] * 2, 10**6, 50e9, 1000e9, 0.0, kv_type="q8_0")
+
+
 @pytest.mark.parametrize(
     "text,expected",
     [

@@ -10,6 +10,7 @@ import sys
 
 from . import _core, hub, settings
 from .models import INSTALL_HINT
+from .placement.costs import DEFAULT_GPU_BANDWIDTH, DEFAULT_SYNC_LATENCY
 
 
 def _model_path(arg: str | None) -> str:
@@ -725,12 +726,17 @@ def build_parser() -> argparse.ArgumentParser:
         "-o", "--output", default=None, help="split file (default <model>.generated.gpuidx)"
     )
     pl.add_argument("--cpu-bandwidth", type=float, default=None, help="bytes/s (default: measured)")
-    pl.add_argument("--gpu-bandwidth", type=float, default=1000e9, help="bytes/s (default 1e12)")
+    pl.add_argument(
+        "--gpu-bandwidth",
+        type=float,
+        default=DEFAULT_GPU_BANDWIDTH,
+        help=f"bytes/s (default {DEFAULT_GPU_BANDWIDTH:g})",
+    )
     pl.add_argument(
         "--sync-latency",
         type=float,
-        default=20e-6,
-        help="seconds per CPU-GPU synchronisation (default 20e-6)",
+        default=DEFAULT_SYNC_LATENCY,
+        help=f"seconds per CPU-GPU synchronisation (default {DEFAULT_SYNC_LATENCY:g})",
     )
     pl.add_argument("--group", type=int, default=64, help="neurons per placement unit (default 64)")
     pl.add_argument(

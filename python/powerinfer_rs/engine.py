@@ -104,20 +104,21 @@ class Engine:
     def _place_on_gpu(self, device: str, vram_budget, profile, gpu_layers) -> None:
         """Uploads the model to the GPU per the placement, or (device="auto") stays on the CPU
         with a notice saying why."""
-        from . import gpu
+        from .device import cuda_available, notice
+        from .gpu import plan_gpu
 
         if device != "emulated":
-            ok, why = gpu.cuda_available()
+            ok, why = cuda_available()
             if not ok:
                 if device == "cuda":
                     raise _core.CudaUnavailableError(f"device='cuda' but {why}")
-                gpu.notice(f"no usable GPU ({why}); running on the CPU")
+                notice(f"no usable GPU ({why}); running on the CPU")
                 return
         reason = _core.gpu_unsupported_reason(self._model, self.sparsity)
         if reason is not None:
             if device != "auto":
                 raise _core.GpuError(reason)
-            gpu.notice(f"{reason}; running on the CPU")
+            notice(f"{reason}; running on the CPU")
             return
         total = (
             _core.EMULATED_MEMORY
@@ -130,7 +131,7 @@ class Engine:
             from .placement import parse_bytes
 
             budget = parse_bytes(vram_budget)
-        placement = gpu.plan_gpu(
+        placement = plan_gpu(
             self.path,
             budget,
             self.n_ctx,
@@ -140,7 +141,7 @@ class Engine:
             self.config,
         )
         for note in placement.notes:
-            gpu.notice(note)
+            notice(note)
         self._gpu_model = _core.GpuModel(
             self._model,
             placement.dense_on_gpu,

@@ -1,6 +1,7 @@
 """The activation profile file (`<model>.profile.npz`): per layer, how often each FFN neuron
 fired over the profiled tokens, the thresholds that define firing, and the predictor training
-set. The offline profiler writes it; the runtime reads it to place hot neurons on the GPU.
+set. The offline profiler writes it; the runtime reads it to place hot neurons on the GPU, as
+activation frequencies (`activation_frequencies`).
 """
 
 from __future__ import annotations
@@ -54,3 +55,10 @@ def load_profile(path: str) -> dict:
             f"{path!r} has profile version {p['version']}, this powerinfer-rs reads {PROFILE_VERSION}"
         )
     return p
+
+
+def activation_frequencies(profile: dict) -> list[np.ndarray]:
+    """Per layer, the share of the profiled tokens on which each FFN neuron fired: a profile's
+    `counts` over its `n_tokens` (float64; a profile of no tokens gives zeros)."""
+    n_tokens = max(profile["n_tokens"], 1)
+    return [np.asarray(c, dtype=np.float64) / n_tokens for c in profile["counts"]]

@@ -19,7 +19,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from .gpu import DEVICES
+from .device import DEVICES
 from .placement import parse_bytes
 
 

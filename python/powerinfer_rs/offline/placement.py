@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 
 from ..placement import (
+    DEFAULT_GPU_BANDWIDTH,
+    DEFAULT_SYNC_LATENCY,
     Placement,
     gpu_index_path,
     measure_cpu_bandwidth,
@@ -17,7 +19,7 @@ from ..placement import (
     plan,
     write_gpu_index,
 )
-from ..profile_file import load_profile
+from ..profile_file import activation_frequencies, load_profile
 
 
 def place(
@@ -26,8 +28,8 @@ def place(
     vram_budget: str | int,
     output: str | None = None,
     cpu_bandwidth: float | None = None,
-    gpu_bandwidth: float = 1000e9,
-    sync_latency: float = 20e-6,
+    gpu_bandwidth: float = DEFAULT_GPU_BANDWIDTH,
+    sync_latency: float = DEFAULT_SYNC_LATENCY,
     group: int = 64,
     time_limit: float = 10.0,
     n_ctx: int | None = None,
@@ -36,23 +38,16 @@ def place(
     """Solves the placement for `model` with the activation counts of `profile` (written by
     `profile`) and writes the split (default `<model>.generated.gpuidx`). Bandwidths in
     bytes/s (the CPU one measured when not given), sync latency in seconds; `n_ctx` and
-    `kv_type` size the KV cache the GPU layers hold, as `Engine.load` would."""
+    `kv_type` size the KV cache the GPU layers hold, as `Engine.load` would. The planner checks
+    the bandwidths, the sync latency and `kv_type`."""
     budget = parse_bytes(vram_budget)
     if budget <= 0:
         raise ValueError(f"VRAM budget must be positive, got {vram_budget!r}")
     if group < 1:
         raise ValueError(f"group must be >= 1, got {group}")
-    if kv_type not in ("f16", "f32"):
-        raise ValueError(f"kv_type must be 'f16' or 'f32', got {kv_type!r}")
-    for name, v in (
-        ("gpu_bandwidth", gpu_bandwidth),
-        ("sync_latency", sync_latency),
-        ("time_limit", time_limit),
-    ):
-        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-            raise ValueError(f"{name} must be a positive number, got {v!r}")
-    prof = load_profile(profile)
-    freq = [c / max(prof["n_tokens"], 1) for c in prof["counts"]]
+    if not (isinstance(time_limit, (int, float)) and math.isfinite(time_limit) and time_limit > 0):
+        raise ValueError(f"time_limit must be a positive number, got {time_limit!r}")
+    freq = activation_frequencies(load_profile(profile))
     mb = model_bytes(model, n_ctx)
     cpu_bw = cpu_bandwidth if cpu_bandwidth is not None else measure_cpu_bandwidth()
     p = plan(mb, freq, budget, cpu_bw, gpu_bandwidth, sync_latency, group, time_limit, kv_type)

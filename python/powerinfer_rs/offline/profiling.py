@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from ..profile_file import PROFILE_VERSION, save_profile
+from ..profile_file import PROFILE_VERSION, activation_frequencies, save_profile
 from .packing import read_text, text_files
 
 EXACT_ZERO_ACTIVATIONS = ("reglu", "dreglu", "relu")
@@ -171,9 +171,8 @@ def plot_frequencies(p: dict, path: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    counts = np.asarray(p["counts"], dtype=np.float64)
-    n_layer, n_ff = counts.shape
-    freq = counts / max(p["n_tokens"], 1)
+    freq = np.stack(activation_frequencies(p))
+    n_layer, n_ff = freq.shape
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     cmap = plt.get_cmap("viridis")
     rank = np.arange(1, n_ff + 1) / n_ff

@@ -10,14 +10,22 @@ This file only hands their names on.
 """
 
 from .costs import (
+    DEFAULT_GPU_BANDWIDTH,
+    DEFAULT_SYNC_LATENCY,
     ModelBytes,
     kv_bytes_per_layer,
     measure_cpu_bandwidth,
     min_gpu_neurons,
     model_bytes,
 )
-from .gpu_index import gpu_index_path, read_gpu_index, write_gpu_index
-from .planner import Placement, dense_first, plan
+from .gpu_index import (
+    gpu_index_path,
+    neuron_mask,
+    read_gpu_index,
+    read_gpu_masks,
+    write_gpu_index,
+)
+from .planner import Placement, dense_first, even_split, plan, whole_ffn_fits
 from .program import Instance, Solution, greedy
 from .program import _used_bytes as _used_bytes  # checks a placement's bytes in the tests
 from .solver import exact, solve
@@ -26,6 +34,8 @@ from .units import format_bytes, parse_bytes
 __all__ = [
     "parse_bytes",
     "format_bytes",
+    "DEFAULT_GPU_BANDWIDTH",
+    "DEFAULT_SYNC_LATENCY",
     "ModelBytes",
     "model_bytes",
     "kv_bytes_per_layer",
@@ -38,8 +48,12 @@ __all__ = [
     "solve",
     "Placement",
     "dense_first",
+    "whole_ffn_fits",
+    "even_split",
     "plan",
     "gpu_index_path",
     "read_gpu_index",
+    "read_gpu_masks",
+    "neuron_mask",
     "write_gpu_index",
 ]

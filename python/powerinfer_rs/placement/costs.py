@@ -9,6 +9,7 @@ It measures and counts; it chooses nothing (that is `planner`'s) and writes no f
 from __future__ import annotations
 
 import math
+import numbers
 import re
 import time
 from dataclasses import dataclass
@@ -19,12 +20,25 @@ from .. import _core
 
 # ----------------------------------------------------------------------------- the hardware's speeds
 
+# what `Engine.load(device="cuda")` and `powerinfer-rs place` assume when not told the GPU's
+# memory bandwidth and the cost of one CPU-GPU synchronisation
+DEFAULT_GPU_BANDWIDTH = 1000e9  # bytes/s
+DEFAULT_SYNC_LATENCY = 20e-6  # seconds
+
 
 def min_gpu_neurons(
     neuron_bytes: float, cpu_bandwidth: float, gpu_bandwidth: float, sync_latency: float, n_ff: int
 ) -> int:
     """C_l: the fewest neurons for which the GPU plus one synchronisation beats the CPU;
-    n_ff + 1 (never) when the GPU is not faster per neuron."""
+    n_ff + 1 (never) when the GPU is not faster per neuron. Bandwidths in bytes/s must be
+    positive; the sync latency in seconds may be 0 (then any number of neurons pays)."""
+    for name, value in (("cpu_bandwidth", cpu_bandwidth), ("gpu_bandwidth", gpu_bandwidth)):
+        if not (isinstance(value, numbers.Real) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive number of bytes/s, got {value!r}")
+    if not (
+        isinstance(sync_latency, numbers.Real) and math.isfinite(sync_latency) and sync_latency >= 0
+    ):
+        raise ValueError(f"sync_latency must be a number of seconds >= 0, got {sync_latency!r}")
     t_cpu = neuron_bytes / cpu_bandwidth
     t_gpu = neuron_bytes / gpu_bandwidth
     if t_cpu <= t_gpu:
@@ -115,5 +129,7 @@ def model_bytes(path: str, n_ctx: int | None = None, config: dict | None = None)
 
 
 def kv_bytes_per_layer(mb: ModelBytes, kv_type: str) -> float:
-    """One layer's KV cache (`model_bytes` counts f16)."""
+    """One layer's KV cache in `kv_type` ("f16" or "f32"; `model_bytes` counts f16)."""
+    if kv_type not in ("f16", "f32"):
+        raise ValueError(f"kv_type must be 'f16' or 'f32', got {kv_type!r}")
     return mb.kv_cache_bytes / mb.n_layer * (2 if kv_type == "f32" else 1)

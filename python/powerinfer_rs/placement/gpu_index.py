@@ -1,12 +1,14 @@
 """PowerInfer's `<model>.generated.gpuidx`, the file that holds a hot/cold split: where it lives
 beside a model, writing it exactly as PowerInfer's exporter does, and reading it as the engine
-does (the Rust core parses it).
+does (the Rust core parses it), with the check that a file applies to the model and budget at
+hand, and the per-layer masks (`gpu_idx`) of neuron lists.
 
 It stores a split and decides none (`planner` does).
 """
 
 from __future__ import annotations
 
+import os
 import struct
 
 import numpy as np
@@ -29,8 +31,7 @@ def write_gpu_index(
             neurons[0] < 0 or neurons[-1] >= n_ff or np.any(np.diff(neurons) == 0)
         ):
             raise ValueError(f"layer {i}: GPU neuron indices must be distinct and in [0, {n_ff})")
-        mask = np.zeros(n_ff, dtype=np.int32)
-        mask[neurons] = 1
+        mask = neuron_mask(neurons, n_ff).astype(np.int32)
         bucket = neurons.astype(np.int32)
         w.add_tensor(
             f"blk.{i}.gpu_idx",
@@ -58,6 +59,31 @@ def write_gpu_index(
 def read_gpu_index(path: str) -> dict:
     """The split as the engine reads it: `vram_capacity` and per-layer `gpu_idx`/`gpu_bucket`."""
     return _core.read_gpu_index(path)
+
+
+def read_gpu_masks(
+    path: str, n_layer: int, n_ff: int, vram_capacity: int
+) -> list[np.ndarray] | None:
+    """Per layer, which neurons the `.gpuidx` at `path` puts on the GPU (a bool mask of `n_ff`),
+    when the file was planned for this budget and a model of `n_layer` layers; None when there is
+    no file or it was planned for another budget or layer count (then it does not apply). A file
+    that fits the budget and layers but not the model's `n_ff` is an error, not a miss."""
+    if not os.path.exists(path):
+        return None
+    index = read_gpu_index(path)
+    if index["vram_capacity"] != vram_capacity or len(index["gpu_idx"]) != n_layer:
+        return None
+    masks = [np.asarray(m).astype(bool) for m in index["gpu_idx"]]
+    if any(len(m) != n_ff for m in masks):
+        raise _core.ModelError(f"{path} does not match the model's {n_ff} neurons per layer")
+    return masks
+
+
+def neuron_mask(neurons: np.ndarray, n_ff: int) -> np.ndarray:
+    """The bool mask of `n_ff` that is True at the indices `neurons` (one layer's GPU neurons)."""
+    mask = np.zeros(n_ff, dtype=bool)
+    mask[np.asarray(neurons, dtype=np.int64)] = True
+    return mask
 
 
 def gpu_index_path(model_path: str) -> str:

@@ -6,7 +6,8 @@ output matrix if every layer fit. Whatever is left goes to FFN neurons of the la
 part is on the GPU (the executor runs a layer's hot neurons only there; a layer kept on the CPU
 gets C_l = n_ff + 1, so none), solved as the placement program (`solver.solve`). This one
 planner serves `Engine.load(device="cuda")` (`gpu.plan_gpu`) and `powerinfer-rs place`, and what
-it plans fits the budget.
+it plans fits the budget. Two plans need no program: every FFN whole on the GPU when it all fits
+(`whole_ffn_fits`), and without activation counts the same share of every GPU layer (`even_split`).
 
 It takes the model's costs as given (`costs`) and writes no file (`gpu_index` does, for the
 callers).
@@ -56,7 +57,8 @@ def dense_first(
     mb: ModelBytes, budget: int, kv_bytes_per_layer: float
 ) -> tuple[list[bool], bool, int]:
     """Layers whose attention, norms and predictor plus their KV cache fit, in layer order; then
-    the output if every layer fit. Returns (dense_on_gpu, output_on_gpu, bytes left)."""
+    the output if every layer fit. Returns (dense_on_gpu, output_on_gpu, bytes left); a budget
+    that does not hold layer 0 is an error (nothing could run on the GPU)."""
     left = budget
     dense = []
     for l in range(mb.n_layer):
@@ -66,10 +68,32 @@ def dense_first(
             dense.append(True)
         else:
             dense.append(False)
+    if not dense[0]:
+        raise ValueError(
+            f"VRAM budget {format_bytes(budget)} is too small for anything: it does not hold layer 0's attention, "
+            f"norms, predictor and KV cache ({format_bytes(mb.layer_dense_bytes[0] + kv_bytes_per_layer)}); "
+            "use a larger budget or the CPU (device='cpu')"
+        )
     output = all(dense) and mb.output_bytes <= left
     if output:
         left -= mb.output_bytes
     return dense, output, int(left)
+
+
+def whole_ffn_fits(mb: ModelBytes, dense_on_gpu: list[bool], left: int) -> bool:
+    """Every layer's dense part is on the GPU and the `left` bytes hold every FFN whole: then
+    nothing needs choosing (and plain files read their own `ffn_down`, fewer bytes than a split)."""
+    return all(dense_on_gpu) and left >= float(np.sum(mb.whole_ffn()))
+
+
+def even_split(mb: ModelBytes, dense_on_gpu: list[bool], left: int) -> list[np.ndarray]:
+    """The split without activation counts: the same number of neurons in every layer whose
+    dense part is on the GPU, as many as `left` bytes hold, lowest indices first (nothing says
+    which neurons are hot). Per layer, a bool mask of `n_ff`."""
+    neuron_bytes = np.asarray(mb.neuron_bytes, dtype=np.float64)
+    gpu_layers_bytes = float(sum(b for b, d in zip(neuron_bytes, dense_on_gpu) if d))
+    k = int(min(mb.n_ff, left // max(gpu_layers_bytes, 1.0))) if gpu_layers_bytes else 0
+    return [np.arange(mb.n_ff) < (k if d else 0) for d in dense_on_gpu]
 
 
 def plan(
@@ -94,11 +118,6 @@ def plan(
             )
     kv = kv_bytes_per_layer(mb, kv_type)
     dense, output_on_gpu, left = dense_first(mb, budget, kv)
-    if not dense[0]:
-        raise ValueError(
-            f"VRAM budget {format_bytes(budget)} is too small for anything: layer 0's attention, norms, predictor and "
-            f"KV cache need {format_bytes(mb.layer_dense_bytes[0] + kv)}; use a larger budget or the CPU"
-        )
     min_neurons = np.array(
         [
             min_gpu_neurons(b, cpu_bandwidth, gpu_bandwidth, sync_latency, mb.n_ff)
