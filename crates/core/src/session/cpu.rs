@@ -7,8 +7,8 @@
 //! `decode_batch` keep those sessions out), so only a one-session pass consults them.
 
 use super::{
-    add_bias, add_into, attend_block, attend_group, attend_group_partial, ffn, matmul,
-    merge_partials, norm, project, rmsnorm_in_place, rope, softcap, Arc, Error, FfnStats,
+    add_bias, add_into, attend_block, attend_group, attend_group_partial, ffn_rows, matmul,
+    merge_partials, norm_rows, project, rmsnorm_in_place, rope_rows, softcap, Arc, Error, FfnStats,
     InputGroup, Model, Partial, PassState, Result, Scratch, Session, Sparsity,
 };
 use crate::forward::{Backend, Norm, Part};
@@ -127,7 +127,7 @@ impl Backend for CpuPass<'_> {
             Norm::Ffn => (lw.ffn_norm.as_ref(), &lw.ffn_norm_b),
         };
         let w = w.ok_or_else(|| Error::Model(format!("layer {l} has no {which:?} norm")))?;
-        norm(c.family, &mut s.xb, &s.x, w, b.as_deref(), c.norm_eps);
+        norm_rows(c.family, &mut s.xb, &s.x, w, b.as_deref(), c.norm_eps);
         Ok(())
     }
 
@@ -174,8 +174,8 @@ impl Backend for CpuPass<'_> {
         let len = self.rows.len() * c.rope_dim / 2;
         let at = c.rope_set(l) * len;
         let (cos, sin) = (&s.cos[at..at + len], &s.sin[at..at + len]);
-        rope(&mut s.q, c.head_dim, c.rope_dim, c.rope_style, cos, sin);
-        rope(&mut s.k, c.head_dim, c.rope_dim, c.rope_style, cos, sin);
+        rope_rows(&mut s.q, c.head_dim, c.rope_dim, c.rope_style, cos, sin);
+        rope_rows(&mut s.k, c.head_dim, c.rope_dim, c.rope_style, cos, sin);
         Ok(())
     }
 
@@ -401,13 +401,13 @@ impl Backend for CpuPass<'_> {
         let (n, dim) = (rows.len(), model.config.n_embd);
         let lw = &model.weights.layers[l];
         if let [se] = &mut sessions[..] {
-            ffn(model, &mut se.state, s, l, n);
+            ffn_rows(model, &mut se.state, s, l, n);
         } else if lw.ffn_down.is_some()
             && sessions.iter().all(|se| matches!(se.state.sparsity, Sparsity::Dense))
         {
             // dense sessions share one pass over every row: the path one dense token takes
             let mut dense = PassState::new(Sparsity::dense());
-            ffn(model, &mut dense, s, l, n);
+            ffn_rows(model, &mut dense, s, l, n);
             count(sessions, dense.stats);
         } else {
             // each row through its own session's one-token FFN (its sparsity, its counters)
@@ -419,7 +419,7 @@ impl Backend for CpuPass<'_> {
                 }
                 own.x.copy_from_slice(&s.x[row.clone()]);
                 own.xb.copy_from_slice(&s.xb[row.clone()]);
-                ffn(model, &mut se.state, &mut se.s, l, 1);
+                ffn_rows(model, &mut se.state, &mut se.s, l, 1);
                 s.ffn_out[row].copy_from_slice(&se.s.ffn_out);
             }
         }
@@ -453,7 +453,7 @@ impl Backend for CpuPass<'_> {
         }
         // final norm and classifier of the last m rows
         let x = &s.x[(n - m) * dim..n * dim];
-        norm(
+        norm_rows(
             c.family,
             &mut s.xb[..m * dim],
             x,

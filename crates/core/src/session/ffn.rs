@@ -15,7 +15,7 @@ use rayon::prelude::ParallelSliceMut;
 
 /// FFN block of layer `l` over n rows of one session (`st`): reads the normed input s.xb (n,
 /// n_embd) and, for the predictor, the residual stream s.x; writes s.ffn_out (n, n_embd).
-pub(crate) fn ffn(model: &Model, st: &mut PassState, s: &mut Scratch, l: usize, n: usize) {
+pub(crate) fn ffn_rows(model: &Model, st: &mut PassState, s: &mut Scratch, l: usize, n: usize) {
     if st.sparsity.is_inputs() {
         return ffn_inputs(model, st, s, l, n);
     }

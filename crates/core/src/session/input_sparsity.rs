@@ -1,183 +1,53 @@
 //! Input sparsity: the layer's matrix products that skip the inputs whose score falls under a
-//! cut-off (through input-major copies), and the timing that tells whether skipping pays.
+//! cut-off, through input-major copies (`projection` chooses them, and times them against the
+//! dense products).
 
-use super::{
-    down_t_matmul, mask_below, matmul, matmul_many, Activations, Error, FfnStats, InputGroup,
-    Model, Result, SparseScratch,
-};
+use super::{down_t_matmul, mask_below, FfnStats, InputGroup, Model, SparseScratch};
 
-/// outs[k] (n, rows of matrix k) = x (n, cols) @ W_k^T for the matrices of input group `group`
-/// of layer `l` (not down, see `project_down`), which share the input x. With a cut-off for their `group`, a token's inputs whose score
-/// |x_i| * |W[:, i]| is at or below it are skipped: the products read only the kept inputs'
-/// rows of the input-major copies. Without one, every input, through the row-major kernels.
-/// Counts the weight bytes per token a dense pass reads and the bytes read.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn project(
+/// The masked products of `projection::project` with a cut-off: each token's inputs whose
+/// score |x_i| * |W[:, i]| is at or below `cut` are zeroed (in a copy, `masked`) and skipped, and
+/// the products read only the kept inputs' rows of the group's input-major copies.
+pub(crate) fn project_masked(
     model: &Model,
     l: usize,
     group: InputGroup,
-    cut: Option<f32>,
+    cut: f32,
     x: &[f32],
     n: usize,
-    acts: &mut Activations,
     masked: &mut Vec<f32>,
     sparse: &mut SparseScratch,
     outs: &mut [&mut [f32]],
     stats: &mut FfnStats,
 ) {
-    let lw = &model.weights.layers[l];
-    let mats = group.matrices(lw);
-    let mut row_major = [lw.wq; 3];
-    for (k, m) in mats.iter().enumerate() {
-        row_major[k] = m.of(lw).expect("the caller only names matrices the layer has");
-    }
-    let row_major = &row_major[..mats.len()];
-    let dense_bytes: usize = row_major.iter().map(|m| m.data.len()).sum();
-    stats.weight_bytes += (n * dense_bytes) as u64;
-    match cut {
-        None => {
-            acts.set_for(x, n, x.len() / n, row_major);
-            matmul_many(row_major, acts, outs);
-            stats.weight_bytes_read += (n * dense_bytes) as u64;
-        }
-        Some(cut) => {
-            masked.clear();
-            masked.extend_from_slice(x);
-            let kept = mask_below(masked, model.input_norms(l, group), cut);
-            for (m, out) in mats.iter().zip(outs.iter_mut()) {
-                let copy = model.input_major(l, *m).expect("as above");
-                stats.weight_bytes_read += (kept * copy.row_bytes()) as u64;
-                down_t_matmul(&copy, masked, n, out, sparse);
-            }
-        }
+    let mats = group.matrices(&model.weights.layers[l]);
+    masked.clear();
+    masked.extend_from_slice(x);
+    let kept = mask_below(masked, model.input_norms(l, group), cut);
+    for (m, out) in mats.iter().zip(outs.iter_mut()) {
+        let copy = model.input_major(l, *m).expect("the caller only names matrices the layer has");
+        stats.weight_bytes_read += (kept * copy.row_bytes()) as u64;
+        down_t_matmul(&copy, masked, n, out, sparse);
     }
 }
 
-/// Times one token's products of input group `g` of layer `l`, dense (row-major kernels) and
-/// reading `1 - skip` of the inputs through the input-major copies, on a pseudo-random input
-/// cut at its own `skip` quantile of scores: (dense seconds, sparse seconds, bytes dense,
-/// bytes sparse) per product, the medians of `reps` alternating runs. Calibration uses it to
-/// keep input sparsity off matrices where it is not faster on this machine.
-pub fn time_input_sparsity(
-    model: &Model,
-    l: usize,
-    g: InputGroup,
-    skip: f64,
-    reps: usize,
-) -> Result<(f64, f64, u64, u64)> {
-    let c = &model.config;
-    if l >= c.n_layer || !(0.0..1.0).contains(&skip) || reps == 0 {
-        return Err(Error::InvalidArgument(format!(
-            "bad layer {l}, skip share {skip} or repetitions {reps}"
-        )));
-    }
-    let lw = &model.weights.layers[l];
-    let norms = model.input_norms(l, g);
-    let n_in = norms.len();
-    // a deterministic input with a spread of magnitudes
-    let x: Vec<f32> = (0..n_in)
-        .map(|i| ((i as f32 * 0.618_034).fract() - 0.5) * (1.0 + (i % 7) as f32))
-        .collect();
-    let mut scores: Vec<f32> = x.iter().zip(norms).map(|(v, w)| v.abs() * w).collect();
-    scores.sort_by(f32::total_cmp);
-    let k = ((skip * n_in as f64) as usize).min(n_in - 1);
-    let cut = if k == 0 { None } else { Some(scores[k - 1]) };
-    let outs_len: Vec<usize> = match g {
-        InputGroup::Down => vec![c.n_embd],
-        _ => g
-            .matrices(lw)
-            .iter()
-            .map(|m| m.of(lw).expect("the group's matrices exist").rows)
-            .collect(),
-    };
-    let mut bufs: Vec<Vec<f32>> = outs_len.iter().map(|&n| vec![0.0; n]).collect();
-    let (mut acts, mut masked, mut sparse) =
-        (Activations::default(), Vec::new(), SparseScratch::default());
-    let mut run = |cut: Option<f32>, stats: &mut FfnStats| {
-        let mut outs: Vec<&mut [f32]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
-        match g {
-            InputGroup::Down => {
-                // the product masks its input in place: give it a copy
-                masked.clear();
-                masked.extend_from_slice(&x);
-                project_down(model, l, cut, &mut masked, 1, &mut acts, &mut sparse, outs[0], stats);
-            }
-            _ => project(
-                model,
-                l,
-                g,
-                cut,
-                &x,
-                1,
-                &mut acts,
-                &mut masked,
-                &mut sparse,
-                &mut outs,
-                stats,
-            ),
-        }
-    };
-    let (mut dense_t, mut sparse_t) = (Vec::with_capacity(reps), Vec::with_capacity(reps));
-    let (mut dense_st, mut sparse_st) = (FfnStats::default(), FfnStats::default());
-    model.install(|| {
-        // the first runs build the copies, bring the weights in and count the bytes
-        run(None, &mut dense_st);
-        run(cut, &mut sparse_st);
-        for _ in 0..reps {
-            let t = std::time::Instant::now();
-            run(None, &mut FfnStats::default());
-            dense_t.push(t.elapsed().as_secs_f64());
-            let t = std::time::Instant::now();
-            run(cut, &mut FfnStats::default());
-            sparse_t.push(t.elapsed().as_secs_f64());
-        }
-    });
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    Ok((
-        median(&mut dense_t),
-        median(&mut sparse_t),
-        dense_st.weight_bytes_read,
-        sparse_st.weight_bytes_read,
-    ))
-}
-
-/// out (n, n_embd) = h (n, n_ff) @ down^T for layer `l`. With a cut-off, the activations whose
-/// |h_j| * |down[:, j]| is at or below it are zeroed in `h` and skipped: the product reads only
-/// the kept neurons' rows of `down_t`. Without one, the row-major down matrix when the model
-/// has it. Counts the neurons, the skipped ones and the weight bytes.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn project_down(
+/// The down projection through the neuron-major `down_t` (n rows of `h`): with a cut-off, the
+/// activations whose |h_j| * |down[:, j]| is at or below it are zeroed in `h` and skipped, so
+/// the product reads only the kept neurons' rows. Counts the skipped neurons and the bytes read.
+pub(crate) fn down_masked(
     model: &Model,
     l: usize,
     cut: Option<f32>,
     h: &mut [f32],
     n: usize,
-    acts: &mut Activations,
     sparse: &mut SparseScratch,
     out: &mut [f32],
     stats: &mut FfnStats,
 ) {
-    let lw = &model.weights.layers[l];
     let down_t = model.down_t(l);
     let n_ff = down_t.rows;
-    let down_bytes = lw.ffn_down.map_or(down_t.data.len(), |d| d.data.len());
-    stats.neurons += (n * n_ff) as u64;
-    stats.weight_bytes += (n * down_bytes) as u64;
-    match (cut, lw.ffn_down) {
-        (None, Some(down)) => {
-            acts.set(h, n, n_ff);
-            matmul(&down, acts, out);
-            stats.weight_bytes_read += (n * down_bytes) as u64;
-        }
-        (cut, _) => {
-            let kept = cut
-                .map_or(n * n_ff, |cut| mask_below(h, model.input_norms(l, InputGroup::Down), cut));
-            stats.skipped += (n * n_ff - kept) as u64;
-            stats.weight_bytes_read += (kept * down_t.row_bytes()) as u64;
-            down_t_matmul(&down_t, h, n, out, sparse);
-        }
-    }
+    let kept =
+        cut.map_or(n * n_ff, |cut| mask_below(h, model.input_norms(l, InputGroup::Down), cut));
+    stats.skipped += (n * n_ff - kept) as u64;
+    stats.weight_bytes_read += (kept * down_t.row_bytes()) as u64;
+    down_t_matmul(&down_t, h, n, out, sparse);
 }

@@ -84,7 +84,7 @@ pub(crate) fn layernorm(out: &mut [f32], x: &[f32], w: &[f32], b: Option<&[f32]>
 }
 
 /// The family's normalization: RMSNorm for LLaMA-style models, LayerNorm (with bias) otherwise.
-pub(crate) fn norm(
+pub(crate) fn norm_rows(
     family: Family,
     out: &mut [f32],
     x: &[f32],
@@ -115,7 +115,7 @@ pub(crate) fn add_into(x: &mut [f32], d: &[f32]) {
 }
 
 /// Rotates each head of `x` (n, n_heads * head_dim) by its token's angles.
-pub(crate) fn rope(
+pub(crate) fn rope_rows(
     x: &mut [f32],
     head_dim: usize,
     rope_dim: usize,
