@@ -46,11 +46,20 @@ for t in "${TARGETS[@]}"; do
     mkdir -p "fuzz/corpus/$t" "fuzz/artifacts/$t"
     echo "== $t: ${PER} s"
     if [ "$t" = tokenizer ]; then
-        nice -n 19 $PY fuzz/tokenizer_fuzz.py "fuzz/corpus/$t" fuzz/seeds/tokenizer \
-            "${LIBFUZZER_FLAGS[@]}" -artifact_prefix="fuzz/artifacts/$t/"
+        run=(nice -n 19 $PY fuzz/tokenizer_fuzz.py "fuzz/corpus/$t" fuzz/seeds/tokenizer)
     else
         # the binary itself rather than `cargo fuzz run`, which prints a crashing input whole
-        nice -n 19 "$BIN_DIR/$t" "fuzz/corpus/$t" fuzz/seeds/gguf fuzz/regressions/fixed \
-            tests/fixtures/llamacpp "${LIBFUZZER_FLAGS[@]}" -artifact_prefix="fuzz/artifacts/$t/"
+        run=(nice -n 19 "$BIN_DIR/$t" "fuzz/corpus/$t" fuzz/seeds/gguf fuzz/regressions/fixed
+            tests/fixtures/llamacpp)
+    fi
+    # libFuzzer's progress goes to a log (thousands of lines); its final figures are printed,
+    # and on a crash the last lines, with the panic
+    log="fuzz/artifacts/$t.log"
+    if "${run[@]}" "${LIBFUZZER_FLAGS[@]}" -artifact_prefix="fuzz/artifacts/$t/" >"$log" 2>&1; then
+        grep -E "^#[0-9]+ +DONE|^Done [0-9]+ runs|stat::number_of_executed_units" "$log" || true
+    else
+        tail -n 60 "$log"
+        echo "fuzzing $t crashed; the input is in fuzz/artifacts/$t/ (log: $log)" >&2
+        exit 1
     fi
 done
