@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use libfuzzer_sys::fuzz_target;
 use powerinfer_core::attention::KvType;
-use powerinfer_core::session::{Sparsity, SparsityMode};
+use powerinfer_core::session::Sparsity;
 use powerinfer_core::{Model, Session};
 use powerinfer_fuzz::write_input;
 
@@ -29,10 +29,10 @@ fuzz_target!(|data: &[u8]| {
         assert_eq!(logits.len(), model.config.n_vocab);
     }
     if has_predictors {
-        let sparsity = Sparsity {
-            mode: SparsityMode::Predictor,
-            predictor_threshold: sparse_threshold,
-            ..Sparsity::dense()
+        let sparsity = Sparsity::Predictor {
+            cutoff: sparse_threshold,
+            layer_cutoffs: Vec::new(),
+            track_recall: false,
         };
         if session.set_sparsity(sparsity).is_ok() {
             let _ = session.eval(&[0], false);
