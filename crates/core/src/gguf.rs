@@ -397,10 +397,12 @@ pub fn parse_header(buf: &[u8]) -> Result<Header> {
         let type_id = c.u32(&name)?;
         let offset = c.u64(&name)?;
         let dtype = DType::from_id(type_id);
+        // each dimension bounded too: with a zero among them, the product alone would let a
+        // row of 2^62 elements through, whose byte count overflows
         let n_elements = dims
             .iter()
             .try_fold(1u64, |acc, &d| acc.checked_mul(d))
-            .filter(|&n| n < 1 << 48)
+            .filter(|&n| n < 1 << 48 && dims.iter().all(|&d| d < 1 << 48))
             .ok_or_else(|| {
                 Error::Format(format!("tensor '{name}': dimensions {dims:?} are out of range"))
             })?;
@@ -629,6 +631,16 @@ mod tests {
         let err = err_of(f);
         assert!(err.contains("past the end"), "{err}");
         assert!(err.contains(&format!("offset {}", u64::MAX - 31)), "{err}");
+    }
+
+    #[test]
+    fn rejects_a_huge_row_in_an_empty_tensor() {
+        // found by fuzzing (fuzz/regressions/fixed/empty-tensor-huge-row.gguf): dims [2^62, 0]
+        // hold no elements, and reading the tensor computed 2^62 rows' bytes
+        let mut b = Builder::new(b"GGUF", 3, 1, 0);
+        b.tensor("t", &[1 << 62, 0], 0, 0);
+        let err = err_of(&b.pad_data(0));
+        assert!(err.contains("out of range"), "{err}");
     }
 
     #[test]
