@@ -149,6 +149,15 @@ def q8k_round(x: np.ndarray) -> np.ndarray:
     return np.where(iscale != 0, q / np.where(iscale != 0, iscale, 1), 0).reshape(x.shape)
 
 
+def tie_distance(x: np.ndarray, per_256: bool) -> np.ndarray:
+    """Per row of x, how near (in steps of its int8 scale) the value nearest to a rounding tie
+    comes to it: where this is within f32 error, f32 and f64 may round it apart."""
+    b = x.reshape(x.shape[0], -1, 256 if per_256 else 32)
+    peak = np.abs(b).max(axis=-1, keepdims=True)
+    r = b * 127 / np.where(peak > 0, peak, 1)
+    return np.abs(np.abs(r - np.floor(r)) - 0.5).reshape(x.shape[0], -1).min(axis=1)
+
+
 def per_256_types() -> set:
     """The types whose activations the engine rounds per 256: the super-block formats, at every
     SIMD level."""
@@ -168,6 +177,8 @@ def forward(
     activation: str | None = None,
     int8_activations: bool = False,
     n_ctx: int | None = None,
+    routing_margin: np.ndarray | None = None,
+    rounding_margin: np.ndarray | None = None,
 ) -> np.ndarray:
     """Logits (len(tokens), n_vocab) in float64. With `int8_activations`, inputs of quantized
     weight matrices are rounded to int8 blocks first (what the engine's integer kernels do).
@@ -182,7 +193,15 @@ def forward(
     norms (post_attention_norm, post_ffw_norm), embeddings times sqrt(n_embd) and GELU-gated FFNs
     (gemma*), attention and final soft-capping (gemma2), sliding-window layers (gemma2: even
     layers; gemma3: five of six, with RoPE base 10 000 and no scaling), fused qkv and gate_up
-    rows (phi3), linear RoPE scaling and rope_freqs factors (llama)."""
+    rows (phi3), linear RoPE scaling and rope_freqs factors (llama).
+
+    Mixture-of-experts layers (`ffn_gate_inp`), as llama.cpp's build_moe_ffn with softmax
+    gating: Mixtral (llama), Qwen2-MoE (with its sigmoid-gated shared expert), Qwen3-MoE, OLMoE
+    (q and k RMSNormed whole). `routing_margin` (len(tokens),), if given, receives each token's
+    smallest gap over the layers between the router logits of its last chosen expert and the
+    next one: where it is within rounding error, the engine may legitimately pick the other.
+    `rounding_margin` (1,), if given with a single token, receives how near the int8 rounding
+    of its activations came to a tie (`tie_distance`), the smallest over every product."""
     arch = meta["general.architecture"]
     m = lambda k, d=None: meta.get(f"{arch}.{k}", d)
     n_embd, n_layer, n_head = m("embedding_length"), m("block_count"), m("attention.head_count")
@@ -196,7 +215,18 @@ def forward(
         if layer_norm
         else m("attention.layer_norm_rms_epsilon", 1e-5)
     )
-    neox = arch in ("qwen2", "qwen3", "falcon", "gemma", "gemma2", "gemma3", "phi3")
+    neox = arch in (
+        "qwen2",
+        "qwen3",
+        "falcon",
+        "gemma",
+        "gemma2",
+        "gemma3",
+        "phi3",
+        "qwen2moe",
+        "qwen3moe",
+        "olmoe",
+    )
     gemma = arch in ("gemma", "gemma2", "gemma3")
     freq_scale = (
         1.0 / m("rope.scaling.factor", 1.0) if m("rope.scaling.type") in ("linear", "yarn") else 1.0
@@ -246,12 +276,14 @@ def forward(
             activation = "silu"
     gateless = arch in ("opt", "falcon")
 
-    def mm(x, name):
-        if int8_activations and name in meta["_superblock"]:
-            x = q8k_round(x)
-        elif int8_activations and name in meta["_quantized"]:
-            x = q8_round(x)
-        return x @ w[name].T
+    def mm(x, name, expert=None):
+        """x @ W^T for the tensor `name` (its matrix `expert` of a 3-D expert tensor)."""
+        if int8_activations and name in meta["_quantized"]:
+            per_256 = name in meta["_superblock"]
+            if rounding_margin is not None and len(x) == len(rounding_margin):
+                np.minimum(rounding_margin, tie_distance(x, per_256), out=rounding_margin)
+            x = q8k_round(x) if per_256 else q8_round(x)
+        return x @ (w[name] if expert is None else w[name][expert]).T
 
     def norm(x, name):
         if layer_norm:
@@ -269,7 +301,11 @@ def forward(
     mask = np.triu(np.full((n, n), -np.inf), k=1)
 
     def head_norm(a, name, heads):
-        return rmsnorm(a.reshape(n, heads, hd), w[name], eps).reshape(n, heads * hd)
+        # per head, or (OLMoE) over the whole of q or k: the weight's length says which
+        width = len(w[name])
+        return rmsnorm(a.reshape(n, heads * hd // width, width), w[name], eps).reshape(
+            n, heads * hd
+        )
 
     def attention(h, p, l):
         if p + "attn_qkv.weight" in w:
@@ -342,8 +378,46 @@ def forward(
             out = mm(a, p + "ffn_down.weight") + w.get(p + "ffn_down.bias", 0)
         return out
 
+    n_used = m("expert_used_count")
+    # llama.cpp's build_moe_ffn with softmax gating: Mixtral (llama) and Qwen3-MoE divide the
+    # chosen experts' probabilities by their sum, Qwen2-MoE and OLMoE take them as they are
+    normalize = arch in ("llama", "qwen3moe")
+    weights_scale = m("expert_weights_scale", 0.0) or 1.0
+
+    def silu(a):
+        return a / (1 + np.exp(-a))
+
+    def moe_ffn(h, p):
+        logits = mm(h, p + "ffn_gate_inp.weight")
+        probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+        probs /= probs.sum(axis=1, keepdims=True)
+        out = np.zeros_like(h)
+        if routing_margin is not None and n_used < logits.shape[1]:
+            # how near each token came to another choice: the gap between the router logits
+            # of the last chosen expert and the next one, the smallest over the layers
+            ranked = -np.sort(-logits, axis=1)
+            np.minimum(
+                routing_margin, ranked[:, n_used - 1] - ranked[:, n_used], out=routing_margin
+            )
+        for t in range(n):
+            chosen = np.argsort(-probs[t], kind="stable")[:n_used]
+            weights = probs[t, chosen]
+            if normalize:
+                weights = weights / weights.sum()
+            for e, wt in zip(chosen, weights * weights_scale):
+                x = h[t : t + 1]
+                a = silu(mm(x, p + "ffn_gate_exps.weight", e)) * mm(x, p + "ffn_up_exps.weight", e)
+                out[t] += wt * mm(a, p + "ffn_down_exps.weight", e)[0]
+        if p + "ffn_gate_inp_shexp.weight" in w:
+            # Qwen2-MoE's shared expert, scaled by sigmoid(gate_inp . h)
+            a = silu(mm(h, p + "ffn_gate_shexp.weight")) * mm(h, p + "ffn_up_shexp.weight")
+            gate = 1 / (1 + np.exp(-(h @ w[p + "ffn_gate_inp_shexp.weight"])))
+            out += gate[:, None] * mm(a, p + "ffn_down_shexp.weight")
+        return out
+
     for l in range(n_layer):
         p = f"blk.{l}."
+        ffn_of_layer = moe_ffn if p + "ffn_gate_inp.weight" in w else ffn
         if arch == "falcon":
             h = norm(x, p + "attn_norm")
             ha = norm(x, p + "attn_norm_2") if p + "attn_norm_2.weight" in w else h
@@ -353,7 +427,7 @@ def forward(
             if p + "post_attention_norm.weight" in w:
                 a = norm(a, p + "post_attention_norm")
             x = x + a
-            f = ffn(norm(x, p + "ffn_norm"), p)
+            f = ffn_of_layer(norm(x, p + "ffn_norm"), p)
             if p + "post_ffw_norm.weight" in w:
                 f = norm(f, p + "post_ffw_norm")
             x = x + f

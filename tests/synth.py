@@ -97,6 +97,8 @@ def random_blocks(dtype: Q, rows: int, cols: int, scale: float, rng) -> np.ndarr
 # them: q/k norms (qwen3, gemma3), post-block norms (gemma2/3), fused qkv and gate_up (phi3).
 ARCH_FEATURES = {
     "qwen3": {"qk_norm"},
+    "qwen3moe": {"qk_norm"},
+    "olmoe": {"qk_norm_whole"},
     "gemma": set(),
     "gemma2": {"post_norms"},
     "gemma3": {"qk_norm", "post_norms"},
@@ -129,6 +131,7 @@ def write_model(
     yarn_original_ctx: int | None = None,
     longrope_original_ctx: int | None = None,
     extra_meta: dict | None = None,
+    experts: dict | None = None,
 ) -> str:
     """A random model of `arch` (features per ARCH_FEATURES). `head_dim` writes
     attention.key_length/value_length (q_dim may then differ from n_embd); `sliding_window`
@@ -136,8 +139,16 @@ def write_model(
     YaRN's with `yarn_original_ctx` (its original_context_length); `rope_freqs` Llama 3's
     per-frequency factors; `longrope_original_ctx` Phi-3's LongRoPE (short and long factors,
     the original context and an attention factor, as the Phi-3 128k converter writes them);
-    `extra_meta` more keys (str or float values, "{arch}." prefixed), replacing those of the
-    same name."""
+    `extra_meta` more keys (str, int or float values, "{arch}." prefixed), replacing those of the
+    same name.
+
+    `experts` makes every FFN a mixture of experts as llama.cpp's converter writes one:
+    dict(n_expert, n_used, n_ff_exp, n_ff_shared=0, ff_key=True): the router
+    `ffn_gate_inp` (F32, as llama.cpp's quantizer leaves it), the 3-D `ffn_{gate,up,down}_exps`
+    (n_expert, rows, cols) in `dtype`, `expert_count` and `expert_used_count`, the experts'
+    width as `expert_feed_forward_length` where `ff_key` (Qwen's files; Mixtral and OLMoE
+    files give it as `feed_forward_length`), and with `n_ff_shared` Qwen2-MoE's shared expert
+    (`ffn_{gate,up,down}_shexp`, `ffn_gate_inp_shexp`, `expert_shared_feed_forward_length`)."""
     rng = np.random.default_rng(seed)
     n_vocab = len(tiny_vocab()[0])
     hd = head_dim or n_embd // n_head
@@ -173,22 +184,31 @@ def write_model(
         w.add_final_logit_softcapping(30.0)
     if activation is not None:
         w.add_string(f"{arch}.ffn_activation", activation)
+    if experts is not None:
+        w.add_expert_count(experts["n_expert"])
+        w.add_expert_used_count(experts["n_used"])
+        if experts.get("ff_key", True):
+            w.add_expert_feed_forward_length(experts["n_ff_exp"])
+        if experts.get("n_ff_shared"):
+            w.add_expert_shared_feed_forward_length(experts["n_ff_shared"])
     add_tiny_tokenizer(w)
 
-    def mat(name, rows, cols, scale):
+    def mat(name, rows, cols, scale, stack=None, t=None):
+        """A (rows, cols) matrix, or `stack` of them as one 3-D tensor, in `t` or `dtype`."""
         if name in skip:
             return
-        a = (rng.standard_normal((rows, cols)) * scale * weight_scale).astype(np.float32)
-        if dtype == Q.F32:
+        t = t or dtype
+        lead = () if stack is None else (stack,)
+        a = (rng.standard_normal((*lead, rows, cols)) * scale * weight_scale).astype(np.float32)
+        if t == Q.F32:
             w.add_tensor(name, a)
-        elif dtype == Q.F16:
+        elif t == Q.F16:
             w.add_tensor(name, a.astype(np.float16))
-        elif dtype in F16_FIELDS:
-            w.add_tensor(
-                name, random_blocks(dtype, rows, cols, scale * weight_scale, rng), raw_dtype=dtype
-            )
+        elif t in F16_FIELDS:
+            blocks = random_blocks(t, (stack or 1) * rows, cols, scale * weight_scale, rng)
+            w.add_tensor(name, blocks.reshape(*lead, rows, -1), raw_dtype=t)
         else:
-            w.add_tensor(name, quantize(a, dtype), raw_dtype=dtype)
+            w.add_tensor(name, quantize(a, t), raw_dtype=t)
 
     def vec(name, n, around=1.0, spread=0.1):
         if name in skip:
@@ -227,6 +247,10 @@ def write_model(
         if "qk_norm" in features:
             vec(p + "attn_q_norm.weight", hd)
             vec(p + "attn_k_norm.weight", hd)
+        if "qk_norm_whole" in features:
+            # OLMoE: q and k RMSNormed whole, not per head
+            vec(p + "attn_q_norm.weight", n_head * hd)
+            vec(p + "attn_k_norm.weight", n_head_kv * hd)
         if bias:
             vec(p + "attn_q.bias", n_head * hd, 0.0, 0.2)
             vec(p + "attn_k.bias", n_head_kv * hd, 0.0, 0.2)
@@ -235,12 +259,25 @@ def write_model(
         if "post_norms" in features:
             vec(p + "post_attention_norm.weight", n_embd)
         vec(p + "ffn_norm.weight", n_embd)
-        if "fused" in features:
+        if experts is not None:
+            n_expert, n_exp_ff = experts["n_expert"], experts["n_ff_exp"]
+            mat(p + "ffn_gate_inp.weight", n_expert, n_embd, 0.3, t=Q.F32)
+            mat(p + "ffn_gate_exps.weight", n_exp_ff, n_embd, 0.2, stack=n_expert)
+            mat(p + "ffn_up_exps.weight", n_exp_ff, n_embd, 0.2, stack=n_expert)
+            mat(p + "ffn_down_exps.weight", n_embd, n_exp_ff, 0.15, stack=n_expert)
+            n_sh = experts.get("n_ff_shared", 0)
+            if n_sh:
+                vec(p + "ffn_gate_inp_shexp.weight", n_embd, 0.0, 0.3)
+                mat(p + "ffn_gate_shexp.weight", n_sh, n_embd, 0.2)
+                mat(p + "ffn_up_shexp.weight", n_sh, n_embd, 0.2)
+                mat(p + "ffn_down_shexp.weight", n_embd, n_sh, 0.15)
+        elif "fused" in features:
             mat(p + "ffn_up.weight", 2 * n_ff, n_embd, 0.2)
         else:
             mat(p + "ffn_gate.weight", n_ff, n_embd, 0.2)
             mat(p + "ffn_up.weight", n_ff, n_embd, 0.2)
-        mat(p + "ffn_down.weight", n_embd, n_ff, 0.15)
+        if experts is None:
+            mat(p + "ffn_down.weight", n_embd, n_ff, 0.15)
         if "post_norms" in features:
             vec(p + "post_ffw_norm.weight", n_embd)
     vec("output_norm.weight", n_embd)
@@ -249,7 +286,8 @@ def write_model(
 
     for key, value in (extra_meta or {}).items():
         # (later values replace earlier ones of the same key)
-        (w.add_string if isinstance(value, str) else w.add_float32)(f"{arch}.{key}", value)
+        add = {str: w.add_string, int: w.add_uint32}.get(type(value), w.add_float32)
+        add(f"{arch}.{key}", value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

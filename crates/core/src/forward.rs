@@ -62,6 +62,12 @@ pub trait Backend {
     /// ffn_out = down(act(gate(xb), up(xb))) (+ biases) over the neurons the row's session
     /// selects (`session::Sparsity`; a predictor reads x).
     fn ffn(&mut self, l: usize) -> Result<()>;
+    /// Mixture-of-experts layers (`LayerWeights::moe`) in place of `ffn`: each row's experts
+    /// and their weights, from the router's softmax over xb.
+    fn route(&mut self, l: usize) -> Result<()>;
+    /// ffn_out = the sum over each row's routed experts of weight * expert(xb) (SwiGLU FFNs),
+    /// plus the shared expert's output scaled by its gate where the layer has one.
+    fn experts(&mut self, l: usize) -> Result<()>;
     /// attn_out or ffn_out RMSNormed with the layer's post-block norm (Gemma 2 and 3).
     fn post_norm(&mut self, l: usize, part: Part) -> Result<()>;
     /// x += layer l's attn_out or ffn_out.
@@ -100,9 +106,15 @@ fn layer<B: Backend>(b: &mut B, model: &Model, l: usize) -> Result<()> {
             }
             b.residual(l, Part::Attn)?;
 
-            // ffn norm, ffn (its predictor reads the residual x), (post-FFN norm), residual
+            // ffn norm, ffn (its predictor reads the residual x) or the routed experts,
+            // (post-FFN norm), residual
             b.norm(l, Norm::Ffn)?;
-            b.ffn(l)?;
+            if lw.moe.is_some() {
+                b.route(l)?;
+                b.experts(l)?;
+            } else {
+                b.ffn(l)?;
+            }
             if lw.ffn_post_norm.is_some() {
                 b.post_norm(l, Part::Ffn)?;
             }

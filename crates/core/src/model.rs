@@ -207,6 +207,125 @@ pub struct Config {
     /// The non-sliding layers' cos and sin are multiplied by this (YaRN's 1 + 0.1 ln factor,
     /// times `rope.scaling.attn_factor`).
     pub rope_magnitude: f32,
+    /// A mixture of experts in place of the dense FFN, if the file has one.
+    pub moe: Option<Moe>,
+}
+
+/// The architectures `Config::from_file` reads (a `llama` file with `expert_count` is
+/// Mixtral-style mixture of experts).
+pub const ARCHITECTURES: [&str; 14] = [
+    "llama", "mistral", "bamboo", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "falcon",
+    "opt", "qwen2moe", "qwen3moe", "olmoe",
+];
+
+/// The mixture-of-experts files the engine runs, for messages.
+pub const MOE_ARCHITECTURES: &str = "llama with experts (Mixtral), qwen2moe, qwen3moe, olmoe";
+
+/// Mixture-of-experts architectures llama.cpp writes that the engine refuses by name rather
+/// than as unknown (their routing, expert layout or attention differ from the ones it runs).
+const OTHER_MOE_ARCHITECTURES: [&str; 21] = [
+    "gpt-oss",
+    "deepseek",
+    "deepseek2",
+    "dbrx",
+    "phimoe",
+    "granitemoe",
+    "grok",
+    "arctic",
+    "jamba",
+    "llama4",
+    "glm4moe",
+    "ernie4_5-moe",
+    "hunyuan-moe",
+    "bailingmoe",
+    "bailingmoe2",
+    "dots1",
+    "smallthinker",
+    "qwen3next",
+    "qwen3vlmoe",
+    "minimax-m2",
+    "lfm2moe",
+];
+
+/// A layer's FFN as a mixture of experts (llama.cpp's `build_moe_ffn` with softmax gating):
+/// per token the router's softmax over `n_expert` experts picks the `n_used` most probable;
+/// the FFN output is the sum of their SwiGLU FFNs (`n_ff_exp` neurons each) weighted by those
+/// probabilities (divided by their sum where `normalize_weights`, times `weights_scale`), plus
+/// a shared expert of `n_ff_shared` neurons scaled by sigmoid(gate_inp . x) where the file has
+/// one (Qwen2-MoE).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Moe {
+    pub n_expert: usize,
+    pub n_used: usize,
+    pub n_ff_exp: usize,
+    /// 0: no shared expert.
+    pub n_ff_shared: usize,
+    pub normalize_weights: bool,
+    pub weights_scale: f32,
+}
+
+impl Moe {
+    /// The file's experts, as llama.cpp reads each architecture's keys: `expert_count`,
+    /// `expert_used_count`, `expert_feed_forward_length` (Qwen's; else `n_ff` divided among
+    /// the used experts, and Mixtral's and OLMoE's experts are `n_ff` wide),
+    /// `expert_shared_feed_forward_length` (Qwen2-MoE; else `n_ff`) and
+    /// `expert_weights_scale`. None for a dense file.
+    fn from_file(file: &GgufFile, arch: &str, n_ff: usize) -> Result<Option<Moe>> {
+        let k = |name: &str| format!("{arch}.{name}");
+        let moe_arch = matches!(arch, "qwen2moe" | "qwen3moe" | "olmoe");
+        let n_expert = meta_usize(file, &k("expert_count"))?.unwrap_or(0);
+        if n_expert == 0 {
+            return match moe_arch {
+                true => Err(Error::Model(format!(
+                    "{} must be > 0 for {arch} (a mixture-of-experts architecture)",
+                    k("expert_count")
+                ))),
+                false => Ok(None),
+            };
+        }
+        if !moe_arch && arch != "llama" {
+            return Err(Error::Model(format!(
+                "{arch} has {} = {n_expert}, but its experts are not supported (mixture-of-experts files it runs: {MOE_ARCHITECTURES})",
+                k("expert_count")
+            )));
+        }
+        let used_key = k("expert_used_count");
+        let n_used = required(meta_usize(file, &used_key)?, &used_key)?;
+        if n_used == 0 || n_used > n_expert {
+            return Err(Error::Model(format!(
+                "{used_key} = {n_used} must be between 1 and {} = {n_expert}",
+                k("expert_count")
+            )));
+        }
+        let qwen = arch.starts_with("qwen");
+        let n_ff_exp = match meta_usize(file, &k("expert_feed_forward_length"))? {
+            Some(n) if n > 0 => n,
+            _ if qwen => n_ff / n_used,
+            _ => n_ff,
+        };
+        let n_ff_shared = match arch {
+            "qwen2moe" => match meta_usize(file, &k("expert_shared_feed_forward_length"))? {
+                Some(n) if n > 0 => n,
+                _ => n_ff,
+            },
+            _ => 0,
+        };
+        if n_ff_exp == 0 {
+            return Err(Error::Model(format!("{arch}: the experts' FFN length is 0")));
+        }
+        // llama.cpp applies the scale only where it is neither 0 nor 1
+        let scale = meta_f32(file, &k("expert_weights_scale"))?.unwrap_or(0.0);
+        Ok(Some(Moe {
+            n_expert,
+            n_used,
+            n_ff_exp,
+            n_ff_shared,
+            // llama.cpp's `norm_w` per architecture: Mixtral and Qwen3-MoE normalise the
+            // selected weights, Qwen2-MoE and OLMoE do not
+            normalize_weights: matches!(arch, "llama" | "qwen3moe"),
+            weights_scale: if scale == 0.0 { 1.0 } else { scale },
+        }))
+    }
 }
 
 /// YaRN (`rope.scaling.type` = yarn), as ggml's `rope_yarn`: frequency i keeps its original
@@ -342,12 +461,68 @@ pub struct LayerWeights<'a> {
     pub ffn_norm: Option<Vec<f32>>, // (n_embd); Falcon has none (the FFN reads attn_norm's output)
     pub ffn_norm_b: Option<Vec<f32>>, // (n_embd), opt
     pub ffn_gate: Option<QMatrix<'a>>, // (n_ff, n_embd); none for Falcon and OPT
-    pub ffn_up: QMatrix<'a>,        // (n_ff, n_embd)
+    pub ffn_up: Option<QMatrix<'a>>, // (n_ff, n_embd); none in a mixture-of-experts layer
     pub ffn_up_b: Option<Vec<f32>>, // (n_ff), opt
     pub ffn_down: Option<QMatrix<'a>>, // (n_embd, n_ff), plain files
     pub ffn_down_t: Option<QMatrix<'a>>, // (n_ff, n_embd), PowerInfer files: row j = neuron j's output
     pub ffn_down_b: Option<Vec<f32>>,    // (n_embd), opt
     pub predictor: Option<Predictor<'a>>,
+    /// The experts that replace the dense FFN (`Config::moe`).
+    pub moe: Option<MoeWeights<'a>>,
+}
+
+impl<'a> LayerWeights<'a> {
+    /// The dense FFN's up projection (n_ff, n_embd). Only the dense FFN's paths ask: sparsity,
+    /// profiling and the GPU executor refuse mixture-of-experts models before they run.
+    pub fn dense_up(&self) -> QMatrix<'a> {
+        self.ffn_up.expect("a dense FFN layer (mixture-of-experts layers are refused before)")
+    }
+}
+
+/// A mixture-of-experts layer's weights (see `Moe`). The expert tensors are 3-D in the file,
+/// one (rows, cols) matrix per expert back to back; each is held here as one matrix of
+/// n_expert * rows rows, and `expert` cuts expert e's rows out.
+#[derive(Clone)]
+pub struct MoeWeights<'a> {
+    pub router: QMatrix<'a>,    // (n_expert, n_embd), `ffn_gate_inp`
+    pub gate_exps: QMatrix<'a>, // (n_expert * n_ff_exp, n_embd)
+    pub up_exps: QMatrix<'a>,   // (n_expert * n_ff_exp, n_embd)
+    pub down_exps: QMatrix<'a>, // (n_expert * n_embd, n_ff_exp)
+    pub shared: Option<SharedExpert<'a>>,
+}
+
+/// Qwen2-MoE's shared expert: a SwiGLU FFN every token runs, scaled by sigmoid(gate_inp . x).
+#[derive(Clone)]
+pub struct SharedExpert<'a> {
+    pub gate_inp: Vec<f32>, // (n_embd), `ffn_gate_inp_shexp`
+    pub gate: QMatrix<'a>,  // (n_ff_shared, n_embd)
+    pub up: QMatrix<'a>,    // (n_ff_shared, n_embd)
+    pub down: QMatrix<'a>,  // (n_embd, n_ff_shared)
+}
+
+/// One expert's three matrices.
+#[derive(Clone, Copy)]
+pub struct Expert<'a> {
+    pub gate: QMatrix<'a>, // (n_ff_exp, n_embd)
+    pub up: QMatrix<'a>,   // (n_ff_exp, n_embd)
+    pub down: QMatrix<'a>, // (n_embd, n_ff_exp)
+}
+
+impl<'a> MoeWeights<'a> {
+    pub fn n_expert(&self) -> usize {
+        self.router.rows
+    }
+
+    /// Expert e's matrices, views into the 3-D tensors.
+    pub fn expert(&self, e: usize) -> Expert<'a> {
+        let n_ff = self.gate_exps.rows / self.n_expert();
+        let n_embd = self.down_exps.rows / self.n_expert();
+        Expert {
+            gate: self.gate_exps.rows_range(e * n_ff, (e + 1) * n_ff),
+            up: self.up_exps.rows_range(e * n_ff, (e + 1) * n_ff),
+            down: self.down_exps.rows_range(e * n_embd, (e + 1) * n_embd),
+        }
+    }
 }
 
 pub struct Weights<'a> {
@@ -402,7 +577,7 @@ impl LayerMatrix {
             LayerMatrix::V => Some(lw.wv),
             LayerMatrix::O => Some(lw.wo),
             LayerMatrix::Gate => lw.ffn_gate,
-            LayerMatrix::Up => Some(lw.ffn_up),
+            LayerMatrix::Up => lw.ffn_up,
         }
     }
 }
@@ -489,11 +664,11 @@ impl Config {
         };
         let (family, rope_style) = match arch.as_str() {
             "llama" | "mistral" | "bamboo" => (Family::Llama, RopeStyle::Normal),
-            "qwen2" | "qwen3" | "gemma" | "gemma2" | "gemma3" | "phi3" => {
-                (Family::Llama, RopeStyle::NeoX)
-            }
+            "qwen2" | "qwen3" | "gemma" | "gemma2" | "gemma3" | "phi3" | "qwen2moe"
+            | "qwen3moe" | "olmoe" => (Family::Llama, RopeStyle::NeoX),
             "falcon" => (Family::Falcon, RopeStyle::NeoX),
             "opt" => (Family::Opt, RopeStyle::None),
+            a if OTHER_MOE_ARCHITECTURES.contains(&a) => return Err(Error::UnsupportedMoe(arch)),
             _ => return Err(Error::UnknownArchitecture(arch)),
         };
         let k = |name: &str| format!("{arch}.{name}");
@@ -637,7 +812,9 @@ impl Config {
             "gemma3" => (0.0, softcap("final_logit_softcapping", 0.0)?),
             _ => (0.0, 0.0),
         };
+        let moe = Moe::from_file(file, &arch, n_ff)?;
         Ok(Config {
+            moe,
             family,
             n_vocab,
             n_embd,
@@ -673,13 +850,35 @@ impl Config {
 
 /// Looks up a matrix, checks its type and shape, and borrows its bytes.
 fn matrix<'a>(file: &'a GgufFile, name: &str, rows: usize, cols: usize) -> Result<QMatrix<'a>> {
+    stacked_matrix(file, name, &[rows, cols], rows, cols)
+}
+
+/// A 3-D expert tensor, (n_expert, rows, cols), as one matrix of n_expert * rows rows.
+fn experts<'a>(
+    file: &'a GgufFile,
+    name: &str,
+    n_expert: usize,
+    rows: usize,
+    cols: usize,
+) -> Result<QMatrix<'a>> {
+    stacked_matrix(file, name, &[n_expert, rows, cols], n_expert * rows, cols)
+}
+
+/// A tensor of shape `shape` whose bytes are `rows` rows of `cols` elements.
+fn stacked_matrix<'a>(
+    file: &'a GgufFile,
+    name: &str,
+    shape: &[usize],
+    rows: usize,
+    cols: usize,
+) -> Result<QMatrix<'a>> {
     let t = file
         .tensor(name)
         .ok_or_else(|| Error::Model(format!("required tensor {name} is missing")))?;
     let dtype = supported(t)?;
-    if t.shape() != [rows as u64, cols as u64] {
+    if !t.shape().iter().copied().eq(shape.iter().map(|&d| d as u64)) {
         return Err(Error::Model(format!(
-            "tensor {name} has shape {:?}, expected [{rows}, {cols}]",
+            "tensor {name} has shape {:?}, expected {shape:?}",
             t.shape()
         )));
     }
@@ -762,6 +961,108 @@ fn predictor<'a>(file: &'a GgufFile, i: usize, c: &Config) -> Result<Option<Pred
     }))
 }
 
+/// A layer's FFN tensors: the dense ones, or the experts.
+struct LayerFfn<'a> {
+    gate: Option<QMatrix<'a>>,
+    up: Option<QMatrix<'a>>,
+    up_b: Option<Vec<f32>>,
+    down: Option<QMatrix<'a>>,
+    down_t: Option<QMatrix<'a>>,
+    down_b: Option<Vec<f32>>,
+    moe: Option<MoeWeights<'a>>,
+}
+
+impl<'a> LayerFfn<'a> {
+    fn of_experts(moe: MoeWeights<'a>) -> LayerFfn<'a> {
+        LayerFfn {
+            gate: None,
+            up: None,
+            up_b: None,
+            down: None,
+            down_t: None,
+            down_b: None,
+            moe: Some(moe),
+        }
+    }
+}
+
+/// Layer i's dense FFN.
+fn dense_ffn<'a>(file: &'a GgufFile, i: usize, c: &Config) -> Result<LayerFfn<'a>> {
+    let n = |s: &str| format!("blk.{i}.{s}");
+    // down projection: neuron-major in PowerInfer files, plain otherwise
+    let down_t = optional_matrix(file, &n("ffn_down_t.weight"), c.n_ff, c.n_embd)?;
+    let down = optional_matrix(file, &n("ffn_down.weight"), c.n_embd, c.n_ff)?;
+    if down_t.is_none() && down.is_none() {
+        return Err(if c.powerinfer {
+            Error::Model(format!(
+                "PowerInfer (PWRI) file has no {}: its down projection must be stored transposed",
+                n("ffn_down_t.weight")
+            ))
+        } else {
+            missing(&n("ffn_down.weight"))
+        });
+    }
+    let down_b = match vector(file, &n("ffn_down_t.bias"), c.n_embd)? {
+        Some(b) => Some(b),
+        None => vector(file, &n("ffn_down.bias"), c.n_embd)?,
+    };
+    // gate and up: separate, or fused [gate; up] rows in ffn_up (Phi-3)
+    let fused_up = c.ffn_activation.has_gate()
+        && file.tensor(&n("ffn_gate.weight")).is_none()
+        && file
+            .tensor(&n("ffn_up.weight"))
+            .is_some_and(|t| t.shape().first() == Some(&(2 * c.n_ff as u64)));
+    let (gate, up) = if fused_up {
+        let gate_up = matrix(file, &n("ffn_up.weight"), 2 * c.n_ff, c.n_embd)?;
+        (Some(gate_up.rows_range(0, c.n_ff)), gate_up.rows_range(c.n_ff, 2 * c.n_ff))
+    } else {
+        let gate = if c.ffn_activation.has_gate() {
+            Some(matrix(file, &n("ffn_gate.weight"), c.n_ff, c.n_embd)?)
+        } else {
+            None
+        };
+        (gate, matrix(file, &n("ffn_up.weight"), c.n_ff, c.n_embd)?)
+    };
+    Ok(LayerFfn {
+        gate,
+        up: Some(up),
+        up_b: vector(file, &n("ffn_up.bias"), c.n_ff)?,
+        down,
+        down_t,
+        down_b,
+        moe: None,
+    })
+}
+
+/// Layer i's experts, router and shared expert, as llama.cpp's converter writes them.
+fn moe_weights<'a>(file: &'a GgufFile, i: usize, c: &Config, moe: &Moe) -> Result<MoeWeights<'a>> {
+    let n = |s: &str| format!("blk.{i}.{s}");
+    let (e, ff, dim) = (moe.n_expert, moe.n_ff_exp, c.n_embd);
+    if c.ffn_activation != FfnActivation::SwiGlu {
+        return Err(Error::Model(format!(
+            "{}: experts with the {} activation are not supported (only SwiGLU experts)",
+            c.architecture,
+            c.ffn_activation.name()
+        )));
+    }
+    let shared = match moe.n_ff_shared {
+        0 => None,
+        sh => Some(SharedExpert {
+            gate_inp: required_vector(file, &n("ffn_gate_inp_shexp.weight"), dim)?,
+            gate: matrix(file, &n("ffn_gate_shexp.weight"), sh, dim)?,
+            up: matrix(file, &n("ffn_up_shexp.weight"), sh, dim)?,
+            down: matrix(file, &n("ffn_down_shexp.weight"), dim, sh)?,
+        }),
+    };
+    Ok(MoeWeights {
+        router: matrix(file, &n("ffn_gate_inp.weight"), e, dim)?,
+        gate_exps: experts(file, &n("ffn_gate_exps.weight"), e, ff, dim)?,
+        up_exps: experts(file, &n("ffn_up_exps.weight"), e, ff, dim)?,
+        down_exps: experts(file, &n("ffn_down_exps.weight"), e, dim, ff)?,
+        shared,
+    })
+}
+
 impl Weights<'_> {
     fn load<'a>(file: &'a GgufFile, c: &Config) -> Result<Weights<'a>> {
         let token_embd = matrix(file, "token_embd.weight", c.n_vocab, c.n_embd)?;
@@ -788,39 +1089,16 @@ impl Weights<'_> {
                     matrix(file, &n("attn_v.weight"), c.kv_dim(), c.n_embd)?,
                 ),
             };
-            // down projection: neuron-major in PowerInfer files, plain otherwise
-            let ffn_down_t = optional_matrix(file, &n("ffn_down_t.weight"), c.n_ff, c.n_embd)?;
-            let ffn_down = optional_matrix(file, &n("ffn_down.weight"), c.n_embd, c.n_ff)?;
-            if ffn_down_t.is_none() && ffn_down.is_none() {
-                return Err(if c.powerinfer {
-                    Error::Model(format!(
-                        "PowerInfer (PWRI) file has no {}: its down projection must be stored transposed",
-                        n("ffn_down_t.weight")
-                    ))
-                } else {
-                    missing(&n("ffn_down.weight"))
-                });
-            }
-            let ffn_down_b = match vector(file, &n("ffn_down_t.bias"), c.n_embd)? {
-                Some(b) => Some(b),
-                None => vector(file, &n("ffn_down.bias"), c.n_embd)?,
+            let ffn = match &c.moe {
+                Some(moe) => LayerFfn::of_experts(moe_weights(file, i, c, moe)?),
+                None => dense_ffn(file, i, c)?,
             };
-            // gate and up: separate, or fused [gate; up] rows in ffn_up (Phi-3)
-            let fused_up = c.ffn_activation.has_gate()
-                && file.tensor(&n("ffn_gate.weight")).is_none()
-                && file
-                    .tensor(&n("ffn_up.weight"))
-                    .is_some_and(|t| t.shape().first() == Some(&(2 * c.n_ff as u64)));
-            let (ffn_gate, ffn_up) = if fused_up {
-                let gate_up = matrix(file, &n("ffn_up.weight"), 2 * c.n_ff, c.n_embd)?;
-                (Some(gate_up.rows_range(0, c.n_ff)), gate_up.rows_range(c.n_ff, 2 * c.n_ff))
-            } else {
-                let gate = if c.ffn_activation.has_gate() {
-                    Some(matrix(file, &n("ffn_gate.weight"), c.n_ff, c.n_embd)?)
-                } else {
-                    None
-                };
-                (gate, matrix(file, &n("ffn_up.weight"), c.n_ff, c.n_embd)?)
+            let head_norm = |name: &str, whole: usize| match file.tensor(&n(name)) {
+                // OLMoE normalises q and k whole, not per head
+                Some(t) if t.n_elements() == whole as u64 && whole != c.head_dim => {
+                    vector(file, &n(name), whole)
+                }
+                _ => vector(file, &n(name), c.head_dim),
             };
             let ffn_norm = match c.family {
                 Family::Falcon => None,
@@ -832,8 +1110,8 @@ impl Weights<'_> {
                 attn_norm_2: vector(file, &n("attn_norm_2.weight"), c.n_embd)?,
                 attn_norm_2_b: vector(file, &n("attn_norm_2.bias"), c.n_embd)?,
                 wq,
-                q_norm: vector(file, &n("attn_q_norm.weight"), c.head_dim)?,
-                k_norm: vector(file, &n("attn_k_norm.weight"), c.head_dim)?,
+                q_norm: head_norm("attn_q_norm.weight", c.q_dim())?,
+                k_norm: head_norm("attn_k_norm.weight", c.kv_dim())?,
                 wk,
                 wv,
                 bq: vector(file, &n("attn_q.bias"), c.q_dim())?,
@@ -845,13 +1123,14 @@ impl Weights<'_> {
                 ffn_post_norm: vector(file, &n("post_ffw_norm.weight"), c.n_embd)?,
                 ffn_norm,
                 ffn_norm_b: vector(file, &n("ffn_norm.bias"), c.n_embd)?,
-                ffn_gate,
-                ffn_up,
-                ffn_up_b: vector(file, &n("ffn_up.bias"), c.n_ff)?,
-                ffn_down,
-                ffn_down_t,
-                ffn_down_b,
+                ffn_gate: ffn.gate,
+                ffn_up: ffn.up,
+                ffn_up_b: ffn.up_b,
+                ffn_down: ffn.down,
+                ffn_down_t: ffn.down_t,
+                ffn_down_b: ffn.down_b,
                 predictor: predictor(file, i, c)?,
+                moe: ffn.moe,
             });
         }
         let output = if c.tied_output {
@@ -917,6 +1196,18 @@ impl Model {
             input_norms: OnceLock::new(),
             pool,
         })
+    }
+
+    /// Refuses `what` on a mixture-of-experts model, whose routed experts run densely: the
+    /// neuron-level machinery (sparsity, calibration, capture) reads a dense FFN.
+    pub fn dense_ffn_only(&self, what: &str) -> Result<()> {
+        match self.config.moe {
+            Some(_) => Err(Error::InvalidArgument(format!(
+                "{what}: not supported on mixture-of-experts models ({} is one); they run their routed experts densely",
+                self.config.architecture
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// True when every layer has a predictor.
@@ -1021,7 +1312,7 @@ impl Model {
                         add_squares(m, &mut groups[InputGroup::Qkv as usize]);
                     }
                     add_squares(lw.wo, &mut groups[InputGroup::Out as usize]);
-                    for m in lw.ffn_gate.iter().chain([&lw.ffn_up]) {
+                    for m in lw.ffn_gate.iter().chain(lw.ffn_up.iter()) {
                         add_squares(*m, &mut groups[InputGroup::FfnIn as usize]);
                     }
                     let d = &mut groups[InputGroup::Down as usize];

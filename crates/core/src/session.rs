@@ -28,6 +28,7 @@ mod cpu;
 mod ffn;
 mod input_sparsity;
 mod math;
+mod moe;
 mod observe;
 mod projection;
 mod scratch;
@@ -38,6 +39,7 @@ pub use cpu::CpuPass;
 use ffn::ffn_rows;
 pub use math::softcap;
 use math::{add_bias, add_into, norm_rows, rmsnorm_in_place, rope_rows};
+use moe::{expert_rows, route_rows};
 use observe::Recorder;
 pub use projection::time_input_sparsity;
 use projection::{project, project_down};
@@ -141,9 +143,13 @@ impl Session {
     /// Starts (or stops, discarding what was recorded) recording FFN inputs and neuron scores
     /// for every evaluated token; see `Capture`. While recording, every FFN is computed densely
     /// on the batch path, whatever the sparsity mode.
-    pub fn set_capture(&mut self, on: bool) {
+    pub fn set_capture(&mut self, on: bool) -> Result<()> {
+        if on {
+            self.model.dense_ffn_only("capturing FFN activations")?;
+        }
         self.state.recorder =
             on.then(|| Recorder::Capture(Capture::new(self.model.config.n_layer)));
+        Ok(())
     }
 
     /// Returns what was recorded since capturing started or since the last call, and keeps

@@ -176,6 +176,12 @@ fn upload_opt<D: Device>(
 /// with it, and Python asks it before planning a placement.
 pub fn unsupported_reason(model: &Model, mode: Option<SparsityMode>) -> Option<String> {
     let c = &model.config;
+    if c.moe.is_some() {
+        return Some(format!(
+            "the GPU executor has no expert kernels yet; {} (mixture of experts) runs on the CPU",
+            c.architecture
+        ));
+    }
     if c.family != Family::Llama {
         return Some(format!(
             "the GPU executor runs LLaMA-family models; {} runs on the CPU",
@@ -185,7 +191,8 @@ pub fn unsupported_reason(model: &Model, mode: Option<SparsityMode>) -> Option<S
     let w = &model.weights;
     let mut mats = vec![&w.output];
     for lw in &w.layers {
-        mats.extend([&lw.wq, &lw.wk, &lw.wv, &lw.wo, &lw.ffn_up]);
+        mats.extend([&lw.wq, &lw.wk, &lw.wv, &lw.wo]);
+        mats.extend(lw.ffn_up.iter());
         mats.extend(lw.ffn_gate.iter().chain(lw.ffn_down.iter()).chain(lw.ffn_down_t.iter()));
         mats.extend(lw.predictor.iter().flat_map(|p| [&p.fc1, &p.fc2]));
     }
@@ -199,6 +206,11 @@ pub fn unsupported_reason(model: &Model, mode: Option<SparsityMode>) -> Option<S
         return Some(THRESHOLD_IS_CPU_ONLY.into());
     }
     None
+}
+
+/// A mixture-of-experts layer placed on the GPU (`unsupported_reason` keeps such models off it).
+fn unsupported_experts(l: usize) -> powerinfer_core::Error {
+    powerinfer_core::Error::Device(format!("layer {l}: the GPU executor has no expert kernels"))
 }
 
 const THRESHOLD_IS_CPU_ONLY: &str =
@@ -303,13 +315,14 @@ impl<D: Device> HybridModel<D> {
                 None
             } else {
                 let before = bytes;
+                let dense_up = lw.dense_up();
                 let mut nmat = |m, rows: &[u32]| -> Result<DMat<D>> {
                     let d = gpu.upload_rows(m, Some(rows))?;
                     bytes += d.bytes();
                     Ok(d)
                 };
                 let gate = lw.ffn_gate.as_ref().map(|g| nmat(g, &hot_ids)).transpose()?;
-                let up = nmat(&lw.ffn_up, &hot_ids)?;
+                let up = nmat(&dense_up, &hot_ids)?;
                 let down = match &down_rows {
                     Some(rows) => {
                         let d = gpu.upload_rows(rows, None)?;
@@ -850,7 +863,7 @@ impl<'a, D: Device> HybridPass<'a, D> {
             };
             let mats = FfnMats {
                 gate: lw.ffn_gate,
-                up: lw.ffn_up,
+                up: lw.dense_up(),
                 up_bias: lw.ffn_up_b.as_deref(),
                 down_t,
                 down: lw.ffn_down,
@@ -1060,6 +1073,20 @@ impl<D: Device> Backend for HybridPass<'_, D> {
                     (after.neurons - after.skipped) - (before.neurons - before.skipped);
                 Ok(())
             }
+        }
+    }
+
+    fn route(&mut self, l: usize) -> CoreResult<()> {
+        match self.place(l)? {
+            Some(_) => Err(unsupported_experts(l)),
+            None => self.cpu.route(l),
+        }
+    }
+
+    fn experts(&mut self, l: usize) -> CoreResult<()> {
+        match self.place(l)? {
+            Some(_) => Err(unsupported_experts(l)),
+            None => self.cpu.experts(l),
         }
     }
 

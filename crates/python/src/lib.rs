@@ -59,9 +59,10 @@ fn to_py(e: Error) -> PyErr {
         Error::FileNotFound(_) => PyFileNotFoundError::new_err(msg),
         Error::Io { .. } => PyOSError::new_err(msg),
         Error::Format(_) => GGUFError::new_err(msg),
-        Error::UnsupportedType { .. } | Error::UnknownArchitecture(_) | Error::Model(_) => {
-            ModelError::new_err(msg)
-        }
+        Error::UnsupportedType { .. }
+        | Error::UnknownArchitecture(_)
+        | Error::UnsupportedMoe(_)
+        | Error::Model(_) => ModelError::new_err(msg),
         Error::ContextOverflow { .. } => ContextLengthError::new_err(msg),
         Error::InvalidArgument(_) => PyValueError::new_err(msg),
         Error::Device(_) => GpuError::new_err(msg),
@@ -228,6 +229,21 @@ impl PyModel {
             self.inner.weights.layers.iter().map(|l| l.predictor.map(|p| p.fc1.rows)).collect();
         d.set_item("predictor_hidden", hidden)?;
         d.set_item("has_down_t", self.inner.weights.layers.iter().all(|l| l.ffn_down_t.is_some()))?;
+        // a mixture of experts: None for a dense model
+        let moe = match &c.moe {
+            None => None,
+            Some(m) => {
+                let e = PyDict::new(py);
+                e.set_item("n_expert", m.n_expert)?;
+                e.set_item("n_expert_used", m.n_used)?;
+                e.set_item("n_ff_exp", m.n_ff_exp)?;
+                e.set_item("n_ff_shared", m.n_ff_shared)?;
+                e.set_item("normalize_weights", m.normalize_weights)?;
+                e.set_item("weights_scale", m.weights_scale)?;
+                Some(e)
+            }
+        };
+        d.set_item("experts", moe)?;
         Ok(d)
     }
 
@@ -602,7 +618,7 @@ impl PySession {
     /// input and neuron scores (see `take_capture`). Recording computes every FFN densely.
     fn set_capture(&self, on: bool) -> PyResult<()> {
         let mut exec = lock(&self.inner)?;
-        exec.cpu_only("capture").map_err(to_py)?.set_capture(on);
+        exec.cpu_only("capture").map_err(to_py)?.set_capture(on).map_err(to_py)?;
         Ok(())
     }
 

@@ -287,6 +287,7 @@ impl Session {
         sp: Sparsity,
         rec: Calibration,
     ) -> Result<Calibration> {
+        self.model.dense_ffn_only("calibration")?;
         if tokens.len() < 2 || window < 2 {
             return Err(Error::InvalidArgument(
                 "calibration needs at least 2 tokens and a window of 2".into(),

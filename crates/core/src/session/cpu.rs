@@ -7,9 +7,10 @@
 //! `decode_batch` keep those sessions out), so only a one-session pass consults them.
 
 use super::{
-    add_bias, add_into, attend_block, attend_group, attend_group_partial, ffn_rows, matmul,
-    merge_partials, norm_rows, project, rmsnorm_in_place, rope_rows, softcap, Arc, Error, FfnStats,
-    InputGroup, Model, Partial, PassState, Result, Scratch, Session, Sparsity,
+    add_bias, add_into, attend_block, attend_group, attend_group_partial, expert_rows, ffn_rows,
+    matmul, merge_partials, norm_rows, project, rmsnorm_in_place, rope_rows, route_rows, softcap,
+    Arc, Error, FfnStats, InputGroup, Model, Partial, PassState, Result, Scratch, Session,
+    Sparsity,
 };
 use crate::forward::{Backend, Norm, Part};
 use rayon::iter::IndexedParallelIterator;
@@ -422,6 +423,23 @@ impl Backend for CpuPass<'_> {
                 ffn_rows(model, &mut se.state, &mut se.s, l, 1);
                 s.ffn_out[row].copy_from_slice(&se.s.ffn_out);
             }
+        }
+        Ok(())
+    }
+
+    fn route(&mut self, l: usize) -> Result<()> {
+        route_rows(&self.model, &mut self.s, l, self.rows.len());
+        Ok(())
+    }
+
+    fn experts(&mut self, l: usize) -> Result<()> {
+        // every row of the pass at once, whichever session it belongs to: the experts are
+        // dense (sparsity and recorders are refused on mixture-of-experts models)
+        let mut stats = FfnStats::default();
+        expert_rows(&self.model, &mut self.s, &mut stats, l, self.rows.len());
+        match &mut self.sessions[..] {
+            [se] => se.state.stats.add(stats),
+            sessions => count(sessions, stats),
         }
         Ok(())
     }

@@ -23,7 +23,7 @@ pub(crate) fn ffn_rows(model: &Model, st: &mut PassState, s: &mut Scratch, l: us
     let c = &model.config;
     let (dim, n_ff, act) = (c.n_embd, c.n_ff, c.ffn_activation);
     let sp = &st.sparsity;
-    s.acts.set_for(&s.xb, n, dim, &[lw.ffn_gate.unwrap_or(lw.ffn_up), lw.ffn_up]);
+    s.acts.set_for(&s.xb, n, dim, &[lw.ffn_gate.unwrap_or(lw.dense_up()), lw.dense_up()]);
     s.gate.resize(n * n_ff, 0.0);
     s.up.resize(n * n_ff, 0.0);
     let mode = sp.mode();
@@ -67,16 +67,16 @@ pub(crate) fn ffn_rows(model: &Model, st: &mut PassState, s: &mut Scratch, l: us
     // and memory a dense pass does not need)
     let down_bytes = lw.ffn_down.map_or_else(|| model.down_t(l).data.len(), |d| d.data.len());
     let gate_bytes = lw.ffn_gate.map_or(0, |g| g.data.len());
-    st.stats.weight_bytes += (n * (gate_bytes + lw.ffn_up.data.len() + down_bytes)) as u64;
+    st.stats.weight_bytes += (n * (gate_bytes + lw.dense_up().data.len() + down_bytes)) as u64;
     st.stats.weight_bytes_read += match mode {
-        SparsityMode::Dense => n * (gate_bytes + lw.ffn_up.data.len() + down_bytes),
+        SparsityMode::Dense => n * (gate_bytes + lw.dense_up().data.len() + down_bytes),
         _ => {
             let gate_read = if gate_ready {
                 n * gate_bytes
             } else {
                 selected * lw.ffn_gate.map_or(0, |g| g.row_bytes())
             };
-            gate_read + selected * (lw.ffn_up.row_bytes() + model.down_t(l).row_bytes())
+            gate_read + selected * (lw.dense_up().row_bytes() + model.down_t(l).row_bytes())
         }
     } as u64;
     let track_recall = sp.track_recall();
@@ -91,7 +91,7 @@ pub(crate) fn ffn_rows(model: &Model, st: &mut PassState, s: &mut Scratch, l: us
         }
         let mats = FfnMats {
             gate: lw.ffn_gate,
-            up: lw.ffn_up,
+            up: lw.dense_up(),
             up_bias: lw.ffn_up_b.as_deref(),
             down_t: model.down_t(l),
             down: lw.ffn_down,
@@ -250,14 +250,18 @@ fn union_ffn(
     let keep = Some(&s.keep[..n * n_ff]);
     match (&lw.ffn_gate, gate_ready) {
         (Some(g), false) => matmul_selected(
-            &[*g, lw.ffn_up],
+            &[*g, lw.dense_up()],
             sel,
             keep,
             &s.acts,
             &mut [&mut s.sel_gate, &mut s.sel_up],
         ),
-        (Some(_), true) => matmul_selected(&[lw.ffn_up], sel, keep, &s.acts, &mut [&mut s.sel_up]),
-        (None, false) => matmul_selected(&[lw.ffn_up], sel, keep, &s.acts, &mut [&mut s.sel_gate]),
+        (Some(_), true) => {
+            matmul_selected(&[lw.dense_up()], sel, keep, &s.acts, &mut [&mut s.sel_up])
+        }
+        (None, false) => {
+            matmul_selected(&[lw.dense_up()], sel, keep, &s.acts, &mut [&mut s.sel_gate])
+        }
         (None, true) => {}
     }
     // h (n, n_ff) in s.up: act(gate, up) where the token selected the neuron, else 0
@@ -290,7 +294,7 @@ fn gate_values(lw: &LayerWeights, x: &Activations, gate: &mut [f32]) {
     match &lw.ffn_gate {
         Some(g) => matmul(g, x, gate),
         None => {
-            matmul(&lw.ffn_up, x, gate);
+            matmul(&lw.dense_up(), x, gate);
             add_bias(gate, lw.ffn_up_b.as_deref());
         }
     }
@@ -307,8 +311,8 @@ fn gate_and_up(
     gate_ready: bool,
 ) {
     match (&lw.ffn_gate, gate_ready) {
-        (Some(g), false) => matmul_many(&[*g, lw.ffn_up], x, &mut [gate, &mut *up]),
-        (Some(_), true) => matmul(&lw.ffn_up, x, up),
+        (Some(g), false) => matmul_many(&[*g, lw.dense_up()], x, &mut [gate, &mut *up]),
+        (Some(_), true) => matmul(&lw.dense_up(), x, up),
         (None, false) => gate_values(lw, x, gate),
         (None, true) => {}
     }

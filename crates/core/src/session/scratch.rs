@@ -52,6 +52,11 @@ pub(crate) struct Scratch {
     pub(crate) scores: Vec<Vec<f32>>, // decode: per kv head, or per piece of the cache, attention scores
     pub(crate) split_out: Vec<f32>, // decode: (pieces, q_dim) unnormalised attention output per piece
     pub(crate) split_parts: Vec<crate::attention::Partial>, // decode: (pieces, n_head) max and sum per piece
+    pub(crate) router_logits: Vec<f32>, // (n, n_expert) router logits, then probabilities
+    pub(crate) routes: Vec<(u32, f32)>, // (n, n_used) each row's experts and weights
+    pub(crate) expert_rows: Vec<(u32, f32)>, // the rows routed to one expert, and their weights
+    pub(crate) expert_in: Vec<f32>,     // (rows, n_embd) those rows' inputs
+    pub(crate) expert_out: Vec<f32>,    // (rows, n_embd) one expert's (or the shared one's) output
     pub(crate) acts: Activations,
     pub(crate) pred_acts: Activations,
     pub(crate) sparse: SparseScratch,

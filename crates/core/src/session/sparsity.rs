@@ -116,6 +116,9 @@ impl Session {
     pub fn set_sparsity(&mut self, sp: Sparsity) -> Result<()> {
         let model = Arc::clone(&self.model);
         let c = &model.config;
+        if !matches!(sp, Sparsity::Dense) {
+            model.dense_ffn_only("sparsity modes other than 'dense'")?;
+        }
         match &sp {
             Sparsity::Dense => {}
             Sparsity::Predictor { cutoff, layer_cutoffs, .. } => {

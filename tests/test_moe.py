@@ -1,0 +1,249 @@
+"""Mixture-of-experts models as llama.cpp writes them (Mixtral as `llama` with experts,
+`qwen2moe` with its sigmoid-gated shared expert, `qwen3moe`, `olmoe`), on tiny random files:
+logits against the independent float64 reference (tests/reference.py), a prompt against the
+same tokens one at a time and a batch of sessions against each alone (bit for bit), the bytes a
+decode token reads, and the bad files and requests each refused with a message naming the
+problem."""
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from powerinfer_rs import Engine, ModelError, _core
+from reference import forward, read_weights
+from synth import write_model
+
+# ||engine - reference|| / ||reference||, per token: f32 against f64 (float weights) over a
+# prompt, and against a reference that rounds activations to int8 as the engine does
+# (quantized weights), each token alone, where only float error remains
+FLOAT_TOL = 2e-4
+QUANT_TOL = 1e-4
+# Tokens that came within rounding error of another choice are not comparable: routing whose
+# router logits for the last chosen expert and the next differ by less than this (float error,
+# or an int8-rounded model's) may pick the other expert, and an activation this near (in int8
+# steps, of which a block has up to 127: f32 holds ~7 digits) to a rounding tie rounds apart
+# in f32 and f64 (moving that token's logits by ~1%)
+NEAR_ROUTING_TIE = {"float": 1e-3, "int8": 5e-2}
+NEAR_ROUNDING_TIE = 1e-5
+
+FAMILIES = {
+    # Mixtral: a `llama` file with experts, n_ff wide, the chosen weights normalised
+    "mixtral": dict(arch="llama", experts=dict(n_expert=8, n_used=2, ff_key=False)),
+    # Qwen2-MoE: attention biases, weights as they are, a shared expert
+    "qwen2moe": dict(arch="qwen2moe", bias=True, experts=dict(n_expert=8, n_used=4, shared=True)),
+    # Qwen3-MoE: per-head q/k norms, normalised weights, many small experts
+    "qwen3moe": dict(arch="qwen3moe", experts=dict(n_expert=16, n_used=4)),
+    # OLMoE: q and k normed whole, weights as they are
+    "olmoe": dict(arch="olmoe", n_head_kv=4, experts=dict(n_expert=8, n_used=2, ff_key=False)),
+}
+
+
+def write_moe(path, family, dtype=Q.F32, **overrides):
+    """`family`'s tiny model in `dtype`; the widths are whole 256-weight super-blocks."""
+    kw = dict(FAMILIES[family])
+    experts = dict(kw.pop("experts"))
+    shared = experts.pop("shared", False)
+    experts.update(n_ff_exp=256, n_ff_shared=256 if shared else 0)
+    experts.update(overrides.pop("experts", {}))
+    kw.update(n_embd=256, n_ff=256, n_head=4, n_head_kv=kw.get("n_head_kv", 2), head_dim=64)
+    kw.update(overrides)
+    return write_model(path, dtype=dtype, experts=experts, **kw)
+
+
+def relative_errors(got, ref):
+    return np.linalg.norm(got - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
+
+
+@pytest.mark.parametrize("dtype", [Q.F32, Q.Q4_0, Q.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_float64_reference(tmp_path, family, dtype):
+    path = write_moe(tmp_path / "m.gguf", family, dtype)
+    model = _core.Model(path, 2)
+    ids = np.random.default_rng(1).integers(0, model.config()["n_vocab"], size=40).tolist()
+    w, meta = read_weights(path)
+    int8 = dtype != Q.F32
+    routing = np.full(len(ids), np.inf)
+    rounding = np.full(len(ids), np.inf)
+    if not int8:
+        # a prompt
+        ref = forward(w, meta, ids, routing_margin=routing)
+        got = _core.Session(model, 64, "f32").eval(ids, all_logits=True)
+    else:
+        # each token alone
+        ids, routing, rounding = ids[:16], routing[:16], rounding[:16]
+        ref = np.concatenate(
+            [
+                forward(
+                    w,
+                    meta,
+                    [t],
+                    int8_activations=True,
+                    routing_margin=routing[i : i + 1],
+                    rounding_margin=rounding[i : i + 1],
+                )
+                for i, t in enumerate(ids)
+            ]
+        )
+        got = np.stack([_core.Session(model, 8, "f32").eval([t]) for t in ids])
+    comparable = (routing > NEAR_ROUTING_TIE["int8" if int8 else "float"]) & (
+        rounding > NEAR_ROUNDING_TIE
+    )
+    assert comparable.mean() >= 0.75, f"mostly near ties: routing {routing}, rounding {rounding}"
+    rel = relative_errors(got, ref)[comparable]
+    assert rel.max() < (QUANT_TOL if int8 else FLOAT_TOL), f"relative errors {rel}"
+    # the reference tells the routing apart: the same experts, chosen by the least probable
+    # instead, are far away
+    router = [k for k in w if k.endswith("ffn_gate_inp.weight")]
+    flipped = {**w, **{k: -w[k] for k in router}}
+    far = relative_errors(got, forward(flipped, meta, ids, int8_activations=int8))
+    assert np.median(far) > 100 * QUANT_TOL, f"routing by the least probable is only {far}"
+
+
+# every weight type the engine computes with, as the experts' type
+ALL_TYPES = [Q[t["name"]] for t in _core.weight_types()]
+
+
+@pytest.mark.parametrize("dtype", ALL_TYPES, ids=lambda t: t.name)
+def test_experts_in_every_weight_type(tmp_path, dtype):
+    test_logits_match_float64_reference(tmp_path, "qwen3moe", dtype)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompt_equals_token_by_token_and_a_batch_equals_each_alone(tmp_path, family):
+    path = write_moe(tmp_path / "m.gguf", family, Q.Q4_K)
+    model = _core.Model(path, 2)
+    ids = np.random.default_rng(2).integers(0, model.config()["n_vocab"], size=24).tolist()
+    whole = _core.Session(model, 64, "f32").eval(ids, all_logits=True)
+    one = _core.Session(model, 64, "f32")
+    steps = np.stack([one.eval([t]) for t in ids])
+    np.testing.assert_array_equal(steps, whole)
+    # three sessions at different positions, their next tokens as one pass (the rows share
+    # experts or not by their own routing)
+    prompts = [ids[:5], ids[5:12], ids[12:14]]
+    alone = [_core.Session(model, 64, "f32") for _ in prompts]
+    batched = [_core.Session(model, 64, "f32") for _ in prompts]
+    for p, a, b in zip(prompts, alone, batched):
+        a.eval(p)
+        b.eval(p)
+    for step in range(4):
+        nxt = [ids[(7 * i + step) % len(ids)] for i in range(len(prompts))]
+        want = np.stack([a.eval([t]) for a, t in zip(alone, nxt)])
+        np.testing.assert_array_equal(_core.eval_batch(batched, nxt), want, err_msg=f"step {step}")
+
+
+def test_a_decode_token_reads_only_its_experts(tmp_path):
+    path = write_moe(tmp_path / "m.gguf", "qwen2moe", Q.Q4_0)
+    f = _core.GgufFile(path)
+    size = {t["name"]: t["n_bytes"] for t in f.tensors()}
+    cfg = _core.Model(path, 2).config()
+    n_layer, e, k = cfg["n_layer"], cfg["experts"]["n_expert"], cfg["experts"]["n_expert_used"]
+
+    def layer_bytes(names):
+        return sum(size[f"blk.{i}.{n}.weight"] for i in range(n_layer) for n in names)
+
+    # (the counters cover every layer matrix: attention's too)
+    attention = layer_bytes(["attn_q", "attn_k", "attn_v", "attn_output"])
+    always = attention + layer_bytes(
+        ["ffn_gate_inp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"]
+    )
+    experts = layer_bytes(["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"])
+    s = _core.Session(_core.Model(path, 2), 32, "f32")
+    s.eval([5, 6, 7])
+    s.take_stats()
+    s.eval([8])
+    st = s.take_stats()
+    assert st["weight_bytes"] == always + experts
+    assert st["weight_bytes_read"] == always + experts * k // e
+    n_ff_exp = cfg["experts"]["n_ff_exp"]
+    assert st["neurons"] == n_layer * e * n_ff_exp
+    assert st["skipped"] == n_layer * (e - k) * n_ff_exp
+
+
+def test_the_engine_runs_a_moe_file_and_reports_its_experts(tmp_path):
+    path = write_moe(tmp_path / "m.gguf", "qwen3moe", Q.Q4_0)
+    engine = Engine.load(path, threads=2, device="cpu")
+    experts = engine._model.config()["experts"]
+    assert experts == dict(
+        n_expert=16,
+        n_expert_used=4,
+        n_ff_exp=256,
+        n_ff_shared=0,
+        normalize_weights=True,
+        weights_scale=1.0,
+    )
+    text = "".join(engine.stream("the", max_tokens=8, temperature=0))
+    assert len(text) > 0
+    dense = write_model(tmp_path / "d.gguf")
+    assert _core.Model(dense, 2).config()["experts"] is None
+
+
+@pytest.mark.parametrize(
+    "what, kwargs, message",
+    [
+        (
+            "no expert used",
+            dict(experts=dict(n_used=0)),
+            r"expert_used_count = 0 must be between 1 and",
+        ),
+        (
+            "more used than there are",
+            dict(experts=dict(n_used=9)),
+            r"expert_used_count = 9 must be between 1 and .*expert_count = 8",
+        ),
+        (
+            "an expert tensor missing",
+            dict(skip=("blk.1.ffn_up_exps.weight",)),
+            r"blk\.1\.ffn_up_exps\.weight is missing",
+        ),
+        (
+            "experts of the wrong width",
+            dict(extra_meta={"expert_feed_forward_length": 128}),
+            r"blk\.0\.ffn_gate_exps\.weight has shape \[8, 256, 256\], expected \[8, 128, 256\]",
+        ),
+        (
+            "a router of the wrong size",
+            dict(extra_meta={"expert_count": 16}, experts=dict(n_used=2)),
+            r"blk\.0\.ffn_gate_inp\.weight has shape \[8, 256\], expected \[16, 256\]",
+        ),
+        (
+            "a shared expert missing its gate",
+            dict(skip=("blk.0.ffn_gate_inp_shexp.weight",)),
+            r"blk\.0\.ffn_gate_inp_shexp\.weight is missing",
+        ),
+    ],
+)
+def test_bad_moe_files_name_the_key_or_tensor(tmp_path, what, kwargs, message):
+    family = "qwen2moe"
+    overrides = dict(kwargs)
+    if "experts" in overrides:
+        overrides["experts"] = {"n_expert": 8, **overrides["experts"]}
+    path = write_moe(tmp_path / "m.gguf", family, Q.Q4_0, **overrides)
+    with pytest.raises(ModelError, match=message):
+        _core.Model(path, 2)
+
+
+def test_an_expert_count_of_zero_is_named(tmp_path):
+    path = write_model(tmp_path / "m.gguf", arch="qwen3moe", n_embd=64)
+    with pytest.raises(ModelError, match=r"qwen3moe\.expert_count must be > 0"):
+        _core.Model(path, 2)
+
+
+@pytest.mark.parametrize("arch", ["deepseek2", "gpt-oss", "dbrx"])
+def test_other_moe_families_are_refused_by_name(tmp_path, arch):
+    path = write_model(tmp_path / "m.gguf", arch=arch)
+    with pytest.raises(
+        ModelError, match=f"'{arch}' is a mixture-of-experts architecture .*qwen3moe"
+    ):
+        _core.Model(path, 2)
+
+
+def test_neuron_sparsity_and_profiling_are_refused_on_experts(tmp_path):
+    path = write_moe(tmp_path / "m.gguf", "mixtral", Q.Q4_0)
+    s = _core.Session(_core.Model(path, 2), 32, "f32")
+    with pytest.raises(ValueError, match="not supported on mixture-of-experts models"):
+        s.set_sparsity("threshold", layer_thresholds=[0.1, 0.1])
+    with pytest.raises(ValueError, match="capturing FFN activations: not supported on mixture"):
+        s.set_capture(True)
+    with pytest.raises(ValueError, match="calibration: not supported on mixture-of-experts"):
+        s.calibrate(list(range(20)), 8, [0.5])
+    # the session still runs densely
+    assert s.eval([1, 2, 3]).shape == (264,)
