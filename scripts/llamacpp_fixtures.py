@@ -4,9 +4,11 @@ the oracle tests/test_llamacpp_fixtures.py compares the engine with.
 - One F16 model per architecture whose layer differs from LLaMA's (qwen3, gemma, gemma2,
   gemma3, phi3, llama with Llama 3's rope_freqs and linear RoPE scaling, qwen2 with YaRN, phi3 with LongRoPE),
   written with the `gguf` package under the keys llama.cpp's converter writes.
+- One F16 model per mixture-of-experts family: Mixtral (llama with experts), qwen2moe,
+  qwen3moe, olmoe.
 - One F32 llama model (n_embd 256, so that every k-quant fits) quantized by llama.cpp's own
   quantizer into each preset of `llama-quantize`: Q2_K, Q3_K_M, Q4_K_S, Q4_K_M, Q5_K_M, Q6_K,
-  IQ4_XS (the float model itself is not kept).
+  IQ4_XS (the float model itself is not kept); and a qwen3moe one into Q4_K_M.
 
 Needs llama-cpp-python built from source (see README, "Against llama.cpp"):
 
@@ -47,6 +49,16 @@ ARCHITECTURES = {
     "qwen2-yarn": dict(arch="qwen2", bias=True, rope_scaling=4.0, yarn_original_ctx=64),
     # llama.cpp's context (128) and the test's sessions (64) exceed the original 32: long factors
     "phi3-longrope": dict(arch="phi3", n_head_kv=4, longrope_original_ctx=32),
+    # mixtures of experts: Mixtral (llama with experts, n_ff wide), Qwen2-MoE with its shared
+    # expert and attention biases, Qwen3-MoE, OLMoE (q and k normed whole)
+    "mixtral": dict(arch="llama", experts=dict(n_expert=4, n_used=2, n_ff_exp=96, ff_key=False)),
+    "qwen2moe": dict(
+        arch="qwen2moe", bias=True, experts=dict(n_expert=4, n_used=2, n_ff_exp=64, n_ff_shared=96)
+    ),
+    "qwen3moe": dict(arch="qwen3moe", head_dim=32, experts=dict(n_expert=8, n_used=3, n_ff_exp=32)),
+    "olmoe": dict(
+        arch="olmoe", n_head_kv=4, experts=dict(n_expert=4, n_used=2, ff_key=False, n_ff_exp=96)
+    ),
 }
 
 PRESETS = {
@@ -103,6 +115,25 @@ def main() -> None:
             path = OUT / f"llama-{name}.gguf"
             quantize(src, path, ftype)
             logits[f"llama-{name}"] = llama_cpp_logits(path, ids)
+        # the experts as llama.cpp's quantizer lays them out in its most used preset
+        src = Path(d) / "moe-f32.gguf"
+        write_model(
+            src,
+            arch="qwen3moe",
+            dtype=Q.F32,
+            n_embd=256,
+            n_ff=256,
+            n_layer=1,
+            n_head=4,
+            n_head_kv=2,
+            head_dim=64,
+            n_ctx=512,
+            seed=6,
+            experts=dict(n_expert=4, n_used=2, n_ff_exp=256),
+        )
+        path = OUT / "qwen3moe-Q4_K_M.gguf"
+        quantize(src, path, PRESETS["Q4_K_M"])
+        logits["qwen3moe-Q4_K_M"] = llama_cpp_logits(path, ids)
     np.savez_compressed(
         OUT / "logits.npz", **logits, llama_cpp_version=np.array(llama_cpp.__version__)
     )
