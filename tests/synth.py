@@ -197,7 +197,7 @@ def write_model(
         """A (rows, cols) matrix, or `stack` of them as one 3-D tensor, in `t` or `dtype`."""
         if name in skip:
             return
-        t = t or dtype
+        t = dtype if t is None else t
         lead = () if stack is None else (stack,)
         a = (rng.standard_normal((*lead, rows, cols)) * scale * weight_scale).astype(np.float32)
         if t == Q.F32:
@@ -261,7 +261,7 @@ def write_model(
         vec(p + "ffn_norm.weight", n_embd)
         if experts is not None:
             n_expert, n_exp_ff = experts["n_expert"], experts["n_ff_exp"]
-            mat(p + "ffn_gate_inp.weight", n_expert, n_embd, 0.3, t=Q.F32)
+            mat(p + "ffn_gate_inp.weight", n_expert, n_embd, 1.0, t=Q.F32)
             mat(p + "ffn_gate_exps.weight", n_exp_ff, n_embd, 0.2, stack=n_expert)
             mat(p + "ffn_up_exps.weight", n_exp_ff, n_embd, 0.2, stack=n_expert)
             mat(p + "ffn_down_exps.weight", n_embd, n_exp_ff, 0.15, stack=n_expert)

@@ -87,7 +87,7 @@ def test_logits_match_float64_reference(tmp_path, family, dtype):
     comparable = (routing > NEAR_ROUTING_TIE["int8" if int8 else "float"]) & (
         rounding > NEAR_ROUNDING_TIE
     )
-    assert comparable.mean() >= 0.75, f"mostly near ties: routing {routing}, rounding {rounding}"
+    assert comparable.mean() >= 0.5, f"mostly near ties: routing {routing}, rounding {rounding}"
     rel = relative_errors(got, ref)[comparable]
     assert rel.max() < (QUANT_TOL if int8 else FLOAT_TOL), f"relative errors {rel}"
     # the reference tells the routing apart: the same experts, chosen by the least probable

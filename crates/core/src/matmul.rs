@@ -284,6 +284,36 @@ impl Activations {
         }
     }
 
+    /// Loads rows `rows` of `src`, as `set_for` would load those rows' values: every form
+    /// `src` holds (each is row by row, so a row's blocks do not depend on the other rows).
+    pub fn gather_rows(&mut self, src: &Activations, rows: impl Iterator<Item = usize> + Clone) {
+        let n = rows.clone().count();
+        self.n = n;
+        self.cols = src.cols;
+        fn gather<T: Copy>(
+            out: &mut Vec<T>,
+            src: &[T],
+            n_src: usize,
+            rows: impl Iterator<Item = usize>,
+        ) {
+            out.clear();
+            if n_src == 0 || src.is_empty() {
+                return;
+            }
+            let per_row = src.len() / n_src;
+            rows.for_each(|r| out.extend_from_slice(&src[r * per_row..(r + 1) * per_row]));
+        }
+        gather(&mut self.f32s, &src.f32s, src.n, rows.clone());
+        gather(&mut self.q8, &src.q8, src.n, rows.clone());
+        gather(&mut self.quads, &src.quads, src.n, rows.clone());
+        gather(&mut self.q8k, &src.q8k, src.n, rows.clone());
+        // (the row groups' sums start from it only for GROUP_MIN_TOKENS rows and more)
+        match n >= GROUP_MIN_TOKENS {
+            true => gather(&mut self.q8_bias, &src.q8_bias, src.n, rows),
+            false => self.q8_bias.clear(),
+        }
+    }
+
     fn f32_row(&self, t: usize) -> &[f32] {
         &self.f32s[t * self.cols..(t + 1) * self.cols]
     }
@@ -474,18 +504,27 @@ impl OutPtr {
 /// Several products that share one input, in one parallel pass (e.g. q, k and v):
 /// `outs[i]` (n, mats[i].rows) = x (n, cols) @ mats[i]^T. One pass means one fork/join for all.
 pub fn matmul_many(mats: &[QMatrix], x: &Activations, outs: &mut [&mut [f32]]) {
+    assert!(mats.len() <= MAX_MATS, "matmul_many takes at most {MAX_MATS} matrices");
+    matmul_each(mats, &[x; MAX_MATS][..mats.len()], outs);
+}
+
+/// Products each of its own input, in one parallel pass (e.g. the experts a batch of tokens
+/// chose, each over the rows routed to it): `outs[i]` (xs[i].n, mats[i].rows) = xs[i] @
+/// mats[i]^T. Each value is the one `matmul` computes for that matrix and input alone.
+pub fn matmul_each(mats: &[QMatrix], xs: &[&Activations], outs: &mut [&mut [f32]]) {
     assert_eq!(mats.len(), outs.len());
-    let n = x.n;
-    for (m, o) in mats.iter().zip(outs.iter()) {
+    assert_eq!(mats.len(), xs.len());
+    for ((m, o), x) in mats.iter().zip(outs.iter()).zip(xs) {
         assert_eq!(m.cols, x.cols, "matmul: weight has {} columns, input has {}", m.cols, x.cols);
-        assert_eq!(o.len(), n * m.rows, "matmul: output buffer has the wrong size");
+        assert_eq!(o.len(), x.n * m.rows, "matmul: output buffer has the wrong size");
         if m.dtype.is_quantized() && !m.dtype.reads_q8k() {
-            assert_eq!(x.q8.len(), n * x.cols / QK);
+            assert_eq!(x.q8.len(), x.n * x.cols / QK);
         }
         if m.dtype.reads_q8k() {
-            assert_eq!(x.q8k.len(), n * x.cols / QK_K);
+            assert_eq!(x.q8k.len(), x.n * x.cols / QK_K);
         }
     }
+    let n = xs.iter().map(|x| x.n).max().unwrap_or(0);
     let threads = rayon::current_num_threads().max(1);
     let total_rows: usize = mats.iter().map(|m| m.rows).sum();
     // Enough chunks for load balance, few enough that per-task overhead stays small. A prompt's
@@ -497,19 +536,28 @@ pub fn matmul_many(mats: &[QMatrix], x: &Activations, outs: &mut [&mut [f32]]) {
     let target_chunks = threads * if n == 1 || n >= GROUP_MIN_TOKENS { 8 } else { 16 };
     let chunk = (total_rows.div_ceil(target_chunks)).clamp(4, 4096).next_multiple_of(4);
     // Task k covers rows of one matrix; first_task[i] is matrix i's first task. Fixed-size
-    // arrays, so that a decode step allocates nothing here.
-    assert!(mats.len() <= MAX_MATS, "matmul_many takes at most {MAX_MATS} matrices");
-    let mut first_task = [0usize; MAX_MATS + 1];
-    let mut ptrs = [OutPtr(std::ptr::null_mut()); MAX_MATS];
+    // arrays up to MAX_MATS matrices, so that a decode step's projections allocate nothing.
+    let (mut first_task_fixed, mut ptrs_fixed) =
+        ([0usize; MAX_MATS + 1], [OutPtr(std::ptr::null_mut()); MAX_MATS]);
+    let (mut first_task_grown, mut ptrs_grown) = (Vec::new(), Vec::new());
+    let (first_task, ptrs): (&mut [usize], &mut [OutPtr]) = if mats.len() <= MAX_MATS {
+        (&mut first_task_fixed[..mats.len() + 1], &mut ptrs_fixed[..mats.len()])
+    } else {
+        first_task_grown.resize(mats.len() + 1, 0);
+        ptrs_grown.resize(mats.len(), OutPtr(std::ptr::null_mut()));
+        (&mut first_task_grown[..], &mut ptrs_grown[..])
+    };
     for (i, (m, o)) in mats.iter().zip(outs.iter_mut()).enumerate() {
         first_task[i + 1] = first_task[i] + m.rows.div_ceil(chunk);
         ptrs[i] = OutPtr(o.as_mut_ptr());
     }
+    let (first_task, ptrs) = (&*first_task, &*ptrs);
     let level = simd_level();
     (0..first_task[mats.len()]).into_par_iter().for_each(|task| {
-        let i =
-            (0..mats.len()).rfind(|&i| first_task[i] <= task).expect("task 0 belongs to matrix 0");
-        let (w, out) = (&mats[i], ptrs[i]);
+        // the last matrix whose first task is at or before this one (a matrix of no rows has
+        // no tasks)
+        let i = first_task.partition_point(|&f| f <= task) - 1;
+        let (w, x, out) = (&mats[i], xs[i], ptrs[i]);
         let r0 = (task - first_task[i]) * chunk;
         let r1 = (r0 + chunk).min(w.rows);
         let rows = w.rows;

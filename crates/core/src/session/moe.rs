@@ -6,7 +6,11 @@
 //! rows share its pass: its experts' contributions are added in expert order, and every
 //! product is the one it would be alone.
 
-use super::{matmul, matmul_many, FfnActivation, FfnStats, Model, Scratch};
+use super::{
+    matmul, matmul_each, matmul_many, Activations, FfnActivation, FfnStats, Model, QMatrix, Scratch,
+};
+use rayon::iter::{IndexedParallelIterator, ParallelIterator};
+use rayon::slice::{ParallelSlice, ParallelSliceMut};
 
 /// Layer `l`'s routing of n rows: router logits (n, n_expert) = xb @ router^T, a softmax per
 /// row, the `n_used` most probable experts (the lower index first among equals) with their
@@ -43,9 +47,10 @@ pub(crate) fn route_rows(model: &Model, s: &mut Scratch, l: usize, n: usize) {
 
 /// ffn_out (n, n_embd) = for each row, the sum over its routed experts (s.routes) of
 /// weight * down(silu(gate(xb)) * up(xb)), in expert order, plus the shared expert's output
-/// times sigmoid(gate_inp . xb) where the layer has one. Counts neurons, the routed-away ones
-/// as skipped, and the weight bytes each row reads (router, shared expert, its own experts)
-/// against those of running every expert.
+/// times sigmoid(gate_inp . xb) where the layer has one. Every chosen expert's products run in
+/// one parallel pass (gate and up, then down), each over the rows routed to it. Counts neurons,
+/// the routed-away ones as skipped, and the weight bytes each row reads (router, shared
+/// expert, its own experts) against those of running every expert.
 pub(crate) fn expert_rows(
     model: &Model,
     s: &mut Scratch,
@@ -56,42 +61,81 @@ pub(crate) fn expert_rows(
     let (c, lw) = (&model.config, &model.weights.layers[l]);
     let (cfg, mw) = (c.moe.expect("a mixture-of-experts model"), lw.moe.as_ref().expect("experts"));
     let (dim, ff, k) = (c.n_embd, cfg.n_ff_exp, cfg.n_used);
+    let total = n * k;
+
+    // the rows routed to each expert (ascending), expert by expert: expert e's are
+    // s.expert_rows[s.expert_start[e]..s.expert_start[e + 1]], as (row, weight)
+    let start = &mut s.expert_start;
+    start.clear();
+    start.resize(cfg.n_expert + 1, 0);
+    s.routes[..total].iter().for_each(|&(e, _)| start[e as usize + 1] += 1);
+    (0..cfg.n_expert).for_each(|e| start[e + 1] += start[e]);
+    s.expert_fill.clear();
+    s.expert_fill.extend_from_slice(&start[..cfg.n_expert]);
+    s.expert_rows.resize(total, (0, 0.0));
+    for (i, &(e, w)) in s.routes[..total].iter().enumerate() {
+        let slot = &mut s.expert_fill[e as usize];
+        s.expert_rows[*slot] = ((i / k) as u32, w);
+        *slot += 1;
+    }
+    let chosen: Vec<usize> = (0..cfg.n_expert).filter(|&e| start[e + 1] > start[e]).collect();
+    let rows_of = |e: usize| start[e]..start[e + 1];
+
+    // each chosen expert's input rows, from xb quantized once
+    s.acts.set_for(&s.xb[..n * dim], n, dim, &[mw.gate_exps, mw.up_exps]);
+    s.expert_acts.resize_with(chosen.len(), Default::default);
+    for (a, &e) in chosen.iter().enumerate() {
+        let rows = s.expert_rows[rows_of(e)].iter().map(|&(t, _)| t as usize);
+        s.expert_acts[a].gather_rows(&s.acts, rows);
+    }
+    // gate and up (total, n_ff_exp) each, expert by expert; h = silu(gate) * up
+    s.gate.resize(total * ff, 0.0);
+    s.up.resize(total * ff, 0.0);
+    {
+        let experts: Vec<_> = chosen.iter().map(|&e| mw.expert(e)).collect();
+        let mats: Vec<QMatrix> = experts.iter().flat_map(|ex| [ex.gate, ex.up]).collect();
+        let xs: Vec<&Activations> = s.expert_acts.iter().flat_map(|a| [a, a]).collect();
+        let mut outs: Vec<&mut [f32]> = Vec::with_capacity(mats.len());
+        let (mut gate, mut up) = (&mut s.gate[..total * ff], &mut s.up[..total * ff]);
+        for &e in &chosen {
+            let m = rows_of(e).len() * ff;
+            let (g, rest_g) = std::mem::take(&mut gate).split_at_mut(m);
+            let (u, rest_u) = std::mem::take(&mut up).split_at_mut(m);
+            outs.extend([g, u]);
+            (gate, up) = (rest_g, rest_u);
+        }
+        matmul_each(&mats, &xs, &mut outs);
+    }
+    s.gate[..total * ff]
+        .par_chunks_mut(4096)
+        .zip(s.up[..total * ff].par_chunks(4096))
+        .for_each(|(g, u)| FfnActivation::SwiGlu.apply_all(g, u));
+    // down (total, n_embd), each expert over its rows of h (quantized once)
+    s.h_acts.set_for(&s.gate[..total * ff], total, ff, &[mw.down_exps]);
+    s.down_acts.resize_with(chosen.len(), Default::default);
+    for (a, &e) in chosen.iter().enumerate() {
+        s.down_acts[a].gather_rows(&s.h_acts, rows_of(e));
+    }
+    s.expert_out.resize(total * dim, 0.0);
+    {
+        let mats: Vec<QMatrix> = chosen.iter().map(|&e| mw.expert(e).down).collect();
+        let xs: Vec<&Activations> = s.down_acts.iter().collect();
+        let mut outs: Vec<&mut [f32]> = Vec::with_capacity(mats.len());
+        let mut out = &mut s.expert_out[..total * dim];
+        for &e in &chosen {
+            let (o, rest) = std::mem::take(&mut out).split_at_mut(rows_of(e).len() * dim);
+            outs.push(o);
+            out = rest;
+        }
+        matmul_each(&mats, &xs, &mut outs);
+    }
+    // each row's sum, its experts in expert order
     let ffn_out = &mut s.ffn_out[..n * dim];
     ffn_out.fill(0.0);
-    for e in 0..cfg.n_expert {
-        // the rows routed to expert e, and their weights
-        s.expert_rows.clear();
-        s.expert_rows.extend(
-            s.routes[..n * k]
-                .iter()
-                .enumerate()
-                .filter(|(_, &(ex, _))| ex as usize == e)
-                .map(|(i, &(_, w))| ((i / k) as u32, w)),
-        );
-        let m = s.expert_rows.len();
-        if m == 0 {
-            continue;
-        }
-        let ex = mw.expert(e);
-        // their inputs (m, n_embd), gate and up (m, n_ff_exp), h = silu(gate) * up, down
-        s.expert_in.resize(m * dim, 0.0);
-        for (i, &(t, _)) in s.expert_rows.iter().enumerate() {
-            let t = t as usize;
-            s.expert_in[i * dim..(i + 1) * dim].copy_from_slice(&s.xb[t * dim..(t + 1) * dim]);
-        }
-        s.acts.set_for(&s.expert_in, m, dim, &[ex.gate, ex.up]);
-        s.gate.resize(m * ff, 0.0);
-        s.up.resize(m * ff, 0.0);
-        matmul_many(&[ex.gate, ex.up], &s.acts, &mut [&mut s.gate[..m * ff], &mut s.up[..m * ff]]);
-        FfnActivation::SwiGlu.apply_all(&mut s.gate[..m * ff], &s.up[..m * ff]);
-        s.acts.set_for(&s.gate[..m * ff], m, ff, &[ex.down]);
-        s.expert_out.resize(m * dim, 0.0);
-        matmul(&ex.down, &s.acts, &mut s.expert_out);
-        for (i, &(t, w)) in s.expert_rows.iter().enumerate() {
-            let t = t as usize;
-            let (out, y) = (&mut s.ffn_out[t * dim..(t + 1) * dim], &s.expert_out[i * dim..]);
-            out.iter_mut().zip(y).for_each(|(o, y)| *o += w * y);
-        }
+    for (i, &(t, w)) in s.expert_rows[..total].iter().enumerate() {
+        let t = t as usize;
+        let (out, y) = (&mut ffn_out[t * dim..(t + 1) * dim], &s.expert_out[i * dim..]);
+        out.iter_mut().zip(y).for_each(|(o, y)| *o += w * y);
     }
     let mut shared_bytes = 0;
     if let Some(sh) = &mw.shared {

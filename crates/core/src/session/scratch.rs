@@ -54,9 +54,13 @@ pub(crate) struct Scratch {
     pub(crate) split_parts: Vec<crate::attention::Partial>, // decode: (pieces, n_head) max and sum per piece
     pub(crate) router_logits: Vec<f32>, // (n, n_expert) router logits, then probabilities
     pub(crate) routes: Vec<(u32, f32)>, // (n, n_used) each row's experts and weights
-    pub(crate) expert_rows: Vec<(u32, f32)>, // the rows routed to one expert, and their weights
-    pub(crate) expert_in: Vec<f32>,     // (rows, n_embd) those rows' inputs
-    pub(crate) expert_out: Vec<f32>,    // (rows, n_embd) one expert's (or the shared one's) output
+    pub(crate) expert_rows: Vec<(u32, f32)>, // (n * n_used) the rows routed to each expert, expert by expert, and their weights
+    pub(crate) expert_start: Vec<usize>, // (n_expert + 1) where each expert's rows start in expert_rows
+    pub(crate) expert_fill: Vec<usize>,  // (n_expert) the next free slot of each expert's rows
+    pub(crate) expert_acts: Vec<Activations>, // per chosen expert: its rows of xb
+    pub(crate) h_acts: Activations, // (n * n_used, n_ff_exp) the experts' activations, quantized
+    pub(crate) down_acts: Vec<Activations>, // per chosen expert: its rows of h_acts
+    pub(crate) expert_out: Vec<f32>, // (n * n_used, n_embd) the experts' outputs (or (n, n_embd) the shared one's)
     pub(crate) acts: Activations,
     pub(crate) pred_acts: Activations,
     pub(crate) sparse: SparseScratch,
