@@ -179,6 +179,7 @@ def forward(
     n_ctx: int | None = None,
     routing_margin: np.ndarray | None = None,
     rounding_margin: np.ndarray | None = None,
+    routes: list | None = None,
 ) -> np.ndarray:
     """Logits (len(tokens), n_vocab) in float64. With `int8_activations`, inputs of quantized
     weight matrices are rounded to int8 blocks first (what the engine's integer kernels do).
@@ -200,7 +201,8 @@ def forward(
     (q and k RMSNormed whole). `routing_margin` (len(tokens),), if given, receives each token's
     smallest gap over the layers between the router logits of its last chosen expert and the
     next one: where it is within rounding error, the engine may legitimately pick the other.
-    `rounding_margin` (1,), if given with a single token, receives how near the int8 rounding
+    `routes`, if given, receives (layer, experts chosen (n, n_used)) per mixture-of-experts
+    layer. `rounding_margin` (1,), if given with a single token, receives how near the int8 rounding
     of its activations came to a tie (`tie_distance`), the smallest over every product."""
     arch = meta["general.architecture"]
     m = lambda k, d=None: meta.get(f"{arch}.{k}", d)
@@ -392,6 +394,9 @@ def forward(
         probs = np.exp(logits - logits.max(axis=1, keepdims=True))
         probs /= probs.sum(axis=1, keepdims=True)
         out = np.zeros_like(h)
+        if routes is not None:
+            chosen = np.argsort(-probs, axis=1, kind="stable")[:, :n_used]
+            routes.append((int(p.split(".")[1]), chosen))
         if routing_margin is not None and n_used < logits.shape[1]:
             # how near each token came to another choice: the gap between the router logits
             # of the last chosen expert and the next one, the smallest over the layers

@@ -247,3 +247,47 @@ def test_neuron_sparsity_and_profiling_are_refused_on_experts(tmp_path):
         s.calibrate(list(range(20)), 8, [0.5])
     # the session still runs densely
     assert s.eval([1, 2, 3]).shape == (264,)
+
+
+def test_routing_is_counted_per_session_and_profiled(tmp_path):
+    """The tokens each layer routed to each expert, counted per session (batched or not) as
+    the reference routes them; the profiler turns them into per-layer expert frequencies that
+    GPU placement and predictor training refuse, by name, to read as neurons."""
+    path = write_moe(tmp_path / "m.gguf", "olmoe", Q.F32)
+    model = _core.Model(path, 2)
+    cfg = model.config()
+    ids = np.random.default_rng(4).integers(0, cfg["n_vocab"], size=12).tolist()
+    w, meta = read_weights(path)
+
+    # the reference's routing of the same tokens
+    want = np.zeros((cfg["n_layer"], cfg["experts"]["n_expert"]), dtype=np.int64)
+    routes = []
+    forward(w, meta, ids, routes=routes)
+    for layer, chosen in routes:
+        np.add.at(want[layer], chosen.ravel(), 1)
+    s = _core.Session(model, 32, "f32")
+    s.eval(ids[:5])
+    for t in ids[5:]:
+        s.eval([t])
+    got = s.take_expert_counts()
+    assert got.dtype == np.uint64 and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+    assert (s.take_expert_counts() == 0).all()
+    assert (
+        _core.Session(_core.Model(write_model(tmp_path / "d.gguf"), 2), 8).take_expert_counts()
+        is None
+    )
+
+    from powerinfer_rs.offline import load_profile, profile, train
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the theory of the thing in an instant " * 40)
+    engine = Engine.load(path, threads=2, n_ctx=64, device="cpu")
+    p = profile(engine, str(corpus), tokens=200, window=64, plot=False, progress=False)
+    loaded = load_profile(p["path"])
+    assert loaded["unit"] == "expert" and loaded["counts"].shape == want.shape
+    # every window's tokens each routed to n_used experts in every layer
+    k = cfg["experts"]["n_expert_used"]
+    assert (loaded["counts"].sum(axis=1) == k * loaded["n_tokens"]).all()
+    with pytest.raises(ValueError, match="predictor training reads a profile of FFN neurons"):
+        train(p["path"])

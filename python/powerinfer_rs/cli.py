@@ -202,9 +202,15 @@ def cmd_profile(a: argparse.Namespace) -> int:
     from .offline.profiling import layer_stats
 
     stats = layer_stats(p)
-    print(
-        f"profiled {p['n_tokens']} tokens ({p['activation']}); training set {p['train_x'].shape[1]} tokens"
-    )
+    if p.get("unit") == "expert":
+        print(
+            f"profiled {p['n_tokens']} tokens: how often each layer routes to each of its "
+            f"{p['counts'].shape[1]} experts ({p['n_expert_used']} per token)"
+        )
+    else:
+        print(
+            f"profiled {p['n_tokens']} tokens ({p['activation']}); training set {p['train_x'].shape[1]} tokens"
+        )
     print("layer  sparsity  top10%_share")
     for l, st in enumerate(stats):
         print(f"{l:5d}  {st['sparsity']:8.3f}  {st['skew']:12.3f}")

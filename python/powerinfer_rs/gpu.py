@@ -38,7 +38,7 @@ from .placement import (
     whole_ffn_fits,
     write_gpu_index,
 )
-from .profile_file import activation_frequencies, load_profile
+from .profile_file import activation_frequencies, load_profile, require_neurons
 
 
 @dataclass
@@ -105,7 +105,7 @@ def plan_gpu(
     if profile is None and os.path.exists(path + ".profile.npz"):
         profile = path + ".profile.npz"
     if profile is not None:
-        freq = activation_frequencies(load_profile(profile))
+        freq = activation_frequencies(require_neurons(load_profile(profile), "GPU placement"))
         p = plan(
             mb,
             freq,

@@ -1,7 +1,9 @@
 """The activation profile file (`<model>.profile.npz`): per layer, how often each FFN neuron
 fired over the profiled tokens, the thresholds that define firing, and the predictor training
 set. The offline profiler writes it; the runtime reads it to place hot neurons on the GPU, as
-activation frequencies (`activation_frequencies`).
+activation frequencies (`activation_frequencies`). For a mixture-of-experts model the units are
+experts (`unit` = "expert"): how often each layer routed a token to each expert, and no
+training set.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def load_profile(path: str) -> dict:
         p[k] = int(p[k])
     for k in ("model", "architecture", "activation"):
         p[k] = str(p[k])
+    p["unit"] = str(p["unit"]) if "unit" in p else "neuron"
     p["target_sparsity"] = float(p["target_sparsity"])
     if p["version"] != PROFILE_VERSION:
         raise ValueError(
@@ -62,3 +65,13 @@ def activation_frequencies(profile: dict) -> list[np.ndarray]:
     `counts` over its `n_tokens` (float64; a profile of no tokens gives zeros)."""
     n_tokens = max(profile["n_tokens"], 1)
     return [np.asarray(c, dtype=np.float64) / n_tokens for c in profile["counts"]]
+
+
+def require_neurons(profile: dict, what: str) -> dict:
+    """`profile`, if it counts neurons; a ValueError naming `what` for an expert profile."""
+    if profile.get("unit", "neuron") != "neuron":
+        raise ValueError(
+            f"{what} reads a profile of FFN neurons; this one counts the experts of a "
+            f"mixture-of-experts model ({profile.get('model', '')})"
+        )
+    return profile

@@ -68,11 +68,19 @@ pub(crate) struct PassState {
     pub(crate) stats: FfnStats,
     /// Calibration or capture, watching the pass (see `observe.rs`).
     pub(crate) recorder: Option<Recorder>,
+    /// Mixture-of-experts models: how many of the session's rows each layer routed to each
+    /// expert since the last `take_expert_counts` (n_layer * n_expert; empty until counted).
+    pub(crate) expert_counts: Vec<u64>,
 }
 
 impl PassState {
     pub(crate) fn new(sparsity: Sparsity) -> PassState {
-        PassState { sparsity, stats: FfnStats::default(), recorder: None }
+        PassState {
+            sparsity,
+            stats: FfnStats::default(),
+            recorder: None,
+            expert_counts: Vec::new(),
+        }
     }
 }
 
@@ -165,6 +173,16 @@ impl Session {
     /// Returns the FFN counters gathered since the last call and resets them.
     pub fn take_stats(&mut self) -> FfnStats {
         std::mem::take(&mut self.state.stats)
+    }
+
+    /// Per layer and expert, the rows routed to it since the last call (n_layer * n_expert,
+    /// layer-major); None for a dense model. The offline profiler's expert frequencies.
+    pub fn take_expert_counts(&mut self) -> Option<Vec<u64>> {
+        let moe = self.model.config.moe?;
+        let n = self.model.config.n_layer * moe.n_expert;
+        let mut counts = std::mem::take(&mut self.state.expert_counts);
+        counts.resize(n, 0);
+        Some(counts)
     }
 
     /// FFN counters since the last `take_stats`, left in place.

@@ -575,6 +575,20 @@ impl PySession {
         Ok(d)
     }
 
+    /// Mixture-of-experts models: per layer and expert, the tokens routed to it since the last
+    /// call, (n_layer, n_expert) uint64; None for a dense model.
+    fn take_expert_counts<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Option<Bound<'py, PyArray2<u64>>>> {
+        let mut guard = lock(&self.inner)?;
+        let session = guard.cpu();
+        let n_layer = session.model.config.n_layer;
+        let Some(counts) = session.take_expert_counts() else { return Ok(None) };
+        let n_expert = counts.len() / n_layer;
+        Ok(Some(PyArray1::from_vec(py, counts).reshape([n_layer, n_expert])?))
+    }
+
     /// Runs `tokens` densely in windows and returns, per target sparsity, the per-layer
     /// |act(gate)| thresholds that skip that fraction of neurons. Leaves the session empty.
     /// Calibration is a dense pass on the CPU, a hybrid session's included (its CPU state; the

@@ -19,7 +19,7 @@ from ..placement import (
     plan,
     write_gpu_index,
 )
-from ..profile_file import activation_frequencies, load_profile
+from ..profile_file import activation_frequencies, load_profile, require_neurons
 
 
 def place(
@@ -47,7 +47,7 @@ def place(
         raise ValueError(f"group must be >= 1, got {group}")
     if not (isinstance(time_limit, (int, float)) and math.isfinite(time_limit) and time_limit > 0):
         raise ValueError(f"time_limit must be a positive number, got {time_limit!r}")
-    freq = activation_frequencies(load_profile(profile))
+    freq = activation_frequencies(require_neurons(load_profile(profile), "placement"))
     mb = model_bytes(model, n_ctx)
     cpu_bw = cpu_bandwidth if cpu_bandwidth is not None else measure_cpu_bandwidth()
     p = plan(mb, freq, budget, cpu_bw, gpu_bandwidth, sync_latency, group, time_limit, kv_type)

@@ -49,7 +49,9 @@ def profile(
 ) -> dict:
     """Profiles the model of `engine` (an `Engine` on the CPU in dense mode, with a context of
     at least `window`) on up to `tokens` tokens of `corpus`, keeping the FFN inputs and labels
-    of the first `train_tokens` of them for predictor training. Writes `output` (default
+    of the first `train_tokens` of them for predictor training. A mixture-of-experts model's
+    profile counts how often each layer routes a token to each expert instead (`unit` =
+    "expert"; no training set). Writes `output` (default
     `<model>.profile.npz`) and, unless `plot` is False, a PNG (default `<output>.png`).
     Returns the profile as a dict (see `profile_file.load_profile`)."""
     for name, v in (("tokens", tokens), ("window", window)):
@@ -78,6 +80,26 @@ def profile(
     train_tokens = min(train_tokens, len(ids))
 
     session = engine._session(window)
+    if cfg.get("experts"):
+        counts, seen = _count_experts(session, ids, window, progress)
+        result = {
+            "version": PROFILE_VERSION,
+            "model": os.path.basename(engine.path),
+            "architecture": cfg["architecture"],
+            "activation": activation,
+            "unit": "expert",
+            "n_tokens": seen,
+            "n_ff": cfg["experts"]["n_ff_exp"],
+            "n_embd": n_embd,
+            "n_expert_used": cfg["experts"]["n_expert_used"],
+            "target_sparsity": float("nan"),
+            "thresholds": np.zeros(n_layer, dtype=np.float32),
+            "counts": counts,
+            # (predictors choose neurons, not experts: no training set)
+            "train_x": np.zeros((n_layer, 0, n_embd), dtype=np.float16),
+            "train_labels": np.zeros((n_layer, 0, (counts.shape[1] + 7) // 8), dtype=np.uint8),
+        }
+        return _save(result, engine, output, plot)
     if activation in EXACT_ZERO_ACTIVATIONS:
         thresholds = np.zeros(n_layer, dtype=np.float32)
     else:
@@ -120,6 +142,10 @@ def profile(
         "train_x": train_x[:, : min(train_tokens, seen)],
         "train_labels": train_labels[:, : min(train_tokens, seen)],
     }
+    return _save(result, engine, output, plot)
+
+
+def _save(result: dict, engine, output: str | None, plot) -> dict:
     output = output or engine.path + ".profile.npz"
     save_profile(output, result)
     result["path"] = output
@@ -128,6 +154,29 @@ def profile(
             result, plot if isinstance(plot, str) else output + ".png"
         )
     return result
+
+
+def _count_experts(session, ids: list[int], window: int, progress: bool):
+    """A mixture-of-experts model's routing over `ids`, evaluated densely in windows as
+    `captured_windows` does: (counts (n_layer, n_expert) of the tokens each layer routed to
+    each expert, tokens evaluated)."""
+    session.take_expert_counts()
+    counts, seen = None, 0
+    bar = _progress(len(ids), progress)
+    try:
+        for start in range(0, len(ids), window):
+            chunk = ids[start : start + window]
+            if len(chunk) < 2:
+                break
+            session.truncate(0)
+            session.eval(chunk)
+            c = session.take_expert_counts().astype(np.int64)
+            counts = c if counts is None else counts + c
+            seen += len(chunk)
+            bar.update(len(chunk))
+    finally:
+        bar.close()
+    return counts, seen
 
 
 def captured_windows(session, ids: list[int], window: int):
@@ -165,7 +214,8 @@ def _progress(total: int, enabled: bool, desc: str = "profiling", unit: str = "t
 
 def plot_frequencies(p: dict, path: str) -> str:
     """Sorted activation frequency per layer on a log scale (left) and the share of all
-    activations that the most frequent neurons carry (right)."""
+    activations that the most frequent neurons carry (right); for an expert profile, the
+    same of how often each expert is routed to."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -173,6 +223,8 @@ def plot_frequencies(p: dict, path: str) -> str:
 
     freq = np.stack(activation_frequencies(p))
     n_layer, n_ff = freq.shape
+    unit = "expert" if p.get("unit") == "expert" else "neuron"
+    what = "expert routing" if unit == "expert" else "FFN activation"
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     cmap = plt.get_cmap("viridis")
     rank = np.arange(1, n_ff + 1) / n_ff
@@ -184,12 +236,12 @@ def plot_frequencies(p: dict, path: str) -> str:
         if total > 0:
             b.plot(rank, np.cumsum(f) / total, color=color, lw=0.9)
     a.set_yscale("log")
-    a.set_xlabel("neuron rank (fraction of the layer, most frequent first)")
-    a.set_ylabel("activation frequency")
-    a.set_title(f"{p.get('model', '')}: sorted FFN activation frequency per layer")
+    a.set_xlabel(f"{unit} rank (fraction of the layer, most frequent first)")
+    a.set_ylabel(f"{'routing' if unit == 'expert' else 'activation'} frequency")
+    a.set_title(f"{p.get('model', '')}: sorted {what} frequency per layer")
     b.plot([0, 1], [0, 1], color="grey", ls="--", lw=0.8)
-    b.set_xlabel("fraction of neurons (most frequent first)")
-    b.set_ylabel("share of all activations")
+    b.set_xlabel(f"fraction of {unit}s (most frequent first)")
+    b.set_ylabel(f"share of all {'routings' if unit == 'expert' else 'activations'}")
     b.set_title(f"{p['n_tokens']} tokens; colour = layer (dark first)")
     sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(0, n_layer - 1))
     fig.colorbar(sm, ax=b, label="layer")
@@ -200,8 +252,8 @@ def plot_frequencies(p: dict, path: str) -> str:
 
 
 def layer_stats(p: dict) -> list[dict]:
-    """Per layer: mean sparsity (share of neurons not firing per token) and skew (share of
-    activations carried by the most frequent 10% of neurons)."""
+    """Per layer: mean sparsity (share of neurons, or experts, not firing per token) and skew
+    (share of activations, or routings, carried by the most frequent 10% of them)."""
     out = []
     counts = np.asarray(p["counts"], dtype=np.float64)
     for c in counts:

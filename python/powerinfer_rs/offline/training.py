@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..profile_file import load_profile
+from ..profile_file import load_profile, require_neurons
 from .profiling import _progress, layer_stats
 
 
@@ -161,6 +161,7 @@ def train(
     the hidden size instead of searching. Returns {'fc1': [...], 'fc2': [...], 'thresholds',
     'layers': [LayerResult...], 'path', 'report'}."""
     p = load_profile(profile) if isinstance(profile, str) else profile
+    require_neurons(p, "predictor training")
     if not (0.0 < recall_target <= 1.0):
         raise ValueError(f"recall_target must be in (0, 1], got {recall_target!r}")
     if not (0.0 < val_fraction < 0.5):

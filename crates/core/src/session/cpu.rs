@@ -428,7 +428,18 @@ impl Backend for CpuPass<'_> {
     }
 
     fn route(&mut self, l: usize) -> Result<()> {
-        route_rows(&self.model, &mut self.s, l, self.rows.len());
+        let (n, c) = (self.rows.len(), &self.model.config);
+        route_rows(&self.model, &mut self.s, l, n);
+        // each row's experts, counted for its session
+        let moe = c.moe.expect("a mixture-of-experts model");
+        let (n_expert, k) = (moe.n_expert, moe.n_used);
+        for (t, &(i, _)) in self.rows.iter().enumerate() {
+            let counts = &mut self.sessions[i].state.expert_counts;
+            counts.resize(c.n_layer * n_expert, 0);
+            for &(e, _) in &self.s.routes[t * k..(t + 1) * k] {
+                counts[l * n_expert + e as usize] += 1;
+            }
+        }
         Ok(())
     }
 
@@ -437,10 +448,7 @@ impl Backend for CpuPass<'_> {
         // dense (sparsity and recorders are refused on mixture-of-experts models)
         let mut stats = FfnStats::default();
         expert_rows(&self.model, &mut self.s, &mut stats, l, self.rows.len());
-        match &mut self.sessions[..] {
-            [se] => se.state.stats.add(stats),
-            sessions => count(sessions, stats),
-        }
+        count(&mut self.sessions, stats);
         Ok(())
     }
 
