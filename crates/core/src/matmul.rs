@@ -961,6 +961,67 @@ mod tests {
         }
     }
 
+    /// matmul_each over matrices of every type and inputs of 0 to 12 rows (across the row
+    /// groups' threshold), some gathered from rows of a bigger batch, equals matmul of each
+    /// alone on inputs quantized from their own floats, bit for bit.
+    #[test]
+    fn products_of_their_own_inputs_equal_each_alone_bit_for_bit() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        let cols = 256;
+        let batch_f = random_vec(20 * cols, 40);
+        let mut batch = Activations::default();
+        batch.set(&batch_f, 20, cols);
+        let row_sets: [&[usize]; 5] =
+            [&[3], &[0, 5, 7], &[1, 2, 4, 6, 8, 9, 11, 13, 17], &[19, 0], &[]];
+        for dtype in DType::ALL {
+            let rows = 37;
+            let data: Vec<u8> = match ALL.contains(&dtype) {
+                true => random_vec(rows * cols, 41)
+                    .chunks(cols)
+                    .flat_map(|r| quantize_row(dtype, r))
+                    .collect(),
+                // (formats the engine reads but never writes: random valid blocks)
+                false => (0..rows)
+                    .flat_map(|r| {
+                        crate::quant::chunks::tests::random_row(dtype, cols, 41 + r as u64)
+                    })
+                    .collect(),
+            };
+            let w = QMatrix { dtype, rows, cols, data: &data };
+            let mut inputs: Vec<Activations> = Vec::new();
+            let mut floats: Vec<Vec<f32>> = Vec::new();
+            for set in row_sets {
+                let mut a = Activations::default();
+                a.gather_rows(&batch, set.iter().copied());
+                inputs.push(a);
+                floats.push(
+                    set.iter().flat_map(|&r| batch_f[r * cols..(r + 1) * cols].to_vec()).collect(),
+                );
+            }
+            for n in [1, 4, 8, 12] {
+                let mut a = Activations::default();
+                a.set(&random_vec(n * cols, 42 + n as u64), n, cols);
+                floats.push(a.f32s.clone());
+                inputs.push(a);
+            }
+            let mats = vec![w; inputs.len()];
+            let xs: Vec<&Activations> = inputs.iter().collect();
+            let mut outs: Vec<Vec<f32>> =
+                inputs.iter().map(|a| vec![f32::NAN; a.n * rows]).collect();
+            let mut out_refs: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[..]).collect();
+            pool.install(|| matmul_each(&mats, &xs, &mut out_refs));
+            for (i, x) in floats.iter().enumerate() {
+                let n = x.len() / cols;
+                let mut own = Activations::default();
+                own.set(x, n, cols);
+                let mut want = vec![0.0; n * rows];
+                pool.install(|| matmul(&w, &own, &mut want));
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&outs[i]), bits(&want), "{dtype:?}, input {i} of {n} rows");
+            }
+        }
+    }
+
     /// Parallel matmul (any n, any thread split) equals a float64 product of the dequantized
     /// weights with the activations, within the int8 activation rounding.
     #[test]
