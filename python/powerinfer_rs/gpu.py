@@ -72,6 +72,8 @@ def plan_gpu(
     mb = model_bytes(path, n_ctx, config)
     kv_per_layer = kv_bytes_per_layer(mb, kv_type)
     n_ff = mb.n_ff
+    if mb.expert_bytes is not None and mb.expert_bytes.any():
+        return _experts_on_cpu(mb, budget, kv_per_layer, gpu_layers)
     if gpu_layers is not None:
         if (
             not isinstance(gpu_layers, int)
@@ -136,3 +138,28 @@ def plan_gpu(
         "measured hot set"
     )
     return GpuPlacement(budget, dense, masks, output, "even", notes=[note])
+
+
+def _experts_on_cpu(mb, budget: int, kv_per_layer: float, gpu_layers: int | None) -> GpuPlacement:
+    """A mixture-of-experts model: attention, norms and KV cache of the layers that fit (or of
+    the first `gpu_layers`), and the output layer if all fit, go to the GPU; every layer's
+    router and experts run on the CPU (llama.cpp's `-ot exps=CPU`)."""
+    if gpu_layers is not None:
+        if (
+            not isinstance(gpu_layers, int)
+            or isinstance(gpu_layers, bool)
+            or not (0 <= gpu_layers <= mb.n_layer)
+        ):
+            raise ValueError(f"gpu_layers must be an int in [0, {mb.n_layer}], got {gpu_layers!r}")
+        dense = [l < gpu_layers for l in range(mb.n_layer)]
+        output, source = gpu_layers == mb.n_layer, "layers"
+    else:
+        dense, output, _ = dense_first(mb, budget, kv_per_layer)
+        source = "experts-on-cpu"
+    note = (
+        f"mixture of experts: the experts of all {mb.n_layer} layers run on the CPU "
+        f"({sum(mb.expert_bytes) / 2**20:.0f} MiB); attention and the KV cache of "
+        f"{sum(dense)} layers on the GPU"
+    )
+    neurons = [np.zeros(mb.n_ff, dtype=bool) for _ in range(mb.n_layer)]
+    return GpuPlacement(budget, dense, neurons, output, source, notes=[note])

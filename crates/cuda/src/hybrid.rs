@@ -135,6 +135,9 @@ struct GpuLayer<D: Device> {
     /// For a plain quantized file: the CPU's neuron-major down rows (n_ff, n_embd) in F16 (see
     /// `exact_down_t`); None reads the model's own `down_t`.
     cold_down_t: Option<Vec<u8>>,
+    /// A mixture-of-experts layer: the router and every expert run on the CPU, reading the
+    /// device's normed input; their output joins the residual as a cold part does.
+    experts_on_cpu: bool,
 }
 
 pub struct HybridModel<D: Device> {
@@ -176,12 +179,6 @@ fn upload_opt<D: Device>(
 /// with it, and Python asks it before planning a placement.
 pub fn unsupported_reason(model: &Model, mode: Option<SparsityMode>) -> Option<String> {
     let c = &model.config;
-    if c.moe.is_some() {
-        return Some(format!(
-            "the GPU executor has no expert kernels yet; {} (mixture of experts) runs on the CPU",
-            c.architecture
-        ));
-    }
     if c.family != Family::Llama {
         return Some(format!(
             "the GPU executor runs LLaMA-family models; {} runs on the CPU",
@@ -206,11 +203,6 @@ pub fn unsupported_reason(model: &Model, mode: Option<SparsityMode>) -> Option<S
         return Some(THRESHOLD_IS_CPU_ONLY.into());
     }
     None
-}
-
-/// A mixture-of-experts layer placed on the GPU (`unsupported_reason` keeps such models off it).
-fn unsupported_experts(l: usize) -> powerinfer_core::Error {
-    powerinfer_core::Error::Device(format!("layer {l}: the GPU executor has no expert kernels"))
 }
 
 const THRESHOLD_IS_CPU_ONLY: &str =
@@ -293,6 +285,27 @@ impl<D: Device> HybridModel<D> {
             };
             bytes += 2 * c.n_embd * 4;
 
+            if lw.moe.is_some() {
+                // the router and the experts run on the CPU, between the device's FFN norm and
+                // its residual add (the GPU has no expert kernels yet)
+                if plan.neuron_on_gpu[l].iter().any(|&on| on) {
+                    return Err(CudaError::Plan(format!(
+                        "layer {l} is a mixture of experts: its FFN has no neurons to place on the GPU"
+                    )));
+                }
+                report.weight_bytes += bytes;
+                report.layers_on_gpu += 1;
+                layers.push(Some(GpuLayer {
+                    dense,
+                    hot: None,
+                    down_bias: None,
+                    n_hot: 0,
+                    cold: Vec::new(),
+                    cold_down_t: None,
+                    experts_on_cpu: true,
+                }));
+                continue;
+            }
             let (hot_ids, cold) = split_neurons(&plan.neuron_on_gpu[l]);
             let down_rows = match (lw.ffn_down_t, lw.ffn_down) {
                 // with a predictor, the neurons it skips are skipped in the down projection too
@@ -353,6 +366,7 @@ impl<D: Device> HybridModel<D> {
                 n_hot: hot_ids.len(),
                 cold,
                 cold_down_t,
+                experts_on_cpu: false,
             }));
         }
         let output = if plan.output_on_gpu {
@@ -365,7 +379,9 @@ impl<D: Device> HybridModel<D> {
         report.output_on_gpu = output.is_some();
         gpu.synchronize()?;
         let graphable = output.is_some()
-            && layers.iter().all(|l| l.as_ref().is_some_and(|l| l.cold.is_empty()));
+            && layers
+                .iter()
+                .all(|l| l.as_ref().is_some_and(|l| l.cold.is_empty() && !l.experts_on_cpu));
         let batched = graphable
             && layers
                 .iter()
@@ -1077,17 +1093,27 @@ impl<D: Device> Backend for HybridPass<'_, D> {
     }
 
     fn route(&mut self, l: usize) -> CoreResult<()> {
-        match self.place(l)? {
-            Some(_) => Err(unsupported_experts(l)),
-            None => self.cpu.route(l),
+        if self.place(l)?.is_some() {
+            // the router reads the device's normed FFN input on the host
+            self.hm.gpu.read(&self.dev.xb.f32s, self.cpu.normed_input())?;
         }
+        self.cpu.route(l)
     }
 
     fn experts(&mut self, l: usize) -> CoreResult<()> {
-        match self.place(l)? {
-            Some(_) => Err(unsupported_experts(l)),
-            None => self.cpu.experts(l),
+        let layer = self.place(l)?;
+        self.cpu.experts(l)?;
+        let moe = self.hm.model.config.moe.expect("a mixture-of-experts model");
+        self.dev.counts.cpu_neurons += (self.m * moe.n_used * moe.n_ff_exp) as u64;
+        if layer.is_some() {
+            // the experts' output joins the residual on the device as a cold part
+            let dev = &mut *self.dev;
+            self.hm.gpu.write(self.cpu.ffn_output(), &mut dev.cpu_part)?;
+            dev.ffn_chunks = 0;
+            dev.ffn_has_cold = true;
+            dev.ffn_whole = false;
         }
+        Ok(())
     }
 
     fn post_norm(&mut self, l: usize, part: Part) -> CoreResult<()> {

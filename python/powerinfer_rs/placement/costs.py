@@ -79,6 +79,9 @@ class ModelBytes:
     # (n_layer,) bytes of a layer's whole FFN on the GPU: there a plain file's `ffn_down` is read
     # in its own type, not as the F16 neuron-major copy a split needs; None: n_ff neurons' bytes
     whole_ffn_bytes: np.ndarray | None = None
+    # (n_layer,) a mixture-of-experts layer's router, experts and shared expert (zero in a
+    # dense layer): the executor runs them on the CPU
+    expert_bytes: np.ndarray | None = None
 
     def whole_ffn(self) -> np.ndarray:
         return (
@@ -98,6 +101,7 @@ def model_bytes(path: str, n_ctx: int | None = None, config: dict | None = None)
     neuron = np.zeros(n_layer)
     whole = np.zeros(n_layer)
     dense = np.zeros(n_layer)
+    experts = np.zeros(n_layer)
     # a plain file wholly on the GPU reads its own ffn_down rows (hybrid.rs, `HotDown::Rows`)
     own_down = not cfg.get("has_predictors", False)
     output = 0
@@ -107,7 +111,9 @@ def model_bytes(path: str, n_ctx: int | None = None, config: dict | None = None)
         m = re.match(r"blk\.(\d+)\.(.+)$", name)
         if m:
             l, rest = int(m.group(1)), m.group(2)
-            if rest == "ffn_down.weight":
+            if "_exps." in rest or "_shexp." in rest or rest == "ffn_gate_inp.weight":
+                experts[l] += t["n_bytes"]
+            elif rest == "ffn_down.weight":
                 # neurons read the neuron-major copy the engine builds: F32 for F32, else F16
                 neuron[l] += cfg["n_embd"] * (4 if t["type"] == "F32" else 2)
                 whole[l] += (
@@ -125,7 +131,7 @@ def model_bytes(path: str, n_ctx: int | None = None, config: dict | None = None)
         ):
             output += t["n_bytes"]
     kv = 2 * n_layer * n_ctx * cfg["n_head_kv"] * cfg["head_dim"] * 2
-    return ModelBytes(n_layer, n_ff, neuron, dense, int(output), int(kv), whole)
+    return ModelBytes(n_layer, n_ff, neuron, dense, int(output), int(kv), whole, experts)
 
 
 def kv_bytes_per_layer(mb: ModelBytes, kv_type: str) -> float:

@@ -62,6 +62,18 @@ impl<'a> CpuPass<'a> {
         &mut self.s.x[..n]
     }
 
+    /// The normed block input xb (n, n_embd), for an executor that computed it elsewhere.
+    pub fn normed_input(&mut self) -> &mut [f32] {
+        let n = self.rows.len() * self.model.config.n_embd;
+        &mut self.s.xb[..n]
+    }
+
+    /// The FFN's output (n, n_embd) as the last `ffn` or `experts` step left it.
+    pub fn ffn_output(&self) -> &[f32] {
+        let n = self.rows.len() * self.model.config.n_embd;
+        &self.s.ffn_out[..n]
+    }
+
     /// The rows' RoPE angles (cos, sin) of RoPE set `set` (see `Config::rope_set`),
     /// (n, rope_dim / 2) each, as `embed` computed them.
     pub fn rope_angles(&self, set: usize) -> (&[f32], &[f32]) {
