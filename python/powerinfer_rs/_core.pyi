@@ -63,6 +63,8 @@ class GpuModel:
         neuron_on_gpu: list[list[bool]],
         output_on_gpu: bool,
         device: int | str = 0,  # a CUDA ordinal, or "emulated"
+        # mixtures of experts: per layer, per expert, on the GPU (empty: all on the CPU)
+        expert_on_gpu: list[list[bool]] = ...,
     ) -> None: ...
     @property
     def report(self) -> dict[str, Any]: ...

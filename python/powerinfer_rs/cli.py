@@ -58,7 +58,12 @@ def _device_line(engine) -> str:
     return (
         f"device: {engine.device} ({r['gpu_name']}), {r['weight_bytes'] / mib:.0f} MiB of weights on the GPU "
         f"(budget {r['vram_budget'] / mib:.0f} MiB), {r['layers_on_gpu']}/{r['n_layer']} layers, "
-        f"{r['hot_neuron_fraction']:.1%} of FFN neurons hot ({r['placement_source']} split)"
+        + (
+            f"{r['hot_expert_fraction']:.1%} of experts on the GPU"
+            if "hot_expert_fraction" in r
+            else f"{r['hot_neuron_fraction']:.1%} of FFN neurons hot"
+        )
+        + f" ({r['placement_source']} split)"
     )
 
 

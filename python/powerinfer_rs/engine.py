@@ -98,10 +98,10 @@ class Engine:
         engine.settings = s
         engine.set_sparsity(**{name: getattr(s, name) for name in SPARSITY_OPTIONS})
         if s.device != "cpu":
-            engine._place_on_gpu(s.device, s.vram_budget, s.profile, s.gpu_layers)
+            engine._place_on_gpu(s.device, s.vram_budget, s.profile, s.gpu_layers, s.n_cpu_moe)
         return engine
 
-    def _place_on_gpu(self, device: str, vram_budget, profile, gpu_layers) -> None:
+    def _place_on_gpu(self, device: str, vram_budget, profile, gpu_layers, n_cpu_moe) -> None:
         """Uploads the model to the GPU per the placement, or (device="auto") stays on the CPU
         with a notice saying why."""
         from .device import cuda_available, notice
@@ -139,6 +139,7 @@ class Engine:
             None if profile is None else os.fspath(profile),
             gpu_layers,
             self.config,
+            n_cpu_moe,
         )
         for note in placement.notes:
             notice(note)
@@ -148,6 +149,9 @@ class Engine:
             [np.asarray(m, dtype=bool).tolist() for m in placement.neuron_on_gpu],
             placement.output_on_gpu,
             device="emulated" if device == "emulated" else 0,
+            expert_on_gpu=[np.asarray(e, dtype=bool).tolist() for e in placement.expert_on_gpu]
+            if placement.expert_on_gpu is not None
+            else [],
         )
         self.placement = placement
         self.device = "emulated" if device == "emulated" else "cuda"
@@ -164,6 +168,8 @@ class Engine:
         r["placement_source"] = p.source
         r["gpuidx"] = p.gpuidx_path
         r["hot_neuron_fraction"] = r["hot_neurons"] / max(r["total_neurons"], 1)
+        if r["total_experts"]:
+            r["hot_expert_fraction"] = r["hot_experts"] / r["total_experts"]
         if p.hot_share is not None:
             r["profiled_hot_share"] = float(np.mean(p.hot_share))
         return r

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import _core
 from .placement import (
     DEFAULT_GPU_BANDWIDTH,
     DEFAULT_SYNC_LATENCY,
@@ -55,6 +56,8 @@ class GpuPlacement:
         None  # per layer, from a profile: activations the GPU neurons carry
     )
     notes: list[str] = field(default_factory=list)
+    # mixture-of-experts models: per layer, per expert, on the GPU
+    expert_on_gpu: list[np.ndarray] | None = None
 
 
 def plan_gpu(
@@ -65,15 +68,21 @@ def plan_gpu(
     profile: str | None = None,
     gpu_layers: int | None = None,
     config: dict | None = None,
+    n_cpu_moe: int | None = None,
 ) -> GpuPlacement:
     """The GPU split for `path` under `budget` bytes (see the module doc). `gpu_layers` asks for
     llama.cpp-style layer offload instead: the first `gpu_layers` layers wholly on the GPU.
-    `config` is the loaded model's, so the file is not opened as a model again."""
+    `config` is the loaded model's, so the file is not opened as a model again. Mixtures of
+    experts place experts instead of neurons (`_expert_plan`); `n_cpu_moe` is llama.cpp's split
+    for them."""
     mb = model_bytes(path, n_ctx, config)
     kv_per_layer = kv_bytes_per_layer(mb, kv_type)
     n_ff = mb.n_ff
     if mb.expert_bytes is not None and mb.expert_bytes.any():
-        return _experts_on_cpu(mb, budget, kv_per_layer, gpu_layers)
+        cfg = config if config is not None else _core.Model(path, 1).config()
+        return _expert_plan(path, mb, cfg, budget, kv_per_layer, gpu_layers, n_cpu_moe, profile)
+    if n_cpu_moe is not None:
+        raise ValueError("n_cpu_moe places experts: this model is not a mixture of experts")
     if gpu_layers is not None:
         if (
             not isinstance(gpu_layers, int)
@@ -140,26 +149,81 @@ def plan_gpu(
     return GpuPlacement(budget, dense, masks, output, "even", notes=[note])
 
 
-def _experts_on_cpu(mb, budget: int, kv_per_layer: float, gpu_layers: int | None) -> GpuPlacement:
-    """A mixture-of-experts model: attention, norms and KV cache of the layers that fit (or of
-    the first `gpu_layers`), and the output layer if all fit, go to the GPU; every layer's
-    router and experts run on the CPU (llama.cpp's `-ot exps=CPU`)."""
-    if gpu_layers is not None:
-        if (
-            not isinstance(gpu_layers, int)
-            or isinstance(gpu_layers, bool)
-            or not (0 <= gpu_layers <= mb.n_layer)
-        ):
-            raise ValueError(f"gpu_layers must be an int in [0, {mb.n_layer}], got {gpu_layers!r}")
-        dense = [l < gpu_layers for l in range(mb.n_layer)]
-        output, source = gpu_layers == mb.n_layer, "layers"
+def _layer_count(value, name: str, n_layer: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not (0 <= value <= n_layer):
+        raise ValueError(f"{name} must be an int in [0, {n_layer}], got {value!r}")
+    return value
+
+
+def _expert_plan(
+    path: str,
+    mb,
+    cfg: dict,
+    budget: int,
+    kv_per_layer: float,
+    gpu_layers: int | None,
+    n_cpu_moe: int | None,
+    profile: str | None,
+) -> GpuPlacement:
+    """A mixture-of-experts model's split. Attention, norms and KV cache go first, layer by
+    layer, then the output layer (as for dense models); the routers and shared experts run on
+    the CPU. Then the experts, whose matrices are all the same size: the most often routed
+    ones of the GPU layers (from an expert profile: `profile`, or `<model>.profile.npz`),
+    most frequent first, while they fit, which is the split that serves the most routings from
+    the GPU; without a profile, the same number per layer, lowest indices first.
+
+    `n_cpu_moe` is llama.cpp's `--n-cpu-moe N`: every layer on the GPU, the experts of the first
+    N on the CPU, the others' on the GPU; `gpu_layers` its `-ngl N`: the first N layers wholly
+    on the GPU, experts included. Both ignore the budget, as llama.cpp does."""
+    n_layer, n_expert = mb.n_layer, cfg["experts"]["n_expert"]
+    per_expert = mb.expert_bytes / n_expert  # (n_layer,) bytes of one expert's three matrices
+    notes: list[str] = []
+    if n_cpu_moe is not None:
+        n_cpu_moe = _layer_count(n_cpu_moe, "n_cpu_moe", n_layer)
+        dense, output = [True] * n_layer, True
+        experts = [np.full(n_expert, l >= n_cpu_moe) for l in range(n_layer)]
+        source = "n-cpu-moe"
+    elif gpu_layers is not None:
+        gpu_layers = _layer_count(gpu_layers, "gpu_layers", n_layer)
+        dense, output = [l < gpu_layers for l in range(n_layer)], gpu_layers == n_layer
+        experts = [np.full(n_expert, l < gpu_layers) for l in range(n_layer)]
+        source = "layers"
     else:
-        dense, output, _ = dense_first(mb, budget, kv_per_layer)
-        source = "experts-on-cpu"
-    note = (
-        f"mixture of experts: the experts of all {mb.n_layer} layers run on the CPU "
-        f"({sum(mb.expert_bytes) / 2**20:.0f} MiB); attention and the KV cache of "
-        f"{sum(dense)} layers on the GPU"
+        dense, output, left = dense_first(mb, budget, kv_per_layer)
+        if profile is None and os.path.exists(path + ".profile.npz"):
+            profile = path + ".profile.npz"
+        experts = [np.zeros(n_expert, dtype=bool) for _ in range(n_layer)]
+        if profile is not None:
+            p = load_profile(profile)
+            if p["unit"] != "expert" or p["counts"].shape != (n_layer, n_expert):
+                raise ValueError(
+                    f"{profile} is not an expert profile of this model (write one with "
+                    "`powerinfer-rs profile`)"
+                )
+            freq = np.asarray(p["counts"], dtype=np.float64)
+            source = "profile"
+        else:
+            # no counts: the same share of every layer, lowest indices first
+            freq = -np.tile(np.arange(n_expert, dtype=np.float64), (n_layer, 1))
+            source = "even"
+            notes.append(
+                f"no expert profile for {os.path.basename(path)}: the experts on the GPU are "
+                "chosen by index; run `powerinfer-rs profile` for the most routed ones"
+            )
+        order = sorted(
+            ((l, e) for l in range(n_layer) if dense[l] for e in range(n_expert)),
+            key=lambda le: (-freq[le], le[1], le[0]),
+        )
+        for l, e in order:
+            if per_expert[l] <= left:
+                experts[l][e] = True
+                left -= per_expert[l]
+    on_gpu = sum(int(x.sum()) for x in experts)
+    notes.append(
+        f"mixture of experts: {on_gpu} of {n_layer * n_expert} experts on the GPU "
+        f"({sum(int(x.sum()) * b for x, b in zip(experts, per_expert)) / 2**20:.0f} MiB), "
+        f"attention and the KV cache of {sum(dense)} of {n_layer} layers; routers, shared "
+        "experts and the other experts on the CPU"
     )
-    neurons = [np.zeros(mb.n_ff, dtype=bool) for _ in range(mb.n_layer)]
-    return GpuPlacement(budget, dense, neurons, output, source, notes=[note])
+    neurons = [np.zeros(mb.n_ff, dtype=bool) for _ in range(n_layer)]
+    return GpuPlacement(budget, dense, neurons, output, source, notes=notes, expert_on_gpu=experts)

@@ -81,7 +81,9 @@ class EngineSettings:
     On a GPU, `vram_budget` bounds what is placed there: attention, norms and predictors first,
     then the hot FFN neurons from `<model>.generated.gpuidx`, from `profile`, or an even split
     (see `powerinfer_rs.gpu`); `gpu_layers` is llama.cpp's layer offload instead, for
-    comparison. `engine.device` and `engine.gpu_report()` say what went where.
+    comparison. A mixture of experts places its most routed experts instead of neurons, or, with
+    `n_cpu_moe`, llama.cpp's split. `engine.device` and `engine.gpu_report()` say what went
+    where.
 
     Options:
     """
@@ -186,10 +188,23 @@ class EngineSettings:
         "--gpu-layers",
         default_text="the neuron split",
     )
+    n_cpu_moe: int | None = option(
+        None,
+        "mixtures of experts: every layer on the GPU but the experts of the first N layers, "
+        "which run on the CPU (llama.cpp's --n-cpu-moe)",
+        "--n-cpu-moe",
+        default_text="the most routed experts that fit the budget",
+    )
 
     def __post_init__(self) -> None:
         _positive_int_or_none(self.threads, "threads")
         _positive_int_or_none(self.n_ctx, "n_ctx")
+        if self.n_cpu_moe is not None and (
+            not isinstance(self.n_cpu_moe, int)
+            or isinstance(self.n_cpu_moe, bool)
+            or self.n_cpu_moe < 0
+        ):
+            raise ValueError(f"n_cpu_moe must be an int >= 0, got {self.n_cpu_moe!r}")
         if self.kv_type not in ("f16", "f32"):
             raise ValueError(f"kv_type must be 'f16' or 'f32', got {self.kv_type!r}")
         if self.device not in DEVICES:

@@ -39,6 +39,7 @@ pub use cpu::CpuPass;
 use ffn::ffn_rows;
 pub use math::softcap;
 use math::{add_bias, add_into, norm_rows, rmsnorm_in_place, rope_rows};
+pub use moe::ExpertSlot;
 use moe::{expert_rows, route_rows};
 use observe::Recorder;
 pub use projection::time_input_sparsity;

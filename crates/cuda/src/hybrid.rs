@@ -42,6 +42,9 @@ pub struct GpuPlan {
     pub neuron_on_gpu: Vec<Vec<bool>>,
     /// Final norm and classifier on the GPU.
     pub output_on_gpu: bool,
+    /// Mixture-of-experts models: per layer, per expert, its gate, up and down matrices on the
+    /// GPU (only in layers whose dense part is there); empty: every expert on the CPU.
+    pub expert_on_gpu: Vec<Vec<bool>>,
 }
 
 impl GpuPlan {
@@ -51,6 +54,7 @@ impl GpuPlan {
             dense_on_gpu: vec![true; n_layer],
             neuron_on_gpu: vec![vec![true; n_ff]; n_layer],
             output_on_gpu: true,
+            expert_on_gpu: Vec::new(),
         }
     }
 
@@ -60,6 +64,7 @@ impl GpuPlan {
             dense_on_gpu: (0..n_layer).map(|l| l < k).collect(),
             neuron_on_gpu: (0..n_layer).map(|l| vec![l < k; n_ff]).collect(),
             output_on_gpu,
+            expert_on_gpu: Vec::new(),
         }
     }
 }
@@ -84,6 +89,9 @@ pub struct PlacementReport {
     pub n_layer: usize,
     pub hot_neurons: usize,
     pub total_neurons: usize,
+    /// Mixture-of-experts models: experts on the GPU, of n_layer * n_expert.
+    pub hot_experts: usize,
+    pub total_experts: usize,
     pub output_on_gpu: bool,
 }
 
@@ -135,9 +143,22 @@ struct GpuLayer<D: Device> {
     /// For a plain quantized file: the CPU's neuron-major down rows (n_ff, n_embd) in F16 (see
     /// `exact_down_t`); None reads the model's own `down_t`.
     cold_down_t: Option<Vec<u8>>,
-    /// A mixture-of-experts layer: the router and every expert run on the CPU, reading the
-    /// device's normed input; their output joins the residual as a cold part does.
-    experts_on_cpu: bool,
+    /// A mixture-of-experts layer's experts on the device (see `GpuExperts`).
+    experts: Option<GpuExperts<D>>,
+}
+
+/// A mixture-of-experts layer on the device. The router and the shared expert run on the CPU,
+/// which reads the device's normed FFN input: per token it picks the experts, the device runs
+/// the chosen ones it holds (queued), the CPU the others meanwhile, and the CPU sums every
+/// chosen expert's output in expert order (the device's read back into their slots), as the
+/// CPU alone sums them; the sum joins the residual on the device as a cold part does.
+struct GpuExperts<D: Device> {
+    /// Per expert: whether the device holds it.
+    on_gpu: Vec<bool>,
+    /// Per expert: its gate, up (n_ff_exp, n_embd) and down (n_embd, n_ff_exp) on the device.
+    mats: Vec<Option<[DMat<D>; 3]>>,
+    /// 0..n_ff_exp: every row of an expert, as `ffn_hot`'s bucket.
+    rows: Buf<D, i32>,
 }
 
 pub struct HybridModel<D: Device> {
@@ -240,11 +261,38 @@ impl<D: Device> HybridModel<D> {
                 c.n_ff
             )));
         }
+        if !plan.expert_on_gpu.is_empty() {
+            let n_expert = c.moe.map_or(0, |m| m.n_expert);
+            if plan.expert_on_gpu.len() != c.n_layer {
+                return Err(CudaError::Plan(format!(
+                    "the expert placement has {} layers, the model {}",
+                    plan.expert_on_gpu.len(),
+                    c.n_layer
+                )));
+            }
+            if let Some((l, e)) =
+                plan.expert_on_gpu.iter().enumerate().find(|(_, e)| e.len() != n_expert)
+            {
+                return Err(CudaError::Plan(format!(
+                    "layer {l} of the expert placement has {} experts, the model {n_expert}",
+                    e.len()
+                )));
+            }
+            if let Some(l) = (0..c.n_layer)
+                .find(|&l| !plan.dense_on_gpu[l] && plan.expert_on_gpu[l].iter().any(|&on| on))
+            {
+                return Err(CudaError::Plan(format!(
+                    "layer {l} places experts on the GPU but not its attention: experts run on the \
+                     GPU only in layers whose dense part is there"
+                )));
+            }
+        }
         let mut report = PlacementReport {
             gpu_name: gpu.name.clone(),
             gpu_total_memory: gpu.total_memory,
             n_layer: c.n_layer,
             total_neurons: c.n_layer * c.n_ff,
+            total_experts: c.n_layer * c.moe.map_or(0, |m| m.n_expert),
             ..Default::default()
         };
         let mut layers = Vec::with_capacity(c.n_layer);
@@ -285,14 +333,34 @@ impl<D: Device> HybridModel<D> {
             };
             bytes += 2 * c.n_embd * 4;
 
-            if lw.moe.is_some() {
-                // the router and the experts run on the CPU, between the device's FFN norm and
-                // its residual add (the GPU has no expert kernels yet)
+            if let Some(mw) = &lw.moe {
                 if plan.neuron_on_gpu[l].iter().any(|&on| on) {
                     return Err(CudaError::Plan(format!(
                         "layer {l} is a mixture of experts: its FFN has no neurons to place on the GPU"
                     )));
                 }
+                let n_expert = mw.n_expert();
+                let on_gpu = plan.expert_on_gpu.get(l).cloned().unwrap_or(vec![false; n_expert]);
+                let before = bytes;
+                let mats = (0..n_expert)
+                    .map(|e| {
+                        if !on_gpu[e] {
+                            return Ok(None);
+                        }
+                        let ex = mw.expert(e);
+                        let m = [
+                            gpu.upload_rows(&ex.gate, None)?,
+                            gpu.upload_rows(&ex.up, None)?,
+                            gpu.upload_rows(&ex.down, None)?,
+                        ];
+                        bytes += m.iter().map(|d| d.bytes()).sum::<usize>();
+                        Ok(Some(m))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                report.neuron_bytes += bytes - before;
+                report.hot_experts += on_gpu.iter().filter(|&&on| on).count();
+                let n_ff_exp = mw.gate_exps.rows / n_expert;
+                let rows: Vec<i32> = (0..n_ff_exp as i32).collect();
                 report.weight_bytes += bytes;
                 report.layers_on_gpu += 1;
                 layers.push(Some(GpuLayer {
@@ -302,7 +370,7 @@ impl<D: Device> HybridModel<D> {
                     n_hot: 0,
                     cold: Vec::new(),
                     cold_down_t: None,
-                    experts_on_cpu: true,
+                    experts: Some(GpuExperts { on_gpu, mats, rows: gpu.upload(&rows)? }),
                 }));
                 continue;
             }
@@ -366,7 +434,7 @@ impl<D: Device> HybridModel<D> {
                 n_hot: hot_ids.len(),
                 cold,
                 cold_down_t,
-                experts_on_cpu: false,
+                experts: None,
             }));
         }
         let output = if plan.output_on_gpu {
@@ -381,7 +449,7 @@ impl<D: Device> HybridModel<D> {
         let graphable = output.is_some()
             && layers
                 .iter()
-                .all(|l| l.as_ref().is_some_and(|l| l.cold.is_empty() && !l.experts_on_cpu));
+                .all(|l| l.as_ref().is_some_and(|l| l.cold.is_empty() && l.experts.is_none()));
         let batched = graphable
             && layers
                 .iter()
@@ -436,6 +504,8 @@ struct DeviceState<D: Device> {
     pred_hidden: DActs<D>, // (max predictor hidden)
     pred_logits: Buf<D, f32>, // (n_ff)
     h: DActs<D>, // (max n_hot)
+    expert_h: DActs<D>, // (n_ff_exp) one expert's activations
+    expert_y: Vec<Buf<D, f32>>, // per routed slot of a token (n_used), (n_embd) its expert's output
     ffn_out: Buf<D, f32>, // (n_embd) the FFN's output when its down projection is `HotDown::Rows`
     partial: Buf<D, f32>, // (max chunks, n_embd)
     cpu_part: Buf<D, f32>, // (n_embd)
@@ -528,6 +598,10 @@ impl<D: Device> HybridSession<D> {
             pred_hidden: g.acts(max_hidden)?,
             pred_logits: g.zeros(c.n_ff)?,
             h: g.acts(rows * max_hot)?,
+            expert_h: g.acts(c.moe.map_or(1, |m| m.n_ff_exp))?,
+            expert_y: (0..c.moe.map_or(0, |m| m.n_used))
+                .map(|_| g.zeros(c.n_embd))
+                .collect::<Result<_>>()?,
             ffn_out: g.zeros(rows * c.n_embd)?,
             partial: g.zeros(max_chunks * c.n_embd)?,
             cpu_part: g.zeros(c.n_embd)?,
@@ -1101,18 +1175,64 @@ impl<D: Device> Backend for HybridPass<'_, D> {
     }
 
     fn experts(&mut self, l: usize) -> CoreResult<()> {
-        let layer = self.place(l)?;
-        self.cpu.experts(l)?;
         let moe = self.hm.model.config.moe.expect("a mixture-of-experts model");
-        self.dev.counts.cpu_neurons += (self.m * moe.n_used * moe.n_ff_exp) as u64;
-        if layer.is_some() {
-            // the experts' output joins the residual on the device as a cold part
-            let dev = &mut *self.dev;
-            self.hm.gpu.write(self.cpu.ffn_output(), &mut dev.cpu_part)?;
-            dev.ffn_chunks = 0;
-            dev.ffn_has_cold = true;
-            dev.ffn_whole = false;
+        let Some(layer) = self.place(l)? else {
+            self.dev.counts.cpu_neurons += (self.m * moe.n_used * moe.n_ff_exp) as u64;
+            return self.cpu.experts(l);
+        };
+        let ex = layer.experts.as_ref().expect("a GPU layer of a mixture of experts");
+        if self.m > 1 {
+            // (such models are not `batched`: their prompts run a token at a time)
+            return Err(CudaError::Unsupported("experts over several rows at once".into()).into());
         }
+        let (c, g, dev) = (&self.hm.model.config, &self.hm.gpu, &mut *self.dev);
+        // the device's chosen experts, queued: h = silu(gate . xb) * (up . xb), y = down . h
+        let routes: Vec<(u32, f32)> = self.cpu.routes().to_vec();
+        let mut first = true;
+        for (j, &(e, _)) in routes.iter().enumerate() {
+            let Some([gate, up, down]) = &ex.mats[e as usize] else { continue };
+            if first {
+                g.quantize_for(&[up], &mut dev.xb, c.n_embd)?;
+                first = false;
+            }
+            g.ffn_hot(
+                Some(gate),
+                up,
+                &ex.rows,
+                &dev.xb,
+                None,
+                None,
+                0.0,
+                None,
+                c.ffn_activation,
+                &mut dev.expert_h.f32s,
+                1,
+            )?;
+            g.quantize_for(&[down], &mut dev.expert_h, moe.n_ff_exp)?;
+            g.matvec(down, &dev.expert_h, None, &mut dev.expert_y[j], false, 1)?;
+            dev.counts.gpu_neurons += moe.n_ff_exp as u64;
+        }
+        // the CPU's meanwhile; then the device's outputs into their slots, and the sums
+        let on_device = routes.iter().filter(|&&(e, _)| ex.on_gpu[e as usize]).count();
+        dev.counts.cpu_neurons += ((routes.len() - on_device) * moe.n_ff_exp) as u64;
+        let dim = c.n_embd;
+        let y = &dev.expert_y;
+        self.cpu.experts_except(l, &ex.on_gpu, |slots, out| {
+            for s in slots {
+                let j = routes
+                    .iter()
+                    .position(|&(e, _)| e as usize == s.expert)
+                    .expect("a slot of a routed expert");
+                g.read(&y[j], &mut out[s.slot * dim..(s.slot + 1) * dim])
+                    .map_err(powerinfer_core::Error::from)?;
+            }
+            Ok(())
+        })?;
+        // the sum joins the residual on the device as a cold part
+        g.write(self.cpu.ffn_output(), &mut dev.cpu_part)?;
+        dev.ffn_chunks = 0;
+        dev.ffn_has_cold = true;
+        dev.ffn_whole = false;
         Ok(())
     }
 

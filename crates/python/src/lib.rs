@@ -335,8 +335,10 @@ impl PyGpuModel {
     /// bools): the neurons whose gate/up/down rows go to the GPU; `output_on_gpu`: the final
     /// norm and classifier. `device` is a CUDA device's ordinal, or "emulated": host memory and
     /// the kernels' scalar twins (the same executor without a GPU; slow, for checking).
+    /// `expert_on_gpu` (mixture-of-experts models; n_layer lists of n_expert bools, or empty):
+    /// the experts whose matrices go to the GPU, in layers whose dense part is there.
     #[new]
-    #[pyo3(signature = (model, dense_on_gpu, neuron_on_gpu, output_on_gpu, device = DeviceArg::Ordinal(0)))]
+    #[pyo3(signature = (model, dense_on_gpu, neuron_on_gpu, output_on_gpu, device = DeviceArg::Ordinal(0), expert_on_gpu = Vec::new()))]
     fn new(
         py: Python<'_>,
         model: &PyModel,
@@ -344,8 +346,9 @@ impl PyGpuModel {
         neuron_on_gpu: Vec<Vec<bool>>,
         output_on_gpu: bool,
         device: DeviceArg,
+        expert_on_gpu: Vec<Vec<bool>>,
     ) -> PyResult<Self> {
-        let plan = GpuPlan { dense_on_gpu, neuron_on_gpu, output_on_gpu };
+        let plan = GpuPlan { dense_on_gpu, neuron_on_gpu, output_on_gpu, expert_on_gpu };
         let m = Arc::clone(&model.inner);
         let placed = match device {
             DeviceArg::Ordinal(n) => py.detach(|| {
@@ -380,6 +383,8 @@ impl PyGpuModel {
         d.set_item("n_layer", r.n_layer)?;
         d.set_item("hot_neurons", r.hot_neurons)?;
         d.set_item("total_neurons", r.total_neurons)?;
+        d.set_item("hot_experts", r.hot_experts)?;
+        d.set_item("total_experts", r.total_experts)?;
         d.set_item("output_on_gpu", r.output_on_gpu)?;
         Ok(d)
     }

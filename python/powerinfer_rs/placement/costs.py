@@ -79,8 +79,8 @@ class ModelBytes:
     # (n_layer,) bytes of a layer's whole FFN on the GPU: there a plain file's `ffn_down` is read
     # in its own type, not as the F16 neuron-major copy a split needs; None: n_ff neurons' bytes
     whole_ffn_bytes: np.ndarray | None = None
-    # (n_layer,) a mixture-of-experts layer's router, experts and shared expert (zero in a
-    # dense layer): the executor runs them on the CPU
+    # (n_layer,) a mixture-of-experts layer's experts (`ffn_*_exps`; zero in a dense layer).
+    # Its router and shared expert are counted nowhere: they run on the CPU
     expert_bytes: np.ndarray | None = None
 
     def whole_ffn(self) -> np.ndarray:
@@ -111,8 +111,10 @@ def model_bytes(path: str, n_ctx: int | None = None, config: dict | None = None)
         m = re.match(r"blk\.(\d+)\.(.+)$", name)
         if m:
             l, rest = int(m.group(1)), m.group(2)
-            if "_exps." in rest or "_shexp." in rest or rest == "ffn_gate_inp.weight":
+            if "_exps." in rest:
                 experts[l] += t["n_bytes"]
+            elif "_shexp." in rest or rest == "ffn_gate_inp.weight":
+                pass  # the router and the shared expert run on the CPU
             elif rest == "ffn_down.weight":
                 # neurons read the neuron-major copy the engine builds: F32 for F32, else F16
                 neuron[l] += cfg["n_embd"] * (4 if t["type"] == "F32" else 2)

@@ -9,8 +9,8 @@
 use super::{
     add_bias, add_into, attend_block, attend_group, attend_group_partial, expert_rows, ffn_rows,
     matmul, merge_partials, norm_rows, project, rmsnorm_in_place, rope_rows, route_rows, softcap,
-    Arc, Error, FfnStats, InputGroup, Model, Partial, PassState, Result, Scratch, Session,
-    Sparsity,
+    Arc, Error, ExpertSlot, FfnStats, InputGroup, Model, Partial, PassState, Result, Scratch,
+    Session, Sparsity,
 };
 use crate::forward::{Backend, Norm, Part};
 use rayon::iter::IndexedParallelIterator;
@@ -72,6 +72,29 @@ impl<'a> CpuPass<'a> {
     pub fn ffn_output(&self) -> &[f32] {
         let n = self.rows.len() * self.model.config.n_embd;
         &self.s.ffn_out[..n]
+    }
+
+    /// Each row's experts and weights (n, n_used) from the last `route` step, most probable
+    /// first.
+    pub fn routes(&self) -> &[(u32, f32)] {
+        let k = self.model.config.moe.map_or(0, |m| m.n_used);
+        &self.s.routes[..self.rows.len() * k]
+    }
+
+    /// The `experts` step with the experts `elsewhere` marks computed by another device:
+    /// `fill(slots, out)` writes their outputs (see `ExpertSlot`) before the rows' sums.
+    pub fn experts_except(
+        &mut self,
+        l: usize,
+        elsewhere: &[bool],
+        fill: impl FnOnce(&[ExpertSlot], &mut [f32]) -> Result<()>,
+    ) -> Result<()> {
+        // every row of the pass at once, whichever session it belongs to: the experts are
+        // dense (sparsity and recorders are refused on mixture-of-experts models)
+        let mut stats = FfnStats::default();
+        expert_rows(&self.model, &mut self.s, &mut stats, l, self.rows.len(), elsewhere, fill)?;
+        count(&mut self.sessions, stats);
+        Ok(())
     }
 
     /// The rows' RoPE angles (cos, sin) of RoPE set `set` (see `Config::rope_set`),
@@ -456,12 +479,7 @@ impl Backend for CpuPass<'_> {
     }
 
     fn experts(&mut self, l: usize) -> Result<()> {
-        // every row of the pass at once, whichever session it belongs to: the experts are
-        // dense (sparsity and recorders are refused on mixture-of-experts models)
-        let mut stats = FfnStats::default();
-        expert_rows(&self.model, &mut self.s, &mut stats, l, self.rows.len());
-        count(&mut self.sessions, stats);
-        Ok(())
+        self.experts_except(l, &[], |_, _| Ok(()))
     }
 
     fn post_norm(&mut self, l: usize, part: Part) -> Result<()> {

@@ -7,7 +7,8 @@
 //! product is the one it would be alone.
 
 use super::{
-    matmul, matmul_each, matmul_many, Activations, FfnActivation, FfnStats, Model, QMatrix, Scratch,
+    matmul, matmul_each, matmul_many, Activations, FfnActivation, FfnStats, Model, QMatrix, Result,
+    Scratch,
 };
 use rayon::iter::{IndexedParallelIterator, ParallelIterator};
 use rayon::slice::{ParallelSlice, ParallelSliceMut};
@@ -51,13 +52,20 @@ pub(crate) fn route_rows(model: &Model, s: &mut Scratch, l: usize, n: usize) {
 /// one parallel pass (gate and up, then down), each over the rows routed to it. Counts neurons,
 /// the routed-away ones as skipped, and the weight bytes each row reads (router, shared
 /// expert, its own experts) against those of running every expert.
+///
+/// The experts `elsewhere` marks (by index; empty: none) are not computed here: `fill` receives
+/// the (row, expert) of each routed pair they serve, with its slot: it writes that expert's
+/// output for the row into row `slot` of the (n * n_used, n_embd) buffer it is handed (another
+/// device's, as the hybrid executor's hot experts), before the rows' sums.
 pub(crate) fn expert_rows(
     model: &Model,
     s: &mut Scratch,
     stats: &mut FfnStats,
     l: usize,
     n: usize,
-) {
+    elsewhere: &[bool],
+    fill: impl FnOnce(&[ExpertSlot], &mut [f32]) -> Result<()>,
+) -> Result<()> {
     let (c, lw) = (&model.config, &model.weights.layers[l]);
     let (cfg, mw) = (c.moe.expect("a mixture-of-experts model"), lw.moe.as_ref().expect("experts"));
     let (dim, ff, k) = (c.n_embd, cfg.n_ff_exp, cfg.n_used);
@@ -78,7 +86,9 @@ pub(crate) fn expert_rows(
         s.expert_rows[*slot] = ((i / k) as u32, w);
         *slot += 1;
     }
-    let chosen: Vec<usize> = (0..cfg.n_expert).filter(|&e| start[e + 1] > start[e]).collect();
+    let here = |e: usize| !elsewhere.get(e).copied().unwrap_or(false);
+    let chosen: Vec<usize> =
+        (0..cfg.n_expert).filter(|&e| start[e + 1] > start[e] && here(e)).collect();
     let rows_of = |e: usize| start[e]..start[e + 1];
 
     // each chosen expert's input rows, from xb quantized once
@@ -97,11 +107,13 @@ pub(crate) fn expert_rows(
         let xs: Vec<&Activations> = s.expert_acts.iter().flat_map(|a| [a, a]).collect();
         let mut outs: Vec<&mut [f32]> = Vec::with_capacity(mats.len());
         let (mut gate, mut up) = (&mut s.gate[..total * ff], &mut s.up[..total * ff]);
-        for &e in &chosen {
+        for e in 0..cfg.n_expert {
             let m = rows_of(e).len() * ff;
             let (g, rest_g) = std::mem::take(&mut gate).split_at_mut(m);
             let (u, rest_u) = std::mem::take(&mut up).split_at_mut(m);
-            outs.extend([g, u]);
+            if m > 0 && here(e) {
+                outs.extend([g, u]);
+            }
             (gate, up) = (rest_g, rest_u);
         }
         matmul_each(&mats, &xs, &mut outs);
@@ -122,12 +134,23 @@ pub(crate) fn expert_rows(
         let xs: Vec<&Activations> = s.down_acts.iter().collect();
         let mut outs: Vec<&mut [f32]> = Vec::with_capacity(mats.len());
         let mut out = &mut s.expert_out[..total * dim];
-        for &e in &chosen {
+        for e in 0..cfg.n_expert {
             let (o, rest) = std::mem::take(&mut out).split_at_mut(rows_of(e).len() * dim);
-            outs.push(o);
+            if !o.is_empty() && here(e) {
+                outs.push(o);
+            }
             out = rest;
         }
         matmul_each(&mats, &xs, &mut outs);
+    }
+    // the other experts' outputs, from where they ran
+    let away: Vec<ExpertSlot> = (0..cfg.n_expert)
+        .filter(|&e| !here(e))
+        .flat_map(|e| rows_of(e).map(move |slot| (e, slot)))
+        .map(|(e, slot)| ExpertSlot { row: s.expert_rows[slot].0 as usize, expert: e, slot })
+        .collect();
+    if !away.is_empty() {
+        fill(&away, &mut s.expert_out[..total * dim])?;
     }
     // each row's sum, its experts in expert order
     let ffn_out = &mut s.ffn_out[..n * dim];
@@ -170,4 +193,13 @@ pub(crate) fn expert_rows(
     stats.skipped += n64 * (e64 - k64) * ff as u64;
     stats.weight_bytes += n64 * (always + e64 * expert_bytes);
     stats.weight_bytes_read += n64 * (always + k64 * expert_bytes);
+    Ok(())
+}
+
+/// A routed (row, expert) pair that another device computes, and the slot its output goes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertSlot {
+    pub row: usize,
+    pub expert: usize,
+    pub slot: usize,
 }
