@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call on a GPU machine (after scripts/gpu_bundle.sh here, with .gpu
 # carried): the Rust kernel tests against their CPU twins (a missing GPU fails them), the
-# pytest GPU tests (hybrid decode vs CPU decode), the hybrid benchmark, and SmolLM2 on the GPU
+# pytest GPU tests (hybrid decode vs CPU decode; the experts of mixtures too), the hybrid benchmark, and SmolLM2 on the GPU
 # when its package is importable (PYTHONPATH is kept, after the installed wheels) or was staged.
 #   scripts/gpu_suite.sh --stage                 first call, carrying .gpu-model: keeps SmolLM2's
 #                                                first part in /tmp for the next call
@@ -36,7 +36,7 @@ status=0
 echo "== Rust kernel tests"
 .gpu/gpu_kernels --ignored --test-threads 1 2>&1 | tee "$OUT/kernels.log" || status=1
 echo "== pytest -m gpu"
-python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/pytest.log" || status=1
+python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_moe.py 2>&1 | tee "$OUT/pytest.log" || status=1
 echo "== benchmark"
 python3 benches/hybrid_13b.py --out "$OUT/hybrid.json" "$@" 2>&1 | tee "$OUT/bench.log" || status=1
 echo "== quantized types on the GPU"
