@@ -151,7 +151,8 @@ def main() -> None:
         rp = [a / b for a, b in zip(prefill["powerinfer-rs"], prefill["llama.cpp"])]
         rd = [a / b for a, b in zip(decode["powerinfer-rs"], decode["llama.cpp"])]
         same = next(
-            (i for i, (a, b) in enumerate(zip(*tokens.values())) if a != b), len(tokens["llama.cpp"])
+            (i for i, (a, b) in enumerate(zip(*tokens.values())) if a != b),
+            len(tokens["llama.cpp"]),
         )
         print(
             f"| {preset} | ratio | {statistics.median(rp):.2f}x ({min(rp):.2f}-{max(rp):.2f}) "
