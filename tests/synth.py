@@ -148,7 +148,9 @@ def write_model(
     (n_expert, rows, cols) in `dtype`, `expert_count` and `expert_used_count`, the experts'
     width as `expert_feed_forward_length` where `ff_key` (Qwen's files; Mixtral and OLMoE
     files give it as `feed_forward_length`), and with `n_ff_shared` Qwen2-MoE's shared expert
-    (`ffn_{gate,up,down}_shexp`, `ffn_gate_inp_shexp`, `expert_shared_feed_forward_length`)."""
+    (`ffn_{gate,up,down}_shexp`, `ffn_gate_inp_shexp`, `expert_shared_feed_forward_length`).
+    `skew` (a float) makes the routing favour a few experts per layer (see below), as trained
+    routers do and random ones do not."""
     rng = np.random.default_rng(seed)
     n_vocab = len(tiny_vocab()[0])
     hd = head_dim or n_embd // n_head
@@ -193,20 +195,25 @@ def write_model(
             w.add_expert_shared_feed_forward_length(experts["n_ff_shared"])
     add_tiny_tokenizer(w)
 
-    def mat(name, rows, cols, scale, stack=None, t=None):
-        """A (rows, cols) matrix, or `stack` of them as one 3-D tensor, in `t` or `dtype`."""
+    def mat(name, rows, cols, scale, stack=None, t=None, shift=None):
+        """A (rows, cols) matrix, or `stack` of them as one 3-D tensor, in `t` or `dtype`;
+        `shift` is added to the random values (not for the random-block types)."""
         if name in skip:
             return
         t = dtype if t is None else t
         lead = () if stack is None else (stack,)
+        if t in F16_FIELDS:
+            assert shift is None, "random blocks take no shift"
+            blocks = random_blocks(t, (stack or 1) * rows, cols, scale * weight_scale, rng)
+            w.add_tensor(name, blocks.reshape(*lead, rows, -1), raw_dtype=t)
+            return
         a = (rng.standard_normal((*lead, rows, cols)) * scale * weight_scale).astype(np.float32)
+        if shift is not None:
+            a += shift
         if t == Q.F32:
             w.add_tensor(name, a)
         elif t == Q.F16:
             w.add_tensor(name, a.astype(np.float16))
-        elif t in F16_FIELDS:
-            blocks = random_blocks(t, (stack or 1) * rows, cols, scale * weight_scale, rng)
-            w.add_tensor(name, blocks.reshape(*lead, rows, -1), raw_dtype=t)
         else:
             w.add_tensor(name, quantize(a, t), raw_dtype=t)
 
@@ -215,12 +222,19 @@ def write_model(
             return
         w.add_tensor(name, (around + spread * rng.standard_normal(n)).astype(np.float32))
 
+    # skewed routing: every embedding shares a direction u, and each layer's router favours a
+    # few experts along it (alpha falls from skew for its first expert to 0, in a random order
+    # per layer), so that some experts are routed to far more often than others
+    skew = (experts or {}).get("skew")
+    u = np.sign(rng.standard_normal(n_embd)).astype(np.float32) if skew else None
     # Gemma scales the embeddings by sqrt(n_embd): keep the residual stream's size as elsewhere
     mat(
         "token_embd.weight",
         n_vocab,
         n_embd,
         1.0 / np.sqrt(n_embd) if arch.startswith("gemma") else 1.0,
+        t=Q.F16 if skew else None,
+        shift=u,
     )
     if rope_freqs:
         w.add_tensor("rope_freqs.weight", (1.0 + 7.0 * rng.random(hd // 2)).astype(np.float32))
@@ -261,7 +275,11 @@ def write_model(
         vec(p + "ffn_norm.weight", n_embd)
         if experts is not None:
             n_expert, n_exp_ff = experts["n_expert"], experts["n_ff_exp"]
-            mat(p + "ffn_gate_inp.weight", n_expert, n_embd, 1.0, t=Q.F32)
+            favour = None
+            if skew:
+                alpha = skew * np.log(n_expert / np.arange(1, n_expert + 1)) / np.log(n_expert)
+                favour = rng.permutation(alpha)[:, None].astype(np.float32) * u[None, :]
+            mat(p + "ffn_gate_inp.weight", n_expert, n_embd, 1.0, t=Q.F32, shift=favour)
             mat(p + "ffn_gate_exps.weight", n_exp_ff, n_embd, 0.2, stack=n_expert)
             mat(p + "ffn_up_exps.weight", n_exp_ff, n_embd, 0.2, stack=n_expert)
             mat(p + "ffn_down_exps.weight", n_embd, n_exp_ff, 0.15, stack=n_expert)
