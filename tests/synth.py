@@ -202,12 +202,14 @@ def write_model(
             return
         t = dtype if t is None else t
         lead = () if stack is None else (stack,)
+        # (drawn for every type, the random-block ones too, so that each file's later tensors
+        # stay what they were)
+        a = (rng.standard_normal((*lead, rows, cols)) * scale * weight_scale).astype(np.float32)
         if t in F16_FIELDS:
             assert shift is None, "random blocks take no shift"
             blocks = random_blocks(t, (stack or 1) * rows, cols, scale * weight_scale, rng)
             w.add_tensor(name, blocks.reshape(*lead, rows, -1), raw_dtype=t)
             return
-        a = (rng.standard_normal((*lead, rows, cols)) * scale * weight_scale).astype(np.float32)
         if shift is not None:
             a += shift
         if t == Q.F32:
