@@ -343,6 +343,65 @@ def test_one_log_line_per_request(tiny):
     assert " 400 " in tiny.request_lines("/v1/completions")[before + 2]
 
 
+def _metrics(server) -> dict:
+    """/metrics parsed by prometheus-client's own parser: {(name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(server.url + "/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(r.text)
+        for s in family.samples
+    }
+
+
+def test_metrics_and_slots_count_what_was_served(tiny):
+    """/metrics (open, like /health: balancers and Prometheus scrape it) counts requests by
+    path and status, prompt and generated tokens as the responses' usage says, errors by kind,
+    and reads the slots off the scheduler; /slots gives the capacity a balancer routes by."""
+    client = tiny.client(api_key="sekret")
+    before = _metrics(tiny)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return _metrics_now.get(key, 0.0) - before.get(key, 0.0)
+
+    usage = [
+        client.completions.create(model="tiny", prompt=p, max_tokens=n, temperature=0).usage
+        for p, n in (("the", 3), ("an in the", 5))
+    ]
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt="in",
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    usage.append(chunks[-1].usage)
+    bad = httpx.post(
+        tiny.url + "/v1/completions",
+        json={"model": "nope", "prompt": "x"},
+        headers={"Authorization": "Bearer sekret"},
+        timeout=10,
+    )
+    assert bad.status_code == 404
+    _metrics_now = _metrics(tiny)
+    assert delta("powerinfer_requests_total", path="/v1/completions", status="200") == 3
+    assert delta("powerinfer_requests_total", path="/v1/completions", status="404") == 1
+    assert delta("powerinfer_request_errors_total", kind="model_not_found") == 1
+    assert delta("powerinfer_prompt_tokens_total") == sum(u.prompt_tokens for u in usage)
+    assert delta("powerinfer_completion_tokens_total") == sum(u.completion_tokens for u in usage)
+    assert _metrics_now[("powerinfer_slots_total", ())] == 2
+    assert _metrics_now[("powerinfer_slots_busy", ())] == 0
+    assert _metrics_now[("powerinfer_decode_tokens_per_second", ())] > 0
+    slots = httpx.get(tiny.url + "/slots", timeout=10).json()
+    assert slots == {"slots_total": 2, "slots_busy": 0, "slots_free": 2, "queued": 0}
+
+
 def test_a_repeated_prompt_reuses_the_cached_session(tiny, tiny_path):
     client = tiny.client(api_key="sekret")
     engine = Engine.load(tiny_path, n_ctx=N_CTX, device="cpu")

@@ -15,6 +15,8 @@ from fastapi import FastAPI
 from .. import __version__
 from ..engine import Engine
 from .errors import install_error_handlers
+from .metrics import Metrics
+from .metrics import router as metrics_router
 from .routes import chat, completions, models
 from .scheduler import Scheduler
 from .state import ServerState, model_id_of
@@ -59,9 +61,11 @@ def create_app(
 
     app = FastAPI(title="powerinfer-rs", version=__version__, lifespan=lifespan)
     app.state.server = state
-    app.add_middleware(RequestLog)
+    state.metrics = Metrics(lambda: state.scheduler.counts() if state.scheduler else {})
+    app.add_middleware(RequestLog, metrics=state.metrics)
     install_error_handlers(app)
     app.include_router(models.health_router)
+    app.include_router(metrics_router)
     app.include_router(models.router)
     app.include_router(completions.router)
     app.include_router(chat.router)
@@ -72,8 +76,9 @@ class RequestLog:
     """ASGI middleware: one log line per request when it ends (streams included): method, path,
     status, and for generations the token counts and speeds."""
 
-    def __init__(self, app):
+    def __init__(self, app, metrics: Metrics | None = None):
         self.app = app
+        self.metrics = metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -90,7 +95,10 @@ class RequestLog:
             await self.app(scope, receive, send_status)
         finally:
             f = scope.get("powerinfer.log", {})
-            line = f"{scope['method']} {scope['path']} {status[0] or '-'} {time.perf_counter() - t0:.2f}s"
+            seconds = time.perf_counter() - t0
+            if self.metrics is not None:
+                self.metrics.record(scope["path"], status[0], seconds, f)
+            line = f"{scope['method']} {scope['path']} {status[0] or '-'} {seconds:.2f}s"
             if "prompt_tokens" in f:
                 cached = f"{f['cached_tokens']} cached, " if f["cached_tokens"] else ""
                 line += (

@@ -17,7 +17,7 @@ log = logging.getLogger("powerinfer_rs.server")
 
 
 async def on_api_error(request: Request, e: APIError):
-    note(request, error=e.message)
+    note(request, error=e.message, error_kind=e.code or e.type)
     return e.response()
 
 

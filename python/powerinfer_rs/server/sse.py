@@ -163,7 +163,7 @@ class EventStream(Response):
                     ended = True
                     if kind == "error":
                         reason = "error"
-                        note(scope, error=f"generation failed: {value}")
+                        note(scope, error=f"generation failed: {value}", error_kind="server_error")
                         await event(
                             {
                                 "error": {

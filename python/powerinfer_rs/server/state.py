@@ -6,12 +6,16 @@ from __future__ import annotations
 import hmac
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 
 from ..engine import Engine
 from .scheduler import Scheduler
 from .schemas import APIError
+
+if TYPE_CHECKING:
+    from .metrics import Metrics
 
 
 def model_id_of(engine: Engine) -> str:
@@ -28,6 +32,7 @@ class ServerState:
     created: int  # the model file's time, as /v1/models reports it
     fingerprint: str  # system_fingerprint: what answers depend on besides the model
     scheduler: Scheduler | None = None  # started and closed by the app's lifespan
+    metrics: Metrics | None = None  # /metrics' counters, fed by the request log
 
     def check_model(self, name: str | None) -> None:
         """Refuses a request for a model this server does not serve (none named is fine)."""

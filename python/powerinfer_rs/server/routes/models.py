@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
 
 from ..state import ServerState, authorize, server_state
 
@@ -30,7 +31,10 @@ def model_card(state: ServerState) -> dict:
 
 @health_router.get("/health")
 async def health(request: Request):
+    """200 with the slots' counts once the scheduler runs; 503 before (and after) that."""
     state = server_state(request)
+    if state.scheduler is None:
+        return JSONResponse({"status": "loading", "model": state.model_id}, status_code=503)
     return {"status": "ok", "model": state.model_id, **state.scheduler.counts()}
 
 
