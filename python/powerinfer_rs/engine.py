@@ -584,8 +584,10 @@ class Engine:
 
     def __repr__(self) -> str:
         c = self.config
+        x = c.get("experts")
+        experts = f"experts={x['n_expert_used']}/{x['n_expert']}, " if x else ""
         return (
-            f"Engine({os.path.basename(self.path)!r}, arch={c['architecture']}, layers={c['n_layer']}, "
+            f"Engine({os.path.basename(self.path)!r}, arch={c['architecture']}, {experts}layers={c['n_layer']}, "
             f"n_embd={c['n_embd']}, vocab={c['n_vocab']}, n_ctx={self.n_ctx}, threads={self.n_threads}, "
             f"sparsity={self.sparsity}, device={self.device})"
         )
