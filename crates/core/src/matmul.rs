@@ -168,7 +168,7 @@ pub struct Activations {
     pub cols: usize,
     pub f32s: Vec<f32>,
     pub q8: Vec<BlockQ8Act>,
-    /// With AVX-512 and at least `GROUP_MIN_TOKENS` tokens: -128 times each `q8` block's sum
+    /// With AVX-512 and at least `group_min_tokens` tokens: -128 times each `q8` block's sum
     /// (n, cols / 32), where the prompts' 16-row groups of signed formats start their sums
     /// (`q32_x86::activation_bias`); empty otherwise.
     pub q8_bias: Vec<i32>,
@@ -180,10 +180,18 @@ pub struct Activations {
     pub q8k: Vec<BlockQ8K>,
 }
 
-/// Batches from this many tokens up are multiplied through unpacked weights (row groups,
-/// `quant::q256_x86` and `quant::q32_x86`): decoding a row once for them all beats
-/// decoding it once per four tokens.
-pub const GROUP_MIN_TOKENS: usize = 8;
+/// Batches of at least this many tokens at `level` are multiplied through unpacked weights (row
+/// groups, `quant::q256_x86` and `quant::q32_x86`): decoding a row once for them all beats the
+/// one-token kernels from 2 tokens at AVX2 and AVX-VNNI, whose one-token dots decode each block
+/// again per pass of up to four tokens (SmolLM2 Q4_1, 4 sessions' batched decode: 155 -> 287
+/// tok/s; a Qwen3-30B-A3B-shape Q4_0 prompt, ~8 tokens per expert: +12%), and from 5 at AVX-512,
+/// whose one-token kernels read four rows at once (6 sessions 300 -> 368 tok/s; 4, 300 -> 272).
+pub fn group_min_tokens(level: SimdLevel) -> usize {
+    match level {
+        SimdLevel::Avx512 => 5,
+        _ => 2,
+    }
+}
 
 impl Activations {
     /// Loads `x` (n, cols) and quantizes it; `cols` must be a multiple of 32 when quantized
@@ -237,7 +245,7 @@ impl Activations {
             }
             self.q8_bias.clear();
             #[cfg(target_arch = "x86_64")]
-            if level == SimdLevel::Avx512 && n >= GROUP_MIN_TOKENS && per_32 {
+            if level == SimdLevel::Avx512 && n >= group_min_tokens(level) && per_32 {
                 self.q8_bias.resize(n * nb, 0);
                 // SAFETY: Avx512 is only reported when the CPU has AVX2's features too.
                 self.q8_bias
@@ -307,8 +315,8 @@ impl Activations {
         gather(&mut self.q8, &src.q8, src.n, rows.clone());
         gather(&mut self.quads, &src.quads, src.n, rows.clone());
         gather(&mut self.q8k, &src.q8k, src.n, rows.clone());
-        // (the row groups' sums start from it only for GROUP_MIN_TOKENS rows and more)
-        match n >= GROUP_MIN_TOKENS {
+        // (the row groups' sums start from it only for `group_min_tokens` rows and more)
+        match n >= group_min_tokens(simd_level()) {
             true => gather(&mut self.q8_bias, &src.q8_bias, src.n, rows),
             false => self.q8_bias.clear(),
         }
@@ -533,7 +541,8 @@ pub fn matmul_each(mats: &[QMatrix], xs: &[&Activations], outs: &mut [&mut [f32]
     // prompt 95 -> 88 ms; with 4, 85 ms, but threshold-mode prompts, whose tasks cost unevenly,
     // 240 -> 264 ms).
     // Decode tokens and row-group prompts take 8 per thread, short batches 16.
-    let target_chunks = threads * if n == 1 || n >= GROUP_MIN_TOKENS { 8 } else { 16 };
+    let target_chunks =
+        threads * if n == 1 || n >= group_min_tokens(simd_level()) { 8 } else { 16 };
     let chunk = (total_rows.div_ceil(target_chunks)).clamp(4, 4096).next_multiple_of(4);
     // Task k covers rows of one matrix; first_task[i] is matrix i's first task. Fixed-size
     // arrays up to MAX_MATS matrices, so that a decode step's projections allocate nothing.
@@ -609,7 +618,7 @@ fn rows_for_all_tokens(
 ) {
     let n = x.n;
     #[cfg(target_arch = "x86_64")]
-    if level.has_avx2() && w.dtype.reads_q8k() && n >= GROUP_MIN_TOKENS {
+    if level.has_avx2() && w.dtype.reads_q8k() && n >= group_min_tokens(level) {
         // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c, Avx512
         // when it has AVX-512 F/BW/VL/VNNI too, `avx_vnni` when it has AVX-VNNI; `q8k` holds n
         // tokens (cols is a multiple of 256 for these types).
@@ -628,7 +637,7 @@ fn rows_for_all_tokens(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if level.has_avx2() && q32_x86::groups_rows(w.dtype) && n >= GROUP_MIN_TOKENS {
+    if level.has_avx2() && q32_x86::groups_rows(w.dtype) && n >= group_min_tokens(level) {
         // SAFETY: as above; `q8` holds n tokens.
         unsafe {
             q32_x86::legacy_rows_all_tokens(
@@ -734,7 +743,7 @@ pub fn matmul_selected(
                 #[cfg(target_arch = "x86_64")]
                 let grouped = level.has_avx2()
                     && (q32_x86::groups_rows(w.dtype) || w.dtype.reads_q8k())
-                    && n >= GROUP_MIN_TOKENS;
+                    && n >= group_min_tokens(level);
                 #[cfg(not(target_arch = "x86_64"))]
                 let grouped = false;
                 let kept_of = |k: usize| &kept_by_row[(k0 + k) * n..(k0 + k + 1) * n];
@@ -1227,7 +1236,7 @@ mod tests {
             let data: Vec<u8> = w_f.chunks(cols).flat_map(|r| quantize_row(dtype, r)).collect();
             let g = QMatrix { dtype, rows, cols, data: &data };
             let u = QMatrix { dtype, rows, cols, data: &data[..] };
-            // (from GROUP_MIN_TOKENS tokens up, the quantized types go through row groups)
+            // (from `group_min_tokens` tokens up, the quantized types go through row groups)
             for n in [1, 2, 3, 5, 7, 9, 13, 40] {
                 let mut x = Activations::default();
                 x.set(&random_vec(n * cols, n as u64), n, cols);
