@@ -402,6 +402,40 @@ def test_metrics_and_slots_count_what_was_served(tiny):
     assert slots == {"slots_total": 2, "slots_busy": 0, "slots_free": 2, "queued": 0}
 
 
+def test_a_mixture_of_experts_serves_concurrent_clients(tmp_path):
+    """A qwen3moe file served to four clients at once: where their generations overlap, their
+    next tokens run as one batched pass whose rows route to different experts; each client gets
+    the text the in-process engine generates alone."""
+    path = write_model(
+        tmp_path / "moe.gguf",
+        arch="qwen3moe",
+        n_ctx=N_CTX,
+        experts=dict(n_expert=8, n_used=2, n_ff_exp=64),
+    )
+    engine = Engine.load(path, n_ctx=N_CTX, device="cpu")
+    prompts = ["the cat", "in an hour", "an the in", "the the"]
+    want = [engine.generate(p, max_tokens=40, temperature=0) for p in prompts]
+    server = Server(path, "--parallel", "4")
+    try:
+        client = server.client()
+        got = [None] * len(prompts)
+
+        def ask(i):
+            r = client.completions.create(
+                model="moe", prompt=prompts[i], max_tokens=12, temperature=0
+            )
+            got[i] = r.choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert got == want
+    finally:
+        server.stop()
+
+
 def test_a_repeated_prompt_reuses_the_cached_session(tiny, tiny_path):
     client = tiny.client(api_key="sekret")
     engine = Engine.load(tiny_path, n_ctx=N_CTX, device="cpu")
