@@ -167,10 +167,11 @@ def _expert_plan(
 ) -> GpuPlacement:
     """A mixture-of-experts model's split. Attention, norms and KV cache go first, layer by
     layer, then the output layer (as for dense models); the routers and shared experts run on
-    the CPU. Then the experts, whose matrices are all the same size: the most often routed
-    ones of the GPU layers (from an expert profile: `profile`, or `<model>.profile.npz`),
-    most frequent first, while they fit, which is the split that serves the most routings from
-    the GPU; without a profile, the same number per layer, lowest indices first.
+    the CPU. Then the experts of the GPU layers, most routings per byte first (from an expert
+    profile: `profile`, or `<model>.profile.npz`), while they fit: within a layer the experts
+    have one size, so that is its most routed ones, and where every layer's experts have one
+    type it is the split that serves the most routings from the GPU; without a profile, the
+    same number per layer, lowest indices first.
 
     `n_cpu_moe` is llama.cpp's `--n-cpu-moe N`: every layer on the GPU, the experts of the first
     N on the CPU, the others' on the GPU; `gpu_layers` its `-ngl N`: the first N layers wholly
@@ -212,7 +213,7 @@ def _expert_plan(
             )
         order = sorted(
             ((l, e) for l in range(n_layer) if dense[l] for e in range(n_expert)),
-            key=lambda le: (-freq[le], le[1], le[0]),
+            key=lambda le: (-freq[le] / per_expert[le[0]], le[1], le[0]),
         )
         for l, e in order:
             if per_expert[l] <= left:
