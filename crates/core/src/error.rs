@@ -23,12 +23,14 @@ pub enum Error {
     #[error("tensor '{tensor}' has type {dtype}, which is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)")]
     UnsupportedType { tensor: String, dtype: String },
 
-    #[error("unknown architecture '{0}' (supported: {list})", list = crate::model::ARCHITECTURES.join(", "))]
-    UnknownArchitecture(String),
+    /// The architecture and the ones the engine reads.
+    #[error("unknown architecture '{0}' (supported: {1})")]
+    UnknownArchitecture(String, String),
 
     /// A mixture-of-experts family the engine does not run (yet), named.
-    #[error("'{0}' is a mixture-of-experts architecture this engine does not run (mixture-of-experts files it runs: {list})", list = crate::model::MOE_ARCHITECTURES)]
-    UnsupportedMoe(String),
+    /// The architecture and the mixture-of-experts files the engine runs.
+    #[error("'{0}' is a mixture-of-experts architecture this engine does not run (mixture-of-experts files it runs: {1})")]
+    UnsupportedMoe(String, String),
 
     /// A tensor or metadata key the architecture needs is absent or has the wrong shape.
     #[error("invalid model: {0}")]

@@ -668,8 +668,10 @@ impl Config {
             | "qwen3moe" | "olmoe" => (Family::Llama, RopeStyle::NeoX),
             "falcon" => (Family::Falcon, RopeStyle::NeoX),
             "opt" => (Family::Opt, RopeStyle::None),
-            a if OTHER_MOE_ARCHITECTURES.contains(&a) => return Err(Error::UnsupportedMoe(arch)),
-            _ => return Err(Error::UnknownArchitecture(arch)),
+            a if OTHER_MOE_ARCHITECTURES.contains(&a) => {
+                return Err(Error::UnsupportedMoe(arch, MOE_ARCHITECTURES.into()))
+            }
+            _ => return Err(Error::UnknownArchitecture(arch, ARCHITECTURES.join(", "))),
         };
         let k = |name: &str| format!("{arch}.{name}");
         let n_embd = required(meta_usize(file, &k("embedding_length"))?, &k("embedding_length"))?;

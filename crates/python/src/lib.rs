@@ -60,8 +60,8 @@ fn to_py(e: Error) -> PyErr {
         Error::Io { .. } => PyOSError::new_err(msg),
         Error::Format(_) => GGUFError::new_err(msg),
         Error::UnsupportedType { .. }
-        | Error::UnknownArchitecture(_)
-        | Error::UnsupportedMoe(_)
+        | Error::UnknownArchitecture(..)
+        | Error::UnsupportedMoe(..)
         | Error::Model(_) => ModelError::new_err(msg),
         Error::ContextOverflow { .. } => ContextLengthError::new_err(msg),
         Error::InvalidArgument(_) => PyValueError::new_err(msg),

@@ -164,19 +164,26 @@ def _count_experts(session, ids: list[int], window: int, progress: bool):
     counts, seen = None, 0
     bar = _progress(len(ids), progress)
     try:
-        for start in range(0, len(ids), window):
-            chunk = ids[start : start + window]
-            if len(chunk) < 2:
-                break
-            session.truncate(0)
-            session.eval(chunk)
+        for n in _evaluated_windows(session, ids, window):
             c = session.take_expert_counts().astype(np.int64)
             counts = c if counts is None else counts + c
-            seen += len(chunk)
-            bar.update(len(chunk))
+            seen += n
+            bar.update(n)
     finally:
         bar.close()
     return counts, seen
+
+
+def _evaluated_windows(session, ids: list[int], window: int):
+    """Evaluates `ids` in windows of `window` tokens, each from an empty context (a one-token
+    tail is dropped), yielding each window's length after evaluating it."""
+    for start in range(0, len(ids), window):
+        chunk = ids[start : start + window]
+        if len(chunk) < 2:
+            break
+        session.truncate(0)
+        session.eval(chunk)
+        yield len(chunk)
 
 
 def captured_windows(session, ids: list[int], window: int):
@@ -185,14 +192,9 @@ def captured_windows(session, ids: list[int], window: int):
     them."""
     session.set_capture(True)
     try:
-        for start in range(0, len(ids), window):
-            chunk = ids[start : start + window]
-            if len(chunk) < 2:
-                break
-            session.truncate(0)
-            session.eval(chunk)
+        for n in _evaluated_windows(session, ids, window):
             inputs, scores = session.take_capture()
-            yield len(chunk), inputs, scores
+            yield n, inputs, scores
     finally:
         session.set_capture(False)
 

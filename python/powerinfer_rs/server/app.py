@@ -16,7 +16,6 @@ from .. import __version__
 from ..engine import Engine
 from .errors import install_error_handlers
 from .metrics import Metrics
-from .metrics import router as metrics_router
 from .routes import chat, completions, models
 from .scheduler import Scheduler
 from .state import ServerState, model_id_of
@@ -65,7 +64,6 @@ def create_app(
     app.add_middleware(RequestLog, metrics=state.metrics)
     install_error_handlers(app)
     app.include_router(models.health_router)
-    app.include_router(metrics_router)
     app.include_router(models.router)
     app.include_router(completions.router)
     app.include_router(chat.router)

@@ -1,23 +1,11 @@
-"""What a balancer or Prometheus reads off the server: `/metrics` in Prometheus' text format
-(`prometheus-client`, one registry per app) and `/slots` (capacity, for routing by load). The
-counters are fed by the per-request log (`app.RequestLog`) when a request ends, streams included;
-the gauges are read from the scheduler at each scrape."""
+"""What Prometheus reads off the server at `/metrics` (`routes/models.py`), in its text format
+(`prometheus-client`, one registry per app). The counters are fed by the per-request log
+(`app.RequestLog`) when a request ends, streams included; the gauges are read from the
+scheduler at each scrape."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
-
-from .state import server_state
-
-router = APIRouter()
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 class Metrics:
@@ -86,21 +74,3 @@ class Metrics:
             self.completion_tokens.inc(fields["completion_tokens"])
             self.prefill_tps.set(fields["prefill_tps"])
             self.decode_tps.set(fields["decode_tps"])
-
-
-@router.get("/metrics")
-async def metrics(request: Request):
-    m = server_state(request).metrics
-    return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
-
-
-@router.get("/slots")
-async def slots(request: Request):
-    """Capacity for a balancer: slots in all, busy and free, and requests waiting."""
-    c = server_state(request).scheduler.counts()
-    return {
-        "slots_total": c["slots_total"],
-        "slots_busy": c["slots_busy"],
-        "slots_free": c["slots_total"] - c["slots_busy"],
-        "queued": c["queued"],
-    }

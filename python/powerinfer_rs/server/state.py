@@ -6,16 +6,13 @@ from __future__ import annotations
 import hmac
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from fastapi import Request
 
 from ..engine import Engine
+from .metrics import Metrics
 from .scheduler import Scheduler
 from .schemas import APIError
-
-if TYPE_CHECKING:
-    from .metrics import Metrics
 
 
 def model_id_of(engine: Engine) -> str:

@@ -1,9 +1,11 @@
-"""/health (open to all: balancers poll it) and /v1/models (behind the API key)."""
+"""/health, /metrics and /slots (open to all: balancers and Prometheus poll them) and /v1/models
+(behind the API key)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..state import ServerState, authorize, server_state
 
@@ -36,6 +38,24 @@ async def health(request: Request):
     if state.scheduler is None:
         return JSONResponse({"status": "loading", "model": state.model_id}, status_code=503)
     return {"status": "ok", "model": state.model_id, **state.scheduler.counts()}
+
+
+@health_router.get("/metrics")
+async def metrics(request: Request):
+    m = server_state(request).metrics
+    return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@health_router.get("/slots")
+async def slots(request: Request):
+    """Capacity for a balancer: slots in all, busy and free, and requests waiting."""
+    c = server_state(request).scheduler.counts()
+    return {
+        "slots_total": c["slots_total"],
+        "slots_busy": c["slots_busy"],
+        "slots_free": c["slots_total"] - c["slots_busy"],
+        "queued": c["queued"],
+    }
 
 
 @router.get("/v1/models")
