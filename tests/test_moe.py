@@ -241,7 +241,7 @@ def test_neuron_sparsity_and_profiling_are_refused_on_experts(tmp_path):
     path = write_moe(tmp_path / "m.gguf", "mixtral", Q.Q4_0)
     s = _core.Session(_core.Model(path, 2), 32, "f32")
     with pytest.raises(ValueError, match="not supported on mixture-of-experts models"):
-        s.set_sparsity("threshold", layer_thresholds=[0.1, 0.1])
+        s.set_sparsity("threshold", gate_cutoffs=[0.1, 0.1])
     with pytest.raises(ValueError, match="capturing FFN activations: not supported on mixture"):
         s.set_capture(True)
     with pytest.raises(ValueError, match="calibration: not supported on mixture-of-experts"):

@@ -214,7 +214,7 @@ def test_convert_gguf_same_dense_logits(tmp_path, dtype, tol):
     # the per-layer cut-offs reach predictor mode
     c = Engine.load(out)
     assert c.sparsity == "predictor"
-    np.testing.assert_allclose(c.predictor_layer_thresholds, pred["thresholds"], rtol=1e-6)
+    np.testing.assert_allclose(c.predictor_layer_cutoffs, pred["thresholds"], rtol=1e-6)
     c._session().eval(toks)
 
 

@@ -145,9 +145,9 @@ def test_predictor_cutoffs_calibrated_for_recall(tmp_path, arch):
         path, threads=2, sparsity="predictor", calibration_text=text, predictor_recall=True
     )
     assert strict.predictor_recall_target == 0.99 and loose.predictor_recall_target == 0.9
-    assert len(strict.predictor_layer_thresholds) == engine.n_layer
+    assert len(strict.predictor_layer_cutoffs) == engine.n_layer
     assert all(
-        a <= b for a, b in zip(strict.predictor_layer_thresholds, loose.predictor_layer_thresholds)
+        a <= b for a, b in zip(strict.predictor_layer_cutoffs, loose.predictor_layer_cutoffs)
     )
     import json
 
@@ -298,7 +298,7 @@ def test_threshold_mode_calibrates_and_caches(tmp_path):
     engine = Engine.load(
         path, threads=2, sparsity="threshold", target_sparsity=0.5, calibration_text=text
     )
-    assert engine.sparsity == "threshold" and len(engine.layer_thresholds) == engine.n_layer
+    assert engine.sparsity == "threshold" and len(engine.gate_cutoffs) == engine.n_layer
     cache = tmp_path / "m.gguf.thresholds.json"
     assert cache.exists()
     # on the calibration text itself the measured sparsity is the target
@@ -320,7 +320,7 @@ def test_threshold_mode_calibrates_and_caches(tmp_path):
     again = Engine.load(
         path, threads=2, sparsity="threshold", target_sparsity=0.5, calibration_text=text
     )
-    assert again.layer_thresholds == [123.0] * engine.n_layer
+    assert again.gate_cutoffs == [123.0] * engine.n_layer
     again.logits(ids[:20])
     assert again.last_stats["ffn_sparsity"] > 0.99
 
@@ -387,10 +387,10 @@ def test_bad_sparsity_arguments(tmp_path):
     # the core checks too
     s = _core.Session(_core.Model(pw, 1), 16)
     with pytest.raises(ValueError, match="finite"):
-        s.set_sparsity("predictor", predictor_threshold=math.nan)
-    with pytest.raises(ValueError, match="layer 1 threshold must be finite"):
-        s.set_sparsity("threshold", layer_thresholds=[0.1, math.inf])
-    with pytest.raises(ValueError, match="needs 2 layer thresholds"):
-        s.set_sparsity("threshold", layer_thresholds=[0.1])
+        s.set_sparsity("predictor", predictor_cutoff=math.nan)
+    with pytest.raises(ValueError, match="layer 1 gate cut-off must be finite"):
+        s.set_sparsity("threshold", gate_cutoffs=[0.1, math.inf])
+    with pytest.raises(ValueError, match="needs 2 gate cut-offs"):
+        s.set_sparsity("threshold", gate_cutoffs=[0.1])
     with pytest.raises(ValueError, match="target sparsity"):
         s.calibrate(list(range(3, 20)), 8, [1.5])

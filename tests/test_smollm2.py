@@ -371,7 +371,7 @@ def test_input_sparsity_matches_masked_reference(engine, weights):
     ]
     ids = engine.tokenize(TEXT_64)[:24]
     session = _core.Session(engine._model, 64, engine.kv_type)
-    session.set_sparsity("threshold", input_thresholds=cuts)
+    session.set_sparsity("threshold", input_cutoffs=cuts)
     got = session.eval(ids, all_logits=True).astype(np.float64)
     st = session.take_stats()
 
@@ -441,7 +441,7 @@ def test_input_sparsity_within_a_perplexity_budget(engine, tmp_path):
     again = Engine.load(
         model, threads=2, max_ppl_increase=0.05
     )  # from the cache; threshold implied
-    assert again.sparsity == "threshold" and again.input_thresholds == sparse.input_thresholds
+    assert again.sparsity == "threshold" and again.input_cutoffs == sparse.input_cutoffs
 
     text = open(os.path.join(DOCS, "tutorial", "introduction.rst.txt"), encoding="utf-8").read()
     base = Engine.load(model, threads=2, sparsity="dense").perplexity(text, ctx=256)

@@ -197,3 +197,15 @@ def test_tokenizer_json_beside_the_model_covers_an_unknown_pre_tokenizer(tmp_pat
     tok.save(str(tmp_path / "tokenizer.json"))
     ids = GGUFTokenizer(meta, path).encode("the then", add_bos=False)
     assert [tokens[i] for i in ids] == list("the\u0120then")
+
+
+def test_a_lone_surrogate_is_a_clear_error(tmp_path):
+    """A str holding a lone surrogate (what "\\ud800" in JSON or a bad decode gives) has no UTF-8
+    bytes, so no tokens: a ValueError naming the character and where it is, not the tokenizer
+    library's TypeError about its input type; valid text around it changes nothing."""
+    engine = Engine.load(write_model(tmp_path / "m.gguf"))
+    for text, index in [("ab\ud800cd", 2), ("\udfff", 0), ("the \ud83d end", 4)]:
+        with pytest.raises(ValueError, match=rf"lone surrogate .* at index {index}"):
+            engine.tokenize(text)
+    # a proper pair is one character and tokenizes
+    assert engine.detokenize(engine.tokenize("the \U0001f600 end")) == "the \U0001f600 end"

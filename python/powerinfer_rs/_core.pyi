@@ -88,12 +88,12 @@ class Session:
     def set_sparsity(
         self,
         mode: str,
-        predictor_threshold: float = 0.0,
-        layer_thresholds: list[float] | None = None,
+        predictor_cutoff: float = 0.0,
+        gate_cutoffs: list[float] | None = None,
         track_recall: bool = False,
-        predictor_layer_thresholds: list[float] | None = None,
+        predictor_layer_cutoffs: list[float] | None = None,
         # per layer, the [qkv, attn_output, ffn_gate_up, ffn_down] score cut-offs (0 for none)
-        input_thresholds: list[list[float]] | None = None,
+        input_cutoffs: list[list[float]] | None = None,
     ) -> None: ...
     @property
     def sparsity(self) -> str: ...

@@ -57,12 +57,12 @@ class Engine:
         self.sparsity = "dense"
         self.sparse_threshold = float(self.config["sparse_threshold"])
         self.target_sparsity: float | None = None
-        self.layer_thresholds: list[float] | None = None
-        self.predictor_layer_thresholds: list[float] | None = None
+        self.gate_cutoffs: list[float] | None = None
+        self.predictor_layer_cutoffs: list[float] | None = None
         self.predictor_recall = False
         self.predictor_recall_target: float | None = None
         self.max_ppl_increase: float | None = None
-        self.input_thresholds: list[list[float]] | None = None
+        self.input_cutoffs: list[list[float]] | None = None
         self.input_sparsity: dict | None = None  # the calibration's report, with max_ppl_increase
         self.device = "cpu"
         # what it was loaded with (Engine.load replaces these defaults)
@@ -243,17 +243,17 @@ class Engine:
             else:
                 sparse_threshold = float(self.config["sparse_threshold"])
                 per_layer = (
-                    self._file_predictor_thresholds() if predictor_recall_target is None else None
+                    self._file_predictor_cutoffs() if predictor_recall_target is None else None
                 )
                 if per_layer is None and sparsity == "predictor":
-                    from .sparsity import predictor_thresholds
+                    from .sparsity import predictor_cutoffs
 
                     target = (
                         DEFAULT_RECALL_TARGET
                         if predictor_recall_target is None
                         else float(predictor_recall_target)
                     )
-                    per_layer = predictor_thresholds(self, target, calibration_text)
+                    per_layer = predictor_cutoffs(self, target, calibration_text)
                     self.predictor_recall_target = target
         if (
             isinstance(sparse_threshold, bool)
@@ -278,19 +278,19 @@ class Engine:
                 raise ValueError(
                     f"target_sparsity must be a number in [0, 1), got {target_sparsity!r}"
                 )
-            from .sparsity import layer_thresholds
+            from .sparsity import gate_cutoffs
 
-            thresholds = layer_thresholds(self, float(target_sparsity), calibration_text)
+            thresholds = gate_cutoffs(self, float(target_sparsity), calibration_text)
         self.sparsity = sparsity
         self.sparse_threshold = float(sparse_threshold)
         self.target_sparsity = (
             float(target_sparsity) if sparsity == "threshold" and plan is None else None
         )
-        self.layer_thresholds = thresholds
+        self.gate_cutoffs = thresholds
         self.max_ppl_increase = None if plan is None else float(max_ppl_increase)
-        self.input_thresholds = None if plan is None else plan["thresholds"]
+        self.input_cutoffs = None if plan is None else plan["thresholds"]
         self.input_sparsity = plan
-        self.predictor_layer_thresholds = per_layer if sparsity == "predictor" else None
+        self.predictor_layer_cutoffs = per_layer if sparsity == "predictor" else None
         self.predictor_recall = predictor_recall and sparsity == "predictor"
         self.settings = dataclasses.replace(
             self.settings, **{name: getattr(requested, name) for name in SPARSITY_OPTIONS}
@@ -304,14 +304,14 @@ class Engine:
         session.set_sparsity(
             self.sparsity,
             self.sparse_threshold,
-            self.layer_thresholds,
+            self.gate_cutoffs,
             self.predictor_recall,
-            self.predictor_layer_thresholds,
-            self.input_thresholds,
+            self.predictor_layer_cutoffs,
+            self.input_cutoffs,
         )
         return session
 
-    def _file_predictor_thresholds(self) -> list[float] | None:
+    def _file_predictor_cutoffs(self) -> list[float] | None:
         """The per-layer predictor cut-offs a converted file carries, if any."""
         values = self._model.metadata().get(PREDICTOR_THRESHOLDS_KEY)
         if values is None:

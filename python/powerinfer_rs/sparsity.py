@@ -218,8 +218,8 @@ def _calibrated(
     return by_target[target]
 
 
-def layer_thresholds(engine, target: float, text: str | None = None) -> list[float]:
-    """Per-layer |act(gate)| thresholds for `target` sparsity on `engine`'s model, from the cache
+def gate_cutoffs(engine, target: float, text: str | None = None) -> list[float]:
+    """Per-layer |act(gate)| cut-offs for `target` sparsity on `engine`'s model, from the cache
     or from a dense calibration run over `text` (default: a built-in English sample)."""
     return _calibrated(
         engine, "sparsity", target, text, STANDARD_TARGETS, lambda s, *a: s.calibrate(*a)
@@ -230,7 +230,7 @@ def layer_thresholds(engine, target: float, text: str | None = None) -> list[flo
 STANDARD_RECALLS = (0.9, 0.95, 0.99, 0.999)
 
 
-def predictor_thresholds(engine, recall: float, text: str | None = None) -> list[float]:
+def predictor_cutoffs(engine, recall: float, text: str | None = None) -> list[float]:
     """Per-layer predictor cut-offs keeping `recall` of the truly firing neurons on `text`
     (default: the built-in sample), from the cache or from a dense calibration run."""
     return _calibrated(
@@ -250,7 +250,7 @@ INPUT_GROUPS = ("qkv", "attn_output", "ffn_gate_up", "ffn_down")
 _BISECT_STEPS = 12
 
 
-def _nll(engine, tokens: list[int], window: int, input_thresholds=None) -> tuple[float, int, dict]:
+def _nll(engine, tokens: list[int], window: int, input_cutoffs=None) -> tuple[float, int, dict]:
     """Summed negative log-likelihood of each window's tokens after its first, evaluated from an
     empty cache, with the given input cut-offs (None: dense); and the session's counters."""
     import numpy as np
@@ -258,8 +258,8 @@ def _nll(engine, tokens: list[int], window: int, input_thresholds=None) -> tuple
     from . import _core
 
     session = _core.Session(engine._model, window, engine.kv_type)
-    if input_thresholds is not None:
-        session.set_sparsity("threshold", input_thresholds=input_thresholds)
+    if input_cutoffs is not None:
+        session.set_sparsity("threshold", input_cutoffs=input_cutoffs)
     nll, count = 0.0, 0
     for i in range(0, len(tokens), window):
         chunk = tokens[i : i + window]

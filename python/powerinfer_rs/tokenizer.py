@@ -525,6 +525,13 @@ class GGUFTokenizer:
         into their ids (chat templates need this); otherwise they are plain text."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, not {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            # a lone surrogate ("\ud800") is a str but not text: no UTF-8, so no tokens
+            raise ValueError(
+                f"text is not valid Unicode: a lone surrogate {text[e.start]!r} at index {e.start}"
+            ) from None
         with self._lock:
             self._tok.encode_special_tokens = not special
             ids = self._tok.encode(text, add_special_tokens=False).ids

@@ -511,37 +511,37 @@ impl PySession {
     }
 
     /// Chooses how the FFNs are computed: `mode` is "dense", "predictor" or "threshold";
-    /// `predictor_threshold` is the predictor logit cut-off (`predictor_layer_thresholds`, one
-    /// per layer, replaces it); `layer_thresholds` (one per layer) the |act(gate)| cut-offs of
-    /// threshold mode; `input_thresholds` (one [qkv, attn_output, ffn_gate_up, ffn_down] set of
+    /// `predictor_cutoff` is the predictor logit cut-off (`predictor_layer_cutoffs`, one
+    /// per layer, replaces it); `gate_cutoffs` (one per layer) the |act(gate)| cut-offs of
+    /// threshold mode; `input_cutoffs` (one [qkv, attn_output, ffn_gate_up, ffn_down] set of
     /// score cut-offs per layer, 0 for none) switch threshold mode to input sparsity instead;
     /// `track_recall` adds a dense pass in predictor mode to measure recall.
-    #[pyo3(signature = (mode, predictor_threshold = 0.0, layer_thresholds = None, track_recall = false, predictor_layer_thresholds = None, input_thresholds = None))]
+    #[pyo3(signature = (mode, predictor_cutoff = 0.0, gate_cutoffs = None, track_recall = false, predictor_layer_cutoffs = None, input_cutoffs = None))]
     fn set_sparsity(
         &self,
         py: Python<'_>,
         mode: &str,
-        predictor_threshold: f32,
-        layer_thresholds: Option<Vec<f32>>,
+        predictor_cutoff: f32,
+        gate_cutoffs: Option<Vec<f32>>,
         track_recall: bool,
-        predictor_layer_thresholds: Option<Vec<f32>>,
-        input_thresholds: Option<Vec<[f32; 4]>>,
+        predictor_layer_cutoffs: Option<Vec<f32>>,
+        input_cutoffs: Option<Vec<[f32; 4]>>,
     ) -> PyResult<()> {
         let mode = SparsityMode::parse(mode).map_err(to_py)?;
         let refuse = |m: String| to_py(Error::InvalidArgument(m));
-        if !predictor_threshold.is_finite() {
+        if !predictor_cutoff.is_finite() {
             return Err(refuse(format!(
-                "predictor threshold must be finite, got {predictor_threshold}"
+                "predictor_cutoff must be finite, got {predictor_cutoff}"
             )));
         }
         // (the keywords as Python passes them; an empty list is none)
-        let gate_cutoffs = layer_thresholds.filter(|t| !t.is_empty());
-        let input_cutoffs = input_thresholds.filter(|t| !t.is_empty());
+        let gate_cutoffs = gate_cutoffs.filter(|t| !t.is_empty());
+        let input_cutoffs = input_cutoffs.filter(|t| !t.is_empty());
         let sp = match mode {
             SparsityMode::Dense => Sparsity::Dense,
             SparsityMode::Predictor => Sparsity::Predictor {
-                cutoff: predictor_threshold,
-                layer_cutoffs: predictor_layer_thresholds.unwrap_or_default(),
+                cutoff: predictor_cutoff,
+                layer_cutoffs: predictor_layer_cutoffs.unwrap_or_default(),
                 track_recall,
             },
             SparsityMode::Threshold => match (gate_cutoffs, input_cutoffs) {
@@ -549,7 +549,7 @@ impl PySession {
                 (None, Some(input_cutoffs)) => Sparsity::Inputs { input_cutoffs },
                 (Some(gate), Some(input)) => {
                     return Err(refuse(format!(
-                        "input sparsity needs per-layer cut-off sets and no neuron thresholds, got {} and {}",
+                        "input_cutoffs and gate_cutoffs exclude each other, got {} and {}",
                         input.len(),
                         gate.len()
                     )))

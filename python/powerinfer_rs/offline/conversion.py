@@ -71,7 +71,7 @@ def _encode(data: np.ndarray, qtype) -> np.ndarray:
     return gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), qtype)
 
 
-def _predictor_thresholds(pred: dict, sparse_threshold: float | None) -> tuple[float, np.ndarray]:
+def _predictor_cutoffs(pred: dict, sparse_threshold: float | None) -> tuple[float, np.ndarray]:
     per_layer = np.asarray(pred["thresholds"], dtype=np.float32)
     if sparse_threshold is None:
         # PowerInfer reads one cut-off for all layers: the median of the trained ones
@@ -136,7 +136,7 @@ def _add_predictors(w, pred: dict, ptype) -> None:
 def _add_sparse_keys(
     w, arch: str, activation: str, pred: dict, sparse_threshold: float | None
 ) -> None:
-    global_thr, per_layer = _predictor_thresholds(pred, sparse_threshold)
+    global_thr, per_layer = _predictor_cutoffs(pred, sparse_threshold)
     w.add_float32("powerinfer.sparse_threshold", global_thr)
     w.add_array("powerinfer_rs.predictor_thresholds", [float(t) for t in per_layer])
     w.add_string(f"{arch}.ffn_activation", _ACTIVATION_KEY_VALUE[activation])

@@ -9,7 +9,7 @@ pub enum SparsityMode {
     Dense,
     /// The layer's predictor picks the neurons: `fc2 @ relu(fc1 @ x) >= predictor_threshold`.
     Predictor,
-    /// The gate is computed densely; neurons with `|act(gate)| <= layer_thresholds[l]` are skipped.
+    /// The gate is computed densely; neurons with `|act(gate)| <= gate_cutoffs[l]` are skipped.
     Threshold,
 }
 
@@ -124,7 +124,7 @@ impl Session {
             Sparsity::Predictor { cutoff, layer_cutoffs, .. } => {
                 if !cutoff.is_finite() {
                     return Err(Error::InvalidArgument(format!(
-                        "predictor threshold must be finite, got {cutoff}"
+                        "predictor cut-off must be finite, got {cutoff}"
                     )));
                 }
                 if let Some(l) = model.weights.layers.iter().position(|l| l.predictor.is_none()) {
@@ -143,7 +143,7 @@ impl Session {
                 if let Some((l, t)) = layer_cutoffs.iter().enumerate().find(|(_, t)| !t.is_finite())
                 {
                     return Err(Error::InvalidArgument(format!(
-                        "layer {l} predictor threshold must be finite, got {t}"
+                        "layer {l} predictor cut-off must be finite, got {t}"
                     )));
                 }
             }
@@ -176,7 +176,7 @@ impl Session {
             Sparsity::GateThreshold { gate_cutoffs } => {
                 if gate_cutoffs.len() != c.n_layer {
                     return Err(Error::InvalidArgument(format!(
-                        "threshold mode needs {} layer thresholds, got {}",
+                        "threshold mode needs {} gate cut-offs (one per layer), got {}",
                         c.n_layer,
                         gate_cutoffs.len()
                     )));
@@ -184,7 +184,7 @@ impl Session {
                 if let Some((l, t)) = gate_cutoffs.iter().enumerate().find(|(_, t)| !t.is_finite())
                 {
                     return Err(Error::InvalidArgument(format!(
-                        "layer {l} threshold must be finite, got {t}"
+                        "layer {l} gate cut-off must be finite, got {t}"
                     )));
                 }
             }
