@@ -530,9 +530,7 @@ impl PySession {
         let mode = SparsityMode::parse(mode).map_err(to_py)?;
         let refuse = |m: String| to_py(Error::InvalidArgument(m));
         if !predictor_cutoff.is_finite() {
-            return Err(refuse(format!(
-                "predictor_cutoff must be finite, got {predictor_cutoff}"
-            )));
+            return Err(refuse(format!("predictor_cutoff must be finite, got {predictor_cutoff}")));
         }
         // (the keywords as Python passes them; an empty list is none)
         let gate_cutoffs = gate_cutoffs.filter(|t| !t.is_empty());
