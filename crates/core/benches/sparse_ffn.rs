@@ -23,6 +23,9 @@
 //! The weights are drawn so that every gate is positive: the only sparsity is the selection the
 //! operator is given, so "0%" really computes every neuron.
 //!
+//! With `--features phase-timers`, each sparse row is followed by the shares of the operator's
+//! time in its three passes (gate dots, up dots, down axpys), summed over threads.
+//!
 //! Environment: `POWERINFER_BENCH_THREADS` (e.g. "2" or "1,2"), `POWERINFER_BENCH_ROUNDS`,
 //! `POWERINFER_BENCH_TYPES` (e.g. "Q4_0,F16"), `POWERINFER_BENCH_FOOTPRINT` (bytes),
 //! `POWERINFER_BENCH_SPARSITIES` (e.g. "0.9,0.95").
@@ -302,6 +305,14 @@ fn main() {
                     }
                 });
                 let (d, s) = (median(&mut td), median(&mut ts));
+                #[cfg(feature = "phase-timers")]
+                let phases = {
+                    use std::sync::atomic::Ordering::Relaxed;
+                    let ns =
+                        powerinfer_core::sparse::PHASE_NS.each_ref().map(|a| a.swap(0, Relaxed));
+                    let total = ns.iter().sum::<u64>().max(1) as f64;
+                    ns.map(|n| 100.0 * n as f64 / total)
+                };
                 let scatter = pool.install(|| {
                     scatter_read_gbs(
                         &sparse_bufs,
@@ -325,6 +336,11 @@ fn main() {
                     sparse_bytes as f64 / s / 1e9,
                     stream,
                     scatter
+                );
+                #[cfg(feature = "phase-timers")]
+                println!(
+                    "      sparse passes: gate dots {:.0}%, up dots {:.0}%, down axpys {:.0}%",
+                    phases[0], phases[1], phases[2]
                 );
             }
         }

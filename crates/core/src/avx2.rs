@@ -33,11 +33,15 @@ pub(crate) unsafe fn splat_f16(bits: u16) -> __m256 {
     _mm256_cvtph_ps(_mm_set1_epi16(bits as i16))
 }
 
-/// Prefetches every line of `next` (the bytes a caller reads after this kernel), spread evenly
-/// over a kernel's `steps` (see `matmul::dot_row` for why): after step i, the first
-/// (i + 1) * lines / steps lines.
+/// Prefetches every line of `next` (the rows a caller reads after this kernel, in turn), spread
+/// evenly over a kernel's `steps` (see `matmul::dot_row` for why): after step i, the first
+/// (i + 1) * lines / steps lines. Consecutive rows come as one slice; the scattered rows a
+/// sparse operator reads next as several.
 pub(crate) struct Prefetch<'a> {
-    next: &'a [u8],
+    /// The rows after `cur`.
+    rest: &'a [&'a [u8]],
+    /// The row being prefetched, from `line`.
+    cur: &'a [u8],
     lines: usize,
     steps: usize,
     line: usize,
@@ -45,21 +49,31 @@ pub(crate) struct Prefetch<'a> {
 }
 
 impl<'a> Prefetch<'a> {
-    pub(crate) fn new(next: &'a [u8], steps: usize) -> Self {
-        Prefetch { next, lines: next.len().div_ceil(64), steps: steps.max(1), line: 0, due: 0 }
+    pub(crate) fn new(next: &'a [&'a [u8]], steps: usize) -> Self {
+        let lines = next.iter().map(|r| r.len().div_ceil(64)).sum();
+        let (cur, rest) = next.split_first().map_or((&[][..], &[][..]), |(c, r)| (*c, r));
+        Prefetch { rest, cur, lines, steps: steps.max(1), line: 0, due: 0 }
     }
 
     /// The lines due by the end of this step.
     #[inline(always)]
     pub(crate) fn step(&mut self) {
         self.due += self.lines;
-        while self.due >= self.steps && self.line < self.lines {
-            // SAFETY: line < lines, so the address lies within `next` (prefetches never fault)
-            unsafe {
-                _mm_prefetch::<_MM_HINT_T0>(self.next.as_ptr().add(64 * self.line) as *const i8)
-            };
-            self.line += 1;
-            self.due -= self.steps;
+        while self.due >= self.steps {
+            if 64 * self.line < self.cur.len() {
+                // SAFETY: 64 * line < cur.len(), so the address lies within the row
+                // (prefetches never fault)
+                unsafe {
+                    _mm_prefetch::<_MM_HINT_T0>(self.cur.as_ptr().add(64 * self.line) as *const i8)
+                };
+                self.line += 1;
+                self.due -= self.steps;
+            } else if let Some((&row, rest)) = self.rest.split_first() {
+                (self.cur, self.rest, self.line) = (row, rest, 0);
+            } else {
+                self.due = 0;
+                break;
+            }
         }
     }
 }
@@ -192,7 +206,7 @@ impl LegacyBlock for BlockQ4_1 {
 pub unsafe fn dot_q4_0<const R: usize, const N: usize>(
     w: [&[BlockQ4_0]; R],
     a: [&[BlockQ8Act]; N],
-    next: &[u8],
+    next: &[&[u8]],
 ) -> [[f32; N]; R] {
     dot_legacy(w, a, next)
 }
@@ -202,7 +216,7 @@ pub unsafe fn dot_q4_0<const R: usize, const N: usize>(
 pub unsafe fn dot_q4_1<const R: usize, const N: usize>(
     w: [&[BlockQ4_1]; R],
     a: [&[BlockQ8Act]; N],
-    next: &[u8],
+    next: &[&[u8]],
 ) -> [[f32; N]; R] {
     dot_legacy(w, a, next)
 }
@@ -212,7 +226,7 @@ pub unsafe fn dot_q4_1<const R: usize, const N: usize>(
 pub unsafe fn dot_q8_0<const R: usize, const N: usize>(
     w: [&[BlockQ8_0]; R],
     a: [&[BlockQ8Act]; N],
-    next: &[u8],
+    next: &[&[u8]],
 ) -> [[f32; N]; R] {
     dot_legacy(w, a, next)
 }
@@ -229,7 +243,7 @@ pub unsafe fn dot_q8_0<const R: usize, const N: usize>(
 pub(crate) unsafe fn dot_legacy<B: LegacyBlock, const R: usize, const N: usize>(
     w: [&[B]; R],
     a: [&[BlockQ8Act]; N],
-    next: &[u8],
+    next: &[&[u8]],
 ) -> [[f32; N]; R] {
     let mut prefetch = Prefetch::new(next, w[0].len());
     let (mut acc, mut mins) = ([[0.0f32; N]; R], [[0.0f32; N]; R]);
@@ -401,14 +415,18 @@ pub unsafe fn dot_float<const N: usize>(
     dtype: DType,
     w: &[u8],
     a: [&[f32]; N],
-    next: &[u8],
+    next: &[&[u8]],
 ) -> [f32; N] {
     let n = a[0].len();
     debug_assert_eq!(w.len(), dtype.row_bytes(n));
     let mut acc = [_mm256_setzero_ps(); N];
     let wp = w.as_ptr();
     let n8 = n / 8 * 8;
-    // `next` is prefetched a line per 64 bytes of this row (see `matmul::dot_row`)
+    // the next row (float rows go one per call) is prefetched a line per 64 bytes of this
+    // row (see `matmul::dot_row`): a test per step, cheaper than `Prefetch`'s count in a loop
+    // of one load and N fused multiply-adds
+    debug_assert!(next.len() <= 1, "float rows prefetch one next row");
+    let next = next.first().copied().unwrap_or(&[]);
     let eb = dtype.block_bytes();
     let mut k = 0;
     while k < n8 {
@@ -839,16 +857,37 @@ unsafe fn halves_to_f32x4(lo: __m128i, hi: __m128i) -> [__m256; 4] {
 }
 
 /// 16 bytes of packed nibbles to four vectors of 8 f32 lanes in element order, minus `sub`
-/// (8 for Q4_0, 0 for Q4_1). Works on the two 128-bit halves directly: building one 256-bit
-/// register first and splitting it again costs two extra shuffles per block.
+/// (8 for Q4_0, 0 for Q4_1). Each half of the bytes is widened to 32-bit lanes as it is loaded
+/// (one shuffle per 8 bytes), and both of its nibbles come out of those lanes with a mask and a
+/// shift: elements 0..8 and 16..24 from bytes 0..8, 8..16 and 24..32 from bytes 8..16. (Splitting
+/// the nibbles in bytes first and widening afterwards costs three shuffles more per block, and
+/// the shuffle port bounds this loop.)
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn nibbles_to_f32x4(qs: &[u8; 16], sub: __m128i) -> [__m256; 4] {
-    let q = _mm_loadu_si128(qs.as_ptr() as *const __m128i);
-    let mask = _mm_set1_epi8(0x0F);
-    let lo = _mm_sub_epi8(_mm_and_si128(q, mask), sub);
-    let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), mask), sub);
-    halves_to_f32x4(lo, hi)
+unsafe fn nibbles_to_f32x4(qs: &[u8; 16], sub: __m256i) -> [__m256; 4] {
+    let b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs.as_ptr() as *const __m128i));
+    let b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs.as_ptr().add(8) as *const __m128i));
+    let mask = _mm256_set1_epi32(0x0F);
+    let f = |v: __m256i| _mm256_cvtepi32_ps(_mm256_sub_epi32(v, sub));
+    [
+        f(_mm256_and_si256(b0, mask)),
+        f(_mm256_and_si256(b1, mask)),
+        f(_mm256_srli_epi32(b0, 4)),
+        f(_mm256_srli_epi32(b1, 4)),
+    ]
+}
+
+/// 32 signed bytes in memory to four vectors of 8 f32 lanes, each 8 bytes widened as loaded.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn i8x32_mem_to_f32x4(qs: &[i8; 32]) -> [__m256; 4] {
+    let p = qs.as_ptr() as *const __m128i;
+    let w = |k: usize| {
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+            (p as *const i8).add(8 * k) as *const __m128i
+        )))
+    };
+    [w(0), w(1), w(2), w(3)]
 }
 
 /// y[0..32] += scale * w + offset, for one block of 32 decoded weights.
@@ -890,7 +929,7 @@ pub unsafe fn axpy(dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
             }
         }
         DType::Q4_0 => {
-            let eight = _mm_set1_epi8(8);
+            let eight = _mm256_set1_epi32(8);
             for (i, b) in crate::quant::cast_blocks::<BlockQ4_0>(row).iter().enumerate() {
                 axpy_block(
                     yp.add(32 * i),
@@ -902,7 +941,7 @@ pub unsafe fn axpy(dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
         }
         DType::Q4_1 => {
             for (i, b) in crate::quant::cast_blocks::<BlockQ4_1>(row).iter().enumerate() {
-                let w = nibbles_to_f32x4(&b.qs, _mm_setzero_si128());
+                let w = nibbles_to_f32x4(&b.qs, _mm256_setzero_si256());
                 let offset = _mm256_mul_ps(av, splat_f16(b.m));
                 axpy_block(yp.add(32 * i), w, _mm256_mul_ps(av, splat_f16(b.d)), Some(offset));
             }
@@ -911,7 +950,7 @@ pub unsafe fn axpy(dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
             for (i, b) in crate::quant::cast_blocks::<BlockQ8_0>(row).iter().enumerate() {
                 axpy_block(
                     yp.add(32 * i),
-                    i8x32_to_f32x4(_mm256_loadu_si256(b.qs.as_ptr() as *const __m256i)),
+                    i8x32_mem_to_f32x4(&b.qs),
                     _mm256_mul_ps(av, splat_f16(b.d)),
                     None,
                 );
@@ -993,17 +1032,13 @@ pub unsafe fn axpy_rows<const R: usize>(
             }
         }
         DType::Q4_0 => {
-            let eight = _mm_set1_epi8(8);
+            let eight = _mm256_set1_epi32(8);
             quantized!(BlockQ4_0, |b| nibbles_to_f32x4(&b.qs, eight), false)
         }
         DType::Q4_1 => {
-            quantized!(BlockQ4_1, |b| nibbles_to_f32x4(&b.qs, _mm_setzero_si128()), true)
+            quantized!(BlockQ4_1, |b| nibbles_to_f32x4(&b.qs, _mm256_setzero_si256()), true)
         }
-        DType::Q8_0 => quantized!(
-            BlockQ8_0,
-            |b| i8x32_to_f32x4(_mm256_loadu_si256(b.qs.as_ptr() as *const __m256i)),
-            false
-        ),
+        DType::Q8_0 => quantized!(BlockQ8_0, |b| i8x32_mem_to_f32x4(&b.qs), false),
         // the chunked formats (`sparse::axpy4` sends them to `chunks_x86::axpy_rows`)
         _ => {
             for r in 0..R {

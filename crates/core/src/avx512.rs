@@ -467,7 +467,7 @@ unsafe fn dot_steps<const MIN: bool, const OFFSET: i32, const R: usize, const N:
     quad: impl Fn(usize, usize) -> RegQuad,
     scales4: impl Fn(usize) -> Option<(__m512, __m512)>,
     quads: [&[ActQuad]; N],
-    next: &[u8],
+    next: &[&[u8]],
 ) -> [[f32; N]; R] {
     // R = 4: one vector per token, row r's total in lane r; else one per row and token (lane 0)
     let mut acc = [[_mm512_setzero_ps(); N]; R];
@@ -544,7 +544,7 @@ unsafe fn dot_steps<const MIN: bool, const OFFSET: i32, const R: usize, const N:
 unsafe fn dot_quads<B: QuadBlocks, const R: usize, const N: usize>(
     w: [&[B]; R],
     quads: [&[ActQuad]; N],
-    next: &[u8],
+    next: &[&[u8]],
 ) -> [[f32; N]; R] {
     let blocks = w[0].len();
     debug_assert!(w.iter().all(|row| row.len() == blocks));
@@ -614,7 +614,7 @@ unsafe fn scales_of_four_rows(idx: &[i16; 32], heads: [__m512i; 4]) -> (__m512, 
 pub unsafe fn dot_q4_0<const R: usize, const N: usize>(
     w: [&[BlockQ4_0]; R],
     quads: [&[ActQuad]; N],
-    next: &[u8],
+    next: &[&[u8]],
 ) -> [[f32; N]; R] {
     dot_quads(w, quads, next)
 }
@@ -624,7 +624,7 @@ pub unsafe fn dot_q4_0<const R: usize, const N: usize>(
 pub unsafe fn dot_q4_1<const R: usize, const N: usize>(
     w: [&[BlockQ4_1]; R],
     quads: [&[ActQuad]; N],
-    next: &[u8],
+    next: &[&[u8]],
 ) -> [[f32; N]; R] {
     dot_quads(w, quads, next)
 }
@@ -634,7 +634,7 @@ pub unsafe fn dot_q4_1<const R: usize, const N: usize>(
 pub unsafe fn dot_q8_0<const R: usize, const N: usize>(
     w: [&[BlockQ8_0]; R],
     quads: [&[ActQuad]; N],
-    next: &[u8],
+    next: &[&[u8]],
 ) -> [[f32; N]; R] {
     dot_quads(w, quads, next)
 }
@@ -648,7 +648,7 @@ pub unsafe fn dot_chunked<const R: usize, const N: usize>(
     dtype: DType,
     rows: [&[u8]; R],
     quads: [&[ActQuad]; N],
-    next: &[u8],
+    next: &[&[u8]],
 ) -> [[f32; N]; R] {
     use crate::quant::chunks_x86 as c2;
     let nb = quads[0].len() * 4; // (padded)

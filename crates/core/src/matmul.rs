@@ -360,24 +360,25 @@ pub(crate) fn dot_row<const N: usize>(
     t: [usize; N],
     level: SimdLevel,
 ) -> [f32; N] {
-    let next: &[u8] = next.map_or(&[], |n| w.row(n));
-    let [v] = dot_row_group::<1, N>(w, r, next, x, t, level);
+    let next: Option<&[u8]> = next.map(|n| w.row(n));
+    let [v] = dot_row_group::<1, N>(w, [r], next.as_slice(), x, t, level);
     v
 }
 
-/// Rows r..r + R of `w` against N activation rows: `dot_row` for each, in one kernel call at
-/// the AVX-512 level (the rows share the activations' loads), a row at a time otherwise.
-/// `next`: the bytes the caller reads after these rows (prefetched, see `dot_row`).
+/// Rows `rows` of `w` (any R of them: consecutive in a dense product, scattered in a sparse
+/// one) against N activation rows: `dot_row` for each, in one kernel call (the rows share the
+/// activations' loads, and their sums one horizontal step). `next`: the bytes the caller reads
+/// after these rows, in turn (prefetched, see `dot_row`).
 #[inline]
-fn dot_row_group<const R: usize, const N: usize>(
+pub(crate) fn dot_row_group<const R: usize, const N: usize>(
     w: &QMatrix,
-    r: usize,
-    next: &[u8],
+    rows: [usize; R],
+    next: &[&[u8]],
     x: &Activations,
     t: [usize; N],
     level: SimdLevel,
 ) -> [[f32; N]; R] {
-    let rows: [&[u8]; R] = std::array::from_fn(|k| w.row(r + k));
+    let rows: [&[u8]; R] = rows.map(|r| w.row(r));
     // the 32-weight formats: `$avx512` the AVX-512 kernel's call (`quads` the tokens'
     // `ActQuad`s), the AVX2 one `avx2::dot_legacy`, `$scalar(row, a)` the scalar twin
     macro_rules! legacy {
@@ -483,14 +484,18 @@ pub(crate) fn dot_rows<const N: usize>(
     if N == 1 && w.dtype.traits().decode_rows[level as usize] == 4 {
         while r + 4 <= rows.end {
             let next = span(r + 4, (r + 8).min(rows.end));
-            for (k, v) in dot_row_group::<4, N>(w, r, next, x, t, level).into_iter().enumerate() {
+            let group = [r, r + 1, r + 2, r + 3];
+            for (k, v) in
+                dot_row_group::<4, N>(w, group, &[next], x, t, level).into_iter().enumerate()
+            {
                 put(r + k, v);
             }
             r += 4;
         }
     }
     for r in r..rows.end {
-        put(r, dot_row_group::<1, N>(w, r, span(r + 1, (r + 2).min(rows.end)), x, t, level)[0]);
+        let next = span(r + 1, (r + 2).min(rows.end));
+        put(r, dot_row_group::<1, N>(w, [r], &[next], x, t, level)[0]);
     }
 }
 
@@ -930,7 +935,7 @@ mod tests {
                 // decode's row groups: each row exactly as alone, at every level
                 for &level in levels {
                     for t in 0..4 {
-                        let group = dot_row_group::<3, 1>(&w, 0, &[], &x, [t], level);
+                        let group = dot_row_group::<3, 1>(&w, [0, 1, 2], &[], &x, [t], level);
                         for (r, v) in group.iter().enumerate() {
                             let alone = dot_row(&w, r, None, &x, [t], level)[0];
                             assert_eq!(

@@ -16,7 +16,8 @@
 use rayon::prelude::*;
 
 use crate::matmul::{
-    dot_row, matmul, matmul_many, prefetch, simd_level, Activations, OutPtr, QMatrix, SimdLevel,
+    dot_row_group, matmul, matmul_many, prefetch, simd_level, Activations, OutPtr, QMatrix,
+    SimdLevel,
 };
 use crate::model::FfnActivation;
 use crate::quant::{self, DType};
@@ -114,14 +115,65 @@ fn spans(dtype: DType, cols: usize) -> impl Iterator<Item = std::ops::Range<usiz
     (0..cols).step_by(width).map(move |c0| c0..(c0 + width).min(cols))
 }
 
+/// With the `phase-timers` feature: nanoseconds `sparse_ffn` spent in its three passes (gate
+/// dots, up dots, down axpys), summed over threads; `cargo bench --bench sparse_ffn --features
+/// phase-timers` prints their shares. Without it the marks are empty and cost nothing.
+#[cfg(feature = "phase-timers")]
+pub static PHASE_NS: [std::sync::atomic::AtomicU64; 3] =
+    [const { std::sync::atomic::AtomicU64::new(0) }; 3];
+
+#[cfg(feature = "phase-timers")]
+type Mark = std::time::Instant;
+#[cfg(not(feature = "phase-timers"))]
+#[derive(Clone, Copy)]
+struct Mark;
+
+#[inline(always)]
+fn mark() -> Mark {
+    #[cfg(feature = "phase-timers")]
+    return std::time::Instant::now();
+    #[cfg(not(feature = "phase-timers"))]
+    Mark
+}
+
+/// Adds each pass's time between consecutive marks to `PHASE_NS`.
+#[inline(always)]
+#[allow(unused_variables)]
+fn add_phases(marks: [Mark; 4]) {
+    #[cfg(feature = "phase-timers")]
+    for (p, w) in marks.windows(2).enumerate() {
+        let ns = (w[1] - w[0]).as_nanos() as u64;
+        PHASE_NS[p].fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// Neurons per group in `sparse_ffn`'s passes.
 const GROUP: usize = 64;
 
-/// Dots of the rows `sel` of `w` with token 0 of `x` into `out[..sel.len()]`, each with the
-/// next selected row prefetched (see `matmul::dot_row`).
+/// Dots of the rows `sel` of `w` with token 0 of `x` into `out[..sel.len()]`, as many rows per
+/// kernel call as the dense decode takes (`dtype::TYPES`' decode rows: four quantized rows share
+/// the activations' loads and one horizontal sum, where a row alone pays that sum per block),
+/// each call with the next call's rows prefetched (see `matmul::dot_row`). Each value is the
+/// one the row gives alone.
 fn dot_selected(w: &QMatrix, sel: &[u32], x: &Activations, level: SimdLevel, out: &mut [f32]) {
-    for (k, &j) in sel.iter().enumerate() {
-        out[k] = dot_row(w, j as usize, sel.get(k + 1).map(|&n| n as usize), x, [0], level)[0];
+    let row = |k: usize| w.row(sel[k] as usize);
+    let mut k = 0;
+    if w.dtype.traits().decode_rows[level as usize] == 4 {
+        while k + 4 <= sel.len() {
+            let next: [&[u8]; 4] =
+                std::array::from_fn(|i| if k + 4 + i < sel.len() { row(k + 4 + i) } else { &[] });
+            let group = std::array::from_fn(|i| sel[k + i] as usize);
+            for (i, [v]) in
+                dot_row_group::<4, 1>(w, group, &next, x, [0], level).into_iter().enumerate()
+            {
+                out[k + i] = v;
+            }
+            k += 4;
+        }
+    }
+    for k in k..sel.len() {
+        let next: Option<&[u8]> = sel.get(k + 1).map(|_| row(k + 1));
+        out[k] = dot_row_group::<1, 1>(w, [sel[k] as usize], next.as_slice(), x, [0], level)[0][0];
     }
 }
 
@@ -170,6 +222,7 @@ pub fn sparse_ffn(
             let mut alive = [0u32; GROUP];
             for group in chunk.chunks(GROUP) {
                 // gate -> activation side
+                let t0 = mark();
                 let mut n_alive = 0;
                 match (gate_values, &m.gate) {
                     (Some(gv), _) => {
@@ -186,8 +239,10 @@ pub fn sparse_ffn(
                     }
                 }
                 // up, then the activation
+                let t1 = mark();
                 let mut ups = [0.0f32; GROUP];
                 dot_selected(&m.up, &alive[..n_alive], x, level, &mut ups);
+                let t2 = mark();
                 let mut n_active = 0;
                 for i in 0..n_alive {
                     let j = alive[i] as usize;
@@ -225,6 +280,7 @@ pub fn sparse_ffn(
                     }
                 }
                 used += n_active;
+                add_phases([t0, t1, t2, mark()]);
             }
             used
         })
@@ -559,6 +615,42 @@ mod tests {
             crate::quant::chunks::tests::random_row(dtype, n, seed)
         } else {
             quantize_row(dtype, &random_vec(n, seed))
+        }
+    }
+
+    /// The sparse dots go four scattered rows per kernel call (`dot_selected`): each value must
+    /// be bit for bit the row's dot alone, for every type at every level this CPU has, with a
+    /// selection whose length leaves a remainder of rows done one at a time.
+    #[test]
+    fn selected_rows_in_groups_equal_each_row_alone() {
+        let cols = 512;
+        let n_rows = 42;
+        let sel: Vec<u32> = (0..n_rows as u32).filter(|j| j % 3 != 1 || *j == 4).collect();
+        assert!(!sel.len().is_multiple_of(4));
+        let levels: Vec<SimdLevel> = [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512]
+            .into_iter()
+            .filter(|&l| l <= simd_level())
+            .collect();
+        let mut x = Activations::default();
+        x.set(&random_vec(cols, 7), 1, cols);
+        for dtype in DType::ALL {
+            let data: Vec<u8> =
+                (0..n_rows).flat_map(|r| any_row(dtype, cols, 100 + r as u64)).collect();
+            let w = QMatrix { dtype, rows: n_rows, cols, data: &data };
+            for &level in &levels {
+                let mut out = vec![f32::NAN; sel.len()];
+                dot_selected(&w, &sel, &x, level, &mut out);
+                for (k, &j) in sel.iter().enumerate() {
+                    let alone = crate::matmul::dot_row(&w, j as usize, None, &x, [0], level)[0];
+                    assert_eq!(
+                        out[k].to_bits(),
+                        alone.to_bits(),
+                        "{} at {level:?}, row {j}: {} in a group, {alone} alone",
+                        dtype.name(),
+                        out[k]
+                    );
+                }
+            }
         }
     }
 

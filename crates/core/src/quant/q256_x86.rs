@@ -401,7 +401,7 @@ impl SuperBlock for BlockIQ4XS {
 unsafe fn rows_dot_with<B: SuperBlock, P, const R: usize, const N: usize>(
     rows: [&[u8]; R],
     a: [&[BlockQ8K]; N],
-    next: &[u8],
+    next: &[&[u8]],
     prepare: impl Fn([&BlockQ8K; N]) -> P,
     row_block: impl Fn(&B, &P, [&BlockQ8K; N], &mut [__m256i; N]) -> Block,
 ) -> [[f32; N]; R] {
@@ -430,7 +430,7 @@ unsafe fn rows_dot_with<B: SuperBlock, P, const R: usize, const N: usize>(
 unsafe fn rows_dot<B: SuperBlock, const R: usize, const N: usize>(
     rows: [&[u8]; R],
     a: [&[BlockQ8K]; N],
-    next: &[u8],
+    next: &[&[u8]],
 ) -> [[f32; N]; R] {
     rows_dot_with::<B, (), R, N>(
         rows,
@@ -714,7 +714,7 @@ unsafe fn fold<const N: usize>(wide: &[__m512i; N], sums: &mut [__m256i; N]) {
 unsafe fn rows_dot_512<B: SuperBlock512, const R: usize, const N: usize>(
     rows: [&[u8]; R],
     a: [&[BlockQ8K]; N],
-    next: &[u8],
+    next: &[&[u8]],
 ) -> [[f32; N]; R] {
     rows_dot_with::<B, _, R, N>(
         rows,
@@ -738,7 +738,7 @@ unsafe fn rows_dot_512<B: SuperBlock512, const R: usize, const N: usize>(
 unsafe fn rows_dot_iq4_xs_512<const R: usize, const N: usize>(
     rows: [&[u8]; R],
     a: [&[BlockQ8K]; N],
-    next: &[u8],
+    next: &[&[u8]],
 ) -> [[f32; N]; R] {
     let biased =
         _mm_xor_si128(_mm_loadu_si128(IQ4_VALUES.as_ptr() as *const __m128i), _mm_set1_epi8(-128));
@@ -867,7 +867,7 @@ pub unsafe fn dot<const R: usize, const N: usize>(
     wide: bool,
     rows: [&[u8]; R],
     a: [&[BlockQ8K]; N],
-    next: &[u8],
+    next: &[&[u8]],
 ) -> [[f32; N]; R] {
     match dtype {
         DType::IQ4_XS if wide => rows_dot_iq4_xs_512::<R, N>(rows, a, next),
