@@ -23,6 +23,11 @@ pub(crate) unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
+pub(crate) fn f16_table() -> &'static [f32] {
+    static T: std::sync::OnceLock<Vec<f32>> = std::sync::OnceLock::new();
+    T.get_or_init(|| (0..=u16::MAX).map(|b| half::f16::from_bits(b).to_f32()).collect())
+}
+
 /// An f16 scale broadcast to 8 f32 lanes. The broadcast load writes the whole register; a
 /// scalar conversion instead lets the compiler narrow the load into a 16-bit insert that merges
 /// into an unrelated (often loop-carried) register, chaining every block to the previous one
@@ -856,24 +861,23 @@ unsafe fn halves_to_f32x4(lo: __m128i, hi: __m128i) -> [__m256; 4] {
     ]
 }
 
-/// 16 bytes of packed nibbles to four vectors of 8 f32 lanes in element order, minus `sub`
-/// (8 for Q4_0, 0 for Q4_1). Each half of the bytes is widened to 32-bit lanes as it is loaded
-/// (one shuffle per 8 bytes), and both of its nibbles come out of those lanes with a mask and a
-/// shift: elements 0..8 and 16..24 from bytes 0..8, 8..16 and 24..32 from bytes 8..16. (Splitting
-/// the nibbles in bytes first and widening afterwards costs three shuffles more per block, and
-/// the shuffle port bounds this loop.)
+/// 16 bytes of packed nibbles to four vectors of 8 f32 lanes (0..16) in element order. Each half
+/// of the bytes is widened to 32-bit lanes as it is loaded (one shuffle per 8 bytes), and both
+/// of its nibbles come out of those lanes with a mask or a shift: elements 0..8 and 16..24 from
+/// bytes 0..8, 8..16 and 24..32 from bytes 8..16. (Splitting the nibbles in bytes first and
+/// widening afterwards costs three shuffles more per block, and the vector ports bound this
+/// loop.)
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn nibbles_to_f32x4(qs: &[u8; 16], sub: __m256i) -> [__m256; 4] {
+unsafe fn nibbles_to_f32x4(qs: &[u8; 16]) -> [__m256; 4] {
     let b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs.as_ptr() as *const __m128i));
     let b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs.as_ptr().add(8) as *const __m128i));
     let mask = _mm256_set1_epi32(0x0F);
-    let f = |v: __m256i| _mm256_cvtepi32_ps(_mm256_sub_epi32(v, sub));
     [
-        f(_mm256_and_si256(b0, mask)),
-        f(_mm256_and_si256(b1, mask)),
-        f(_mm256_srli_epi32(b0, 4)),
-        f(_mm256_srli_epi32(b1, 4)),
+        _mm256_cvtepi32_ps(_mm256_and_si256(b0, mask)),
+        _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask)),
+        _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)),
+        _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)),
     ]
 }
 
@@ -890,86 +894,24 @@ unsafe fn i8x32_mem_to_f32x4(qs: &[i8; 32]) -> [__m256; 4] {
     [w(0), w(1), w(2), w(3)]
 }
 
-/// y[0..32] += scale * w + offset, for one block of 32 decoded weights.
-#[inline]
+/// SIMD twin of `quant::axpy_scalar`: y += a * row (`axpy_rows` with one row).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn axpy_block(y: *mut f32, w: [__m256; 4], scale: __m256, offset: Option<__m256>) {
-    for (k, wk) in w.into_iter().enumerate() {
-        let p = y.add(8 * k);
-        let mut v = _mm256_fmadd_ps(wk, scale, _mm256_loadu_ps(p));
-        if let Some(o) = offset {
-            v = _mm256_add_ps(v, o);
-        }
-        _mm256_storeu_ps(p, v);
-    }
-}
-
-/// SIMD twin of `quant::axpy_scalar`: y += a * row.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn axpy(dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
-    let n = y.len();
-    debug_assert_eq!(row.len(), dtype.row_bytes(n));
-    let yp = y.as_mut_ptr();
-    let av = _mm256_set1_ps(a);
-    match dtype {
-        DType::F32 | DType::F16 | DType::BF16 => {
-            let n8 = n / 8 * 8;
-            let mut k = 0;
-            while k < n8 {
-                let p = yp.add(k);
-                _mm256_storeu_ps(
-                    p,
-                    _mm256_fmadd_ps(load8(dtype, row.as_ptr(), k), av, _mm256_loadu_ps(p)),
-                );
-                k += 8;
-            }
-            if n8 < n {
-                let eb = dtype.block_bytes();
-                crate::quant::axpy_scalar(dtype, &row[n8 * eb..], a, &mut y[n8..]);
-            }
-        }
-        DType::Q4_0 => {
-            let eight = _mm256_set1_epi32(8);
-            for (i, b) in crate::quant::cast_blocks::<BlockQ4_0>(row).iter().enumerate() {
-                axpy_block(
-                    yp.add(32 * i),
-                    nibbles_to_f32x4(&b.qs, eight),
-                    _mm256_mul_ps(av, splat_f16(b.d)),
-                    None,
-                );
-            }
-        }
-        DType::Q4_1 => {
-            for (i, b) in crate::quant::cast_blocks::<BlockQ4_1>(row).iter().enumerate() {
-                let w = nibbles_to_f32x4(&b.qs, _mm256_setzero_si256());
-                let offset = _mm256_mul_ps(av, splat_f16(b.m));
-                axpy_block(yp.add(32 * i), w, _mm256_mul_ps(av, splat_f16(b.d)), Some(offset));
-            }
-        }
-        DType::Q8_0 => {
-            for (i, b) in crate::quant::cast_blocks::<BlockQ8_0>(row).iter().enumerate() {
-                axpy_block(
-                    yp.add(32 * i),
-                    i8x32_mem_to_f32x4(&b.qs),
-                    _mm256_mul_ps(av, splat_f16(b.d)),
-                    None,
-                );
-            }
-        }
-        // the chunked formats (`sparse::axpy` sends them to `chunks_x86::axpy_rows`)
-        _ => crate::quant::axpy_scalar(dtype, row, a, y),
-    }
+pub unsafe fn axpy(dtype: DType, row: &[u8], a: f32, y: &mut [f32], next: &[&[u8]]) {
+    debug_assert_eq!(row.len(), dtype.row_bytes(y.len()));
+    axpy_rows::<1>(dtype, [row], [a], y, next)
 }
 
 /// y += sum over r of a[r] * rows[r]: R neurons' down_t rows at once, so each block of y is
-/// loaded and stored once per R rows instead of once per row. SIMD twin of R calls of
-/// `quant::axpy_scalar`.
+/// loaded and stored once per R rows instead of once per row; `next` (the rows read after
+/// these) is prefetched a line at a time over the blocks (see `matmul::dot_row`). SIMD twin of
+/// R calls of `quant::axpy_scalar`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn axpy_rows<const R: usize>(
     dtype: DType,
     rows: [&[u8]; R],
     a: [f32; R],
     y: &mut [f32],
+    next: &[&[u8]],
 ) {
     let n = y.len();
     let yp = y.as_mut_ptr();
@@ -977,10 +919,16 @@ pub unsafe fn axpy_rows<const R: usize>(
     for r in 0..R {
         av[r] = _mm256_set1_ps(a[r]);
     }
+    let f16s = f16_table().as_ptr();
+    // `$decode` the block's 32 weights as floats (`q`, before any offset), `$a` the row's coefficient,
+    // `$s` that times the block's scale; with `$has_offset`, `$offset` the offsets summed over
+    // the rows (`$off`, per block), added once per element after the rows' products
     macro_rules! quantized {
-        ($block:ty, |$b:ident| $decode:expr, $offset:expr) => {{
+        ($block:ty, |$b:ident, $a:ident, $s:ident, $off:ident| $decode:expr, $has_offset:expr, $offset:expr) => {{
             let blocks = rows.map(|r| crate::quant::cast_blocks::<$block>(r));
+            let mut prefetch = Prefetch::new(next, n / 32);
             for i in 0..n / 32 {
+                prefetch.step();
                 let p = yp.add(32 * i);
                 let mut acc = [
                     _mm256_loadu_ps(p),
@@ -988,34 +936,32 @@ pub unsafe fn axpy_rows<const R: usize>(
                     _mm256_loadu_ps(p.add(16)),
                     _mm256_loadu_ps(p.add(24)),
                 ];
-                let mut off = _mm256_setzero_ps();
+                let mut $off = _mm256_setzero_ps();
                 for r in 0..R {
-                    let $b = blocks[r].get_unchecked(i);
+                    let ($b, $a) = (blocks[r].get_unchecked(i), av[r]);
                     let w = $decode;
-                    let s = _mm256_mul_ps(av[r], splat_f16($b.d));
+                    let $s = _mm256_mul_ps($a, _mm256_broadcast_ss(&*f16s.add($b.d as usize)));
                     for k in 0..4 {
-                        acc[k] = _mm256_fmadd_ps(w[k], s, acc[k]);
+                        acc[k] = _mm256_fmadd_ps(w[k], $s, acc[k]);
                     }
-                    if $offset {
-                        off = _mm256_fmadd_ps(av[r], splat_f16(offset_bits($b)), off);
+                    if $has_offset {
+                        $off = $offset;
                     }
                 }
                 for k in 0..4 {
-                    let v = if $offset { _mm256_add_ps(acc[k], off) } else { acc[k] };
+                    let v = if $has_offset { _mm256_add_ps(acc[k], $off) } else { acc[k] };
                     _mm256_storeu_ps(p.add(8 * k), v);
                 }
             }
         }};
     }
-    #[inline(always)]
-    fn offset_bits<T: HasMin>(b: &T) -> u16 {
-        b.min_bits()
-    }
     match dtype {
         DType::F32 | DType::F16 | DType::BF16 => {
             let n8 = n / 8 * 8;
+            let mut prefetch = Prefetch::new(next, n8 / 8);
             let mut k = 0;
             while k < n8 {
+                prefetch.step();
                 let p = yp.add(k);
                 let mut acc = _mm256_loadu_ps(p);
                 for r in 0..R {
@@ -1031,40 +977,31 @@ pub unsafe fn axpy_rows<const R: usize>(
                 }
             }
         }
+        // q s - 8 s: the offset summed over the rows (one subtraction per weight less)
         DType::Q4_0 => {
-            let eight = _mm256_set1_epi32(8);
-            quantized!(BlockQ4_0, |b| nibbles_to_f32x4(&b.qs, eight), false)
+            let minus8 = _mm256_set1_ps(-8.0);
+            quantized!(
+                BlockQ4_0,
+                |b, a, s, off| nibbles_to_f32x4(&b.qs),
+                true,
+                _mm256_fmadd_ps(s, minus8, off)
+            )
         }
-        DType::Q4_1 => {
-            quantized!(BlockQ4_1, |b| nibbles_to_f32x4(&b.qs, _mm256_setzero_si256()), true)
+        // q s + m a
+        DType::Q4_1 => quantized!(
+            BlockQ4_1,
+            |b, a, s, off| nibbles_to_f32x4(&b.qs),
+            true,
+            _mm256_fmadd_ps(a, _mm256_broadcast_ss(&*f16s.add(b.m as usize)), off)
+        ),
+        DType::Q8_0 => {
+            quantized!(BlockQ8_0, |b, a, s, off| i8x32_mem_to_f32x4(&b.qs), false, off)
         }
-        DType::Q8_0 => quantized!(BlockQ8_0, |b| i8x32_mem_to_f32x4(&b.qs), false),
         // the chunked formats (`sparse::axpy4` sends them to `chunks_x86::axpy_rows`)
         _ => {
             for r in 0..R {
                 crate::quant::axpy_scalar(dtype, rows[r], a[r], y);
             }
         }
-    }
-}
-
-/// The f16 minimum of a block type that has one (Q4_1); zero for the others, whose decode
-/// never reads it.
-trait HasMin {
-    fn min_bits(&self) -> u16;
-}
-impl HasMin for BlockQ4_0 {
-    fn min_bits(&self) -> u16 {
-        0
-    }
-}
-impl HasMin for BlockQ4_1 {
-    fn min_bits(&self) -> u16 {
-        self.m
-    }
-}
-impl HasMin for BlockQ8_0 {
-    fn min_bits(&self) -> u16 {
-        0
     }
 }

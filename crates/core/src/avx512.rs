@@ -92,13 +92,15 @@ pub unsafe fn tiled_axpy<const T: usize>(
 }
 
 /// y += sum over r of a[r] * rows[r], R rows per pass over y (each block of y is loaded and
-/// stored once per R rows). SIMD twin of R calls of `quant::axpy_scalar`.
+/// stored once per R rows); `next` prefetched over the blocks (see `avx2::axpy_rows`). SIMD
+/// twin of R calls of `quant::axpy_scalar`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub unsafe fn axpy_rows<const R: usize>(
     dtype: DType,
     rows: [&[u8]; R],
     a: [f32; R],
     y: &mut [f32],
+    next: &[&[u8]],
 ) {
     let n = y.len();
     let yp = y.as_mut_ptr();
@@ -113,7 +115,9 @@ pub unsafe fn axpy_rows<const R: usize>(
     macro_rules! nibble_rows {
         ($block:ty, |$b:ident, $a:ident| $table:expr) => {{
             let blocks = rows.map(|r| crate::quant::cast_blocks::<$block>(r));
+            let mut prefetch = crate::avx2::Prefetch::new(next, n / 32);
             for i in 0..n / 32 {
+                prefetch.step();
                 let p = yp.add(32 * i);
                 let (mut lo, mut hi) = (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)));
                 for r in 0..R {
@@ -132,8 +136,10 @@ pub unsafe fn axpy_rows<const R: usize>(
     match dtype {
         DType::F32 | DType::F16 | DType::BF16 => {
             let n16 = n / 16 * 16;
+            let mut prefetch = crate::avx2::Prefetch::new(next, n16 / 16);
             let mut k = 0;
             while k < n16 {
+                prefetch.step();
                 let p = yp.add(k);
                 let mut acc = _mm512_loadu_ps(p);
                 for r in 0..R {
@@ -164,7 +170,9 @@ pub unsafe fn axpy_rows<const R: usize>(
         )),
         DType::Q8_0 => {
             let blocks = rows.map(crate::quant::cast_blocks::<BlockQ8_0>);
+            let mut prefetch = crate::avx2::Prefetch::new(next, n / 32);
             for i in 0..n / 32 {
+                prefetch.step();
                 let p = yp.add(32 * i);
                 let (mut lo, mut hi) = (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)));
                 for r in 0..R {

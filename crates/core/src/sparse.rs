@@ -61,58 +61,53 @@ const REDUCE_COLS: usize = 512;
 /// sparse_ffn`), so the break-even now lies at a higher share skipped and wants re-measuring.
 pub const DENSE_FRACTION: f64 = 0.9;
 
-/// y += a * row, at the given SIMD level.
+/// y += a * row, at the given SIMD level; `next` (the rows read after this one, if any) is
+/// prefetched a line at a time over the row's blocks (see `matmul::dot_row`).
 #[inline]
-pub fn axpy(level: SimdLevel, dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
+pub fn axpy(level: SimdLevel, dtype: DType, row: &[u8], a: f32, y: &mut [f32], next: &[&[u8]]) {
+    axpy_rows::<1>(level, dtype, [row], [a], y, next)
+}
+
+/// y += sum over r of a[r] * rows[r], four rows per pass over y; `next` as for `axpy`.
+#[inline]
+pub fn axpy4(
+    level: SimdLevel,
+    dtype: DType,
+    rows: [&[u8]; 4],
+    a: [f32; 4],
+    y: &mut [f32],
+    next: &[&[u8]],
+) {
+    axpy_rows::<4>(level, dtype, rows, a, y, next)
+}
+
+#[inline]
+fn axpy_rows<const R: usize>(
+    level: SimdLevel,
+    dtype: DType,
+    rows: [&[u8]; R],
+    a: [f32; R],
+    y: &mut [f32],
+    next: &[&[u8]],
+) {
     match level {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c.
         SimdLevel::Avx2 | SimdLevel::Avx512 if dtype.is_chunked() => unsafe {
-            quant::chunks_x86::axpy_rows::<1>(dtype, [row], [a], y)
+            quant::chunks_x86::axpy_rows::<R>(dtype, rows, a, y, next)
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI and AVX2's features.
-        SimdLevel::Avx512 => unsafe { crate::avx512::axpy_rows::<1>(dtype, [row], [a], y) },
+        SimdLevel::Avx512 => unsafe { crate::avx512::axpy_rows::<R>(dtype, rows, a, y, next) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
-        SimdLevel::Avx2 => unsafe { crate::avx2::axpy(dtype, row, a, y) },
-        _ => quant::axpy_scalar(dtype, row, a, y),
-    }
-}
-
-/// y += sum over r of a[r] * rows[r], four rows per pass over y.
-#[inline]
-pub fn axpy4(level: SimdLevel, dtype: DType, rows: [&[u8]; 4], a: [f32; 4], y: &mut [f32]) {
-    match level {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c.
-        SimdLevel::Avx2 | SimdLevel::Avx512 if dtype.is_chunked() => unsafe {
-            quant::chunks_x86::axpy_rows::<4>(dtype, rows, a, y)
-        },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        SimdLevel::Avx512 => unsafe { crate::avx512::axpy_rows::<4>(dtype, rows, a, y) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
-        SimdLevel::Avx2 => unsafe { crate::avx2::axpy_rows::<4>(dtype, rows, a, y) },
+        SimdLevel::Avx2 => unsafe { crate::avx2::axpy_rows::<R>(dtype, rows, a, y, next) },
         _ => {
             for (r, ar) in rows.iter().zip(a) {
                 quant::axpy_scalar(dtype, r, ar, y);
             }
         }
     }
-}
-
-/// Bytes of one row per span (see `spans`).
-const SPAN_BYTES: usize = 512;
-
-/// The column spans the down projection's axpys run in: before each span of the current rows,
-/// the same span of the next rows is prefetched, so the scattered rows a selection reads
-/// arrive at an even rate (see `matmul::dot_row`, which does the same for the dots). Span
-/// ends are multiples of 64 columns, so whole blocks.
-fn spans(dtype: DType, cols: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
-    let width = (SPAN_BYTES * cols / dtype.row_bytes(cols).max(1)).next_multiple_of(64).max(64);
-    (0..cols).step_by(width).map(move |c0| c0..(c0 + width).min(cols))
 }
 
 /// With the `phase-timers` feature: nanoseconds `sparse_ffn` spent in its three passes (gate
@@ -255,27 +250,25 @@ pub fn sparse_ffn(
                     }
                 }
                 // axpy of each active neuron's down_t row into this chunk's accumulator, four rows
-                // per pass, span by span with the next four rows' span prefetched (see `spans`)
+                // per pass over it, each pass with the next four rows prefetched
                 let dtype = m.down_t.dtype;
+                let row = |j: u32| m.down_t.row(j as usize);
                 for (q, quad) in alive[..n_active].chunks(4).enumerate() {
-                    let next = alive[..n_active]
+                    let next_ids = alive[..n_active]
                         .get(4 * (q + 1)..(4 * (q + 2)).min(n_active))
                         .unwrap_or(&[]);
+                    let mut next = [&[][..]; 4];
+                    for (k, &j) in next_ids.iter().enumerate() {
+                        next[k] = row(j);
+                    }
+                    let next = &next[..next_ids.len()];
                     let a = &vals[4 * q..4 * q + quad.len()];
-                    for span in spans(dtype, n_embd) {
-                        let bytes = dtype.row_bytes(span.start)..dtype.row_bytes(span.end);
-                        for &j in next {
-                            prefetch(&m.down_t.row(j as usize)[bytes.clone()]);
-                        }
-                        let y = &mut acc[span];
-                        if let [j0, j1, j2, j3] = *quad {
-                            let rows =
-                                [j0, j1, j2, j3].map(|j| &m.down_t.row(j as usize)[bytes.clone()]);
-                            axpy4(level, dtype, rows, [a[0], a[1], a[2], a[3]], y);
-                        } else {
-                            for (&j, &aj) in quad.iter().zip(a) {
-                                axpy(level, dtype, &m.down_t.row(j as usize)[bytes.clone()], aj, y);
-                            }
+                    if let [j0, j1, j2, j3] = *quad {
+                        let rows = [j0, j1, j2, j3].map(row);
+                        axpy4(level, dtype, rows, [a[0], a[1], a[2], a[3]], acc, next);
+                    } else {
+                        for (&j, &aj) in quad.iter().zip(a) {
+                            axpy(level, dtype, row(j), aj, acc, next);
                         }
                     }
                 }
@@ -525,19 +518,20 @@ pub fn down_t_matmul(
             let mut quads = nz.chunks_exact(4);
             for (i, q) in (&mut quads).enumerate() {
                 // the next quad's slices on their way (scattered rows, a few lines each)
-                for &ahead in nz.get(4 * i + 4..4 * i + 8).unwrap_or(&[]) {
-                    prefetch(slice(ahead));
-                }
+                let ahead = nz.get(4 * i + 4..4 * i + 8).unwrap_or(&[]);
+                let next: [&[u8]; 4] =
+                    std::array::from_fn(|k| ahead.get(k).map_or(&[][..], |&j| slice(j)));
                 axpy4(
                     level,
                     down_t.dtype,
                     [0, 1, 2, 3].map(|k| slice(q[k])),
                     [0, 1, 2, 3].map(|k| ht[q[k] as usize]),
                     y,
+                    &next[..ahead.len()],
                 );
             }
             for &j in quads.remainder() {
-                axpy(level, down_t.dtype, slice(j), ht[j as usize], y);
+                axpy(level, down_t.dtype, slice(j), ht[j as usize], y, &[]);
             }
         });
         return;
@@ -587,7 +581,7 @@ pub fn down_t_matmul(
                     let y = unsafe {
                         std::slice::from_raw_parts_mut(optr.at(t * n_embd + c0), c1 - c0)
                     };
-                    axpy(level, dtype, slice, hv, y);
+                    axpy(level, dtype, slice, hv, y, &[]);
                 }
             }
         }
@@ -670,7 +664,7 @@ mod tests {
                 let y0 = random_vec(n, 99);
                 let (mut ys, mut yv) = (y0.clone(), y0.clone());
                 quant::axpy_scalar(dtype, &row, 0.37, &mut ys);
-                axpy(SimdLevel::Avx2, dtype, &row, 0.37, &mut yv);
+                axpy(SimdLevel::Avx2, dtype, &row, 0.37, &mut yv, &[&row[..]]);
                 for i in 0..n {
                     assert!(
                         (ys[i] - yv[i]).abs() <= 1e-6,
@@ -695,7 +689,7 @@ mod tests {
                     quant::axpy_scalar(dtype, &rows[r], a[r], &mut ys);
                 }
                 let rr = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
-                axpy4(SimdLevel::Avx2, dtype, rr, a, &mut yv);
+                axpy4(SimdLevel::Avx2, dtype, rr, a, &mut yv, &rr);
                 for i in 0..n {
                     assert!(
                         (ys[i] - yv[i]).abs() <= 1e-5,
@@ -711,7 +705,7 @@ mod tests {
             let row = quantize_row(dtype, &random_vec(13, 5));
             let (mut ys, mut yv) = (vec![1.0; 13], vec![1.0; 13]);
             quant::axpy_scalar(dtype, &row, -2.0, &mut ys);
-            unsafe { crate::avx2::axpy(dtype, &row, -2.0, &mut yv) };
+            unsafe { crate::avx2::axpy(dtype, &row, -2.0, &mut yv, &[]) };
             assert_eq!(ys, yv);
         }
     }
@@ -735,10 +729,10 @@ mod tests {
                 let (mut ys, mut y1, mut y4) = (y0.clone(), y0.clone(), y0.clone());
                 for r in 0..4 {
                     quant::axpy_scalar(dtype, &rows[r], a[r], &mut ys);
-                    axpy(SimdLevel::Avx512, dtype, &rows[r], a[r], &mut y1);
+                    axpy(SimdLevel::Avx512, dtype, &rows[r], a[r], &mut y1, &[]);
                 }
                 let rr = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
-                axpy4(SimdLevel::Avx512, dtype, rr, a, &mut y4);
+                axpy4(SimdLevel::Avx512, dtype, rr, a, &mut y4, &rr);
                 for i in 0..n {
                     assert!(
                         (ys[i] - y1[i]).abs() <= 1e-5,
@@ -760,7 +754,7 @@ mod tests {
             let row = quantize_row(dtype, &random_vec(21, 5));
             let (mut ys, mut yv) = (vec![1.0; 21], vec![1.0; 21]);
             quant::axpy_scalar(dtype, &row, -2.0, &mut ys);
-            unsafe { crate::avx512::axpy_rows::<1>(dtype, [&row[..]], [-2.0], &mut yv) };
+            unsafe { crate::avx512::axpy_rows::<1>(dtype, [&row[..]], [-2.0], &mut yv, &[]) };
             for i in 0..21 {
                 assert!((ys[i] - yv[i]).abs() <= 1e-6, "{dtype:?} tail i={i}");
             }

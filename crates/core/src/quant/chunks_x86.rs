@@ -393,19 +393,23 @@ pub(crate) use with_decoder;
 
 /// y += sum over r of a[r] * row r, for R rows of a chunked type (the sparse down projection):
 /// each chunk decoded, its weights scale * v - min widened to floats. The SIMD twin of R calls
-/// of `chunks::axpy_scalar` (each weight rounded as there; the sum fused).
+/// of `chunks::axpy_scalar` (each weight rounded as there; the sum fused). `next` is prefetched
+/// over the chunks (see `avx2::axpy_rows`).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn axpy_rows<const R: usize>(
     dtype: DType,
     rows: [&[u8]; R],
     a: [f32; R],
     y: &mut [f32],
+    next: &[&[u8]],
 ) {
     let (n, yp) = (y.len(), y.as_mut_ptr());
+    let mut prefetch = crate::avx2::Prefetch::new(next, n / QK);
     macro_rules! rows_axpy {
         ($decode:path, $dtype:expr) => {{
             const PER_BLOCK: usize = chunks_per_block($dtype);
             for k in 0..n / QK {
+                prefetch.step();
                 let p = yp.add(QK * k);
                 let mut acc = [
                     _mm256_loadu_ps(p),
