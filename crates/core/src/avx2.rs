@@ -157,6 +157,18 @@ pub(crate) trait LegacyBlock {
     fn min_bits(&self) -> u16 {
         0
     }
+    /// A constant c where the signed weights are v = q - c for unsigned q (`unsigned`):
+    /// the one-token kernel then multiplies q unsigned by the activations and subtracts c times
+    /// their pair sums, the same 16-bit pair sums as v's in one multiply and one subtraction
+    /// per row instead of v's three operations; 0 where there is no such form.
+    const OFFSET: i32 = 0;
+    /// With `OFFSET`, the block's q as bytes, in element order.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2.
+    unsafe fn unsigned(&self) -> __m256i {
+        self.weights()
+    }
     /// The block's 32 weights (v signed, or q with `MIN`) as bytes, in element order.
     ///
     /// # Safety
@@ -165,6 +177,7 @@ pub(crate) trait LegacyBlock {
 }
 
 impl LegacyBlock for BlockQ4_0 {
+    const OFFSET: i32 = 8;
     fn scale_bits(&self) -> u16 {
         self.d
     }
@@ -173,6 +186,12 @@ impl LegacyBlock for BlockQ4_0 {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn weights(&self) -> __m256i {
         _mm256_sub_epi8(unpack_nibbles(&self.qs), _mm256_set1_epi8(8))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn unsigned(&self) -> __m256i {
+        unpack_nibbles(&self.qs)
     }
 }
 
@@ -259,8 +278,12 @@ pub(crate) unsafe fn dot_legacy<B: LegacyBlock, const R: usize, const N: usize>(
         let mut u = [_mm256_setzero_si256(); R];
         let mut v = [_mm256_setzero_si256(); R];
         for r in 0..R {
-            v[r] = w[r].get_unchecked(i).weights();
-            u[r] = if B::MIN { v[r] } else { _mm256_sign_epi8(v[r], v[r]) };
+            if B::OFFSET > 0 {
+                u[r] = w[r].get_unchecked(i).unsigned();
+            } else {
+                v[r] = w[r].get_unchecked(i).weights();
+                u[r] = if B::MIN { v[r] } else { _mm256_sign_epi8(v[r], v[r]) };
+            }
         }
         // (written out: a closure would not be compiled for these features)
         let (mut d4, mut m4) = (_mm_setzero_ps(), _mm_setzero_ps());
@@ -300,9 +323,22 @@ pub(crate) unsafe fn dot_legacy<B: LegacyBlock, const R: usize, const N: usize>(
             // pair sums of |v| * a <= 2 * 16 * 127 (q * a <= 2 * 31 * 127): a row's 16 of them
             // sum in 16 bits by fours (`WIDE` formats' in 32 bits)
             let mut p = [_mm256_setzero_si256(); R];
-            for r in 0..R {
-                p[r] =
-                    _mm256_maddubs_epi16(u[r], if B::MIN { q } else { _mm256_sign_epi8(q, v[r]) });
+            if B::OFFSET > 0 {
+                // (q - c) a = q a - c a per pair: |c a| pairs <= 2 * 16 * 127, no overflow
+                let c_a = _mm256_mullo_epi16(
+                    _mm256_maddubs_epi16(_mm256_set1_epi8(1), q),
+                    _mm256_set1_epi16(B::OFFSET as i16),
+                );
+                for r in 0..R {
+                    p[r] = _mm256_sub_epi16(_mm256_maddubs_epi16(u[r], q), c_a);
+                }
+            } else {
+                for r in 0..R {
+                    p[r] = _mm256_maddubs_epi16(
+                        u[r],
+                        if B::MIN { q } else { _mm256_sign_epi8(q, v[r]) },
+                    );
+                }
             }
             if R == 4 {
                 let sums = if B::WIDE {

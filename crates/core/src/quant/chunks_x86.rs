@@ -211,6 +211,7 @@ impl LegacyBlock for BlockQ5_1 {
 }
 
 impl LegacyBlock for BlockQ5_0 {
+    const OFFSET: i32 = 16;
     fn scale_bits(&self) -> u16 {
         self.d
     }
@@ -220,6 +221,12 @@ impl LegacyBlock for BlockQ5_0 {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn weights(&self) -> __m256i {
         _mm256_sub_epi8(five_bits(&self.qs, self.qh), _mm256_set1_epi8(16))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn unsigned(&self) -> __m256i {
+        five_bits(&self.qs, self.qh)
     }
 }
 
