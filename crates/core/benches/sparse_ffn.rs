@@ -1,4 +1,5 @@
-//! One FFN block of 7B shape (n_embd 4096, n_ff 11008, ReGLU) for one token: the neuron-aware
+//! One FFN block (ReGLU) for one token, of 7B shape (n_embd 4096, n_ff 11008) and of SmolLM2's
+//! (576, 1536), where the fixed costs of selection and fork/join weigh as much as the rows: the neuron-aware
 //! sparse operator at 0/50/80/90/95% sparsity against the dense block (gate and up products,
 //! activation, down product), both in the same run, alternating, for Q4_0, Q8_0 and F16 on 1
 //! and 2 threads. Prints the median time of each, their ratio, the ideal ratio 1/(1-s), and the
@@ -26,7 +27,8 @@
 //! With `--features phase-timers`, each sparse row is followed by the shares of the operator's
 //! time in its three passes (gate dots, up dots, down axpys), summed over threads.
 //!
-//! Environment: `POWERINFER_BENCH_THREADS` (e.g. "2" or "1,2"), `POWERINFER_BENCH_ROUNDS`,
+//! Environment: `POWERINFER_BENCH_SHAPES` (e.g. "4096x11008,576x1536", n_embd x n_ff),
+//! `POWERINFER_BENCH_THREADS` (e.g. "2" or "1,2"), `POWERINFER_BENCH_ROUNDS`,
 //! `POWERINFER_BENCH_TYPES` (e.g. "Q4_0,F16"), `POWERINFER_BENCH_FOOTPRINT` (bytes),
 //! `POWERINFER_BENCH_SPARSITIES` (e.g. "0.9,0.95").
 
@@ -42,8 +44,8 @@ use powerinfer_core::quant::{quantize_row, DType};
 use powerinfer_core::sampler::Rng;
 use powerinfer_core::sparse::{sparse_ffn, FfnMats, SparseScratch};
 
-const N_EMBD: usize = 4096;
-const N_FF: usize = 11008;
+/// (n_embd, n_ff): LLaMA-7B's FFN block and SmolLM2-135M's.
+const SHAPES: [(usize, usize); 2] = [(4096, 11008), (576, 1536)];
 const SPARSITIES: [f64; 5] = [0.0, 0.5, 0.8, 0.9, 0.95];
 
 fn matrix(dtype: DType, rows: usize, cols: usize, seed: u64, positive: bool) -> Vec<u8> {
@@ -184,9 +186,16 @@ fn main() {
         "Q8_0".into(),
         "F16".into(),
     ]);
-    println!(
-        "FFN block {N_EMBD} x {N_FF} (ReGLU), one token, median of {rounds} alternating rounds"
-    );
+    let shapes: Vec<(usize, usize)> =
+        std::env::var("POWERINFER_BENCH_SHAPES").map_or(SHAPES.to_vec(), |v| {
+            v.split(',')
+                .map(|s| {
+                    let (e, f) = s.trim().split_once('x').expect("a shape is n_embd x n_ff");
+                    (e.parse().expect("n_embd"), f.parse().expect("n_ff"))
+                })
+                .collect()
+        });
+    println!("FFN blocks (ReGLU), one token, median of {rounds} alternating rounds");
     println!(
         "GB/s: weight bytes read per second; stream: a plain read of the dense block's bytes;"
     );
@@ -205,125 +214,128 @@ fn main() {
         "stream",
         "scatter"
     );
-    for name in &types {
-        let dtype = match name.as_str() {
-            "Q4_0" => DType::Q4_0,
-            "Q4_1" => DType::Q4_1,
-            "Q8_0" => DType::Q8_0,
-            "F16" => DType::F16,
-            "F32" => DType::F32,
-            "BF16" => DType::BF16,
-            other => panic!("unknown type {other}"),
-        };
-        let first = Block {
-            gate: weights(&matrix(dtype, N_FF, N_EMBD, 1, true)),
-            up: weights(&matrix(dtype, N_FF, N_EMBD, 2, false)),
-            down: weights(&matrix(dtype, N_EMBD, N_FF, 3, false)),
-            down_t: weights(&matrix(dtype, N_FF, N_EMBD, 4, false)),
-        };
-        let block_bytes = first.gate.len() + first.up.len() + first.down.len();
-        let copies = footprint.div_ceil(block_bytes).max(1);
-        let blocks: Vec<Block> = (0..copies)
-            .map(|_| Block {
-                gate: weights(&first.gate),
-                up: weights(&first.up),
-                down: weights(&first.down),
-                down_t: weights(&first.down_t),
-            })
-            .collect();
-        let mats: Vec<FfnMats> = blocks
-            .iter()
-            .map(|b| {
-                fn q(dtype: DType, data: &[u8], rows: usize, cols: usize) -> QMatrix<'_> {
-                    QMatrix { dtype, rows, cols, data }
-                }
-                FfnMats {
-                    gate: Some(q(dtype, &b.gate, N_FF, N_EMBD)),
-                    up: q(dtype, &b.up, N_FF, N_EMBD),
-                    up_bias: None,
-                    down_t: q(dtype, &b.down_t, N_FF, N_EMBD),
-                    down: Some(q(dtype, &b.down, N_EMBD, N_FF)),
-                    act: FfnActivation::ReGlu,
-                }
-            })
-            .collect();
-        let dense_bufs: Vec<&[u8]> =
-            blocks.iter().flat_map(|b| [&b.gate[..], &b.up[..], &b.down[..]]).collect();
-        let sparse_bufs: Vec<&[u8]> =
-            blocks.iter().flat_map(|b| [&b.gate[..], &b.up[..], &b.down_t[..]]).collect();
+    for &(n_embd, n_ff) in &shapes {
+        println!("n_embd {n_embd}, n_ff {n_ff}");
+        for name in &types {
+            let dtype = match name.as_str() {
+                "Q4_0" => DType::Q4_0,
+                "Q4_1" => DType::Q4_1,
+                "Q8_0" => DType::Q8_0,
+                "F16" => DType::F16,
+                "F32" => DType::F32,
+                "BF16" => DType::BF16,
+                other => panic!("unknown type {other}"),
+            };
+            let first = Block {
+                gate: weights(&matrix(dtype, n_ff, n_embd, 1, true)),
+                up: weights(&matrix(dtype, n_ff, n_embd, 2, false)),
+                down: weights(&matrix(dtype, n_embd, n_ff, 3, false)),
+                down_t: weights(&matrix(dtype, n_ff, n_embd, 4, false)),
+            };
+            let block_bytes = first.gate.len() + first.up.len() + first.down.len();
+            let copies = footprint.div_ceil(block_bytes).max(1);
+            let blocks: Vec<Block> = (0..copies)
+                .map(|_| Block {
+                    gate: weights(&first.gate),
+                    up: weights(&first.up),
+                    down: weights(&first.down),
+                    down_t: weights(&first.down_t),
+                })
+                .collect();
+            let mats: Vec<FfnMats> = blocks
+                .iter()
+                .map(|b| {
+                    fn q(dtype: DType, data: &[u8], rows: usize, cols: usize) -> QMatrix<'_> {
+                        QMatrix { dtype, rows, cols, data }
+                    }
+                    FfnMats {
+                        gate: Some(q(dtype, &b.gate, n_ff, n_embd)),
+                        up: q(dtype, &b.up, n_ff, n_embd),
+                        up_bias: None,
+                        down_t: q(dtype, &b.down_t, n_ff, n_embd),
+                        down: Some(q(dtype, &b.down, n_embd, n_ff)),
+                        act: FfnActivation::ReGlu,
+                    }
+                })
+                .collect();
+            let dense_bufs: Vec<&[u8]> =
+                blocks.iter().flat_map(|b| [&b.gate[..], &b.up[..], &b.down[..]]).collect();
+            let sparse_bufs: Vec<&[u8]> =
+                blocks.iter().flat_map(|b| [&b.gate[..], &b.up[..], &b.down_t[..]]).collect();
 
-        let mut rng = Rng::new(5);
-        let x_f: Vec<f32> = (0..N_EMBD).map(|_| rng.next_f32()).collect();
-        for &threads in &threads_list {
-            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-            let stream = pool.install(|| stream_read_gbs(&dense_bufs, rounds));
-            let (mut x, mut hx) = (Activations::default(), Activations::default());
-            let (mut g, mut u) = (vec![0.0f32; N_FF], vec![0.0f32; N_FF]);
-            let mut out = vec![0.0f32; N_EMBD];
-            let mut scratch = SparseScratch::default();
-            let mut sx = Activations::default();
-            let mut sout = vec![0.0f32; N_EMBD];
-            for &sparsity in &sparsities {
-                let keep = ((1.0 - sparsity) * N_FF as f64).round() as usize;
-                // a random subset of `keep` neurons, sorted
-                let mut idx: Vec<u32> = (0..N_FF as u32).collect();
-                let mut r = Rng::new(9);
-                for i in 0..keep {
-                    let j = i + (r.next_f32() * (N_FF - i) as f32) as usize % (N_FF - i);
-                    idx.swap(i, j);
-                }
-                let mut neurons = idx[..keep].to_vec();
-                neurons.sort_unstable();
-                let mut dense = || {
-                    for m in &mats {
-                        x.set(&x_f, 1, N_EMBD);
-                        matmul_many(&[m.gate.unwrap(), m.up], &x, &mut [&mut g, &mut u]);
-                        g.iter_mut()
-                            .zip(&u)
-                            .for_each(|(gi, ui)| *gi = FfnActivation::ReGlu.apply(*gi, *ui));
-                        hx.set(&g, 1, N_FF);
-                        matmul(&m.down.unwrap(), &hx, &mut out);
+            let mut rng = Rng::new(5);
+            let x_f: Vec<f32> = (0..n_embd).map(|_| rng.next_f32()).collect();
+            for &threads in &threads_list {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                let stream = pool.install(|| stream_read_gbs(&dense_bufs, rounds));
+                let (mut x, mut hx) = (Activations::default(), Activations::default());
+                let (mut g, mut u) = (vec![0.0f32; n_ff], vec![0.0f32; n_ff]);
+                let mut out = vec![0.0f32; n_embd];
+                let mut scratch = SparseScratch::default();
+                let mut sx = Activations::default();
+                let mut sout = vec![0.0f32; n_embd];
+                for &sparsity in &sparsities {
+                    let keep = ((1.0 - sparsity) * n_ff as f64).round() as usize;
+                    // a random subset of `keep` neurons, sorted
+                    let mut idx: Vec<u32> = (0..n_ff as u32).collect();
+                    let mut r = Rng::new(9);
+                    for i in 0..keep {
+                        let j = i + (r.next_f32() * (n_ff - i) as f32) as usize % (n_ff - i);
+                        idx.swap(i, j);
                     }
-                };
-                let mut sparse = || {
-                    for m in &mats {
-                        sx.set(&x_f, 1, N_EMBD);
-                        sparse_ffn(m, &sx, &neurons, None, &mut sout, &mut scratch);
-                    }
-                };
-                let (mut td, mut ts) = (Vec::new(), Vec::new());
-                pool.install(|| {
-                    dense();
-                    sparse();
-                    for _ in 0..rounds {
-                        let t = Instant::now();
+                    let mut neurons = idx[..keep].to_vec();
+                    neurons.sort_unstable();
+                    let mut dense = || {
+                        for m in &mats {
+                            x.set(&x_f, 1, n_embd);
+                            matmul_many(&[m.gate.unwrap(), m.up], &x, &mut [&mut g, &mut u]);
+                            g.iter_mut()
+                                .zip(&u)
+                                .for_each(|(gi, ui)| *gi = FfnActivation::ReGlu.apply(*gi, *ui));
+                            hx.set(&g, 1, n_ff);
+                            matmul(&m.down.unwrap(), &hx, &mut out);
+                        }
+                    };
+                    let mut sparse = || {
+                        for m in &mats {
+                            sx.set(&x_f, 1, n_embd);
+                            sparse_ffn(m, &sx, &neurons, None, &mut sout, &mut scratch);
+                        }
+                    };
+                    let (mut td, mut ts) = (Vec::new(), Vec::new());
+                    pool.install(|| {
                         dense();
-                        td.push(t.elapsed().as_secs_f64() / copies as f64);
-                        let t = Instant::now();
                         sparse();
-                        ts.push(t.elapsed().as_secs_f64() / copies as f64);
-                    }
-                });
-                let (d, s) = (median(&mut td), median(&mut ts));
-                #[cfg(feature = "phase-timers")]
-                let phases = {
-                    use std::sync::atomic::Ordering::Relaxed;
-                    let ns =
-                        powerinfer_core::sparse::PHASE_NS.each_ref().map(|a| a.swap(0, Relaxed));
-                    let total = ns.iter().sum::<u64>().max(1) as f64;
-                    ns.map(|n| 100.0 * n as f64 / total)
-                };
-                let scatter = pool.install(|| {
-                    scatter_read_gbs(
-                        &sparse_bufs,
-                        dtype.row_bytes(N_EMBD),
-                        &neurons,
-                        &dense_bufs,
-                        rounds,
-                    )
-                });
-                let sparse_bytes = 3 * keep * dtype.row_bytes(N_EMBD);
-                println!(
+                        for _ in 0..rounds {
+                            let t = Instant::now();
+                            dense();
+                            td.push(t.elapsed().as_secs_f64() / copies as f64);
+                            let t = Instant::now();
+                            sparse();
+                            ts.push(t.elapsed().as_secs_f64() / copies as f64);
+                        }
+                    });
+                    let (d, s) = (median(&mut td), median(&mut ts));
+                    #[cfg(feature = "phase-timers")]
+                    let phases = {
+                        use std::sync::atomic::Ordering::Relaxed;
+                        let ns = powerinfer_core::sparse::PHASE_NS
+                            .each_ref()
+                            .map(|a| a.swap(0, Relaxed));
+                        let total = ns.iter().sum::<u64>().max(1) as f64;
+                        ns.map(|n| 100.0 * n as f64 / total)
+                    };
+                    let scatter = pool.install(|| {
+                        scatter_read_gbs(
+                            &sparse_bufs,
+                            dtype.row_bytes(n_embd),
+                            &neurons,
+                            &dense_bufs,
+                            rounds,
+                        )
+                    });
+                    let sparse_bytes = 3 * keep * dtype.row_bytes(n_embd);
+                    println!(
                     "{:<5} {:>3} {:>5.0}% {:>9.2} {:>10.3} {:>7.2}x {:>5.1}x {:>10.1} {:>11.1} {:>7.1} {:>7.1}",
                     dtype.name(),
                     threads,
@@ -337,11 +349,12 @@ fn main() {
                     stream,
                     scatter
                 );
-                #[cfg(feature = "phase-timers")]
-                println!(
-                    "      sparse passes: gate dots {:.0}%, up dots {:.0}%, down axpys {:.0}%",
-                    phases[0], phases[1], phases[2]
-                );
+                    #[cfg(feature = "phase-timers")]
+                    println!(
+                        "      sparse passes: gate dots {:.0}%, up dots {:.0}%, down axpys {:.0}%",
+                        phases[0], phases[1], phases[2]
+                    );
+                }
             }
         }
     }
