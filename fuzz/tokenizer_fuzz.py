@@ -9,7 +9,7 @@ payload. The checks, each a promise the tokenizer makes:
   (see `round_trips`), and every id is inside the vocabulary;
 - decode of arbitrary ids: an id outside the vocabulary raises ValueError naming it, others
   decode, and streaming them through `StreamDecoder` gives the same text as `decode`;
-- invalid text (lone surrogates) raises TypeError, as any non-text does;
+- invalid text (lone surrogates) raises ValueError naming the first one and its index;
 - the ids of a text, streamed, give the same text as `decode`.
 Any other exception, or a broken promise, is a crash.
 
@@ -162,8 +162,10 @@ def check_one(tokenizers: list, missing: list, stream_decoder_class, data: bytes
         text = payload.decode("utf-8", "surrogateescape")
         try:
             ids = tok.encode(text, add_bos=False, special=special)
-        except TypeError:
+        except ValueError as e:
             assert text != payload.decode("utf-8", "replace"), "valid text refused"
+            first = next(i for i, ch in enumerate(text) if 0xD800 <= ord(ch) <= 0xDFFF)
+            assert f"lone surrogate {text[first]!r} at index {first}" in str(e), (text, e)
             return
         assert all(0 <= i < n_vocab for i in ids), ids
         return
