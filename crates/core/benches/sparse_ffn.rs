@@ -27,6 +27,10 @@
 //! With `--features phase-timers`, each sparse row is followed by the shares of the operator's
 //! time in its three passes (gate dots, up dots, down axpys), summed over threads.
 //!
+//! With `POWERINFER_BENCH_SELECTION=ranked` a selection is drawn with weights 1 / (j + 1) for
+//! neuron j, as when power-law neurons are stored hottest first: the measure of what storing
+//! neurons in order of profiled frequency would buy (the rows a selection reads lie in runs).
+//!
 //! Environment: `POWERINFER_BENCH_SHAPES` (e.g. "4096x11008,576x1536", n_embd x n_ff),
 //! `POWERINFER_BENCH_THREADS` (e.g. "2" or "1,2"), `POWERINFER_BENCH_ROUNDS`,
 //! `POWERINFER_BENCH_TYPES` (e.g. "Q4_0,F16"), `POWERINFER_BENCH_FOOTPRINT` (bytes),
@@ -60,6 +64,20 @@ fn matrix(dtype: DType, rows: usize, cols: usize, seed: u64, positive: bool) -> 
         out.extend(quantize_row(dtype, &row));
     }
     out
+}
+
+/// `keep` of n neurons drawn without replacement with weights 1 / (rank + 1), neuron j of rank
+/// j: a token's selection when neurons fire with power-law frequencies and are stored in order
+/// of frequency (as a conversion that permutes them by profiled frequency would store them), so
+/// the hot ones a selection mostly holds lie side by side. (Efraimidis-Spirakis: the `keep`
+/// largest keys u^(1 / w).)
+fn ranked_subset(n: usize, keep: usize, seed: u64) -> Vec<u32> {
+    let mut rng = Rng::new(seed);
+    let mut keyed: Vec<(f64, u32)> = (0..n as u32)
+        .map(|j| ((rng.next_f32() as f64).max(1e-12).powf(j as f64 + 1.0), j))
+        .collect();
+    keyed.sort_unstable_by(|a, b| b.0.partial_cmp(&a.0).unwrap());
+    keyed[..keep].iter().map(|&(_, j)| j).collect()
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -195,7 +213,13 @@ fn main() {
                 })
                 .collect()
         });
-    println!("FFN blocks (ReGLU), one token, median of {rounds} alternating rounds");
+    // "ranked": selections concentrated on the low indices, as when neurons are stored in
+    // order of frequency; "random" (the default): any neuron alike
+    let by_rank = std::env::var("POWERINFER_BENCH_SELECTION").is_ok_and(|v| v == "ranked");
+    println!(
+        "FFN blocks (ReGLU), one token, median of {rounds} alternating rounds, {} selections",
+        if by_rank { "frequency-ranked" } else { "random" }
+    );
     println!(
         "GB/s: weight bytes read per second; stream: a plain read of the dense block's bytes;"
     );
@@ -276,14 +300,18 @@ fn main() {
                 let mut sout = vec![0.0f32; n_embd];
                 for &sparsity in &sparsities {
                     let keep = ((1.0 - sparsity) * n_ff as f64).round() as usize;
-                    // a random subset of `keep` neurons, sorted
-                    let mut idx: Vec<u32> = (0..n_ff as u32).collect();
-                    let mut r = Rng::new(9);
-                    for i in 0..keep {
-                        let j = i + (r.next_f32() * (n_ff - i) as f32) as usize % (n_ff - i);
-                        idx.swap(i, j);
-                    }
-                    let mut neurons = idx[..keep].to_vec();
+                    let mut neurons = if by_rank {
+                        ranked_subset(n_ff, keep, 9)
+                    } else {
+                        // a random subset of `keep` neurons, sorted
+                        let mut idx: Vec<u32> = (0..n_ff as u32).collect();
+                        let mut r = Rng::new(9);
+                        for i in 0..keep {
+                            let j = i + (r.next_f32() * (n_ff - i) as f32) as usize % (n_ff - i);
+                            idx.swap(i, j);
+                        }
+                        idx[..keep].to_vec()
+                    };
                     neurons.sort_unstable();
                     let mut dense = || {
                         for m in &mats {
