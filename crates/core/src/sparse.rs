@@ -53,6 +53,8 @@ const MIN_CHUNK: usize = 16;
 const CHUNKS_PER_THREAD: usize = 4;
 /// Output columns per task in the reduction.
 const REDUCE_COLS: usize = 512;
+/// Accumulator values (chunks x columns) up to which the reduction runs on the calling thread.
+const SERIAL_REDUCE: usize = 1 << 14;
 /// A selection holding at least this fraction of the neurons runs as dense products (gate and
 /// up over all rows, the activation masked to the selection, the row-major down product) when
 /// the model has the row-major down matrix: below ~10% skipped the dense products are faster.
@@ -279,16 +281,22 @@ pub fn sparse_ffn(
         })
         .sum();
 
-    // Sum the chunk accumulators in chunk order.
+    // Sum the chunk accumulators in chunk order: on this thread where that is a few
+    // microseconds (a fork/join costs as much), else by column ranges in parallel.
     let acc = &scratch.acc;
-    out.par_chunks_mut(REDUCE_COLS).enumerate().for_each(|(c, o)| {
+    let reduce = |(c, o): (usize, &mut [f32])| {
         let c0 = c * REDUCE_COLS;
         o.copy_from_slice(&acc[c0..c0 + o.len()]);
         for k in 1..n_chunks {
             let part = &acc[k * n_embd + c0..k * n_embd + c0 + o.len()];
             o.iter_mut().zip(part).for_each(|(a, b)| *a += b);
         }
-    });
+    };
+    if n_chunks * n_embd <= SERIAL_REDUCE {
+        out.chunks_mut(REDUCE_COLS).enumerate().for_each(reduce);
+    } else {
+        out.par_chunks_mut(REDUCE_COLS).enumerate().for_each(reduce);
+    }
     used
 }
 
