@@ -930,13 +930,6 @@ unsafe fn i8x32_mem_to_f32x4(qs: &[i8; 32]) -> [__m256; 4] {
     [w(0), w(1), w(2), w(3)]
 }
 
-/// SIMD twin of `quant::axpy_scalar`: y += a * row (`axpy_rows` with one row).
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn axpy(dtype: DType, row: &[u8], a: f32, y: &mut [f32], next: &[&[u8]]) {
-    debug_assert_eq!(row.len(), dtype.row_bytes(y.len()));
-    axpy_rows::<1>(dtype, [row], [a], y, next)
-}
-
 /// y += sum over r of a[r] * rows[r]: R neurons' down_t rows at once, so each block of y is
 /// loaded and stored once per R rows instead of once per row; `next` (the rows read after
 /// these) is prefetched a line at a time over the blocks (see `matmul::dot_row`). SIMD twin of

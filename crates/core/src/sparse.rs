@@ -144,6 +144,16 @@ fn add_phases(marks: [Mark; 4]) {
     }
 }
 
+/// The rows of the (up to four) neurons `ids` that a kernel call prefetches for the call after
+/// it, and how many there are: `&rows[..n]` is the kernel's `next`.
+fn next_rows<'a>(ids: &[u32], row: impl Fn(u32) -> &'a [u8]) -> ([&'a [u8]; 4], usize) {
+    let mut rows = [&[][..]; 4];
+    for (r, &j) in rows.iter_mut().zip(ids) {
+        *r = row(j);
+    }
+    (rows, ids.len().min(4))
+}
+
 /// Neurons per group in `sparse_ffn`'s passes.
 const GROUP: usize = 64;
 
@@ -153,15 +163,15 @@ const GROUP: usize = 64;
 /// each call with the next call's rows prefetched (see `matmul::dot_row`). Each value is the
 /// one the row gives alone.
 fn dot_selected(w: &QMatrix, sel: &[u32], x: &Activations, level: SimdLevel, out: &mut [f32]) {
-    let row = |k: usize| w.row(sel[k] as usize);
+    let row = |j: u32| w.row(j as usize);
+    let ahead = |from: usize, n: usize| sel.get(from..(from + n).min(sel.len())).unwrap_or(&[]);
     let mut k = 0;
     if w.dtype.traits().decode_rows[level as usize] == 4 {
         while k + 4 <= sel.len() {
-            let next: [&[u8]; 4] =
-                std::array::from_fn(|i| if k + 4 + i < sel.len() { row(k + 4 + i) } else { &[] });
+            let (next, n) = next_rows(ahead(k + 4, 4), row);
             let group = std::array::from_fn(|i| sel[k + i] as usize);
             for (i, [v]) in
-                dot_row_group::<4, 1>(w, group, &next, x, [0], level).into_iter().enumerate()
+                dot_row_group::<4, 1>(w, group, &next[..n], x, [0], level).into_iter().enumerate()
             {
                 out[k + i] = v;
             }
@@ -169,8 +179,8 @@ fn dot_selected(w: &QMatrix, sel: &[u32], x: &Activations, level: SimdLevel, out
         }
     }
     for k in k..sel.len() {
-        let next: Option<&[u8]> = sel.get(k + 1).map(|_| row(k + 1));
-        out[k] = dot_row_group::<1, 1>(w, [sel[k] as usize], next.as_slice(), x, [0], level)[0][0];
+        let (next, n) = next_rows(ahead(k + 1, 1), row);
+        out[k] = dot_row_group::<1, 1>(w, [sel[k] as usize], &next[..n], x, [0], level)[0][0];
     }
 }
 
@@ -256,14 +266,13 @@ pub fn sparse_ffn(
                 let dtype = m.down_t.dtype;
                 let row = |j: u32| m.down_t.row(j as usize);
                 for (q, quad) in alive[..n_active].chunks(4).enumerate() {
-                    let next_ids = alive[..n_active]
-                        .get(4 * (q + 1)..(4 * (q + 2)).min(n_active))
-                        .unwrap_or(&[]);
-                    let mut next = [&[][..]; 4];
-                    for (k, &j) in next_ids.iter().enumerate() {
-                        next[k] = row(j);
-                    }
-                    let next = &next[..next_ids.len()];
+                    let (next, n) = next_rows(
+                        alive[..n_active]
+                            .get(4 * (q + 1)..(4 * (q + 2)).min(n_active))
+                            .unwrap_or(&[]),
+                        row,
+                    );
+                    let next = &next[..n];
                     let a = &vals[4 * q..4 * q + quad.len()];
                     if let [j0, j1, j2, j3] = *quad {
                         let rows = [j0, j1, j2, j3].map(row);
@@ -526,16 +535,14 @@ pub fn down_t_matmul(
             let mut quads = nz.chunks_exact(4);
             for (i, q) in (&mut quads).enumerate() {
                 // the next quad's slices on their way (scattered rows, a few lines each)
-                let ahead = nz.get(4 * i + 4..4 * i + 8).unwrap_or(&[]);
-                let next: [&[u8]; 4] =
-                    std::array::from_fn(|k| ahead.get(k).map_or(&[][..], |&j| slice(j)));
+                let (next, n) = next_rows(nz.get(4 * i + 4..4 * i + 8).unwrap_or(&[]), slice);
                 axpy4(
                     level,
                     down_t.dtype,
                     [0, 1, 2, 3].map(|k| slice(q[k])),
                     [0, 1, 2, 3].map(|k| ht[q[k] as usize]),
                     y,
-                    &next[..ahead.len()],
+                    &next[..n],
                 );
             }
             for &j in quads.remainder() {
@@ -713,7 +720,7 @@ mod tests {
             let row = quantize_row(dtype, &random_vec(13, 5));
             let (mut ys, mut yv) = (vec![1.0; 13], vec![1.0; 13]);
             quant::axpy_scalar(dtype, &row, -2.0, &mut ys);
-            unsafe { crate::avx2::axpy(dtype, &row, -2.0, &mut yv, &[]) };
+            unsafe { crate::avx2::axpy_rows::<1>(dtype, [&row[..]], [-2.0], &mut yv, &[]) };
             assert_eq!(ys, yv);
         }
     }
