@@ -15,6 +15,12 @@
 #                          the report, the power-law plot, and the first parts of the Q4_0 model
 #   6. scripts/relufy_gpu.sh fetch K           parts K, K+1, K+2 of the Q4_0 model (16 MiB each)
 #
+# Where device time is short, 3-5 become two calls with nothing idle between training and the
+# pipeline (both run in one background job whose files land in /tmp/relufy/out):
+#   3'. carry .gpu:        scripts/relufy_gpu.sh run SECONDS [relufy args]  starts both, waits up to
+#                          SECONDS, and brings the results back if they are done by then
+#   4'. scripts/relufy_gpu.sh collect SECONDS   waits for the rest and brings the results back
+#
 # Here, afterwards: cat the parts in order (sha256 in $OUT/relufied.sha256) into the model file;
 # copy relufy.json to benches/results/relufy.json.
 set -uo pipefail
@@ -75,6 +81,36 @@ for t in ("q8_0", "q4_0"): requantize(sys.argv[1], f"{sys.argv[2]}.{t}.gguf", t)
     sha256sum "$W/relufied.q4_0.gguf" | cut -d' ' -f1 > "$OUT/relufied.sha256"
     ls "$W"/part.* | head -3 | xargs -I{} cp {} "$OUT/"
     ls "$W"/part.*
+    ;;
+run)
+    limit=${2:?how many seconds to wait}
+    shift 2
+    scripts/gpu_suite.sh --install-only || exit 1
+    [ -f "$W/corpus/corpus.npz" ] || { echo "no corpus staged: carry .gpu-corpus with 'stage' first"; exit 1; }
+    # the job's own copy of the scripts: a later call's working tree replaces this one's
+    rm -rf "$W/repo" "$W/out" "$W/chain.done" && mkdir -p "$W/repo" "$W/out" && cp -r scripts benches "$W/repo/"
+    args=("$@")
+    [ ${#args[@]} -eq 0 ] && args=(--minutes 16)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$W/gpu.txt"
+    export PYTHONPATH=$PYTHONPATH:/tmp/smollm2
+    setsid nohup bash -c 'python3 -m powerinfer_rs.cli relufy "$0" --corpus "$1/corpus/corpus.npz" -o "$1/relufied.gguf" \
+        --outtype f16 --batch 32 --seq-len 512 --lr 2e-4 --l1 1.0 --eval-tokens 32768 "${@:2}" > "$1/train.log" 2>&1 &&
+        OUT="$1/out" "$1/repo/scripts/relufy_gpu.sh" finish > "$1/finish.log" 2>&1; echo done > "$1/chain.done"' \
+        "$(model_path)" "$W" "${args[@]}" < /dev/null > /dev/null 2>&1 &
+    echo $! > "$W/train.pid"
+    exec "$0" collect "$limit"
+    ;;
+collect)
+    limit=${2:-540}
+    t=0
+    while [ ! -f "$W/chain.done" ] && kill -0 "$(cat "$W/train.pid")" 2>/dev/null && [ "$t" -lt "$limit" ]; do sleep 5; t=$((t + 5)); done
+    tr '\r' '\n' < "$W/train.log" | grep -v '^relufy: *[0-9]*%' | tail -15
+    tr '\r' '\n' < "$W/train.log" | tail -1
+    tail -25 "$W/finish.log" 2>/dev/null
+    cp "$W/train.log" "$OUT/" 2>/dev/null
+    cp "$W"/out/*.json "$W"/out/*.log "$W"/out/*.png "$W"/out/*.sha256 "$OUT/" 2>/dev/null
+    [ -f "$W/chain.done" ] && echo "chain ended" || echo "still running"
+    ls -la "$OUT"
     ;;
 fetch)
     k=${2:?which part first}
