@@ -87,18 +87,20 @@ run)
     shift 2
     scripts/gpu_suite.sh --install-only || exit 1
     [ -f "$W/corpus/corpus.npz" ] || { echo "no corpus staged: carry .gpu-corpus with 'stage' first"; exit 1; }
-    # the job's own copy of the scripts: a later call's working tree replaces this one's
-    rm -rf "$W/repo" "$W/out" "$W/chain.done" && mkdir -p "$W/repo" "$W/out" && cp -r scripts benches "$W/repo/"
+    # the job's own copy of the scripts (and the float64 reference benches/gpu_smollm2.py imports):
+    # a later call's working tree replaces this one's
+    rm -rf "$W/repo" "$W/out" "$W/chain.done" && mkdir -p "$W/repo/tests" "$W/out" && cp -r scripts benches "$W/repo/" \
+        && cp tests/reference.py "$W/repo/tests/"
     args=("$@")
     [ ${#args[@]} -eq 0 ] && args=(--minutes 16)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$W/gpu.txt"
     export PYTHONPATH=$PYTHONPATH:/tmp/smollm2
     setsid nohup bash -c 'python3 -m powerinfer_rs.cli relufy "$0" --corpus "$1/corpus/corpus.npz" -o "$1/relufied.gguf" \
         --outtype f16 --batch 32 --seq-len 512 --lr 2e-4 --l1 1.0 --eval-tokens 32768 "${@:2}" > "$1/train.log" 2>&1 &&
-        OUT="$1/out" "$1/repo/scripts/relufy_gpu.sh" finish > "$1/finish.log" 2>&1; echo done > "$1/chain.done"' \
+        OUT="$1/out" bash "$1/repo/scripts/relufy_gpu.sh" finish > "$1/finish.log" 2>&1; echo done > "$1/chain.done"' \
         "$(model_path)" "$W" "${args[@]}" < /dev/null > /dev/null 2>&1 &
     echo $! > "$W/train.pid"
-    exec "$0" collect "$limit"
+    exec bash "$0" collect "$limit"
     ;;
 collect)
     limit=${2:-540}
