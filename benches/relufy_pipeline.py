@@ -25,15 +25,17 @@ from powerinfer_rs.offline.profiling import read_corpus
 from powerinfer_rs.placement import model_bytes
 
 
-def paired(
-    a: Engine, b: Engine, prompt: list[int], n: int, repeats: int
-) -> tuple[float, float, list[float]]:
-    """Medians of alternating runs of a and b, and the per-pair ratios b / a."""
-    ta, tb = [], []
+def alternating(
+    engines: list[Engine], prompt: list[int], n: int, repeats: int
+) -> tuple[list[float], list[list[float]]]:
+    """Medians of runs of the engines in turn, and per round each engine's tok/s over the
+    first's."""
+    runs: list[list[float]] = [[] for _ in engines]
     for _ in range(repeats):
-        ta.append(decode_tps(a, prompt, n))
-        tb.append(decode_tps(b, prompt, n))
-    return statistics.median(ta), statistics.median(tb), [y / x for x, y in zip(ta, tb)]
+        for e, r in zip(engines, runs):
+            r.append(decode_tps(e, prompt, n))
+    ratios = [[y / x for x, y in zip(runs[0], r)] for r in runs]
+    return [statistics.median(r) for r in runs], ratios
 
 
 def commit() -> str:
@@ -86,6 +88,13 @@ def main() -> None:
         help="the model before relufication, for its perplexity on the same text",
     )
     ap.add_argument(
+        "--predictor-type",
+        default="q8_0",
+        choices=["f32", "f16", "q8_0", "q4_0"],
+        help="the predictors' weight type in the converted file (default q8_0: half F16's bytes, "
+        "the same selections on SmolLM2; PowerInfer's own files carry f16)",
+    )
+    ap.add_argument(
         "--reuse",
         action="store_true",
         help="keep the profile, predictors and converted model of an earlier run in --workdir",
@@ -121,7 +130,7 @@ def main() -> None:
         print(trained["table"], flush=True)
         seconds["train_predictors"] = time.perf_counter() - t
         t = time.perf_counter()
-        offline.convert(a.model, pred_path, output=pw_path)
+        offline.convert(a.model, pred_path, output=pw_path, predictor_type=a.predictor_type)
         seconds["convert"] = time.perf_counter() - t
     prof = offline.load_profile(prof_path)
 
@@ -153,21 +162,39 @@ def main() -> None:
     )
 
     prompt = dense_src.tokenize("Python is an easy to learn, powerful programming language. It has")
+    # three ways to decode the relufied model on the CPU: every row read (the plain file, as a
+    # SwiGLU model decodes), dense with the exact ReLU skip (the converted file without its
+    # predictors: every gate row, up and down rows only where the gate is positive), and
+    # predictor mode (gate rows only of the neurons the predictor selects)
+    cpu_all_rows_engine = Engine.load(
+        a.model, n_ctx=512, device="cpu", sparsity="dense", threads=a.threads
+    )
     cpu_dense_engine = Engine.load(
         pw_path, n_ctx=512, device="cpu", sparsity="dense", threads=a.threads
     )
     cpu_sparse_engine = Engine.load(
         pw_path, n_ctx=512, device="cpu", sparsity="predictor", threads=a.threads
     )
-    d, s, ratios = paired(cpu_dense_engine, cpu_sparse_engine, prompt, a.decode_tokens, a.repeats)
+    (r, d, s), (_, skip_ratios, ratios_all) = alternating(
+        [cpu_all_rows_engine, cpu_dense_engine, cpu_sparse_engine],
+        prompt,
+        a.decode_tokens,
+        a.repeats,
+    )
+    ratios = [y / x for x, y in zip(skip_ratios, ratios_all)]
     decode = {
+        "cpu_all_rows": r,
         "cpu_dense": d,
         "cpu_predictor": s,
         "cpu_ratio_median": statistics.median(ratios),
         "cpu_ratio_range": [min(ratios), max(ratios)],
+        "cpu_dense_over_all_rows": statistics.median(skip_ratios),
+        "cpu_predictor_over_all_rows": statistics.median(ratios_all),
     }
     print(
-        f"CPU decode dense {d:.1f} tok/s, predictor {s:.1f} tok/s ({statistics.median(ratios):.2f}x)",
+        f"CPU decode every row {r:.1f} tok/s, dense with the exact ReLU skip {d:.1f} "
+        f"({statistics.median(skip_ratios):.2f}x), predictor {s:.1f} "
+        f"({statistics.median(ratios):.2f}x dense, {statistics.median(ratios_all):.2f}x every row)",
         flush=True,
     )
 
@@ -192,7 +219,7 @@ def main() -> None:
         hybrid = Engine.load(
             pw_path, n_ctx=512, device="cuda", vram_budget=budget, profile=prof_path
         )
-        f, h, gratios = paired(full, hybrid, prompt, a.decode_tokens, a.repeats)
+        (f, h), _ = alternating([full, hybrid], prompt, a.decode_tokens, a.repeats)
         decode.update(
             {
                 "gpu_full": f,

@@ -52,7 +52,7 @@ start)
     [ ${#args[@]} -eq 0 ] && args=(--minutes 16)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$W/gpu.txt"
     setsid nohup python3 -m powerinfer_rs.cli relufy "$(model_path)" --corpus "$W/corpus/corpus.npz" -o "$W/relufied.gguf" \
-        --outtype f16 --batch 32 --seq-len 512 --lr 2e-4 --l1 1.0 --eval-tokens 32768 "${args[@]}" > "$W/train.log" 2>&1 < /dev/null &
+        --outtype f16 --batch 32 --seq-len 512 --lr 2e-4 --l1 10 --eval-tokens 32768 "${args[@]}" > "$W/train.log" 2>&1 < /dev/null &
     echo $! > "$W/train.pid"
     sleep 120
     tr '\r' '\n' < "$W/train.log" | tail -5
@@ -96,7 +96,7 @@ run)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$W/gpu.txt"
     export PYTHONPATH=$PYTHONPATH:/tmp/smollm2
     setsid nohup bash -c 'python3 -m powerinfer_rs.cli relufy "$0" --corpus "$1/corpus/corpus.npz" -o "$1/relufied.gguf" \
-        --outtype f16 --batch 32 --seq-len 512 --lr 2e-4 --l1 1.0 --eval-tokens 32768 "${@:2}" > "$1/train.log" 2>&1 &&
+        --outtype f16 --batch 32 --seq-len 512 --lr 2e-4 --l1 10 --eval-tokens 32768 "${@:2}" > "$1/train.log" 2>&1 &&
         OUT="$1/out" bash "$1/repo/scripts/relufy_gpu.sh" finish > "$1/finish.log" 2>&1; echo done > "$1/chain.done"' \
         "$(model_path)" "$W" "${args[@]}" < /dev/null > /dev/null 2>&1 &
     echo $! > "$W/train.pid"
