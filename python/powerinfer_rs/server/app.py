@@ -1,6 +1,7 @@
 """The FastAPI app: `create_app` puts the shared state (`state.ServerState`) on `app.state`,
-starts the scheduler with the app, and mounts the routes (`routes`), the OpenAI-shaped error
-handlers (`errors`) and the per-request log line (`RequestLog`); `serve` runs it."""
+starts the scheduler with the app, and mounts the routes (`routes`: the API, and the chat page
+at `/`), the OpenAI-shaped error handlers (`errors`) and the per-request log line
+(`RequestLog`); `serve` runs it."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from .. import __version__
 from ..engine import Engine
 from .errors import install_error_handlers
 from .metrics import Metrics
-from .routes import chat, completions, models
+from .routes import chat, completions, models, page
 from .scheduler import Scheduler
 from .state import ServerState, model_id_of
 
@@ -67,6 +68,7 @@ def create_app(
     app.include_router(models.router)
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(page.router)
     return app
 
 
