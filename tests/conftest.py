@@ -20,6 +20,7 @@ PROVIDED = {
     "docs": ("Debian's python3.11-doc text for the perplexity tests", "python3.11-doc"),
     "vocabs": ("llama.cpp's vocabularies (scripts/llamacpp_vocabs.py)", "llamacpp_vocabs.py"),
     "browser": ("a headless Chromium and Playwright for the chat page", "apt-get install chromium"),
+    "ray": ("Ray Serve for the replica tests", "powerinfer-rs[ray]"),
 }
 REQUIRES = "POWERINFER_TEST_REQUIRES"
 

@@ -392,6 +392,9 @@ def test_serve_rejects_bad_arguments(tiny_path):
         (["--port", "70000"], "--port"),
         (["--parallel", "0"], "--parallel"),
         (["--prompt-cache", "-1"], "--prompt-cache"),
+        (["--replicas", "2"], "need --ray"),
+        (["--ray", "--replicas", "0"], "--replicas"),
+        (["--ray", "--replicas", "many"], "--replicas"),
     ]:
         r = subprocess.run(
             [sys.executable, "-m", "powerinfer_rs.cli", "serve", "-m", tiny_path, *args],

@@ -387,10 +387,34 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ValueError(f"--parallel must be >= 1, got {a.parallel}")
     if a.prompt_cache is not None and a.prompt_cache < 0:
         raise ValueError(f"--prompt-cache must be >= 0, got {a.prompt_cache}")
+    if a.replicas != "auto" and not (a.replicas.isdigit() and int(a.replicas) >= 1):
+        raise ValueError(f"--replicas must be a positive number or 'auto', got {a.replicas!r}")
+    if not a.ray and (a.replicas != "1" or a.address or a.max_replicas):
+        raise ValueError("--replicas, --max-replicas and --address need --ray")
     api_key = a.api_key if a.api_key is not None else os.environ.get("POWERINFER_API_KEY") or None
     if a.api_key is not None and not a.api_key:
         raise ValueError("--api-key must not be empty")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    if a.ray:
+        from .server.ray_serve import ServeOptions, serve_with_ray
+
+        replicas = a.replicas if a.replicas == "auto" else int(a.replicas)
+        serve_with_ray(
+            _engine_settings(a),
+            ServeOptions(
+                model_id=a.alias,
+                api_key=api_key,
+                slots=a.parallel,
+                batch=not a.no_batch,
+                prompt_cache=a.prompt_cache,
+            ),
+            host=a.host,
+            port=a.port,
+            replicas=replicas,
+            max_replicas=a.max_replicas,
+            address=a.address,
+        )
+        return 0
     engine = Engine.load(settings=_engine_settings(a))
     serve(
         engine,
@@ -476,6 +500,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--alias",
         default=None,
         help="model id clients use (default: the file name without .gguf)",
+    )
+    sv.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve replicas under Ray Serve (pip install 'powerinfer-rs[ray]'), each with its own engine",
+    )
+    sv.add_argument(
+        "--replicas",
+        default="1",
+        help="with --ray: replicas, or 'auto' to scale between 1 and --max-replicas (default 1)",
+    )
+    sv.add_argument(
+        "--max-replicas", type=int, default=None, help="with --replicas auto: at most (default 4)"
+    )
+    sv.add_argument(
+        "--address",
+        default=None,
+        help="with --ray: the Ray cluster to join (e.g. 10.0.0.5:6379, or 'auto'; default: a local Ray instance)",
     )
     sv.set_defaults(func=cmd_serve)
 
