@@ -46,7 +46,10 @@ async def on_fault(request: Request, e: Exception):
 
 async def on_http(request: Request, e: StarletteHTTPException):
     code = "not_found" if e.status_code == 404 else None
-    return await on_api_error(request, APIError(e.status_code, str(e.detail), code=code))
+    response = await on_api_error(request, APIError(e.status_code, str(e.detail), code=code))
+    # e.g. a 405's `Allow`, which RFC 9110 requires
+    response.headers.update(e.headers or {})
+    return response
 
 
 def install_error_handlers(app: FastAPI) -> None:

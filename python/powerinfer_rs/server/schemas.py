@@ -41,6 +41,40 @@ class APIError(Exception):
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """What every error answers (OpenAI's shape)."""
+
+    error: ErrorBody
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"model": ErrorResponse, "description": description}
+
+
+#: The error statuses every /v1 route may answer, for the OpenAPI schema (`/openapi.json`).
+V1_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: _error("an invalid request: the message and `param` name the problem"),
+    401: _error("no or a wrong API key (`--api-key`)"),
+    404: _error("a model this server does not serve"),
+    500: _error("an internal error"),
+}
+
+#: A generation's 200: JSON, or server-sent events with `"stream": true`.
+GENERATION_OK: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "the completion, or with `stream` its chunks as server-sent events",
+        "content": {"application/json": {}, "text/event-stream": {}},
+    }
+}
+
+
 # ----- request bodies (unknown fields are ignored, as OpenAI's newer clients send fields older
 # servers do not know; fields we know but cannot honour are refused by the routes)
 

@@ -12,10 +12,10 @@ from starlette.concurrency import run_in_threadpool
 
 from ...settings import CHAT
 from ..generation import answer, chunker, open_generation, refuse_unsupported
-from ..schemas import APIError, ChatRequest, check_text
+from ..schemas import GENERATION_OK, V1_ERRORS, APIError, ChatRequest, check_text
 from ..state import ServerState, authorize, server_state
 
-router = APIRouter(dependencies=[Depends(authorize)])
+router = APIRouter(dependencies=[Depends(authorize)], responses=V1_ERRORS)
 
 
 def chat_prompt(state: ServerState, body: ChatRequest) -> list[int]:
@@ -63,7 +63,7 @@ def chat_prompt(state: ServerState, body: ChatRequest) -> list[int]:
     return engine.tokenizer.encode(text, add_bos=False, special=True)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=GENERATION_OK)
 async def chat_completions(body: ChatRequest, request: Request):
     state = server_state(request)
     state.check_model(body.model)

@@ -10,10 +10,10 @@ from starlette.concurrency import run_in_threadpool
 
 from ...settings import COMPLETIONS
 from ..generation import answer, chunker, open_generation, refuse_unsupported
-from ..schemas import APIError, CompletionRequest, check_text
+from ..schemas import GENERATION_OK, V1_ERRORS, APIError, CompletionRequest, check_text
 from ..state import ServerState, authorize, server_state
 
-router = APIRouter(dependencies=[Depends(authorize)])
+router = APIRouter(dependencies=[Depends(authorize)], responses=V1_ERRORS)
 
 
 def completion_prompt(state: ServerState, body: CompletionRequest) -> tuple[list[int], str]:
@@ -39,7 +39,7 @@ def completion_prompt(state: ServerState, body: CompletionRequest) -> tuple[list
     return ids, engine.detokenize(ids)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=GENERATION_OK)
 async def completions(body: CompletionRequest, request: Request):
     state = server_state(request)
     state.check_model(body.model)

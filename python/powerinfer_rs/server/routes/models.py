@@ -7,10 +7,11 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ..schemas import V1_ERRORS
 from ..state import ServerState, authorize, server_state
 
 health_router = APIRouter()
-router = APIRouter(dependencies=[Depends(authorize)])
+router = APIRouter(dependencies=[Depends(authorize)], responses=V1_ERRORS)
 
 
 def model_card(state: ServerState) -> dict:
@@ -31,7 +32,9 @@ def model_card(state: ServerState) -> dict:
     }
 
 
-@health_router.get("/health")
+@health_router.get(
+    "/health", responses={503: {"description": "the model is not loaded yet (or is shutting down)"}}
+)
 async def health(request: Request):
     """200 with the slots' counts once the scheduler runs; 503 before (and after) that."""
     state = server_state(request)
@@ -40,7 +43,13 @@ async def health(request: Request):
     return {"status": "ok", "model": state.model_id, **state.scheduler.counts()}
 
 
-@health_router.get("/metrics")
+@health_router.get(
+    "/metrics",
+    response_class=Response,
+    responses={
+        200: {"description": "Prometheus' text format", "content": {CONTENT_TYPE_LATEST: {}}}
+    },
+)
 async def metrics(request: Request):
     m = server_state(request).metrics
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
