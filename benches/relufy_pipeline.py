@@ -213,7 +213,8 @@ def main() -> None:
             + a.gpu_share * mb.n_ff * float(np.sum(mb.neuron_bytes))
         )
         t = time.perf_counter()
-        placed = offline.place(pw_path, prof_path, vram_budget=budget)
+        # sized for the KV cache of the engines below (n_ctx 512), as Engine.load sizes it
+        placed = offline.place(pw_path, prof_path, vram_budget=budget, n_ctx=512)
         seconds["place"] = time.perf_counter() - t
         full = Engine.load(pw_path, n_ctx=512, device="cuda")
         hybrid = Engine.load(
