@@ -88,6 +88,12 @@ def main() -> None:
         help="the model before relufication, for its perplexity on the same text",
     )
     ap.add_argument(
+        "--cutoff-sparsity",
+        type=float,
+        default=0.85,
+        help="share of neurons a calibrated positive cut-off on the ReLU skips (threshold mode)",
+    )
+    ap.add_argument(
         "--predictor-type",
         default="q8_0",
         choices=["f32", "f16", "q8_0", "q4_0"],
@@ -161,6 +167,24 @@ def main() -> None:
         flush=True,
     )
 
+    # a positive cut-off on the ReLU at inference (FATReLU, ProSparse's last step, training-free):
+    # threshold mode calibrated on the profile text for `--cutoff-sparsity` of the neurons skipped
+    cut = Engine.load(
+        a.model,
+        n_ctx=512,
+        device="cpu",
+        sparsity="threshold",
+        target_sparsity=a.cutoff_sparsity,
+        calibration_text=read_corpus(a.corpus, max_chars=20_000),
+        threads=a.threads,
+    )
+    ppl_cutoff = cut.perplexity(text, ctx=a.ctx)
+    skipped_cutoff = cut.last_stats.get("ffn_sparsity")
+    print(
+        f"cut-off for {a.cutoff_sparsity:.0%} skipped: perplexity {ppl_cutoff:.3f}, skipped {skipped_cutoff:.3f}",
+        flush=True,
+    )
+
     prompt = dense_src.tokenize("Python is an easy to learn, powerful programming language. It has")
     # three ways to decode the relufied model on the CPU: every row read (the plain file, as a
     # SwiGLU model decodes), dense with the exact ReLU skip (the converted file without its
@@ -175,8 +199,8 @@ def main() -> None:
     cpu_sparse_engine = Engine.load(
         pw_path, n_ctx=512, device="cpu", sparsity="predictor", threads=a.threads
     )
-    (r, d, s), (_, skip_ratios, ratios_all) = alternating(
-        [cpu_all_rows_engine, cpu_dense_engine, cpu_sparse_engine],
+    (r, d, s, c), (_, skip_ratios, ratios_all, cut_ratios) = alternating(
+        [cpu_all_rows_engine, cpu_dense_engine, cpu_sparse_engine, cut],
         prompt,
         a.decode_tokens,
         a.repeats,
@@ -190,11 +214,14 @@ def main() -> None:
         "cpu_ratio_range": [min(ratios), max(ratios)],
         "cpu_dense_over_all_rows": statistics.median(skip_ratios),
         "cpu_predictor_over_all_rows": statistics.median(ratios_all),
+        "cpu_cutoff": c,
+        "cpu_cutoff_over_all_rows": statistics.median(cut_ratios),
     }
     print(
         f"CPU decode every row {r:.1f} tok/s, dense with the exact ReLU skip {d:.1f} "
         f"({statistics.median(skip_ratios):.2f}x), predictor {s:.1f} "
-        f"({statistics.median(ratios):.2f}x dense, {statistics.median(ratios_all):.2f}x every row)",
+        f"({statistics.median(ratios):.2f}x dense, {statistics.median(ratios_all):.2f}x every row), "
+        f"cut-off {c:.1f} ({statistics.median(cut_ratios):.2f}x every row)",
         flush=True,
     )
 
@@ -265,6 +292,9 @@ def main() -> None:
         "ppl_eval_source": ppl_source,
         "ppl_eval_dense": ppl_dense,
         "ppl_eval_predictor": ppl_predictor,
+        "cutoff_sparsity_target": a.cutoff_sparsity,
+        "ppl_eval_cutoff": ppl_cutoff,
+        "skipped_cutoff": skipped_cutoff,
         "profiled_fire_share": float(
             prof["counts"].sum() / (prof["n_tokens"] * prof["counts"].size)
         ),
