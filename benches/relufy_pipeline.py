@@ -88,6 +88,11 @@ def main() -> None:
         help="the model before relufication, for its perplexity on the same text",
     )
     ap.add_argument(
+        "--device",
+        default="auto",
+        help="where the predictors train: PyTorch on auto/cpu/cuda, or 'numpy' (default auto)",
+    )
+    ap.add_argument(
         "--cutoff-sparsity",
         type=float,
         default=0.85,
@@ -106,6 +111,8 @@ def main() -> None:
         help="keep the profile, predictors and converted model of an earlier run in --workdir",
     )
     a = ap.parse_args()
+    if a.device == "numpy":
+        a.device = None
     work = a.workdir or os.path.join(os.path.dirname(os.path.abspath(a.out)), "relufy-pipeline")
     os.makedirs(work, exist_ok=True)
     with open(a.report) as fh:
@@ -132,7 +139,9 @@ def main() -> None:
         )
         seconds["profile"] = time.perf_counter() - t
         t = time.perf_counter()
-        trained = offline.train(prof_path, output=pred_path, recall_target=a.recall, progress=False)
+        trained = offline.train(
+            prof_path, output=pred_path, recall_target=a.recall, progress=False, device=a.device
+        )
         print(trained["table"], flush=True)
         seconds["train_predictors"] = time.perf_counter() - t
         t = time.perf_counter()

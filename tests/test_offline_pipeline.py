@@ -159,6 +159,45 @@ def test_training_learns_a_learnable_rule():
     assert (pred & y).sum() / y.sum() > 0.93
 
 
+def test_training_in_pytorch_follows_the_numpy_trainer_step_for_step():
+    """The PyTorch trainer (`device=`) takes the numpy trainer's initial weights, batches and
+    update: on the CPU both give the same predictor up to float32 summation order, and the same
+    cut-off, recall and sparsity on held-out tokens. An unknown or absent device is a clear
+    error before any work."""
+    torch = pytest.importorskip("torch", reason="pip install 'powerinfer-rs[relufy]'")
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(3)
+    n, d, n_ff = 3000, 24, 48
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    y = (x @ rng.standard_normal((n_ff, d)).T > 1.0).astype(np.float32)
+    a = training.fit_layer(x[:2500], y[:2500], 32, epochs=3, lr=5e-3, seed=7)
+    b = training.fit_layer(x[:2500], y[:2500], 32, epochs=3, lr=5e-3, seed=7, device="cpu")
+    for wa, wb in zip(a, b):
+        assert wb.dtype == np.float32 and wb.shape == wa.shape
+        assert np.abs(wa - wb).max() <= 1e-3 * np.abs(wa).max()
+    # and not merely similar weights: another seed's differ far more
+    c = training.fit_layer(x[:2500], y[:2500], 32, epochs=3, lr=5e-3, seed=8, device="cpu")
+    assert np.abs(a[0] - c[0]).max() > 0.1 * np.abs(a[0]).max()
+    ea, eb = (
+        training.evaluate(training.predictor_logits(x[2500:], *w), y[2500:], 0.9) for w in (a, b)
+    )
+    assert abs(ea["recall"] - eb["recall"]) <= 0.01
+    assert abs(ea["predicted_sparsity"] - eb["predicted_sparsity"]) <= 0.01
+    p = {
+        "train_x": x.astype(np.float16)[None],
+        "train_labels": np.packbits(y.astype(bool), axis=-1)[None],
+        "n_ff": n_ff,
+        "counts": y.sum(0)[None],
+        "n_tokens": n,
+        "target_sparsity": float("nan"),
+    }
+    with pytest.raises(ValueError, match="device must be"):
+        offline.train(p, device="tpu", progress=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            offline.train(p, device="cuda", progress=False)
+
+
 def test_training_bad_input():
     p = {
         "train_x": np.zeros((1, 8, 4), np.float16),

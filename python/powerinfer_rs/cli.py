@@ -241,6 +241,7 @@ def cmd_train(a: argparse.Namespace) -> int:
         seed=a.seed,
         progress=not a.quiet,
         report=a.report,
+        device=a.device,
     )
     print(r["table"])
     print(f"wrote {r['path']} and {r['report']}")
@@ -610,6 +611,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--batch", type=int, default=256)
     tr.add_argument("--lr", type=float, default=2e-3)
     tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument(
+        "--device",
+        default=None,
+        help="train with PyTorch on this device (auto, cpu, cuda, cuda:N; the [relufy] extra) "
+        "instead of numpy: the same steps, tens of times faster on a GPU",
+    )
     tr.add_argument("-q", "--quiet", action="store_true")
     tr.set_defaults(func=cmd_train)
 

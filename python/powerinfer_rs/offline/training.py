@@ -1,5 +1,7 @@
 """Predictor training: one small MLP per layer, `logits = fc2 @ relu(fc1 @ x)` with no biases
-(PowerInfer's layout), trained with numpy on the profile's training set.
+(PowerInfer's layout), trained with numpy on the profile's training set, or with PyTorch
+(`device="cuda"`, `"cpu"` or `"auto"`: the same steps, initial weights and batches, as tensors;
+on a GPU tens of times faster).
 
 - Loss: binary cross-entropy on sigmoid(logits), positives weighted by the layer's ratio of
   non-firing to firing neurons (capped), AdamW, mini-batches, cosine learning-rate decay.
@@ -63,9 +65,13 @@ def fit_layer(
     lr: float = 2e-3,
     weight_decay: float = 1e-4,
     seed: int = 0,
+    device: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Trains fc1 (hidden, d) and fc2 (n_ff, hidden) on inputs x (N, d) and 0/1 labels y
-    (N, n_ff), float32. Returns the weights for raw (unscaled) inputs."""
+    (N, n_ff), float32. Returns the weights for raw (unscaled) inputs. `device` None trains
+    with numpy, else with PyTorch on that device ("auto": CUDA where there is one)."""
+    if device is not None:
+        return _fit_layer_torch(x, y, hidden, epochs, batch, lr, weight_decay, seed, device)
     rng = np.random.default_rng(seed)
     n, d = x.shape
     n_ff = y.shape[1]
@@ -114,6 +120,74 @@ def fit_layer(
     return (w1 / scale).astype(np.float32), w2
 
 
+def torch_device(device: str):
+    """PyTorch and the device `device` names ("auto": CUDA where there is one, else the CPU)."""
+    try:
+        import torch
+    except ImportError:
+        raise ImportError(
+            f"predictor training on device {device!r} needs PyTorch: "
+            "pip install 'powerinfer-rs[relufy]' (or torch)"
+        ) from None
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: PyTorch sees no CUDA GPU here")
+    return torch, dev
+
+
+def _fit_layer_torch(x, y, hidden, epochs, batch, lr, weight_decay, seed, device):
+    """`fit_layer` in PyTorch: the same initial weights, batches and update, step by step
+    (numpy draws them, so both see the same numbers), in float32 tensors on `device`."""
+    torch, dev = torch_device(device)
+    rng = np.random.default_rng(seed)
+    n, d = x.shape
+    n_ff = y.shape[1]
+    scale = np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=0)).astype(np.float32) + 1e-6
+    p = float(y.mean())
+    pos_weight = min((1.0 - p) / max(p, 1e-6), 50.0) if 0 < p < 1 else 1.0
+    w1_init = (rng.standard_normal((hidden, d)) * math.sqrt(2.0 / d)).astype(np.float32)
+    w2_init = (rng.standard_normal((n_ff, hidden)) * math.sqrt(1.0 / hidden)).astype(np.float32)
+    with torch.no_grad():
+        xs = torch.from_numpy(np.ascontiguousarray(x / scale, dtype=np.float32)).to(dev)
+        yt = torch.from_numpy(np.ascontiguousarray(y, dtype=np.float32)).to(dev)
+        params = [torch.from_numpy(w1_init).to(dev), torch.from_numpy(w2_init).to(dev)]
+        m = [torch.zeros_like(w) for w in params]
+        v = [torch.zeros_like(w) for w in params]
+        beta1, beta2, eps = 0.9, 0.999, 1e-8
+        steps_per_epoch = max(1, n // batch)
+        total = epochs * steps_per_epoch
+        step = 0
+        w1, w2 = params
+        for _ in range(epochs):
+            perm = torch.from_numpy(rng.permutation(n)).to(dev)
+            for b in range(steps_per_epoch):
+                idx = perm[b * batch : (b + 1) * batch]
+                xb, yb = xs[idx], yt[idx]
+                # forward: z (B, H) -> a = relu(z) -> logits (B, n_ff)
+                z = xb @ w1.T
+                a = torch.clamp_min(z, 0)
+                prob = torch.sigmoid(torch.clamp(a @ w2.T, -30, 30))
+                g = (prob * (pos_weight * yb + 1.0 - yb) - pos_weight * yb) / float(len(idx) * n_ff)
+                gw2 = g.T @ a
+                ga = (g @ w2) * (z > 0)
+                gw1 = ga.T @ xb
+                step += 1
+                rate = lr * 0.5 * (1.0 + math.cos(math.pi * step / total))
+                for w, gw, mw, vw in zip(params, (gw1, gw2), m, v):
+                    mw.mul_(beta1).add_((1 - beta1) * gw)
+                    vw.mul_(beta2).add_((1 - beta2) * gw * gw)
+                    mhat = mw / (1 - beta1**step)
+                    vhat = vw / (1 - beta2**step)
+                    w -= rate * (mhat / (torch.sqrt(vhat) + eps) + weight_decay * w)
+        fc1 = (w1.cpu().numpy() / scale).astype(np.float32)
+        return fc1, w2.cpu().numpy().astype(np.float32)
+
+
 def predictor_logits(x: np.ndarray, fc1: np.ndarray, fc2: np.ndarray) -> np.ndarray:
     return np.maximum(x @ fc1.T, 0) @ fc2.T
 
@@ -155,10 +229,12 @@ def train(
     layers: list[int] | None = None,
     progress: bool = True,
     report: str | None = None,
+    device: str | None = None,
 ) -> dict:
     """Trains every layer's predictor from a profile and writes them (default
     `<profile>.predictors.npz`) with the per-layer table (default `<output>.txt`). `hidden` fixes
-    the hidden size instead of searching. Returns {'fc1': [...], 'fc2': [...], 'thresholds',
+    the hidden size instead of searching. `device`: None trains with numpy; "cuda", "cpu" or
+    "auto" with PyTorch (see `fit_layer`). Returns {'fc1': [...], 'fc2': [...], 'thresholds',
     'layers': [LayerResult...], 'path', 'report'}."""
     p = load_profile(profile) if isinstance(profile, str) else profile
     require_neurons(p, "predictor training")
@@ -181,6 +257,8 @@ def train(
             f"the profile holds {n} training tokens; predictor training needs a few thousand "
             "(profile with --train-tokens)"
         )
+    if device is not None:
+        torch_device(device)  # PyTorch there, and the device name valid, before any work
     stats = layer_stats(p)
     which = list(range(n_layer)) if layers is None else list(layers)
     rng = np.random.default_rng(seed)
@@ -200,7 +278,9 @@ def train(
         best = None
         while True:
             tried.append(h)
-            fc1, fc2 = fit_layer(x[train_idx], y[train_idx], h, epochs, batch, lr, seed=seed + l)
+            fc1, fc2 = fit_layer(
+                x[train_idx], y[train_idx], h, epochs, batch, lr, seed=seed + l, device=device
+            )
             ev = evaluate(predictor_logits(x[val_idx], fc1, fc2), y[val_idx], recall_target)
             efficiency = ev["predicted_sparsity"] / max(ev["true_sparsity"], 1e-9)
             gain = ev["predicted_sparsity"] - (best[2]["predicted_sparsity"] if best else -1.0)
