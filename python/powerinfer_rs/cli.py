@@ -615,7 +615,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--device",
         default=None,
         help="train with PyTorch on this device (auto, cpu, cuda, cuda:N; the [relufy] extra) "
-        "instead of numpy: the same steps, tens of times faster on a GPU",
+        "instead of numpy: the same steps, for a GPU",
     )
     tr.add_argument("-q", "--quiet", action="store_true")
     tr.set_defaults(func=cmd_train)

@@ -1,7 +1,7 @@
 """Predictor training: one small MLP per layer, `logits = fc2 @ relu(fc1 @ x)` with no biases
 (PowerInfer's layout), trained with numpy on the profile's training set, or with PyTorch
-(`device="cuda"`, `"cpu"` or `"auto"`: the same steps, initial weights and batches, as tensors;
-on a GPU tens of times faster).
+(`device="cuda"`, `"cpu"` or `"auto"`: the same steps, initial weights and batches, as tensors,
+for a GPU).
 
 - Loss: binary cross-entropy on sigmoid(logits), positives weighted by the layer's ratio of
   non-firing to firing neurons (capped), AdamW, mini-batches, cosine learning-rate decay.
