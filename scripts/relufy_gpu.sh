@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A real relufy run on a GPU machine reached by short remote calls: SmolLM2-135M relufied on
-# the packed documentation corpus, then the offline pipeline on the result, in about 30 minutes
+# the packed documentation corpus, then the offline pipeline on the result, in about 15 minutes
 # of GPU time. Here first: scripts/gpu_bundle.sh (wheel, SmolLM2 in two parts) and
 # scripts/relufy_bundle.sh (the corpus). Then, on the GPU machine, one call after another (a
 # machine left idle goes back within a minute, and /tmp with it):
@@ -8,7 +8,7 @@
 #   1. carry .gpu-model:   scripts/relufy_gpu.sh stage                 SmolLM2's first part -> /tmp
 #   2. carry .gpu-corpus:  scripts/relufy_gpu.sh stage                 the corpus -> /tmp
 #   3. carry .gpu:         scripts/relufy_gpu.sh start [relufy args]   installs, assembles SmolLM2, starts
-#                          training in the background (setsid; default: --minutes 16, reglu)
+#                          training in the background (setsid; default: --minutes 7, reglu)
 #   4. scripts/relufy_gpu.sh wait [seconds]    the log until training ends or `seconds` pass (default 540)
 #   5. scripts/relufy_gpu.sh finish            the pipeline on the relufied model (profile, predictors,
 #                          convert, place, recall, decode tok/s on CPU and GPU) -> $OUT/relufy.json,
@@ -49,7 +49,7 @@ start)
     export PYTHONPATH=$PYTHONPATH:/tmp/smollm2
     [ -f "$W/corpus/corpus.npz" ] || { echo "no corpus staged: carry .gpu-corpus with 'stage' first"; exit 1; }
     args=("$@")
-    [ ${#args[@]} -eq 0 ] && args=(--minutes 16)
+    [ ${#args[@]} -eq 0 ] && args=(--minutes 7)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$W/gpu.txt"
     setsid nohup python3 -m powerinfer_rs.cli relufy "$(model_path)" --corpus "$W/corpus/corpus.npz" -o "$W/relufied.gguf" \
         --outtype f16 --batch 32 --seq-len 512 --lr 2e-4 --l1 10 --eval-tokens 32768 "${args[@]}" > "$W/train.log" 2>&1 < /dev/null &
@@ -92,7 +92,7 @@ run)
     rm -rf "$W/repo" "$W/out" "$W/chain.done" && mkdir -p "$W/repo/tests" "$W/out" && cp -r scripts benches "$W/repo/" \
         && cp tests/reference.py "$W/repo/tests/"
     args=("$@")
-    [ ${#args[@]} -eq 0 ] && args=(--minutes 16)
+    [ ${#args[@]} -eq 0 ] && args=(--minutes 7)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$W/gpu.txt"
     export PYTHONPATH=$PYTHONPATH:/tmp/smollm2
     setsid nohup bash -c 'python3 -m powerinfer_rs.cli relufy "$0" --corpus "$1/corpus/corpus.npz" -o "$1/relufied.gguf" \
