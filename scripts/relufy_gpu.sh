@@ -17,6 +17,8 @@
 #
 # Where device time is short, 3-5 become two calls with nothing idle between training and the
 # pipeline (both run in one background job whose files land in /tmp/relufy/out):
+#   (.gpu with the working tree is just under a call's 64 MiB once .gpu/gpu_kernels, which only
+#   the GPU suite needs, is moved aside)
 #   3'. carry .gpu:        scripts/relufy_gpu.sh run SECONDS [relufy args]  starts both, waits up to
 #                          SECONDS, and brings the results back if they are done by then
 #   4'. scripts/relufy_gpu.sh collect SECONDS   waits for the rest and brings the results back
