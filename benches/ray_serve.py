@@ -16,7 +16,6 @@ import argparse
 import concurrent.futures
 import json
 import os
-import re
 import socket
 import statistics
 import subprocess
@@ -25,45 +24,13 @@ import time
 
 import httpx
 from powerinfer_rs import default_model_path
+from serve_throughput import Server  # benches/ is the script's folder: the same server process
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def start_server(args: list[str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "powerinfer_rs.cli", "serve", "--port", str(port), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
-    for line in proc.stderr:
-        if re.search(r"at http://127\.0\.0\.1:\d+/v1", line):
-            break
-        if time.monotonic() > deadline:
-            break
-    else:
-        raise RuntimeError(f"server exited ({proc.wait()})")
-    url = f"http://127.0.0.1:{port}"
-    # wait until every replica answers
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    return proc, url
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def throughput(url: str, clients: int, tokens: int) -> float:
@@ -154,34 +121,26 @@ def main() -> None:
         capture_output=True,
     )
     address = f"127.0.0.1:{ray_port}"
-    common = ["-m", model, "-c", "2048", "--parallel", str(a.clients)]
-    setups = {
-        f"plain server, {t} threads": [*common, "-t", str(t)],
-        f"Ray Serve, 1 replica x {t} threads": [
-            *common,
-            "-t",
-            str(t),
-            "--ray",
-            "--address",
-            address,
-        ],
-        f"Ray Serve, 2 replicas x {t // 2} threads": [
-            *common,
-            "-t",
-            str(max(1, t // 2)),
-            "--ray",
-            "--address",
-            address,
-            "--replicas",
-            "2",
-            "--parallel",
-            str(max(1, a.clients // 2)),
-        ],
-    }
+
+    def ray(*more: str) -> tuple[str, ...]:
+        return ("--ray", "--address", address, "--port", str(free_port()), *more)
+
+    # (name, slots, threads, extra arguments): the same total threads and slots in each
+    setups = [
+        (f"plain server, {t} threads", a.clients, t, ()),
+        (f"Ray Serve, 1 replica x {t} threads", a.clients, t, ray()),
+        (
+            f"Ray Serve, 2 replicas x {t // 2} threads",
+            max(1, a.clients // 2),
+            max(1, t // 2),
+            ray("--replicas", "2"),
+        ),
+    ]
     results = {}
     try:
-        for name, args in setups.items():
-            proc, url = start_server(args)
+        for name, slots, threads, extra in setups:
+            server = Server(model, slots, True, threads, extra)
+            url = server.url
             try:
                 throughput(url, a.clients, 4)  # warm-up
                 results[name] = {
@@ -192,7 +151,7 @@ def main() -> None:
                     "token_gap_ms": 1000 * token_gap(url, 4 * a.tokens),
                 }
             finally:
-                stop(proc)
+                server.stop()
             r = results[name]
             print(
                 f"{name:36s} {r['throughput_tps']:7.1f} tok/s over {a.clients} clients, "
