@@ -13,9 +13,8 @@ use powerinfer_core::gpu_index::GpuIndex;
 use powerinfer_core::model::InputGroup;
 use powerinfer_core::session::{time_input_sparsity, Sparsity, SparsityMode};
 use powerinfer_core::{Error, Model, Sampler, SamplingParams, Session};
-use powerinfer_cuda::executor::{self, Executor};
-use powerinfer_cuda::gpu::Gpu;
-use powerinfer_cuda::hybrid::{place, GpuPlan, PlacedModel};
+use powerinfer_cuda::executor::{self, DeviceChoice, Executor, Placement};
+use powerinfer_cuda::hybrid::GpuPlan;
 use powerinfer_cuda::CudaError;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyFileNotFoundError, PyOSError, PyRuntimeError, PyValueError};
@@ -325,7 +324,7 @@ fn lock<T>(m: &Mutex<T>) -> PyResult<std::sync::MutexGuard<'_, T>> {
 /// with it run the hybrid CPU+GPU executor.
 #[pyclass(frozen, name = "GpuModel", module = "powerinfer_rs._core")]
 struct PyGpuModel {
-    inner: Arc<dyn PlacedModel>,
+    inner: Placement,
 }
 
 #[pymethods]
@@ -349,21 +348,18 @@ impl PyGpuModel {
         expert_on_gpu: Vec<Vec<bool>>,
     ) -> PyResult<Self> {
         let plan = GpuPlan { dense_on_gpu, neuron_on_gpu, output_on_gpu, expert_on_gpu };
-        let m = Arc::clone(&model.inner);
-        let placed = match device {
-            DeviceArg::Ordinal(n) => py.detach(|| {
-                catch_unwind(AssertUnwindSafe(|| Gpu::open(n).and_then(|gpu| place(m, gpu, &plan))))
-            }),
-            DeviceArg::Name(name) if name == "emulated" => {
-                py.detach(|| catch_unwind(AssertUnwindSafe(|| place(m, Gpu::emulated(), &plan))))
-            }
+        let device = match device {
+            DeviceArg::Ordinal(n) => DeviceChoice::Cuda(n),
+            DeviceArg::Name(name) if name == "emulated" => DeviceChoice::Emulated,
             DeviceArg::Name(name) => {
                 return Err(PyValueError::new_err(format!(
                     "device must be a CUDA ordinal or 'emulated', got {name:?}"
                 )))
             }
         };
-        let inner = placed
+        let m = Arc::clone(&model.inner);
+        let inner = py
+            .detach(|| catch_unwind(AssertUnwindSafe(|| Placement::new(m, device, &plan))))
             .map_err(|_| GpuError::new_err("internal error while placing the model on the GPU"))?
             .map_err(cuda_to_py)?;
         Ok(PyGpuModel { inner })
@@ -418,29 +414,14 @@ impl PySession {
         gpu: Option<&PyGpuModel>,
     ) -> PyResult<Self> {
         let kv_type = KvType::parse(kv_type).map_err(to_py)?;
-        let exec = match gpu {
-            None => Executor::Cpu(
-                Session::new(Arc::clone(&model.inner), n_ctx, kv_type).map_err(to_py)?,
-            ),
-            Some(g) => {
-                if !Arc::ptr_eq(g.inner.model(), &model.inner) {
-                    return Err(PyValueError::new_err(
-                        "the GpuModel was built from a different Model",
-                    ));
-                }
-                if n_ctx == 0 {
-                    return Err(PyValueError::new_err("n_ctx must be > 0"));
-                }
-                let placed = Arc::clone(&g.inner);
-                let h = py
-                    .detach(|| catch_unwind(AssertUnwindSafe(|| placed.session(n_ctx, kv_type))))
-                    .map_err(|_| {
-                        GpuError::new_err("internal error while creating the GPU session")
-                    })?
-                    .map_err(cuda_to_py)?;
-                Executor::Hybrid(h)
-            }
-        };
+        let exec = py
+            .detach(|| {
+                catch_unwind(AssertUnwindSafe(|| {
+                    Executor::new(&model.inner, n_ctx, kv_type, gpu.map(|g| &g.inner))
+                }))
+            })
+            .map_err(|_| GpuError::new_err("internal error while creating the session"))?
+            .map_err(to_py)?;
         let c = &model.inner.config;
         Ok(PySession {
             inner: Mutex::new(exec),
