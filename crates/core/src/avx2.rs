@@ -229,36 +229,6 @@ impl LegacyBlock for BlockQ4_1 {
     }
 }
 
-/// Twin of `quant::dot_q4_0_scalar`: `dot_legacy`.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q4_0<const R: usize, const N: usize>(
-    w: [&[BlockQ4_0]; R],
-    a: [&[BlockQ8Act]; N],
-    next: &[&[u8]],
-) -> [[f32; N]; R] {
-    dot_legacy(w, a, next)
-}
-
-/// Twin of `quant::dot_q4_1_scalar`: `dot_legacy`.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q4_1<const R: usize, const N: usize>(
-    w: [&[BlockQ4_1]; R],
-    a: [&[BlockQ8Act]; N],
-    next: &[&[u8]],
-) -> [[f32; N]; R] {
-    dot_legacy(w, a, next)
-}
-
-/// Twin of `quant::dot_q8_0_scalar`: `dot_legacy`.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q8_0<const R: usize, const N: usize>(
-    w: [&[BlockQ8_0]; R],
-    a: [&[BlockQ8Act]; N],
-    next: &[&[u8]],
-) -> [[f32; N]; R] {
-    dot_legacy(w, a, next)
-}
-
 /// R rows of a `LegacyBlock` format against N tokens (decode groups rows so that they share
 /// the activations' loads); the twins are the formats' scalar dots. Signed weights go in as
 /// Q8_0's do, |v| times the activations with v's sign, so Q4_0's and Q5_0's offsets stay in

@@ -204,7 +204,7 @@ pub unsafe fn axpy_rows<const R: usize>(
 }
 
 /// How a quantized type's four blocks enter `dot_quads`.
-trait QuadBlocks {
+pub(crate) trait QuadBlocks {
     /// Bytes of four blocks.
     const BYTES: usize;
     /// Signed weights (Q8_0) go in with 128 added, so `vpdpbusd` can take them as unsigned.
@@ -224,7 +224,7 @@ trait QuadBlocks {
 /// zero-padded copy on the stack, and reading it back across the copy's stores stalled every
 /// row (a fifth of a 576-column product).
 #[derive(Clone, Copy)]
-struct Src {
+pub(crate) struct Src {
     p: *const u8,
     len: usize,
 }
@@ -545,11 +545,12 @@ unsafe fn dot_steps<const MIN: bool, const OFFSET: i32, const R: usize, const N:
     out
 }
 
-/// The legacy types' loop, R rows: four blocks per step straight from the row
-/// (`QuadBlocks::unpack`), the last up to three through masked loads.
+/// Q4_0, Q4_1 and Q8_0: R rows against N tokens' `ActQuad`s, four blocks per step straight
+/// from the row (`QuadBlocks::unpack`), the last up to three through masked loads. Twin of the
+/// formats' scalar dots (`quant::dot_q4_0_scalar`, `dot_q4_1_scalar`, `dot_q8_0_scalar`).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn dot_quads<B: QuadBlocks, const R: usize, const N: usize>(
+pub(crate) unsafe fn dot_quads<B: QuadBlocks, const R: usize, const N: usize>(
     w: [&[B]; R],
     quads: [&[ActQuad]; N],
     next: &[&[u8]],
@@ -615,36 +616,6 @@ unsafe fn scales_of_four_rows(idx: &[i16; 32], heads: [__m512i; 4]) -> (__m512, 
         _mm512_cvtph_ps(_mm512_castsi512_si256(both)),
         _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(both)),
     )
-}
-
-/// Twin of `quant::dot_q4_0_scalar`, for R rows of as many blocks.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn dot_q4_0<const R: usize, const N: usize>(
-    w: [&[BlockQ4_0]; R],
-    quads: [&[ActQuad]; N],
-    next: &[&[u8]],
-) -> [[f32; N]; R] {
-    dot_quads(w, quads, next)
-}
-
-/// Twin of `quant::dot_q4_1_scalar`, for R rows of as many blocks.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn dot_q4_1<const R: usize, const N: usize>(
-    w: [&[BlockQ4_1]; R],
-    quads: [&[ActQuad]; N],
-    next: &[&[u8]],
-) -> [[f32; N]; R] {
-    dot_quads(w, quads, next)
-}
-
-/// Twin of `quant::dot_q8_0_scalar`, for R rows of as many blocks.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn dot_q8_0<const R: usize, const N: usize>(
-    w: [&[BlockQ8_0]; R],
-    quads: [&[ActQuad]; N],
-    next: &[&[u8]],
-) -> [[f32; N]; R] {
-    dot_quads(w, quads, next)
 }
 
 /// R rows of a chunked type (`quant::chunks`) against N tokens: a step straight from the

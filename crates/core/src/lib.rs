@@ -10,6 +10,7 @@ pub mod error;
 pub mod forward;
 pub mod gguf;
 pub mod gpu_index;
+mod kernels;
 pub mod matmul;
 pub mod model;
 pub mod quant;

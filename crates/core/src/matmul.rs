@@ -10,14 +10,13 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
+use crate::kernels;
 use crate::quant::q256::{self, BlockQ8K};
 #[cfg(target_arch = "x86_64")]
 use crate::quant::q256_x86::GroupWidth;
 #[cfg(target_arch = "x86_64")]
 use crate::quant::q32_x86;
-use crate::quant::{
-    self, cast_blocks, ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK, QK_K,
-};
+use crate::quant::{self, ActQuad, BlockQ8Act, DType, QK, QK_K};
 
 /// Instruction sets the kernels are written for, in increasing order: each level has every
 /// feature of the ones below it. The discriminant indexes `TypeTraits::decode_rows`.
@@ -322,21 +321,21 @@ impl Activations {
         }
     }
 
-    fn f32_row(&self, t: usize) -> &[f32] {
+    pub(crate) fn f32_row(&self, t: usize) -> &[f32] {
         &self.f32s[t * self.cols..(t + 1) * self.cols]
     }
 
-    fn q8_row(&self, t: usize) -> &[BlockQ8Act] {
+    pub(crate) fn q8_row(&self, t: usize) -> &[BlockQ8Act] {
         let nb = self.cols / QK;
         &self.q8[t * nb..(t + 1) * nb]
     }
 
-    fn q8k_row(&self, t: usize) -> &[BlockQ8K] {
+    pub(crate) fn q8k_row(&self, t: usize) -> &[BlockQ8K] {
         let nk = self.cols / QK_K;
         &self.q8k[t * nk..(t + 1) * nk]
     }
 
-    fn quad_row(&self, t: usize) -> &[ActQuad] {
+    pub(crate) fn quad_row(&self, t: usize) -> &[ActQuad] {
         let nq = quant::act_quads(self.cols / QK);
         &self.quads[t * nq..(t + 1) * nq]
     }
@@ -379,85 +378,9 @@ pub(crate) fn dot_row_group<const R: usize, const N: usize>(
     level: SimdLevel,
 ) -> [[f32; N]; R] {
     let rows: [&[u8]; R] = rows.map(|r| w.row(r));
-    // the 32-weight formats: `$avx512` the AVX-512 kernel's call (`quads` the tokens'
-    // `ActQuad`s), the AVX2 one `avx2::dot_legacy`, `$scalar(row, a)` the scalar twin
-    macro_rules! legacy {
-        ($block:ty, |$quads:ident| $avx512:expr, $scalar:expr) => {{
-            let a = t.map(|ti| x.q8_row(ti));
-            match level {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI and
-                // AVX2's features; `quads` is filled at this level.
-                SimdLevel::Avx512 => unsafe {
-                    let $quads = t.map(|ti| x.quad_row(ti));
-                    $avx512
-                },
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
-                SimdLevel::Avx2 => unsafe {
-                    crate::avx2::dot_legacy(rows.map(|row| cast_blocks::<$block>(row)), a, next)
-                },
-                _ => rows.map(|row| $scalar(row, a)),
-            }
-        }};
-    }
-    use quant::chunks::{dot_scalar, BlockIQ4NL, BlockQ5_0, BlockQ5_1};
-    match w.dtype {
-        DType::F32 | DType::F16 | DType::BF16 => {
-            let a = t.map(|ti| x.f32_row(ti));
-            match level {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c.
-                SimdLevel::Avx2 | SimdLevel::Avx512 => {
-                    rows.map(|row| unsafe { crate::avx2::dot_float(w.dtype, row, a, next) })
-                }
-                _ => rows.map(|row| quant::dot_float_scalar(w.dtype, row, a)),
-            }
-        }
-        DType::Q4_0 => legacy!(
-            BlockQ4_0,
-            |q| crate::avx512::dot_q4_0(rows.map(cast_blocks), q, next),
-            |row, a| quant::dot_q4_0_scalar(cast_blocks(row), a)
-        ),
-        DType::Q4_1 => legacy!(
-            BlockQ4_1,
-            |q| crate::avx512::dot_q4_1(rows.map(cast_blocks), q, next),
-            |row, a| quant::dot_q4_1_scalar(cast_blocks(row), a)
-        ),
-        DType::Q8_0 => legacy!(
-            BlockQ8_0,
-            |q| crate::avx512::dot_q8_0(rows.map(cast_blocks), q, next),
-            |row, a| quant::dot_q8_0_scalar(cast_blocks(row), a)
-        ),
-        DType::Q5_0 => {
-            legacy!(BlockQ5_0, |q| crate::avx512::dot_chunked(w.dtype, rows, q, next), |row, a| {
-                dot_scalar(w.dtype, row, a)
-            })
-        }
-        DType::Q5_1 => {
-            legacy!(BlockQ5_1, |q| crate::avx512::dot_chunked(w.dtype, rows, q, next), |row, a| {
-                dot_scalar(w.dtype, row, a)
-            })
-        }
-        DType::IQ4_NL => {
-            legacy!(BlockIQ4NL, |q| crate::avx512::dot_chunked(w.dtype, rows, q, next), |row, a| {
-                dot_scalar(w.dtype, row, a)
-            })
-        }
-        // the super-block formats with per-256 activations
-        dtype if dtype.reads_q8k() => {
-            let a = t.map(|ti| x.q8k_row(ti));
-            match level {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
-                SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe {
-                    quant::q256_x86::dot(dtype, level == SimdLevel::Avx512, rows, a, next)
-                },
-                _ => rows.map(|row| q256::dot_scalar(dtype, row, a)),
-            }
-        }
-        dtype => unreachable!("{} has no dot product", dtype.name()),
-    }
+    // SAFETY: levels above Scalar are only reported when the CPU has their features, and `x`
+    // holds every activation form the level's kernels read (`Activations::set_for`).
+    unsafe { kernels::dot::<R, N>(w.dtype, level)(rows, x, t, next) }
 }
 
 /// Weight rows r0..r1 against N activation rows: `put(r, values)` receives each row's N dot

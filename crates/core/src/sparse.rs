@@ -15,6 +15,7 @@
 
 use rayon::prelude::*;
 
+use crate::kernels;
 use crate::matmul::{
     dot_row_group, matmul, matmul_many, prefetch, simd_level, Activations, OutPtr, QMatrix,
     SimdLevel,
@@ -92,24 +93,8 @@ fn axpy_rows<const R: usize>(
     y: &mut [f32],
     next: &[&[u8]],
 ) {
-    match level {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c.
-        SimdLevel::Avx2 | SimdLevel::Avx512 if dtype.is_chunked() => unsafe {
-            quant::chunks_x86::axpy_rows::<R>(dtype, rows, a, y, next)
-        },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI and AVX2's features.
-        SimdLevel::Avx512 => unsafe { crate::avx512::axpy_rows::<R>(dtype, rows, a, y, next) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c.
-        SimdLevel::Avx2 => unsafe { crate::avx2::axpy_rows::<R>(dtype, rows, a, y, next) },
-        _ => {
-            for (r, ar) in rows.iter().zip(a) {
-                quant::axpy_scalar(dtype, r, ar, y);
-            }
-        }
-    }
+    // SAFETY: levels above Scalar are only reported when the CPU has their features.
+    unsafe { kernels::axpy::<R>(dtype, level)(rows, a, y, next) }
 }
 
 /// With the `phase-timers` feature: nanoseconds `sparse_ffn` spent in its three passes (gate

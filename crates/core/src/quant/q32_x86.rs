@@ -382,13 +382,10 @@ unsafe fn legacy_rows_16<'a, B: LegacyBlock>(
     }
 }
 
-/// Whether a type's prompts go in these row groups (`legacy_rows_all_tokens`): the 32-weight
-/// formats.
+/// Whether a type's prompts go in these row groups (`legacy_rows_all_tokens`): the formats
+/// that read int8 activations per 32.
 pub fn groups_rows(dtype: DType) -> bool {
-    matches!(
-        dtype,
-        DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::IQ4_NL
-    )
+    dtype.traits().activations == crate::dtype::ActFormat::Q8Per32
 }
 
 /// A prompt's product with Q4_0, Q5_0 or Q4_1 rows in groups of eight (`LegacyGroup`), each group
