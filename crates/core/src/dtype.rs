@@ -1,7 +1,8 @@
 //! The weight types the engine computes with, one table row each: every fact about a type that
 //! the loader, the CPU kernels' dispatch and the GPU backend ask, in the spirit of ggml's
-//! `type_traits` and `type_traits_cpu`. Adding a format is a row here, its block layout and
-//! decoder in `quant/`, and its kernels; no `match` elsewhere lists types.
+//! `type_traits`; its `type_traits_cpu`, the kernels per SIMD level, is `kernels::Table`, one
+//! row per type too. Adding a format is a row here, its block layout and decoder in `quant/`,
+//! and its kernels with their row there.
 //!
 //! This module holds facts, not code that touches weights.
 

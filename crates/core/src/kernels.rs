@@ -1,31 +1,43 @@
 //! The CPU kernels of every weight type at every SIMD level, one row per type: ggml's
 //! `type_traits_cpu` beside `dtype::TYPES`, its `type_traits`. A row names, per level
-//! (`SimdLevel as usize`: scalar, AVX2, AVX-512), the kernel that dots R of the type's rows with
-//! N tokens and the one that adds R rows, scaled, to an output row. `matmul` and `sparse` look
-//! their kernel up here once per product and never match on a type or a level themselves;
-//! adding a type's kernels is a row here (and the kernels, each with its scalar twin).
+//! (`SimdLevel as usize`: scalar, AVX2, AVX-512), the type's dot kernel (R of its rows against
+//! N tokens) and its axpy kernel (R rows, scaled, added to an output row), and the loops over
+//! many rows built on the dot kernel: a run of consecutive rows (dense products) and a list of
+//! scattered ones (the sparse operators' selected rows). `matmul` and `sparse` look their
+//! kernels up here once per product and never match on a type or a level themselves; adding a
+//! type's kernels is a row here (and the kernels, each with its scalar twin).
+//!
+//! The loops are in the table, not around it, so that the call inside them is a direct one:
+//! a four-row group of a 576-column row is ~100 ns of work, and a function-pointer call per
+//! group (with the activations sliced again behind it) cost 3-12% of an AVX2 matrix-vector
+//! product in cache.
 //!
 //! The kernels take R and N as const generics (decode dots four rows per call, prompts up to
 //! four tokens per pass), so the table is a generic constant: `Table::<R, N>::ROWS` holds the
 //! function pointers of the instances for that R and N.
-//!
-//! Below the table: the adapters that give each family's kernel the table's one signature
-//! (the rows as bytes, the activations in the form the type reads).
 
 use crate::dtype::DType;
-use crate::matmul::{Activations, SimdLevel};
+use crate::matmul::{QMatrix, SimdLevel, TokenActs};
 use crate::quant::chunks::{BlockIQ4NL, BlockQ5_0, BlockQ5_1};
 use crate::quant::{self, cast_blocks, q256, BlockQ4_0, BlockQ4_1, BlockQ8_0};
 
-/// R weight rows (each the bytes of one row of the type) against tokens `t` of `x`:
-/// out[r][k] = rows[r] . x[t[k]]. `next`: the bytes the caller reads after these rows, in turn;
+/// R weight rows (each the bytes of one row of the type) against N tokens' activations:
+/// out[r][k] = rows[r] . x[k]. `next`: the bytes the caller reads after these rows, in turn;
 /// the kernel prefetches them a line at a time over its work (see `matmul::dot_row`).
 ///
 /// # Safety
 /// The CPU must have the features of the table column the kernel came from, and `x` must hold
-/// the activation form the type reads for tokens `t` (`Activations::set_for`).
+/// the activation form the type reads (`Activations::set_for`).
 pub(crate) type DotFn<const R: usize, const N: usize> =
-    unsafe fn([&[u8]; R], &Activations, [usize; N], &[&[u8]]) -> [[f32; N]; R];
+    unsafe fn([&[u8]; R], [TokenActs; N], &[&[u8]]) -> [[f32; N]; R];
+
+/// Rows `rows` of `w` against N tokens into out[..rows.len()], four rows per kernel call where
+/// `four`, each call with the next call's rows prefetched (up to row `limit`). Safety: `DotFn`'s.
+pub(crate) type RunFn<const N: usize> =
+    unsafe fn(&QMatrix, std::ops::Range<usize>, usize, bool, [TokenActs; N], &mut [[f32; N]]);
+
+/// Rows `sel` of `w` against one token into out[..sel.len()], as `RunFn`. Safety: `DotFn`'s.
+pub(crate) type SelectedFn = unsafe fn(&QMatrix, &[u32], bool, TokenActs, &mut [f32]);
 
 /// y += sum over r of a[r] * rows[r], each block of y loaded and stored once for the R rows;
 /// `next` prefetched as for `DotFn`.
@@ -38,81 +50,82 @@ pub(crate) type AxpyFn<const R: usize> = unsafe fn([&[u8]; R], [f32; R], &mut [f
 pub(crate) struct CpuKernels<const R: usize, const N: usize> {
     pub dtype: DType,
     pub dot: [DotFn<R, N>; 3],
+    pub run: [RunFn<N>; 3],
+    pub selected: [SelectedFn; 3],
     pub axpy: [AxpyFn<R>; 3],
 }
 
-/// The table for R rows and N tokens per call.
+/// The table for R rows and N tokens per kernel call.
 pub(crate) struct Table<const R: usize, const N: usize>;
 
-// On other architectures the SIMD columns hold the scalar kernel (`simd_level` never reports
+// On other architectures the SIMD columns hold the scalar kernels (`simd_level` never reports
 // those levels there).
 #[cfg(target_arch = "x86_64")]
 macro_rules! x86 {
-    ($simd:expr, $scalar:expr) => {
+    ($simd:ty, $scalar:ty) => {
         $simd
     };
 }
 #[cfg(not(target_arch = "x86_64"))]
 macro_rules! x86 {
-    ($simd:expr, $scalar:expr) => {
+    ($simd:ty, $scalar:ty) => {
         $scalar
     };
 }
 
 impl<const R: usize, const N: usize> Table<R, N> {
-    /// One row per `DType`, in its order.
+    /// One row per `DType`, in its order: the dot kernels of the scalar, AVX2 and AVX-512
+    /// columns, then the axpy kernels'.
     #[rustfmt::skip]
     pub const ROWS: [CpuKernels<R, N>; 15] = {
         use DType as T;
-        // the type's index, for the adapters generic over it
+        // the type's index, for the kernels generic over it
         macro_rules! i { ($t:ident) => { { T::$t as usize } }; }
         macro_rules! row {
-            ($t:ident, dot: $s:expr, $a2:expr, $a5:expr; axpy: $xs:expr, $x2:expr, $x5:expr) => {
+            ($t:ident, dot: $s:ty, $d2:ty, $d5:ty; axpy: $as:ty, $a2:ty, $a5:ty) => {
                 CpuKernels {
                     dtype: T::$t,
-                    dot: [$s, x86!($a2, $s), x86!($a5, $s)],
-                    axpy: [$xs, x86!($x2, $xs), x86!($x5, $xs)],
+                    dot: [<$s>::dot::<R, N>, <x86!($d2, $s)>::dot::<R, N>,
+                          <x86!($d5, $s)>::dot::<R, N>],
+                    run: [run_of::<$s, N>, run_of::<x86!($d2, $s), N>, run_of::<x86!($d5, $s), N>],
+                    selected: [selected_of::<$s>, selected_of::<x86!($d2, $s)>,
+                               selected_of::<x86!($d5, $s)>],
+                    axpy: [<$as>::axpy::<R>, <x86!($a2, $as)>::axpy::<R>,
+                           <x86!($a5, $as)>::axpy::<R>],
                 }
             };
         }
-        // floats: f32 activations; the rows dotted one per call (`TypeTraits::decode_rows`)
+        // floats: f32 activations
         macro_rules! float {
             ($t:ident) => { row!($t,
-                dot: float_scalar::<{ i!($t) }, R, N>, float_avx2::<{ i!($t) }, R, N>,
-                     float_avx2::<{ i!($t) }, R, N>;
-                axpy: axpy_scalar::<{ i!($t) }, R>, axpy_avx2::<{ i!($t) }, R>,
-                      axpy_avx512::<{ i!($t) }, R>) };
+                dot: FloatScalar<{ i!($t) }>, FloatAvx2<{ i!($t) }>, FloatAvx2<{ i!($t) }>;
+                axpy: AxpyScalar<{ i!($t) }>, AxpyAvx2<{ i!($t) }>, AxpyAvx512<{ i!($t) }>) };
         }
         // the 32-weight formats the kernels read as stored: int8 activations per 32
         macro_rules! direct {
-            ($t:ident, $block:ty, $scalar:ident) => { row!($t,
-                dot: $scalar::<R, N>, legacy_avx2::<$block, R, N>, quads_avx512::<$block, R, N>;
-                axpy: axpy_scalar::<{ i!($t) }, R>, axpy_avx2::<{ i!($t) }, R>,
-                      axpy_avx512::<{ i!($t) }, R>) };
+            ($t:ident, $block:ty) => { row!($t,
+                dot: DirectScalar<$block>, LegacyAvx2<$block>, QuadsAvx512<$block>;
+                axpy: AxpyScalar<{ i!($t) }>, AxpyAvx2<{ i!($t) }>, AxpyAvx512<{ i!($t) }>) };
         }
         // the other 32-weight formats, decoded into 32-weight chunks (`quant::chunks`)
         macro_rules! chunked {
             ($t:ident, $block:ty) => { row!($t,
-                dot: chunked_scalar::<{ i!($t) }, R, N>, legacy_avx2::<$block, R, N>,
-                     chunked_avx512::<{ i!($t) }, R, N>;
-                axpy: axpy_scalar::<{ i!($t) }, R>, axpy_chunks::<{ i!($t) }, R>,
-                      axpy_chunks::<{ i!($t) }, R>) };
+                dot: ChunkedScalar<{ i!($t) }>, LegacyAvx2<$block>, ChunkedAvx512<{ i!($t) }>;
+                axpy: AxpyScalar<{ i!($t) }>, AxpyChunks<{ i!($t) }>, AxpyChunks<{ i!($t) }>) };
         }
         // the 256-weight formats: int8 activations per 256 (`quant::q256`)
         macro_rules! super_block {
             ($t:ident) => { row!($t,
-                dot: q256_scalar::<{ i!($t) }, R, N>, q256_avx2::<{ i!($t) }, false, R, N>,
-                     q256_avx2::<{ i!($t) }, true, R, N>;
-                axpy: axpy_scalar::<{ i!($t) }, R>, axpy_chunks::<{ i!($t) }, R>,
-                      axpy_chunks::<{ i!($t) }, R>) };
+                dot: Q256Scalar<{ i!($t) }>, Q256X86<{ i!($t) }, false>, Q256X86<{ i!($t) }, true>;
+                axpy: AxpyScalar<{ i!($t) }>, AxpyChunks<{ i!($t) }>, AxpyChunks<{ i!($t) }>) };
         }
         [
             float!(F32),
             float!(F16),
             float!(BF16),
-            direct!(Q4_0, BlockQ4_0, q4_0_scalar),
-            direct!(Q4_1, BlockQ4_1, q4_1_scalar),
-            direct!(Q8_0, BlockQ8_0, q8_0_scalar),
+            direct!(Q4_0, BlockQ4_0),
+            direct!(Q4_1, BlockQ4_1),
+            direct!(Q8_0, BlockQ8_0),
             chunked!(Q5_0, BlockQ5_0),
             chunked!(Q5_1, BlockQ5_1),
             super_block!(Q2_K),
@@ -142,6 +155,18 @@ pub(crate) fn dot<const R: usize, const N: usize>(dtype: DType, level: SimdLevel
     Table::<R, N>::ROWS[dtype as usize].dot[level as usize]
 }
 
+/// The loop over a run of consecutive rows of `dtype` at `level`.
+#[inline]
+pub(crate) fn run<const N: usize>(dtype: DType, level: SimdLevel) -> RunFn<N> {
+    Table::<1, N>::ROWS[dtype as usize].run[level as usize]
+}
+
+/// The loop over scattered rows of `dtype` at `level`, one token.
+#[inline]
+pub(crate) fn selected(dtype: DType, level: SimdLevel) -> SelectedFn {
+    Table::<1, 1>::ROWS[dtype as usize].selected[level as usize]
+}
+
 /// The kernel that adds R rows of `dtype` to an output row at `level`.
 #[inline]
 pub(crate) fn axpy<const R: usize>(dtype: DType, level: SimdLevel) -> AxpyFn<R> {
@@ -149,180 +174,272 @@ pub(crate) fn axpy<const R: usize>(dtype: DType, level: SimdLevel) -> AxpyFn<R> 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Adapters: each family's kernel behind the table's signature. `T` is a `DType`'s index.
+// The loops, generic over a family's dot kernel
 
-fn float_scalar<const T: usize, const R: usize, const N: usize>(
-    rows: [&[u8]; R],
-    x: &Activations,
-    t: [usize; N],
-    _next: &[&[u8]],
-) -> [[f32; N]; R] {
-    let a = t.map(|ti| x.f32_row(ti));
-    rows.map(|row| quant::dot_float_scalar(DType::ALL[T], row, a))
+/// A family's dot kernel at one level as a type (see `DotFn`), so that the loops call it
+/// directly.
+pub(crate) trait Dots {
+    /// # Safety
+    /// As `DotFn`'s.
+    unsafe fn dot<const R: usize, const N: usize>(
+        rows: [&[u8]; R],
+        x: [TokenActs; N],
+        next: &[&[u8]],
+    ) -> [[f32; N]; R];
 }
 
-fn q4_0_scalar<const R: usize, const N: usize>(
-    rows: [&[u8]; R],
-    x: &Activations,
-    t: [usize; N],
-    _next: &[&[u8]],
-) -> [[f32; N]; R] {
-    let a = t.map(|ti| x.q8_row(ti));
-    rows.map(|row| quant::dot_q4_0_scalar(cast_blocks(row), a))
+/// A family's axpy kernel at one level as a type (see `AxpyFn`).
+pub(crate) trait Axpys {
+    /// # Safety
+    /// As `AxpyFn`'s.
+    unsafe fn axpy<const R: usize>(rows: [&[u8]; R], a: [f32; R], y: &mut [f32], next: &[&[u8]]);
 }
 
-fn q4_1_scalar<const R: usize, const N: usize>(
-    rows: [&[u8]; R],
-    x: &Activations,
-    t: [usize; N],
-    _next: &[&[u8]],
-) -> [[f32; N]; R] {
-    let a = t.map(|ti| x.q8_row(ti));
-    rows.map(|row| quant::dot_q4_1_scalar(cast_blocks(row), a))
-}
-
-fn q8_0_scalar<const R: usize, const N: usize>(
-    rows: [&[u8]; R],
-    x: &Activations,
-    t: [usize; N],
-    _next: &[&[u8]],
-) -> [[f32; N]; R] {
-    let a = t.map(|ti| x.q8_row(ti));
-    rows.map(|row| quant::dot_q8_0_scalar(cast_blocks(row), a))
-}
-
-fn chunked_scalar<const T: usize, const R: usize, const N: usize>(
-    rows: [&[u8]; R],
-    x: &Activations,
-    t: [usize; N],
-    _next: &[&[u8]],
-) -> [[f32; N]; R] {
-    let a = t.map(|ti| x.q8_row(ti));
-    rows.map(|row| quant::chunks::dot_scalar(DType::ALL[T], row, a))
-}
-
-fn q256_scalar<const T: usize, const R: usize, const N: usize>(
-    rows: [&[u8]; R],
-    x: &Activations,
-    t: [usize; N],
-    _next: &[&[u8]],
-) -> [[f32; N]; R] {
-    let a = t.map(|ti| x.q8k_row(ti));
-    rows.map(|row| q256::dot_scalar(DType::ALL[T], row, a))
-}
-
-fn axpy_scalar<const T: usize, const R: usize>(
-    rows: [&[u8]; R],
-    a: [f32; R],
-    y: &mut [f32],
-    _next: &[&[u8]],
+/// `RunFn`, over kernel K.
+unsafe fn run_of<K: Dots, const N: usize>(
+    w: &QMatrix,
+    rows: std::ops::Range<usize>,
+    limit: usize,
+    four: bool,
+    x: [TokenActs; N],
+    out: &mut [[f32; N]],
 ) {
-    for (row, ar) in rows.iter().zip(a) {
-        quant::axpy_scalar(DType::ALL[T], row, ar, y);
+    let row_bytes = w.row_bytes();
+    // the bytes of rows a..b (none past `limit`), for the prefetch
+    let span = |a: usize, b: usize| -> &[u8] {
+        match a < b.min(limit) {
+            true => &w.data[a * row_bytes..b.min(limit) * row_bytes],
+            false => &[],
+        }
+    };
+    let (r0, mut r) = (rows.start, rows.start);
+    if four {
+        while r + 4 <= rows.end {
+            let v = K::dot::<4, N>(
+                [r, r + 1, r + 2, r + 3].map(|r| w.row(r)),
+                x,
+                &[span(r + 4, r + 8)],
+            );
+            out[r - r0..r - r0 + 4].copy_from_slice(&v);
+            r += 4;
+        }
+    }
+    for r in r..rows.end {
+        out[r - r0] = K::dot::<1, N>([w.row(r)], x, &[span(r + 1, r + 2)])[0];
+    }
+}
+
+/// The rows of the (up to four) rows `ids` of `w` that a kernel call prefetches for the call
+/// after it, and how many there are: `&rows[..n]` is the kernel's `next`.
+fn next_rows<'a>(w: &QMatrix<'a>, ids: &[u32]) -> ([&'a [u8]; 4], usize) {
+    let mut rows = [&[][..]; 4];
+    for (r, &j) in rows.iter_mut().zip(ids) {
+        *r = w.row(j as usize);
+    }
+    (rows, ids.len().min(4))
+}
+
+/// `SelectedFn`, over kernel K.
+unsafe fn selected_of<K: Dots>(
+    w: &QMatrix,
+    sel: &[u32],
+    four: bool,
+    x: TokenActs,
+    out: &mut [f32],
+) {
+    let ahead = |from: usize, n: usize| sel.get(from..(from + n).min(sel.len())).unwrap_or(&[]);
+    let mut k = 0;
+    if four {
+        while k + 4 <= sel.len() {
+            let (next, n) = next_rows(w, ahead(k + 4, 4));
+            let rows = std::array::from_fn(|i| w.row(sel[k + i] as usize));
+            for (i, [v]) in K::dot::<4, 1>(rows, [x], &next[..n]).into_iter().enumerate() {
+                out[k + i] = v;
+            }
+            k += 4;
+        }
+    }
+    for k in k..sel.len() {
+        let (next, n) = next_rows(w, ahead(k + 1, 1));
+        out[k] = K::dot::<1, 1>([w.row(sel[k] as usize)], [x], &next[..n])[0][0];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Each family's kernels behind the table's signatures. `T` is a `DType`'s index. (They only
+// slice and cast, compiled as ordinary code, then call the kernel.)
+
+struct FloatScalar<const T: usize>;
+impl<const T: usize> Dots for FloatScalar<T> {
+    unsafe fn dot<const R: usize, const N: usize>(
+        rows: [&[u8]; R],
+        x: [TokenActs; N],
+        _next: &[&[u8]],
+    ) -> [[f32; N]; R] {
+        let a = x.map(|t| t.f32s);
+        rows.map(|row| quant::dot_float_scalar(DType::ALL[T], row, a))
+    }
+}
+
+/// Q4_0, Q4_1 and Q8_0's scalar dots.
+struct DirectScalar<B>(std::marker::PhantomData<B>);
+macro_rules! direct_scalar {
+    ($block:ty, $dot:path) => {
+        impl Dots for DirectScalar<$block> {
+            unsafe fn dot<const R: usize, const N: usize>(
+                rows: [&[u8]; R],
+                x: [TokenActs; N],
+                _next: &[&[u8]],
+            ) -> [[f32; N]; R] {
+                let a = x.map(|t| t.q8);
+                rows.map(|row| $dot(cast_blocks(row), a))
+            }
+        }
+    };
+}
+direct_scalar!(BlockQ4_0, quant::dot_q4_0_scalar);
+direct_scalar!(BlockQ4_1, quant::dot_q4_1_scalar);
+direct_scalar!(BlockQ8_0, quant::dot_q8_0_scalar);
+
+struct ChunkedScalar<const T: usize>;
+impl<const T: usize> Dots for ChunkedScalar<T> {
+    unsafe fn dot<const R: usize, const N: usize>(
+        rows: [&[u8]; R],
+        x: [TokenActs; N],
+        _next: &[&[u8]],
+    ) -> [[f32; N]; R] {
+        let a = x.map(|t| t.q8);
+        rows.map(|row| quant::chunks::dot_scalar(DType::ALL[T], row, a))
+    }
+}
+
+struct Q256Scalar<const T: usize>;
+impl<const T: usize> Dots for Q256Scalar<T> {
+    unsafe fn dot<const R: usize, const N: usize>(
+        rows: [&[u8]; R],
+        x: [TokenActs; N],
+        _next: &[&[u8]],
+    ) -> [[f32; N]; R] {
+        let a = x.map(|t| t.q8k);
+        rows.map(|row| q256::dot_scalar(DType::ALL[T], row, a))
+    }
+}
+
+struct AxpyScalar<const T: usize>;
+impl<const T: usize> Axpys for AxpyScalar<T> {
+    unsafe fn axpy<const R: usize>(rows: [&[u8]; R], a: [f32; R], y: &mut [f32], _: &[&[u8]]) {
+        for (row, ar) in rows.iter().zip(a) {
+            quant::axpy_scalar(DType::ALL[T], row, ar, y);
+        }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-use x86_adapters::*;
+use x86_kernels::*;
 
 #[cfg(target_arch = "x86_64")]
-mod x86_adapters {
-    //! (Safety, for every adapter: the CPU has the features its table column stands for.)
+mod x86_kernels {
+    //! (Safety, for every kernel here: the CPU has the features its table column stands for.)
+
+    use std::marker::PhantomData;
 
     use super::*;
     use crate::avx2::LegacyBlock;
     use crate::avx512::QuadBlocks;
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn float_avx2<const T: usize, const R: usize, const N: usize>(
-        rows: [&[u8]; R],
-        x: &Activations,
-        t: [usize; N],
-        next: &[&[u8]],
-    ) -> [[f32; N]; R] {
-        let a = t.map(|ti| x.f32_row(ti));
-        rows.map(|row| crate::avx2::dot_float(DType::ALL[T], row, a, next))
+    pub(super) struct FloatAvx2<const T: usize>;
+    impl<const T: usize> Dots for FloatAvx2<T> {
+        unsafe fn dot<const R: usize, const N: usize>(
+            rows: [&[u8]; R],
+            x: [TokenActs; N],
+            next: &[&[u8]],
+        ) -> [[f32; N]; R] {
+            let a = x.map(|t| t.f32s);
+            rows.map(|row| crate::avx2::dot_float(DType::ALL[T], row, a, next))
+        }
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn legacy_avx2<B: LegacyBlock, const R: usize, const N: usize>(
-        rows: [&[u8]; R],
-        x: &Activations,
-        t: [usize; N],
-        next: &[&[u8]],
-    ) -> [[f32; N]; R] {
-        let a = t.map(|ti| x.q8_row(ti));
-        crate::avx2::dot_legacy(rows.map(|row| cast_blocks::<B>(row)), a, next)
+    pub(super) struct LegacyAvx2<B>(PhantomData<B>);
+    impl<B: LegacyBlock> Dots for LegacyAvx2<B> {
+        unsafe fn dot<const R: usize, const N: usize>(
+            rows: [&[u8]; R],
+            x: [TokenActs; N],
+            next: &[&[u8]],
+        ) -> [[f32; N]; R] {
+            crate::avx2::dot_legacy(rows.map(|row| cast_blocks::<B>(row)), x.map(|t| t.q8), next)
+        }
     }
 
-    /// (`x` holds the tokens' `ActQuad`s at this level)
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(super) unsafe fn quads_avx512<B: QuadBlocks, const R: usize, const N: usize>(
-        rows: [&[u8]; R],
-        x: &Activations,
-        t: [usize; N],
-        next: &[&[u8]],
-    ) -> [[f32; N]; R] {
-        let quads = t.map(|ti| x.quad_row(ti));
-        crate::avx512::dot_quads(rows.map(|row| cast_blocks::<B>(row)), quads, next)
+    /// (the tokens' `ActQuad`s are filled at this level)
+    pub(super) struct QuadsAvx512<B>(PhantomData<B>);
+    impl<B: QuadBlocks> Dots for QuadsAvx512<B> {
+        unsafe fn dot<const R: usize, const N: usize>(
+            rows: [&[u8]; R],
+            x: [TokenActs; N],
+            next: &[&[u8]],
+        ) -> [[f32; N]; R] {
+            let blocks = rows.map(|row| cast_blocks::<B>(row));
+            crate::avx512::dot_quads(blocks, x.map(|t| t.quads), next)
+        }
     }
 
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(super) unsafe fn chunked_avx512<const T: usize, const R: usize, const N: usize>(
-        rows: [&[u8]; R],
-        x: &Activations,
-        t: [usize; N],
-        next: &[&[u8]],
-    ) -> [[f32; N]; R] {
-        let quads = t.map(|ti| x.quad_row(ti));
-        crate::avx512::dot_chunked(DType::ALL[T], rows, quads, next)
+    pub(super) struct ChunkedAvx512<const T: usize>;
+    impl<const T: usize> Dots for ChunkedAvx512<T> {
+        unsafe fn dot<const R: usize, const N: usize>(
+            rows: [&[u8]; R],
+            x: [TokenActs; N],
+            next: &[&[u8]],
+        ) -> [[f32; N]; R] {
+            crate::avx512::dot_chunked(DType::ALL[T], rows, x.map(|t| t.quads), next)
+        }
     }
 
     /// `WIDE`: the AVX-512 VNNI form (its column only).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn q256_avx2<
-        const T: usize,
-        const WIDE: bool,
-        const R: usize,
-        const N: usize,
-    >(
-        rows: [&[u8]; R],
-        x: &Activations,
-        t: [usize; N],
-        next: &[&[u8]],
-    ) -> [[f32; N]; R] {
-        let a = t.map(|ti| x.q8k_row(ti));
-        crate::quant::q256_x86::dot(DType::ALL[T], WIDE, rows, a, next)
+    pub(super) struct Q256X86<const T: usize, const WIDE: bool>;
+    impl<const T: usize, const WIDE: bool> Dots for Q256X86<T, WIDE> {
+        unsafe fn dot<const R: usize, const N: usize>(
+            rows: [&[u8]; R],
+            x: [TokenActs; N],
+            next: &[&[u8]],
+        ) -> [[f32; N]; R] {
+            crate::quant::q256_x86::dot(DType::ALL[T], WIDE, rows, x.map(|t| t.q8k), next)
+        }
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn axpy_avx2<const T: usize, const R: usize>(
-        rows: [&[u8]; R],
-        a: [f32; R],
-        y: &mut [f32],
-        next: &[&[u8]],
-    ) {
-        crate::avx2::axpy_rows::<R>(DType::ALL[T], rows, a, y, next)
+    pub(super) struct AxpyAvx2<const T: usize>;
+    impl<const T: usize> Axpys for AxpyAvx2<T> {
+        unsafe fn axpy<const R: usize>(
+            rows: [&[u8]; R],
+            a: [f32; R],
+            y: &mut [f32],
+            next: &[&[u8]],
+        ) {
+            crate::avx2::axpy_rows::<R>(DType::ALL[T], rows, a, y, next)
+        }
     }
 
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(super) unsafe fn axpy_avx512<const T: usize, const R: usize>(
-        rows: [&[u8]; R],
-        a: [f32; R],
-        y: &mut [f32],
-        next: &[&[u8]],
-    ) {
-        crate::avx512::axpy_rows::<R>(DType::ALL[T], rows, a, y, next)
+    pub(super) struct AxpyAvx512<const T: usize>;
+    impl<const T: usize> Axpys for AxpyAvx512<T> {
+        unsafe fn axpy<const R: usize>(
+            rows: [&[u8]; R],
+            a: [f32; R],
+            y: &mut [f32],
+            next: &[&[u8]],
+        ) {
+            crate::avx512::axpy_rows::<R>(DType::ALL[T], rows, a, y, next)
+        }
     }
 
     /// The chunk decoders' axpy (AVX2, at both SIMD levels).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn axpy_chunks<const T: usize, const R: usize>(
-        rows: [&[u8]; R],
-        a: [f32; R],
-        y: &mut [f32],
-        next: &[&[u8]],
-    ) {
-        crate::quant::chunks_x86::axpy_rows::<R>(DType::ALL[T], rows, a, y, next)
+    pub(super) struct AxpyChunks<const T: usize>;
+    impl<const T: usize> Axpys for AxpyChunks<T> {
+        unsafe fn axpy<const R: usize>(
+            rows: [&[u8]; R],
+            a: [f32; R],
+            y: &mut [f32],
+            next: &[&[u8]],
+        ) {
+            crate::quant::chunks_x86::axpy_rows::<R>(DType::ALL[T], rows, a, y, next)
+        }
     }
 }

@@ -1,5 +1,5 @@
 //! powerinfer-core: the engine without Python. GGUF loading (`gguf`), tensor formats and
-//! reference kernels (`quant`), SIMD kernels (`avx2`, `avx512`), threaded matrix products (`matmul`),
+//! reference kernels (`quant`), SIMD kernels (`avx2`, `avx512`) and their table per type and level (`kernels`), threaded matrix products (`matmul`),
 //! LLaMA-family models (`model`) and their activations (`activation`), the forward pass written once over a backend seam (`forward`), the CPU backend, KV cache and sessions (`session`) and sampling
 //! (`sampler`).
 

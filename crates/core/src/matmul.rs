@@ -321,24 +321,31 @@ impl Activations {
         }
     }
 
-    pub(crate) fn f32_row(&self, t: usize) -> &[f32] {
-        &self.f32s[t * self.cols..(t + 1) * self.cols]
+    /// Token t's row in every form these activations hold (empty where they hold none).
+    pub(crate) fn token(&self, t: usize) -> TokenActs<'_> {
+        fn row<T>(v: &[T], n: usize, t: usize) -> &[T] {
+            match n {
+                0 => &[],
+                _ => v.get(t * (v.len() / n)..(t + 1) * (v.len() / n)).unwrap_or(&[]),
+            }
+        }
+        TokenActs {
+            f32s: row(&self.f32s, self.n, t),
+            q8: row(&self.q8, self.n, t),
+            quads: row(&self.quads, self.n, t),
+            q8k: row(&self.q8k, self.n, t),
+        }
     }
+}
 
-    pub(crate) fn q8_row(&self, t: usize) -> &[BlockQ8Act] {
-        let nb = self.cols / QK;
-        &self.q8[t * nb..(t + 1) * nb]
-    }
-
-    pub(crate) fn q8k_row(&self, t: usize) -> &[BlockQ8K] {
-        let nk = self.cols / QK_K;
-        &self.q8k[t * nk..(t + 1) * nk]
-    }
-
-    pub(crate) fn quad_row(&self, t: usize) -> &[ActQuad] {
-        let nq = quant::act_quads(self.cols / QK);
-        &self.quads[t * nq..(t + 1) * nq]
-    }
+/// One token's activations in the forms the kernels read (`Activations::token`), sliced once
+/// for the many kernel calls of a product.
+#[derive(Clone, Copy)]
+pub(crate) struct TokenActs<'a> {
+    pub f32s: &'a [f32],
+    pub q8: &'a [BlockQ8Act],
+    pub quads: &'a [ActQuad],
+    pub q8k: &'a [BlockQ8K],
 }
 
 /// Row `r` of `w` against N activation rows at the given SIMD level. `next` is the row the
@@ -377,10 +384,23 @@ pub(crate) fn dot_row_group<const R: usize, const N: usize>(
     t: [usize; N],
     level: SimdLevel,
 ) -> [[f32; N]; R] {
+    dot_with(kernels::dot::<R, N>(w.dtype, level), w, rows, next, t.map(|ti| x.token(ti)))
+}
+
+/// `dot_row_group` through `kernel`, looked up by the caller once for many calls.
+#[inline(always)]
+pub(crate) fn dot_with<const R: usize, const N: usize>(
+    kernel: kernels::DotFn<R, N>,
+    w: &QMatrix,
+    rows: [usize; R],
+    next: &[&[u8]],
+    x: [TokenActs; N],
+) -> [[f32; N]; R] {
     let rows: [&[u8]; R] = rows.map(|r| w.row(r));
-    // SAFETY: levels above Scalar are only reported when the CPU has their features, and `x`
-    // holds every activation form the level's kernels read (`Activations::set_for`).
-    unsafe { kernels::dot::<R, N>(w.dtype, level)(rows, x, t, next) }
+    // SAFETY: `kernel` is the table's for a level `simd_level` reported (levels above Scalar
+    // only where the CPU has their features), and `x` holds every activation form the level's
+    // kernels read (`Activations::set_for`).
+    unsafe { kernel(rows, x, next) }
 }
 
 /// Weight rows r0..r1 against N activation rows: `put(r, values)` receives each row's N dot
@@ -394,31 +414,21 @@ pub(crate) fn dot_rows<const N: usize>(
     level: SimdLevel,
     mut put: impl FnMut(usize, [f32; N]),
 ) {
-    let row_bytes = w.row_bytes();
-    // the bytes of rows a..b of this range, for the prefetch (none past the range)
-    let span = |a: usize, b: usize| -> &[u8] {
-        if a < b {
-            &w.data[a * row_bytes..b * row_bytes]
-        } else {
-            &[]
+    // the rows a run at a time into `values`, then to `put`
+    const RUN: usize = 64;
+    let run = kernels::run::<N>(w.dtype, level);
+    let four = N == 1 && w.dtype.traits().decode_rows[level as usize] == 4;
+    let x = t.map(|ti| x.token(ti));
+    let mut values = [[0.0f32; N]; RUN];
+    for r0 in rows.clone().step_by(RUN) {
+        let r1 = (r0 + RUN).min(rows.end);
+        // SAFETY: `run` is the table's for a level `simd_level` reported (levels above Scalar
+        // only where the CPU has their features), and `x` holds every activation form the
+        // level's kernels read (`Activations::set_for`).
+        unsafe { run(w, r0..r1, rows.end, four, x, &mut values[..r1 - r0]) };
+        for (r, v) in (r0..r1).zip(values) {
+            put(r, v);
         }
-    };
-    let mut r = rows.start;
-    if N == 1 && w.dtype.traits().decode_rows[level as usize] == 4 {
-        while r + 4 <= rows.end {
-            let next = span(r + 4, (r + 8).min(rows.end));
-            let group = [r, r + 1, r + 2, r + 3];
-            for (k, v) in
-                dot_row_group::<4, N>(w, group, &[next], x, t, level).into_iter().enumerate()
-            {
-                put(r + k, v);
-            }
-            r += 4;
-        }
-    }
-    for r in r..rows.end {
-        let next = span(r + 1, (r + 2).min(rows.end));
-        put(r, dot_row_group::<1, N>(w, [r], &[next], x, t, level)[0]);
     }
 }
 

@@ -17,8 +17,7 @@ use rayon::prelude::*;
 
 use crate::kernels;
 use crate::matmul::{
-    dot_row_group, matmul, matmul_many, prefetch, simd_level, Activations, OutPtr, QMatrix,
-    SimdLevel,
+    matmul, matmul_many, prefetch, simd_level, Activations, OutPtr, QMatrix, SimdLevel,
 };
 use crate::model::FfnActivation;
 use crate::quant::{self, DType};
@@ -148,25 +147,10 @@ const GROUP: usize = 64;
 /// each call with the next call's rows prefetched (see `matmul::dot_row`). Each value is the
 /// one the row gives alone.
 fn dot_selected(w: &QMatrix, sel: &[u32], x: &Activations, level: SimdLevel, out: &mut [f32]) {
-    let row = |j: u32| w.row(j as usize);
-    let ahead = |from: usize, n: usize| sel.get(from..(from + n).min(sel.len())).unwrap_or(&[]);
-    let mut k = 0;
-    if w.dtype.traits().decode_rows[level as usize] == 4 {
-        while k + 4 <= sel.len() {
-            let (next, n) = next_rows(ahead(k + 4, 4), row);
-            let group = std::array::from_fn(|i| sel[k + i] as usize);
-            for (i, [v]) in
-                dot_row_group::<4, 1>(w, group, &next[..n], x, [0], level).into_iter().enumerate()
-            {
-                out[k + i] = v;
-            }
-            k += 4;
-        }
-    }
-    for k in k..sel.len() {
-        let (next, n) = next_rows(ahead(k + 1, 1), row);
-        out[k] = dot_row_group::<1, 1>(w, [sel[k] as usize], &next[..n], x, [0], level)[0][0];
-    }
+    let four = w.dtype.traits().decode_rows[level as usize] == 4;
+    // SAFETY: levels above Scalar are only reported when the CPU has their features, and `x`
+    // holds the activation forms of the level's kernels (`Activations::set_for`).
+    unsafe { kernels::selected(w.dtype, level)(w, sel, four, x.token(0), out) }
 }
 
 /// One token's FFN over the selected neurons only: out (n_embd) = sum over j in `neurons` of
