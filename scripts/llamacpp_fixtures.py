@@ -5,7 +5,7 @@ the oracle tests/test_llamacpp_fixtures.py compares the engine with.
   gemma3, phi3, llama with Llama 3's rope_freqs and linear RoPE scaling, qwen2 with YaRN, phi3 with LongRoPE),
   written with the `gguf` package under the keys llama.cpp's converter writes.
 - One F16 model per mixture-of-experts family: Mixtral (llama with experts), qwen2moe,
-  qwen3moe, olmoe.
+  qwen3moe, olmoe, smallthinker (with each of its router functions).
 - One F32 llama model (n_embd 256, so that every k-quant fits) quantized by llama.cpp's own
   quantizer into each preset of `llama-quantize`: Q2_K, Q3_K_M, Q4_K_S, Q4_K_M, Q5_K_M, Q6_K,
   IQ4_XS (the float model itself is not kept); and a qwen3moe one into Q4_K_M.
@@ -58,6 +58,20 @@ ARCHITECTURES = {
     "qwen3moe": dict(arch="qwen3moe", head_dim=32, experts=dict(n_expert=8, n_used=3, n_ff_exp=32)),
     "olmoe": dict(
         arch="olmoe", n_head_kv=4, experts=dict(n_expert=4, n_used=2, ff_key=False, n_ff_exp=96)
+    ),
+    # SmallThinker: the router reads the layer input, ReGLU experts; with a window, the first of
+    # every four layers attends fully without RoPE; its two router functions
+    "smallthinker": dict(
+        arch="smallthinker",
+        n_layer=5,
+        sliding_window=64,
+        weight_scale=0.5,
+        experts=dict(n_expert=4, n_used=2, n_ff_exp=64, gating="softmax"),
+    ),
+    "smallthinker-sigmoid": dict(
+        arch="smallthinker",
+        weight_scale=0.5,
+        experts=dict(n_expert=4, n_used=2, n_ff_exp=64, gating="sigmoid"),
     ),
 }
 

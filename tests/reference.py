@@ -198,7 +198,9 @@ def forward(
 
     Mixture-of-experts layers (`ffn_gate_inp`), as llama.cpp's build_moe_ffn with softmax
     gating: Mixtral (llama), Qwen2-MoE (with its sigmoid-gated shared expert), Qwen3-MoE, OLMoE
-    (q and k RMSNormed whole). `routing_margin` (len(tokens),), if given, receives each token's
+    (q and k RMSNormed whole); and SmallThinker's (llama.cpp's graph): the router reads the
+    layer input, softmax or sigmoid gating, ReGLU experts, and with a sliding window the first
+    of every four layers attends fully, without RoPE. `routing_margin` (len(tokens),), if given, receives each token's
     smallest gap over the layers between the router logits of its last chosen expert and the
     next one: where it is within rounding error, the engine may legitimately pick the other.
     `routes`, if given, receives (layer, experts chosen (n, n_used)) per mixture-of-experts
@@ -228,6 +230,7 @@ def forward(
         "qwen2moe",
         "qwen3moe",
         "olmoe",
+        "smallthinker",
     )
     gemma = arch in ("gemma", "gemma2", "gemma3")
     freq_scale = (
@@ -256,11 +259,22 @@ def forward(
         else 0
     )
     pattern = {"gemma2": 2, "gemma3": 6}.get(arch, 0)
+    smallthinker = arch == "smallthinker"
+    if smallthinker and m("attention.sliding_window", 0) > 0:
+        # SmallThinker (llama.cpp's graph): a window of 4096 whatever the file's value, over
+        # all but the first of every `sliding_window_pattern` layers; those first layers have
+        # no RoPE
+        window, pattern = 4096, m("attention.sliding_window_pattern", 4)
     attn_cap = m("attn_logit_softcapping", 50.0) if arch == "gemma2" else 0.0
     final_cap = m("final_logit_softcapping", 30.0 if arch == "gemma2" else 0.0)
 
     def slides(l):
+        if smallthinker:
+            return window > 0 and l % pattern != 0
         return window > 0 and l % pattern < pattern - 1
+
+    def ropes(l):
+        return arch != "opt" and not (smallthinker and window > 0 and l % 4 == 0)
 
     powerinfer = meta.get("_magic") == b"PWRI"
     if activation is None:
@@ -274,6 +288,8 @@ def forward(
             activation = "relu"
         elif gemma:
             activation = "geglu"
+        elif smallthinker:
+            activation = "relu"
         else:
             activation = "silu"
     gateless = arch in ("opt", "falcon")
@@ -324,7 +340,7 @@ def forward(
         if p + "attn_q_norm.weight" in w:
             q = head_norm(q, p + "attn_q_norm.weight", n_head)
             k = head_norm(k, p + "attn_k_norm.weight", n_kv)
-        if arch != "opt":
+        if ropes(l):
             # gemma3's sliding layers: their own base, unscaled
             b, fs, yc, mag = (
                 (10000.0, 1.0, None, 1.0)
@@ -355,7 +371,16 @@ def forward(
     def gelu(a):
         return 0.5 * a * (1 + np.tanh(0.7978845608 * a * (1 + 0.044715 * a * a)))
 
-    def ffn(h, p):
+    def gated(gate, up):
+        if activation == "geglu":
+            return gelu(gate) * up
+        if activation in ("silu", "swiglu"):
+            return gate / (1 + np.exp(-gate)) * up
+        if activation in ("relu", "reglu"):
+            return np.maximum(gate, 0) * up
+        return np.maximum(gate, 0) * np.maximum(up, 0)
+
+    def ffn(h, p, _=None):
         up = mm(h, p + "ffn_up.weight") + w.get(p + "ffn_up.bias", 0)
         if gateless:
             a = np.maximum(up, 0) if activation == "relu" else gelu(up)
@@ -365,14 +390,7 @@ def forward(
             else:
                 # phi3: ffn_up holds [gate; up]
                 gate, up = up[:, : up.shape[1] // 2], up[:, up.shape[1] // 2 :]
-            if activation == "geglu":
-                a = gelu(gate) * up
-            elif activation in ("silu", "swiglu"):
-                a = gate / (1 + np.exp(-gate)) * up
-            elif activation in ("relu", "reglu"):
-                a = np.maximum(gate, 0) * up
-            else:
-                a = np.maximum(gate, 0) * np.maximum(up, 0)
+            a = gated(gate, up)
         if p + "ffn_down_t.weight" in w:
             # the neuron-major product reads the activations in f32, never rounded to int8
             out = a @ w[p + "ffn_down_t.weight"] + w.get(p + "ffn_down_t.bias", 0)
@@ -381,18 +399,24 @@ def forward(
         return out
 
     n_used = m("expert_used_count")
-    # llama.cpp's build_moe_ffn with softmax gating: Mixtral (llama) and Qwen3-MoE divide the
-    # chosen experts' probabilities by their sum, Qwen2-MoE and OLMoE take them as they are
-    normalize = arch in ("llama", "qwen3moe")
+    # llama.cpp's build_moe_ffn: Mixtral (llama), Qwen3-MoE and SmallThinker divide the chosen
+    # experts' probabilities by their sum, Qwen2-MoE and OLMoE take them as they are
+    normalize = arch in ("llama", "qwen3moe", "smallthinker")
     weights_scale = m("expert_weights_scale", 0.0) or 1.0
+    # the probabilities: a softmax, or (SmallThinker's `expert_gating_func` 2) each sigmoid
+    sigmoid_gating = smallthinker and m("expert_gating_func") == 2
 
     def silu(a):
         return a / (1 + np.exp(-a))
 
-    def moe_ffn(h, p):
-        logits = mm(h, p + "ffn_gate_inp.weight")
-        probs = np.exp(logits - logits.max(axis=1, keepdims=True))
-        probs /= probs.sum(axis=1, keepdims=True)
+    def moe_ffn(h, p, layer_input):
+        # SmallThinker's router reads the layer input, the others the FFN's normed input
+        logits = mm(layer_input if smallthinker else h, p + "ffn_gate_inp.weight")
+        if sigmoid_gating:
+            probs = 1 / (1 + np.exp(-logits))
+        else:
+            probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+            probs /= probs.sum(axis=1, keepdims=True)
         out = np.zeros_like(h)
         if routes is not None:
             chosen = np.argsort(-probs, axis=1, kind="stable")[:, :n_used]
@@ -401,9 +425,13 @@ def forward(
             # how near each token came to another choice: the gap between the router logits
             # of the last chosen expert and the next one, the smallest over the layers
             ranked = -np.sort(-logits, axis=1)
-            np.minimum(
-                routing_margin, ranked[:, n_used - 1] - ranked[:, n_used], out=routing_margin
-            )
+            gap = ranked[:, n_used - 1] - ranked[:, n_used]
+            if sigmoid_gating:
+                # sigmoids that round to the same float32 (near 1) are a tie there, however
+                # far apart their logits
+                p32 = (1 / (1 + np.exp(-ranked[:, n_used - 1 : n_used + 1]))).astype(np.float32)
+                gap = np.where(p32[:, 0] == p32[:, 1], 0.0, gap)
+            np.minimum(routing_margin, gap, out=routing_margin)
         for t in range(n):
             chosen = np.argsort(-probs[t], kind="stable")[:n_used]
             weights = probs[t, chosen]
@@ -411,7 +439,7 @@ def forward(
                 weights = weights / weights.sum()
             for e, wt in zip(chosen, weights * weights_scale):
                 x = h[t : t + 1]
-                a = silu(mm(x, p + "ffn_gate_exps.weight", e)) * mm(x, p + "ffn_up_exps.weight", e)
+                a = gated(mm(x, p + "ffn_gate_exps.weight", e), mm(x, p + "ffn_up_exps.weight", e))
                 out[t] += wt * mm(a, p + "ffn_down_exps.weight", e)[0]
         if p + "ffn_gate_inp_shexp.weight" in w:
             # Qwen2-MoE's shared expert, scaled by sigmoid(gate_inp . h)
@@ -428,11 +456,12 @@ def forward(
             ha = norm(x, p + "attn_norm_2") if p + "attn_norm_2.weight" in w else h
             x = x + attention(ha, p, l) + ffn(h, p)
         else:
+            layer_input = x
             a = attention(norm(x, p + "attn_norm"), p, l)
             if p + "post_attention_norm.weight" in w:
                 a = norm(a, p + "post_attention_norm")
             x = x + a
-            f = ffn_of_layer(norm(x, p + "ffn_norm"), p)
+            f = ffn_of_layer(norm(x, p + "ffn_norm"), p, layer_input)
             if p + "post_ffw_norm.weight" in w:
                 f = norm(f, p + "post_ffw_norm")
             x = x + f

@@ -148,7 +148,9 @@ def write_model(
     (n_expert, rows, cols) in `dtype`, `expert_count` and `expert_used_count`, the experts'
     width as `expert_feed_forward_length` where `ff_key` (Qwen's files; Mixtral and OLMoE
     files give it as `feed_forward_length`), and with `n_ff_shared` Qwen2-MoE's shared expert
-    (`ffn_{gate,up,down}_shexp`, `ffn_gate_inp_shexp`, `expert_shared_feed_forward_length`).
+    (`ffn_{gate,up,down}_shexp`, `ffn_gate_inp_shexp`, `expert_shared_feed_forward_length`);
+    SmallThinker's files also say their router's `gating` ("softmax" or "sigmoid"; an int is
+    written as it is, None leaves the key out).
     `skew` (a float) makes the routing favour a few experts per layer (see below), as trained
     routers do and random ones do not."""
     rng = np.random.default_rng(seed)
@@ -193,6 +195,11 @@ def write_model(
             w.add_expert_feed_forward_length(experts["n_ff_exp"])
         if experts.get("n_ff_shared"):
             w.add_expert_shared_feed_forward_length(experts["n_ff_shared"])
+        gating = experts.get("gating", "softmax")
+        if arch == "smallthinker" and gating is not None:
+            # as its converter writes it: softmax (1) or sigmoid (2); an int as it is
+            gating = {"softmax": 1, "sigmoid": 2}.get(gating, gating)
+            w.add_uint32(f"{arch}.expert_gating_func", gating)
     add_tiny_tokenizer(w)
 
     def mat(name, rows, cols, scale, stack=None, t=None, shift=None):
@@ -281,7 +288,10 @@ def write_model(
             if skew:
                 alpha = skew * np.log(n_expert / np.arange(1, n_expert + 1)) / np.log(n_expert)
                 favour = rng.permutation(alpha)[:, None].astype(np.float32) * u[None, :]
-            mat(p + "ffn_gate_inp.weight", n_expert, n_embd, 1.0, t=Q.F32, shift=favour)
+            # (SmallThinker's router reads the layer input, which grows layer by layer, and may
+            # gate by sigmoids, which the others' logits of ~16 would saturate: a few at first)
+            router_scale = 4.0 / np.sqrt(n_embd) if arch == "smallthinker" else 1.0
+            mat(p + "ffn_gate_inp.weight", n_expert, n_embd, router_scale, t=Q.F32, shift=favour)
             mat(p + "ffn_gate_exps.weight", n_exp_ff, n_embd, 0.2, stack=n_expert)
             mat(p + "ffn_up_exps.weight", n_exp_ff, n_embd, 0.2, stack=n_expert)
             mat(p + "ffn_down_exps.weight", n_embd, n_exp_ff, 0.15, stack=n_expert)

@@ -30,6 +30,8 @@ ARCHITECTURES = [
     "qwen2moe",
     "qwen3moe",
     "olmoe",
+    "smallthinker",
+    "smallthinker-sigmoid",
 ]
 # preset -> the tensor types llama.cpp's quantizer wrote for it (besides F32 norms)
 PRESETS = {

@@ -1,5 +1,6 @@
 """Mixture-of-experts models as llama.cpp writes them (Mixtral as `llama` with experts,
-`qwen2moe` with its sigmoid-gated shared expert, `qwen3moe`, `olmoe`), on tiny random files:
+`qwen2moe` with its sigmoid-gated shared expert, `qwen3moe`, `olmoe`, `smallthinker` with its
+pre-attention router and ReGLU experts), on tiny random files:
 logits against the independent float64 reference (tests/reference.py), a prompt against the
 same tokens one at a time and a batch of sessions against each alone (bit for bit), the bytes a
 decode token reads, and the bad files and requests each refused with a message naming the
@@ -35,6 +36,18 @@ FAMILIES = {
     "qwen3moe": dict(arch="qwen3moe", experts=dict(n_expert=16, n_used=4)),
     # OLMoE: q and k normed whole, weights as they are
     "olmoe": dict(arch="olmoe", n_head_kv=4, experts=dict(n_expert=8, n_used=2, ff_key=False)),
+    # SmallThinker: the router reads the layer input, ReGLU experts, normalised weights; with
+    # a window (4096, llama.cpp's whatever the file says) over three of every four layers, the
+    # first of each four without RoPE (its sigmoid gating: test_sigmoid_gating_...)
+    "smallthinker": dict(
+        arch="smallthinker",
+        n_layer=5,
+        sliding_window=64,
+        # (smaller weights: the residual stream the router reads grows less from layer to
+        # layer, as a trained model's does)
+        weight_scale=0.5,
+        experts=dict(n_expert=8, n_used=2, gating="softmax"),
+    ),
 }
 
 
@@ -97,6 +110,32 @@ def test_logits_match_float64_reference(tmp_path, family, dtype):
     flipped = {**w, **{k: -w[k] for k in router}}
     far = relative_errors(got, forward(flipped, meta, ids, int8_activations=int8))
     assert np.median(far) > 100 * QUANT_TOL, f"routing by the least probable is only {far}"
+
+
+def test_sigmoid_gating_matches_float64_reference(tmp_path):
+    """SmallThinker's other router function: each expert's sigmoid, the chosen ones'
+    normalised. (Two layers: the layer input the router reads grows layer by layer, and
+    sigmoids near 1 tie in float32 where float64 still orders them.)"""
+    path = write_moe(
+        tmp_path / "m.gguf",
+        "smallthinker",
+        n_layer=2,
+        experts=dict(n_expert=8, n_used=2, gating="sigmoid"),
+    )
+    model = _core.Model(path, 2)
+    assert model.config()["experts"]["gating"] == "sigmoid"
+    ids = np.random.default_rng(3).integers(0, model.config()["n_vocab"], size=32).tolist()
+    w, meta = read_weights(path)
+    routing = np.full(len(ids), np.inf)
+    ref = forward(w, meta, ids, routing_margin=routing)
+    got = _core.Session(model, 64, "f32").eval(ids, all_logits=True)
+    comparable = routing > NEAR_ROUTING_TIE["float"]
+    assert comparable.mean() >= 0.5, f"mostly near ties: {routing}"
+    rel = relative_errors(got, ref)[comparable]
+    assert rel.max() < FLOAT_TOL, f"relative errors {rel}"
+    # the softmax of the same logits routes the same experts with other weights: far away
+    softmax = forward(w, {**meta, "smallthinker.expert_gating_func": 1}, ids)
+    assert np.median(relative_errors(got, softmax)) > 100 * FLOAT_TOL
 
 
 # every weight type the engine computes with, as the experts' type
@@ -170,6 +209,8 @@ def test_the_engine_runs_a_moe_file_and_reports_its_experts(tmp_path):
         n_ff_shared=0,
         normalize_weights=True,
         weights_scale=1.0,
+        gating="softmax",
+        router_input="ffn_input",
     )
     text = "".join(engine.stream("the", max_tokens=8, temperature=0))
     assert len(text) > 0
@@ -218,6 +259,20 @@ def test_bad_moe_files_name_the_key_or_tensor(tmp_path, what, kwargs, message):
     if "experts" in overrides:
         overrides["experts"] = {"n_expert": 8, **overrides["experts"]}
     path = write_moe(tmp_path / "m.gguf", family, Q.Q4_0, **overrides)
+    with pytest.raises(ModelError, match=message):
+        _core.Model(path, 2)
+
+
+@pytest.mark.parametrize(
+    "gating, message",
+    [
+        (None, r"smallthinker\.expert_gating_func is missing"),
+        (3, r"smallthinker\.expert_gating_func = 3 is not supported \(1: softmax, 2: sigmoid\)"),
+    ],
+)
+def test_a_smallthinker_router_function_missing_or_unknown_is_named(tmp_path, gating, message):
+    experts = dict(n_expert=8, n_used=2, gating=gating)
+    path = write_moe(tmp_path / "m.gguf", "smallthinker", Q.Q4_0, n_layer=2, experts=experts)
     with pytest.raises(ModelError, match=message):
         _core.Model(path, 2)
 
@@ -294,16 +349,22 @@ def test_routing_is_counted_per_session_and_profiled(tmp_path):
         train(p["path"])
 
 
-@pytest.mark.parametrize("dtype", [Q.F32, Q.Q4_0, Q.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "family,dtype",
+    [("qwen2moe", Q.F32), ("qwen2moe", Q.Q4_0), ("qwen2moe", Q.Q4_K), ("smallthinker", Q.F32)],
+    ids=lambda v: getattr(v, "name", v),
+)
 @ON_DEVICES
-def test_experts_on_the_gpu_at_several_splits(tmp_path, dtype, device):
+def test_experts_on_the_gpu_at_several_splits(tmp_path, family, dtype, device):
     """Attention and KV cache on the device, the experts split by the budget (most routed first
     with a profile, by index without), by llama.cpp's --n-cpu-moe and -ngl: each as the CPU
     computes it (float weights and Q4_0: to float error; the k-quants, whose GPU kernels round
     their input per 32 where the CPU does per 256, about as close to the float64 function as
     the CPU: measured 0.78x to 1.43x the CPU's distance over seeds and splits, attention alone
-    on the device included), with the GPU's share of the routed experts the split's."""
-    path = write_moe(tmp_path / "m.gguf", "qwen2moe", dtype)
+    on the device included), with the GPU's share of the routed experts the split's. Qwen2-MoE
+    (its shared expert) and SmallThinker (its router reads the layer input, wherever the
+    residual stream is; ReGLU experts)."""
+    path = write_moe(tmp_path / "m.gguf", family, dtype)
     cpu = Engine.load(path, device="cpu", n_ctx=64, kv_type="f32")
     ids = np.random.default_rng(5).integers(3, 260, size=24).tolist()
     want = cpu.logits(ids)
@@ -325,7 +386,7 @@ def test_experts_on_the_gpu_at_several_splits(tmp_path, dtype, device):
         (dict(), n_layer * n_expert),
         (dict(vram_budget=third), None),
         (dict(vram_budget=third, profile=str(tmp_path / "m.gguf.profile.npz")), None),
-        (dict(n_cpu_moe=1), n_expert),
+        (dict(n_cpu_moe=1), (n_layer - 1) * n_expert),
         (dict(gpu_layers=1), n_expert),
         (dict(n_cpu_moe=n_layer), 0),
     ]

@@ -6,11 +6,11 @@
 //! Where each step runs is the `Backend`'s business: the CPU (`session::CpuPass`) or a GPU with
 //! the CPU (`powerinfer_cuda::hybrid`). Architecture differences are `Config` data read here
 //! (sequential or parallel residual, which norm feeds attention, whether q/k and the block
-//! outputs are normed); finer differences (embedding scale, soft-capping, sliding windows, RoPE
-//! sets) are `Config` data the steps read. This module computes nothing itself and must not
+//! outputs are normed, which layers turn q and k, what the router reads); finer differences
+//! (embedding scale, soft-capping, sliding windows, RoPE sets) are `Config` data the steps read. This module computes nothing itself and must not
 //! grow per-backend branches.
 
-use crate::model::{Family, Model};
+use crate::model::{Family, Model, RouterInput};
 use crate::Result;
 
 /// Which of a layer's norms produces the block input xb.
@@ -63,10 +63,12 @@ pub trait Backend {
     /// selects (`session::Sparsity`; a predictor reads x).
     fn ffn(&mut self, l: usize) -> Result<()>;
     /// Mixture-of-experts layers (`LayerWeights::moe`) in place of `ffn`: each row's experts
-    /// and their weights, from the router's softmax over xb.
+    /// and their weights, from the router's probabilities (`Moe::gating`) over xb, or over the
+    /// layer input x where the model routes on it (`Moe::router_input`).
     fn route(&mut self, l: usize) -> Result<()>;
-    /// ffn_out = the sum over each row's routed experts of weight * expert(xb) (SwiGLU FFNs),
-    /// plus the shared expert's output scaled by its gate where the layer has one.
+    /// ffn_out = the sum over each row's routed experts of weight * expert(xb) (FFNs of the
+    /// model's activation), plus the shared expert's output scaled by its gate where the layer
+    /// has one.
     fn experts(&mut self, l: usize) -> Result<()>;
     /// attn_out or ffn_out RMSNormed with the layer's post-block norm (Gemma 2 and 3).
     fn post_norm(&mut self, l: usize, part: Part) -> Result<()>;
@@ -98,6 +100,12 @@ fn layer<B: Backend>(b: &mut B, model: &Model, l: usize) -> Result<()> {
     let has_attn_norm_2 = lw.attn_norm_2.is_some();
     match model.config.family {
         Family::Llama | Family::Opt => {
+            // a router that reads the layer input routes first (SmallThinker)
+            let routes_first = lw.moe.is_some()
+                && model.config.moe.is_some_and(|m| m.router_input == RouterInput::LayerInput);
+            if routes_first {
+                b.route(l)?;
+            }
             // attention norm, attention, (post-attention norm), residual
             b.norm(l, Norm::Attn)?;
             attention(b, model, l)?;
@@ -110,7 +118,9 @@ fn layer<B: Backend>(b: &mut B, model: &Model, l: usize) -> Result<()> {
             // (post-FFN norm), residual
             b.norm(l, Norm::Ffn)?;
             if lw.moe.is_some() {
-                b.route(l)?;
+                if !routes_first {
+                    b.route(l)?;
+                }
                 b.experts(l)?;
             } else {
                 b.ffn(l)?;
@@ -145,7 +155,9 @@ fn attention<B: Backend>(b: &mut B, model: &Model, l: usize) -> Result<()> {
     if model.weights.layers[l].q_norm.is_some() {
         b.qk_norm(l)?;
     }
-    b.rope(l)?;
+    if model.config.ropes(l) {
+        b.rope(l)?;
+    }
     b.kv_store(l)?;
     // multihead attention over the cache, output projection
     b.attend(l)?;

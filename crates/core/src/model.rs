@@ -126,6 +126,8 @@ impl FfnActivation {
             ("bamboo", _) => FfnActivation::DReGlu,
             ("llama", Magic::Powerinfer) => FfnActivation::ReGlu,
             ("gemma" | "gemma2" | "gemma3", _) => FfnActivation::GeGlu,
+            // PowerInfer's SmallThinker: ReGLU experts
+            ("smallthinker", _) => FfnActivation::ReGlu,
             _ => FfnActivation::SwiGlu,
         })
     }
@@ -195,8 +197,13 @@ pub struct Config {
     /// `sliding_window` positions only, itself included (0: no layer slides).
     pub sliding_window: usize,
     /// Which layers slide, as llama.cpp's `set_swa_pattern(p)`: layer l slides iff
-    /// l % p < p - 1 (Gemma 2: every other layer from the first; Gemma 3: five of every six).
+    /// l % p < p - 1 (Gemma 2: every other layer from the first; Gemma 3: five of every six),
+    /// or, `swa_dense_first`, iff l % p != 0 (SmallThinker: the first of every p attends fully).
     pub swa_pattern: usize,
+    pub swa_dense_first: bool,
+    /// Every layer l with l % nope_step == 0 has no RoPE (SmallThinker's full-attention layers,
+    /// llama.cpp's `n_no_rope_layer_step`); 0: every layer turns q and k.
+    pub nope_step: usize,
     /// RoPE base of the sliding layers (Gemma 3: 10 000, where its global layers use 1 000 000).
     pub rope_base_swa: f32,
     /// Linear RoPE scaling of the non-sliding layers: positions are multiplied by this
@@ -213,17 +220,31 @@ pub struct Config {
 
 /// The architectures `Config::from_file` reads (a `llama` file with `expert_count` is
 /// Mixtral-style mixture of experts).
-pub const ARCHITECTURES: [&str; 14] = [
-    "llama", "mistral", "bamboo", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "falcon",
-    "opt", "qwen2moe", "qwen3moe", "olmoe",
+pub const ARCHITECTURES: [&str; 15] = [
+    "llama",
+    "mistral",
+    "bamboo",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "falcon",
+    "opt",
+    "qwen2moe",
+    "qwen3moe",
+    "olmoe",
+    "smallthinker",
 ];
 
 /// The mixture-of-experts files the engine runs, for messages.
-pub const MOE_ARCHITECTURES: &str = "llama with experts (Mixtral), qwen2moe, qwen3moe, olmoe";
+pub const MOE_ARCHITECTURES: &str =
+    "llama with experts (Mixtral), qwen2moe, qwen3moe, olmoe, smallthinker";
 
 /// Mixture-of-experts architectures llama.cpp writes that the engine refuses by name rather
 /// than as unknown (their routing, expert layout or attention differ from the ones it runs).
-const OTHER_MOE_ARCHITECTURES: [&str; 21] = [
+const OTHER_MOE_ARCHITECTURES: [&str; 20] = [
     "gpt-oss",
     "deepseek",
     "deepseek2",
@@ -240,19 +261,19 @@ const OTHER_MOE_ARCHITECTURES: [&str; 21] = [
     "bailingmoe",
     "bailingmoe2",
     "dots1",
-    "smallthinker",
     "qwen3next",
     "qwen3vlmoe",
     "minimax-m2",
     "lfm2moe",
 ];
 
-/// A layer's FFN as a mixture of experts (llama.cpp's `build_moe_ffn` with softmax gating):
-/// per token the router's softmax over `n_expert` experts picks the `n_used` most probable;
-/// the FFN output is the sum of their SwiGLU FFNs (`n_ff_exp` neurons each) weighted by those
-/// probabilities (divided by their sum where `normalize_weights`, times `weights_scale`), plus
-/// a shared expert of `n_ff_shared` neurons scaled by sigmoid(gate_inp . x) where the file has
-/// one (Qwen2-MoE).
+/// A layer's FFN as a mixture of experts (llama.cpp's `build_moe_ffn`): per token the
+/// router's probabilities over `n_expert` experts (`gating`) pick the `n_used` most probable;
+/// the FFN output is the sum of their FFNs (`n_ff_exp` neurons each, the model's
+/// `ffn_activation`: SwiGLU, or ReGLU in SmallThinker) weighted by those probabilities
+/// (divided by their sum where `normalize_weights`, times `weights_scale`), plus a shared
+/// expert of `n_ff_shared` neurons scaled by sigmoid(gate_inp . x) where the file has one
+/// (Qwen2-MoE).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Moe {
     pub n_expert: usize,
@@ -262,6 +283,45 @@ pub struct Moe {
     pub n_ff_shared: usize,
     pub normalize_weights: bool,
     pub weights_scale: f32,
+    pub gating: Gating,
+    pub router_input: RouterInput,
+}
+
+/// How router logits become expert probabilities (llama.cpp's `expert_gating_func`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gating {
+    /// A softmax over the experts.
+    Softmax,
+    /// Each logit's sigmoid, alone.
+    Sigmoid,
+}
+
+impl Gating {
+    pub fn name(self) -> &'static str {
+        match self {
+            Gating::Softmax => "softmax",
+            Gating::Sigmoid => "sigmoid",
+        }
+    }
+}
+
+/// What the router reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouterInput {
+    /// The FFN's normed input (every family but SmallThinker).
+    FfnInput,
+    /// The layer's input, before the attention norm (SmallThinker's pre-attention router, so
+    /// that the experts' weights can be fetched while attention runs).
+    LayerInput,
+}
+
+impl RouterInput {
+    pub fn name(self) -> &'static str {
+        match self {
+            RouterInput::FfnInput => "ffn_input",
+            RouterInput::LayerInput => "layer_input",
+        }
+    }
 }
 
 impl Moe {
@@ -272,7 +332,7 @@ impl Moe {
     /// `expert_weights_scale`. None for a dense file.
     fn from_file(file: &GgufFile, arch: &str, n_ff: usize) -> Result<Option<Moe>> {
         let k = |name: &str| format!("{arch}.{name}");
-        let moe_arch = matches!(arch, "qwen2moe" | "qwen3moe" | "olmoe");
+        let moe_arch = matches!(arch, "qwen2moe" | "qwen3moe" | "olmoe" | "smallthinker");
         let n_expert = meta_usize(file, &k("expert_count"))?.unwrap_or(0);
         if n_expert == 0 {
             return match moe_arch {
@@ -315,15 +375,39 @@ impl Moe {
         }
         // llama.cpp applies the scale only where it is neither 0 nor 1
         let scale = meta_f32(file, &k("expert_weights_scale"))?.unwrap_or(0.0);
+        let smallthinker = arch == "smallthinker";
+        // SmallThinker's converter writes its router's function (1: softmax, 2: sigmoid); the
+        // other families' graphs take the softmax whatever the file says
+        let gating = match smallthinker {
+            false => Gating::Softmax,
+            true => {
+                let key = k("expert_gating_func");
+                match required(meta_usize(file, &key)?, &key)? {
+                    1 => Gating::Softmax,
+                    2 => Gating::Sigmoid,
+                    v => {
+                        return Err(Error::Model(format!(
+                            "{key} = {v} is not supported (1: softmax, 2: sigmoid)"
+                        )))
+                    }
+                }
+            }
+        };
         Ok(Some(Moe {
             n_expert,
             n_used,
             n_ff_exp,
             n_ff_shared,
-            // llama.cpp's `norm_w` per architecture: Mixtral and Qwen3-MoE normalise the
-            // selected weights, Qwen2-MoE and OLMoE do not
-            normalize_weights: matches!(arch, "llama" | "qwen3moe"),
+            // llama.cpp's `norm_w` per architecture: Mixtral, Qwen3-MoE and SmallThinker
+            // normalise the selected weights, Qwen2-MoE and OLMoE do not
+            normalize_weights: matches!(arch, "llama" | "qwen3moe" | "smallthinker"),
             weights_scale: if scale == 0.0 { 1.0 } else { scale },
+            gating,
+            router_input: if smallthinker {
+                RouterInput::LayerInput
+            } else {
+                RouterInput::FfnInput
+            },
         }))
     }
 }
@@ -385,8 +469,18 @@ impl Config {
 
     /// Whether layer l attends over a sliding window.
     pub fn slides(&self, l: usize) -> bool {
+        let p = self.swa_pattern;
         self.sliding_window > 0
-            && (self.swa_pattern <= 1 || l % self.swa_pattern < self.swa_pattern - 1)
+            && match self.swa_dense_first {
+                false => p <= 1 || l % p < p - 1,
+                true => p <= 1 || !l.is_multiple_of(p),
+            }
+    }
+
+    /// Whether layer l turns q and k by their positions.
+    pub fn ropes(&self, l: usize) -> bool {
+        self.rope_style != RopeStyle::None
+            && (self.nope_step == 0 || !l.is_multiple_of(self.nope_step))
     }
 
     /// The RoPE frequency set layer l uses: 0 (the model's base and scaling), or 1 (the sliding
@@ -665,7 +759,7 @@ impl Config {
         let (family, rope_style) = match arch.as_str() {
             "llama" | "mistral" | "bamboo" => (Family::Llama, RopeStyle::Normal),
             "qwen2" | "qwen3" | "gemma" | "gemma2" | "gemma3" | "phi3" | "qwen2moe"
-            | "qwen3moe" | "olmoe" => (Family::Llama, RopeStyle::NeoX),
+            | "qwen3moe" | "olmoe" | "smallthinker" => (Family::Llama, RopeStyle::NeoX),
             "falcon" => (Family::Falcon, RopeStyle::NeoX),
             "opt" => (Family::Opt, RopeStyle::None),
             a if OTHER_MOE_ARCHITECTURES.contains(&a) => {
@@ -800,8 +894,28 @@ impl Config {
         let (sliding_window, swa_pattern) = match arch.as_str() {
             "gemma2" => (meta_usize(file, &k("attention.sliding_window"))?.unwrap_or(4096), 2),
             "gemma3" => (meta_usize(file, &k("attention.sliding_window"))?.unwrap_or(0), 6),
+            // SmallThinker: a window in the file means llama.cpp's 4096 (whatever its value),
+            // over all but the first layer of every `sliding_window_pattern` (4 by default)
+            "smallthinker" => match meta_usize(file, &k("attention.sliding_window"))? {
+                Some(w) if w > 0 => {
+                    let key = k("attention.sliding_window_pattern");
+                    let p = meta_usize(file, &key)?.unwrap_or(4);
+                    if p == 0 {
+                        return Err(Error::Model(format!("{key} must be > 0")));
+                    }
+                    (4096, p)
+                }
+                _ => (0, 0),
+            },
             // llama.cpp runs Phi-3's window as full attention (its ggml-org/llama.cpp#13676)
             _ => (0, 0),
+        };
+        // SmallThinker's full-attention layers (with a window: one in four) have no RoPE
+        let nope_step = if arch == "smallthinker" && sliding_window > 0 { 4 } else { 0 };
+        let rope_base_swa = match arch.as_str() {
+            "gemma3" => 10000.0,
+            "smallthinker" => meta_f32(file, &k("rope.freq_base_swa"))?.unwrap_or(rope_base),
+            _ => rope_base,
         };
         let softcap = |name: &str, default: f32| -> Result<f32> {
             Ok(meta_f32(file, &k(name))?.unwrap_or(default))
@@ -841,7 +955,9 @@ impl Config {
             final_softcap,
             sliding_window,
             swa_pattern,
-            rope_base_swa: if arch == "gemma3" { 10000.0 } else { rope_base },
+            swa_dense_first: arch == "smallthinker",
+            nope_step,
+            rope_base_swa,
             rope_freq_scale,
             rope_yarn,
             rope_magnitude,
@@ -1040,9 +1156,9 @@ fn dense_ffn<'a>(file: &'a GgufFile, i: usize, c: &Config) -> Result<LayerFfn<'a
 fn moe_weights<'a>(file: &'a GgufFile, i: usize, c: &Config, moe: &Moe) -> Result<MoeWeights<'a>> {
     let n = |s: &str| format!("blk.{i}.{s}");
     let (e, ff, dim) = (moe.n_expert, moe.n_ff_exp, c.n_embd);
-    if c.ffn_activation != FfnActivation::SwiGlu {
+    if !c.ffn_activation.has_gate() {
         return Err(Error::Model(format!(
-            "{}: experts with the {} activation are not supported (only SwiGLU experts)",
+            "{}: experts with the {} activation are not supported (experts have a gate: swiglu, geglu, reglu or dreglu)",
             c.architecture,
             c.ffn_activation.name()
         )));

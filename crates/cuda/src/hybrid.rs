@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use powerinfer_core::attention::KvType;
 use powerinfer_core::forward::{forward, Backend, Norm, Part};
 use powerinfer_core::matmul::{Activations, QMatrix};
-use powerinfer_core::model::{Family, Model, RopeStyle};
+use powerinfer_core::model::{Family, Model, RopeStyle, RouterInput};
 use powerinfer_core::quant::DType;
 use powerinfer_core::session::{softcap, CpuPass, FfnStats, Session, Sparsity, SparsityMode};
 use powerinfer_core::sparse::{sparse_ffn, FfnMats, SparseScratch};
@@ -1167,9 +1167,20 @@ impl<D: Device> Backend for HybridPass<'_, D> {
     }
 
     fn route(&mut self, l: usize) -> CoreResult<()> {
-        if self.place(l)?.is_some() {
+        let moe = self.hm.model.config.moe.expect("a mixture-of-experts model");
+        match moe.router_input {
             // the router reads the device's normed FFN input on the host
-            self.hm.gpu.read(&self.dev.xb.f32s, self.cpu.normed_input())?;
+            RouterInput::FfnInput => {
+                if self.place(l)?.is_some() {
+                    self.hm.gpu.read(&self.dev.xb.f32s, self.cpu.normed_input())?;
+                }
+            }
+            // or a copy of the layer input, wherever the residual stream is
+            RouterInput::LayerInput => {
+                if self.on_gpu {
+                    self.hm.gpu.read(&self.dev.x.f32s, self.cpu.residual_stream())?;
+                }
+            }
         }
         self.cpu.route(l)
     }
@@ -1185,8 +1196,12 @@ impl<D: Device> Backend for HybridPass<'_, D> {
             // (such models are not `batched`: their prompts run a token at a time)
             return Err(CudaError::Unsupported("experts over several rows at once".into()).into());
         }
+        if moe.router_input == RouterInput::LayerInput {
+            // the CPU's experts read the normed FFN input, which the router did not
+            self.hm.gpu.read(&self.dev.xb.f32s, self.cpu.normed_input())?;
+        }
         let (c, g, dev) = (&self.hm.model.config, &self.hm.gpu, &mut *self.dev);
-        // the device's chosen experts, queued: h = silu(gate . xb) * (up . xb), y = down . h
+        // the device's chosen experts, queued: h = act(gate . xb, up . xb), y = down . h
         let routes: Vec<(u32, f32)> = self.cpu.routes().to_vec();
         let mut first = true;
         for (j, &(e, _)) in routes.iter().enumerate() {

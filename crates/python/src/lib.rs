@@ -239,6 +239,8 @@ impl PyModel {
                 e.set_item("n_ff_shared", m.n_ff_shared)?;
                 e.set_item("normalize_weights", m.normalize_weights)?;
                 e.set_item("weights_scale", m.weights_scale)?;
+                e.set_item("gating", m.gating.name())?;
+                e.set_item("router_input", m.router_input.name())?;
                 Some(e)
             }
         };

@@ -10,28 +10,39 @@ use super::{
     matmul, matmul_each, matmul_many, Activations, FfnActivation, FfnStats, Model, QMatrix, Result,
     Scratch,
 };
+use crate::model::{Gating, RouterInput};
 use rayon::iter::{IndexedParallelIterator, ParallelIterator};
 use rayon::slice::{ParallelSlice, ParallelSliceMut};
 
-/// Layer `l`'s routing of n rows: router logits (n, n_expert) = xb @ router^T, a softmax per
-/// row, the `n_used` most probable experts (the lower index first among equals) with their
-/// probabilities as weights (divided by their sum where the model normalises them, times its
-/// scale), into s.routes (n, n_used) as (expert, weight), most probable first.
+/// Layer `l`'s routing of n rows: router logits (n, n_expert) = xb @ router^T (or x, the
+/// layer input, where the model routes on it), per row the probabilities (a softmax, or each
+/// logit's sigmoid), the `n_used` most probable experts (the lower index first among equals)
+/// with their probabilities as weights (divided by their sum where the model normalises them,
+/// times its scale), into s.routes (n, n_used) as (expert, weight), most probable first.
 pub(crate) fn route_rows(model: &Model, s: &mut Scratch, l: usize, n: usize) {
     let (c, lw) = (&model.config, &model.weights.layers[l]);
     let (cfg, mw) = (c.moe.expect("a mixture-of-experts model"), lw.moe.as_ref().expect("experts"));
     let (dim, n_expert) = (c.n_embd, cfg.n_expert);
-    s.acts.set_for(&s.xb[..n * dim], n, dim, &[mw.router]);
+    let input = match cfg.router_input {
+        RouterInput::FfnInput => &s.xb[..n * dim],
+        RouterInput::LayerInput => &s.x[..n * dim],
+    };
+    s.acts.set_for(input, n, dim, &[mw.router]);
     s.router_logits.resize(n * n_expert, 0.0);
     matmul(&mw.router, &s.acts, &mut s.router_logits);
     s.routes.clear();
     let mut order: Vec<u32> = Vec::with_capacity(n_expert);
     for logits in s.router_logits.chunks_exact_mut(n_expert) {
-        // softmax, as ggml's soft_max: exp(v - max) / sum
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        logits.iter_mut().for_each(|v| *v = (*v - max).exp());
-        let sum: f32 = logits.iter().sum();
-        logits.iter_mut().for_each(|v| *v /= sum);
+        match cfg.gating {
+            Gating::Softmax => {
+                // as ggml's soft_max: exp(v - max) / sum
+                let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                logits.iter_mut().for_each(|v| *v = (*v - max).exp());
+                let sum: f32 = logits.iter().sum();
+                logits.iter_mut().for_each(|v| *v /= sum);
+            }
+            Gating::Sigmoid => logits.iter_mut().for_each(|v| *v = 1.0 / (1.0 + (-*v).exp())),
+        }
         // the n_used largest, most probable first (NaN, from a NaN logit, last)
         order.clear();
         order.extend(0..n_expert as u32);
@@ -47,7 +58,7 @@ pub(crate) fn route_rows(model: &Model, s: &mut Scratch, l: usize, n: usize) {
 }
 
 /// ffn_out (n, n_embd) = for each row, the sum over its routed experts (s.routes) of
-/// weight * down(silu(gate(xb)) * up(xb)), in expert order, plus the shared expert's output
+/// weight * down(act(gate(xb), up(xb))) (the model's activation), in expert order, plus the shared expert's output
 /// times sigmoid(gate_inp . xb) where the layer has one. Every chosen expert's products run in
 /// one parallel pass (gate and up, then down), each over the rows routed to it. Counts neurons,
 /// the routed-away ones as skipped, and the weight bytes each row reads (router, shared
@@ -98,7 +109,7 @@ pub(crate) fn expert_rows(
         let rows = s.expert_rows[rows_of(e)].iter().map(|&(t, _)| t as usize);
         s.expert_acts[a].gather_rows(&s.acts, rows);
     }
-    // gate and up (total, n_ff_exp) each, expert by expert; h = silu(gate) * up
+    // gate and up (total, n_ff_exp) each, expert by expert; h = act(gate, up)
     s.gate.resize(total * ff, 0.0);
     s.up.resize(total * ff, 0.0);
     {
@@ -121,7 +132,7 @@ pub(crate) fn expert_rows(
     s.gate[..total * ff]
         .par_chunks_mut(4096)
         .zip(s.up[..total * ff].par_chunks(4096))
-        .for_each(|(g, u)| FfnActivation::SwiGlu.apply_all(g, u));
+        .for_each(|(g, u)| c.ffn_activation.apply_all(g, u));
     // down (total, n_embd), each expert over its rows of h (quantized once)
     s.h_acts.set_for(&s.gate[..total * ff], total, ff, &[mw.down_exps]);
     s.down_acts.resize_with(chosen.len(), Default::default);
