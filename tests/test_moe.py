@@ -198,6 +198,48 @@ def test_a_decode_token_reads_only_its_experts(tmp_path):
     assert st["skipped"] == n_layer * (e - k) * n_ff_exp
 
 
+def test_relu_experts_read_up_rows_only_where_the_gate_is_positive(tmp_path):
+    """SmallThinker's ReGLU experts: a decode token reads an up row only for the neurons its
+    gate made positive (the others' activation is exactly zero). One layer, float weights: the
+    gates are counted from the float64 reference's own FFN input, and the logits stay the
+    reference's."""
+    path = write_moe(tmp_path / "m.gguf", "smallthinker", Q.F32, n_layer=1, sliding_window=None)
+    f = _core.GgufFile(path)
+    size = {t["name"]: t["n_bytes"] for t in f.tensors()}
+    model = _core.Model(path, 2)
+    cfg = model.config()["experts"]
+    e, k, ff = cfg["n_expert"], cfg["n_expert_used"], cfg["n_ff_exp"]
+    w, meta = read_weights(path)
+    token = 9
+    # the reference's FFN input for one token at position 0: attention reads only itself
+    x = w["token_embd.weight"][[token]]
+
+    def rms(v, g):
+        return v / np.sqrt((v * v).mean(axis=1, keepdims=True) + 1e-5) * g
+
+    h = rms(x, w["blk.0.attn_norm.weight"])
+    v = h @ w["blk.0.attn_v.weight"].T
+    v = np.repeat(v.reshape(1, 2, -1), 2, axis=1).reshape(1, -1)  # 4 heads share 2 kv heads
+    x1 = x + v @ w["blk.0.attn_output.weight"].T
+    hf = rms(x1, w["blk.0.ffn_norm.weight"])
+    routes = []
+    ref = forward(w, meta, [token], routes=routes)
+    chosen = routes[0][1][0]
+    gates = np.concatenate([hf @ w["blk.0.ffn_gate_exps.weight"][c].T for c in chosen], axis=1)
+    assert np.abs(gates).min() > 1e-4, "a gate too near zero to count"
+    zeroed = int((gates <= 0).sum())
+    assert 0 < zeroed < k * ff
+    s = _core.Session(model, 8, "f32")
+    got = s.eval([token])
+    assert relative_errors(got[None], ref).max() < FLOAT_TOL
+    st = s.take_stats()
+    always = sum(size[f"blk.0.{n}.weight"] for n in ["attn_q", "attn_k", "attn_v", "attn_output"])
+    always += size["blk.0.ffn_gate_inp.weight"]
+    experts = sum(size[f"blk.0.ffn_{n}_exps.weight"] for n in ["gate", "up", "down"])
+    up_row = size["blk.0.ffn_up_exps.weight"] // (e * ff)
+    assert st["weight_bytes_read"] == always + experts * k // e - zeroed * up_row
+
+
 def test_the_engine_runs_a_moe_file_and_reports_its_experts(tmp_path):
     path = write_moe(tmp_path / "m.gguf", "qwen3moe", Q.Q4_0)
     engine = Engine.load(path, threads=2, device="cpu")

@@ -146,7 +146,13 @@ const GROUP: usize = 64;
 /// the activations' loads and one horizontal sum, where a row alone pays that sum per block),
 /// each call with the next call's rows prefetched (see `matmul::dot_row`). Each value is the
 /// one the row gives alone.
-fn dot_selected(w: &QMatrix, sel: &[u32], x: &Activations, level: SimdLevel, out: &mut [f32]) {
+pub(crate) fn dot_selected(
+    w: &QMatrix,
+    sel: &[u32],
+    x: &Activations,
+    level: SimdLevel,
+    out: &mut [f32],
+) {
     let four = w.dtype.traits().decode_rows[level as usize] == 4;
     // SAFETY: levels above Scalar are only reported when the CPU has their features, and `x`
     // holds the activation forms of the level's kernels (`Activations::set_for`).

@@ -7,11 +7,13 @@
 //! product is the one it would be alone.
 
 use super::{
-    matmul, matmul_each, matmul_many, Activations, FfnActivation, FfnStats, Model, QMatrix, Result,
-    Scratch,
+    matmul, matmul_each, matmul_many, matmul_selected, Activations, FfnActivation, FfnStats, Model,
+    QMatrix, Result, Scratch,
 };
+use crate::matmul::simd_level;
 use crate::model::{Gating, RouterInput};
-use rayon::iter::{IndexedParallelIterator, ParallelIterator};
+use crate::sparse::dot_selected;
+use rayon::iter::{IndexedParallelIterator, IntoParallelIterator, ParallelIterator};
 use rayon::slice::{ParallelSlice, ParallelSliceMut};
 
 /// Layer `l`'s routing of n rows: router logits (n, n_expert) = xb @ router^T (or x, the
@@ -109,13 +111,22 @@ pub(crate) fn expert_rows(
         let rows = s.expert_rows[rows_of(e)].iter().map(|&(t, _)| t as usize);
         s.expert_acts[a].gather_rows(&s.acts, rows);
     }
-    // gate and up (total, n_ff_exp) each, expert by expert; h = act(gate, up)
+    // gate and up (total, n_ff_exp) each, expert by expert; h = act(gate, up). A ReLU gate
+    // decides alone: up is read only for the neurons some routed row's gate made positive, and
+    // computed only for those rows (exact: the others' h is zero whatever up is), as the dense
+    // FFN skips them; the values computed are the dense product's, bit for bit.
+    let gate_decides = matches!(c.ffn_activation, FfnActivation::ReGlu | FfnActivation::DReGlu);
     s.gate.resize(total * ff, 0.0);
     s.up.resize(total * ff, 0.0);
+    let experts: Vec<_> = chosen.iter().map(|&e| mw.expert(e)).collect();
     {
-        let experts: Vec<_> = chosen.iter().map(|&e| mw.expert(e)).collect();
-        let mats: Vec<QMatrix> = experts.iter().flat_map(|ex| [ex.gate, ex.up]).collect();
-        let xs: Vec<&Activations> = s.expert_acts.iter().flat_map(|a| [a, a]).collect();
+        let mats: Vec<QMatrix> = match gate_decides {
+            false => experts.iter().flat_map(|ex| [ex.gate, ex.up]).collect(),
+            true => experts.iter().map(|ex| ex.gate).collect(),
+        };
+        let per_expert = if gate_decides { 1 } else { 2 };
+        let xs: Vec<&Activations> =
+            s.expert_acts.iter().flat_map(|a| [a, a].into_iter().take(per_expert)).collect();
         let mut outs: Vec<&mut [f32]> = Vec::with_capacity(mats.len());
         let (mut gate, mut up) = (&mut s.gate[..total * ff], &mut s.up[..total * ff]);
         for e in 0..cfg.n_expert {
@@ -123,11 +134,62 @@ pub(crate) fn expert_rows(
             let (g, rest_g) = std::mem::take(&mut gate).split_at_mut(m);
             let (u, rest_u) = std::mem::take(&mut up).split_at_mut(m);
             if m > 0 && here(e) {
-                outs.extend([g, u]);
+                outs.push(g);
+                if !gate_decides {
+                    outs.push(u);
+                }
             }
             (gate, up) = (rest_g, rest_u);
         }
         matmul_each(&mats, &xs, &mut outs);
+    }
+    let mut up_rows_skipped = 0u64;
+    if gate_decides {
+        let mut work: Vec<(usize, &[f32], &mut [f32])> = Vec::with_capacity(chosen.len());
+        let (mut gate, mut up) = (&s.gate[..total * ff], &mut s.up[..total * ff]);
+        for (a, &e) in chosen.iter().enumerate() {
+            // (the chosen experts in index order, as the rows are laid out)
+            let skip = rows_of(e).start * ff - (total * ff - gate.len());
+            let m = rows_of(e).len() * ff;
+            let (g, rest_g) = gate[skip..].split_at(m);
+            let (u, rest_u) = std::mem::take(&mut up)[skip..].split_at_mut(m);
+            work.push((a, g, u));
+            (gate, up) = (rest_g, rest_u);
+        }
+        let acts = &s.expert_acts;
+        up_rows_skipped = work
+            .into_par_iter()
+            .map(|(a, g, u)| {
+                let keep: Vec<bool> = g.iter().map(|&v| v > 0.0).collect();
+                let mut any = vec![false; ff];
+                keep.chunks_exact(ff).for_each(|row| {
+                    any.iter_mut().zip(row).for_each(|(a, &k)| *a |= k);
+                });
+                let sel: Vec<u32> = (0..ff as u32).filter(|&j| any[j as usize]).collect();
+                let rows = acts[a].n;
+                let mut picked = vec![0.0f32; rows * sel.len()];
+                match rows {
+                    // one row (decode): its selected rows here, on this expert's thread
+                    1 => dot_selected(&experts[a].up, &sel, &acts[a], simd_level(), &mut picked),
+                    _ => matmul_selected(
+                        &[experts[a].up],
+                        &sel,
+                        Some(&keep),
+                        &acts[a],
+                        &mut [&mut picked],
+                    ),
+                }
+                u.fill(0.0);
+                for t in 0..rows {
+                    for (k, &j) in sel.iter().enumerate() {
+                        if keep[t * ff + j as usize] {
+                            u[t * ff + j as usize] = picked[t * sel.len() + k];
+                        }
+                    }
+                }
+                keep.iter().filter(|&&k| !k).count() as u64
+            })
+            .sum();
     }
     s.gate[..total * ff]
         .par_chunks_mut(4096)
@@ -204,6 +266,9 @@ pub(crate) fn expert_rows(
     stats.skipped += n64 * (e64 - k64) * ff as u64;
     stats.weight_bytes += n64 * (always + e64 * expert_bytes);
     stats.weight_bytes_read += n64 * (always + k64 * expert_bytes);
+    // the up rows of neurons a ReLU gate zeroed, per routed row (as each row alone reads them)
+    let up_row_bytes = mw.up_exps.data.len() as u64 / (e64 * ff as u64);
+    stats.weight_bytes_read -= up_rows_skipped * up_row_bytes;
     Ok(())
 }
 
