@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use powerinfer_core::attention::KvType;
 use powerinfer_core::forward::{forward, Backend, Norm, Part};
 use powerinfer_core::matmul::{Activations, QMatrix};
-use powerinfer_core::model::{Family, Model, RopeStyle, RouterInput};
+use powerinfer_core::model::{Family, FfnActivation, Model, RopeStyle, RouterInput};
 use powerinfer_core::quant::DType;
 use powerinfer_core::session::{softcap, CpuPass, FfnStats, Session, Sparsity, SparsityMode};
 use powerinfer_core::sparse::{sparse_ffn, FfnMats, SparseScratch};
@@ -147,11 +147,12 @@ struct GpuLayer<D: Device> {
     experts: Option<GpuExperts<D>>,
 }
 
-/// A mixture-of-experts layer on the device. The router and the shared expert run on the CPU,
-/// which reads the device's normed FFN input: per token it picks the experts, the device runs
-/// the chosen ones it holds (queued), the CPU the others meanwhile, and the CPU sums every
-/// chosen expert's output in expert order (the device's read back into their slots), as the
-/// CPU alone sums them; the sum joins the residual on the device as a cold part does.
+/// A mixture-of-experts layer on the device. The router runs on the CPU, which reads the
+/// device's normed FFN input (or its layer input): per token it picks the experts, the device
+/// runs the shared expert and the chosen ones it holds (queued), the CPU the others meanwhile,
+/// and the CPU sums every chosen expert's output in expert order (the device's read back into
+/// their slots) and the shared one's times its gate, as the CPU alone sums them; the sum joins
+/// the residual on the device as a cold part does.
 struct GpuExperts<D: Device> {
     /// Per expert: whether the device holds it.
     on_gpu: Vec<bool>,
@@ -159,6 +160,10 @@ struct GpuExperts<D: Device> {
     mats: Vec<Option<[DMat<D>; 3]>>,
     /// 0..n_ff_exp: every row of an expert, as `ffn_hot`'s bucket.
     rows: Buf<D, i32>,
+    /// The shared expert's gate, up (n_ff_shared, n_embd) and down (n_embd, n_ff_shared), and
+    /// its bucket 0..n_ff_shared, where the layer has one and the device has kernels for its
+    /// types (its scalar gate, sigmoid(gate_inp . xb), stays on the CPU).
+    shared: Option<([DMat<D>; 3], Buf<D, i32>)>,
 }
 
 pub struct HybridModel<D: Device> {
@@ -361,6 +366,19 @@ impl<D: Device> HybridModel<D> {
                 report.hot_experts += on_gpu.iter().filter(|&&on| on).count();
                 let n_ff_exp = mw.gate_exps.rows / n_expert;
                 let rows: Vec<i32> = (0..n_ff_exp as i32).collect();
+                let shared = match &mw.shared {
+                    Some(sh) if [sh.gate, sh.up, sh.down].iter().all(|m| m.dtype.traits().gpu) => {
+                        let m = [
+                            gpu.upload_rows(&sh.gate, None)?,
+                            gpu.upload_rows(&sh.up, None)?,
+                            gpu.upload_rows(&sh.down, None)?,
+                        ];
+                        bytes += m.iter().map(|d| d.bytes()).sum::<usize>();
+                        let bucket: Vec<i32> = (0..sh.gate.rows as i32).collect();
+                        Some((m, gpu.upload(&bucket)?))
+                    }
+                    _ => None,
+                };
                 report.weight_bytes += bytes;
                 report.layers_on_gpu += 1;
                 layers.push(Some(GpuLayer {
@@ -370,7 +388,7 @@ impl<D: Device> HybridModel<D> {
                     n_hot: 0,
                     cold: Vec::new(),
                     cold_down_t: None,
-                    experts: Some(GpuExperts { on_gpu, mats, rows: gpu.upload(&rows)? }),
+                    experts: Some(GpuExperts { on_gpu, mats, rows: gpu.upload(&rows)?, shared }),
                 }));
                 continue;
             }
@@ -505,6 +523,8 @@ struct DeviceState<D: Device> {
     pred_logits: Buf<D, f32>, // (n_ff)
     h: DActs<D>, // (max n_hot)
     expert_h: DActs<D>, // (n_ff_exp) one expert's activations
+    shared_h: DActs<D>, // (n_ff_shared) the shared expert's activations
+    shared_y: Buf<D, f32>, // (n_embd) the shared expert's output, before its gate
     expert_y: Vec<Buf<D, f32>>, // per routed slot of a token (n_used), (n_embd) its expert's output
     ffn_out: Buf<D, f32>, // (n_embd) the FFN's output when its down projection is `HotDown::Rows`
     partial: Buf<D, f32>, // (max chunks, n_embd)
@@ -599,6 +619,12 @@ impl<D: Device> HybridSession<D> {
             pred_logits: g.zeros(c.n_ff)?,
             h: g.acts(rows * max_hot)?,
             expert_h: g.acts(c.moe.map_or(1, |m| m.n_ff_exp))?,
+            shared_h: g.acts(c.moe.map_or(0, |m| m.n_ff_shared).max(1))?,
+            shared_y: g.zeros(if c.moe.is_some_and(|m| m.n_ff_shared > 0) {
+                c.n_embd
+            } else {
+                1
+            })?,
             expert_y: (0..c.moe.map_or(0, |m| m.n_used))
                 .map(|_| g.zeros(c.n_embd))
                 .collect::<Result<_>>()?,
@@ -1201,15 +1227,36 @@ impl<D: Device> Backend for HybridPass<'_, D> {
             self.hm.gpu.read(&self.dev.xb.f32s, self.cpu.normed_input())?;
         }
         let (c, g, dev) = (&self.hm.model.config, &self.hm.gpu, &mut *self.dev);
-        // the device's chosen experts, queued: h = act(gate . xb, up . xb), y = down . h
         let routes: Vec<(u32, f32)> = self.cpu.routes().to_vec();
-        let mut first = true;
+        // the input rounded once for every matrix the device reads it with
+        let mut readers: Vec<&DMat<D>> = ex.shared.iter().map(|(m, _)| &m[1]).collect();
+        readers.extend(
+            routes.iter().filter_map(|&(e, _)| ex.mats[e as usize].as_ref()).map(|m| &m[1]),
+        );
+        g.quantize_for(&readers, &mut dev.xb, c.n_embd)?;
+        // the shared expert, queued: h = silu(gate . xb) * (up . xb), y = down . h
+        if let Some(([gate, up, down], bucket)) = &ex.shared {
+            let h = &mut dev.shared_h;
+            g.ffn_hot(
+                Some(gate),
+                up,
+                bucket,
+                &dev.xb,
+                None,
+                None,
+                0.0,
+                None,
+                FfnActivation::SwiGlu,
+                &mut h.f32s,
+                1,
+            )?;
+            g.quantize_for(&[down], h, moe.n_ff_shared)?;
+            // (not in the split counts, which are the routed experts')
+            g.matvec(down, h, None, &mut dev.shared_y, false, 1)?;
+        }
+        // the device's chosen experts, queued: h = act(gate . xb, up . xb), y = down . h
         for (j, &(e, _)) in routes.iter().enumerate() {
             let Some([gate, up, down]) = &ex.mats[e as usize] else { continue };
-            if first {
-                g.quantize_for(&[up], &mut dev.xb, c.n_embd)?;
-                first = false;
-            }
             g.ffn_hot(
                 Some(gate),
                 up,
@@ -1231,8 +1278,8 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         let on_device = routes.iter().filter(|&&(e, _)| ex.on_gpu[e as usize]).count();
         dev.counts.cpu_neurons += ((routes.len() - on_device) * moe.n_ff_exp) as u64;
         let dim = c.n_embd;
-        let y = &dev.expert_y;
-        self.cpu.experts_except(l, &ex.on_gpu, |slots, out| {
+        let (y, shared_y) = (&dev.expert_y, &dev.shared_y);
+        self.cpu.experts_except(l, &ex.on_gpu, ex.shared.is_some(), |slots, out, shared| {
             for s in slots {
                 let j = routes
                     .iter()
@@ -1240,6 +1287,9 @@ impl<D: Device> Backend for HybridPass<'_, D> {
                     .expect("a slot of a routed expert");
                 g.read(&y[j], &mut out[s.slot * dim..(s.slot + 1) * dim])
                     .map_err(powerinfer_core::Error::from)?;
+            }
+            if let Some(shared) = shared {
+                g.read(shared_y, shared).map_err(powerinfer_core::Error::from)?;
             }
             Ok(())
         })?;

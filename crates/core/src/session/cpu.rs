@@ -81,18 +81,22 @@ impl<'a> CpuPass<'a> {
         &self.s.routes[..self.rows.len() * k]
     }
 
-    /// The `experts` step with the experts `elsewhere` marks computed by another device:
-    /// `fill(slots, out)` writes their outputs (see `ExpertSlot`) before the rows' sums.
+    /// The `experts` step with the experts `elsewhere` marks, and with `shared_elsewhere` the
+    /// shared expert, computed by another device: `fill(slots, out, shared)` writes their outputs
+    /// (see `ExpertSlot`, `moe::expert_rows`) before the rows' sums.
     pub fn experts_except(
         &mut self,
         l: usize,
         elsewhere: &[bool],
-        fill: impl FnOnce(&[ExpertSlot], &mut [f32]) -> Result<()>,
+        shared_elsewhere: bool,
+        fill: impl FnOnce(&[ExpertSlot], &mut [f32], Option<&mut [f32]>) -> Result<()>,
     ) -> Result<()> {
         // every row of the pass at once, whichever session it belongs to: the experts are
         // dense (sparsity and recorders are refused on mixture-of-experts models)
         let mut stats = FfnStats::default();
-        expert_rows(&self.model, &mut self.s, &mut stats, l, self.rows.len(), elsewhere, fill)?;
+        let n = self.rows.len();
+        let (model, s) = (&self.model, &mut self.s);
+        expert_rows(model, s, &mut stats, l, n, elsewhere, shared_elsewhere, fill)?;
         count(&mut self.sessions, stats);
         Ok(())
     }
@@ -479,7 +483,7 @@ impl Backend for CpuPass<'_> {
     }
 
     fn experts(&mut self, l: usize) -> Result<()> {
-        self.experts_except(l, &[], |_, _| Ok(()))
+        self.experts_except(l, &[], false, |_, _, _| Ok(()))
     }
 
     fn post_norm(&mut self, l: usize, part: Part) -> Result<()> {

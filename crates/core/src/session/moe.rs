@@ -1,6 +1,6 @@
 //! The CPU's mixture-of-experts FFN over a pass's rows, in two steps as llama.cpp's
-//! `build_moe_ffn` (softmax gating): `route_rows` picks each row's experts and their weights,
-//! `expert_rows` runs them. The rows are grouped by expert, so a prompt (or a batch of
+//! `build_moe_ffn` (softmax or sigmoid gating): `route_rows` picks each row's experts and their
+//! weights, `expert_rows` runs them. The rows are grouped by expert, so a prompt (or a batch of
 //! sessions) reads each chosen expert's weights once (llama.cpp's `mul_mat_id`), and a decode
 //! token reads only its own experts' rows. Each row's result does not depend on which other
 //! rows share its pass: its experts' contributions are added in expert order, and every
@@ -60,16 +60,19 @@ pub(crate) fn route_rows(model: &Model, s: &mut Scratch, l: usize, n: usize) {
 }
 
 /// ffn_out (n, n_embd) = for each row, the sum over its routed experts (s.routes) of
-/// weight * down(act(gate(xb), up(xb))) (the model's activation), in expert order, plus the shared expert's output
-/// times sigmoid(gate_inp . xb) where the layer has one. Every chosen expert's products run in
-/// one parallel pass (gate and up, then down), each over the rows routed to it. Counts neurons,
-/// the routed-away ones as skipped, and the weight bytes each row reads (router, shared
-/// expert, its own experts) against those of running every expert.
+/// weight * down(act(gate(xb), up(xb))) (the model's activation), in expert order, plus the
+/// shared expert's output times sigmoid(gate_inp . xb) where the layer has one. Every chosen
+/// expert's products run in one parallel pass (gate and up, then down; a ReLU gate's up after
+/// it), each over the rows routed to it. Counts neurons, the routed-away ones as skipped, and
+/// the weight bytes each row reads (router, shared expert, its own experts, less the up rows a
+/// ReLU gate zeroed) against those of running every expert.
 ///
-/// The experts `elsewhere` marks (by index; empty: none) are not computed here: `fill` receives
-/// the (row, expert) of each routed pair they serve, with its slot: it writes that expert's
-/// output for the row into row `slot` of the (n * n_used, n_embd) buffer it is handed (another
-/// device's, as the hybrid executor's hot experts), before the rows' sums.
+/// The experts `elsewhere` marks (by index; empty: none), and with `shared_elsewhere` the shared
+/// expert, are not computed here: `fill(slots, out, shared)` receives the (row, expert) of each
+/// routed pair they serve, with its slot, and writes that expert's output for the row into row
+/// `slot` of `out` (n * n_used, n_embd), and the shared expert's output (before its gate) for
+/// every row into `shared` (n, n_embd) when it is elsewhere (another device's, as the hybrid
+/// executor's), before the rows' sums.
 pub(crate) fn expert_rows(
     model: &Model,
     s: &mut Scratch,
@@ -77,7 +80,8 @@ pub(crate) fn expert_rows(
     l: usize,
     n: usize,
     elsewhere: &[bool],
-    fill: impl FnOnce(&[ExpertSlot], &mut [f32]) -> Result<()>,
+    shared_elsewhere: bool,
+    fill: impl FnOnce(&[ExpertSlot], &mut [f32], Option<&mut [f32]>) -> Result<()>,
 ) -> Result<()> {
     let (c, lw) = (&model.config, &model.weights.layers[l]);
     let (cfg, mw) = (c.moe.expect("a mixture-of-experts model"), lw.moe.as_ref().expect("experts"));
@@ -145,15 +149,16 @@ pub(crate) fn expert_rows(
     }
     let mut up_rows_skipped = 0u64;
     if gate_decides {
+        // per chosen expert (its index in `chosen`): its rows of gate and of up
         let mut work: Vec<(usize, &[f32], &mut [f32])> = Vec::with_capacity(chosen.len());
         let (mut gate, mut up) = (&s.gate[..total * ff], &mut s.up[..total * ff]);
-        for (a, &e) in chosen.iter().enumerate() {
-            // (the chosen experts in index order, as the rows are laid out)
-            let skip = rows_of(e).start * ff - (total * ff - gate.len());
+        for e in 0..cfg.n_expert {
             let m = rows_of(e).len() * ff;
-            let (g, rest_g) = gate[skip..].split_at(m);
-            let (u, rest_u) = std::mem::take(&mut up)[skip..].split_at_mut(m);
-            work.push((a, g, u));
+            let (g, rest_g) = gate.split_at(m);
+            let (u, rest_u) = std::mem::take(&mut up).split_at_mut(m);
+            if m > 0 && here(e) {
+                work.push((work.len(), g, u));
+            }
             (gate, up) = (rest_g, rest_u);
         }
         let acts = &s.expert_acts;
@@ -222,8 +227,11 @@ pub(crate) fn expert_rows(
         .flat_map(|e| rows_of(e).map(move |slot| (e, slot)))
         .map(|(e, slot)| ExpertSlot { row: s.expert_rows[slot].0 as usize, expert: e, slot })
         .collect();
-    if !away.is_empty() {
-        fill(&away, &mut s.expert_out[..total * dim])?;
+    let shared_elsewhere = shared_elsewhere && mw.shared.is_some();
+    s.shared_out.resize(n * dim, 0.0);
+    if !away.is_empty() || shared_elsewhere {
+        let shared = shared_elsewhere.then_some(&mut s.shared_out[..n * dim]);
+        fill(&away, &mut s.expert_out[..total * dim], shared)?;
     }
     // each row's sum, its experts in expert order
     let ffn_out = &mut s.ffn_out[..n * dim];
@@ -238,23 +246,24 @@ pub(crate) fn expert_rows(
         // the shared expert over every row, scaled by sigmoid(gate_inp . xb)
         let n_sh = sh.gate.rows;
         shared_bytes = sh.gate.data.len() + sh.up.data.len() + sh.down.data.len();
-        s.acts.set_for(&s.xb[..n * dim], n, dim, &[sh.gate, sh.up]);
-        s.gate.resize(n * n_sh, 0.0);
-        s.up.resize(n * n_sh, 0.0);
-        matmul_many(
-            &[sh.gate, sh.up],
-            &s.acts,
-            &mut [&mut s.gate[..n * n_sh], &mut s.up[..n * n_sh]],
-        );
-        FfnActivation::SwiGlu.apply_all(&mut s.gate[..n * n_sh], &s.up[..n * n_sh]);
-        s.acts.set_for(&s.gate[..n * n_sh], n, n_sh, &[sh.down]);
-        s.expert_out.resize(n * dim, 0.0);
-        matmul(&sh.down, &s.acts, &mut s.expert_out);
+        if !shared_elsewhere {
+            s.acts.set_for(&s.xb[..n * dim], n, dim, &[sh.gate, sh.up]);
+            s.gate.resize(n * n_sh, 0.0);
+            s.up.resize(n * n_sh, 0.0);
+            matmul_many(
+                &[sh.gate, sh.up],
+                &s.acts,
+                &mut [&mut s.gate[..n * n_sh], &mut s.up[..n * n_sh]],
+            );
+            FfnActivation::SwiGlu.apply_all(&mut s.gate[..n * n_sh], &s.up[..n * n_sh]);
+            s.acts.set_for(&s.gate[..n * n_sh], n, n_sh, &[sh.down]);
+            matmul(&sh.down, &s.acts, &mut s.shared_out[..n * dim]);
+        }
         for t in 0..n {
             let x = &s.xb[t * dim..(t + 1) * dim];
             let g: f32 = x.iter().zip(&sh.gate_inp).map(|(x, g)| x * g).sum();
             let scale = 1.0 / (1.0 + (-g).exp());
-            let (out, y) = (&mut s.ffn_out[t * dim..(t + 1) * dim], &s.expert_out[t * dim..]);
+            let (out, y) = (&mut s.ffn_out[t * dim..(t + 1) * dim], &s.shared_out[t * dim..]);
             out.iter_mut().zip(y).for_each(|(o, y)| *o += scale * y);
         }
     }

@@ -60,7 +60,8 @@ pub(crate) struct Scratch {
     pub(crate) expert_acts: Vec<Activations>, // per chosen expert: its rows of xb
     pub(crate) h_acts: Activations, // (n * n_used, n_ff_exp) the experts' activations, quantized
     pub(crate) down_acts: Vec<Activations>, // per chosen expert: its rows of h_acts
-    pub(crate) expert_out: Vec<f32>, // (n * n_used, n_embd) the experts' outputs (or (n, n_embd) the shared one's)
+    pub(crate) expert_out: Vec<f32>, // (n * n_used, n_embd) the routed experts' outputs
+    pub(crate) shared_out: Vec<f32>, // (n, n_embd) the shared expert's output, before its gate
     pub(crate) acts: Activations,
     pub(crate) pred_acts: Activations,
     pub(crate) sparse: SparseScratch,
