@@ -10,7 +10,7 @@ use super::{
     matmul, matmul_each, matmul_many, matmul_selected, Activations, FfnActivation, FfnStats, Model,
     QMatrix, Result, Scratch,
 };
-use crate::matmul::simd_level;
+use crate::matmul::{dot_rows, simd_level};
 use crate::model::{Gating, RouterInput};
 use crate::sparse::dot_selected;
 use rayon::iter::{IndexedParallelIterator, IntoParallelIterator, ParallelIterator};
@@ -123,7 +123,9 @@ pub(crate) fn expert_rows(
     s.gate.resize(total * ff, 0.0);
     s.up.resize(total * ff, 0.0);
     let experts: Vec<_> = chosen.iter().map(|&e| mw.expert(e)).collect();
-    {
+    // a decode step (one row per expert) with a ReLU gate: one parallel pass, below
+    let one_row_each = chosen.iter().all(|&e| rows_of(e).len() == 1);
+    if !(gate_decides && one_row_each) {
         let mats: Vec<QMatrix> = match gate_decides {
             false => experts.iter().flat_map(|ex| [ex.gate, ex.up]).collect(),
             true => experts.iter().map(|ex| ex.gate).collect(),
@@ -148,7 +150,49 @@ pub(crate) fn expert_rows(
         matmul_each(&mats, &xs, &mut outs);
     }
     let mut up_rows_skipped = 0u64;
-    if gate_decides {
+    if gate_decides && one_row_each {
+        // per chosen expert and span of its neurons: the gate rows, then the up rows of the
+        // neurons whose gate is positive, as the sparse FFN operator orders them (one fork and
+        // join for the layer; the values are the dense products', bit for bit)
+        const SPAN: usize = 128;
+        let mut work: Vec<(usize, usize, &mut [f32], &mut [f32])> = Vec::new();
+        let (mut gate, mut up) = (&mut s.gate[..total * ff], &mut s.up[..total * ff]);
+        for e in 0..cfg.n_expert {
+            let m = rows_of(e).len() * ff;
+            let (g, rest_g) = std::mem::take(&mut gate).split_at_mut(m);
+            let (u, rest_u) = std::mem::take(&mut up).split_at_mut(m);
+            if m > 0 && here(e) {
+                let a = chosen.iter().position(|&c| c == e).expect("a chosen expert");
+                for (k, (g, u)) in g.chunks_mut(SPAN).zip(u.chunks_mut(SPAN)).enumerate() {
+                    work.push((a, k * SPAN, g, u));
+                }
+            }
+            (gate, up) = (rest_g, rest_u);
+        }
+        let (acts, level) = (&s.expert_acts, simd_level());
+        up_rows_skipped = work
+            .into_par_iter()
+            .map(|(a, j0, g, u)| {
+                let ex = &experts[a];
+                dot_rows(&ex.gate, j0..j0 + g.len(), &acts[a], [0], level, |j, [v]| g[j - j0] = v);
+                let mut sel = [0u32; SPAN];
+                let mut n_sel = 0;
+                for (i, &v) in g.iter().enumerate() {
+                    if v > 0.0 {
+                        sel[n_sel] = (j0 + i) as u32;
+                        n_sel += 1;
+                    }
+                }
+                let mut picked = [0.0f32; SPAN];
+                dot_selected(&ex.up, &sel[..n_sel], &acts[a], level, &mut picked[..n_sel]);
+                u.fill(0.0);
+                for (&j, &v) in sel[..n_sel].iter().zip(&picked) {
+                    u[j as usize - j0] = v;
+                }
+                (g.len() - n_sel) as u64
+            })
+            .sum();
+    } else if gate_decides {
         // per chosen expert (its index in `chosen`): its rows of gate and of up
         let mut work: Vec<(usize, &[f32], &mut [f32])> = Vec::with_capacity(chosen.len());
         let (mut gate, mut up) = (&s.gate[..total * ff], &mut s.up[..total * ff]);
