@@ -166,8 +166,8 @@ def _expert_plan(
     profile: str | None,
 ) -> GpuPlacement:
     """A mixture-of-experts model's split. Attention, norms and KV cache go first, layer by
-    layer (a shared expert with its layer), then the output layer (as for dense models); the
-    routers run on the CPU. Then the experts of the GPU layers, most routings per byte first (from an expert
+    layer (a router and a shared expert with their layer), then the output layer (as for dense
+    models). Then the experts of the GPU layers, most routings per byte first (from an expert
     profile: `profile`, or `<model>.profile.npz`), while they fit: within a layer the experts
     have one size, so that is its most routed ones, and where every layer's experts have one
     type it is the split that serves the most routings from the GPU; without a profile, the
@@ -223,8 +223,8 @@ def _expert_plan(
     notes.append(
         f"mixture of experts: {on_gpu} of {n_layer * n_expert} experts on the GPU "
         f"({sum(int(x.sum()) * b for x, b in zip(experts, per_expert)) / 2**20:.0f} MiB), "
-        f"attention, shared experts and the KV cache of {sum(dense)} of {n_layer} layers; "
-        "routers and the other experts on the CPU"
+        f"attention, routers, shared experts and the KV cache of {sum(dense)} of {n_layer} "
+        "layers; the other experts on the CPU"
     )
     neurons = [np.zeros(mb.n_ff, dtype=bool) for _ in range(n_layer)]
     return GpuPlacement(budget, dense, neurons, output, source, notes=notes, expert_on_gpu=experts)

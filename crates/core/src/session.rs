@@ -40,7 +40,7 @@ use ffn::ffn_rows;
 pub use math::softcap;
 use math::{add_bias, add_into, norm_rows, rmsnorm_in_place, rope_rows};
 pub use moe::ExpertSlot;
-use moe::{expert_rows, route_rows};
+use moe::{expert_rows, pick_routes, route_rows};
 use observe::Recorder;
 pub use projection::time_input_sparsity;
 use projection::{project, project_down};

@@ -164,6 +164,9 @@ struct GpuExperts<D: Device> {
     /// its bucket 0..n_ff_shared, where the layer has one and the device has kernels for its
     /// types (its scalar gate, sigmoid(gate_inp . xb), stays on the CPU).
     shared: Option<([DMat<D>; 3], Buf<D, i32>)>,
+    /// The router (n_expert, n_embd), where the device has kernels for its type: its logits
+    /// (n_expert floats) come back to the host, which picks the experts.
+    router: Option<DMat<D>>,
 }
 
 pub struct HybridModel<D: Device> {
@@ -366,6 +369,11 @@ impl<D: Device> HybridModel<D> {
                 report.hot_experts += on_gpu.iter().filter(|&&on| on).count();
                 let n_ff_exp = mw.gate_exps.rows / n_expert;
                 let rows: Vec<i32> = (0..n_ff_exp as i32).collect();
+                let router = match mw.router.dtype.traits().gpu {
+                    true => Some(gpu.upload_rows(&mw.router, None)?),
+                    false => None,
+                };
+                bytes += router.as_ref().map_or(0, |r| r.bytes());
                 let shared = match &mw.shared {
                     Some(sh) if [sh.gate, sh.up, sh.down].iter().all(|m| m.dtype.traits().gpu) => {
                         let m = [
@@ -388,7 +396,13 @@ impl<D: Device> HybridModel<D> {
                     n_hot: 0,
                     cold: Vec::new(),
                     cold_down_t: None,
-                    experts: Some(GpuExperts { on_gpu, mats, rows: gpu.upload(&rows)?, shared }),
+                    experts: Some(GpuExperts {
+                        on_gpu,
+                        mats,
+                        rows: gpu.upload(&rows)?,
+                        shared,
+                        router,
+                    }),
                 }));
                 continue;
             }
@@ -525,6 +539,7 @@ struct DeviceState<D: Device> {
     expert_h: DActs<D>, // (n_ff_exp) one expert's activations
     shared_h: DActs<D>, // (n_ff_shared) the shared expert's activations
     shared_y: Buf<D, f32>, // (n_embd) the shared expert's output, before its gate
+    router_logits: Buf<D, f32>, // (n_expert) a GPU layer's router logits
     expert_y: Vec<Buf<D, f32>>, // per routed slot of a token (n_used), (n_embd) its expert's output
     ffn_out: Buf<D, f32>, // (n_embd) the FFN's output when its down projection is `HotDown::Rows`
     partial: Buf<D, f32>, // (max chunks, n_embd)
@@ -625,6 +640,7 @@ impl<D: Device> HybridSession<D> {
             } else {
                 1
             })?,
+            router_logits: g.zeros(c.moe.map_or(1, |m| m.n_expert))?,
             expert_y: (0..c.moe.map_or(0, |m| m.n_used))
                 .map(|_| g.zeros(c.n_embd))
                 .collect::<Result<_>>()?,
@@ -1194,21 +1210,38 @@ impl<D: Device> Backend for HybridPass<'_, D> {
 
     fn route(&mut self, l: usize) -> CoreResult<()> {
         let moe = self.hm.model.config.moe.expect("a mixture-of-experts model");
-        match moe.router_input {
-            // the router reads the device's normed FFN input on the host
-            RouterInput::FfnInput => {
-                if self.place(l)?.is_some() {
-                    self.hm.gpu.read(&self.dev.xb.f32s, self.cpu.normed_input())?;
-                }
-            }
-            // or a copy of the layer input, wherever the residual stream is
-            RouterInput::LayerInput => {
-                if self.on_gpu {
-                    self.hm.gpu.read(&self.dev.x.f32s, self.cpu.residual_stream())?;
-                }
-            }
+        let g = &self.hm.gpu;
+        // where the router's input is: the normed FFN input on the device in a GPU layer; the
+        // layer input wherever the residual stream is now
+        let on_device = match moe.router_input {
+            RouterInput::FfnInput => self.place(l)?.is_some(),
+            RouterInput::LayerInput => self.on_gpu,
+        };
+        if !on_device {
+            return self.cpu.route(l);
         }
-        self.cpu.route(l)
+        if moe.router_input == RouterInput::FfnInput {
+            // (the host reads it anyway: its experts and the shared expert's gate need it)
+            g.read(&self.dev.xb.f32s, self.cpu.normed_input())?;
+        }
+        let router = self.hm.layers[l].as_ref().and_then(|d| d.experts.as_ref()?.router.as_ref());
+        let Some(router) = router else {
+            if moe.router_input == RouterInput::LayerInput {
+                g.read(&self.dev.x.f32s, self.cpu.residual_stream())?;
+            }
+            return self.cpu.route(l);
+        };
+        // the router's product on the device, its logits to the host
+        let dev = &mut *self.dev;
+        let x = match moe.router_input {
+            RouterInput::FfnInput => &mut dev.xb,
+            RouterInput::LayerInput => &mut dev.x,
+        };
+        g.quantize_for(&[router], x, router.cols)?;
+        g.matvec(router, x, None, &mut dev.router_logits, false, 1)?;
+        let mut logits = vec![0.0f32; moe.n_expert];
+        g.read(&dev.router_logits, &mut logits)?;
+        self.cpu.route_from(l, &logits)
     }
 
     fn experts(&mut self, l: usize) -> CoreResult<()> {

@@ -80,8 +80,7 @@ class ModelBytes:
     # in its own type, not as the F16 neuron-major copy a split needs; None: n_ff neurons' bytes
     whole_ffn_bytes: np.ndarray | None = None
     # (n_layer,) a mixture-of-experts layer's experts (`ffn_*_exps`; zero in a dense layer).
-    # Its router is counted nowhere (it runs on the CPU); its shared expert is in the dense part,
-    # which it goes to the GPU with
+    # Its router and shared expert are in the dense part, which they go to the GPU with
     expert_bytes: np.ndarray | None = None
 
     def whole_ffn(self) -> np.ndarray:
@@ -114,8 +113,6 @@ def model_bytes(path: str, n_ctx: int | None = None, config: dict | None = None)
             l, rest = int(m.group(1)), m.group(2)
             if "_exps." in rest:
                 experts[l] += t["n_bytes"]
-            elif rest == "ffn_gate_inp.weight":
-                pass  # the router runs on the CPU
             elif rest == "ffn_down.weight":
                 # neurons read the neuron-major copy the engine builds: F32 for F32, else F16
                 neuron[l] += cfg["n_embd"] * (4 if t["type"] == "F32" else 2)

@@ -8,9 +8,9 @@
 
 use super::{
     add_bias, add_into, attend_block, attend_group, attend_group_partial, expert_rows, ffn_rows,
-    matmul, merge_partials, norm_rows, project, rmsnorm_in_place, rope_rows, route_rows, softcap,
-    Arc, Error, ExpertSlot, FfnStats, InputGroup, Model, Partial, PassState, Result, Scratch,
-    Session, Sparsity,
+    matmul, merge_partials, norm_rows, pick_routes, project, rmsnorm_in_place, rope_rows,
+    route_rows, softcap, Arc, Error, ExpertSlot, FfnStats, InputGroup, Model, Partial, PassState,
+    Result, Scratch, Session, Sparsity,
 };
 use crate::forward::{Backend, Norm, Part};
 use rayon::iter::IndexedParallelIterator;
@@ -79,6 +79,37 @@ impl<'a> CpuPass<'a> {
     pub fn routes(&self) -> &[(u32, f32)] {
         let k = self.model.config.moe.map_or(0, |m| m.n_used);
         &self.s.routes[..self.rows.len() * k]
+    }
+
+    /// The `route` step from router logits (n, n_expert) another device computed.
+    pub fn route_from(&mut self, l: usize, logits: &[f32]) -> Result<()> {
+        let n = self.rows.len();
+        let n_expert = self.model.config.moe.map_or(0, |m| m.n_expert);
+        if logits.len() != n * n_expert {
+            return Err(Error::InvalidArgument(format!(
+                "{} router logits for {n} rows of {n_expert} experts",
+                logits.len()
+            )));
+        }
+        self.s.router_logits.clear();
+        self.s.router_logits.extend_from_slice(logits);
+        pick_routes(&self.model, &mut self.s, n);
+        self.count_routes(l);
+        Ok(())
+    }
+
+    /// Each row's experts of layer l (s.routes), counted for its session.
+    fn count_routes(&mut self, l: usize) {
+        let c = &self.model.config;
+        let moe = c.moe.expect("a mixture-of-experts model");
+        let (n_expert, k) = (moe.n_expert, moe.n_used);
+        for (t, &(i, _)) in self.rows.iter().enumerate() {
+            let counts = &mut self.sessions[i].state.expert_counts;
+            counts.resize(c.n_layer * n_expert, 0);
+            for &(e, _) in &self.s.routes[t * k..(t + 1) * k] {
+                counts[l * n_expert + e as usize] += 1;
+            }
+        }
     }
 
     /// The `experts` step with the experts `elsewhere` marks, and with `shared_elsewhere` the
@@ -467,18 +498,8 @@ impl Backend for CpuPass<'_> {
     }
 
     fn route(&mut self, l: usize) -> Result<()> {
-        let (n, c) = (self.rows.len(), &self.model.config);
-        route_rows(&self.model, &mut self.s, l, n);
-        // each row's experts, counted for its session
-        let moe = c.moe.expect("a mixture-of-experts model");
-        let (n_expert, k) = (moe.n_expert, moe.n_used);
-        for (t, &(i, _)) in self.rows.iter().enumerate() {
-            let counts = &mut self.sessions[i].state.expert_counts;
-            counts.resize(c.n_layer * n_expert, 0);
-            for &(e, _) in &self.s.routes[t * k..(t + 1) * k] {
-                counts[l * n_expert + e as usize] += 1;
-            }
-        }
+        route_rows(&self.model, &mut self.s, l, self.rows.len());
+        self.count_routes(l);
         Ok(())
     }
 

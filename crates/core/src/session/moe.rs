@@ -32,9 +32,17 @@ pub(crate) fn route_rows(model: &Model, s: &mut Scratch, l: usize, n: usize) {
     s.acts.set_for(input, n, dim, &[mw.router]);
     s.router_logits.resize(n * n_expert, 0.0);
     matmul(&mw.router, &s.acts, &mut s.router_logits);
+    pick_routes(model, s, n);
+}
+
+/// `route_rows` from router logits already in s.router_logits (n, n_expert): another device's
+/// product, or the CPU's own.
+pub(crate) fn pick_routes(model: &Model, s: &mut Scratch, n: usize) {
+    let cfg = model.config.moe.expect("a mixture-of-experts model");
+    let n_expert = cfg.n_expert;
     s.routes.clear();
     let mut order: Vec<u32> = Vec::with_capacity(n_expert);
-    for logits in s.router_logits.chunks_exact_mut(n_expert) {
+    for logits in s.router_logits[..n * n_expert].chunks_exact_mut(n_expert) {
         match cfg.gating {
             Gating::Softmax => {
                 // as ggml's soft_max: exp(v - max) / sum
