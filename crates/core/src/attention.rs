@@ -6,8 +6,8 @@
 //! (bit-for-bit the values the projections produced).
 
 use crate::error::{Error, Result};
-use crate::matmul::{simd_level, SimdLevel};
 use crate::quant::{f16_to_f32, f32_to_f16};
+use crate::simd::{simd_level, SimdLevel};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvType {

@@ -1,6 +1,6 @@
 //! AVX2 + FMA + F16C dot products. Each function is the SIMD twin of a `*_scalar` function in
 //! `quant/` with the same signature and is tested against it. They must only be called after
-//! `matmul::simd_level()` has confirmed the CPU features.
+//! `simd::simd_level()` has confirmed the CPU features.
 //!
 //! One weight row is dotted with N activation rows at once: the weight block is loaded and its
 //! nibbles unpacked once, then reused for every token, which is what makes prefill (N = 4)

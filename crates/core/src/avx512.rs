@@ -1,7 +1,7 @@
 //! AVX-512 (F, BW, VL, VNNI) kernels: integer dot products of quantized weight rows with int8
 //! activations (twins of `quant::dot_*_scalar`), and the sparse down projection y += sum of
 //! a[r] * row r (twin of R calls of `quant::axpy_scalar`), each tested against its scalar twin.
-//! They must only be called after `matmul::simd_level()` reported `Avx512`.
+//! They must only be called after `simd::simd_level()` reported `Avx512`.
 //!
 //! The dots take four 32-weight blocks per step (`dot_steps`), laid out as an `ActQuad`. Q4_0,
 //! Q4_1 and Q8_0 are read four blocks at a time: two overlapping 64-byte loads cover them, one

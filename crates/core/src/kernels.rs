@@ -17,9 +17,33 @@
 //! function pointers of the instances for that R and N.
 
 use crate::dtype::DType;
-use crate::matmul::{QMatrix, SimdLevel, TokenActs};
 use crate::quant::chunks::{BlockIQ4NL, BlockQ5_0, BlockQ5_1};
-use crate::quant::{self, cast_blocks, q256, BlockQ4_0, BlockQ4_1, BlockQ8_0};
+use crate::quant::q256::BlockQ8K;
+use crate::quant::{self, cast_blocks, q256, ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0};
+use crate::simd::SimdLevel;
+
+/// One token's activations in the forms the kernels read (`matmul::Activations::token`), sliced once
+/// for the many kernel calls of a product.
+#[derive(Clone, Copy)]
+pub(crate) struct TokenActs<'a> {
+    pub f32s: &'a [f32],
+    pub q8: &'a [BlockQ8Act],
+    pub quads: &'a [ActQuad],
+    pub q8k: &'a [BlockQ8K],
+}
+
+/// The rows of a weight matrix as the loops read them: `data` holds rows of `row_bytes` bytes.
+#[derive(Clone, Copy)]
+pub(crate) struct Rows<'a> {
+    pub data: &'a [u8],
+    pub row_bytes: usize,
+}
+
+impl<'a> Rows<'a> {
+    fn row(&self, r: usize) -> &'a [u8] {
+        &self.data[r * self.row_bytes..(r + 1) * self.row_bytes]
+    }
+}
 
 /// R weight rows (each the bytes of one row of the type) against N tokens' activations:
 /// out[r][k] = rows[r] . x[k]. `next`: the bytes the caller reads after these rows, in turn;
@@ -34,10 +58,10 @@ pub(crate) type DotFn<const R: usize, const N: usize> =
 /// Rows `rows` of `w` against N tokens into out[..rows.len()], four rows per kernel call where
 /// `four`, each call with the next call's rows prefetched (up to row `limit`). Safety: `DotFn`'s.
 pub(crate) type RunFn<const N: usize> =
-    unsafe fn(&QMatrix, std::ops::Range<usize>, usize, bool, [TokenActs; N], &mut [[f32; N]]);
+    unsafe fn(Rows, std::ops::Range<usize>, usize, bool, [TokenActs; N], &mut [[f32; N]]);
 
 /// Rows `sel` of `w` against one token into out[..sel.len()], as `RunFn`. Safety: `DotFn`'s.
-pub(crate) type SelectedFn = unsafe fn(&QMatrix, &[u32], bool, TokenActs, &mut [f32]);
+pub(crate) type SelectedFn = unsafe fn(Rows, &[u32], bool, TokenActs, &mut [f32]);
 
 /// y += sum over r of a[r] * rows[r], each block of y loaded and stored once for the R rows;
 /// `next` prefetched as for `DotFn`.
@@ -197,14 +221,14 @@ pub(crate) trait Axpys {
 
 /// `RunFn`, over kernel K.
 unsafe fn run_of<K: Dots, const N: usize>(
-    w: &QMatrix,
+    w: Rows,
     rows: std::ops::Range<usize>,
     limit: usize,
     four: bool,
     x: [TokenActs; N],
     out: &mut [[f32; N]],
 ) {
-    let row_bytes = w.row_bytes();
+    let row_bytes = w.row_bytes;
     // the bytes of rows a..b (none past `limit`), for the prefetch
     let span = |a: usize, b: usize| -> &[u8] {
         match a < b.min(limit) {
@@ -231,7 +255,7 @@ unsafe fn run_of<K: Dots, const N: usize>(
 
 /// The rows of the (up to four) rows `ids` of `w` that a kernel call prefetches for the call
 /// after it, and how many there are: `&rows[..n]` is the kernel's `next`.
-fn next_rows<'a>(w: &QMatrix<'a>, ids: &[u32]) -> ([&'a [u8]; 4], usize) {
+fn next_rows<'a>(w: Rows<'a>, ids: &[u32]) -> ([&'a [u8]; 4], usize) {
     let mut rows = [&[][..]; 4];
     for (r, &j) in rows.iter_mut().zip(ids) {
         *r = w.row(j as usize);
@@ -240,13 +264,7 @@ fn next_rows<'a>(w: &QMatrix<'a>, ids: &[u32]) -> ([&'a [u8]; 4], usize) {
 }
 
 /// `SelectedFn`, over kernel K.
-unsafe fn selected_of<K: Dots>(
-    w: &QMatrix,
-    sel: &[u32],
-    four: bool,
-    x: TokenActs,
-    out: &mut [f32],
-) {
+unsafe fn selected_of<K: Dots>(w: Rows, sel: &[u32], four: bool, x: TokenActs, out: &mut [f32]) {
     let ahead = |from: usize, n: usize| sel.get(from..(from + n).min(sel.len())).unwrap_or(&[]);
     let mut k = 0;
     if four {

@@ -1,5 +1,5 @@
 //! powerinfer-core: the engine without Python. GGUF loading (`gguf`), tensor formats and
-//! reference kernels (`quant`), SIMD kernels (`avx2`, `avx512`) and their table per type and level (`kernels`), threaded matrix products (`matmul`),
+//! reference kernels (`quant`), SIMD kernels (`avx2`, `avx512`), the level this CPU runs (`simd`) and the kernels' table per type and level (`kernels`), threaded matrix products (`matmul`),
 //! LLaMA-family models (`model`) and their activations (`activation`), the forward pass written once over a backend seam (`forward`), the CPU backend, KV cache and sessions (`session`) and sampling
 //! (`sampler`).
 
@@ -16,6 +16,7 @@ pub mod model;
 pub mod quant;
 pub mod sampler;
 pub mod session;
+pub mod simd;
 pub mod sparse;
 
 #[cfg(target_arch = "x86_64")]

@@ -6,11 +6,9 @@
 //! Decode is n = 1 (matrix-vector); prefill multiplies all prompt tokens at once, four tokens per
 //! weight-row pass so each unpacked weight block is reused.
 
-use std::sync::OnceLock;
-
 use rayon::prelude::*;
 
-use crate::kernels;
+use crate::kernels::{self, Rows, TokenActs};
 use crate::quant::q256::{self, BlockQ8K};
 #[cfg(target_arch = "x86_64")]
 use crate::quant::q256_x86::GroupWidth;
@@ -18,97 +16,8 @@ use crate::quant::q256_x86::GroupWidth;
 use crate::quant::q32_x86;
 use crate::quant::{self, ActQuad, BlockQ8Act, DType, QK, QK_K};
 
-/// Instruction sets the kernels are written for, in increasing order: each level has every
-/// feature of the ones below it. The discriminant indexes `TypeTraits::decode_rows`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum SimdLevel {
-    Scalar,
-    /// AVX2 + FMA + F16C.
-    Avx2,
-    /// AVX2's features plus AVX-512 F, BW, VL and VNNI.
-    Avx512,
-}
-
-impl SimdLevel {
-    /// Whether the AVX2 kernels may run (also true at higher levels).
-    pub fn has_avx2(self) -> bool {
-        self >= SimdLevel::Avx2
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            SimdLevel::Scalar => "scalar",
-            SimdLevel::Avx2 => "avx2",
-            SimdLevel::Avx512 => "avx512",
-        }
-    }
-}
-
-/// Asks the CPU to start loading `bytes` into cache (the scattered rows and slices sparse and
-/// masked products read next).
-#[inline]
-pub(crate) fn prefetch(bytes: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        for off in (0..bytes.len()).step_by(64) {
-            // SAFETY: prefetching is a hint that never faults; the address is inside the slice.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().add(off) as *const i8) };
-        }
-    }
-}
-
-/// Best instruction set on this CPU, decided once. `POWERINFER_SIMD=scalar`, `avx2` or
-/// `avxvnni` (AVX2 with AVX-VNNI where the CPU has it) caps it (for checking results and
-/// measuring what each level buys).
-pub fn simd_level() -> SimdLevel {
-    static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
-    *LEVEL.get_or_init(|| {
-        let cap = match std::env::var("POWERINFER_SIMD").as_deref() {
-            Ok("scalar") => SimdLevel::Scalar,
-            Ok("avx2" | "avxvnni") => SimdLevel::Avx2,
-            _ => SimdLevel::Avx512,
-        };
-        detect().min(cap)
-    })
-}
-
-/// Whether `level` takes AVX-VNNI (`vpdpbusd` without AVX-512: Alder Lake and later Intel
-/// cores, AMD Zen 5) for prompts (row groups): at the AVX2 level, where the CPU has it and
-/// `POWERINFER_SIMD` is not `avx2`. Its sums are the AVX2 kernels' exactly, so results do not
-/// change with it.
-pub fn avx_vnni(level: SimdLevel) -> bool {
-    static VNNI: OnceLock<bool> = OnceLock::new();
-    level == SimdLevel::Avx2
-        && *VNNI.get_or_init(|| {
-            #[cfg(target_arch = "x86_64")]
-            let has = is_x86_feature_detected!("avxvnni");
-            #[cfg(not(target_arch = "x86_64"))]
-            let has = false;
-            has && std::env::var("POWERINFER_SIMD").as_deref() != Ok("avx2")
-        })
-}
-
-#[cfg(target_arch = "x86_64")]
-pub(crate) fn detect() -> SimdLevel {
-    let avx2 = is_x86_feature_detected!("avx2")
-        && is_x86_feature_detected!("fma")
-        && is_x86_feature_detected!("f16c");
-    let avx512 = is_x86_feature_detected!("avx512f")
-        && is_x86_feature_detected!("avx512bw")
-        && is_x86_feature_detected!("avx512vl")
-        && is_x86_feature_detected!("avx512vnni");
-    match (avx2, avx512) {
-        (true, true) => SimdLevel::Avx512,
-        (true, false) => SimdLevel::Avx2,
-        _ => SimdLevel::Scalar,
-    }
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-pub(crate) fn detect() -> SimdLevel {
-    SimdLevel::Scalar
-}
+pub(crate) use crate::simd::prefetch;
+pub use crate::simd::{avx_vnni, simd_level, SimdLevel};
 
 /// A weight matrix in its file format: `rows` rows of `cols` elements, row-major.
 #[derive(Clone, Copy)]
@@ -120,6 +29,11 @@ pub struct QMatrix<'a> {
 }
 
 impl<'a> QMatrix<'a> {
+    /// The rows as the kernels' loops read them.
+    pub(crate) fn as_rows(&self) -> Rows<'a> {
+        Rows { data: self.data, row_bytes: self.row_bytes() }
+    }
+
     pub fn row_bytes(&self) -> usize {
         self.dtype.row_bytes(self.cols)
     }
@@ -338,16 +252,6 @@ impl Activations {
     }
 }
 
-/// One token's activations in the forms the kernels read (`Activations::token`), sliced once
-/// for the many kernel calls of a product.
-#[derive(Clone, Copy)]
-pub(crate) struct TokenActs<'a> {
-    pub f32s: &'a [f32],
-    pub q8: &'a [BlockQ8Act],
-    pub quads: &'a [ActQuad],
-    pub q8k: &'a [BlockQ8K],
-}
-
 /// Row `r` of `w` against N activation rows at the given SIMD level. `next` is the row the
 /// caller reads after this one: the AVX-512 and float kernels prefetch it, a line at a time
 /// spread over this row's work. The hardware prefetchers stop at 4 KiB boundaries and cannot
@@ -425,7 +329,7 @@ pub(crate) fn dot_rows<const N: usize>(
         // SAFETY: `run` is the table's for a level `simd_level` reported (levels above Scalar
         // only where the CPU has their features), and `x` holds every activation form the
         // level's kernels read (`Activations::set_for`).
-        unsafe { run(w, r0..r1, rows.end, four, x, &mut values[..r1 - r0]) };
+        unsafe { run(w.as_rows(), r0..r1, rows.end, four, x, &mut values[..r1 - r0]) };
         for (r, v) in (r0..r1).zip(values) {
             put(r, v);
         }
@@ -797,6 +701,7 @@ pub fn matmul(w: &QMatrix, x: &Activations, out: &mut [f32]) {
 mod tests {
     use super::*;
     use crate::quant::{dequantize_row, quantize_row};
+    use crate::simd::detect;
 
     fn random_vec(n: usize, seed: u64) -> Vec<f32> {
         let mut rng = crate::sampler::Rng::new(seed);

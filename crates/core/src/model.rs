@@ -78,7 +78,7 @@ impl FfnActivation {
         assert_eq!(gate.len(), up.len(), "activation: gate and up differ in length");
         #[cfg(target_arch = "x86_64")]
         if matches!(self, FfnActivation::SwiGlu | FfnActivation::GeGlu)
-            && crate::matmul::simd_level().has_avx2()
+            && crate::simd::simd_level().has_avx2()
         {
             // SAFETY: has_avx2 means the CPU has avx2, fma and f16c; the lengths are equal.
             return unsafe { crate::avx2::activate(self == FfnActivation::GeGlu, gate, up) };

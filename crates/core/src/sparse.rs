@@ -156,7 +156,7 @@ pub(crate) fn dot_selected(
     let four = w.dtype.traits().decode_rows[level as usize] == 4;
     // SAFETY: levels above Scalar are only reported when the CPU has their features, and `x`
     // holds the activation forms of the level's kernels (`Activations::set_for`).
-    unsafe { kernels::selected(w.dtype, level)(w, sel, four, x.token(0), out) }
+    unsafe { kernels::selected(w.dtype, level)(w.as_rows(), sel, four, x.token(0), out) }
 }
 
 /// One token's FFN over the selected neurons only: out (n_embd) = sum over j in `neurons` of
@@ -641,7 +641,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx2_axpy_matches_scalar() {
-        if !crate::matmul::detect().has_avx2() {
+        if !crate::simd::detect().has_avx2() {
             eprintln!("skipping: no AVX2 on this CPU");
             return;
         }
@@ -703,7 +703,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx512_axpy_matches_scalar() {
-        if crate::matmul::detect() != SimdLevel::Avx512 {
+        if crate::simd::detect() != SimdLevel::Avx512 {
             eprintln!("skipping: no AVX-512 VNNI on this CPU");
             return;
         }
@@ -909,10 +909,10 @@ mod tests {
     #[test]
     fn tiled_axpy_equals_scalar_twin() {
         let mut levels = vec![SimdLevel::Scalar];
-        if crate::matmul::detect().has_avx2() {
+        if crate::simd::detect().has_avx2() {
             levels.push(SimdLevel::Avx2);
         }
-        if crate::matmul::detect() == SimdLevel::Avx512 {
+        if crate::simd::detect() == SimdLevel::Avx512 {
             levels.push(SimdLevel::Avx512);
         }
         let (n_ff, stride) = (50, 100);

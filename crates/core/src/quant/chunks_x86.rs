@@ -460,7 +460,7 @@ mod tests {
     /// Every decoder gives the scalar decoder's bytes, scales and minima.
     #[test]
     fn decoders_match_scalar() {
-        if !crate::matmul::detect().has_avx2() {
+        if !crate::simd::detect().has_avx2() {
             eprintln!("skipping: no AVX2 on this CPU");
             return;
         }

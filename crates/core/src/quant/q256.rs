@@ -174,7 +174,7 @@ pub(crate) mod tests {
         assert_eq!(a[0].qs[3], -127);
         assert_eq!(a[1].qs[7], -127);
         #[cfg(target_arch = "x86_64")]
-        if crate::matmul::detect().has_avx2() {
+        if crate::simd::detect().has_avx2() {
             let mut b = vec![BlockQ8K::default(); 4];
             // SAFETY: AVX2 checked above
             unsafe { quantize_act_k_avx2(&x, &mut b) };

@@ -1513,11 +1513,11 @@ mod tests {
     /// and 4 tokens and 1 and 4 rows per call.
     #[test]
     fn dots_match_scalar() {
-        if !crate::matmul::detect().has_avx2() {
+        if !crate::simd::detect().has_avx2() {
             eprintln!("skipping: no AVX2 on this CPU");
             return;
         }
-        let widths: &[bool] = if crate::matmul::detect() == crate::matmul::SimdLevel::Avx512 {
+        let widths: &[bool] = if crate::simd::detect() == crate::simd::SimdLevel::Avx512 {
             &[false, true]
         } else {
             &[false]
@@ -1567,7 +1567,7 @@ mod tests {
     /// 8, 4 and 1 tokens.
     #[test]
     fn row_groups_equal_one_token_dots_at_every_width() {
-        if !crate::matmul::detect().has_avx2() {
+        if !crate::simd::detect().has_avx2() {
             eprintln!("skipping: no AVX2 on this CPU");
             return;
         }
@@ -1575,7 +1575,7 @@ mod tests {
         if is_x86_feature_detected!("avxvnni") {
             widths.push(GroupWidth::AvxVnni);
         }
-        if crate::matmul::detect() == crate::matmul::SimdLevel::Avx512 {
+        if crate::simd::detect() == crate::simd::SimdLevel::Avx512 {
             widths.push(GroupWidth::Avx512);
         }
         let (cols, rows, n) = (512, 19, 13);

@@ -493,7 +493,7 @@ mod tests {
     /// whole and partial steps of four blocks, and steps of tokens.
     #[test]
     fn groups_equal_one_token_kernels_bit_for_bit() {
-        if !crate::matmul::detect().has_avx2() {
+        if !crate::simd::detect().has_avx2() {
             eprintln!("skipping: no AVX2 on this CPU");
             return;
         }
@@ -515,7 +515,7 @@ mod tests {
                     widths.push((GroupWidth::AvxVnni, SimdLevel::Avx2));
                 }
                 // (the activations hold the AVX-512 kernels' quads where that is the level)
-                if crate::matmul::simd_level() == SimdLevel::Avx512 {
+                if crate::simd::simd_level() == SimdLevel::Avx512 {
                     widths.push((GroupWidth::Avx512, SimdLevel::Avx512));
                 }
                 for (width, level) in widths {

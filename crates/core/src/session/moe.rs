@@ -141,20 +141,14 @@ pub(crate) fn expert_rows(
         let per_expert = if gate_decides { 1 } else { 2 };
         let xs: Vec<&Activations> =
             s.expert_acts.iter().flat_map(|a| [a, a].into_iter().take(per_expert)).collect();
-        let mut outs: Vec<&mut [f32]> = Vec::with_capacity(mats.len());
-        let (mut gate, mut up) = (&mut s.gate[..total * ff], &mut s.up[..total * ff]);
-        for e in 0..cfg.n_expert {
-            let m = rows_of(e).len() * ff;
-            let (g, rest_g) = std::mem::take(&mut gate).split_at_mut(m);
-            let (u, rest_u) = std::mem::take(&mut up).split_at_mut(m);
-            if m > 0 && here(e) {
-                outs.push(g);
-                if !gate_decides {
-                    outs.push(u);
-                }
+        let gates = chosen_blocks(&mut s.gate[..total * ff], start, &chosen, ff);
+        let mut outs: Vec<&mut [f32]> = match gate_decides {
+            true => gates,
+            false => {
+                let ups = chosen_blocks(&mut s.up[..total * ff], start, &chosen, ff);
+                gates.into_iter().zip(ups).flat_map(|(g, u)| [g, u]).collect()
             }
-            (gate, up) = (rest_g, rest_u);
-        }
+        };
         matmul_each(&mats, &xs, &mut outs);
     }
     let mut up_rows_skipped = 0u64;
@@ -164,18 +158,12 @@ pub(crate) fn expert_rows(
         // join for the layer; the values are the dense products', bit for bit)
         const SPAN: usize = 128;
         let mut work: Vec<(usize, usize, &mut [f32], &mut [f32])> = Vec::new();
-        let (mut gate, mut up) = (&mut s.gate[..total * ff], &mut s.up[..total * ff]);
-        for e in 0..cfg.n_expert {
-            let m = rows_of(e).len() * ff;
-            let (g, rest_g) = std::mem::take(&mut gate).split_at_mut(m);
-            let (u, rest_u) = std::mem::take(&mut up).split_at_mut(m);
-            if m > 0 && here(e) {
-                let a = chosen.iter().position(|&c| c == e).expect("a chosen expert");
-                for (k, (g, u)) in g.chunks_mut(SPAN).zip(u.chunks_mut(SPAN)).enumerate() {
-                    work.push((a, k * SPAN, g, u));
-                }
+        let gates = chosen_blocks(&mut s.gate[..total * ff], start, &chosen, ff);
+        let ups = chosen_blocks(&mut s.up[..total * ff], start, &chosen, ff);
+        for (a, (g, u)) in gates.into_iter().zip(ups).enumerate() {
+            for (k, (g, u)) in g.chunks_mut(SPAN).zip(u.chunks_mut(SPAN)).enumerate() {
+                work.push((a, k * SPAN, g, u));
             }
-            (gate, up) = (rest_g, rest_u);
         }
         let (acts, level) = (&s.expert_acts, simd_level());
         up_rows_skipped = work
@@ -202,21 +190,14 @@ pub(crate) fn expert_rows(
             .sum();
     } else if gate_decides {
         // per chosen expert (its index in `chosen`): its rows of gate and of up
-        let mut work: Vec<(usize, &[f32], &mut [f32])> = Vec::with_capacity(chosen.len());
-        let (mut gate, mut up) = (&s.gate[..total * ff], &mut s.up[..total * ff]);
-        for e in 0..cfg.n_expert {
-            let m = rows_of(e).len() * ff;
-            let (g, rest_g) = gate.split_at(m);
-            let (u, rest_u) = std::mem::take(&mut up).split_at_mut(m);
-            if m > 0 && here(e) {
-                work.push((work.len(), g, u));
-            }
-            (gate, up) = (rest_g, rest_u);
-        }
+        let gates = chosen_blocks(&mut s.gate[..total * ff], start, &chosen, ff);
+        let ups = chosen_blocks(&mut s.up[..total * ff], start, &chosen, ff);
+        let work: Vec<(usize, (&mut [f32], &mut [f32]))> =
+            gates.into_iter().zip(ups).enumerate().collect();
         let acts = &s.expert_acts;
         up_rows_skipped = work
             .into_par_iter()
-            .map(|(a, g, u)| {
+            .map(|(a, (g, u))| {
                 let keep: Vec<bool> = g.iter().map(|&v| v > 0.0).collect();
                 let mut any = vec![false; ff];
                 keep.chunks_exact(ff).for_each(|row| {
@@ -262,15 +243,7 @@ pub(crate) fn expert_rows(
     {
         let mats: Vec<QMatrix> = chosen.iter().map(|&e| mw.expert(e).down).collect();
         let xs: Vec<&Activations> = s.down_acts.iter().collect();
-        let mut outs: Vec<&mut [f32]> = Vec::with_capacity(mats.len());
-        let mut out = &mut s.expert_out[..total * dim];
-        for e in 0..cfg.n_expert {
-            let (o, rest) = std::mem::take(&mut out).split_at_mut(rows_of(e).len() * dim);
-            if !o.is_empty() && here(e) {
-                outs.push(o);
-            }
-            out = rest;
-        }
+        let mut outs = chosen_blocks(&mut s.expert_out[..total * dim], start, &chosen, dim);
         matmul_each(&mats, &xs, &mut outs);
     }
     // the other experts' outputs, from where they ran
@@ -331,6 +304,27 @@ pub(crate) fn expert_rows(
     let up_row_bytes = mw.up_exps.data.len() as u64 / (e64 * ff as u64);
     stats.weight_bytes_read -= up_rows_skipped * up_row_bytes;
     Ok(())
+}
+
+/// `buf` (rows routed to the experts, expert by expert; `width` values each) cut into the blocks
+/// of the chosen experts' rows (`start`: where each expert's rows begin), in `chosen`'s order;
+/// the other experts' rows are left out.
+fn chosen_blocks<'a>(
+    mut buf: &'a mut [f32],
+    start: &[usize],
+    chosen: &[usize],
+    width: usize,
+) -> Vec<&'a mut [f32]> {
+    let mut blocks = Vec::with_capacity(chosen.len());
+    let mut at = 0;
+    for &e in chosen {
+        let (from, to) = (start[e] * width, start[e + 1] * width);
+        let (_, rest) = std::mem::take(&mut buf).split_at_mut(from - at);
+        let (block, rest) = rest.split_at_mut(to - from);
+        blocks.push(block);
+        (buf, at) = (rest, to);
+    }
+    blocks
 }
 
 /// A routed (row, expert) pair that another device computes, and the slot its output goes to.
