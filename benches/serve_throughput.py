@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from serving import Server as TestServer  # noqa: E402
 
 PROMPTS = [
     "The history of the Roman Empire",
@@ -121,49 +125,14 @@ class LlamaCppServer:
         self.proc.wait(timeout=30)
 
 
-class Server:
-    def __init__(
-        self, model: str, n: int, batch: bool, threads: int | None, extra: tuple[str, ...] = ()
-    ):
-        cmd = (
-            [
-                sys.executable,
-                "-m",
-                "powerinfer_rs.cli",
-                "serve",
-                "-m",
-                model,
-                "--port",
-                "0",
-                "-c",
-                "1024",
-                "--parallel",
-                str(n),
-                "--device",
-                "cpu",
-                *extra,
-            ]
-            + ([] if batch else ["--no-batch"])
-            + (["-t", str(threads)] if threads else [])
-        )
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-        )
-        while True:
-            line = self.proc.stderr.readline()
-            if not line:
-                raise RuntimeError("server exited")
-            m = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
-            if m:
-                self.url = m.group(1)
-                break
-        import threading
-
-        threading.Thread(target=lambda: [None for _ in self.proc.stderr], daemon=True).start()
-
-    def stop(self):
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
+def Server(  # noqa: N802  (built like a class, where the benches start one)
+    model: str, n: int, batch: bool, threads: int | None, extra: tuple[str, ...] = ()
+) -> TestServer:
+    """`powerinfer-rs serve` with `n` slots (batched or not) on the CPU, started and stopped as
+    the tests start theirs (tests/serving.py)."""
+    args = ["--parallel", str(n), "--device", "cpu", *extra]
+    args += ([] if batch else ["--no-batch"]) + (["-t", str(threads)] if threads else [])
+    return TestServer(model, *args, n_ctx=1024)
 
 
 async def http_side(url: str, n: int, tokens: int) -> float:
