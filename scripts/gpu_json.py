@@ -2,8 +2,8 @@
 
     python scripts/gpu_json.py RESULTS_DIR [--date YYYY-MM-DD] [--args "--layers 8 --budget 1.6GiB"]
 
-RESULTS_DIR holds gpu.txt, kernels.log, pytest.log, hybrid.json, kquants.json and (when SmolLM2
-was there) smollm2.json, as the suite writes them to $OUT.
+RESULTS_DIR holds gpu.txt, kernels.log, pytest.log, hybrid.json, kquants.json, moe_hybrid.json and
+(when SmolLM2 was there) smollm2.json, as the suite writes them to $OUT.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def main() -> None:
         "commands": {
             "build_here": "scripts/gpu_bundle.sh",
             "stage_there": "scripts/gpu_suite.sh --stage   (carrying .gpu-model: SmolLM2's first part)",
-            "suite_there": f"scripts/gpu_suite.sh {a.args}   (carrying .gpu: kernel tests, pytest -m gpu, benches/hybrid_13b.py, benches/gpu_kquants.py, benches/gpu_smollm2.py)",
+            "suite_there": f"scripts/gpu_suite.sh {a.args}   (carrying .gpu: kernel tests, pytest -m gpu, benches/hybrid_13b.py, benches/moe_hybrid.py, benches/gpu_kquants.py, benches/gpu_smollm2.py)",
             "collect": f'python scripts/gpu_json.py RESULTS_DIR --args "{a.args}"',
         },
         "kernel_tests": lines("kernels.log", r"^test |test result"),
@@ -78,6 +78,11 @@ def main() -> None:
                 for t, r in k["types"].items()
             },
             **k,
+        }
+    if os.path.exists(os.path.join(a.results, "moe_hybrid.json")):
+        out["moe_hybrid"] = {
+            "command": "python3 benches/moe_hybrid.py",
+            **json.loads(read("moe_hybrid.json")),
         }
     if os.path.exists(os.path.join(a.results, "smollm2.json")):
         out["smollm2_135m_q4_1"] = {
