@@ -141,12 +141,14 @@ pub trait Device: Send + Sync + Sized + 'static {
     /// Copies the first `dst.len()` elements of `src` to the host, after the queued work.
     fn read<T: Elem>(&self, src: &Self::Buf<T>, dst: &mut [T]) -> Result<()>;
     fn clear<T: Elem>(&self, dst: &mut Self::Buf<T>) -> Result<()>;
-    /// Copies elements src_start .. src_start + n of `src` to the first n of `dst` (queued).
+    /// Copies elements src_start .. src_start + n of `src` to dst_start .. dst_start + n of
+    /// `dst` (queued).
     fn copy<T: Elem>(
         &self,
         src: &Self::Buf<T>,
         src_start: usize,
         dst: &mut Self::Buf<T>,
+        dst_start: usize,
         n: usize,
     ) -> Result<()>;
     fn synchronize(&self) -> Result<()>;

@@ -97,20 +97,22 @@ impl<D: Device> Gpu<D> {
         self.dev.synchronize()
     }
 
-    /// Copies elements src_start .. src_start + n of `src` to the first n of `dst` (queued).
+    /// Copies elements src_start .. src_start + n of `src` to dst_start .. dst_start + n of
+    /// `dst` (queued).
     pub fn copy<T: Elem>(
         &self,
         src: &Buf<D, T>,
         src_start: usize,
         dst: &mut Buf<D, T>,
+        dst_start: usize,
         n: usize,
     ) -> Result<()> {
-        if src_start + n > D::len(src) || n > D::len(dst) {
+        if src_start + n > D::len(src) || dst_start + n > D::len(dst) {
             return Err(CudaError::Unsupported(format!(
-                "a copy of {n} elements from {src_start} runs past a buffer"
+                "a copy of {n} elements from {src_start} to {dst_start} runs past a buffer"
             )));
         }
-        self.dev.copy(src, src_start, dst, n)
+        self.dev.copy(src, src_start, dst, dst_start, n)
     }
 
     /// Uploads the rows `rows` (all rows when None) of a matrix, packed in that order.

@@ -540,7 +540,10 @@ struct DeviceState<D: Device> {
     shared_h: DActs<D>, // (n_ff_shared) the shared expert's activations
     shared_y: Buf<D, f32>, // (n_embd) the shared expert's output, before its gate
     router_logits: Buf<D, f32>, // (n_expert) a GPU layer's router logits
-    expert_y: Vec<Buf<D, f32>>, // per routed slot of a token (n_used), (n_embd) its expert's output
+    expert_y: Buf<D, f32>, // (n_embd) one expert's output
+    // (n_used + 1, n_embd) the device's expert outputs gathered by routed slot, the shared
+    // expert's last, so that the host reads them in one copy
+    expert_ys: Buf<D, f32>,
     ffn_out: Buf<D, f32>, // (n_embd) the FFN's output when its down projection is `HotDown::Rows`
     partial: Buf<D, f32>, // (max chunks, n_embd)
     cpu_part: Buf<D, f32>, // (n_embd)
@@ -561,6 +564,7 @@ struct DeviceState<D: Device> {
     xb_h: Vec<f32>,
     pred_h: Vec<f32>,
     cpu_out_h: Vec<f32>,
+    expert_ys_h: Vec<f32>,
     acts: Activations,
     neurons: Vec<u32>,
     scratch: SparseScratch,
@@ -641,9 +645,8 @@ impl<D: Device> HybridSession<D> {
                 1
             })?,
             router_logits: g.zeros(c.moe.map_or(1, |m| m.n_expert))?,
-            expert_y: (0..c.moe.map_or(0, |m| m.n_used))
-                .map(|_| g.zeros(c.n_embd))
-                .collect::<Result<_>>()?,
+            expert_y: g.zeros(c.n_embd)?,
+            expert_ys: g.zeros(c.moe.map_or(1, |m| (m.n_used + 1) * c.n_embd))?,
             ffn_out: g.zeros(rows * c.n_embd)?,
             partial: g.zeros(max_chunks * c.n_embd)?,
             cpu_part: g.zeros(c.n_embd)?,
@@ -662,6 +665,7 @@ impl<D: Device> HybridSession<D> {
             xb_h: vec![0.0; c.n_embd],
             pred_h: vec![0.0; c.n_ff],
             cpu_out_h: vec![0.0; c.n_embd],
+            expert_ys_h: vec![0.0; c.moe.map_or(1, |m| (m.n_used + 1) * c.n_embd)],
             acts: Activations::default(),
             neurons: Vec::new(),
             scratch: SparseScratch::default(),
@@ -1286,6 +1290,7 @@ impl<D: Device> Backend for HybridPass<'_, D> {
             g.quantize_for(&[down], h, moe.n_ff_shared)?;
             // (not in the split counts, which are the routed experts')
             g.matvec(down, h, None, &mut dev.shared_y, false, 1)?;
+            g.copy(&dev.shared_y, 0, &mut dev.expert_ys, moe.n_used * c.n_embd, c.n_embd)?;
         }
         // the device's chosen experts, queued: h = act(gate . xb, up . xb), y = down . h
         for (j, &(e, _)) in routes.iter().enumerate() {
@@ -1304,25 +1309,32 @@ impl<D: Device> Backend for HybridPass<'_, D> {
                 1,
             )?;
             g.quantize_for(&[down], &mut dev.expert_h, moe.n_ff_exp)?;
-            g.matvec(down, &dev.expert_h, None, &mut dev.expert_y[j], false, 1)?;
+            g.matvec(down, &dev.expert_h, None, &mut dev.expert_y, false, 1)?;
+            // into its slot: one read brings every output back (a read waits for the queue:
+            // one wait a layer, not one per expert)
+            g.copy(&dev.expert_y, 0, &mut dev.expert_ys, j * c.n_embd, c.n_embd)?;
             dev.counts.gpu_neurons += moe.n_ff_exp as u64;
         }
         // the CPU's meanwhile; then the device's outputs into their slots, and the sums
         let on_device = routes.iter().filter(|&&(e, _)| ex.on_gpu[e as usize]).count();
         dev.counts.cpu_neurons += ((routes.len() - on_device) * moe.n_ff_exp) as u64;
         let dim = c.n_embd;
-        let (y, shared_y) = (&dev.expert_y, &dev.shared_y);
+        let (ys, ys_h, n_used) = (&dev.expert_ys, &mut dev.expert_ys_h, moe.n_used);
         self.cpu.experts_except(l, &ex.on_gpu, ex.shared.is_some(), |slots, out, shared| {
+            if slots.is_empty() && shared.is_none() {
+                return Ok(());
+            }
+            g.read(ys, ys_h).map_err(powerinfer_core::Error::from)?;
             for s in slots {
                 let j = routes
                     .iter()
                     .position(|&(e, _)| e as usize == s.expert)
                     .expect("a slot of a routed expert");
-                g.read(&y[j], &mut out[s.slot * dim..(s.slot + 1) * dim])
-                    .map_err(powerinfer_core::Error::from)?;
+                out[s.slot * dim..(s.slot + 1) * dim]
+                    .copy_from_slice(&ys_h[j * dim..(j + 1) * dim]);
             }
             if let Some(shared) = shared {
-                g.read(shared_y, shared).map_err(powerinfer_core::Error::from)?;
+                shared.copy_from_slice(&ys_h[n_used * dim..(n_used + 1) * dim]);
             }
             Ok(())
         })?;
@@ -1422,7 +1434,7 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         self.residual_to(true)?;
         let (c, g, dev, rows) = (&self.hm.model.config, &self.hm.gpu, &mut *self.dev, self.m);
         let x = if n < rows {
-            g.copy(&dev.x.f32s, (rows - n) * c.n_embd, &mut dev.x_tail, n * c.n_embd)?;
+            g.copy(&dev.x.f32s, (rows - n) * c.n_embd, &mut dev.x_tail, 0, n * c.n_embd)?;
             &dev.x_tail
         } else {
             &dev.x.f32s

@@ -643,8 +643,8 @@ fn batch_rows_equal_rows_one_at_a_time() {
                 .unwrap();
             let (mut c, mut s_) =
                 (g.zeros::<f32>(rows * half).unwrap(), g.zeros::<f32>(rows * half).unwrap());
-            g.copy(&cos, r0 * half, &mut c, rows * half).unwrap();
-            g.copy(&sin, r0 * half, &mut s_, rows * half).unwrap();
+            g.copy(&cos, r0 * half, &mut c, 0, rows * half).unwrap();
+            g.copy(&sin, r0 * half, &mut s_, 0, rows * half).unwrap();
             g.rope(&mut q, &mut k, &c, &s_, n_head, n_head_kv, hd, hd, true, rows).unwrap();
             let mut at = g.pos().unwrap();
             g.set_pos(&mut at, first + r0).unwrap();
@@ -688,7 +688,7 @@ fn batch_rows_equal_rows_one_at_a_time() {
         let fresh_cache = || {
             let mut c = g.zeros::<u8>(n_ctx * kv_dim * 4).unwrap();
             let bytes: Vec<u8> = prefix.iter().flat_map(|v| v.to_le_bytes()).collect();
-            g.copy(&g.upload(&bytes).unwrap(), 0, &mut c, bytes.len()).unwrap();
+            g.copy(&g.upload(&bytes).unwrap(), 0, &mut c, 0, bytes.len()).unwrap();
             c
         };
         let (mut kc, mut vc) = (fresh_cache(), fresh_cache());

@@ -154,10 +154,11 @@ impl Device for Cuda {
         src: &CudaSlice<T>,
         src_start: usize,
         dst: &mut CudaSlice<T>,
+        dst_start: usize,
         n: usize,
     ) -> Result<()> {
         let from = src.slice(src_start..src_start + n);
-        let mut to = dst.slice_mut(..n);
+        let mut to = dst.slice_mut(dst_start..dst_start + n);
         Ok(self.stream.memcpy_dtod(&from, &mut to)?)
     }
 

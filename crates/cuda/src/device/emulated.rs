@@ -102,9 +102,10 @@ impl Device for Emulated {
         src: &Vec<T>,
         src_start: usize,
         dst: &mut Vec<T>,
+        dst_start: usize,
         n: usize,
     ) -> Result<()> {
-        dst[..n].copy_from_slice(&src[src_start..src_start + n]);
+        dst[dst_start..dst_start + n].copy_from_slice(&src[src_start..src_start + n]);
         Ok(())
     }
 
