@@ -8,7 +8,8 @@
 #   1. carry .gpu-model:   scripts/relufy_gpu.sh stage                 SmolLM2's first part -> /tmp
 #   2. carry .gpu-corpus:  scripts/relufy_gpu.sh stage                 the corpus -> /tmp
 #   3. carry .gpu:         scripts/relufy_gpu.sh start [relufy args]   installs, assembles SmolLM2, starts
-#                          training in the background (setsid; default: --minutes 7, reglu)
+#                          training in the background (setsid; default: --minutes 7, reglu, Q4_0
+#                          out, quantization-aware)
 #   4. scripts/relufy_gpu.sh wait [seconds]    the log until training ends or `seconds` pass (default 540)
 #   5. scripts/relufy_gpu.sh finish            the pipeline on the relufied model (profile, predictors,
 #                          convert, place, recall, decode tok/s on CPU and GPU) -> $OUT/relufy.json,
@@ -54,7 +55,7 @@ start)
     [ ${#args[@]} -eq 0 ] && args=(--minutes 7)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$W/gpu.txt"
     setsid nohup python3 -m powerinfer_rs.cli relufy "$(model_path)" --corpus "$W/corpus/corpus.npz" -o "$W/relufied.gguf" \
-        --outtype f16 --batch 32 --seq-len 512 --lr 2e-4 --l1 10 --eval-tokens 32768 "${args[@]}" > "$W/train.log" 2>&1 < /dev/null &
+        --outtype q4_0 --qat --batch 32 --seq-len 512 --lr 2e-4 --l1 10 --eval-tokens 32768 "${args[@]}" > "$W/train.log" 2>&1 < /dev/null &
     echo $! > "$W/train.pid"
     sleep 120
     tr '\r' '\n' < "$W/train.log" | tail -5
@@ -72,11 +73,17 @@ finish)
     export PYTHONPATH=$PYTHONPATH:/tmp/smollm2
     [ -f "$W/relufied.relufy.json" ] || { echo "no relufied model yet ($W/relufied.relufy.json missing)"; exit 1; }
     cp "$W/relufied.relufy.json" "$OUT/"
-    # the pipeline runs on the relufied model in Q8_0 (as close as F16: a short CPU run's model
-    # lost 24% perplexity in Q4_0); Q4_0 is what comes back, being the smallest
-    python3 -c 'import sys; from powerinfer_rs.offline import requantize
+    # the pipeline runs on the Q4_0 file the run trained for (--qat; a Q4_0 copy of a model
+    # trained in float loses most of the training) and brings it back; a run in F16 is measured
+    # in Q8_0 (as close as F16) and its Q4_0 copy comes back
+    if [ "$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["outtype"])' "$W/relufied.relufy.json")" = q4_0 ]; then
+        cp "$W/relufied.gguf" "$W/relufied.q4_0.gguf" && measured="$W/relufied.q4_0.gguf"
+    else
+        python3 -c 'import sys; from powerinfer_rs.offline import requantize
 for t in ("q8_0", "q4_0"): requantize(sys.argv[1], f"{sys.argv[2]}.{t}.gguf", t)' "$W/relufied.gguf" "$W/relufied" || exit 1
-    python3 benches/relufy_pipeline.py "$W/relufied.q8_0.gguf" --report "$W/relufied.relufy.json" --corpus "$W/corpus/profile" \
+        measured="$W/relufied.q8_0.gguf"
+    fi
+    python3 benches/relufy_pipeline.py "$measured" --report "$W/relufied.relufy.json" --corpus "$W/corpus/profile" \
         --eval-text "$W/corpus/eval" --source "$(model_path)" --out "$OUT/relufy.json" --workdir "$W/pipeline" 2>&1 | tee "$OUT/pipeline.log"
     cp "$W/pipeline/relufied.power_law.png" "$OUT/" 2>/dev/null
     (cd "$W" && rm -f part.* && split -b 16000000 -d relufied.q4_0.gguf part.)
@@ -98,7 +105,7 @@ run)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$W/gpu.txt"
     export PYTHONPATH=$PYTHONPATH:/tmp/smollm2
     setsid nohup bash -c 'python3 -m powerinfer_rs.cli relufy "$0" --corpus "$1/corpus/corpus.npz" -o "$1/relufied.gguf" \
-        --outtype f16 --batch 32 --seq-len 512 --lr 2e-4 --l1 10 --eval-tokens 32768 "${@:2}" > "$1/train.log" 2>&1 &&
+        --outtype q4_0 --qat --batch 32 --seq-len 512 --lr 2e-4 --l1 10 --eval-tokens 32768 "${@:2}" > "$1/train.log" 2>&1 &&
         OUT="$1/out" bash "$1/repo/scripts/relufy_gpu.sh" finish > "$1/finish.log" 2>&1; echo done > "$1/chain.done"' \
         "$(model_path)" "$W" "${args[@]}" < /dev/null > /dev/null 2>&1 &
     echo $! > "$W/train.pid"

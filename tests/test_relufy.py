@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch  # the relufy extra, which scripts/test.sh installs
 from gguf import GGMLQuantizationType as Q
+from gguf import quants as gguf_quants
 from powerinfer_rs import Engine, cli, offline
 from powerinfer_rs.offline import packing, torch_model
 from powerinfer_rs.offline import relufication as rf
@@ -186,6 +187,75 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path, corpus):
         _run(
             src, corpus, tmp_path / "x.gguf", settings=_settings(l1=0.0), resume=part["checkpoint"]
         )
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+def test_fake_quantization_is_the_files_rounding(qtype):
+    """The student's fake quantization equals the gguf package's quantize-then-dequantize (its
+    port of llama.cpp's reference rounding, the scale in f16) on random rows, rows with exact
+    zeros and ties, and an all-zero block; the gradient passes straight through."""
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((6, 96)).astype(np.float32) * np.float32(0.05)
+    w[1, :32] = 0.0  # an all-zero block
+    w[2, ::3] = 0.0
+    w[3, :32] = np.float32(0.25) * np.arange(-16, 16, dtype=np.float32) / 16  # values on a grid
+    w[4] *= 1e4  # scales far from 1
+    kind = getattr(Q, qtype.upper())
+    want = gguf_quants.dequantize(gguf_quants.quantize(w, kind), kind).reshape(w.shape)
+    t = torch.from_numpy(w).requires_grad_()
+    got = torch_model.fake_quantize(torch, t, qtype)
+    np.testing.assert_array_equal(got.detach().numpy(), want)
+    got.sum().backward()
+    np.testing.assert_array_equal(t.grad.numpy(), np.ones_like(w))
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+def test_quantization_aware_training_writes_the_weights_it_trained(tmp_path, corpus, qtype):
+    """With qat the student reads its weights as the file will hold them, so the file holds
+    what was trained: its tensors are the fake quantization of the final float weights (the
+    checkpoint's), each in the type the file stores it in (Q8_0 for the tied embeddings under
+    Q4_0); the student with fake quantization gives the file's logits (float64 reference on the
+    file) and without it does not; and training took another path than in float."""
+    src = write_model(tmp_path / "m.gguf", n_embd=64, n_ff=96, seed=3)
+    out = tmp_path / "q.gguf"
+    _run(src, corpus, out, settings=_settings(qat=qtype, steps=12), outtype=qtype)
+    ck = torch.load(str(out) + ".ckpt", map_location="cpu", weights_only=False)
+    assert ck["settings"]["qat"] == qtype
+    held, meta = read_weights(str(out))
+    source, _ = read_weights(src)
+    _, _, cfg, tensors, fixed = rf._load_source(src)
+    stored = {n: t for n, v in tensors.items() if (t := rf._stored_type(n, v, qtype))}
+    assert stored["token_embd.weight"] == ("q8_0" if qtype == "q4_0" else qtype)
+    moved = 0
+    for key, w in ck["student"].items():
+        name = key.removeprefix("w.").replace("__", ".")
+        if name in stored:
+            want = torch_model.fake_quantize(torch, w, stored[name]).numpy()
+            np.testing.assert_array_equal(held[name], want, err_msg=name)
+            moved += int((held[name] != source[name]).sum())
+    assert moved > 0  # training moved weights across rounding steps
+    net = torch_model.build(torch, cfg, tensors, fixed)
+    net.load_state_dict(ck["student"])
+    ids = list(range(3, 43))
+    ref = forward(held, meta, ids)
+    scale = np.abs(ref).max()
+
+    def logits():
+        return net(torch.tensor([ids]), blend=1.0, activation="reglu")[0].detach().double().numpy()
+
+    net.fake_quant = stored
+    np.testing.assert_allclose(logits(), ref, rtol=0, atol=1e-4 * scale)
+    net.fake_quant = {}
+    assert np.abs(logits() - ref).max() > 1e-3 * scale
+    # the same run in float ends at other weights
+    _run(src, corpus, tmp_path / "f.gguf", settings=_settings(steps=12), outtype=qtype)
+    plain = torch.load(str(tmp_path / "f.gguf") + ".ckpt", map_location="cpu", weights_only=False)
+    assert any(not torch.equal(plain["student"][k], v) for k, v in ck["student"].items())
+    # a type the output is not: refused before any work
+    with pytest.raises(ValueError, match="qat 'q4_0' needs outtype 'q4_0', not 'f16'"):
+        _run(src, corpus, tmp_path / "x.gguf", settings=_settings(qat="q4_0"), outtype="f16")
+    with pytest.raises(ValueError, match="qat must be"):
+        _run(src, corpus, tmp_path / "x.gguf", settings=_settings(qat="q5_0"))
 
 
 def test_a_time_budget_sets_the_step_count(tmp_path, corpus):

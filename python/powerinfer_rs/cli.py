@@ -301,6 +301,7 @@ def cmd_relufy(a: argparse.Namespace) -> int:
         ce_weight=a.ce_weight,
         weight_decay=a.weight_decay,
         seed=a.seed,
+        qat=a.outtype if a.qat else "",
     )
     if a.tokens is not None:
         s.steps = max(1, -(-a.tokens // (a.batch * a.seq_len)))
@@ -745,6 +746,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rf.add_argument("--weight-decay", type=float, default=0.01)
     rf.add_argument("--seed", type=int, default=0)
+    rf.add_argument(
+        "--qat",
+        action="store_true",
+        help="quantization-aware: train the weights --outtype (q8_0 or q4_0) will hold; a 4-bit "
+        "file of a model relufied in float loses most of the training",
+    )
     rf.add_argument(
         "--eval-tokens",
         type=int,

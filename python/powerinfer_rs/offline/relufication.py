@@ -75,10 +75,15 @@ class RelufySettings:
     ce_weight: float = 0.5  # weight of the next-token cross-entropy beside the KL
     weight_decay: float = 0.01
     seed: int = 0
+    # "q8_0" / "q4_0": quantization-aware training for that output type (the student reads its
+    # weights as the file will hold them); "" trains in float
+    qat: str = ""
 
     def check(self) -> None:
         if self.activation not in ("reglu", "dreglu"):
             raise ValueError(f"activation must be 'reglu' or 'dreglu', got {self.activation!r}")
+        if self.qat not in ("", "q8_0", "q4_0"):
+            raise ValueError(f"qat must be '', 'q8_0' or 'q4_0', got {self.qat!r}")
         for name in ("steps", "batch", "seq_len"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -209,6 +214,11 @@ def relufy(
         raise ValueError(
             f"unsupported output type {outtype!r}: choose one of {', '.join(OUT_TYPES)}"
         )
+    if settings.qat and settings.qat != outtype:
+        raise ValueError(
+            f"quantization-aware training is for the output type: qat {settings.qat!r} needs "
+            f"outtype {settings.qat!r}, not {outtype!r}"
+        )
     model = os.fspath(model)
     output = os.fspath(output)
     if os.path.abspath(output) == os.path.abspath(model):
@@ -262,6 +272,11 @@ def relufy(
 
     student = torch_model.build(torch, cfg, tensors, fixed).to(dev)
     teacher = torch_model.build(torch, cfg, tensors, fixed).to(dev)
+    if settings.qat:
+        # the student reads each weight as the output file will hold it
+        student.fake_quant = {
+            name: t for name, v in tensors.items() if (t := _stored_type(name, v, outtype))
+        }
     del tensors
     # the teacher keeps float32 weights (and float64 RoPE frequencies): under autocast its
     # products run in bf16 all the same
@@ -636,6 +651,18 @@ def requantize(source: str, output: str, outtype: str) -> str:
     return output
 
 
+def _stored_type(name: str, data: np.ndarray, outtype: str) -> str | None:
+    """The type a written tensor is stored in: `outtype` for the 2-D weights, except that the
+    output matrix (the token embeddings where they are tied) stays in Q8_0 under a 4-bit type,
+    as llama.cpp's quantizer keeps it finer (relufied SmolLM2 in Q4_0: perplexity 25.7 with it
+    in Q4_0, 23.7 in Q8_0, 19.0 all in F16); None for what is stored in F32 (norms)."""
+    if data.ndim != 2 or name == "rope_freqs.weight":
+        return None
+    if outtype == "q4_0" and name in ("output.weight", "token_embd.weight"):
+        return "q8_0"
+    return outtype
+
+
 def _write_gguf(
     source: str, output: str, tensors: dict[str, np.ndarray], outtype: str, relufied: dict
 ) -> None:
@@ -648,7 +675,6 @@ def _write_gguf(
 
     reader = gguf.GGUFReader(source)
     arch = reader.fields["general.architecture"].contents()
-    target = gguf.GGMLQuantizationType[OUT_TYPES[outtype][0]]
     tmp = f"{output}.tmp"
     w = gguf.GGUFWriter(tmp, arch)
     skip = {"general.architecture", "general.file_type"}
@@ -664,14 +690,11 @@ def _write_gguf(
     if relufied:
         w.add_string(f"{arch}.ffn_activation", relufied["activation"])
         w.add_uint64("powerinfer_rs.relufy.train_tokens", int(relufied["train_tokens"]))
-    # the output matrix (the token embeddings where they are tied) stays in Q8_0 under a 4-bit
-    # type, as llama.cpp's quantizer keeps it finer (relufied SmolLM2 in Q4_0: perplexity 25.7
-    # with it in Q4_0, 23.7 in Q8_0, 19.0 all in F16)
-    finer = gguf.GGMLQuantizationType.Q8_0 if outtype == "q4_0" else target
     for t in reader.tensors:
         data = tensors.get(t.name)
-        if data is not None and data.ndim == 2 and t.name != "rope_freqs.weight":
-            qtype = finer if t.name in ("output.weight", "token_embd.weight") else target
+        stored = _stored_type(t.name, data, outtype) if data is not None else None
+        if stored is not None:
+            qtype = gguf.GGMLQuantizationType[OUT_TYPES[stored][0]]
             w.add_tensor(t.name, _encode(data, qtype), raw_dtype=qtype)
         elif data is not None:
             w.add_tensor(t.name, np.ascontiguousarray(data, np.float32))

@@ -120,6 +120,29 @@ def layer_tensor_names(cfg: LayerConfig, present: set[str]) -> list[str]:
     return names
 
 
+def fake_quantize(torch, w, qtype: str):
+    """`w` (rows, cols) as a GGUF file holds it in `qtype` ("q8_0" or "q4_0": llama.cpp's
+    reference rounding, per block of 32, the scale stored in f16), with the gradient passed
+    straight through to `w`: training then moves the weights the file will hold."""
+    blocks = w.reshape(-1, 32)
+    if qtype == "q4_0":
+        # d = the block's value of largest magnitude / -8; q = trunc(x / d + 8.5) in 0..15
+        big = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))
+        d = big / -8
+        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        q = torch.trunc(blocks * inv + 8.5).clamp(0, 15) - 8
+    elif qtype == "q8_0":
+        # d = max |x| / 127; q = x / d rounded half away from zero
+        d = blocks.abs().amax(-1, keepdim=True) / 127
+        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        x = blocks * inv
+        q = torch.sign(x) * torch.floor(x.abs() + 0.5)
+    else:
+        raise ValueError(f"no fake quantization for {qtype!r}")
+    held = (q * d.half().float()).reshape(w.shape)
+    return w + (held - w).detach()
+
+
 def build(torch, cfg: LayerConfig, tensors: dict[str, np.ndarray], fixed: dict[str, np.ndarray]):
     """The model as a `torch.nn.Module` holding float32 parameters named after the GGUF tensors."""
     nn, F = torch.nn, torch.nn.functional
@@ -145,8 +168,13 @@ def build(torch, cfg: LayerConfig, tensors: dict[str, np.ndarray], fixed: dict[s
                 inv = inv / fixed["rope_freqs.weight"].astype(np.float64)
             self.register_buffer("inv_freq", torch.from_numpy(inv), persistent=False)
 
+        # tensor name -> "q8_0" / "q4_0": read as the file will hold them (quantization-aware)
+        fake_quant: dict[str, str] = {}
+
         def p(self, name: str):
-            return self.w[name.replace(".", "__")]
+            w = self.w[name.replace(".", "__")]
+            qtype = self.fake_quant.get(name)
+            return w if qtype is None else fake_quantize(torch, w, qtype)
 
         def has(self, name: str) -> bool:
             return name.replace(".", "__") in self.w
