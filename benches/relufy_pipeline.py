@@ -106,6 +106,13 @@ def main() -> None:
         "the same selections on SmolLM2; PowerInfer's own files carry f16)",
     )
     ap.add_argument(
+        "--size-by",
+        default="sparsity",
+        choices=["bytes", "sparsity"],
+        help="predictor hidden sizes: train's efficiency rule (default), or the fewest bytes a "
+        "token reads (train-predictors --model)",
+    )
+    ap.add_argument(
         "--reuse",
         action="store_true",
         help="keep the profile, predictors and converted model of an earlier run in --workdir",
@@ -140,7 +147,14 @@ def main() -> None:
         seconds["profile"] = time.perf_counter() - t
         t = time.perf_counter()
         trained = offline.train(
-            prof_path, output=pred_path, recall_target=a.recall, progress=False, device=a.device
+            prof_path,
+            output=pred_path,
+            recall_target=a.recall,
+            progress=False,
+            device=a.device,
+            # --size-by bytes: each predictor as wide as reads the fewest bytes
+            model=a.model if a.size_by == "bytes" else None,
+            predictor_type=a.predictor_type,
         )
         print(trained["table"], flush=True)
         seconds["train_predictors"] = time.perf_counter() - t
@@ -307,6 +321,11 @@ def main() -> None:
         "profiled_fire_share": float(
             prof["counts"].sum() / (prof["n_tokens"] * prof["counts"].size)
         ),
+        "predictors": {
+            "size_by": a.size_by,
+            "type": a.predictor_type,
+            "hidden": [int(f.shape[0]) for f in offline.load_predictors(pred_path)["fc1"]],
+        },
         "decode_tps": decode,
         "pipeline_seconds": seconds,
     }

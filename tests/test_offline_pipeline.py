@@ -159,6 +159,68 @@ def test_training_learns_a_learnable_rule():
     assert (pred & y).sum() / y.sum() > 0.93
 
 
+@pytest.mark.parametrize("activation", ["relu", "silu"])
+def test_predictors_sized_for_the_fewest_bytes(tmp_path, activation):
+    """Given the model, a predictor's size is the one that makes a token read the fewest bytes in
+    its layer: sizes doubling from min_hidden, stopping at the first that reads more, the fewest
+    kept. The bytes: the predictor's weights in the stored type, plus the rows of the neurons it
+    keeps - a ReLU model's gate row (the engine skips the up and down rows of a neuron whose gate
+    is not positive anyway), a SwiGLU model's gate and up rows and down column - each from the
+    gguf package's type sizes."""
+    n_embd, n_ff = 64, 96
+    path = write_model(
+        tmp_path / "m.gguf", n_embd=n_embd, n_ff=n_ff, dtype=Q.Q4_0, activation=activation
+    )
+    n_layer = Engine.load(path, n_ctx=16).config["n_layer"]
+    block, size = gguf.GGML_QUANT_SIZES[Q.Q4_0]
+    row = n_embd // block * size  # a Q4_0 row of n_embd: the gate and up rows, a down column
+    want_skip = row if activation == "relu" else 3 * row
+    for ptype, per_weight in (("f16", 2.0), ("q8_0", 34 / 32), ("f32", 4.0)):
+        c = training.predictor_cost(path, ptype)
+        assert c.weight_bytes == per_weight and c.skip_bytes == [want_skip] * n_layer
+    with pytest.raises(ValueError, match="unknown predictor type 'q5_0'"):
+        training.predictor_cost(path, "q5_0")
+    # a rule a predictor can learn (see test_training_learns_a_learnable_rule), in every layer
+    rng = np.random.default_rng(1)
+    n = 3000
+    x = rng.standard_normal((n, n_embd))
+    x[:, 0] = 3.0
+    V = rng.standard_normal((n_ff, n_embd))
+    V[:, 0] = -np.sqrt(n_embd) / 6
+    y = x @ V.T > 0
+    p = {
+        "train_x": np.stack([x.astype(np.float16)] * n_layer),
+        "train_labels": np.stack([np.packbits(y, axis=-1)] * n_layer),
+        "n_ff": n_ff,
+        "counts": np.stack([y.sum(0)] * n_layer),
+        "n_tokens": n,
+        "target_sparsity": float("nan"),
+        "model": "m.gguf",
+    }
+    r = offline.train(
+        p,
+        recall_target=0.9,
+        min_hidden=4,
+        epochs=4,
+        model=path,
+        predictor_type="q8_0",
+        progress=False,
+        output=str(tmp_path / "p.npz"),
+    )
+    cost = training.predictor_cost(path, "q8_0")
+    for lr_ in r["layers"]:
+        t, b = lr_.tried, lr_.tried_bytes
+        assert t == [4 * 2**i for i in range(len(t))] and len(b) == len(t)
+        assert all(b[i + 1] < b[i] for i in range(len(b) - 2))  # fell until the last
+        assert len(t) == 1 or b[-1] >= b[-2] or t[-1] * 2 > 64  # which read more, or the cap
+        assert lr_.hidden == t[int(np.argmin(b))]
+        assert lr_.relative_bytes == pytest.approx(
+            cost.relative_bytes(lr_.layer, lr_.hidden, n_embd, n_ff, lr_.predicted_sparsity)
+        )
+        assert r["fc1"][lr_.layer].shape == (lr_.hidden, n_embd)
+    assert "bytes vs none" in r["table"]
+
+
 def test_training_in_pytorch_follows_the_numpy_trainer_step_for_step():
     """The PyTorch trainer (`device=`) takes the numpy trainer's initial weights, batches and
     update: on the CPU both give the same predictor up to float32 summation order, and the same

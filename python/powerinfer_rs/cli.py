@@ -242,6 +242,8 @@ def cmd_train(a: argparse.Namespace) -> int:
         progress=not a.quiet,
         report=a.report,
         device=a.device,
+        model=a.model,
+        predictor_type=a.predictor_type,
     )
     print(r["table"])
     print(f"wrote {r['path']} and {r['report']}")
@@ -594,6 +596,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument(
         "--hidden", type=int, default=None, help="fixed hidden size (default: chosen per layer)"
+    )
+    tr.add_argument(
+        "--model",
+        default=None,
+        help="the profiled model: size each predictor for the fewest bytes a token reads "
+        "(its weights plus the rows it does not skip) instead of by --efficiency",
+    )
+    tr.add_argument(
+        "--predictor-type",
+        default="f16",
+        choices=["f32", "f16", "q8_0", "q4_0"],
+        help="with --model: the type `convert --predictor-type` will store the predictors in",
     )
     tr.add_argument("--min-hidden", type=int, default=32)
     tr.add_argument(

@@ -14,6 +14,11 @@ for a GPU).
   last doubling still bought at least `min_gain` of predicted sparsity; never above
   `max_hidden` (default: the largest power of two <= n_embd, at most 1024), since a predictor
   as wide as the model's hidden size costs about what it saves.
+- Or, given the model (`model=`), the hidden size that makes a token read the fewest bytes in
+  the layer: the predictor's own weights (in the type `convert` will store them) plus the rows
+  of the neurons it does not skip that a skip would save (`PredictorCost`), tried from
+  `min_hidden` up, doubling while that falls. On a small model a wide predictor costs more
+  than it saves (SmolLM2: 128 x (576 + 1536) weights against 1536 gate rows of 576).
 - Cut-off per layer: the largest logit threshold that still keeps `recall_target` of the firing
   neurons on held-out tokens, i.e. the most sparsity that recall allows.
 """
@@ -31,6 +36,58 @@ from .profiling import _progress, layer_stats
 
 
 @dataclass
+class PredictorCost:
+    """What a predictor costs and saves a token in each layer, in bytes: its weights
+    (`weight_bytes` each, in the type `convert` stores them in) and, per neuron it skips, the
+    rows the engine then does not read (`skip_bytes[layer]`)."""
+
+    weight_bytes: float
+    skip_bytes: list[float]
+
+    def relative_bytes(
+        self, layer: int, hidden: int, n_embd: int, n_ff: int, predicted_sparsity: float
+    ) -> float:
+        """The layer's bytes with this predictor over its bytes without one (< 1: it pays)."""
+        without = n_ff * self.skip_bytes[layer]
+        own = self.weight_bytes * hidden * (n_embd + n_ff)
+        return (own + (1.0 - predicted_sparsity) * without) / without
+
+
+def predictor_cost(model: str, predictor_type: str = "f16") -> PredictorCost:
+    """The bytes of `model`'s FFN rows a skipped neuron saves, per layer: its gate row where
+    the gate decides (ReGLU, dReLU: the engine already skips the up and down rows of a neuron
+    whose gate is not positive), else its gate and up rows and its down column; and the bytes
+    of a predictor weight in `predictor_type` (f32, f16, q8_0 or q4_0)."""
+    import gguf
+
+    from .. import _core
+
+    per_weight = {"f32": 4.0, "f16": 2.0}
+    if predictor_type in ("q8_0", "q4_0"):
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[predictor_type.upper()]]
+        per_weight[predictor_type] = size / block
+    if predictor_type not in per_weight:
+        raise ValueError(
+            f"unknown predictor type {predictor_type!r}: choose one of f32, f16, q8_0, q4_0"
+        )
+    m = _core.Model(model)
+    cfg = m.config()
+    gate_decides = cfg.get("ffn_activation") in ("reglu", "dreglu")
+    sizes = {t["name"]: t["n_bytes"] for t in m.tensors()}
+    n_ff = int(cfg["n_ff"])
+    skip = []
+    for l in range(int(cfg["n_layer"])):
+        mats = ("ffn_gate",) if gate_decides else ("ffn_gate", "ffn_up", "ffn_down")
+        names = [f"blk.{l}.{k}.weight" for k in mats]
+        if any(n not in sizes for n in names):
+            raise ValueError(
+                f"{model}: layer {l} has no {' / '.join(mats)} matrices to skip rows of"
+            )
+        skip.append(sum(sizes[n] for n in names) / n_ff)
+    return PredictorCost(per_weight[predictor_type], skip)
+
+
+@dataclass
 class LayerResult:
     layer: int
     hidden: int
@@ -41,6 +98,10 @@ class LayerResult:
     true_sparsity: float
     tried: list[int]
     seconds: float
+    # with a model: the layer's bytes with the predictor over without one, for the size kept
+    # and for each size tried
+    relative_bytes: float | None = None
+    tried_bytes: list[float] | None = None
 
 
 def _pow2(x: float) -> int:
@@ -230,10 +291,13 @@ def train(
     progress: bool = True,
     report: str | None = None,
     device: str | None = None,
+    model: str | None = None,
+    predictor_type: str = "f16",
 ) -> dict:
     """Trains every layer's predictor from a profile and writes them (default
     `<profile>.predictors.npz`) with the per-layer table (default `<output>.txt`). `hidden` fixes
-    the hidden size instead of searching. `device`: None trains with numpy; "cuda", "cpu" or
+    the hidden size instead of searching; `model` (the profiled file) searches for the size that
+    reads the fewest bytes, the predictors stored in `predictor_type` (see `PredictorCost`). `device`: None trains with numpy; "cuda", "cpu" or
     "auto" with PyTorch (see `fit_layer`). Returns {'fc1': [...], 'fc2': [...], 'thresholds',
     'layers': [LayerResult...], 'path', 'report'}."""
     p = load_profile(profile) if isinstance(profile, str) else profile
@@ -260,6 +324,9 @@ def train(
     if device is not None:
         torch_device(device)  # PyTorch there, and the device name valid, before any work
     stats = layer_stats(p)
+    cost = predictor_cost(model, predictor_type) if model is not None else None
+    if cost is not None and len(cost.skip_bytes) != n_layer:
+        raise ValueError(f"{model} has {len(cost.skip_bytes)} layers; the profile has {n_layer}")
     which = list(range(n_layer)) if layers is None else list(layers)
     rng = np.random.default_rng(seed)
     perm = rng.permutation(n)
@@ -273,8 +340,14 @@ def train(
         t0 = time.perf_counter()
         x = tx[l].astype(np.float32)
         y = np.unpackbits(tl[l], axis=-1, count=n_ff).astype(np.float32)
-        h = hidden or initial_hidden(n_embd, stats[l]["skew"], min_hidden, max_hidden)
+        if hidden:
+            h = hidden
+        elif cost is not None:
+            h = min_hidden
+        else:
+            h = initial_hidden(n_embd, stats[l]["skew"], min_hidden, max_hidden)
         tried: list[int] = []
+        tried_bytes: list[float] = []
         best = None
         while True:
             tried.append(h)
@@ -282,6 +355,19 @@ def train(
                 x[train_idx], y[train_idx], h, epochs, batch, lr, seed=seed + l, device=device
             )
             ev = evaluate(predictor_logits(x[val_idx], fc1, fc2), y[val_idx], recall_target)
+            if cost is not None:
+                # fewer bytes read is better; stop at the first size that reads more
+                ev["relative_bytes"] = cost.relative_bytes(
+                    l, h, n_embd, n_ff, ev["predicted_sparsity"]
+                )
+                tried_bytes.append(ev["relative_bytes"])
+                better = best is None or ev["relative_bytes"] < best[2]["relative_bytes"]
+                if better:
+                    best = (fc1, fc2, ev, h)
+                if hidden is not None or not better or h * 2 > max_hidden:
+                    break
+                h *= 2
+                continue
             efficiency = ev["predicted_sparsity"] / max(ev["true_sparsity"], 1e-9)
             gain = ev["predicted_sparsity"] - (best[2]["predicted_sparsity"] if best else -1.0)
             if best is None or gain > 0:
@@ -308,6 +394,8 @@ def train(
                 ev["true_sparsity"],
                 tried,
                 time.perf_counter() - t0,
+                ev.get("relative_bytes"),
+                tried_bytes if cost is not None else None,
             )
         )
         bar.update(1)
@@ -335,6 +423,7 @@ def train(
 
 
 def format_table(results: list[LayerResult], p: dict, recall_target: float) -> str:
+    sized = bool(results) and all(r.relative_bytes is not None for r in results)
     lines = [
         f"predictors for {p.get('model', '?')}: {p['train_x'].shape[1]} training tokens, recall target {recall_target:.2f}"
         + (
@@ -342,18 +431,21 @@ def format_table(results: list[LayerResult], p: dict, recall_target: float) -> s
             if not math.isnan(p["target_sparsity"])
             else ""
         ),
-        "layer  hidden  threshold  recall  precision  pred_sparsity  true_sparsity  tried",
+        "layer  hidden  threshold  recall  precision  pred_sparsity  true_sparsity  tried"
+        + ("  bytes vs none" if sized else ""),
     ]
     for r in results:
         lines.append(
             f"{r.layer:5d}  {r.hidden:6d}  {r.threshold:9.3f}  {r.recall:6.3f}  {r.precision:9.3f}  "
             f"{r.predicted_sparsity:13.3f}  {r.true_sparsity:13.3f}  {','.join(map(str, r.tried))}"
+            + (f"  {r.relative_bytes:.3f}" if sized else "")
         )
     if results:
         lines.append(
             f"mean         {'':9s}  {np.mean([r.recall for r in results]):6.3f}  "
             f"{np.mean([r.precision for r in results]):9.3f}  {np.mean([r.predicted_sparsity for r in results]):13.3f}  "
             f"{np.mean([r.true_sparsity for r in results]):13.3f}"
+            + (f"  {'':5s}  {np.mean([r.relative_bytes for r in results]):.3f}" if sized else "")
         )
     return "\n".join(lines)
 
