@@ -248,9 +248,12 @@ def test_quantization_aware_training_writes_the_weights_it_trained(tmp_path, cor
     net.fake_quant = {}
     assert np.abs(logits() - ref).max() > 1e-3 * scale
     # the same run in float ends at other weights
-    _run(src, corpus, tmp_path / "f.gguf", settings=_settings(steps=12), outtype=qtype)
+    _run(src, corpus, tmp_path / "f.gguf", settings=_settings(steps=12), outtype="f16")
     plain = torch.load(str(tmp_path / "f.gguf") + ".ckpt", map_location="cpu", weights_only=False)
     assert any(not torch.equal(plain["student"][k], v) for k, v in ck["student"].items())
+    # a 4-bit file without it: a warning that names the cure
+    with pytest.warns(UserWarning, match=r"loses most of the training.*--qat"):
+        _run(src, corpus, tmp_path / "w.gguf", settings=_settings(steps=2), outtype="q4_0")
     # a type the output is not: refused before any work
     with pytest.raises(ValueError, match="qat 'q4_0' needs outtype 'q4_0', not 'f16'"):
         _run(src, corpus, tmp_path / "x.gguf", settings=_settings(qat="q4_0"), outtype="f16")

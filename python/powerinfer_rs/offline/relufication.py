@@ -219,6 +219,12 @@ def relufy(
             f"quantization-aware training is for the output type: qat {settings.qat!r} needs "
             f"outtype {settings.qat!r}, not {outtype!r}"
         )
+    if outtype == "q4_0" and not settings.qat:
+        warnings.warn(
+            "a Q4_0 file of a model relufied in float loses most of the training (its rounding "
+            "is larger than what training changes); train for it with qat='q4_0' (--qat)",
+            stacklevel=2,
+        )
     model = os.fspath(model)
     output = os.fspath(output)
     if os.path.abspath(output) == os.path.abspath(model):
