@@ -67,16 +67,26 @@ F16_FIELDS = {
 }
 
 
+# MXFP4 (gpt-oss's experts): a one-byte power-of-two scale first
+RANDOM_BLOCK_TYPES = (*F16_FIELDS, Q.MXFP4)
+
+
 def random_blocks(dtype: Q, rows: int, cols: int, scale: float, rng) -> np.ndarray:
     """(rows, row bytes) of valid `dtype` blocks with random integer fields and random-signed
-    f16 scales, sized so that the decoded weights have standard deviation about `scale`. The
-    `gguf` package decodes these formats but cannot encode them; any valid encoding serves
-    tests that compare against its decoding."""
+    f16 scales (MXFP4: random exponents), sized so that the decoded weights have standard
+    deviation about `scale`. The `gguf` package decodes these formats but cannot encode most of
+    them; any valid encoding serves tests that compare against its decoding."""
     from gguf.constants import GGML_QUANT_SIZES
 
     block_len, block_bytes = GGML_QUANT_SIZES[dtype]
     n_blocks = rows * cols // block_len
     raw = rng.integers(0, 256, size=(n_blocks, block_bytes), dtype=np.uint8)
+    if dtype == Q.MXFP4:
+        # the doubled E2M1 values have standard deviation ~5.3 at exponent 128 (scale 1/2);
+        # exponents spread over four powers of two around the one that gives `scale`
+        centre = 128 + int(np.round(np.log2(scale / 5.3)))
+        raw[:, 0] = rng.integers(centre - 2, centre + 2, n_blocks)
+        return raw.reshape(rows, -1)
 
     def set_scales(unit):
         for off in F16_FIELDS[dtype]:
@@ -212,7 +222,7 @@ def write_model(
         # (drawn for every type, the random-block ones too, so that each file's later tensors
         # stay what they were)
         a = (rng.standard_normal((*lead, rows, cols)) * scale * weight_scale).astype(np.float32)
-        if t in F16_FIELDS:
+        if t in RANDOM_BLOCK_TYPES:
             assert shift is None, "random blocks take no shift"
             blocks = random_blocks(t, (stack or 1) * rows, cols, scale * weight_scale, rng)
             w.add_tensor(name, blocks.reshape(*lead, rows, -1), raw_dtype=t)

@@ -1,6 +1,7 @@
-"""The k-quant family of tensor formats (Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS): the engine's
-decoding is bit-exact against the `gguf` package's numpy dequantizers, and whole models in
-these formats match the float64 reference (which decodes the weights with `gguf`)."""
+"""The k-quant family of tensor formats (Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS) and gpt-oss's
+MXFP4: the engine's decoding is bit-exact against the `gguf` package's numpy dequantizers, and
+whole models in these formats match the float64 reference (which decodes the weights with
+`gguf`)."""
 
 import numpy as np
 import pytest
@@ -9,9 +10,9 @@ from gguf import GGUFWriter
 from gguf.quants import dequantize
 from powerinfer_rs import Engine, GgufFile, _core
 from reference import forward, read_weights
-from synth import F16_FIELDS, random_blocks, write_model
+from synth import RANDOM_BLOCK_TYPES, random_blocks, write_model
 
-TYPES = list(F16_FIELDS)
+TYPES = list(RANDOM_BLOCK_TYPES)
 
 
 @pytest.mark.parametrize("dtype", TYPES, ids=[t.name for t in TYPES])

@@ -157,9 +157,16 @@ pub(crate) trait LegacyBlock {
     /// Whether a row group's eight steps of pair sums may overflow 16 bits (|v| up to 127, or
     /// q up to 31): then pairs widen to 32 bits before they are added.
     const WIDE: bool = false;
+    /// Whether `scale_bits` is an f16 (else `scale` reads the block's own format: MXFP4).
+    const F16_SCALE: bool = true;
     fn scale_bits(&self) -> u16;
     fn min_bits(&self) -> u16 {
         0
+    }
+    /// The block's scale d.
+    #[inline]
+    fn scale(&self) -> f32 {
+        f16_to_f32(self.scale_bits())
     }
     /// A constant c where the signed weights are v = q - c for unsigned q (`unsigned`):
     /// the one-token kernel then multiplies q unsigned by the activations and subtracts c times
@@ -268,16 +275,19 @@ pub(crate) unsafe fn dot_legacy<B: LegacyBlock, const R: usize, const N: usize>(
                 w[2].get_unchecked(i),
                 w[3].get_unchecked(i),
             ];
-            d4 = _mm_cvtph_ps(_mm_setr_epi16(
-                b[0].scale_bits() as i16,
-                b[1].scale_bits() as i16,
-                b[2].scale_bits() as i16,
-                b[3].scale_bits() as i16,
-                0,
-                0,
-                0,
-                0,
-            ));
+            d4 = match B::F16_SCALE {
+                true => _mm_cvtph_ps(_mm_setr_epi16(
+                    b[0].scale_bits() as i16,
+                    b[1].scale_bits() as i16,
+                    b[2].scale_bits() as i16,
+                    b[3].scale_bits() as i16,
+                    0,
+                    0,
+                    0,
+                    0,
+                )),
+                false => _mm_setr_ps(b[0].scale(), b[1].scale(), b[2].scale(), b[3].scale()),
+            };
             if B::MIN {
                 m4 = _mm_cvtph_ps(_mm_setr_epi16(
                     b[0].min_bits() as i16,
@@ -329,7 +339,7 @@ pub(crate) unsafe fn dot_legacy<B: LegacyBlock, const R: usize, const N: usize>(
                 for r in 0..R {
                     let b = w[r].get_unchecked(i);
                     let sum = _mm_cvtsi32_ss(_mm_setzero_ps(), hsum_i16(p[r]));
-                    let dd = _mm_set_ss(f16_to_f32(b.scale_bits()) * ab.d);
+                    let dd = _mm_set_ss(b.scale() * ab.d);
                     acc[r][j] = _mm_cvtss_f32(_mm_fmadd_ss(sum, dd, _mm_set_ss(acc[r][j])));
                     if B::MIN {
                         mins[r][j] = _mm_cvtss_f32(_mm_fmadd_ss(

@@ -26,6 +26,7 @@ pub enum DType {
     Q6_K,
     IQ4_NL,
     IQ4_XS,
+    MXFP4,
 }
 
 /// The form a type's products read their activations in (ggml's `vec_dot_type`).
@@ -80,7 +81,7 @@ const QUANT_ROWS: [usize; 3] = [1, 4, 4];
 const FLOAT_ROWS: [usize; 3] = [1, 1, 1];
 
 /// One row per `DType`, in its order.
-pub const TYPES: [TypeTraits; 15] = {
+pub const TYPES: [TypeTraits; 16] = {
     use ActFormat::*;
     use Decoding::*;
     const fn float(dtype: DType, ggml_id: u32, name: &'static str, bytes: usize) -> TypeTraits {
@@ -136,6 +137,9 @@ pub const TYPES: [TypeTraits; 15] = {
         quant(DType::Q6_K, 14, "Q6_K", 256, 210, Chunks),
         quant(DType::IQ4_NL, 20, "IQ4_NL", 32, 18, Chunks),
         quant(DType::IQ4_XS, 23, "IQ4_XS", 256, 136, Chunks),
+        // gpt-oss's experts: a one-byte power-of-two scale, so 17-byte blocks at any address;
+        // no GPU kernels yet
+        TypeTraits { align: 1, gpu: false, ..quant(DType::MXFP4, 39, "MXFP4", 32, 17, Chunks) },
     ]
 };
 
@@ -150,8 +154,8 @@ const _: () = {
 
 impl DType {
     /// Every type, in table order.
-    pub const ALL: [DType; 15] = {
-        let mut all = [DType::F32; 15];
+    pub const ALL: [DType; 16] = {
+        let mut all = [DType::F32; 16];
         let mut i = 0;
         while i < TYPES.len() {
             all[i] = TYPES[i].dtype;

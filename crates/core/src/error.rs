@@ -20,7 +20,7 @@ pub enum Error {
     Format(String),
 
     /// A tensor type that the file declares but this engine cannot compute with.
-    #[error("tensor '{tensor}' has type {dtype}, which is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)")]
+    #[error("tensor '{tensor}' has type {dtype}, which is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4)")]
     UnsupportedType { tensor: String, dtype: String },
 
     /// The architecture and the ones the engine reads.

@@ -17,7 +17,7 @@
 //! function pointers of the instances for that R and N.
 
 use crate::dtype::DType;
-use crate::quant::chunks::{BlockIQ4NL, BlockQ5_0, BlockQ5_1};
+use crate::quant::chunks::{BlockIQ4NL, BlockMXFP4, BlockQ5_0, BlockQ5_1};
 use crate::quant::q256::BlockQ8K;
 use crate::quant::{self, cast_blocks, q256, ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0};
 use crate::simd::SimdLevel;
@@ -101,7 +101,7 @@ impl<const R: usize, const N: usize> Table<R, N> {
     /// One row per `DType`, in its order: the dot kernels of the scalar, AVX2 and AVX-512
     /// columns, then the axpy kernels'.
     #[rustfmt::skip]
-    pub const ROWS: [CpuKernels<R, N>; 15] = {
+    pub const ROWS: [CpuKernels<R, N>; 16] = {
         use DType as T;
         // the type's index, for the kernels generic over it
         macro_rules! i { ($t:ident) => { { T::$t as usize } }; }
@@ -159,6 +159,7 @@ impl<const R: usize, const N: usize> Table<R, N> {
             super_block!(Q6_K),
             chunked!(IQ4_NL, BlockIQ4NL),
             super_block!(IQ4_XS),
+            chunked!(MXFP4, BlockMXFP4),
         ]
     };
 }

@@ -1,5 +1,5 @@
 //! The block formats of llama.cpp's k-quant presets besides the legacy ones: Q5_0, Q5_1, Q2_K,
-//! Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS. Every one is read the same way: a row is a run of
+//! Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS, and gpt-oss's MXFP4. Every one is read the same way: a row is a run of
 //! 32-weight chunks (one `BlockQ8Act` of activations each), and a chunk is two halves of 16
 //! weights, w = scale * v - min, with small integers v (`Chunk`). So one decoder per format
 //! serves dequantization, the integer dot product and the axpy of the sparse operators.
@@ -125,6 +125,29 @@ pub struct BlockIQ4XS {
 }
 // the table's size for the type (`dtype::TYPES`)
 const _: () = assert!(std::mem::size_of::<BlockIQ4XS>() == DType::IQ4_XS.traits().block_bytes);
+
+/// ggml block_mxfp4 (OCP microscaling FP4): 32 weights = 2^(e - 128) * MXFP4_VALUES[q], q in
+/// 0..16, nibbles ordered as Q4_0's. The values are E2M1's doubled (hence the halved scale).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct BlockMXFP4 {
+    pub e: u8, // E8M0: an exponent alone
+    pub qs: [u8; QK / 2],
+}
+// the table's size for the type (`dtype::TYPES`)
+const _: () = assert!(std::mem::size_of::<BlockMXFP4>() == DType::MXFP4.traits().block_bytes);
+
+/// E2M1's sixteen values (sign, two exponent bits, one mantissa bit), doubled: 0, 0.5, 1, 1.5,
+/// 2, 3, 4, 6 and their negatives, as integers.
+pub const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// An E8M0 exponent as the f32 2^(e - 128): half the block scale 2^(e - 127), to go with the
+/// doubled `MXFP4_VALUES` (ggml's `GGML_E8M0_TO_FP32_HALF`; e = 0 and 1 are subnormal).
+#[inline]
+pub fn e8m0_half(e: u8) -> f32 {
+    let bits = if e < 2 { 0x0020_0000u32 << e } else { (e as u32 - 1) << 23 };
+    f32::from_bits(bits)
+}
 
 /// The non-linear 4-bit grid of IQ4_NL and IQ4_XS.
 pub const IQ4_VALUES: [i8; 16] =
@@ -278,6 +301,15 @@ pub fn int_chunk(dtype: DType, row: &[u8], k: usize, out: &mut IntChunk) {
             }
             (out.d, out.scale) = (f16_to_f32(x.d), [iq4_xs_scale(x, c); 2]);
         }
+        DType::MXFP4 => {
+            let x: &BlockMXFP4 = block(row, b);
+            let (lo, hi) = out.v.split_at_mut(16);
+            for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&x.qs) {
+                *l = MXFP4_VALUES[(q & 0x0F) as usize];
+                *h = MXFP4_VALUES[(q >> 4) as usize];
+            }
+            (out.d, out.scale) = (e8m0_half(x.e), [1; 2]);
+        }
         _ => unreachable!("{} is not a chunked type", dtype.name()),
     }
 }
@@ -382,6 +414,13 @@ pub(crate) mod tests {
         let mut rng = crate::sampler::Rng::new(seed);
         let mut row: Vec<u8> =
             (0..dtype.row_bytes(n)).map(|_| (rng.next_f32() * 256.0) as u8).collect();
+        if dtype == DType::MXFP4 {
+            // exponents around 2^0, so that sums stay finite
+            for block in row.chunks_exact_mut(dtype.block_bytes()) {
+                block[0] = 118 + (rng.next_f32() * 12.0) as u8;
+            }
+            return row;
+        }
         let fields: &[usize] = match dtype {
             DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
             DType::Q2_K => &[80, 82],

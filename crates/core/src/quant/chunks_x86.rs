@@ -3,7 +3,7 @@
 //! halves' scales as [s0 x 4, s1 x 4] and the minimum. They serve the sparse down projection
 //! (`axpy_rows`) of every chunked format and the last blocks of a row in the AVX-512 dots
 //! (`avx512::dot_chunked`). The dot products read whole blocks elsewhere: the 32-weight formats
-//! through `avx2::LegacyBlock` (this module implements it for Q5_0, Q5_1 and IQ4_NL), the
+//! through `avx2::LegacyBlock` (this module implements it for Q5_0, Q5_1, IQ4_NL and MXFP4), the
 //! super-block formats per 256 (`q256_x86`).
 
 #![allow(clippy::missing_safety_doc)]
@@ -11,8 +11,8 @@
 use std::arch::x86_64::*;
 
 use super::chunks::{
-    BlockIQ4NL, BlockIQ4XS, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K,
-    IQ4_VALUES,
+    e8m0_half, BlockIQ4NL, BlockIQ4XS, BlockMXFP4, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K,
+    BlockQ5_0, BlockQ5_1, BlockQ6K, IQ4_VALUES, MXFP4_VALUES,
 };
 use super::{cast_blocks, BlockQ4_0, BlockQ4_1, BlockQ8_0, DType, QK};
 // an f16 scale broadcast to 8 f32 lanes (see there why a broadcast)
@@ -117,6 +117,7 @@ unsafe fn decode(dtype: DType, row: &[u8], k: usize) -> Decoded {
         DType::Q6_K => q6_k(row, b, c),
         DType::IQ4_NL => iq4_nl(row, b, c),
         DType::IQ4_XS => iq4_xs(row, b, c),
+        DType::MXFP4 => mxfp4(row, b, c),
         _ => unreachable!("{} is not a chunked type", dtype.name()),
     }
 }
@@ -126,7 +127,13 @@ unsafe fn decode(dtype: DType, row: &[u8], k: usize) -> Decoded {
 /// constant shifts, and the block's scales are read once.
 pub(crate) const fn chunks_per_block(dtype: DType) -> usize {
     match dtype {
-        DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::Q5_0 | DType::Q5_1 | DType::IQ4_NL => 1,
+        DType::Q4_0
+        | DType::Q4_1
+        | DType::Q8_0
+        | DType::Q5_0
+        | DType::Q5_1
+        | DType::IQ4_NL
+        | DType::MXFP4 => 1,
         _ => super::QK_K / QK,
     }
 }
@@ -179,6 +186,28 @@ impl LegacyBlock for BlockIQ4NL {
     unsafe fn weights(&self) -> __m256i {
         let table =
             _mm256_broadcastsi128_si256(_mm_loadu_si128(IQ4_VALUES.as_ptr() as *const __m128i));
+        _mm256_shuffle_epi8(table, nibbles(self.qs.as_ptr()))
+    }
+}
+
+impl LegacyBlock for BlockMXFP4 {
+    const F16_SCALE: bool = false;
+    // |v| <= 12: 16-bit pair sums would do; 32 keeps the margin of IQ4_NL's at no cost here
+    const WIDE: bool = true;
+    fn scale_bits(&self) -> u16 {
+        self.e as u16
+    }
+    #[inline]
+    fn scale(&self) -> f32 {
+        e8m0_half(self.e)
+    }
+
+    /// The doubled E2M1 values of the nibbles, as `mxfp4` decodes them.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn weights(&self) -> __m256i {
+        let table =
+            _mm256_broadcastsi128_si256(_mm_loadu_si128(MXFP4_VALUES.as_ptr() as *const __m128i));
         _mm256_shuffle_epi8(table, nibbles(self.qs.as_ptr()))
     }
 }
@@ -372,6 +401,18 @@ pub(crate) unsafe fn iq4_xs(row: &[u8], b: usize, c: usize) -> Decoded {
     iq4(x.qs.as_ptr().add(16 * c), times(f16(x.d), super::chunks::iq4_xs_scale(x, c)))
 }
 
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn mxfp4(row: &[u8], b: usize, _c: usize) -> Decoded {
+    let x = cast_blocks::<BlockMXFP4>(row).get_unchecked(b);
+    Decoded {
+        v: x.weights(),
+        scale: _mm256_set1_ps(e8m0_half(x.e)),
+        min: _mm256_setzero_ps(),
+        min_halves: _mm256_setzero_ps(),
+    }
+}
+
 /// `$then!(decoder, DType)` with `$dtype`'s chunk decoder, for any quantized type: one arm per
 /// format with its DType as a constant, so that the code `$then` expands to compiles for one
 /// format at a time (the sparse down projection and the AVX-512 one-token dots' last blocks).
@@ -392,6 +433,7 @@ macro_rules! with_decoder {
             T::Q6_K => $then!(decoders::q6_k, T::Q6_K),
             T::IQ4_NL => $then!(decoders::iq4_nl, T::IQ4_NL),
             T::IQ4_XS => $then!(decoders::iq4_xs, T::IQ4_XS),
+            T::MXFP4 => $then!(decoders::mxfp4, T::MXFP4),
             other => unreachable!("{} is not a quantized type", other.name()),
         }
     }};

@@ -423,7 +423,7 @@ pub(crate) mod tests {
 
     /// Every quantized type, and a random valid row of `cols` weights of one: the legacy types
     /// quantized from random values, the chunked ones random blocks with small scales.
-    pub(crate) const QUANTIZED: [DType; 12] = [
+    pub(crate) const QUANTIZED: [DType; 13] = [
         DType::Q4_0,
         DType::Q4_1,
         DType::Q8_0,
@@ -436,6 +436,7 @@ pub(crate) mod tests {
         DType::Q6_K,
         DType::IQ4_NL,
         DType::IQ4_XS,
+        DType::MXFP4,
     ];
 
     pub(crate) fn random_quantized_row(dtype: DType, cols: usize, seed: u64) -> Vec<u8> {

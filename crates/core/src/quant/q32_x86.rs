@@ -16,7 +16,7 @@
 
 use std::arch::x86_64::*;
 
-use super::chunks::{BlockIQ4NL, BlockQ5_0, BlockQ5_1};
+use super::chunks::{BlockIQ4NL, BlockMXFP4, BlockQ5_0, BlockQ5_1};
 use super::f16_to_f32;
 use super::q256_x86::{transpose_chunk, transpose_slot, GroupWidth};
 use super::{cast_blocks, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK};
@@ -75,7 +75,7 @@ unsafe fn unpack_legacy_group<B: LegacyBlock>(rows: &[&[u8]], out: &mut [LegacyG
                     _mm256_sign_epi8(v, v),
                 );
             }
-            o.d[r] = f16_to_f32(blk.scale_bits());
+            o.d[r] = blk.scale();
         }
         transpose_chunk::<8>(&staged_u, &mut o.u);
         if !B::MIN {
@@ -222,7 +222,7 @@ unsafe fn unpack_legacy_group16<B: LegacyBlock>(rows: &[&[u8]], out: &mut [Legac
             let v = blk.weights();
             let u = if B::MIN { v } else { _mm256_xor_si256(v, _mm256_set1_epi8(-128)) };
             _mm256_storeu_si256(staged[transpose_slot::<16>(r)].as_mut_ptr() as *mut __m256i, u);
-            o.d[r] = f16_to_f32(blk.scale_bits());
+            o.d[r] = blk.scale();
             if B::MIN {
                 o.m[r] = f16_to_f32(blk.min_bits());
             }
@@ -424,6 +424,7 @@ pub unsafe fn legacy_rows_all_tokens<'a>(
         DType::Q5_1 => by_width!(BlockQ5_1),
         DType::Q8_0 => by_width!(BlockQ8_0),
         DType::IQ4_NL => by_width!(BlockIQ4NL),
+        DType::MXFP4 => by_width!(BlockMXFP4),
         _ => unreachable!("{} has no row groups", dtype.name()),
     }
 }
