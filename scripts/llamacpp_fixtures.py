@@ -5,7 +5,8 @@ the oracle tests/test_llamacpp_fixtures.py compares the engine with.
   gemma3, phi3, llama with Llama 3's rope_freqs and linear RoPE scaling, qwen2 with YaRN, phi3 with LongRoPE),
   written with the `gguf` package under the keys llama.cpp's converter writes.
 - One F16 model per mixture-of-experts family: Mixtral (llama with experts), qwen2moe,
-  qwen3moe, olmoe, smallthinker (with each of its router functions).
+  qwen3moe, olmoe, smallthinker (with each of its router functions), gpt-oss (and one with
+  its MXFP4 experts).
 - One F32 llama model (n_embd 256, so that every k-quant fits) quantized by llama.cpp's own
   quantizer into each preset of `llama-quantize`: Q2_K, Q3_K_M, Q4_K_S, Q4_K_M, Q5_K_M, Q6_K,
   IQ4_XS (the float model itself is not kept); and a qwen3moe one into Q4_K_M.
@@ -72,6 +73,32 @@ ARCHITECTURES = {
         arch="smallthinker",
         weight_scale=0.5,
         experts=dict(n_expert=4, n_used=2, n_ff_exp=64, gating="sigmoid"),
+    ),
+    # gpt-oss: attention biases and sinks, even layers sliding, YaRN on every layer, biased
+    # router and experts, the clamped SwiGLU; and with its MXFP4 experts. (Weights at half
+    # scale: at full scale this random model's attention is sharp enough that f16 rounding
+    # moves a few tokens' logits by 1-3%, on either side; a seed whose tokens route apart.)
+    "gpt-oss": dict(
+        arch="gpt-oss",
+        n_layer=3,
+        sliding_window=8,
+        rope_scaling=4.0,
+        yarn_original_ctx=64,
+        head_dim=32,
+        weight_scale=0.5,
+        seed=2,
+        experts=dict(n_expert=4, n_used=2, n_ff_exp=64),
+    ),
+    "gpt-oss-mxfp4": dict(
+        arch="gpt-oss",
+        n_layer=3,
+        sliding_window=8,
+        rope_scaling=4.0,
+        yarn_original_ctx=64,
+        head_dim=32,
+        weight_scale=0.5,
+        seed=2,
+        experts=dict(n_expert=4, n_used=2, n_ff_exp=64, dtype=Q.MXFP4),
     ),
 }
 

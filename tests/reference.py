@@ -200,7 +200,11 @@ def forward(
     gating: Mixtral (llama), Qwen2-MoE (with its sigmoid-gated shared expert), Qwen3-MoE, OLMoE
     (q and k RMSNormed whole); and SmallThinker's (llama.cpp's graph): the router reads the
     layer input, softmax or sigmoid gating, ReGLU experts, and with a sliding window the first
-    of every four layers attends fully, without RoPE. `routing_margin` (len(tokens),), if given, receives each token's
+    of every four layers attends fully, without RoPE; and gpt-oss's (llama.cpp's graph): attention
+    biases and sinks (a logit per head in its softmax, with no value), even layers sliding,
+    every layer's RoPE alike (YaRN included), the FFN norm named post_attention_norm, a biased
+    router whose chosen logits' softmax weighs the experts, biased experts with the clamped
+    SwiGLU (gate <= 7, |up| <= 7, slope 1.702, up + 1). `routing_margin` (len(tokens),), if given, receives each token's
     smallest gap over the layers between the router logits of its last chosen expert and the
     next one: where it is within rounding error, the engine may legitimately pick the other.
     `routes`, if given, receives (layer, experts chosen (n, n_used)) per mixture-of-experts
@@ -231,6 +235,7 @@ def forward(
         "qwen3moe",
         "olmoe",
         "smallthinker",
+        "gpt-oss",
     )
     gemma = arch in ("gemma", "gemma2", "gemma3")
     freq_scale = (
@@ -255,10 +260,12 @@ def forward(
     magnitude = m("rope.scaling.attn_factor", 1.0)
     window = (
         m("attention.sliding_window", 4096 if arch == "gemma2" else 0)
-        if arch in ("gemma2", "gemma3")
+        if arch in ("gemma2", "gemma3", "gpt-oss")
         else 0
     )
-    pattern = {"gemma2": 2, "gemma3": 6}.get(arch, 0)
+    # gpt-oss (llama.cpp's graph): even layers slide, every layer turns q and k alike
+    pattern = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}.get(arch, 0)
+    gpt_oss = arch == "gpt-oss"
     smallthinker = arch == "smallthinker"
     if smallthinker and m("attention.sliding_window", 0) > 0:
         # SmallThinker (llama.cpp's graph): a window of 4096 whatever the file's value, over
@@ -290,6 +297,8 @@ def forward(
             activation = "geglu"
         elif smallthinker:
             activation = "relu"
+        elif gpt_oss:
+            activation = "swiglu_oai"
         else:
             activation = "silu"
     gateless = arch in ("opt", "falcon")
@@ -361,8 +370,11 @@ def forward(
             if attn_cap:
                 s = attn_cap * np.tanh(s / attn_cap)
             s = s + layer_mask
-            s = np.exp(s - s.max(axis=1, keepdims=True))
-            s /= s.sum(axis=1, keepdims=True)
+            # gpt-oss's sink: a logit in each row's softmax with no value
+            sink = w[p + "attn_sinks.weight"][hh] if p + "attn_sinks.weight" in w else -np.inf
+            top = np.maximum(s.max(axis=1, keepdims=True), sink)
+            s = np.exp(s - top)
+            s /= s.sum(axis=1, keepdims=True) + np.exp(sink - top)
             out[:, hh, :] = s @ v[:, g, :]
         return mm(out.reshape(n, n_head * hd), p + "attn_output.weight") + w.get(
             p + "attn_output.bias", 0
@@ -378,6 +390,10 @@ def forward(
             return gate / (1 + np.exp(-gate)) * up
         if activation in ("relu", "reglu"):
             return np.maximum(gate, 0) * up
+        if activation == "swiglu_oai":
+            # gpt-oss: the gate clamped above at 7, up into [-7, 7], slope 1.702, up + 1
+            g = np.minimum(gate, 7.0)
+            return g / (1 + np.exp(-1.702 * g)) * (np.clip(up, -7.0, 7.0) + 1)
         return np.maximum(gate, 0) * np.maximum(up, 0)
 
     def ffn(h, p, _=None):
@@ -412,7 +428,11 @@ def forward(
     def moe_ffn(h, p, layer_input):
         # SmallThinker's router reads the layer input, the others the FFN's normed input
         logits = mm(layer_input if smallthinker else h, p + "ffn_gate_inp.weight")
-        if sigmoid_gating:
+        logits = logits + w.get(p + "ffn_gate_inp.bias", 0)
+        if gpt_oss:
+            # ranked by the logits; weighted by a softmax over the chosen ones (below)
+            probs = logits
+        elif sigmoid_gating:
             probs = 1 / (1 + np.exp(-logits))
         else:
             probs = np.exp(logits - logits.max(axis=1, keepdims=True))
@@ -435,12 +455,20 @@ def forward(
         for t in range(n):
             chosen = np.argsort(-probs[t], kind="stable")[:n_used]
             weights = probs[t, chosen]
+            if gpt_oss:
+                weights = np.exp(weights - weights.max())
+                weights = weights / weights.sum()
             if normalize:
                 weights = weights / weights.sum()
             for e, wt in zip(chosen, weights * weights_scale):
                 x = h[t : t + 1]
-                a = gated(mm(x, p + "ffn_gate_exps.weight", e), mm(x, p + "ffn_up_exps.weight", e))
-                out[t] += wt * mm(a, p + "ffn_down_exps.weight", e)[0]
+                b = {
+                    k: w[p + f"ffn_{k}_exps.bias"][e] if p + f"ffn_{k}_exps.bias" in w else 0
+                    for k in ("gate", "up", "down")
+                }
+                gate = mm(x, p + "ffn_gate_exps.weight", e) + b["gate"]
+                a = gated(gate, mm(x, p + "ffn_up_exps.weight", e) + b["up"])
+                out[t] += wt * (mm(a, p + "ffn_down_exps.weight", e)[0] + b["down"])
         if p + "ffn_gate_inp_shexp.weight" in w:
             # Qwen2-MoE's shared expert, scaled by sigmoid(gate_inp . h)
             a = silu(mm(h, p + "ffn_gate_shexp.weight")) * mm(h, p + "ffn_up_shexp.weight")
@@ -458,10 +486,12 @@ def forward(
         else:
             layer_input = x
             a = attention(norm(x, p + "attn_norm"), p, l)
-            if p + "post_attention_norm.weight" in w:
+            # (gpt-oss's post_attention_norm is its FFN norm)
+            if p + "post_attention_norm.weight" in w and not gpt_oss:
                 a = norm(a, p + "post_attention_norm")
             x = x + a
-            f = ffn_of_layer(norm(x, p + "ffn_norm"), p, layer_input)
+            ffn_norm = p + ("post_attention_norm" if gpt_oss else "ffn_norm")
+            f = ffn_of_layer(norm(x, ffn_norm), p, layer_input)
             if p + "post_ffw_norm.weight" in w:
                 f = norm(f, p + "post_ffw_norm")
             x = x + f

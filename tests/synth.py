@@ -113,6 +113,8 @@ ARCH_FEATURES = {
     "gemma2": {"post_norms"},
     "gemma3": {"qk_norm", "post_norms"},
     "phi3": {"fused"},
+    # attention biases and sinks, the FFN norm named post_attention_norm, biased experts
+    "gpt-oss": {"gpt_oss"},
 }
 
 
@@ -160,7 +162,10 @@ def write_model(
     files give it as `feed_forward_length`), and with `n_ff_shared` Qwen2-MoE's shared expert
     (`ffn_{gate,up,down}_shexp`, `ffn_gate_inp_shexp`, `expert_shared_feed_forward_length`);
     SmallThinker's files also say their router's `gating` ("softmax" or "sigmoid"; an int is
-    written as it is, None leaves the key out).
+    written as it is, None leaves the key out). `dtype` (a type) stores the expert tensors in
+    it instead (gpt-oss's files: MXFP4 experts, the rest Q8_0 or F32). gpt-oss's layers carry
+    attention biases and sinks, the FFN norm as `post_attention_norm`, and biases on the router
+    and every expert (`ffn_{gate_inp,gate_exps,up_exps,down_exps}.bias`).
     `skew` (a float) makes the routing favour a few experts per layer (see below), as trained
     routers do and random ones do not."""
     rng = np.random.default_rng(seed)
@@ -284,14 +289,21 @@ def write_model(
             # OLMoE: q and k RMSNormed whole, not per head
             vec(p + "attn_q_norm.weight", n_head * hd)
             vec(p + "attn_k_norm.weight", n_head_kv * hd)
-        if bias:
+        if bias or "gpt_oss" in features:
             vec(p + "attn_q.bias", n_head * hd, 0.0, 0.2)
             vec(p + "attn_k.bias", n_head_kv * hd, 0.0, 0.2)
             vec(p + "attn_v.bias", n_head_kv * hd, 0.0, 0.2)
         mat(p + "attn_output.weight", n_embd, n_head * hd, 0.15)
+        if "gpt_oss" in features:
+            vec(p + "attn_output.bias", n_embd, 0.0, 0.2)
+            # sink logits around the scores' size, some above and some below
+            vec(p + "attn_sinks.weight", n_head, 0.0, 1.5)
         if "post_norms" in features:
             vec(p + "post_attention_norm.weight", n_embd)
-        vec(p + "ffn_norm.weight", n_embd)
+        vec(
+            p + ("post_attention_norm.weight" if "gpt_oss" in features else "ffn_norm.weight"),
+            n_embd,
+        )
         if experts is not None:
             n_expert, n_exp_ff = experts["n_expert"], experts["n_ff_exp"]
             favour = None
@@ -302,9 +314,16 @@ def write_model(
             # gate by sigmoids, which the others' logits of ~16 would saturate: a few at first)
             router_scale = 4.0 / np.sqrt(n_embd) if arch == "smallthinker" else 1.0
             mat(p + "ffn_gate_inp.weight", n_expert, n_embd, router_scale, t=Q.F32, shift=favour)
-            mat(p + "ffn_gate_exps.weight", n_exp_ff, n_embd, 0.2, stack=n_expert)
-            mat(p + "ffn_up_exps.weight", n_exp_ff, n_embd, 0.2, stack=n_expert)
-            mat(p + "ffn_down_exps.weight", n_embd, n_exp_ff, 0.15, stack=n_expert)
+            t_exp = experts.get("dtype")
+            mat(p + "ffn_gate_exps.weight", n_exp_ff, n_embd, 0.2, stack=n_expert, t=t_exp)
+            mat(p + "ffn_up_exps.weight", n_exp_ff, n_embd, 0.2, stack=n_expert, t=t_exp)
+            mat(p + "ffn_down_exps.weight", n_embd, n_exp_ff, 0.15, stack=n_expert, t=t_exp)
+            if "gpt_oss" in features:
+                vec(p + "ffn_gate_inp.bias", n_expert, 0.0, 0.5)
+                for name, width in [("gate", n_exp_ff), ("up", n_exp_ff), ("down", n_embd)]:
+                    b = (0.3 * rng.standard_normal((n_expert, width))).astype(np.float32)
+                    if p + f"ffn_{name}_exps.bias" not in skip:
+                        w.add_tensor(p + f"ffn_{name}_exps.bias", b)
             n_sh = experts.get("n_ff_shared", 0)
             if n_sh:
                 vec(p + "ffn_gate_inp_shexp.weight", n_embd, 0.0, 0.3)

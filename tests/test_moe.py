@@ -1,6 +1,7 @@
 """Mixture-of-experts models as llama.cpp writes them (Mixtral as `llama` with experts,
 `qwen2moe` with its sigmoid-gated shared expert, `qwen3moe`, `olmoe`, `smallthinker` with its
-pre-attention router and ReGLU experts), on tiny random files:
+pre-attention router and ReGLU experts, `gpt-oss` with attention sinks, biased experts and MXFP4),
+on tiny random files:
 logits against the independent float64 reference (tests/reference.py), a prompt against the
 same tokens one at a time and a batch of sessions against each alone (bit for bit), the bytes a
 decode token reads, and the bad files and requests each refused with a message naming the
@@ -47,6 +48,17 @@ FAMILIES = {
         # layer, as a trained model's does)
         weight_scale=0.5,
         experts=dict(n_expert=8, n_used=2, gating="softmax"),
+    ),
+    # gpt-oss: attention biases and sinks, every other layer sliding (from the first), YaRN on
+    # every layer, a biased router whose chosen logits' softmax weighs the experts, biased
+    # experts with the clamped SwiGLU (its MXFP4 experts: test_gpt_oss_mxfp4_experts_...)
+    "gpt-oss": dict(
+        arch="gpt-oss",
+        n_layer=3,
+        sliding_window=8,
+        rope_scaling=4.0,
+        yarn_original_ctx=64,
+        experts=dict(n_expert=8, n_used=2),
     ),
 }
 
@@ -325,7 +337,108 @@ def test_an_expert_count_of_zero_is_named(tmp_path):
         _core.Model(path, 2)
 
 
-@pytest.mark.parametrize("arch", ["deepseek2", "gpt-oss", "dbrx"])
+def test_gpt_oss_mxfp4_experts_match_float64_reference(tmp_path):
+    """gpt-oss as its files come: MXFP4 experts (the rest Q8_0 here), each token alone against
+    the reference that rounds activations to int8; a prompt equals the same tokens one at a
+    time, bit for bit."""
+    path = write_moe(tmp_path / "m.gguf", "gpt-oss", Q.Q8_0, experts=dict(dtype=Q.MXFP4))
+    types = {t["name"]: t["type"] for t in _core.GgufFile(path).tensors()}
+    assert types["blk.0.ffn_down_exps.weight"] == "MXFP4"
+    model = _core.Model(path, 2)
+    ids = np.random.default_rng(4).integers(0, model.config()["n_vocab"], size=16).tolist()
+    w, meta = read_weights(path)
+    routing, rounding = np.full(len(ids), np.inf), np.full(len(ids), np.inf)
+    ref = np.concatenate(
+        [
+            forward(
+                w,
+                meta,
+                [t],
+                int8_activations=True,
+                routing_margin=routing[i : i + 1],
+                rounding_margin=rounding[i : i + 1],
+            )
+            for i, t in enumerate(ids)
+        ]
+    )
+    got = np.stack([_core.Session(model, 8, "f32").eval([t]) for t in ids])
+    comparable = (routing > NEAR_ROUTING_TIE["int8"]) & (rounding > NEAR_ROUNDING_TIE)
+    assert comparable.mean() >= 0.5, f"mostly near ties: routing {routing}, rounding {rounding}"
+    rel = relative_errors(got, ref)[comparable]
+    assert rel.max() < QUANT_TOL, f"relative errors {rel}"
+    whole = _core.Session(model, 64, "f32").eval(ids, all_logits=True)
+    one = _core.Session(model, 64, "f32")
+    np.testing.assert_array_equal(np.stack([one.eval([t]) for t in ids]), whole)
+
+
+def test_each_of_gpt_oss_differences_is_in_the_logits(tmp_path):
+    """The reference without any one of gpt-oss's differences (attention sinks, the router's
+    bias, the experts' biases, the clamped SwiGLU, the sliding window, YaRN on the sliding
+    layers) is far from the engine's logits, which are near the reference with all of them:
+    the engine computes each, and none is too small to tell."""
+    path = write_moe(tmp_path / "m.gguf", "gpt-oss")
+    model = _core.Model(path, 2)
+    cfg = model.config()
+    assert cfg["experts"]["gating"] == "softmax_of_chosen"
+    assert cfg["ffn_activation"] == "swiglu_oai"
+    ids = np.random.default_rng(5).integers(0, cfg["n_vocab"], size=32).tolist()
+    got = _core.Session(model, 64, "f32").eval(ids, all_logits=True)
+    w, meta = read_weights(path)
+    routing = np.full(len(ids), np.inf)
+    ref = forward(w, meta, ids, routing_margin=routing)
+    comparable = routing > NEAR_ROUTING_TIE["float"]
+    assert relative_errors(got, ref)[comparable].max() < FLOAT_TOL
+
+    def without(suffix):
+        return {k: v for k, v in w.items() if not k.endswith(suffix)}
+
+    w_gate = {k: v for k, v in w.items() if not k.endswith("exps.bias")}
+    variants = {
+        "no sinks": (without("attn_sinks.weight"), meta, None),
+        "no router bias": (without("ffn_gate_inp.bias"), meta, None),
+        "no expert biases": (w_gate, meta, None),
+        "plain SwiGLU": (w, meta, "silu"),
+        "no window": (w, {**meta, "gpt-oss.attention.sliding_window": 10**6}, None),
+        "no YaRN": (w, {k: v for k, v in meta.items() if "rope.scaling" not in k}, None),
+    }
+    for what, (w2, meta2, act) in variants.items():
+        far = relative_errors(got, forward(w2, meta2, ids, activation=act))
+        assert np.median(far) > 30 * FLOAT_TOL, f"{what}: only {np.median(far):.1e} away"
+
+
+@pytest.mark.parametrize(
+    "what, kwargs, message",
+    [
+        (
+            "no window",
+            dict(sliding_window=None),
+            r"gpt-oss\.attention\.sliding_window is missing",
+        ),
+        (
+            "one of the expert biases missing",
+            dict(skip=("blk.1.ffn_up_exps.bias",)),
+            r"blk\.1\.ffn_up_exps\.bias is missing",
+        ),
+        (
+            "a layer without its sinks",
+            dict(skip=("blk.2.attn_sinks.weight",)),
+            r"blk\.2\.attn_sinks\.weight is missing",
+        ),
+    ],
+)
+def test_bad_gpt_oss_files_name_the_key_or_tensor(tmp_path, what, kwargs, message):
+    path = write_moe(tmp_path / "m.gguf", "gpt-oss", Q.Q4_0, **kwargs)
+    with pytest.raises(ModelError, match=message):
+        _core.Model(path, 2)
+
+
+def test_gpt_oss_runs_on_the_cpu_and_says_why_not_the_gpu(tmp_path):
+    model = _core.Model(write_moe(tmp_path / "m.gguf", "gpt-oss", Q.Q4_0), 2)
+    why = _core.gpu_unsupported_reason(model, "dense")
+    assert "attention sinks" in why and "runs on the CPU" in why
+
+
+@pytest.mark.parametrize("arch", ["deepseek2", "glm4moe", "dbrx"])
 def test_other_moe_families_are_refused_by_name(tmp_path, arch):
     path = write_model(tmp_path / "m.gguf", arch=arch)
     with pytest.raises(

@@ -8,7 +8,7 @@
 //!     cargo bench -p powerinfer-core --bench attention
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use powerinfer_core::attention::{attend_block, KvBuf, KvType};
+use powerinfer_core::attention::{attend_block, KvBuf, KvType, Scoring};
 use powerinfer_core::sampler::Rng;
 
 /// `reps` rounds of 24 independent 8-lane multiply-add chains (enough to hide the latency).
@@ -75,8 +75,7 @@ fn bench(c: &mut Criterion) {
                 len0,
                 stride,
                 hd,
-                0.125,
-                0.0,
+                Scoring { scale: 0.125, softcap: 0.0, sinks: &[] },
                 &mut scores,
                 &mut out,
             )

@@ -220,10 +220,20 @@ pub fn group_weighted_sum_scalar(
     }
 }
 
+/// How a group's scores become weights: q . k times `scale`; a non-zero `softcap` squashes
+/// each scaled score s into softcap * tanh(s / softcap) before the softmax (Gemma 2); `sinks`,
+/// unless empty, holds a logit per query head of the group that joins the head's softmax with
+/// no value (gpt-oss's attention sinks), so that its positions' weights sum to less than 1.
+#[derive(Clone, Copy, Debug)]
+pub struct Scoring<'a> {
+    pub scale: f32,
+    pub softcap: f32,
+    pub sinks: &'a [f32],
+}
+
 /// Causal attention of the query heads that share one KV head (GQA): `qs` holds them back to
 /// back (g x hd), `out` receives theirs likewise. `scores` is scratch (resized here). Each cached
-/// key and value is read once for the whole group. A non-zero `softcap` squashes each scaled
-/// score s into softcap * tanh(s / softcap) before the softmax (Gemma 2).
+/// key and value is read once for the whole group; `scoring` says how scores become weights.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_group(
     qs: &[f32],
@@ -233,12 +243,11 @@ pub fn attend_group(
     n: usize,
     stride: usize,
     offset: usize,
-    scale: f32,
-    softcap: f32,
+    scoring: Scoring,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    attend_normalised(qs, hd, k, v, n, stride, offset, scale, softcap, scores, out, |_| n);
+    attend_normalised(qs, hd, k, v, n, stride, offset, scoring, scores, out, |_| n);
 }
 
 /// `attend_group_masked` divided by each head's sum: the attention output of heads that see
@@ -252,8 +261,7 @@ fn attend_normalised(
     n: usize,
     stride: usize,
     offset: usize,
-    scale: f32,
-    softcap: f32,
+    scoring: Scoring,
     scores: &mut Vec<f32>,
     out: &mut [f32],
     seen: impl Fn(usize) -> usize,
@@ -267,9 +275,10 @@ fn attend_normalised(
         many.resize(g, Partial::default());
         &mut many
     };
-    attend_group_masked(qs, hd, k, v, n, stride, offset, scale, softcap, scores, out, parts, seen);
-    for (o, p) in out.chunks_exact_mut(hd).zip(parts.iter()) {
-        let inv = 1.0 / p.sum;
+    attend_group_masked(qs, hd, k, v, n, stride, offset, scoring, scores, out, parts, seen);
+    for (h, (o, p)) in out.chunks_exact_mut(hd).zip(parts.iter()).enumerate() {
+        // (a block's heads are its queries' groups one after another)
+        let inv = p.inverse_total(scoring.sinks.get(h % scoring.sinks.len().max(1)).copied());
         o.iter_mut().for_each(|x| *x *= inv);
     }
 }
@@ -292,8 +301,7 @@ pub fn attend_block(
     len0: usize,
     stride: usize,
     offset: usize,
-    scale: f32,
-    softcap: f32,
+    scoring: Scoring,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
@@ -310,20 +318,9 @@ pub fn attend_block(
         let len = len0 + i0;
         let (q, o) =
             (&qs[i0 * g * hd..(i0 + bb) * g * hd], &mut out[i0 * g * hd..(i0 + bb) * g * hd]);
-        attend_normalised(
-            q,
-            hd,
-            k,
-            v,
-            len + bb - 1,
-            stride,
-            offset,
-            scale,
-            softcap,
-            scores,
-            o,
-            |r| len + r / g,
-        );
+        attend_normalised(q, hd, k, v, len + bb - 1, stride, offset, scoring, scores, o, |r| {
+            len + r / g
+        });
     }
 }
 
@@ -333,6 +330,21 @@ pub fn attend_block(
 pub struct Partial {
     pub max: f32,
     pub sum: f32,
+}
+
+impl Partial {
+    /// 1 / the softmax's denominator: the sum, plus e^(sink - max) where the head has a sink,
+    /// computed so that neither term overflows.
+    fn inverse_total(self, sink: Option<f32>) -> f32 {
+        match sink {
+            None => 1.0 / self.sum,
+            Some(s) if s <= self.max => 1.0 / (self.sum + (s - self.max).exp()),
+            Some(s) => {
+                let w = (self.max - s).exp();
+                w / (self.sum * w + 1.0)
+            }
+        }
+    }
 }
 
 impl Default for Partial {
@@ -354,13 +366,12 @@ pub fn attend_group_partial(
     n: usize,
     stride: usize,
     offset: usize,
-    scale: f32,
-    softcap: f32,
+    scoring: Scoring,
     scores: &mut Vec<f32>,
     out: &mut [f32],
     parts: &mut [Partial],
 ) {
-    attend_group_masked(qs, hd, k, v, n, stride, offset, scale, softcap, scores, out, parts, |_| n);
+    attend_group_masked(qs, hd, k, v, n, stride, offset, scoring, scores, out, parts, |_| n);
 }
 
 /// `attend_group_partial` where head h sees only the first `seen(h)` of the n rows (the others
@@ -374,8 +385,7 @@ fn attend_group_masked(
     n: usize,
     stride: usize,
     offset: usize,
-    scale: f32,
-    softcap: f32,
+    scoring: Scoring,
     scores: &mut Vec<f32>,
     out: &mut [f32],
     parts: &mut [Partial],
@@ -427,7 +437,7 @@ fn attend_group_masked(
                     k.as_ptr(),
                     stride,
                     offset,
-                    scale,
+                    scoring.scale,
                     n,
                     scores
                 ),
@@ -438,18 +448,19 @@ fn attend_group_masked(
                     k.as_ptr(),
                     stride,
                     offset,
-                    scale,
+                    scoring.scale,
                     n,
                     scores
                 ),
             }
         }
     } else {
-        group_scores_scalar(qs, hd, k, stride, offset, scale, n, scores);
+        group_scores_scalar(qs, hd, k, stride, offset, scoring.scale, n, scores);
     }
-    if softcap != 0.0 {
+    let cap = scoring.softcap;
+    if cap != 0.0 {
         // Gemma 2: scores squashed into (-cap, cap)
-        scores.iter_mut().for_each(|s| *s = softcap * (*s / softcap).tanh());
+        scores.iter_mut().for_each(|s| *s = cap * (*s / cap).tanh());
     }
     if n == 0 {
         out.fill(0.0);
@@ -494,10 +505,12 @@ fn attend_group_masked(
 }
 
 /// Combines the partial results of stretches of one query's cache: each piece's `out` (g x hd)
-/// and `parts` (g) from `attend_group_partial`, into the normalised attention output `out`.
+/// and `parts` (g) from `attend_group_partial`, into the normalised attention output `out`
+/// (with the heads' `sinks`, `Scoring`'s, unless empty).
 pub fn merge_partials<'a>(
     pieces: impl Iterator<Item = (&'a [f32], &'a [Partial])> + Clone,
     hd: usize,
+    sinks: &[f32],
     out: &mut [f32],
 ) {
     out.fill(0.0);
@@ -512,7 +525,7 @@ pub fn merge_partials<'a>(
             sum += w * part[h].sum;
             o.iter_mut().zip(&po[h * hd..(h + 1) * hd]).for_each(|(x, y)| *x += w * y);
         }
-        let inv = 1.0 / sum;
+        let inv = Partial { max, sum }.inverse_total(sinks.get(h).copied());
         o.iter_mut().for_each(|x| *x *= inv);
     }
 }
@@ -521,7 +534,13 @@ pub fn merge_partials<'a>(
 mod tests {
     use super::*;
 
-    /// Plain per-head attention from the scalar pieces: the reference for the grouped path.
+    fn plain(scale: f32, softcap: f32) -> Scoring<'static> {
+        Scoring { scale, softcap, sinks: &[] }
+    }
+
+    /// Plain per-head attention from the scalar pieces, in f64 past the scores, with a sink
+    /// logit in the softmax's sum if given: the reference for the grouped path.
+    #[allow(clippy::too_many_arguments)]
     fn attend_one(
         q: &[f32],
         k: KvView,
@@ -530,12 +549,13 @@ mod tests {
         stride: usize,
         offset: usize,
         scale: f32,
+        sink: Option<f32>,
     ) -> Vec<f32> {
         let mut scores = vec![0.0; n];
         scores_scalar(q, k, stride, offset, scale, &mut scores);
         let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let e: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
-        let sum: f32 = e.iter().sum();
+        let sum: f32 = e.iter().sum::<f32>() + sink.map_or(0.0, |s| (s - max).exp());
         let w: Vec<f32> = e.iter().map(|x| x / sum).collect();
         let mut out = vec![0.0; q.len()];
         weighted_sum_scalar(&w, v, stride, offset, &mut out);
@@ -543,7 +563,8 @@ mod tests {
     }
 
     /// The grouped (GQA) path, SIMD where the CPU has it, equals plain per-head attention for
-    /// every group size, both cache types, and head sizes that take the SIMD path or not.
+    /// every group size, both cache types, and head sizes that take the SIMD path or not, with
+    /// and without sinks (below, above and far above the scores).
     #[test]
     fn grouped_attention_equals_per_head_attention() {
         let mut rng = crate::sampler::Rng::new(9);
@@ -560,15 +581,33 @@ mod tests {
                     vb.write(0, &vals2);
                     let qs: Vec<f32> = (0..g * hd).map(|_| rng.next_f32() - 0.5).collect();
                     let (k, v) = (kb.view(n * stride), vb.view(n * stride));
-                    let mut out = vec![0.0; g * hd];
-                    attend_group(&qs, hd, k, v, n, stride, hd, 0.2, 0.0, &mut Vec::new(), &mut out);
-                    for h in 0..g {
-                        let one = attend_one(&qs[h * hd..(h + 1) * hd], k, v, n, stride, hd, 0.2);
-                        for (x, y) in one.iter().zip(&out[h * hd..(h + 1) * hd]) {
-                            assert!(
-                                (x - y).abs() < 1e-5,
-                                "{kind:?} g={g} hd={hd} n={n}: {x} vs {y}"
-                            );
+                    for sinks in [vec![], vec![-1.0, 0.5, 3.0, 90.0, 0.0, 2.0, -5.0, 1.0, 0.1]] {
+                        let scoring =
+                            Scoring { sinks: &sinks[..sinks.len().min(g)], ..plain(0.2, 0.0) };
+                        let mut out = vec![0.0; g * hd];
+                        attend_group(
+                            &qs,
+                            hd,
+                            k,
+                            v,
+                            n,
+                            stride,
+                            hd,
+                            scoring,
+                            &mut Vec::new(),
+                            &mut out,
+                        );
+                        for h in 0..g {
+                            let q = &qs[h * hd..(h + 1) * hd];
+                            let one =
+                                attend_one(q, k, v, n, stride, hd, 0.2, sinks.get(h).copied());
+                            for (x, y) in one.iter().zip(&out[h * hd..(h + 1) * hd]) {
+                                assert!(
+                                    (x - y).abs() < 1e-5,
+                                    "{kind:?} g={g} hd={hd} n={n} sinks {}: {x} vs {y}",
+                                    sinks.len()
+                                );
+                            }
                         }
                     }
                 }
@@ -683,7 +722,9 @@ mod tests {
                     );
                     let qs: Vec<f32> =
                         (0..b * g * hd).map(|_| 4.0 * (rng.next_f32() - 0.5)).collect();
-                    for softcap in [0.0, 0.7] {
+                    let sinks: Vec<f32> = (0..g).map(|h| h as f32 - 1.0).collect();
+                    for (softcap, sinks) in [(0.0, &[][..]), (0.7, &[][..]), (0.0, &sinks[..])] {
+                        let scoring = Scoring { scale: 0.3, softcap, sinks };
                         let mut block = vec![0.0; b * g * hd];
                         attend_block(
                             &qs,
@@ -694,8 +735,7 @@ mod tests {
                             len0,
                             stride,
                             hd,
-                            0.3,
-                            softcap,
+                            scoring,
                             &mut Vec::new(),
                             &mut block,
                         );
@@ -711,15 +751,15 @@ mod tests {
                                 m,
                                 stride,
                                 hd,
-                                0.3,
-                                softcap,
+                                scoring,
                                 &mut Vec::new(),
                                 &mut alone,
                             );
                             let got = &block[i * g * hd..(i + 1) * g * hd];
                             let same =
                                 got.iter().zip(&alone).all(|(x, y)| x.to_bits() == y.to_bits());
-                            assert!(same, "{kind:?} g={g} hd={hd} b={b} len0={len0} softcap={softcap} query {i}");
+                            let has_sinks = !sinks.is_empty();
+                            assert!(same, "{kind:?} g={g} hd={hd} b={b} len0={len0} softcap={softcap} sinks {has_sinks} query {i}");
                         }
                     }
                 }
@@ -754,7 +794,7 @@ mod tests {
     }
 
     /// Attention split into stretches, each on its own, then merged, equals attention over the
-    /// whole cache (what decoding a long context on several threads relies on).
+    /// whole cache (what decoding a long context on several threads relies on), sinks or none.
     #[test]
     fn split_attention_merges_to_the_whole() {
         let mut rng = crate::sampler::Rng::new(5);
@@ -772,55 +812,58 @@ mod tests {
                 let mut vb = KvBuf::new(kind, n * stride).unwrap();
                 vb.write(0, &(0..n * stride).map(|_| rng.next_f32() - 0.5).collect::<Vec<_>>());
                 let qs: Vec<f32> = (0..g * hd).map(|_| rng.next_f32() - 0.5).collect();
-                let mut whole = vec![0.0; g * hd];
-                attend_group(
-                    &qs,
-                    hd,
-                    kb.view(n * stride),
-                    vb.view(n * stride),
-                    n,
-                    stride,
-                    hd,
-                    0.125,
-                    0.0,
-                    &mut Vec::new(),
-                    &mut whole,
-                );
-                let mut outs = vec![];
-                let mut parts = vec![];
-                for w in cuts.windows(2) {
-                    let (a, len) = (w[0], w[1] - w[0]);
-                    let (k, v) = (
-                        kb.view_at(a * stride, len * stride),
-                        vb.view_at(a * stride, len * stride),
-                    );
-                    let mut o = vec![0.0; g * hd];
-                    let mut p = vec![Partial::default(); g];
-                    attend_group_partial(
+                let sinks = [0.3, -2.0, 40.0];
+                for sinks in [&[][..], &sinks[..]] {
+                    let scoring = Scoring { sinks, ..plain(0.125, 0.0) };
+                    let mut whole = vec![0.0; g * hd];
+                    attend_group(
                         &qs,
                         hd,
-                        k,
-                        v,
-                        len,
+                        kb.view(n * stride),
+                        vb.view(n * stride),
+                        n,
                         stride,
                         hd,
-                        0.125,
-                        0.0,
+                        scoring,
                         &mut Vec::new(),
-                        &mut o,
-                        &mut p,
+                        &mut whole,
                     );
-                    outs.push(o);
-                    parts.push(p);
-                }
-                let mut merged = vec![0.0; g * hd];
-                merge_partials(
-                    outs.iter().map(|o| o.as_slice()).zip(parts.iter().map(|p| p.as_slice())),
-                    hd,
-                    &mut merged,
-                );
-                for (x, y) in merged.iter().zip(&whole) {
-                    assert!((x - y).abs() < 1e-5, "{kind:?} n={n} {cuts:?}: {x} vs {y}");
+                    let mut outs = vec![];
+                    let mut parts = vec![];
+                    for w in cuts.windows(2) {
+                        let (a, len) = (w[0], w[1] - w[0]);
+                        let (k, v) = (
+                            kb.view_at(a * stride, len * stride),
+                            vb.view_at(a * stride, len * stride),
+                        );
+                        let mut o = vec![0.0; g * hd];
+                        let mut p = vec![Partial::default(); g];
+                        attend_group_partial(
+                            &qs,
+                            hd,
+                            k,
+                            v,
+                            len,
+                            stride,
+                            hd,
+                            scoring,
+                            &mut Vec::new(),
+                            &mut o,
+                            &mut p,
+                        );
+                        outs.push(o);
+                        parts.push(p);
+                    }
+                    let mut merged = vec![0.0; g * hd];
+                    merge_partials(
+                        outs.iter().map(|o| o.as_slice()).zip(parts.iter().map(|p| p.as_slice())),
+                        hd,
+                        sinks,
+                        &mut merged,
+                    );
+                    for (x, y) in merged.iter().zip(&whole) {
+                        assert!((x - y).abs() < 1e-5, "{kind:?} n={n} {cuts:?}: {x} vs {y}");
+                    }
                 }
             }
         }
@@ -852,13 +895,29 @@ mod tests {
             2,
             2,
             0,
-            1.0,
-            0.0,
+            plain(1.0, 0.0),
             &mut Vec::new(),
             &mut out,
         );
         let (e0, e1) = (1.0f32, 2.0f32.exp());
         assert!((out[0] - e0 / (e0 + e1)).abs() < 1e-6);
         assert!((out[1] - e1 / (e0 + e1)).abs() < 1e-6);
+        // a sink of logit 1 joins the sum with no value
+        let scoring = Scoring { sinks: &[1.0], ..plain(1.0, 0.0) };
+        attend_group(
+            &q,
+            2,
+            KvView::F32(&k),
+            KvView::F32(&v),
+            2,
+            2,
+            0,
+            scoring,
+            &mut Vec::new(),
+            &mut out,
+        );
+        let total = e0 + e1 + 1.0f32.exp();
+        assert!((out[0] - e0 / total).abs() < 1e-6);
+        assert!((out[1] - e1 / total).abs() < 1e-6);
     }
 }

@@ -40,7 +40,14 @@ pub enum FfnActivation {
     Relu,
     /// `gelu(up)`, no gate (original Falcon; dense only, GELU is never exactly zero)
     Gelu,
+    /// gpt-oss's clamped SwiGLU: g' = min(g, 7), u' = clamp(u, -7, 7), then
+    /// `g' sigmoid(1.702 g') (u' + 1)` (llama.cpp's `swiglu_oai`)
+    SwiGluOai,
 }
+
+/// `SwiGluOai`'s sigmoid slope and clamp.
+const OAI_ALPHA: f32 = 1.702;
+const OAI_LIMIT: f32 = 7.0;
 
 impl FfnActivation {
     pub fn name(self) -> &'static str {
@@ -51,6 +58,7 @@ impl FfnActivation {
             FfnActivation::DReGlu => "dreglu",
             FfnActivation::Relu => "relu",
             FfnActivation::Gelu => "gelu",
+            FfnActivation::SwiGluOai => "swiglu_oai",
         }
     }
 
@@ -69,6 +77,10 @@ impl FfnActivation {
             FfnActivation::DReGlu => g.max(0.0) * u.max(0.0),
             FfnActivation::Relu => u.max(0.0),
             FfnActivation::Gelu => gelu(u),
+            FfnActivation::SwiGluOai => {
+                let g = g.min(OAI_LIMIT);
+                g / (1.0 + (-OAI_ALPHA * g).exp()) * (u.clamp(-OAI_LIMIT, OAI_LIMIT) + 1.0)
+            }
         }
     }
 
@@ -93,6 +105,10 @@ impl FfnActivation {
         match self {
             FfnActivation::SwiGlu => silu(g),
             FfnActivation::Gelu | FfnActivation::GeGlu => gelu(g),
+            FfnActivation::SwiGluOai => {
+                let g = g.min(OAI_LIMIT);
+                g / (1.0 + (-OAI_ALPHA * g).exp())
+            }
             _ => g.max(0.0),
         }
     }
@@ -112,6 +128,7 @@ impl FfnActivation {
                 (Some("silu" | "swiglu"), false) => Ok(FfnActivation::SwiGlu),
                 (Some("relu" | "reglu"), false) => Ok(FfnActivation::ReGlu),
                 (Some("drelu" | "dreglu"), false) => Ok(FfnActivation::DReGlu),
+                (Some("swiglu_oai"), false) => Ok(FfnActivation::SwiGluOai),
                 (Some("relu"), true) => Ok(FfnActivation::Relu),
                 (Some("gelu"), true) => Ok(FfnActivation::Gelu),
                 _ => {
@@ -128,6 +145,7 @@ impl FfnActivation {
             ("gemma" | "gemma2" | "gemma3", _) => FfnActivation::GeGlu,
             // PowerInfer's SmallThinker: ReGLU experts
             ("smallthinker", _) => FfnActivation::ReGlu,
+            ("gpt-oss", _) => FfnActivation::SwiGluOai,
             _ => FfnActivation::SwiGlu,
         })
     }
@@ -201,6 +219,14 @@ pub struct Config {
     /// or, `swa_dense_first`, iff l % p != 0 (SmallThinker: the first of every p attends fully).
     pub swa_pattern: usize,
     pub swa_dense_first: bool,
+    /// Whether the sliding layers turn q and k by their own frequencies (`rope_base_swa`,
+    /// unscaled: Gemma 3, SmallThinker) or, as gpt-oss's, by the model's.
+    pub swa_own_rope: bool,
+    /// The FFN norm's tensor in each block (`ffn_norm`; gpt-oss's converter names it
+    /// `post_attention_norm`, Gemma's post-attention norm).
+    pub ffn_norm_tensor: &'static str,
+    /// Whether every layer has attention sinks (gpt-oss: `attn_sinks`, one logit per head).
+    pub attn_sinks: bool,
     /// Every layer l with l % nope_step == 0 has no RoPE (SmallThinker's full-attention layers,
     /// llama.cpp's `n_no_rope_layer_step`); 0: every layer turns q and k.
     pub nope_step: usize,
@@ -220,7 +246,7 @@ pub struct Config {
 
 /// The architectures `Config::from_file` reads (a `llama` file with `expert_count` is
 /// Mixtral-style mixture of experts).
-pub const ARCHITECTURES: [&str; 15] = [
+pub const ARCHITECTURES: [&str; 16] = [
     "llama",
     "mistral",
     "bamboo",
@@ -236,16 +262,16 @@ pub const ARCHITECTURES: [&str; 15] = [
     "qwen3moe",
     "olmoe",
     "smallthinker",
+    "gpt-oss",
 ];
 
 /// The mixture-of-experts files the engine runs, for messages.
 pub const MOE_ARCHITECTURES: &str =
-    "llama with experts (Mixtral), qwen2moe, qwen3moe, olmoe, smallthinker";
+    "llama with experts (Mixtral), qwen2moe, qwen3moe, olmoe, smallthinker, gpt-oss";
 
 /// Mixture-of-experts architectures llama.cpp writes that the engine refuses by name rather
 /// than as unknown (their routing, expert layout or attention differ from the ones it runs).
-const OTHER_MOE_ARCHITECTURES: [&str; 20] = [
-    "gpt-oss",
+const OTHER_MOE_ARCHITECTURES: [&str; 19] = [
     "deepseek",
     "deepseek2",
     "dbrx",
@@ -285,6 +311,8 @@ pub struct Moe {
     pub weights_scale: f32,
     pub gating: Gating,
     pub router_input: RouterInput,
+    /// Whether the router and every expert have biases (gpt-oss).
+    pub biased: bool,
 }
 
 /// How router logits become expert probabilities (llama.cpp's `expert_gating_func`).
@@ -294,6 +322,9 @@ pub enum Gating {
     Softmax,
     /// Each logit's sigmoid, alone.
     Sigmoid,
+    /// The experts chosen by their logits, weighted by a softmax over the chosen logits alone
+    /// (gpt-oss; llama.cpp's `SOFTMAX_WEIGHT`).
+    SoftmaxOfChosen,
 }
 
 impl Gating {
@@ -301,6 +332,7 @@ impl Gating {
         match self {
             Gating::Softmax => "softmax",
             Gating::Sigmoid => "sigmoid",
+            Gating::SoftmaxOfChosen => "softmax_of_chosen",
         }
     }
 }
@@ -332,7 +364,8 @@ impl Moe {
     /// `expert_weights_scale`. None for a dense file.
     fn from_file(file: &GgufFile, arch: &str, n_ff: usize) -> Result<Option<Moe>> {
         let k = |name: &str| format!("{arch}.{name}");
-        let moe_arch = matches!(arch, "qwen2moe" | "qwen3moe" | "olmoe" | "smallthinker");
+        let moe_arch =
+            matches!(arch, "qwen2moe" | "qwen3moe" | "olmoe" | "smallthinker" | "gpt-oss");
         let n_expert = meta_usize(file, &k("expert_count"))?.unwrap_or(0);
         if n_expert == 0 {
             return match moe_arch {
@@ -379,6 +412,7 @@ impl Moe {
         // SmallThinker's converter writes its router's function (1: softmax, 2: sigmoid); the
         // other families' graphs take the softmax whatever the file says
         let gating = match smallthinker {
+            false if arch == "gpt-oss" => Gating::SoftmaxOfChosen,
             false => Gating::Softmax,
             true => {
                 let key = k("expert_gating_func");
@@ -408,6 +442,7 @@ impl Moe {
             } else {
                 RouterInput::FfnInput
             },
+            biased: arch == "gpt-oss",
         }))
     }
 }
@@ -518,7 +553,10 @@ impl Config {
 
     /// How many RoPE frequency sets the layers use (1 or 2).
     pub fn rope_sets(&self) -> usize {
-        if self.sliding_window > 0 && (self.rope_base_swa != self.rope_base || self.rope_scaled()) {
+        if self.sliding_window > 0
+            && self.swa_own_rope
+            && (self.rope_base_swa != self.rope_base || self.rope_scaled())
+        {
             2
         } else {
             1
@@ -540,18 +578,21 @@ pub struct LayerWeights<'a> {
     pub attn_norm_b: Option<Vec<f32>>, // (n_embd), LayerNorm families
     pub attn_norm_2: Option<Vec<f32>>, // (n_embd), Falcon-40B: separate norm for attention
     pub attn_norm_2_b: Option<Vec<f32>>,
-    pub wq: QMatrix<'a>,                  // (n_head * head_dim, n_embd)
-    pub q_norm: Option<Vec<f32>>,         // (head_dim), RMSNorm of each q head (qwen3, gemma3)
-    pub k_norm: Option<Vec<f32>>,         // (head_dim), RMSNorm of each k head
-    pub wk: QMatrix<'a>,                  // (n_head_kv * head_dim, n_embd)
-    pub wv: QMatrix<'a>,                  // (n_head_kv * head_dim, n_embd)
-    pub bq: Option<Vec<f32>>,             // (n_head * head_dim), qwen2, opt
-    pub bk: Option<Vec<f32>>,             // (n_head_kv * head_dim)
-    pub bv: Option<Vec<f32>>,             // (n_head_kv * head_dim)
-    pub wo: QMatrix<'a>,                  // (n_embd, n_head * head_dim)
-    pub bo: Option<Vec<f32>>,             // (n_embd), opt
+    pub wq: QMatrix<'a>,          // (n_head * head_dim, n_embd)
+    pub q_norm: Option<Vec<f32>>, // (head_dim), RMSNorm of each q head (qwen3, gemma3)
+    pub k_norm: Option<Vec<f32>>, // (head_dim), RMSNorm of each k head
+    pub wk: QMatrix<'a>,          // (n_head_kv * head_dim, n_embd)
+    pub wv: QMatrix<'a>,          // (n_head_kv * head_dim, n_embd)
+    pub bq: Option<Vec<f32>>,     // (n_head * head_dim), qwen2, opt
+    pub bk: Option<Vec<f32>>,     // (n_head_kv * head_dim)
+    pub bv: Option<Vec<f32>>,     // (n_head_kv * head_dim)
+    pub wo: QMatrix<'a>,          // (n_embd, n_head * head_dim)
+    pub bo: Option<Vec<f32>>,     // (n_embd), opt, gpt-oss
+    /// Per query head, a logit that joins its softmax without a value (gpt-oss's attention
+    /// sinks): the weights of the real positions then sum to less than 1.
+    pub attn_sinks: Option<Vec<f32>>, // (n_head)
     pub attn_post_norm: Option<Vec<f32>>, // (n_embd), gemma2/3: RMSNorm of the attention output
-    pub ffn_post_norm: Option<Vec<f32>>,  // (n_embd), gemma2/3: RMSNorm of the FFN output
+    pub ffn_post_norm: Option<Vec<f32>>, // (n_embd), gemma2/3: RMSNorm of the FFN output
     pub ffn_norm: Option<Vec<f32>>, // (n_embd); Falcon has none (the FFN reads attn_norm's output)
     pub ffn_norm_b: Option<Vec<f32>>, // (n_embd), opt
     pub ffn_gate: Option<QMatrix<'a>>, // (n_ff, n_embd); none for Falcon and OPT
@@ -583,6 +624,17 @@ pub struct MoeWeights<'a> {
     pub up_exps: QMatrix<'a>,   // (n_expert * n_ff_exp, n_embd)
     pub down_exps: QMatrix<'a>, // (n_expert * n_embd, n_ff_exp)
     pub shared: Option<SharedExpert<'a>>,
+    /// gpt-oss's biases: the router's and each expert's gate, up and down.
+    pub biases: Option<MoeBiases>,
+}
+
+/// The biases of a mixture-of-experts layer (gpt-oss), expert e's at rows e of each.
+#[derive(Clone)]
+pub struct MoeBiases {
+    pub router: Vec<f32>, // (n_expert)
+    pub gate: Vec<f32>,   // (n_expert, n_ff_exp)
+    pub up: Vec<f32>,     // (n_expert, n_ff_exp)
+    pub down: Vec<f32>,   // (n_expert, n_embd)
 }
 
 /// Qwen2-MoE's shared expert: a SwiGLU FFN every token runs, scaled by sigmoid(gate_inp . x).
@@ -759,7 +811,7 @@ impl Config {
         let (family, rope_style) = match arch.as_str() {
             "llama" | "mistral" | "bamboo" => (Family::Llama, RopeStyle::Normal),
             "qwen2" | "qwen3" | "gemma" | "gemma2" | "gemma3" | "phi3" | "qwen2moe"
-            | "qwen3moe" | "olmoe" | "smallthinker" => (Family::Llama, RopeStyle::NeoX),
+            | "qwen3moe" | "olmoe" | "smallthinker" | "gpt-oss" => (Family::Llama, RopeStyle::NeoX),
             "falcon" => (Family::Falcon, RopeStyle::NeoX),
             "opt" => (Family::Opt, RopeStyle::None),
             a if OTHER_MOE_ARCHITECTURES.contains(&a) => {
@@ -907,6 +959,11 @@ impl Config {
                 }
                 _ => (0, 0),
             },
+            // gpt-oss: every other layer from the first slides (128 positions in its files)
+            "gpt-oss" => {
+                let key = k("attention.sliding_window");
+                (required(meta_usize(file, &key)?, &key)?, 2)
+            }
             // llama.cpp runs Phi-3's window as full attention (its ggml-org/llama.cpp#13676)
             _ => (0, 0),
         };
@@ -956,6 +1013,9 @@ impl Config {
             sliding_window,
             swa_pattern,
             swa_dense_first: arch == "smallthinker",
+            swa_own_rope: arch != "gpt-oss",
+            ffn_norm_tensor: if arch == "gpt-oss" { "post_attention_norm" } else { "ffn_norm" },
+            attn_sinks: arch == "gpt-oss",
             nope_step,
             rope_base_swa,
             rope_freq_scale,
@@ -1172,12 +1232,24 @@ fn moe_weights<'a>(file: &'a GgufFile, i: usize, c: &Config, moe: &Moe) -> Resul
             down: matrix(file, &n("ffn_down_shexp.weight"), dim, sh)?,
         }),
     };
+    // gpt-oss's biases, each required
+    let bias = |name: &str, len: usize| required_vector(file, &n(&format!("{name}.bias")), len);
+    let biases = match moe.biased {
+        false => None,
+        true => Some(MoeBiases {
+            router: bias("ffn_gate_inp", e)?,
+            gate: bias("ffn_gate_exps", e * ff)?,
+            up: bias("ffn_up_exps", e * ff)?,
+            down: bias("ffn_down_exps", e * dim)?,
+        }),
+    };
     Ok(MoeWeights {
         router: matrix(file, &n("ffn_gate_inp.weight"), e, dim)?,
         gate_exps: experts(file, &n("ffn_gate_exps.weight"), e, ff, dim)?,
         up_exps: experts(file, &n("ffn_up_exps.weight"), e, ff, dim)?,
         down_exps: experts(file, &n("ffn_down_exps.weight"), e, dim, ff)?,
         shared,
+        biases,
     })
 }
 
@@ -1218,9 +1290,15 @@ impl Weights<'_> {
                 }
                 _ => vector(file, &n(name), c.head_dim),
             };
+            let ffn_norm_name = n(&format!("{}.weight", c.ffn_norm_tensor));
             let ffn_norm = match c.family {
                 Family::Falcon => None,
-                _ => Some(required_vector(file, &n("ffn_norm.weight"), c.n_embd)?),
+                _ => Some(required_vector(file, &ffn_norm_name, c.n_embd)?),
+            };
+            // (a norm the FFN's input takes is not also the attention output's)
+            let attn_post_norm = match ffn_norm_name.ends_with("post_attention_norm.weight") {
+                true => None,
+                false => vector(file, &n("post_attention_norm.weight"), c.n_embd)?,
             };
             layers.push(LayerWeights {
                 attn_norm: required_vector(file, &n("attn_norm.weight"), c.n_embd)?,
@@ -1237,7 +1315,11 @@ impl Weights<'_> {
                 bv: vector(file, &n("attn_v.bias"), c.kv_dim())?,
                 wo: matrix(file, &n("attn_output.weight"), c.n_embd, c.q_dim())?,
                 bo: vector(file, &n("attn_output.bias"), c.n_embd)?,
-                attn_post_norm: vector(file, &n("post_attention_norm.weight"), c.n_embd)?,
+                attn_sinks: match c.attn_sinks {
+                    true => Some(required_vector(file, &n("attn_sinks.weight"), c.n_head)?),
+                    false => None,
+                },
+                attn_post_norm,
                 ffn_post_norm: vector(file, &n("post_ffw_norm.weight"), c.n_embd)?,
                 ffn_norm,
                 ffn_norm_b: vector(file, &n("ffn_norm.bias"), c.n_embd)?,

@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use crate::attention::{
     attend_block, attend_group, attend_group_partial, merge_partials, KvBuf, KvType, Partial,
+    Scoring,
 };
 use crate::error::{Error, Result};
 use crate::forward::forward;

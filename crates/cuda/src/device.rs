@@ -55,6 +55,9 @@ pub fn act_code(act: FfnActivation) -> Result<i32> {
         FfnActivation::Relu => 3,
         FfnActivation::Gelu => 4,
         FfnActivation::GeGlu => 5,
+        FfnActivation::SwiGluOai => {
+            return Err(CudaError::Unsupported("gpt-oss's clamped SwiGLU has no GPU kernel".into()))
+        }
     })
 }
 

@@ -215,6 +215,15 @@ pub fn unsupported_reason(model: &Model, mode: Option<SparsityMode>) -> Option<S
         ));
     }
     let w = &model.weights;
+    // gpt-oss's attention sinks, expert biases and clamped SwiGLU
+    let sinks = w.layers.iter().any(|lw| lw.attn_sinks.is_some());
+    let biases = w.layers.iter().any(|lw| lw.moe.as_ref().is_some_and(|m| m.biases.is_some()));
+    if sinks || biases || c.ffn_activation == FfnActivation::SwiGluOai {
+        return Some(format!(
+            "the GPU executor has no attention sinks, expert biases or clamped SwiGLU yet; {} runs on the CPU",
+            c.architecture
+        ));
+    }
     let mut mats = vec![&w.output];
     for lw in &w.layers {
         mats.extend([&lw.wq, &lw.wk, &lw.wv, &lw.wo]);

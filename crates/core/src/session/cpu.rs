@@ -10,7 +10,7 @@ use super::{
     add_bias, add_into, attend_block, attend_group, attend_group_partial, expert_rows, ffn_rows,
     matmul, merge_partials, norm_rows, pick_routes, project, rmsnorm_in_place, rope_rows,
     route_rows, softcap, Arc, Error, ExpertSlot, FfnStats, InputGroup, Model, Partial, PassState,
-    Result, Scratch, Session, Sparsity,
+    Result, Scoring, Scratch, Session, Sparsity,
 };
 use crate::forward::{Backend, Norm, Part};
 use rayon::iter::IndexedParallelIterator;
@@ -269,6 +269,13 @@ impl Backend for CpuPass<'_> {
         let sessions: &[&mut Session] = sessions;
         let group = c.n_head / c.n_head_kv;
         let q = &s.q;
+        // kv head g's query heads' way from scores to weights
+        let sinks = model.weights.layers[l].attn_sinks.as_deref();
+        let scoring = |g: usize| Scoring {
+            scale: c.attn_scale,
+            softcap: c.attn_softcap,
+            sinks: sinks.map_or(&[][..], |s| &s[g * group..(g + 1) * group]),
+        };
         let attend = |idx: usize, out: &mut [f32], scores: &mut Vec<f32>| {
             let (t, g) = (idx / c.n_head_kv, idx % c.n_head_kv);
             // the query heads of kv head g are contiguous: g * group .. (g + 1) * group
@@ -281,19 +288,7 @@ impl Backend for CpuPass<'_> {
                 se.k_cache[l].view_at(first * kv_dim, len * kv_dim),
                 se.v_cache[l].view_at(first * kv_dim, len * kv_dim),
             );
-            attend_group(
-                qs,
-                hd,
-                k,
-                v,
-                len,
-                kv_dim,
-                g * hd,
-                c.attn_scale,
-                c.attn_softcap,
-                scores,
-                out,
-            );
+            attend_group(qs, hd, k, v, len, kv_dim, g * hd, scoring(g), scores, out);
         };
         if rows.len() == 1 {
             // Decode: the cache's stretch is cut into pieces of consecutive positions, each a
@@ -346,8 +341,7 @@ impl Backend for CpuPass<'_> {
                         b - a,
                         kv_dim,
                         g * hd,
-                        c.attn_scale,
-                        c.attn_softcap,
+                        scoring(g),
                         scores,
                         out,
                         parts,
@@ -359,7 +353,7 @@ impl Backend for CpuPass<'_> {
                 let outs = s.split_out.chunks_exact(q_dim).map(|o| &o[g * w..(g + 1) * w]);
                 let parts =
                     s.split_parts.chunks_exact(c.n_head).map(|p| &p[g * group..(g + 1) * group]);
-                merge_partials(outs.zip(parts), hd, out);
+                merge_partials(outs.zip(parts), hd, scoring(g).sinks, out);
             }
         } else {
             // A prompt: consecutive rows of one session whose windows start at the same cache
@@ -426,8 +420,7 @@ impl Backend for CpuPass<'_> {
                             len0,
                             kv_dim,
                             g * hd,
-                            c.attn_scale,
-                            c.attn_softcap,
+                            scoring(g),
                             scores,
                             obuf,
                         );

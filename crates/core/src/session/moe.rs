@@ -16,11 +16,12 @@ use crate::sparse::dot_selected;
 use rayon::iter::{IndexedParallelIterator, IntoParallelIterator, ParallelIterator};
 use rayon::slice::{ParallelSlice, ParallelSliceMut};
 
-/// Layer `l`'s routing of n rows: router logits (n, n_expert) = xb @ router^T (or x, the
-/// layer input, where the model routes on it), per row the probabilities (a softmax, or each
-/// logit's sigmoid), the `n_used` most probable experts (the lower index first among equals)
-/// with their probabilities as weights (divided by their sum where the model normalises them,
-/// times its scale), into s.routes (n, n_used) as (expert, weight), most probable first.
+/// Layer `l`'s routing of n rows: router logits (n, n_expert) = xb @ router^T (+ its bias; or
+/// x, the layer input, where the model routes on it), per row the probabilities (a softmax, or
+/// each logit's sigmoid), the `n_used` most probable experts (the lower index first among
+/// equals) with their probabilities as weights (divided by their sum where the model normalises
+/// them, times its scale; gpt-oss: a softmax over the chosen logits), into s.routes
+/// (n, n_used) as (expert, weight), most probable first.
 pub(crate) fn route_rows(model: &Model, s: &mut Scratch, l: usize, n: usize) {
     let (c, lw) = (&model.config, &model.weights.layers[l]);
     let (cfg, mw) = (c.moe.expect("a mixture-of-experts model"), lw.moe.as_ref().expect("experts"));
@@ -32,6 +33,9 @@ pub(crate) fn route_rows(model: &Model, s: &mut Scratch, l: usize, n: usize) {
     s.acts.set_for(input, n, dim, &[mw.router]);
     s.router_logits.resize(n * n_expert, 0.0);
     matmul(&mw.router, &s.acts, &mut s.router_logits);
+    if let Some(b) = &mw.biases {
+        add_to_rows(&mut s.router_logits[..n * n_expert], &b.router);
+    }
     pick_routes(model, s, n);
 }
 
@@ -52,6 +56,8 @@ pub(crate) fn pick_routes(model: &Model, s: &mut Scratch, n: usize) {
                 logits.iter_mut().for_each(|v| *v /= sum);
             }
             Gating::Sigmoid => logits.iter_mut().for_each(|v| *v = 1.0 / (1.0 + (-*v).exp())),
+            // the logits rank the experts as they are
+            Gating::SoftmaxOfChosen => {}
         }
         // the n_used largest, most probable first (NaN, from a NaN logit, last)
         order.clear();
@@ -61,6 +67,13 @@ pub(crate) fn pick_routes(model: &Model, s: &mut Scratch, n: usize) {
             pb.partial_cmp(&pa).unwrap_or_else(|| pa.is_nan().cmp(&pb.is_nan())).then(a.cmp(&b))
         });
         let chosen = &order[..cfg.n_used];
+        if cfg.gating == Gating::SoftmaxOfChosen {
+            // as ggml's soft_max over the chosen logits (the first is their largest)
+            let max = logits[chosen[0] as usize];
+            chosen.iter().for_each(|&e| logits[e as usize] = (logits[e as usize] - max).exp());
+            let sum: f32 = chosen.iter().map(|&e| logits[e as usize]).sum();
+            chosen.iter().for_each(|&e| logits[e as usize] /= sum);
+        }
         let total: f32 = chosen.iter().map(|&e| logits[e as usize]).sum();
         let norm = if cfg.normalize_weights { total } else { 1.0 };
         s.routes.extend(chosen.iter().map(|&e| (e, logits[e as usize] / norm * cfg.weights_scale)));
@@ -127,7 +140,9 @@ pub(crate) fn expert_rows(
     // decides alone: up is read only for the neurons some routed row's gate made positive, and
     // computed only for those rows (exact: the others' h is zero whatever up is), as the dense
     // FFN skips them; the values computed are the dense product's, bit for bit.
-    let gate_decides = matches!(c.ffn_activation, FfnActivation::ReGlu | FfnActivation::DReGlu);
+    // (a gate bias moves the gate after its product: biased experts take the dense path)
+    let gate_decides = mw.biases.is_none()
+        && matches!(c.ffn_activation, FfnActivation::ReGlu | FfnActivation::DReGlu);
     s.gate.resize(total * ff, 0.0);
     s.up.resize(total * ff, 0.0);
     let experts: Vec<_> = chosen.iter().map(|&e| mw.expert(e)).collect();
@@ -150,6 +165,15 @@ pub(crate) fn expert_rows(
             }
         };
         matmul_each(&mats, &xs, &mut outs);
+    }
+    if let Some(b) = &mw.biases {
+        // each routed row's gate and up, plus its expert's biases
+        for &e in &chosen {
+            let (bg, bu) = (&b.gate[e * ff..(e + 1) * ff], &b.up[e * ff..(e + 1) * ff]);
+            let rows = start[e] * ff..start[e + 1] * ff;
+            add_to_rows(&mut s.gate[rows.clone()], bg);
+            add_to_rows(&mut s.up[rows], bu);
+        }
     }
     let mut up_rows_skipped = 0u64;
     if gate_decides && one_row_each {
@@ -246,6 +270,12 @@ pub(crate) fn expert_rows(
         let mut outs = chosen_blocks(&mut s.expert_out[..total * dim], start, &chosen, dim);
         matmul_each(&mats, &xs, &mut outs);
     }
+    if let Some(b) = &mw.biases {
+        for &e in &chosen {
+            let rows = start[e] * dim..start[e + 1] * dim;
+            add_to_rows(&mut s.expert_out[rows], &b.down[e * dim..(e + 1) * dim]);
+        }
+    }
     // the other experts' outputs, from where they ran
     let away: Vec<ExpertSlot> = (0..cfg.n_expert)
         .filter(|&e| !here(e))
@@ -304,6 +334,13 @@ pub(crate) fn expert_rows(
     let up_row_bytes = mw.up_exps.data.len() as u64 / (e64 * ff as u64);
     stats.weight_bytes_read -= up_rows_skipped * up_row_bytes;
     Ok(())
+}
+
+/// rows (k, bias.len()) += bias, row by row.
+fn add_to_rows(rows: &mut [f32], bias: &[f32]) {
+    for row in rows.chunks_exact_mut(bias.len()) {
+        row.iter_mut().zip(bias).for_each(|(r, b)| *r += b);
+    }
 }
 
 /// `buf` (rows routed to the experts, expert by expert; `width` values each) cut into the blocks
