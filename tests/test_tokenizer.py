@@ -209,3 +209,43 @@ def test_a_lone_surrogate_is_a_clear_error(tmp_path):
             engine.tokenize(text)
     # a proper pair is one character and tokenizes
     assert engine.detokenize(engine.tokenize("the \U0001f600 end")) == "the \U0001f600 end"
+
+
+@pytest.mark.parametrize("harmony", [True, False], ids=["gpt-oss", "phi3"])
+def test_gpt_oss_markup_is_rendered_and_its_end_token_continues(harmony):
+    """gpt-oss (o200k_harmony) as llama.cpp reads it: <|channel|>, <|message|>, <|start|> and
+    <|constrain|> render as text; with <|return|> and <|call|> in the vocabulary, <|end|> closes
+    the reasoning message without ending generation and renders too. Without them (Phi-3's
+    vocabulary), <|end|> ends generation and is dropped from the text."""
+    specials = ["<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>"]
+    if harmony:
+        specials += ["<|return|>", "<|call|>"]
+    words = ["a", "b", "c", "n", "l", "y", "s", "i", "analysis", "final"]
+    pieces = words + specials
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt-4o",
+        "tokenizer.ggml.tokens": pieces,
+        "tokenizer.ggml.token_type": [1] * len(words) + [3] * len(specials),
+        "tokenizer.ggml.merges": [],
+        "tokenizer.ggml.eos_token_id": len(pieces) - 1,
+    }
+    tok = GGUFTokenizer(meta)
+    ids = {t: pieces.index(t) for t in pieces}
+    answer = [ids[t] for t in ["<|channel|>", "analysis", "<|message|>", "a", "<|end|>"]]
+    answer += [ids[t] for t in ["<|start|>", "<|channel|>", "final", "<|message|>", "b"]]
+    if harmony:
+        assert ids["<|end|>"] not in tok.end_of_generation
+        assert {ids["<|return|>"], ids["<|call|>"]} <= tok.end_of_generation
+        assert (
+            tok.decode(answer)
+            == "<|channel|>analysis<|message|>a<|end|><|start|><|channel|>final<|message|>b"
+        )
+    else:
+        assert ids["<|end|>"] in tok.end_of_generation
+        assert (
+            tok.decode(answer)
+            == "<|channel|>analysis<|message|>a<|start|><|channel|>final<|message|>b"
+        )
+    # the markup is matched in text whether or not specials are parsed
+    assert tok.encode("<|channel|>a", add_bos=False) == [ids["<|channel|>"], ids["a"]]

@@ -190,6 +190,9 @@ _END_OF_GENERATION = {
     "<\uff5cend\u2581of\u2581sentence\uff5c>",
     "[e~[",
 }
+# gpt-oss's harmony markup, which llama.cpp renders as text whatever its type (so that a chat
+# parser can split the reasoning from the answer)
+_HARMONY_MARKUP = {"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"}
 # Texts llama.cpp turns into control tokens whatever type the file gives them (so they are
 # parsed only with `special=True` and dropped when detokenizing without it): the above and
 # fill-in-the-middle markers.
@@ -357,8 +360,20 @@ class GGUFTokenizer:
         if "<|tool_response>" in self.tokens or "<|plamo:eos|>" in self.tokens:
             # Gemma 4's and PLaMo's `</s>` is a normal token (llama.cpp)
             control_by_text = control_by_text - {"</s>"}
+        # gpt-oss's harmony format, as llama.cpp reads it: its markup is always rendered, and
+        # where the vocabulary has <|return|> and <|call|> (or <|calls|> and <|flush|>),
+        # <|end|> closes a message inside the answer (the reasoning) instead of ending it
+        vocab = set(self.tokens)
+        harmony = "<|end|>" in vocab and (
+            {"<|return|>", "<|call|>"} <= vocab or {"<|calls|>", "<|flush|>"} <= vocab
+        )
+        rendered = _HARMONY_MARKUP | ({"<|end|>"} if harmony else set())
         self.types: list[int] = [
-            TOKEN_CONTROL if k in (TOKEN_NORMAL, TOKEN_USER_DEFINED) and t in control_by_text else k
+            TOKEN_USER_DEFINED
+            if t in rendered
+            else TOKEN_CONTROL
+            if k in (TOKEN_NORMAL, TOKEN_USER_DEFINED) and t in control_by_text
+            else k
             for t, k in zip(
                 self.tokens, metadata.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * n
             )
@@ -403,6 +418,8 @@ class GGUFTokenizer:
         for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
             if metadata.get(key) is not None:
                 eog.add(int(metadata[key]))
+        if harmony:
+            eog -= {self.tokens.index("<|end|>")}
         self.end_of_generation = frozenset(eog)
 
         if beside is not None:
