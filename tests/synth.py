@@ -40,9 +40,15 @@ def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
-def add_tiny_tokenizer(w: GGUFWriter) -> None:
-    """The `tiny_vocab` tokenizer keys: gpt2 BPE (GPT-2 pre-tokenizer), BOS 0, EOS 2 (<|im_end|>), no BOS added."""
+def add_tiny_tokenizer(
+    w: GGUFWriter, extra_tokens: tuple[str, ...] = (), chat_template: str | None = None
+) -> None:
+    """The `tiny_vocab` tokenizer keys: gpt2 BPE (GPT-2 pre-tokenizer), BOS 0, EOS 2 (<|im_end|>), no BOS added;
+    `extra_tokens` appended as control tokens, and a chat template if given."""
     tokens, types, merges = tiny_vocab()
+    tokens, types = tokens + list(extra_tokens), types + [3] * len(extra_tokens)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")  # the name llama.cpp knows GPT-2's pre-tokenizer by
     w.add_token_list(tokens)
@@ -144,6 +150,8 @@ def write_model(
     longrope_original_ctx: int | None = None,
     extra_meta: dict | None = None,
     experts: dict | None = None,
+    extra_tokens: tuple[str, ...] = (),
+    chat_template: str | None = None,
 ) -> str:
     """A random model of `arch` (features per ARCH_FEATURES). `head_dim` writes
     attention.key_length/value_length (q_dim may then differ from n_embd); `sliding_window`
@@ -152,7 +160,8 @@ def write_model(
     per-frequency factors; `longrope_original_ctx` Phi-3's LongRoPE (short and long factors,
     the original context and an attention factor, as the Phi-3 128k converter writes them);
     `extra_meta` more keys (str, int or float values, "{arch}." prefixed), replacing those of the
-    same name.
+    same name; `extra_tokens` control tokens after the tiny vocabulary, and `chat_template` the
+    file's template.
 
     `experts` makes every FFN a mixture of experts as llama.cpp's converter writes one:
     dict(n_expert, n_used, n_ff_exp, n_ff_shared=0, ff_key=True): the router
@@ -169,7 +178,7 @@ def write_model(
     `skew` (a float) makes the routing favour a few experts per layer (see below), as trained
     routers do and random ones do not."""
     rng = np.random.default_rng(seed)
-    n_vocab = len(tiny_vocab()[0])
+    n_vocab = len(tiny_vocab()[0]) + len(extra_tokens)
     hd = head_dim or n_embd // n_head
     features = ARCH_FEATURES.get(arch, set())
 
@@ -215,7 +224,7 @@ def write_model(
             # as its converter writes it: softmax (1) or sigmoid (2); an int as it is
             gating = {"softmax": 1, "sigmoid": 2}.get(gating, gating)
             w.add_uint32(f"{arch}.expert_gating_func", gating)
-    add_tiny_tokenizer(w)
+    add_tiny_tokenizer(w, extra_tokens, chat_template)
 
     def mat(name, rows, cols, scale, stack=None, t=None, shift=None):
         """A (rows, cols) matrix, or `stack` of them as one 3-D tensor, in `t` or `dtype`;

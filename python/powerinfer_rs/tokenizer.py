@@ -368,6 +368,8 @@ class GGUFTokenizer:
             {"<|return|>", "<|call|>"} <= vocab or {"<|calls|>", "<|flush|>"} <= vocab
         )
         rendered = _HARMONY_MARKUP | ({"<|end|>"} if harmony else set())
+        # (the server splits such a model's reasoning from its answer: `harmony.HarmonySplit`)
+        self.harmony: bool = harmony and {"<|channel|>", "<|message|>"} <= vocab
         self.types: list[int] = [
             TOKEN_USER_DEFINED
             if t in rendered

@@ -133,14 +133,14 @@ async def answer(
     request: Request,
     body: _Sampling,
     gen: Generation,
-    text_chunk: Callable[[str], dict],
+    text_chunk: Callable[[str], dict | None],
     end_chunk: Callable[[str | None], dict],
     first: list[dict],
     whole: Callable[[str, str], dict],
 ):
     """Runs `gen` through the scheduler: as server-sent events when the request streams
-    (`first`, then `text_chunk` per piece, `end_chunk` with the finish reason), else the
-    object `whole(text, finish_reason)` with its usage."""
+    (`first`, then `text_chunk` per piece unless it gives None, `end_chunk` with the finish
+    reason), else the object `whole(text, finish_reason)` with its usage."""
     job = Job(gen, asyncio.get_running_loop())
     if body.stream:
         return EventStream(state.scheduler, job, text_chunk, end_chunk, first, include_usage(body))

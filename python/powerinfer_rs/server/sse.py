@@ -158,7 +158,9 @@ class EventStream(Response):
             async with contextlib.aclosing(job_events(job, receive, scope)) as events:
                 async for kind, value in events:
                     if kind == "text":
-                        await event(self.text_chunk(value))
+                        # (None: a piece with nothing to send, such as markup)
+                        if (c := self.text_chunk(value)) is not None:
+                            await event(c)
                         continue
                     ended = True
                     if kind == "error":

@@ -1,7 +1,8 @@
 """/v1/chat/completions: a conversation in the model's chat template, answered with the chat
 sampling of `powerinfer-rs chat` for the fields a request omits (`settings.CHAT`: llama.cpp's
 temperature 0.8, top-k 40, top-p 0.95, min-p 0.05), and ended with finish_reason "stop" when the
-answer only repeats itself (the log line says so)."""
+answer only repeats itself (the log line says so). A gpt-oss model's reasoning comes apart from
+its answer, as `reasoning_content` beside `content` (`harmony`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import uuid
 from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 
+from ...harmony import HarmonySplit, split
 from ...settings import CHAT
 from ..generation import answer, chunker, open_generation, refuse_unsupported
 from ..schemas import GENERATION_OK, V1_ERRORS, APIError, ChatRequest, check_text
@@ -90,13 +92,28 @@ async def chat_completions(body: ChatRequest, request: Request):
         },
     )
 
+    # gpt-oss: the reasoning (its analysis channel) apart from the answer, as llama.cpp's
+    # server gives them
+    harmony = HarmonySplit() if state.engine.tokenizer.harmony else None
+
+    def message(text: str) -> dict:
+        return split(text) if harmony else {"content": text}
+
+    def text_chunk(t: str) -> dict | None:
+        if harmony is None:
+            return chunk({"content": t}, None)
+        delta: dict[str, str] = {}
+        for field, part in harmony.push(t):
+            delta[field] = delta.get(field, "") + part
+        return chunk(delta, None) if delta else None
+
     def whole(text: str, reason: str) -> dict:
         out = chunk(None, reason)
         out["object"] = "chat.completion"
         out["choices"] = [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": {"role": "assistant", **message(text)},
                 "logprobs": None,
                 "finish_reason": reason,
             }
@@ -108,7 +125,7 @@ async def chat_completions(body: ChatRequest, request: Request):
         request,
         body,
         gen,
-        text_chunk=lambda t: chunk({"content": t}, None),
+        text_chunk=text_chunk,
         end_chunk=lambda r: chunk({}, r),
         first=[chunk({"role": "assistant", "content": ""}, None)],
         whole=whole,
