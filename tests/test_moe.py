@@ -432,12 +432,6 @@ def test_bad_gpt_oss_files_name_the_key_or_tensor(tmp_path, what, kwargs, messag
         _core.Model(path, 2)
 
 
-def test_gpt_oss_runs_on_the_cpu_and_says_why_not_the_gpu(tmp_path):
-    model = _core.Model(write_moe(tmp_path / "m.gguf", "gpt-oss", Q.Q4_0), 2)
-    why = _core.gpu_unsupported_reason(model, "dense")
-    assert "attention sinks" in why and "runs on the CPU" in why
-
-
 @pytest.mark.parametrize("arch", ["deepseek2", "glm4moe", "dbrx"])
 def test_other_moe_families_are_refused_by_name(tmp_path, arch):
     path = write_model(tmp_path / "m.gguf", arch=arch)
@@ -506,7 +500,14 @@ def test_routing_is_counted_per_session_and_profiled(tmp_path):
 
 @pytest.mark.parametrize(
     "family,dtype",
-    [("qwen2moe", Q.F32), ("qwen2moe", Q.Q4_0), ("qwen2moe", Q.Q4_K), ("smallthinker", Q.F32)],
+    [
+        ("qwen2moe", Q.F32),
+        ("qwen2moe", Q.Q4_0),
+        ("qwen2moe", Q.Q4_K),
+        ("smallthinker", Q.F32),
+        ("gpt-oss", Q.F32),
+        ("gpt-oss", Q.MXFP4),
+    ],
     ids=lambda v: getattr(v, "name", v),
 )
 @ON_DEVICES
@@ -517,8 +518,9 @@ def test_experts_on_the_gpu_at_several_splits(tmp_path, family, dtype, device):
     their input per 32 where the CPU does per 256, about as close to the float64 function as
     the CPU: measured 0.78x to 1.43x the CPU's distance over seeds and splits, attention alone
     on the device included), with the GPU's share of the routed experts the split's. Qwen2-MoE
-    (its shared expert) and SmallThinker (its router reads the layer input, wherever the
-    residual stream is; ReGLU experts)."""
+    (its shared expert), SmallThinker (its router reads the layer input, wherever the
+    residual stream is; ReGLU experts) and gpt-oss (attention sinks, biased router and experts,
+    the clamped SwiGLU; MXFP4 weights)."""
     path = write_moe(tmp_path / "m.gguf", family, dtype)
     cpu = Engine.load(path, device="cpu", n_ctx=64, kv_type="f32")
     ids = np.random.default_rng(5).integers(3, 260, size=24).tolist()

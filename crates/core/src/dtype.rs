@@ -137,9 +137,8 @@ pub const TYPES: [TypeTraits; 16] = {
         quant(DType::Q6_K, 14, "Q6_K", 256, 210, Chunks),
         quant(DType::IQ4_NL, 20, "IQ4_NL", 32, 18, Chunks),
         quant(DType::IQ4_XS, 23, "IQ4_XS", 256, 136, Chunks),
-        // gpt-oss's experts: a one-byte power-of-two scale, so 17-byte blocks at any address;
-        // no GPU kernels yet
-        TypeTraits { align: 1, gpu: false, ..quant(DType::MXFP4, 39, "MXFP4", 32, 17, Chunks) },
+        // gpt-oss's experts: a one-byte power-of-two scale, so 17-byte blocks at any address
+        TypeTraits { align: 1, ..quant(DType::MXFP4, 39, "MXFP4", 32, 17, Chunks) },
     ]
 };
 

@@ -1,6 +1,6 @@
 // GPU kernels of powerinfer-rs: f32 activations, weights in their
-// file type (F32, F16, and ggml's block layouts: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL in blocks
-// of 32; Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS in super-blocks of 256). Quantized weights read
+// file type (F32, F16, and ggml's block layouts: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4 in
+// blocks of 32; Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS in super-blocks of 256). Quantized weights read
 // their input as int8 blocks of 32 (quantize_q8), rounded exactly as the CPU's integer kernels
 // round it for Q4_0, Q4_1 and Q8_0, so the GPU and the CPU compute the same function there;
 // the other types read the same blocks (the CPU reads 256-value blocks for the K-quants: the
@@ -21,7 +21,8 @@ typedef unsigned short u16;
 // ggml's type ids
 enum : int {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
-    T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23
+    T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23,
+    T_MXFP4 = 39
 };
 
 // Values per block and bytes per block of the block formats.
@@ -31,9 +32,11 @@ __host__ __device__ constexpr int block_len(int t) {
 __host__ __device__ constexpr int block_bytes(int t) {
     return t == T_Q4_0 ? 18 : t == T_Q4_1 ? 20 : t == T_Q5_0 ? 22 : t == T_Q5_1 ? 24 : t == T_Q8_0 ? 34
          : t == T_Q2_K ? 84 : t == T_Q3_K ? 110 : t == T_Q4_K ? 144 : t == T_Q5_K ? 176
-         : t == T_Q6_K ? 210 : t == T_IQ4_NL ? 18 : 136;
+         : t == T_Q6_K ? 210 : t == T_IQ4_NL ? 18 : t == T_MXFP4 ? 17 : 136;
 }
-enum : int { ACT_SWIGLU = 0, ACT_REGLU = 1, ACT_DREGLU = 2, ACT_RELU = 3, ACT_GELU = 4, ACT_GEGLU = 5 };
+enum : int {
+    ACT_SWIGLU = 0, ACT_REGLU = 1, ACT_DREGLU = 2, ACT_RELU = 3, ACT_GELU = 4, ACT_GEGLU = 5, ACT_SWIGLU_OAI = 6
+};
 
 __device__ __forceinline__ float h2f(u16 h) {
     float f;
@@ -123,6 +126,18 @@ __device__ __forceinline__ int load_i32_a2(const u8* p) {
     return (int)load_u16(p) | ((int)load_u16(p + 2) << 16);
 }
 
+// 4 weight bytes at any address as one int (MXFP4's 17-byte blocks).
+__device__ __forceinline__ int load_i32_a1(const u8* p) {
+    return (int)p[0] | ((int)p[1] << 8) | ((int)p[2] << 16) | ((int)p[3] << 24);
+}
+
+// MXFP4's block scale, halved to go with mxfp4_lookup's doubled values: 2^(e - 128) (ggml's
+// GGML_E8M0_TO_FP32_HALF; e = 0 and 1 are subnormal).
+__device__ __forceinline__ float e8m0_half(u8 e) {
+    const unsigned bits = e < 2 ? 0x00200000u << e : (unsigned)(e - 1) << 23;
+    return __uint_as_float(bits);
+}
+
 // ---- the block formats, 32 values ("a unit") at a time ----------------------------------------
 // Unit u of a row is values 32u .. 32u + 31: a whole block of the 32-value formats, an eighth of
 // a super-block of the K-quants. unit_dot is that unit's part of the row's dot with the input's
@@ -143,6 +158,17 @@ __device__ __forceinline__ int iq4_lookup(int idx) {
     const unsigned sel = (lo3 & 0x7u) | ((lo3 >> 4) & 0x70u) | ((lo3 >> 8) & 0x700u) | ((lo3 >> 12) & 0x7000u);
     const unsigned low = __byte_perm(t0, t1, sel), high = __byte_perm(t2, t3, sel);
     const unsigned upper = (((unsigned)idx >> 3) & 0x01010101u) * 0xFFu;  // bytes whose index is 8..15
+    return (int)((low & ~upper) | (high & upper));
+}
+
+// MXFP4: a 4-bit index selects an E2M1 value, doubled to an integer (ggml's kvalues_mxfp4):
+// 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12; four indices at once as iq4_lookup.
+__device__ __forceinline__ int mxfp4_lookup(int idx) {
+    const unsigned t0 = 0x03020100u, t1 = 0x0C080604u, t2 = 0xFDFEFF00u, t3 = 0xF4F8FAFCu;
+    const unsigned lo3 = (unsigned)idx & 0x07070707u;
+    const unsigned sel = (lo3 & 0x7u) | ((lo3 >> 4) & 0x70u) | ((lo3 >> 8) & 0x700u) | ((lo3 >> 12) & 0x7000u);
+    const unsigned low = __byte_perm(t0, t1, sel), high = __byte_perm(t2, t3, sel);
+    const unsigned upper = (((unsigned)idx >> 3) & 0x01010101u) * 0xFFu;
     return (int)((low & ~upper) | (high & upper));
 }
 
@@ -187,7 +213,16 @@ __device__ __forceinline__ void idot_halves(const int* w, const Q8Act& a, int& l
 // values are offset to signed, IQ4's looked up.
 template <int T>
 __device__ __forceinline__ void unit_ints(const u8* row, int u, int* w) {
-    if (T == T_Q4_0 || T == T_Q4_1 || T == T_Q5_0 || T == T_Q5_1 || T == T_IQ4_NL) {
+    if (T == T_MXFP4) {
+        // the exponent byte, then Q4_0's nibble order, at any byte address
+        const u8* qs = row + (size_t)u * 17 + 1;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int q = load_i32_a1(qs + 4 * k);
+            w[k] = mxfp4_lookup(q & 0x0F0F0F0F);
+            w[4 + k] = mxfp4_lookup((q >> 4) & 0x0F0F0F0F);
+        }
+    } else if (T == T_Q4_0 || T == T_Q4_1 || T == T_Q5_0 || T == T_Q5_1 || T == T_IQ4_NL) {
         // value i < 16 is the low nibble of qs[i], value i + 16 its high nibble
         const u8* blk = row + (size_t)u * block_bytes(T);
         const int qs_at = T == T_Q4_0 || T == T_IQ4_NL ? 2 : T == T_Q4_1 ? 4 : T == T_Q5_0 ? 6 : 8;
@@ -269,6 +304,7 @@ __device__ __forceinline__ float unit_dot(const u8* row, int u, const Q8Act& a) 
     unit_ints<T>(row, u, w);
     idot_halves(w, a, lo, hi);
     const int isum = lo + hi;
+    if (T == T_MXFP4) return e8m0_half(row[(size_t)u * 17]) * (a.d * (float)isum);
     if (T == T_Q4_0 || T == T_Q4_1 || T == T_Q5_0 || T == T_Q5_1 || T == T_IQ4_NL) {
         const u8* blk = row + (size_t)u * block_bytes(T);
         const float d = h2f(load_u16(blk));
@@ -313,6 +349,7 @@ __device__ __forceinline__ float unit_dot(const u8* row, int u, const Q8Act& a) 
 template <int T>
 __device__ __forceinline__ int unit_int(const u8* row, int u, int i) {
     const int nib = i >> 4;  // 32-value blocks and IQ4_XS: low nibbles, then high
+    if (T == T_MXFP4) return (signed char)mxfp4_lookup((row[(size_t)u * 17 + 1 + (i & 15)] >> (4 * nib)) & 15);
     if (T == T_Q4_0 || T == T_Q4_1 || T == T_Q5_0 || T == T_Q5_1 || T == T_IQ4_NL) {
         const u8* blk = row + (size_t)u * block_bytes(T);
         const int qs_at = T == T_Q4_0 || T == T_IQ4_NL ? 2 : T == T_Q4_1 ? 4 : T == T_Q5_0 ? 6 : 8;
@@ -347,6 +384,7 @@ __device__ __forceinline__ float unit_elem(const u8* row, int u, int i) {
         return h2f(load_u16(blk)) * (float)reinterpret_cast<const signed char*>(blk + 2)[i];
     }
     const int q = unit_int<T>(row, u, i);
+    if (T == T_MXFP4) return e8m0_half(row[(size_t)u * 17]) * (float)q;
     if (T == T_Q4_0 || T == T_Q4_1 || T == T_Q5_0 || T == T_Q5_1 || T == T_IQ4_NL) {
         const u8* blk = row + (size_t)u * block_bytes(T);
         const float d = h2f(load_u16(blk));
@@ -438,6 +476,11 @@ __device__ __forceinline__ float activate(int act, float g, float u) {
         case ACT_DREGLU: return fmaxf(g, 0.0f) * fmaxf(u, 0.0f);
         case ACT_RELU: return fmaxf(u, 0.0f);
         case ACT_GEGLU: return gelu(g) * u;
+        case ACT_SWIGLU_OAI: {
+            // gpt-oss: the gate clamped above at 7, up into [-7, 7], slope 1.702, up + 1
+            const float x = fminf(g, 7.0f);
+            return x / (1.0f + expf(-1.702f * x)) * (fminf(fmaxf(u, -7.0f), 7.0f) + 1.0f);
+        }
         default: return gelu(u);
     }
 }
@@ -511,6 +554,7 @@ MATVEC(matvec_q5_k, T_Q5_K)
 MATVEC(matvec_q6_k, T_Q6_K)
 MATVEC(matvec_iq4_nl, T_IQ4_NL)
 MATVEC(matvec_iq4_xs, T_IQ4_XS)
+MATVEC(matvec_mxfp4, T_MXFP4)
 MATVEC3(matvec3_f32, T_F32)
 MATVEC3(matvec3_f16, T_F16)
 MATVEC3(matvec3_q4_0, T_Q4_0)
@@ -525,16 +569,18 @@ MATVEC3(matvec3_q5_k, T_Q5_K)
 MATVEC3(matvec3_q6_k, T_Q6_K)
 MATVEC3(matvec3_iq4_nl, T_IQ4_NL)
 MATVEC3(matvec3_iq4_xs, T_IQ4_XS)
+MATVEC3(matvec3_mxfp4, T_MXFP4)
 
 // ---- hot neurons: sparse row matvec over the GPU-resident rows ---------------------------------
 // The GPU holds n_hot rows of gate, up and down_t, packed; row i is neuron bucket[i] of the
-// layer. h[i] = act(gate_i . x, up_i . x + up_bias[neuron]) when the predictor selects the
+// layer. h[i] = act(gate_i . x + gate_bias[neuron], up_i . x + up_bias[neuron]) when the predictor selects the
 // neuron (pred_logits[neuron] >= threshold, or no predictor), else 0 without reading the row:
 // the predictor's early exit. One warp per row.
 
 template <int T>
 __device__ void ffn_hot(const u8* gate, const u8* up, unsigned long long row_bytes, const int* bucket,
-                        const float* x, const Q8Act* xq, const float* up_bias, const float* pred_logits,
+                        const float* x, const Q8Act* xq, const float* gate_bias, const float* up_bias,
+                        const float* pred_logits,
                         float threshold, unsigned int* selected, float* h, int n_hot, int cols, int act) {
     const int i = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (i >= n_hot) return;
@@ -550,8 +596,9 @@ __device__ void ffn_hot(const u8* gate, const u8* up, unsigned long long row_byt
     }
     // the layer's count of selected neurons, for the stats of a layer the host never sees
     if (selected && (threadIdx.x & 31) == 0) atomicAdd(selected, 1u);
-    const float g = gate ? warp_dot<T>(gate + (size_t)i * row_bytes, x, xq, cols) : 0.0f;
+    float g = gate ? warp_dot<T>(gate + (size_t)i * row_bytes, x, xq, cols) : 0.0f;
     float u = warp_dot<T>(up + (size_t)i * row_bytes, x, xq, cols);
+    if (gate_bias) g += gate_bias[j];
     if (up_bias) u += up_bias[j];
     if ((threadIdx.x & 31) == 0) h[i] = activate(act, g, u);
 }
@@ -559,10 +606,11 @@ __device__ void ffn_hot(const u8* gate, const u8* up, unsigned long long row_byt
 #define FFN_HOT(NAME, T)                                                                              \
     extern "C" __global__ void NAME(const u8* gate, const u8* up, unsigned long long row_bytes,       \
                                     const int* bucket, const float* x, const Q8Act* xq,               \
-                                    const float* up_bias, const float* pred_logits, float threshold,  \
-                                    unsigned int* selected, float* h, int n_hot, int cols, int act) { \
-        ffn_hot<T>(gate, up, row_bytes, bucket, x, xq, up_bias, pred_logits, threshold, selected, h,  \
-                   n_hot, cols, act);                                                                 \
+                                    const float* gate_bias, const float* up_bias,                     \
+                                    const float* pred_logits, float threshold, unsigned int* selected, \
+                                    float* h, int n_hot, int cols, int act) {                         \
+        ffn_hot<T>(gate, up, row_bytes, bucket, x, xq, gate_bias, up_bias, pred_logits, threshold,    \
+                   selected, h, n_hot, cols, act);                                                    \
     }
 FFN_HOT(ffn_hot_f32, T_F32)
 FFN_HOT(ffn_hot_f16, T_F16)
@@ -578,6 +626,7 @@ FFN_HOT(ffn_hot_q5_k, T_Q5_K)
 FFN_HOT(ffn_hot_q6_k, T_Q6_K)
 FFN_HOT(ffn_hot_iq4_nl, T_IQ4_NL)
 FFN_HOT(ffn_hot_iq4_xs, T_IQ4_XS)
+FFN_HOT(ffn_hot_mxfp4, T_MXFP4)
 
 // ---- sparse axpy of the down projection --------------------------------------------------------
 // partial[chunk, c] = sum over rows i of the chunk with h[i] != 0 of h[i] * down_t[i, c].
@@ -619,6 +668,7 @@ DOWN_PARTIAL(down_partial_q5_k, T_Q5_K)
 DOWN_PARTIAL(down_partial_q6_k, T_Q6_K)
 DOWN_PARTIAL(down_partial_iq4_nl, T_IQ4_NL)
 DOWN_PARTIAL(down_partial_iq4_xs, T_IQ4_XS)
+DOWN_PARTIAL(down_partial_mxfp4, T_MXFP4)
 
 // x[c] += sum_k partial[k, c] + cpu_part[c] + bias[c]: the GPU's hot-neuron chunks, the CPU's
 // cold neurons and the bias merged into the residual. cpu_part and bias may be null.
@@ -728,11 +778,12 @@ __device__ __forceinline__ float cache_at(const void* cache, size_t o, int f16) 
 // Causal attention of the token at position *pos over positions 0..*pos, or over the last
 // `window` of them (a sliding-window layer; 0: all); one block per query head. Query head h reads
 // kv head h / (n_head / n_head_kv). Scores are q.k * scale, squashed into
-// softcap * tanh(s / softcap) where softcap > 0 (Gemma 2). scores (n_head, n_ctx) is scratch in
+// softcap * tanh(s / softcap) where softcap > 0 (Gemma 2). sinks, if not null, holds a logit per
+// query head that joins its softmax with no value (gpt-oss). scores (n_head, n_ctx) is scratch in
 // global memory, so the context length is not bounded by shared memory.
 extern "C" __global__ void attention(const float* q, const void* k_cache, const void* v_cache, float* scores,
                                      float* out, const int* pos_p, int n_ctx, int n_head, int n_head_kv, int head_dim,
-                                     float scale, float softcap, int window, int f16) {
+                                     float scale, float softcap, int window, int f16, const float* sinks) {
     __shared__ float red[32];
     const int t = blockIdx.y;  // batch row t is the query at position *pos + t
     const int len = *pos_p + t + 1;
@@ -762,6 +813,7 @@ extern "C" __global__ void attention(const float* q, const void* k_cache, const 
     float m = -INFINITY;
     for (int t = first + threadIdx.x; t < len; t += blockDim.x) m = fmaxf(m, sh[t]);
     m = block_max(m, red);
+    if (sinks) m = fmaxf(m, sinks[h]);
     float sum = 0.0f;
     for (int t = first + threadIdx.x; t < len; t += blockDim.x) {
         const float e = expf(sh[t] - m);
@@ -769,6 +821,7 @@ extern "C" __global__ void attention(const float* q, const void* k_cache, const 
         sum += e;
     }
     sum = block_sum(sum, red);  // its barriers also make every sh[t] visible below
+    if (sinks) sum += expf(sinks[h] - m);
     const float inv = 1.0f / sum;
 
     // out[d] = sum_t p[t] v[t, d]; one thread per head dimension

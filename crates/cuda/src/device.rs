@@ -55,9 +55,7 @@ pub fn act_code(act: FfnActivation) -> Result<i32> {
         FfnActivation::Relu => 3,
         FfnActivation::Gelu => 4,
         FfnActivation::GeGlu => 5,
-        FfnActivation::SwiGluOai => {
-            return Err(CudaError::Unsupported("gpt-oss's clamped SwiGLU has no GPU kernel".into()))
-        }
+        FfnActivation::SwiGluOai => 6,
     })
 }
 
@@ -70,6 +68,7 @@ pub fn act_of_code(code: i32) -> Option<FfnActivation> {
         FfnActivation::Relu,
         FfnActivation::Gelu,
         FfnActivation::GeGlu,
+        FfnActivation::SwiGluOai,
     ]
     .into_iter()
     .find(|&a| act_code(a).ok() == Some(code))
@@ -192,8 +191,8 @@ pub trait Device: Send + Sync + Sized + 'static {
         y: [&mut Self::Buf<f32>; 3],
         m: usize,
     ) -> Result<()>;
-    /// `ffn_hot_*`: h[i] for the packed hot row i (neuron bucket[i]); `selected` is a counter
-    /// slot the selected rows are added to.
+    /// `ffn_hot_*`: h[i] for the packed hot row i (neuron bucket[i]), with `bias` [gate's,
+    /// up's] indexed by neuron; `selected` is a counter slot the selected rows are added to.
     #[allow(clippy::too_many_arguments)]
     fn ffn_hot(
         &self,
@@ -201,7 +200,7 @@ pub trait Device: Send + Sync + Sized + 'static {
         up: &DMat<Self>,
         bucket: &Self::Buf<i32>,
         x: &DActs<Self>,
-        up_bias: Option<&Self::Buf<f32>>,
+        bias: [Option<&Self::Buf<f32>>; 2],
         pred_logits: Option<&Self::Buf<f32>>,
         threshold: f32,
         selected: Option<(&mut Self::Buf<u32>, usize)>,
@@ -299,7 +298,8 @@ pub trait Device: Send + Sync + Sized + 'static {
     ) -> Result<()>;
     /// Causal attention of one query (n_head * head_dim) at position `pos[0]` (read on the
     /// device) over cache positions 0..=pos[0], or the last `at.window` of them; scores scaled
-    /// by `at.scale` and soft-capped by `at.softcap` (0: none).
+    /// by `at.scale` and soft-capped by `at.softcap` (0: none); `sinks`, a logit per query
+    /// head in its softmax with no value (gpt-oss), if given.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -310,6 +310,7 @@ pub trait Device: Send + Sync + Sized + 'static {
         out: &mut Self::Buf<f32>,
         pos: &Self::Buf<i32>,
         at: &AttnShape,
+        sinks: Option<&Self::Buf<f32>>,
         f16: bool,
         m: usize,
     ) -> Result<()>;

@@ -233,7 +233,7 @@ impl<D: Device> Gpu<D> {
         up: &DMat<D>,
         bucket: &Buf<D, i32>,
         x: &DActs<D>,
-        up_bias: Option<&Buf<D, f32>>,
+        bias: [Option<&Buf<D, f32>>; 2],
         pred_logits: Option<&Buf<D, f32>>,
         threshold: f32,
         selected: Option<(&mut Buf<D, u32>, usize)>,
@@ -265,7 +265,7 @@ impl<D: Device> Gpu<D> {
             up,
             bucket,
             x,
-            up_bias,
+            bias,
             pred_logits,
             threshold,
             selected,
@@ -482,6 +482,7 @@ impl<D: Device> Gpu<D> {
         out: &mut Buf<D, f32>,
         pos: &DevicePos<D>,
         at: &AttnShape,
+        sinks: Option<&Buf<D, f32>>,
         f16: bool,
         m: usize,
     ) -> Result<()> {
@@ -496,7 +497,10 @@ impl<D: Device> Gpu<D> {
         Self::holds("the query", q, m * n_head * head_dim)?;
         Self::holds("the attention scores", scores, m * n_head * n_ctx)?;
         Self::holds("the attention output", out, m * n_head * head_dim)?;
-        self.dev.attention(q, k_cache, v_cache, scores, out, &pos.buf, at, f16, m)
+        if let Some(s) = sinks {
+            Self::holds("the attention sinks", s, n_head)?;
+        }
+        self.dev.attention(q, k_cache, v_cache, scores, out, &pos.buf, at, sinks, f16, m)
     }
 
     /// Records the launches that follow (see `Device::begin_capture`); false where the device

@@ -109,6 +109,7 @@ struct DenseGpu<D: Device> {
     bk: Option<Buf<D, f32>>,
     bv: Option<Buf<D, f32>>,
     bo: Option<Buf<D, f32>>,
+    attn_sinks: Option<Buf<D, f32>>, // (n_head) gpt-oss
     ffn_norm: Buf<D, f32>,
     predictor: Option<(DMat<D>, DMat<D>)>, // fc1 (hidden, n_embd), fc2 (n_ff, hidden)
 }
@@ -158,6 +159,11 @@ struct GpuExperts<D: Device> {
     on_gpu: Vec<bool>,
     /// Per expert: its gate, up (n_ff_exp, n_embd) and down (n_embd, n_ff_exp) on the device.
     mats: Vec<Option<[DMat<D>; 3]>>,
+    /// Per expert on the device, where the layer has biases (gpt-oss): its gate's, up's
+    /// (n_ff_exp) and down's (n_embd).
+    biases: Vec<Option<[Buf<D, f32>; 3]>>,
+    /// The router's bias (n_expert), added to the logits on the device.
+    router_bias: Option<Buf<D, f32>>,
     /// 0..n_ff_exp: every row of an expert, as `ffn_hot`'s bucket.
     rows: Buf<D, i32>,
     /// The shared expert's gate, up (n_ff_shared, n_embd) and down (n_embd, n_ff_shared), and
@@ -215,15 +221,6 @@ pub fn unsupported_reason(model: &Model, mode: Option<SparsityMode>) -> Option<S
         ));
     }
     let w = &model.weights;
-    // gpt-oss's attention sinks, expert biases and clamped SwiGLU
-    let sinks = w.layers.iter().any(|lw| lw.attn_sinks.is_some());
-    let biases = w.layers.iter().any(|lw| lw.moe.as_ref().is_some_and(|m| m.biases.is_some()));
-    if sinks || biases || c.ffn_activation == FfnActivation::SwiGluOai {
-        return Some(format!(
-            "the GPU executor has no attention sinks, expert biases or clamped SwiGLU yet; {} runs on the CPU",
-            c.architecture
-        ));
-    }
     let mut mats = vec![&w.output];
     for lw in &w.layers {
         mats.extend([&lw.wq, &lw.wk, &lw.wv, &lw.wo]);
@@ -346,6 +343,7 @@ impl<D: Device> HybridModel<D> {
                 bk: upload_opt(&gpu, lw.bk.as_ref(), &mut bytes)?,
                 bv: upload_opt(&gpu, lw.bv.as_ref(), &mut bytes)?,
                 bo: upload_opt(&gpu, lw.bo.as_ref(), &mut bytes)?,
+                attn_sinks: upload_opt(&gpu, lw.attn_sinks.as_ref(), &mut bytes)?,
                 predictor,
             };
             bytes += 2 * c.n_embd * 4;
@@ -374,15 +372,33 @@ impl<D: Device> HybridModel<D> {
                         Ok(Some(m))
                     })
                     .collect::<Result<Vec<_>>>()?;
+                let n_ff_exp = mw.gate_exps.rows / n_expert;
+                let biases = (0..n_expert)
+                    .map(|e| match (&mw.biases, on_gpu[e]) {
+                        (Some(b), true) => {
+                            let (ff, dim) = (n_ff_exp, c.n_embd);
+                            bytes += 4 * (2 * ff + dim);
+                            Ok(Some([
+                                gpu.upload(&b.gate[e * ff..(e + 1) * ff])?,
+                                gpu.upload(&b.up[e * ff..(e + 1) * ff])?,
+                                gpu.upload(&b.down[e * dim..(e + 1) * dim])?,
+                            ]))
+                        }
+                        _ => Ok(None),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
                 report.neuron_bytes += bytes - before;
                 report.hot_experts += on_gpu.iter().filter(|&&on| on).count();
-                let n_ff_exp = mw.gate_exps.rows / n_expert;
                 let rows: Vec<i32> = (0..n_ff_exp as i32).collect();
                 let router = match mw.router.dtype.traits().gpu {
                     true => Some(gpu.upload_rows(&mw.router, None)?),
                     false => None,
                 };
                 bytes += router.as_ref().map_or(0, |r| r.bytes());
+                let router_bias = match (&router, &mw.biases) {
+                    (Some(_), Some(b)) => upload_opt(&gpu, Some(&b.router), &mut bytes)?,
+                    _ => None,
+                };
                 let shared = match &mw.shared {
                     Some(sh) if [sh.gate, sh.up, sh.down].iter().all(|m| m.dtype.traits().gpu) => {
                         let m = [
@@ -408,6 +424,8 @@ impl<D: Device> HybridModel<D> {
                     experts: Some(GpuExperts {
                         on_gpu,
                         mats,
+                        biases,
+                        router_bias,
                         rows: gpu.upload(&rows)?,
                         shared,
                         router,
@@ -946,7 +964,7 @@ impl<'a, D: Device> HybridPass<'a, D> {
                 &hot.up,
                 &hot.bucket,
                 &dev.xb,
-                hot.up_bias.as_ref(),
+                [None, hot.up_bias.as_ref()],
                 pred,
                 threshold,
                 count,
@@ -1186,6 +1204,7 @@ impl<D: Device> Backend for HybridPass<'_, D> {
             softcap: c.attn_softcap,
             window: if c.slides(l) { c.sliding_window } else { 0 },
         };
+        let sinks = self.hm.layers[l].as_ref().and_then(|d| d.dense.attn_sinks.as_ref());
         Ok(self.hm.gpu.attention(
             &dev.q,
             kc,
@@ -1194,6 +1213,7 @@ impl<D: Device> Backend for HybridPass<'_, D> {
             &mut dev.att.f32s,
             &dev.pos,
             &at,
+            sinks,
             dev.kv_f16,
             self.m,
         )?)
@@ -1237,8 +1257,9 @@ impl<D: Device> Backend for HybridPass<'_, D> {
             // (the host reads it anyway: its experts and the shared expert's gate need it)
             g.read(&self.dev.xb.f32s, self.cpu.normed_input())?;
         }
-        let router = self.hm.layers[l].as_ref().and_then(|d| d.experts.as_ref()?.router.as_ref());
-        let Some(router) = router else {
+        let experts = self.hm.layers[l].as_ref().and_then(|d| d.experts.as_ref());
+        let router_bias = experts.and_then(|ex| ex.router_bias.as_ref());
+        let Some(router) = experts.and_then(|ex| ex.router.as_ref()) else {
             if moe.router_input == RouterInput::LayerInput {
                 g.read(&self.dev.x.f32s, self.cpu.residual_stream())?;
             }
@@ -1251,7 +1272,7 @@ impl<D: Device> Backend for HybridPass<'_, D> {
             RouterInput::LayerInput => &mut dev.x,
         };
         g.quantize_for(&[router], x, router.cols)?;
-        g.matvec(router, x, None, &mut dev.router_logits, false, 1)?;
+        g.matvec(router, x, router_bias, &mut dev.router_logits, false, 1)?;
         let mut logits = vec![0.0f32; moe.n_expert];
         g.read(&dev.router_logits, &mut logits)?;
         self.cpu.route_from(l, &logits)
@@ -1288,7 +1309,7 @@ impl<D: Device> Backend for HybridPass<'_, D> {
                 up,
                 bucket,
                 &dev.xb,
-                None,
+                [None, None],
                 None,
                 0.0,
                 None,
@@ -1304,12 +1325,13 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         // the device's chosen experts, queued: h = act(gate . xb, up . xb), y = down . h
         for (j, &(e, _)) in routes.iter().enumerate() {
             let Some([gate, up, down]) = &ex.mats[e as usize] else { continue };
+            let bias = ex.biases[e as usize].as_ref();
             g.ffn_hot(
                 Some(gate),
                 up,
                 &ex.rows,
                 &dev.xb,
-                None,
+                [bias.map(|b| &b[0]), bias.map(|b| &b[1])],
                 None,
                 0.0,
                 None,
@@ -1318,7 +1340,7 @@ impl<D: Device> Backend for HybridPass<'_, D> {
                 1,
             )?;
             g.quantize_for(&[down], &mut dev.expert_h, moe.n_ff_exp)?;
-            g.matvec(down, &dev.expert_h, None, &mut dev.expert_y, false, 1)?;
+            g.matvec(down, &dev.expert_h, bias.map(|b| &b[2]), &mut dev.expert_y, false, 1)?;
             // into its slot: one read brings every output back (a read waits for the queue:
             // one wait a layer, not one per expert)
             g.copy(&dev.expert_y, 0, &mut dev.expert_ys, j * c.n_embd, c.n_embd)?;
@@ -1569,7 +1591,7 @@ mod tests {
                 &packed(dtype, &pu),
                 &hot,
                 &x,
-                None,
+                [None, None],
                 Some((&logits, thr)),
                 act,
             );

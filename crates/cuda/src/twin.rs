@@ -85,17 +85,18 @@ pub fn matvec_seen(w: &QMatrix, x: &[f32], bias: Option<&[f32]>, relu: bool) -> 
 }
 
 /// `ffn_hot_*` over packed hot rows (row i of `gate` and `up` is neuron bucket[i]): h[i] for
-/// neuron bucket[i], 0 where the predictor's logit is below the threshold.
+/// neuron bucket[i] (with `bias`, [gate's, up's], indexed by neuron), 0 where the predictor's
+/// logit is below the threshold.
 pub fn ffn_hot(
     gate: Option<&QMatrix>,
     up: &QMatrix,
     bucket: &[u32],
     x: &[f32],
-    up_bias: Option<&[f32]>,
+    bias: [Option<&[f32]>; 2],
     pred: Option<(&[f32], f32)>,
     act: FfnActivation,
 ) -> Vec<f32> {
-    ffn_hot_seen(gate, up, bucket, &input_seen(up.dtype, x), up_bias, pred, act)
+    ffn_hot_seen(gate, up, bucket, &input_seen(up.dtype, x), bias, pred, act)
 }
 
 /// `ffn_hot` of an input as the kernel sees it (see `input_seen`).
@@ -104,10 +105,11 @@ pub fn ffn_hot_seen(
     up: &QMatrix,
     bucket: &[u32],
     x: &[f32],
-    up_bias: Option<&[f32]>,
+    bias: [Option<&[f32]>; 2],
     pred: Option<(&[f32], f32)>,
     act: FfnActivation,
 ) -> Vec<f32> {
+    let [gate_bias, up_bias] = bias;
     bucket
         .par_iter()
         .enumerate()
@@ -118,7 +120,9 @@ pub fn ffn_hot_seen(
                     return 0.0;
                 }
             }
-            let g = gate.map_or(0.0, |g| dot(&row_f32(g, i), x) as f32);
+            let g = gate.map_or(0.0, |g| {
+                (dot(&row_f32(g, i), x) + gate_bias.map_or(0.0, |b| b[j] as f64)) as f32
+            });
             let u = (dot(&row_f32(up, i), x) + up_bias.map_or(0.0, |b| b[j] as f64)) as f32;
             act.apply(g, u)
         })
@@ -167,8 +171,16 @@ pub fn head_rmsnorm(x: &mut [f32], w: &[f32], head_dim: usize, eps: f32) {
 }
 
 /// `attention`: one query (n_head * head_dim) at position len - 1 over f32 caches (len,
-/// n_head_kv * head_dim): all positions, or a sliding layer's last `at.window`.
-pub fn attention(q: &[f32], k: &[f32], v: &[f32], len: usize, at: &AttnShape) -> Vec<f32> {
+/// n_head_kv * head_dim): all positions, or a sliding layer's last `at.window`; each head's
+/// sink logit (if given) in its softmax's sum, with no value.
+pub fn attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    len: usize,
+    at: &AttnShape,
+    sinks: Option<&[f32]>,
+) -> Vec<f32> {
     let (n_head, n_head_kv, head_dim) = (at.n_head, at.n_head_kv, at.head_dim);
     let kv_dim = n_head_kv * head_dim;
     let first = if at.window > 0 { len.saturating_sub(at.window) } else { 0 };
@@ -186,9 +198,10 @@ pub fn attention(q: &[f32], k: &[f32], v: &[f32], len: usize, at: &AttnShape) ->
         let scores: Vec<f64> = (first..len)
             .map(|t| cap(dot(qh, &k[t * kv_dim + g * head_dim..][..head_dim]) * at.scale as f64))
             .collect();
-        let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let sink = sinks.map(|s| s[h] as f64);
+        let m = scores.iter().cloned().chain(sink).fold(f64::NEG_INFINITY, f64::max);
         let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-        let sum: f64 = e.iter().sum();
+        let sum: f64 = e.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - m).exp());
         for d in 0..head_dim {
             let acc: f64 = (first..len)
                 .zip(&e)

@@ -45,6 +45,10 @@ fn matrix(rng: &mut Rng, dtype: DType, rows: usize, cols: usize) -> Vec<u8> {
     let mut out: Vec<u8> =
         (0..rows * cols / len * bytes).map(|_| (rng.next_u64() & 0xFF) as u8).collect();
     for blk in out.chunks_exact_mut(bytes) {
+        if dtype == DType::MXFP4 {
+            // an exponent byte: scales 2^-10 .. 2^-3 (values up to 12 times that)
+            blk[0] = 118 + (rng.next_u64() % 8) as u8;
+        }
         for &at in f16_fields(dtype) {
             let v = (0.5 + 0.5 * rng.next_f32())
                 * if rng.next_u64() & 1 == 0 { 1.0 } else { -1.0 }
@@ -115,7 +119,7 @@ fn quantize_is_bit_identical_to_the_cpu() {
     assert_eq!(got, want_bytes);
 }
 
-const TYPES: [DType; 14] = [
+const TYPES: [DType; 15] = [
     DType::F32,
     DType::F16,
     DType::Q4_0,
@@ -130,6 +134,7 @@ const TYPES: [DType; 14] = [
     DType::Q6_K,
     DType::IQ4_NL,
     DType::IQ4_XS,
+    DType::MXFP4,
 ];
 
 /// Types whose GPU kernels read the int8 blocks the CPU's own kernels read (the others: see
@@ -229,6 +234,7 @@ fn ffn_hot_and_down_match_twin() {
             FfnActivation::SwiGlu,
             FfnActivation::DReGlu,
             FfnActivation::GeGlu,
+            FfnActivation::SwiGluOai,
         ] {
             let (gd, ud, dd) = (
                 matrix(&mut rng, dtype, n_ff, n_embd),
@@ -256,6 +262,13 @@ fn ffn_hot_and_down_match_twin() {
             let (hot_gate, hot_up, hot_down) = (packed(&pg), packed(&pu), packed(&pd));
             let dbucket = g.upload(&bucket.iter().map(|&j| j as i32).collect::<Vec<_>>()).unwrap();
             let (dx, dlogits) = (device_acts(&g, &x, &dup), g.upload(&logits).unwrap());
+            // gpt-oss's experts have gate and up biases (by neuron id)
+            let biases = (act == FfnActivation::SwiGluOai)
+                .then(|| [random(&mut rng, n_ff, 1.0), random(&mut rng, n_ff, 1.0)]);
+            let dbiases =
+                biases.as_ref().map(|[a, b]| [g.upload(a).unwrap(), g.upload(b).unwrap()]);
+            let dbias = [0, 1].map(|i| dbiases.as_ref().map(|b| &b[i]));
+            let bias = [0, 1].map(|i| biases.as_ref().map(|b| &b[i][..]));
             for pred in [true, false] {
                 let mut dh = poisoned(&g, bucket.len());
                 let p = pred.then_some(&dlogits);
@@ -265,7 +278,7 @@ fn ffn_hot_and_down_match_twin() {
                     &dup,
                     &dbucket,
                     &dx,
-                    None,
+                    dbias,
                     p,
                     thr,
                     pred.then_some((&mut counts, 1)),
@@ -286,7 +299,7 @@ fn ffn_hot_and_down_match_twin() {
                     &hot_up,
                     &bucket,
                     &x,
-                    None,
+                    bias,
                     pred.then_some((&logits[..], thr)),
                     act,
                 );
@@ -466,10 +479,16 @@ fn norm_rope_attention_match_twin() {
             softcap: 0.0,
             window: 0,
         };
-        for at_shape in [
-            plain,
-            AttnShape { scale: 0.0625, softcap: 2.0, window: 100, ..plain },
-            AttnShape { window: 1000, ..plain },
+        // gpt-oss's sinks: logits around the scores', some far above them
+        let sink_logits: Vec<f32> = (0..n_head)
+            .map(|h| if h % 5 == 4 { 30.0 } else { 2.0 * rng.next_f32() - 1.0 })
+            .collect();
+        let dsinks = g.upload(&sink_logits).unwrap();
+        for (at_shape, sinks) in [
+            (plain, false),
+            (AttnShape { scale: 0.0625, softcap: 2.0, window: 100, ..plain }, false),
+            (AttnShape { window: 1000, ..plain }, false),
+            (AttnShape { window: 100, ..plain }, true),
         ] {
             let mut scores = poisoned(&g, n_head * n_ctx);
             let mut dout = poisoned(&g, n_head * hd);
@@ -481,14 +500,16 @@ fn norm_rope_attention_match_twin() {
                 &mut dout,
                 &at,
                 &at_shape,
+                sinks.then_some(&dsinks),
                 f16,
                 1,
             )
             .unwrap();
             let mut got = vec![0.0; n_head * hd];
             g.read(&dout, &mut got).unwrap();
-            let want = twin::attention(&q, &ks, &vs, len, &at_shape);
-            assert!(rel_err(&got, &want) < 1e-5, "attention f16={f16} {at_shape:?}");
+            let want =
+                twin::attention(&q, &ks, &vs, len, &at_shape, sinks.then_some(&sink_logits[..]));
+            assert!(rel_err(&got, &want) < 1e-5, "attention f16={f16} {at_shape:?} sinks={sinks}");
         }
     }
 }
@@ -559,7 +580,7 @@ fn a_recorded_token_replays_at_every_position() {
             None if pos == 3 => {
                 assert!(g.begin_capture().unwrap());
                 g.kv_store(&dk, &dv, &mut kc, &mut vc, &at, kv_dim, false, 1).unwrap();
-                g.attention(&dq, &kc, &vc, &mut scores, &mut att.f32s, &at, &shape, false, 1)
+                g.attention(&dq, &kc, &vc, &mut scores, &mut att.f32s, &at, &shape, None, false, 1)
                     .unwrap();
                 g.matvec(&dw, &att, None, &mut y, false, 1).unwrap();
                 let recorded = g.end_capture().unwrap();
@@ -568,7 +589,7 @@ fn a_recorded_token_replays_at_every_position() {
             }
             None => {
                 g.kv_store(&dk, &dv, &mut kc, &mut vc, &at, kv_dim, false, 1).unwrap();
-                g.attention(&dq, &kc, &vc, &mut scores, &mut att.f32s, &at, &shape, false, 1)
+                g.attention(&dq, &kc, &vc, &mut scores, &mut att.f32s, &at, &shape, None, false, 1)
                     .unwrap();
                 g.matvec(&dw, &att, None, &mut y, false, 1).unwrap();
             }
@@ -576,7 +597,8 @@ fn a_recorded_token_replays_at_every_position() {
         }
         let mut got = vec![0.0; 48];
         g.read(&y, &mut got).unwrap();
-        let want = twin::matvec(&w, &twin::attention(&q, &ks, &vs, pos + 1, &shape), None, false);
+        let want =
+            twin::matvec(&w, &twin::attention(&q, &ks, &vs, pos + 1, &shape, None), None, false);
         assert!(rel_err(&got, &want) < 1e-5, "position {pos}");
     }
 }
@@ -651,14 +673,15 @@ fn batch_rows_equal_rows_one_at_a_time() {
             g.kv_store(&k, &v, kc, vc, &at, kv_dim, false, rows).unwrap();
             let mut scores = g.zeros::<f32>(rows * n_head * n_ctx).unwrap();
             let mut att = g.acts(rows * q_dim).unwrap();
-            g.attention(&q, kc, vc, &mut scores, &mut att.f32s, &at, &shape, false, rows).unwrap();
+            g.attention(&q, kc, vc, &mut scores, &mut att.f32s, &at, &shape, None, false, rows)
+                .unwrap();
             let mut h = g.acts(rows * n_ff).unwrap();
             g.ffn_hot(
                 None,
                 &dup,
                 &bucket,
                 &xb,
-                None,
+                [None, None],
                 None,
                 0.0,
                 None,

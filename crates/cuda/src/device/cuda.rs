@@ -275,7 +275,7 @@ impl Device for Cuda {
         up: &DMat<Self>,
         bucket: &CudaSlice<i32>,
         x: &DActs<Self>,
-        up_bias: Option<&CudaSlice<f32>>,
+        bias: [Option<&CudaSlice<f32>>; 2],
         pred_logits: Option<&CudaSlice<f32>>,
         threshold: f32,
         selected: Option<(&mut CudaSlice<u32>, usize)>,
@@ -286,7 +286,8 @@ impl Device for Cuda {
         let f = &self.k.ffn_hot[type_slot(up.dtype)?];
         let gate_ptr = gate.map_or(0, |g| g.data.device_ptr(&self.stream).0);
         let (row_bytes, n_hot, cols) = (up.row_bytes as u64, up.rows as i32, up.cols as i32);
-        let (up_bias, pred) = (self.ptr(up_bias), self.ptr(pred_logits));
+        let (gate_bias, up_bias) = (self.ptr(bias[0]), self.ptr(bias[1]));
+        let pred = self.ptr(pred_logits);
         let selected = match selected {
             Some((counts, slot)) => {
                 counts.device_ptr_mut(&self.stream).0 + (slot * std::mem::size_of::<u32>()) as u64
@@ -300,12 +301,13 @@ impl Device for Cuda {
             .arg(bucket)
             .arg(&x.f32s)
             .arg(&x.q8)
+            .arg(&gate_bias)
             .arg(&up_bias)
             .arg(&pred)
             .arg(&threshold);
         b.arg(&selected).arg(h).arg(&n_hot).arg(&cols).arg(&act);
-        // SAFETY: matches `ffn_hot_*`; bucket and h hold n_hot entries, up_bias and pred_logits
-        // n_ff; `selected` is null or one u32 inside `counts` (checked by `Gpu`).
+        // SAFETY: matches `ffn_hot_*`; bucket and h hold n_hot entries, the biases and
+        // pred_logits n_ff; `selected` is null or one u32 inside `counts` (checked by `Gpu`).
         unsafe { b.launch(cfg((blocks(up.rows, WARPS), m as u32), 32 * WARPS as u32)) }?;
         Ok(())
     }
@@ -474,9 +476,11 @@ impl Device for Cuda {
         out: &mut CudaSlice<f32>,
         pos: &CudaSlice<i32>,
         at: &AttnShape,
+        sinks: Option<&CudaSlice<f32>>,
         f16: bool,
         m: usize,
     ) -> Result<()> {
+        let sinks = self.ptr(sinks);
         let (ctx_i, nh, nkv, hd, h) = (
             at.n_ctx as i32,
             at.n_head as i32,
@@ -496,8 +500,9 @@ impl Device for Cuda {
             .arg(&nh)
             .arg(&nkv)
             .arg(&hd);
-        b.arg(&at.scale).arg(&at.softcap).arg(&window).arg(&h);
-        // SAFETY: matches `attention`; scores holds n_head * n_ctx floats and pos[0] < n_ctx (checked by `Gpu`).
+        b.arg(&at.scale).arg(&at.softcap).arg(&window).arg(&h).arg(&sinks);
+        // SAFETY: matches `attention`; scores holds n_head * n_ctx floats, sinks (if not null)
+        // n_head, and pos[0] < n_ctx (checked by `Gpu`).
         unsafe { b.launch(cfg((at.n_head as u32, m as u32), 256)) }?;
         Ok(())
     }

@@ -175,7 +175,7 @@ impl Device for Emulated {
         up: &DMat<Self>,
         bucket: &Vec<i32>,
         x: &DActs<Self>,
-        up_bias: Option<&Vec<f32>>,
+        bias: [Option<&Vec<f32>>; 2],
         pred_logits: Option<&Vec<f32>>,
         threshold: f32,
         selected: Option<(&mut Vec<u32>, usize)>,
@@ -184,8 +184,13 @@ impl Device for Emulated {
         m: usize,
     ) -> Result<()> {
         let act = act_of_code(act).ok_or_else(|| fault(format!("activation code {act}")))?;
-        let n_ids =
-            up_bias.iter().chain(pred_logits.iter()).map(|b| b.len()).min().unwrap_or(usize::MAX);
+        let n_ids = bias
+            .iter()
+            .flatten()
+            .chain(pred_logits.iter())
+            .map(|b| b.len())
+            .min()
+            .unwrap_or(usize::MAX);
         let ids: Vec<u32> = bucket[..up.rows]
             .iter()
             .map(|&j| {
@@ -212,7 +217,7 @@ impl Device for Emulated {
                 &view(up),
                 &ids,
                 &input(up, x, t),
-                up_bias.map(|b| &b[..]),
+                bias.map(|b| b.map(|b| &b[..])),
                 pred,
                 act,
             );
@@ -372,6 +377,7 @@ impl Device for Emulated {
         out: &mut Vec<f32>,
         pos: &Vec<i32>,
         at: &AttnShape,
+        sinks: Option<&Vec<f32>>,
         f16: bool,
         m: usize,
     ) -> Result<()> {
@@ -385,6 +391,7 @@ impl Device for Emulated {
                 &v,
                 pos[0] as usize + t + 1,
                 at,
+                sinks.map(|s| &s[..]),
             );
             out[t * q_dim..(t + 1) * q_dim].copy_from_slice(&o);
         }
