@@ -3,14 +3,19 @@ split of whole outputs against hand-written expectations, the same split whichev
 text streams in, and the server's chat answers for a model with the harmony vocabulary against
 the in-process engine's raw text."""
 
+import contextlib
+import dataclasses
+import io
 import itertools
 import json
+import random
 
 import httpx
 import pytest
 from gguf import GGUFReader
-from powerinfer_rs import Engine
+from powerinfer_rs import Engine, chat
 from powerinfer_rs.harmony import HarmonySplit, split
+from powerinfer_rs.settings import CHAT
 from serving import Server
 from synth import write_model
 
@@ -154,3 +159,22 @@ def test_the_servers_chat_splits_a_harmony_models_reasoning_from_its_answer(harm
         assert checked >= 3, checked
     finally:
         server.stop()
+
+
+def test_chat_in_the_terminal_writes_the_answer_and_keeps_only_it(harmony_model):
+    """`powerinfer-rs chat` on a harmony model: the answer's parts to standard output, the
+    reasoning to standard error; the next turn's prompt holds the earlier answer alone."""
+    engine = Engine.load(harmony_model, threads=2)
+    sampling = dataclasses.replace(CHAT, max_tokens=60, temperature=1.5, seed=3)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert chat.run(engine, sampling, stdin=io.StringIO("the then\nin an\n"), out=out) == 0
+    # each turn's seed drawn from the conversation's, as `chat` draws them
+    turns, kwargs = random.Random(3), sampling.as_kwargs()
+    u1, u2 = {"role": "user", "content": "the then"}, {"role": "user", "content": "in an"}
+    a1 = split(engine.chat([u1], **dict(kwargs, seed=turns.getrandbits(64))))
+    history = [u1, {"role": "assistant", "content": a1["content"]}, u2]
+    a2 = split(engine.chat(history, **dict(kwargs, seed=turns.getrandbits(64))))
+    assert out.getvalue() == f"{a1['content']}\n{a2['content']}\n"
+    for a in (a1, a2):
+        assert a.get("reasoning_content", "") in err.getvalue()

@@ -6,7 +6,9 @@ turn is reused, so a new turn evaluates only its new tokens. Ctrl-C stops the an
 written (what was written stays in the conversation), not the program; Ctrl-D or /exit ends it.
 An answer that only repeats itself is ended, with a line saying so (`SamplingSettings.
 stop_repetition`, on by default here). With a seed, the whole conversation can be had again:
-each turn's seed is drawn from it.
+each turn's seed is drawn from it. A gpt-oss model's reasoning goes to standard error, its
+answer to standard output, and only the answer stays in the conversation (as its chat template
+expects of earlier turns).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 import threading
 from typing import TextIO
 
+from .harmony import HarmonySplit, split
 from .settings import CHAT, SamplingSettings
 
 HELP = """commands:
@@ -132,6 +135,7 @@ def run(
             print(f"error: {e}", file=sys.stderr)
             continue
         pieces, gen = [], None
+        harmony = HarmonySplit() if engine.tokenizer.harmony else None
         try:
             gen = engine.stream(ids, **dict(kwargs, seed=turn_seeds.getrandbits(64)))
             gen.keep_session = True
@@ -140,7 +144,10 @@ def run(
                 cached = None
             for piece in gen:
                 pieces.append(piece)
-                out.write(piece)
+                if harmony is None:
+                    out.write(piece)
+                for field, part in harmony.push(piece) if harmony else []:
+                    (sys.stderr if field == "reasoning_content" else out).write(part)
                 out.flush()
         except KeyboardInterrupt:
             if gen is not None:
@@ -154,7 +161,10 @@ def run(
                 out.flush()
                 print("(stopped: the answer was repeating itself)", file=sys.stderr)
         out.flush()
-        messages.append({"role": "assistant", "content": "".join(pieces)})
+        answer = "".join(pieces)
+        if harmony is not None:
+            answer = split(answer)["content"]
+        messages.append({"role": "assistant", "content": answer})
         session = gen.finished_session if gen is not None else None
         if session is not None:
             cached = (session.tokens, session)
