@@ -6,7 +6,7 @@
 //! The dots take four 32-weight blocks per step (`dot_steps`), laid out as an `ActQuad`. Q4_0,
 //! Q4_1 and Q8_0 are read four blocks at a time: two overlapping 64-byte loads cover them, one
 //! word permute gathers their weight bytes into the order of an `ActQuad` and another
-//! broadcasts their scales to each block's four lanes; Q5_0, Q5_1 and IQ4_NL by their own
+//! broadcasts their scales to each block's four lanes; Q5_0, Q5_1, IQ4_NL and MXFP4 by their own
 //! four-block readers (`direct_quad`), a row's last one to three blocks through the AVX2 chunk
 //! decoders. A format's offset (Q4_0's -8, the +128 that makes signed bytes unsigned for
 //! `vpdpbusd`) comes off in integers: the dot starts from the activations' exact per-lane sums
@@ -27,7 +27,9 @@
 
 use std::arch::x86_64::*;
 
-use crate::quant::chunks::{BlockIQ4NL, BlockQ5_0, BlockQ5_1, IQ4_VALUES};
+use crate::quant::chunks::{
+    e8m0_half, BlockIQ4NL, BlockMXFP4, BlockQ5_0, BlockQ5_1, IQ4_VALUES, MXFP4_VALUES,
+};
 use crate::quant::chunks_x86::Decoded;
 use crate::quant::{ActQuad, BlockQ4_0, BlockQ4_1, BlockQ8_0, DType};
 
@@ -679,6 +681,9 @@ unsafe fn direct_quad(dtype: DType, row: &[u8], j: usize, blocks: usize) -> Opti
         DType::IQ4_NL if 4 * j + 4 <= blocks => {
             Some(iq4_nl_quad(row.as_ptr().add(4 * j * std::mem::size_of::<BlockIQ4NL>())))
         }
+        DType::MXFP4 if 4 * j + 4 <= blocks => {
+            Some(mxfp4_quad(row.as_ptr().add(4 * j * std::mem::size_of::<BlockMXFP4>())))
+        }
         _ => None,
     }
 }
@@ -814,6 +819,27 @@ unsafe fn iq4_nl_quad(p: *const u8) -> RegQuad {
     let (q, d) = four_blocks(p, std::mem::size_of::<BlockIQ4NL>(), 2);
     let (lo, hi) = nibble_halves(q);
     let table = iq4_table();
+    signed_quad(_mm512_shuffle_epi8(table, lo), _mm512_shuffle_epi8(table, hi), d)
+}
+
+/// Four MXFP4 blocks at `p` (17 bytes each: the exponent, then Q4_0's nibbles): the doubled
+/// E2M1 values looked up as IQ4_NL's, each block's halved power-of-two scale to its lanes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn mxfp4_quad(p: *const u8) -> RegQuad {
+    const STRIDE: usize = std::mem::size_of::<BlockMXFP4>();
+    let q = |k: usize| _mm_loadu_si128(p.add(STRIDE * k + 1) as *const __m128i);
+    let v = _mm512_inserti32x4::<3>(
+        _mm512_inserti32x4::<2>(_mm512_inserti32x4::<1>(_mm512_castsi128_si512(q(0)), q(1)), q(2)),
+        q(3),
+    );
+    let e = |k: usize| e8m0_half(*p.add(STRIDE * k));
+    let d = _mm512_permutexvar_ps(
+        _mm512_loadu_si512(LANES_OF_FOUR.as_ptr() as *const _),
+        _mm512_castps128_ps512(_mm_setr_ps(e(0), e(1), e(2), e(3))),
+    );
+    let (lo, hi) = nibble_halves(v);
+    let table = _mm512_broadcast_i32x4(_mm_loadu_si128(MXFP4_VALUES.as_ptr() as *const __m128i));
     signed_quad(_mm512_shuffle_epi8(table, lo), _mm512_shuffle_epi8(table, hi), d)
 }
 
