@@ -488,6 +488,67 @@ mod tests {
     use crate::matmul::{dot_row, Activations, QMatrix, SimdLevel};
     use crate::quant::tests::{random_quantized_row, random_vec, QUANTIZED};
 
+    /// MXFP4's largest products (|v| = 12 against |a| = 127, all of one sign) sum without
+    /// overflow in the 16-bit pair sums its kernels keep (it is not `WIDE`): a prompt's row
+    /// groups and a token alone give the exact dot, at every level this CPU has.
+    #[test]
+    fn mxfp4_extremes_sum_exactly() {
+        if !crate::simd::detect().has_avx2() {
+            eprintln!("skipping: no AVX2 on this CPU");
+            return;
+        }
+        let (rows, cols, n) = (9, 256, 8);
+        // every weight 12 * 2^-1 (nibble 7) or -12 * 2^-1 (nibble 15) by row; exponent 127
+        let mut data = Vec::new();
+        for r in 0..rows {
+            for _ in 0..cols / 32 {
+                data.push(127u8);
+                data.extend([if r % 2 == 0 { 0x77u8 } else { 0xFF }; 16]);
+            }
+        }
+        let w = QMatrix { dtype: DType::MXFP4, rows, cols, data: &data };
+        // activations of one sign per token: every int8 value +-127
+        let xs: Vec<f32> =
+            (0..n * cols).map(|i| if (i / cols) % 2 == 0 { 1.0 } else { -1.0 }).collect();
+        let mut x = Activations::default();
+        x.set(&xs, n, cols);
+        let want =
+            |t: usize, r: usize| (if (t + r) % 2 == 0 { 1.0 } else { -1.0 }) * 6.0 * cols as f32;
+        let close = |got: f32, want: f32| (got - want).abs() <= 1e-4 * want.abs();
+        let mut widths = vec![(GroupWidth::Avx2, SimdLevel::Avx2)];
+        if crate::simd::simd_level() == SimdLevel::Avx512 {
+            widths.push((GroupWidth::Avx512, SimdLevel::Avx512));
+        }
+        for (width, level) in widths {
+            let got = std::cell::RefCell::new(vec![f32::NAN; n * rows]);
+            // SAFETY: AVX2 checked above, AVX-512 where the CPU has it
+            unsafe {
+                legacy_rows_all_tokens(
+                    DType::MXFP4,
+                    width,
+                    |r| w.row(r),
+                    cols,
+                    0..rows,
+                    &x.q8,
+                    &x.q8_bias,
+                    n,
+                    |t, r, v| got.borrow_mut()[t * rows + r..][..v.len()].copy_from_slice(v),
+                )
+            };
+            let got = got.into_inner();
+            for t in 0..n {
+                // a token alone: four rows per kernel call, then one
+                let mut alone = vec![f32::NAN; rows];
+                crate::matmul::dot_rows(&w, 0..rows, &x, [t], level, |r, [v]| alone[r] = v);
+                for r in 0..rows {
+                    let v = got[t * rows + r];
+                    assert!(close(v, want(t, r)), "{width:?} group t{t} r{r}: {v}");
+                    assert!(close(alone[r], want(t, r)), "{level:?} alone t{t} r{r}: {}", alone[r]);
+                }
+            }
+        }
+    }
+
     /// Every 32-weight format, through the row groups at every width this CPU has (AVX2, and
     /// AVX-VNNI, AVX-512 VNNI where it has them), gives bit for bit the one-token kernels' dots
     /// at that level (which are tested against the scalar twins), for whole and partial groups,
