@@ -509,11 +509,12 @@ mod tests {
         let w = QMatrix { dtype: DType::MXFP4, rows, cols, data: &data };
         // activations of one sign per token: every int8 value +-127
         let xs: Vec<f32> =
-            (0..n * cols).map(|i| if (i / cols) % 2 == 0 { 1.0 } else { -1.0 }).collect();
+            (0..n * cols).map(|i| if (i / cols).is_multiple_of(2) { 1.0 } else { -1.0 }).collect();
         let mut x = Activations::default();
         x.set(&xs, n, cols);
-        let want =
-            |t: usize, r: usize| (if (t + r) % 2 == 0 { 1.0 } else { -1.0 }) * 6.0 * cols as f32;
+        let want = |t: usize, r: usize| {
+            (if (t + r).is_multiple_of(2) { 1.0 } else { -1.0 }) * 6.0 * cols as f32
+        };
         let close = |got: f32, want: f32| (got - want).abs() <= 1e-4 * want.abs();
         let mut widths = vec![(GroupWidth::Avx2, SimdLevel::Avx2)];
         if crate::simd::simd_level() == SimdLevel::Avx512 {
