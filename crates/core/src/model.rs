@@ -7,9 +7,12 @@
 //! `gemma3` (GELU-gated FFN, scaled embeddings, post-block norms, soft-capping, sliding-window
 //! layers with their own RoPE base, q/k norm), `phi3` (fused qkv and gate_up), `bamboo` (dReLU
 //! FFN), `falcon` (LayerNorm, fused QKV, parallel attention and FFN, no gate) and `opt`
-//! (LayerNorm, biases everywhere, learned positions, no gate). Everything that differs is data
-//! in `Config` and optional weights, read by the one layer in `forward.rs`. The FFN activation
-//! comes from metadata (see `FfnActivation::from_file`).
+//! (LayerNorm, biases everywhere, learned positions, no gate); and the mixtures of experts
+//! (`Moe`): Mixtral (`llama` with experts), `qwen2moe`, `qwen3moe`, `olmoe`, `smallthinker` and
+//! `gpt-oss` (attention sinks and biases, every other layer sliding, a biased router and biased
+//! experts with the clamped SwiGLU). Everything that differs is data in `Config` and optional
+//! weights, read by the one layer in `forward.rs`. The FFN activation comes from metadata (see
+//! `FfnActivation::from_file`).
 //!
 //! PowerInfer files (`PWRI` magic) carry the down projection transposed (`ffn_down_t`, one row
 //! per neuron) and a predictor per layer (`fc1`, `fc2`). Plain files get a neuron-major copy of
