@@ -89,18 +89,10 @@ ARCHITECTURES = {
         seed=2,
         experts=dict(n_expert=4, n_used=2, n_ff_exp=64),
     ),
-    "gpt-oss-mxfp4": dict(
-        arch="gpt-oss",
-        n_layer=3,
-        sliding_window=8,
-        rope_scaling=4.0,
-        yarn_original_ctx=64,
-        head_dim=32,
-        weight_scale=0.5,
-        seed=2,
-        experts=dict(n_expert=4, n_used=2, n_ff_exp=64, dtype=Q.MXFP4),
-    ),
 }
+ARCHITECTURES["gpt-oss-mxfp4"] = dict(
+    ARCHITECTURES["gpt-oss"], experts=dict(n_expert=4, n_used=2, n_ff_exp=64, dtype=Q.MXFP4)
+)
 
 PRESETS = {
     "Q2_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q2_K,

@@ -75,6 +75,24 @@ def write_moe(path, family, dtype=Q.F32, **overrides):
     return write_model(path, dtype=dtype, experts=experts, **kw)
 
 
+def each_token_alone(w, meta, ids, routing, rounding):
+    """The reference's logits of each token alone, its activations rounded to int8 as the
+    engine's; routing[i] and rounding[i] receive token i's margins to a tie."""
+    return np.concatenate(
+        [
+            forward(
+                w,
+                meta,
+                [t],
+                int8_activations=True,
+                routing_margin=routing[i : i + 1],
+                rounding_margin=rounding[i : i + 1],
+            )
+            for i, t in enumerate(ids)
+        ]
+    )
+
+
 def relative_errors(got, ref):
     return np.linalg.norm(got - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
 
@@ -96,19 +114,7 @@ def test_logits_match_float64_reference(tmp_path, family, dtype):
     else:
         # each token alone
         ids, routing, rounding = ids[:16], routing[:16], rounding[:16]
-        ref = np.concatenate(
-            [
-                forward(
-                    w,
-                    meta,
-                    [t],
-                    int8_activations=True,
-                    routing_margin=routing[i : i + 1],
-                    rounding_margin=rounding[i : i + 1],
-                )
-                for i, t in enumerate(ids)
-            ]
-        )
+        ref = each_token_alone(w, meta, ids, routing, rounding)
         got = np.stack([_core.Session(model, 8, "f32").eval([t]) for t in ids])
     comparable = (routing > NEAR_ROUTING_TIE["int8" if int8 else "float"]) & (
         rounding > NEAR_ROUNDING_TIE
@@ -348,19 +354,7 @@ def test_gpt_oss_mxfp4_experts_match_float64_reference(tmp_path):
     ids = np.random.default_rng(4).integers(0, model.config()["n_vocab"], size=16).tolist()
     w, meta = read_weights(path)
     routing, rounding = np.full(len(ids), np.inf), np.full(len(ids), np.inf)
-    ref = np.concatenate(
-        [
-            forward(
-                w,
-                meta,
-                [t],
-                int8_activations=True,
-                routing_margin=routing[i : i + 1],
-                rounding_margin=rounding[i : i + 1],
-            )
-            for i, t in enumerate(ids)
-        ]
-    )
+    ref = each_token_alone(w, meta, ids, routing, rounding)
     got = np.stack([_core.Session(model, 8, "f32").eval([t]) for t in ids])
     comparable = (routing > NEAR_ROUTING_TIE["int8"]) & (rounding > NEAR_ROUNDING_TIE)
     assert comparable.mean() >= 0.5, f"mostly near ties: routing {routing}, rounding {rounding}"

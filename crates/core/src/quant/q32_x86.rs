@@ -488,6 +488,33 @@ mod tests {
     use crate::matmul::{dot_row, Activations, QMatrix, SimdLevel};
     use crate::quant::tests::{random_quantized_row, random_vec, QUANTIZED};
 
+    /// Rows `rows` of `w` against the n tokens of `x` through the row groups at `width`, as
+    /// (n, w.rows) with NaN in the rows not asked for.
+    ///
+    /// # Safety
+    /// The CPU must have the features of `width`.
+    unsafe fn group_dots(
+        w: &QMatrix,
+        width: GroupWidth,
+        rows: std::ops::Range<usize>,
+        x: &Activations,
+        n: usize,
+    ) -> Vec<f32> {
+        let got = std::cell::RefCell::new(vec![f32::NAN; n * w.rows]);
+        legacy_rows_all_tokens(
+            w.dtype,
+            width,
+            |r| w.row(r),
+            w.cols,
+            rows,
+            &x.q8,
+            &x.q8_bias,
+            n,
+            |t, r, v| got.borrow_mut()[t * w.rows + r..][..v.len()].copy_from_slice(v),
+        );
+        got.into_inner()
+    }
+
     /// MXFP4's largest products (|v| = 12 against |a| = 127, all of one sign) sum without
     /// overflow in the 16-bit pair sums its kernels keep (it is not `WIDE`): a prompt's row
     /// groups and a token alone give the exact dot, at every level this CPU has.
@@ -521,22 +548,8 @@ mod tests {
             widths.push((GroupWidth::Avx512, SimdLevel::Avx512));
         }
         for (width, level) in widths {
-            let got = std::cell::RefCell::new(vec![f32::NAN; n * rows]);
             // SAFETY: AVX2 checked above, AVX-512 where the CPU has it
-            unsafe {
-                legacy_rows_all_tokens(
-                    DType::MXFP4,
-                    width,
-                    |r| w.row(r),
-                    cols,
-                    0..rows,
-                    &x.q8,
-                    &x.q8_bias,
-                    n,
-                    |t, r, v| got.borrow_mut()[t * rows + r..][..v.len()].copy_from_slice(v),
-                )
-            };
-            let got = got.into_inner();
+            let got = unsafe { group_dots(&w, width, 0..rows, &x, n) };
             for t in 0..n {
                 // a token alone: four rows per kernel call, then one
                 let mut alone = vec![f32::NAN; rows];
@@ -582,24 +595,8 @@ mod tests {
                     widths.push((GroupWidth::Avx512, SimdLevel::Avx512));
                 }
                 for (width, level) in widths {
-                    let got = std::cell::RefCell::new(vec![f32::NAN; n * rows]);
                     // SAFETY: AVX2 checked above, AVX-VNNI and AVX-512 where the CPU has them
-                    unsafe {
-                        legacy_rows_all_tokens(
-                            dtype,
-                            width,
-                            |r| w.row(r),
-                            cols,
-                            1..rows,
-                            &x.q8,
-                            &x.q8_bias,
-                            n,
-                            |t, r, v| {
-                                got.borrow_mut()[t * rows + r..][..v.len()].copy_from_slice(v)
-                            },
-                        )
-                    };
-                    let got = got.into_inner();
+                    let got = unsafe { group_dots(&w, width, 1..rows, &x, n) };
                     for t in 0..n {
                         assert!(got[t * rows].is_nan(), "{dtype:?}: row 0 was not asked for");
                         for r in 1..rows {
