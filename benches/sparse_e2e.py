@@ -140,7 +140,7 @@ def paired(engines: dict, prompt_ids, n: int, repeats: int, prefill: dict | None
     res = {k: [] for k in engines}
     for _ in range(repeats):
         for k, e in engines.items():
-            e.generate(prompt_ids, max_tokens=n)
+            e.generate(prompt_ids, max_tokens=n, ignore_eos=True)
             res[k].append(e.last_stats["decode_tps"])
             if prefill is not None:
                 prefill.setdefault(k, []).append(e.last_stats["prefill_tps"])

@@ -1,5 +1,6 @@
 """Bad input gives a Python exception that names the problem; never a crash."""
 
+import os
 import struct
 import subprocess
 import sys
@@ -181,6 +182,23 @@ def test_invalid_load_arguments(model_path):
         Engine.load(model_path, kv_type="q8")
     with pytest.raises(ValueError, match="KV cache type"):
         _core.Session(_core.Model(model_path, 1), 8, "bf16")
+    with pytest.raises(ValueError, match="use_mmap must be"):
+        Engine.load(model_path, use_mmap="no")
+
+
+def test_weights_larger_than_the_memory_available(model_path, monkeypatch):
+    # the check before copying the weights, with the memory the kernel reports made smaller
+    # than the file: a clear error instead of the kernel's out-of-memory killer
+    from powerinfer_rs import engine
+
+    size = os.path.getsize(model_path)
+    monkeypatch.setattr(engine, "_available_memory", lambda: size - 1)
+    with pytest.raises(MemoryError, match="use_mmap=True"):
+        Engine.load(model_path, use_mmap=False, device="cpu")
+    # left to the default it maps the file instead, and runs
+    e = Engine.load(model_path, device="cpu")
+    assert not e.weights_in_memory
+    assert e.generate("Hi", max_tokens=2, ignore_eos=True)
 
 
 @pytest.mark.parametrize(

@@ -148,6 +148,21 @@ def test_streaming_never_splits_utf8(engine):
     assert any(p == "" for p in pieces[:-1])
 
 
+def test_weights_in_memory_and_mapped_compute_the_same():
+    # use_mmap only moves where the weights are read from: the logits are the same bits, and
+    # the file is left as it was
+    before = os.stat(SMOLLM)
+    mapped = Engine.load(SMOLLM, use_mmap=True, device="cpu", threads=2)
+    copied = Engine.load(SMOLLM, use_mmap=False, device="cpu", threads=2)
+    default = Engine.load(SMOLLM, device="cpu", threads=2)  # 92 MB: copied
+    assert (mapped.weights_in_memory, copied.weights_in_memory) == (False, True)
+    assert default.weights_in_memory
+    ids = mapped.tokenize("The weights come from memory or from the file's map.")
+    np.testing.assert_array_equal(mapped.logits(ids), copied.logits(ids))
+    after = os.stat(SMOLLM)
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+
+
 def test_two_threads_share_one_engine(engine):
     expected = engine.generate("The capital of France is", max_tokens=12)
     results = [None] * 4

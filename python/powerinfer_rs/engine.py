@@ -30,6 +30,46 @@ PREDICTOR_THRESHOLDS_KEY = "powerinfer_rs.predictor_thresholds"
 DEFAULT_RECALL_TARGET = 0.99
 
 
+def _available_memory() -> int | None:
+    """Bytes of memory the kernel says can be had without swapping (Linux's MemAvailable,
+    reclaimable page cache included), or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _copy_weights_into_memory(path: str, s: EngineSettings) -> bool:
+    """`use_mmap`: False copies the weights into memory (an error if the file is larger than the
+    memory available), True reads them from the file's map; None copies them when the model
+    runs on the CPU and the file takes at most half the memory available."""
+    if s.use_mmap:
+        return False
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return False  # the core names what is wrong with the path
+    available = _available_memory()
+    if s.use_mmap is False:
+        if available is not None and size > available:
+            raise MemoryError(
+                f"use_mmap=False: {path} takes {size / 2**30:.2f} GiB and only "
+                f"{available / 2**30:.2f} GiB of memory are available; load it with use_mmap=True"
+            )
+        return True
+    if available is None or size > available // 2:
+        return False
+    if s.device == "auto":
+        from .device import cuda_available
+
+        return not cuda_available()[0]
+    return s.device == "cpu"
+
+
 def _held_back(text: str, stops: Sequence[str]) -> int:
     """Length of the longest end of `text` that could still become one of the stop strings."""
     keep = 0
@@ -86,7 +126,7 @@ class Engine:
         """
         s = EngineSettings.build(path, settings, **options)
         path = hub.resolve(s.model if s.model is not None else default_model_path())
-        model = _core.Model(path, s.threads or 0)
+        model = _core.Model(path, s.threads or 0, _copy_weights_into_memory(path, s))
         cfg = model.config()
         n_ctx = s.n_ctx if s.n_ctx is not None else min(cfg["n_ctx_train"], DEFAULT_N_CTX)
         tokenizer = GGUFTokenizer(model.metadata(), model_path=path)
@@ -367,6 +407,12 @@ class Engine:
     @property
     def n_threads(self) -> int:
         return self._model.n_threads
+
+    @property
+    def weights_in_memory(self) -> bool:
+        """True when the weights were copied into memory at load, False when they are read from
+        the file's memory map (`use_mmap`)."""
+        return self._model.in_memory
 
     @property
     def chat_template(self) -> str | None:

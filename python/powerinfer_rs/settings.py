@@ -100,6 +100,16 @@ class EngineSettings:
     threads: int | None = option(
         None, "compute threads", "-t", "--threads", default_text="all cores"
     )
+    use_mmap: bool | None = option(
+        None,
+        "read the weights from the file's memory map (--mmap) or copy them into memory at load "
+        "(--no-mmap: on huge pages, faster to read on some machines, the file's size in "
+        "memory not shared with other processes)",
+        "--mmap",
+        action=argparse.BooleanOptionalAction,
+        default_text="copy on the CPU when the file takes at most half the available memory, "
+        "else map",
+    )
     n_ctx: int | None = option(
         None,
         "context window in tokens",
@@ -205,6 +215,8 @@ class EngineSettings:
             or self.n_cpu_moe < 0
         ):
             raise ValueError(f"n_cpu_moe must be an int >= 0, got {self.n_cpu_moe!r}")
+        if self.use_mmap is not None and not isinstance(self.use_mmap, bool):
+            raise ValueError(f"use_mmap must be True, False or None, got {self.use_mmap!r}")
         if self.kv_type not in ("f16", "f32"):
             raise ValueError(f"kv_type must be 'f16' or 'f32', got {self.kv_type!r}")
         if self.device not in DEVICES:

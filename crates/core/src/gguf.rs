@@ -118,7 +118,8 @@ impl TensorInfo {
 
 /// A parsed GGUF header over a memory-mapped file.
 pub struct GgufFile {
-    mmap: Mmap,
+    mmap: Mmap, // the file's map, or its copy in anonymous memory (`read_into_memory`)
+    in_memory: bool,
     pub magic: Magic,
     pub version: u32,
     pub metadata: Vec<(String, Value)>,
@@ -131,6 +132,26 @@ pub struct GgufFile {
 }
 
 impl GgufFile {
+    /// Copies the mapped file into anonymous memory on huge pages (`weight_buffer`), so that
+    /// the weights are read from there instead of from the page cache. Measured on a 2-core
+    /// virtual machine: every decode 1.05-1.7x faster than from the file's map, itself advised
+    /// for huge pages (`advise_huge_pages`), the more the larger the model; what memory backs
+    /// the page cache is the kernel's choice, not ours. Costs the file's size in memory that is
+    /// no longer shared with other processes, and the copy's time at load.
+    pub fn read_into_memory(&mut self, path: &Path) -> Result<()> {
+        let io = |source| Error::Io { path: path.to_path_buf(), source };
+        let mut copy = weight_buffer(self.mmap.len()).map_err(io)?;
+        copy.copy_from_slice(&self.mmap);
+        self.mmap = copy.make_read_only().map_err(io)?;
+        self.in_memory = true;
+        Ok(())
+    }
+
+    /// Whether `read_into_memory` replaced the file's map.
+    pub fn in_memory(&self) -> bool {
+        self.in_memory
+    }
+
     pub fn open(path: &Path) -> Result<GgufFile> {
         let file = File::open(path).map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound => Error::FileNotFound(path.to_path_buf()),
@@ -150,6 +171,7 @@ impl GgufFile {
         let header = parse_header(&mmap)?;
         Ok(GgufFile {
             mmap,
+            in_memory: false,
             magic: header.magic,
             version: header.version,
             index: header.metadata.iter().enumerate().map(|(i, (k, _))| (k.clone(), i)).collect(),

@@ -1371,9 +1371,13 @@ impl Weights<'_> {
 
 impl Model {
     /// Opens a GGUF file and checks every tensor the architecture needs. `threads` = 0 picks the
-    /// number of physical cores rayon sees.
-    pub fn load(path: &Path, threads: usize) -> Result<Model> {
-        let file = GgufFile::open(path)?;
+    /// number of physical cores rayon sees. `in_memory`: the weights are copied out of the
+    /// file's map into anonymous memory (`GgufFile::read_into_memory`), else read in place.
+    pub fn load(path: &Path, threads: usize, in_memory: bool) -> Result<Model> {
+        let mut file = GgufFile::open(path)?;
+        if in_memory {
+            file.read_into_memory(path)?;
+        }
         let config = Config::from_file(&file)?;
         let weights = Weights::load(&file, &config)?;
         // SAFETY: see the field comment on `Model::weights`: the slices point into the memory map

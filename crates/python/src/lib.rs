@@ -185,10 +185,16 @@ struct PyModel {
 #[pymethods]
 impl PyModel {
     #[new]
-    #[pyo3(signature = (path, threads = 0))]
-    fn new(py: Python<'_>, path: PathBuf, threads: usize) -> PyResult<Self> {
-        let model = compute(py, || Model::load(&path, threads))?;
+    #[pyo3(signature = (path, threads = 0, in_memory = false))]
+    fn new(py: Python<'_>, path: PathBuf, threads: usize, in_memory: bool) -> PyResult<Self> {
+        let model = compute(py, || Model::load(&path, threads, in_memory))?;
         Ok(PyModel { inner: Arc::new(model) })
+    }
+
+    /// True when the weights were copied into memory, False when read from the file's map.
+    #[getter]
+    fn in_memory(&self) -> bool {
+        self.inner.file.in_memory()
     }
 
     #[getter]
