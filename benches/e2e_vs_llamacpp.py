@@ -35,11 +35,12 @@ def prompt_text() -> str:
 class Ours:
     name = "powerinfer-rs"
 
-    def __init__(self, path: str, threads: int, n_ctx: int):
+    def __init__(self, path: str, threads: int, n_ctx: int, mmap: bool = False):
         from powerinfer_rs import _core
 
         self._core = _core
-        self.model = _core.Model(path, threads)
+        # as Engine.load on the CPU: the weights copied into memory unless `mmap`
+        self.model = _core.Model(path, threads, not mmap)
         self.n_ctx = n_ctx
 
     def prefill(self, ids: list[int]) -> float:
@@ -63,11 +64,12 @@ class Ours:
 class LlamaCpp:
     name = "llama.cpp"
 
-    def __init__(self, path: str, threads: int, n_ctx: int, n_batch: int):
+    def __init__(self, path: str, threads: int, n_ctx: int, n_batch: int, mmap: bool = False):
         from llama_cpp import Llama
 
         self.llm = Llama(
             model_path=path,
+            use_mmap=mmap,
             n_ctx=n_ctx,
             n_batch=n_batch,
             n_ubatch=n_batch,
@@ -110,6 +112,12 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--mmap",
+        action="store_true",
+        help="both read the weights from the file's map (default: both copy them into memory at "
+        "load, as powerinfer-rs does on the CPU and llama.cpp with --no-mmap)",
+    )
     args = ap.parse_args()
 
     from powerinfer_rs import Engine, default_model_path
@@ -121,8 +129,8 @@ def main() -> None:
         raise SystemExit(f"prompt text has only {len(ids)} tokens")
 
     engines = [
-        Ours(path, args.threads, n_ctx),
-        LlamaCpp(path, args.threads, n_ctx, args.prompt_tokens),
+        Ours(path, args.threads, n_ctx, args.mmap),
+        LlamaCpp(path, args.threads, n_ctx, args.prompt_tokens, args.mmap),
     ]
     prefill = {e.name: [] for e in engines}
     decode = {e.name: [] for e in engines}

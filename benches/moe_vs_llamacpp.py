@@ -137,6 +137,11 @@ def main() -> None:
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workdir", default="/tmp/powerinfer-moe-bench")
+    ap.add_argument(
+        "--mmap",
+        action="store_true",
+        help="both read the weights from the file's map (default: both copy them into memory)",
+    )
     args = ap.parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -161,7 +166,10 @@ def main() -> None:
     for preset in presets.split(","):
         path = str(quantized(workdir, args.shape, args.layers, preset))
         per_token = decode_bytes(Path(path), experts["n_used"], experts["n_expert"])
-        engines = [Ours(path, args.threads, n_ctx), LlamaCpp(path, args.threads, n_ctx, 512)]
+        engines = [
+            Ours(path, args.threads, n_ctx, args.mmap),
+            LlamaCpp(path, args.threads, n_ctx, 512, args.mmap),
+        ]
         prefill = {e.name: [] for e in engines}
         decode = {e.name: [] for e in engines}
         tokens = {}
