@@ -18,7 +18,7 @@ const N_CTX: usize = 4;
 
 fuzz_target!(|data: &[u8]| {
     let path = write_input(data);
-    let Ok(model) = Model::load(&path, 1) else { return };
+    let Ok(model) = Model::load(&path, 1, false) else { return };
     let model = Arc::new(model);
     let c = &model.config;
     let n_ctx = N_CTX.min(c.n_ctx_train).max(1);
