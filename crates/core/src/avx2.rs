@@ -87,6 +87,68 @@ impl<'a> Prefetch<'a> {
     }
 }
 
+/// How a kernel prefetches the rows its caller reads next, a line per due step (`Prefetch`
+/// in order, `PrefetchApart` a line of each row in turn); the kernel's caller picks one.
+pub(crate) trait LineFetch<'a> {
+    fn new(next: &'a [&'a [u8]], steps: usize) -> Self;
+    fn step(&mut self);
+}
+
+impl<'a> LineFetch<'a> for Prefetch<'a> {
+    #[inline(always)]
+    fn new(next: &'a [&'a [u8]], steps: usize) -> Self {
+        Prefetch::new(next, steps)
+    }
+    #[inline(always)]
+    fn step(&mut self) {
+        Prefetch::step(self)
+    }
+}
+
+/// `Prefetch` for rows that lie apart (a sparse operator's next selected rows): a line of each
+/// row in turn, so that their first misses overlap instead of each row's waiting for the one
+/// before. (The sparse FFN bench, Q4_0 7B shape, AVX2, 2 threads: the selected gate and up rows
+/// read 10% faster; the dense products keep `Prefetch`'s order, one stream, which lost a quarter
+/// of their rate when interleaved.)
+pub(crate) struct PrefetchApart<'a> {
+    rows: &'a [&'a [u8]],
+    lines: usize,
+    /// Lines of the longest row: where the order ends.
+    row_lines: usize,
+    steps: usize,
+    row: usize,
+    line: usize,
+    due: usize,
+}
+
+impl<'a> LineFetch<'a> for PrefetchApart<'a> {
+    fn new(next: &'a [&'a [u8]], steps: usize) -> Self {
+        let lines = next.iter().map(|r| r.len().div_ceil(64)).sum();
+        let row_lines = next.iter().map(|r| r.len().div_ceil(64)).max().unwrap_or(0);
+        PrefetchApart { rows: next, lines, row_lines, steps: steps.max(1), row: 0, line: 0, due: 0 }
+    }
+
+    #[inline(always)]
+    fn step(&mut self) {
+        self.due += self.lines;
+        while self.due >= self.steps && self.line < self.row_lines {
+            let cur = self.rows[self.row];
+            if 64 * self.line < cur.len() {
+                // SAFETY: 64 * line < cur.len(), so the address lies within the row
+                // (prefetches never fault)
+                unsafe {
+                    _mm_prefetch::<_MM_HINT_T0>(cur.as_ptr().add(64 * self.line) as *const i8)
+                };
+                self.due -= self.steps;
+            }
+            self.row += 1;
+            if self.row == self.rows.len() {
+                (self.row, self.line) = (0, self.line + 1);
+            }
+        }
+    }
+}
+
 /// Prefetches every line of up to G byte ranges in turn into L2 (the rows a prompt kernel
 /// decodes next), spread evenly over `steps` (its passes over the tokens): rows that the
 /// kernel reads a few at a time are too short for the hardware prefetchers to catch on.
@@ -245,12 +307,18 @@ impl LegacyBlock for BlockQ4_1 {
 /// (`q32_x86::legacy_rows_all_tokens`) take in each lane, so that a token's dot is bit for
 /// bit the same in a prompt as alone.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dot_legacy<B: LegacyBlock, const R: usize, const N: usize>(
+pub(crate) unsafe fn dot_legacy<
+    'n,
+    B: LegacyBlock,
+    P: LineFetch<'n>,
+    const R: usize,
+    const N: usize,
+>(
     w: [&[B]; R],
     a: [&[BlockQ8Act]; N],
-    next: &[&[u8]],
+    next: &'n [&'n [u8]],
 ) -> [[f32; N]; R] {
-    let mut prefetch = Prefetch::new(next, w[0].len());
+    let mut prefetch = P::new(next, w[0].len());
     let (mut acc, mut mins) = ([[0.0f32; N]; R], [[0.0f32; N]; R]);
     // four rows: their float steps side by side in the lanes of one vector per token
     let (mut acc4, mut mins4) = ([_mm_setzero_ps(); N], [_mm_setzero_ps(); N]);

@@ -211,6 +211,19 @@ pub(crate) trait Dots {
         x: [TokenActs; N],
         next: &[&[u8]],
     ) -> [[f32; N]; R];
+
+    /// `dot` where `next` holds rows that lie apart (a selection's): a kernel that prefetches
+    /// them a line of each in turn overrides it (`avx2::PrefetchApart`).
+    ///
+    /// # Safety
+    /// As `DotFn`'s.
+    unsafe fn dot_apart<const R: usize, const N: usize>(
+        rows: [&[u8]; R],
+        x: [TokenActs; N],
+        next: &[&[u8]],
+    ) -> [[f32; N]; R] {
+        Self::dot::<R, N>(rows, x, next)
+    }
 }
 
 /// A family's axpy kernel at one level as a type (see `AxpyFn`).
@@ -219,6 +232,10 @@ pub(crate) trait Axpys {
     /// As `AxpyFn`'s.
     unsafe fn axpy<const R: usize>(rows: [&[u8]; R], a: [f32; R], y: &mut [f32], next: &[&[u8]]);
 }
+
+/// How far ahead of the rows it reads a decode run prefetches, in bytes at least: four rows
+/// ahead where rows are long, more where they are short.
+const AHEAD_BYTES: usize = 8192;
 
 /// `RunFn`, over kernel K.
 unsafe fn run_of<K: Dots, const N: usize>(
@@ -238,12 +255,13 @@ unsafe fn run_of<K: Dots, const N: usize>(
         }
     };
     let (r0, mut r) = (rows.start, rows.start);
+    let ahead = (AHEAD_BYTES / (4 * row_bytes)).max(1) * 4;
     if four {
         while r + 4 <= rows.end {
             let v = K::dot::<4, N>(
                 [r, r + 1, r + 2, r + 3].map(|r| w.row(r)),
                 x,
-                &[span(r + 4, r + 8)],
+                &[span(r + ahead, r + ahead + 4)],
             );
             out[r - r0..r - r0 + 4].copy_from_slice(&v);
             r += 4;
@@ -272,7 +290,7 @@ unsafe fn selected_of<K: Dots>(w: Rows, sel: &[u32], four: bool, x: TokenActs, o
         while k + 4 <= sel.len() {
             let (next, n) = next_rows(w, ahead(k + 4, 4));
             let rows = std::array::from_fn(|i| w.row(sel[k + i] as usize));
-            for (i, [v]) in K::dot::<4, 1>(rows, [x], &next[..n]).into_iter().enumerate() {
+            for (i, [v]) in K::dot_apart::<4, 1>(rows, [x], &next[..n]).into_iter().enumerate() {
                 out[k + i] = v;
             }
             k += 4;
@@ -280,7 +298,7 @@ unsafe fn selected_of<K: Dots>(w: Rows, sel: &[u32], four: bool, x: TokenActs, o
     }
     for k in k..sel.len() {
         let (next, n) = next_rows(w, ahead(k + 1, 1));
-        out[k] = K::dot::<1, 1>([w.row(sel[k] as usize)], [x], &next[..n])[0][0];
+        out[k] = K::dot_apart::<1, 1>([w.row(sel[k] as usize)], [x], &next[..n])[0][0];
     }
 }
 
@@ -385,7 +403,17 @@ mod x86_kernels {
             x: [TokenActs; N],
             next: &[&[u8]],
         ) -> [[f32; N]; R] {
-            crate::avx2::dot_legacy(rows.map(|row| cast_blocks::<B>(row)), x.map(|t| t.q8), next)
+            let w = rows.map(|row| cast_blocks::<B>(row));
+            crate::avx2::dot_legacy::<B, crate::avx2::Prefetch, R, N>(w, x.map(|t| t.q8), next)
+        }
+
+        unsafe fn dot_apart<const R: usize, const N: usize>(
+            rows: [&[u8]; R],
+            x: [TokenActs; N],
+            next: &[&[u8]],
+        ) -> [[f32; N]; R] {
+            let w = rows.map(|row| cast_blocks::<B>(row));
+            crate::avx2::dot_legacy::<B, crate::avx2::PrefetchApart, R, N>(w, x.map(|t| t.q8), next)
         }
     }
 
