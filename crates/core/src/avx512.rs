@@ -25,6 +25,7 @@
 
 #![allow(clippy::missing_safety_doc)]
 
+use crate::avx2::LineFetch;
 use std::arch::x86_64::*;
 
 use crate::quant::chunks::{
@@ -472,16 +473,23 @@ unsafe fn step_total<const MIN: bool>(sums: __m512i, d: __m512, m: __m512, x: &A
 /// activations' loads and one vector of float steps (`block_sums4`).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn dot_steps<const MIN: bool, const OFFSET: i32, const R: usize, const N: usize>(
+unsafe fn dot_steps<
+    'n,
+    P: LineFetch<'n>,
+    const MIN: bool,
+    const OFFSET: i32,
+    const R: usize,
+    const N: usize,
+>(
     steps: usize,
     quad: impl Fn(usize, usize) -> RegQuad,
     scales4: impl Fn(usize) -> Option<(__m512, __m512)>,
     quads: [&[ActQuad]; N],
-    next: &[&[u8]],
+    next: &'n [&'n [u8]],
 ) -> [[f32; N]; R] {
     // R = 4: one vector per token, row r's total in lane r; else one per row and token (lane 0)
     let mut acc = [[_mm512_setzero_ps(); N]; R];
-    let mut prefetch = crate::avx2::Prefetch::new(next, steps);
+    let mut prefetch = P::new(next, steps);
     let zero = RegQuad {
         lo: _mm512_setzero_si512(),
         hi: _mm512_setzero_si512(),
@@ -552,10 +560,16 @@ unsafe fn dot_steps<const MIN: bool, const OFFSET: i32, const R: usize, const N:
 /// formats' scalar dots (`quant::dot_q4_0_scalar`, `dot_q4_1_scalar`, `dot_q8_0_scalar`).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn dot_quads<B: QuadBlocks, const R: usize, const N: usize>(
+pub(crate) unsafe fn dot_quads<
+    'n,
+    B: QuadBlocks,
+    P: LineFetch<'n>,
+    const R: usize,
+    const N: usize,
+>(
     w: [&[B]; R],
     quads: [&[ActQuad]; N],
-    next: &[&[u8]],
+    next: &'n [&'n [u8]],
 ) -> [[f32; N]; R] {
     let blocks = w[0].len();
     debug_assert!(w.iter().all(|row| row.len() == blocks));
@@ -583,9 +597,9 @@ pub(crate) unsafe fn dot_quads<B: QuadBlocks, const R: usize, const N: usize>(
     };
     let steps = full + (rest > 0) as usize;
     match (B::HAS_MIN, B::SIGNED) {
-        (true, _) => dot_steps::<true, 0, R, N>(steps, quad, scales4, quads, next),
-        (false, false) => dot_steps::<false, 8, R, N>(steps, quad, scales4, quads, next),
-        (false, true) => dot_steps::<false, 128, R, N>(steps, quad, scales4, quads, next),
+        (true, _) => dot_steps::<P, true, 0, R, N>(steps, quad, scales4, quads, next),
+        (false, false) => dot_steps::<P, false, 8, R, N>(steps, quad, scales4, quads, next),
+        (false, true) => dot_steps::<P, false, 128, R, N>(steps, quad, scales4, quads, next),
     }
 }
 
@@ -625,11 +639,11 @@ unsafe fn scales_of_four_rows(idx: &[i16; 32], heads: [__m512i; 4]) -> (__m512, 
 /// into one `RegQuad` (v + 128). Twin of `chunks::dot_scalar`. (The super-block formats go
 /// through `quant::q256_x86`, see `DType::reads_q8k`.)
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn dot_chunked<const R: usize, const N: usize>(
+pub(crate) unsafe fn dot_chunked<'n, P: LineFetch<'n>, const R: usize, const N: usize>(
     dtype: DType,
     rows: [&[u8]; R],
     quads: [&[ActQuad]; N],
-    next: &[&[u8]],
+    next: &'n [&'n [u8]],
 ) -> [[f32; N]; R] {
     use crate::quant::chunks_x86 as c2;
     let nb = quads[0].len() * 4; // (padded)
@@ -654,9 +668,9 @@ pub unsafe fn dot_chunked<const R: usize, const N: usize>(
                 }
             };
             if $dtype == DType::Q5_1 {
-                dot_steps::<true, 128, R, N>(quads[0].len(), quad, |_| None, quads, next)
+                dot_steps::<P, true, 128, R, N>(quads[0].len(), quad, |_| None, quads, next)
             } else {
-                dot_steps::<false, 128, R, N>(quads[0].len(), quad, |_| None, quads, next)
+                dot_steps::<P, false, 128, R, N>(quads[0].len(), quad, |_| None, quads, next)
             }
         }};
     }

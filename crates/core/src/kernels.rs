@@ -381,7 +381,7 @@ mod x86_kernels {
     use std::marker::PhantomData;
 
     use super::*;
-    use crate::avx2::LegacyBlock;
+    use crate::avx2::{LegacyBlock, Prefetch, PrefetchApart};
     use crate::avx512::QuadBlocks;
 
     pub(super) struct FloatAvx2<const T: usize>;
@@ -404,7 +404,7 @@ mod x86_kernels {
             next: &[&[u8]],
         ) -> [[f32; N]; R] {
             let w = rows.map(|row| cast_blocks::<B>(row));
-            crate::avx2::dot_legacy::<B, crate::avx2::Prefetch, R, N>(w, x.map(|t| t.q8), next)
+            crate::avx2::dot_legacy::<B, Prefetch, R, N>(w, x.map(|t| t.q8), next)
         }
 
         unsafe fn dot_apart<const R: usize, const N: usize>(
@@ -413,7 +413,7 @@ mod x86_kernels {
             next: &[&[u8]],
         ) -> [[f32; N]; R] {
             let w = rows.map(|row| cast_blocks::<B>(row));
-            crate::avx2::dot_legacy::<B, crate::avx2::PrefetchApart, R, N>(w, x.map(|t| t.q8), next)
+            crate::avx2::dot_legacy::<B, PrefetchApart, R, N>(w, x.map(|t| t.q8), next)
         }
     }
 
@@ -426,7 +426,16 @@ mod x86_kernels {
             next: &[&[u8]],
         ) -> [[f32; N]; R] {
             let blocks = rows.map(|row| cast_blocks::<B>(row));
-            crate::avx512::dot_quads(blocks, x.map(|t| t.quads), next)
+            crate::avx512::dot_quads::<B, Prefetch, R, N>(blocks, x.map(|t| t.quads), next)
+        }
+
+        unsafe fn dot_apart<const R: usize, const N: usize>(
+            rows: [&[u8]; R],
+            x: [TokenActs; N],
+            next: &[&[u8]],
+        ) -> [[f32; N]; R] {
+            let blocks = rows.map(|row| cast_blocks::<B>(row));
+            crate::avx512::dot_quads::<B, PrefetchApart, R, N>(blocks, x.map(|t| t.quads), next)
         }
     }
 
@@ -437,7 +446,21 @@ mod x86_kernels {
             x: [TokenActs; N],
             next: &[&[u8]],
         ) -> [[f32; N]; R] {
-            crate::avx512::dot_chunked(DType::ALL[T], rows, x.map(|t| t.quads), next)
+            crate::avx512::dot_chunked::<Prefetch, R, N>(
+                DType::ALL[T],
+                rows,
+                x.map(|t| t.quads),
+                next,
+            )
+        }
+
+        unsafe fn dot_apart<const R: usize, const N: usize>(
+            rows: [&[u8]; R],
+            x: [TokenActs; N],
+            next: &[&[u8]],
+        ) -> [[f32; N]; R] {
+            let quads = x.map(|t| t.quads);
+            crate::avx512::dot_chunked::<PrefetchApart, R, N>(DType::ALL[T], rows, quads, next)
         }
     }
 
@@ -449,7 +472,17 @@ mod x86_kernels {
             x: [TokenActs; N],
             next: &[&[u8]],
         ) -> [[f32; N]; R] {
-            crate::quant::q256_x86::dot(DType::ALL[T], WIDE, rows, x.map(|t| t.q8k), next)
+            let a = x.map(|t| t.q8k);
+            crate::quant::q256_x86::dot::<Prefetch, R, N>(DType::ALL[T], WIDE, rows, a, next)
+        }
+
+        unsafe fn dot_apart<const R: usize, const N: usize>(
+            rows: [&[u8]; R],
+            x: [TokenActs; N],
+            next: &[&[u8]],
+        ) -> [[f32; N]; R] {
+            let a = x.map(|t| t.q8k);
+            crate::quant::q256_x86::dot::<PrefetchApart, R, N>(DType::ALL[T], WIDE, rows, a, next)
         }
     }
 

@@ -30,7 +30,7 @@ use super::chunks_x86::{has_bit, load32, nibbles};
 use super::q256::block_step;
 use super::q256::BlockQ8K;
 use super::{cast_blocks, DType, QK_K};
-use crate::avx2::{hsum4_i32, hsum_i32, Prefetch, PrefetchRows};
+use crate::avx2::{hsum4_i32, hsum_i32, LineFetch, PrefetchRows};
 
 /// Chunk c (32 activations) of a token.
 #[inline]
@@ -398,16 +398,16 @@ impl SuperBlock for BlockIQ4XS {
 /// the float steps (`FloatSteps`). `next`: the bytes read after these rows (prefetched).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_dot_with<B: SuperBlock, P, const R: usize, const N: usize>(
+unsafe fn rows_dot_with<'n, B: SuperBlock, F: LineFetch<'n>, P, const R: usize, const N: usize>(
     rows: [&[u8]; R],
     a: [&[BlockQ8K]; N],
-    next: &[&[u8]],
+    next: &'n [&'n [u8]],
     prepare: impl Fn([&BlockQ8K; N]) -> P,
     row_block: impl Fn(&B, &P, [&BlockQ8K; N], &mut [__m256i; N]) -> Block,
 ) -> [[f32; N]; R] {
     let w: [&[B]; R] = rows.map(|row| cast_blocks::<B>(row));
     let mut steps = FloatSteps::<R, N>::new();
-    let mut prefetch = Prefetch::new(next, a[0].len());
+    let mut prefetch = F::new(next, a[0].len());
     for b in 0..a[0].len() {
         prefetch.step();
         let at: [&BlockQ8K; N] = std::array::from_fn(|t| a[t].get_unchecked(b));
@@ -427,12 +427,12 @@ unsafe fn rows_dot_with<B: SuperBlock, P, const R: usize, const N: usize>(
 /// R rows of format B against N tokens with AVX2, a chunk per `vpmaddubsw`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_dot<B: SuperBlock, const R: usize, const N: usize>(
+unsafe fn rows_dot<'n, B: SuperBlock, F: LineFetch<'n>, const R: usize, const N: usize>(
     rows: [&[u8]; R],
     a: [&[BlockQ8K]; N],
-    next: &[&[u8]],
+    next: &'n [&'n [u8]],
 ) -> [[f32; N]; R] {
-    rows_dot_with::<B, (), R, N>(
+    rows_dot_with::<B, F, (), R, N>(
         rows,
         a,
         next,
@@ -711,12 +711,12 @@ unsafe fn fold<const N: usize>(wide: &[__m512i; N], sums: &mut [__m256i; N]) {
 /// exact integer sums and float steps as `rows_dot`'s.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn rows_dot_512<B: SuperBlock512, const R: usize, const N: usize>(
+unsafe fn rows_dot_512<'n, B: SuperBlock512, F: LineFetch<'n>, const R: usize, const N: usize>(
     rows: [&[u8]; R],
     a: [&[BlockQ8K]; N],
-    next: &[&[u8]],
+    next: &'n [&'n [u8]],
 ) -> [[f32; N]; R] {
-    rows_dot_with::<B, _, R, N>(
+    rows_dot_with::<B, F, _, R, N>(
         rows,
         a,
         next,
@@ -735,10 +735,10 @@ unsafe fn rows_dot_512<B: SuperBlock512, const R: usize, const N: usize>(
 /// activations' sums; the same exact integer sums and float steps as `rows_dot`'s.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn rows_dot_iq4_xs_512<const R: usize, const N: usize>(
+unsafe fn rows_dot_iq4_xs_512<'n, F: LineFetch<'n>, const R: usize, const N: usize>(
     rows: [&[u8]; R],
     a: [&[BlockQ8K]; N],
-    next: &[&[u8]],
+    next: &'n [&'n [u8]],
 ) -> [[f32; N]; R] {
     let biased =
         _mm_xor_si128(_mm_loadu_si128(IQ4_VALUES.as_ptr() as *const __m128i), _mm_set1_epi8(-128));
@@ -746,7 +746,7 @@ unsafe fn rows_dot_iq4_xs_512<const R: usize, const N: usize>(
     let low4 = _mm512_set1_epi8(0x0F);
     // 32 bytes of nibbles (chunks 2h, 2h + 1) to 128-bit lanes: low, high nibbles of chunk 2h, of 2h + 1
     let spread = _mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3);
-    rows_dot_with::<BlockIQ4XS, (), R, N>(
+    rows_dot_with::<BlockIQ4XS, F, (), R, N>(
         rows,
         a,
         next,
@@ -862,26 +862,26 @@ impl<const R: usize, const N: usize> FloatSteps<R, N> {
 /// bytes read after these rows (prefetched, see `matmul::dot_row`); `wide`: with
 /// AVX-512 VNNI (only where the CPU has AVX-512 F/BW/VL/VNNI).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot<const R: usize, const N: usize>(
+pub(crate) unsafe fn dot<'n, F: LineFetch<'n>, const R: usize, const N: usize>(
     dtype: DType,
     wide: bool,
     rows: [&[u8]; R],
     a: [&[BlockQ8K]; N],
-    next: &[&[u8]],
+    next: &'n [&'n [u8]],
 ) -> [[f32; N]; R] {
     match dtype {
-        DType::IQ4_XS if wide => rows_dot_iq4_xs_512::<R, N>(rows, a, next),
-        DType::Q2_K if wide => rows_dot_512::<BlockQ2K, R, N>(rows, a, next),
-        DType::Q3_K if wide => rows_dot_512::<BlockQ3K, R, N>(rows, a, next),
-        DType::Q4_K if wide => rows_dot_512::<BlockQ4K, R, N>(rows, a, next),
-        DType::Q5_K if wide => rows_dot_512::<BlockQ5K, R, N>(rows, a, next),
-        DType::Q6_K if wide => rows_dot_512::<BlockQ6K, R, N>(rows, a, next),
-        DType::Q2_K => rows_dot::<BlockQ2K, R, N>(rows, a, next),
-        DType::Q3_K => rows_dot::<BlockQ3K, R, N>(rows, a, next),
-        DType::Q4_K => rows_dot::<BlockQ4K, R, N>(rows, a, next),
-        DType::Q5_K => rows_dot::<BlockQ5K, R, N>(rows, a, next),
-        DType::Q6_K => rows_dot::<BlockQ6K, R, N>(rows, a, next),
-        DType::IQ4_XS => rows_dot::<BlockIQ4XS, R, N>(rows, a, next),
+        DType::IQ4_XS if wide => rows_dot_iq4_xs_512::<F, R, N>(rows, a, next),
+        DType::Q2_K if wide => rows_dot_512::<BlockQ2K, F, R, N>(rows, a, next),
+        DType::Q3_K if wide => rows_dot_512::<BlockQ3K, F, R, N>(rows, a, next),
+        DType::Q4_K if wide => rows_dot_512::<BlockQ4K, F, R, N>(rows, a, next),
+        DType::Q5_K if wide => rows_dot_512::<BlockQ5K, F, R, N>(rows, a, next),
+        DType::Q6_K if wide => rows_dot_512::<BlockQ6K, F, R, N>(rows, a, next),
+        DType::Q2_K => rows_dot::<BlockQ2K, F, R, N>(rows, a, next),
+        DType::Q3_K => rows_dot::<BlockQ3K, F, R, N>(rows, a, next),
+        DType::Q4_K => rows_dot::<BlockQ4K, F, R, N>(rows, a, next),
+        DType::Q5_K => rows_dot::<BlockQ5K, F, R, N>(rows, a, next),
+        DType::Q6_K => rows_dot::<BlockQ6K, F, R, N>(rows, a, next),
+        DType::IQ4_XS => rows_dot::<BlockIQ4XS, F, R, N>(rows, a, next),
         _ => unreachable!("{} is not a super-block type", dtype.name()),
     }
 }
@@ -1532,7 +1532,7 @@ mod tests {
             for &wide in widths {
                 // SAFETY: AVX2 checked above, AVX-512 where `wide`.
                 unsafe {
-                    let all = dot(dtype, wide, rows4, a4, &[]);
+                    let all = dot::<crate::avx2::Prefetch, 4, 4>(dtype, wide, rows4, a4, &[]);
                     for r in 0..4 {
                         let want = dot_scalar(dtype, rows4[r], a4);
                         for t in 0..4 {
@@ -1543,14 +1543,26 @@ mod tests {
                                 all[r][t],
                                 want[t]
                             );
-                            let alone = dot(dtype, wide, [rows4[r]], [a4[t]], &[])[0][0];
+                            let alone = dot::<crate::avx2::PrefetchApart, 1, 1>(
+                                dtype,
+                                wide,
+                                [rows4[r]],
+                                [a4[t]],
+                                &[],
+                            )[0][0];
                             assert_eq!(
                                 alone.to_bits(),
                                 all[r][t].to_bits(),
                                 "{dtype:?} wide {wide} row {r} token {t}: alone vs in a group"
                             );
                         }
-                        let two = dot(dtype, wide, [rows4[r]], [a4[1], a4[3]], &[])[0];
+                        let two = dot::<crate::avx2::Prefetch, 1, 2>(
+                            dtype,
+                            wide,
+                            [rows4[r]],
+                            [a4[1], a4[3]],
+                            &[],
+                        )[0];
                         assert_eq!(
                             [two[0].to_bits(), two[1].to_bits()],
                             [all[r][1].to_bits(), all[r][3].to_bits()],
@@ -1606,8 +1618,13 @@ mod tests {
                     for r in 1..rows {
                         // SAFETY: AVX2 checked above, AVX-512 where the width is
                         let alone = unsafe {
-                            dot(dtype, width == GroupWidth::Avx512, [&data[r][..]], [token(t)], &[])
-                                [0][0]
+                            dot::<crate::avx2::Prefetch, 1, 1>(
+                                dtype,
+                                width == GroupWidth::Avx512,
+                                [&data[r][..]],
+                                [token(t)],
+                                &[],
+                            )[0][0]
                         };
                         assert_eq!(
                             got[t * rows + r].to_bits(),
