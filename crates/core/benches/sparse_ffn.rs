@@ -53,6 +53,9 @@ const SHAPES: [(usize, usize); 2] = [(4096, 11008), (576, 1536)];
 const SPARSITIES: [f64; 5] = [0.0, 0.5, 0.8, 0.9, 0.95];
 
 fn matrix(dtype: DType, rows: usize, cols: usize, seed: u64, positive: bool) -> Vec<u8> {
+    if dtype == DType::Q4_K {
+        return random_q4_k(rows, cols, seed);
+    }
     let mut rng = Rng::new(seed);
     let mut row = vec![0.0f32; cols];
     let mut out = Vec::with_capacity(dtype.row_bytes(cols) * rows);
@@ -62,6 +65,22 @@ fn matrix(dtype: DType, rows: usize, cols: usize, seed: u64, positive: bool) -> 
             *v = if positive { u * 0.02 } else { (u * 2.0 - 1.0) * 0.02 };
         }
         out.extend(quantize_row(dtype, &row));
+    }
+    out
+}
+
+/// Q4_K rows (the engine writes no k-quant; llama.cpp's quantizer makes the files): random
+/// 6-bit scales and 4-bit quants with d = 2^-9 and no minimum (dmin = 0), so every weight is
+/// >= 0 and, with the bench's positive input, every gate positive. Block: d, dmin (f16),
+/// scales[12], qs[128].
+fn random_q4_k(rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+    assert_eq!(cols % 256, 0, "Q4_K rows are whole 256-weight blocks");
+    let mut rng = Rng::new(seed);
+    let mut out = Vec::with_capacity(DType::Q4_K.row_bytes(cols) * rows);
+    for _ in 0..rows * cols / 256 {
+        out.extend(0x1800u16.to_le_bytes()); // d = 2^-9
+        out.extend(0u16.to_le_bytes()); // dmin
+        out.extend((0..140).map(|_| (rng.next_f32() * 256.0) as u8));
     }
     out
 }
@@ -245,6 +264,7 @@ fn main() {
                 "Q4_0" => DType::Q4_0,
                 "Q4_1" => DType::Q4_1,
                 "Q8_0" => DType::Q8_0,
+                "Q4_K" => DType::Q4_K,
                 "F16" => DType::F16,
                 "F32" => DType::F32,
                 "BF16" => DType::BF16,
