@@ -70,9 +70,9 @@ fn matrix(dtype: DType, rows: usize, cols: usize, seed: u64, positive: bool) -> 
 }
 
 /// Q4_K rows (the engine writes no k-quant; llama.cpp's quantizer makes the files): random
-/// 6-bit scales and 4-bit quants with d = 2^-9 and no minimum (dmin = 0), so every weight is
-/// >= 0 and, with the bench's positive input, every gate positive. Block: d, dmin (f16),
-/// scales[12], qs[128].
+/// 6-bit scales and 4-bit quants with d = 2^-9 and no minimum (dmin = 0), so that no weight is
+/// negative and, with the bench's positive input, every gate is positive. A block: d and dmin
+/// (f16), 12 bytes of scales, 128 of quants.
 fn random_q4_k(rows: usize, cols: usize, seed: u64) -> Vec<u8> {
     assert_eq!(cols % 256, 0, "Q4_K rows are whole 256-weight blocks");
     let mut rng = Rng::new(seed);
