@@ -33,8 +33,8 @@
 //!
 //! Environment: `POWERINFER_BENCH_SHAPES` (e.g. "4096x11008,576x1536", n_embd x n_ff),
 //! `POWERINFER_BENCH_THREADS` (e.g. "2" or "1,2"), `POWERINFER_BENCH_ROUNDS`,
-//! `POWERINFER_BENCH_TYPES` (e.g. "Q4_0,F16"; also Q4_1, Q4_K, F32, BF16), `POWERINFER_BENCH_FOOTPRINT` (bytes),
-//! `POWERINFER_BENCH_SPARSITIES` (e.g. "0.9,0.95").
+//! `POWERINFER_BENCH_TYPES` (e.g. "Q4_0,F16"; also Q4_1, Q4_K, F32, BF16),
+//! `POWERINFER_BENCH_FOOTPRINT` (bytes), `POWERINFER_BENCH_SPARSITIES` (e.g. "0.9,0.95").
 
 use std::time::Instant;
 
