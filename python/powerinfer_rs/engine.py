@@ -39,7 +39,7 @@ def _available_memory() -> int | None:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
-        pass
+        return None
     return None
 
 

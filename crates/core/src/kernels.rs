@@ -399,94 +399,62 @@ mod x86_kernels {
         }
     }
 
+    /// A family's `dot` and `dot_apart` from one body, `$P` its prefetch order (`Prefetch`,
+    /// `PrefetchApart`).
+    macro_rules! dots_in_both_orders {
+        (|$rows:ident, $x:ident, $next:ident, $P:ident| $body:expr) => {
+            unsafe fn dot<const R: usize, const N: usize>(
+                $rows: [&[u8]; R],
+                $x: [TokenActs; N],
+                $next: &[&[u8]],
+            ) -> [[f32; N]; R] {
+                type $P<'a> = Prefetch<'a>;
+                $body
+            }
+
+            unsafe fn dot_apart<const R: usize, const N: usize>(
+                $rows: [&[u8]; R],
+                $x: [TokenActs; N],
+                $next: &[&[u8]],
+            ) -> [[f32; N]; R] {
+                type $P<'a> = PrefetchApart<'a>;
+                $body
+            }
+        };
+    }
+
     pub(super) struct LegacyAvx2<B>(PhantomData<B>);
     impl<B: LegacyBlock> Dots for LegacyAvx2<B> {
-        unsafe fn dot<const R: usize, const N: usize>(
-            rows: [&[u8]; R],
-            x: [TokenActs; N],
-            next: &[&[u8]],
-        ) -> [[f32; N]; R] {
+        dots_in_both_orders!(|rows, x, next, P| {
             let w = rows.map(|row| cast_blocks::<B>(row));
-            crate::avx2::dot_legacy::<B, Prefetch, R, N>(w, x.map(|t| t.q8), next)
-        }
-
-        unsafe fn dot_apart<const R: usize, const N: usize>(
-            rows: [&[u8]; R],
-            x: [TokenActs; N],
-            next: &[&[u8]],
-        ) -> [[f32; N]; R] {
-            let w = rows.map(|row| cast_blocks::<B>(row));
-            crate::avx2::dot_legacy::<B, PrefetchApart, R, N>(w, x.map(|t| t.q8), next)
-        }
+            crate::avx2::dot_legacy::<B, P, R, N>(w, x.map(|t| t.q8), next)
+        });
     }
 
     /// (the tokens' `ActQuad`s are filled at this level)
     pub(super) struct QuadsAvx512<B>(PhantomData<B>);
     impl<B: QuadBlocks> Dots for QuadsAvx512<B> {
-        unsafe fn dot<const R: usize, const N: usize>(
-            rows: [&[u8]; R],
-            x: [TokenActs; N],
-            next: &[&[u8]],
-        ) -> [[f32; N]; R] {
+        dots_in_both_orders!(|rows, x, next, P| {
             let blocks = rows.map(|row| cast_blocks::<B>(row));
-            crate::avx512::dot_quads::<B, Prefetch, R, N>(blocks, x.map(|t| t.quads), next)
-        }
-
-        unsafe fn dot_apart<const R: usize, const N: usize>(
-            rows: [&[u8]; R],
-            x: [TokenActs; N],
-            next: &[&[u8]],
-        ) -> [[f32; N]; R] {
-            let blocks = rows.map(|row| cast_blocks::<B>(row));
-            crate::avx512::dot_quads::<B, PrefetchApart, R, N>(blocks, x.map(|t| t.quads), next)
-        }
+            crate::avx512::dot_quads::<B, P, R, N>(blocks, x.map(|t| t.quads), next)
+        });
     }
 
     pub(super) struct ChunkedAvx512<const T: usize>;
     impl<const T: usize> Dots for ChunkedAvx512<T> {
-        unsafe fn dot<const R: usize, const N: usize>(
-            rows: [&[u8]; R],
-            x: [TokenActs; N],
-            next: &[&[u8]],
-        ) -> [[f32; N]; R] {
-            crate::avx512::dot_chunked::<Prefetch, R, N>(
-                DType::ALL[T],
-                rows,
-                x.map(|t| t.quads),
-                next,
-            )
-        }
-
-        unsafe fn dot_apart<const R: usize, const N: usize>(
-            rows: [&[u8]; R],
-            x: [TokenActs; N],
-            next: &[&[u8]],
-        ) -> [[f32; N]; R] {
+        dots_in_both_orders!(|rows, x, next, P| {
             let quads = x.map(|t| t.quads);
-            crate::avx512::dot_chunked::<PrefetchApart, R, N>(DType::ALL[T], rows, quads, next)
-        }
+            crate::avx512::dot_chunked::<P, R, N>(DType::ALL[T], rows, quads, next)
+        });
     }
 
     /// `WIDE`: the AVX-512 VNNI form (its column only).
     pub(super) struct Q256X86<const T: usize, const WIDE: bool>;
     impl<const T: usize, const WIDE: bool> Dots for Q256X86<T, WIDE> {
-        unsafe fn dot<const R: usize, const N: usize>(
-            rows: [&[u8]; R],
-            x: [TokenActs; N],
-            next: &[&[u8]],
-        ) -> [[f32; N]; R] {
+        dots_in_both_orders!(|rows, x, next, P| {
             let a = x.map(|t| t.q8k);
-            crate::quant::q256_x86::dot::<Prefetch, R, N>(DType::ALL[T], WIDE, rows, a, next)
-        }
-
-        unsafe fn dot_apart<const R: usize, const N: usize>(
-            rows: [&[u8]; R],
-            x: [TokenActs; N],
-            next: &[&[u8]],
-        ) -> [[f32; N]; R] {
-            let a = x.map(|t| t.q8k);
-            crate::quant::q256_x86::dot::<PrefetchApart, R, N>(DType::ALL[T], WIDE, rows, a, next)
-        }
+            crate::quant::q256_x86::dot::<P, R, N>(DType::ALL[T], WIDE, rows, a, next)
+        });
     }
 
     pub(super) struct AxpyAvx2<const T: usize>;
