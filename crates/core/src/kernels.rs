@@ -60,8 +60,9 @@ pub(crate) type DotFn<const R: usize, const N: usize> =
 pub(crate) type RunFn<const N: usize> =
     unsafe fn(Rows, std::ops::Range<usize>, usize, bool, [TokenActs; N], &mut [[f32; N]]);
 
-/// Rows `sel` of `w` against one token into out[..sel.len()], as `RunFn`. Safety: `DotFn`'s.
-pub(crate) type SelectedFn = unsafe fn(Rows, &[u32], bool, TokenActs, &mut [f32]);
+/// Rows `sel` of `w` against one token into out[..sel.len()], as `RunFn`; the last call
+/// prefetches `then` (the rows read next, from whatever matrix). Safety: `DotFn`'s.
+pub(crate) type SelectedFn = unsafe fn(Rows, &[u32], bool, TokenActs, &mut [f32], &[&[u8]]);
 
 /// y += sum over r of a[r] * rows[r], each block of y loaded and stored once for the R rows;
 /// `next` prefetched as for `DotFn`.
@@ -286,14 +287,22 @@ fn next_rows<'a>(w: Rows<'a>, ids: &[u32]) -> ([&'a [u8]; 4], usize) {
 }
 
 /// `SelectedFn`, over kernel K.
-unsafe fn selected_of<K: Dots>(w: Rows, sel: &[u32], four: bool, x: TokenActs, out: &mut [f32]) {
+unsafe fn selected_of<K: Dots>(
+    w: Rows,
+    sel: &[u32],
+    four: bool,
+    x: TokenActs,
+    out: &mut [f32],
+    then: &[&[u8]],
+) {
     let ahead = |from: usize, n: usize| sel.get(from..(from + n).min(sel.len())).unwrap_or(&[]);
     let mut k = 0;
     if four {
         while k + 4 <= sel.len() {
             let (next, n) = next_rows(w, ahead(k + 4, 4));
+            let next = if n == 0 { then } else { &next[..n] };
             let rows = std::array::from_fn(|i| w.row(sel[k + i] as usize));
-            for (i, [v]) in K::dot_apart::<4, 1>(rows, [x], &next[..n]).into_iter().enumerate() {
+            for (i, [v]) in K::dot_apart::<4, 1>(rows, [x], next).into_iter().enumerate() {
                 out[k + i] = v;
             }
             k += 4;
@@ -301,7 +310,8 @@ unsafe fn selected_of<K: Dots>(w: Rows, sel: &[u32], four: bool, x: TokenActs, o
     }
     for k in k..sel.len() {
         let (next, n) = next_rows(w, ahead(k + 1, 1));
-        out[k] = K::dot_apart::<1, 1>([w.row(sel[k] as usize)], [x], &next[..n])[0][0];
+        let next = if n == 0 { then } else { &next[..n] };
+        out[k] = K::dot_apart::<1, 1>([w.row(sel[k] as usize)], [x], next)[0][0];
     }
 }
 

@@ -21,7 +21,9 @@ use crate::model::{
     Config, Family, FfnActivation, InputGroup, LayerWeights, Model, RopeSet, RopeStyle, Weights,
     OPT_POSITION_OFFSET,
 };
-use crate::sparse::{down_t_matmul, sparse_ffn, FfnMats, SparseScratch, DENSE_FRACTION};
+use crate::sparse::{
+    decodes_dense, down_t_matmul, sparse_ffn, FfnMats, SparseScratch, DENSE_FRACTION,
+};
 
 mod batch;
 mod calibration;

@@ -63,6 +63,35 @@ const SERIAL_REDUCE: usize = 1 << 14;
 /// sparse_ffn`), so the break-even now lies at a higher share skipped and wants re-measuring.
 pub const DENSE_FRACTION: f64 = 0.9;
 
+/// `down_t` rows shorter than this cost the sparse operator more per byte than the dense
+/// kernels pay: SmolLM2's 576 weights are 324 bytes at Q4_0 and 612 at Q8_0, and there its
+/// dots and axpys are bound by instructions, not memory (a float axpy per weight against the
+/// dense down product's integer dot, each scattered row a memory latency of its own).
+const SHORT_ROW_BYTES: usize = 1024;
+
+/// `DENSE_FRACTION` for rows shorter than `SHORT_ROW_BYTES`. On SmolLM2's shape the sparse
+/// operator breaks even with the dense block at 50-70% skipped (`cargo bench --bench
+/// sparse_ffn`, POWERINFER_BENCH_SHAPES=576x1536, AVX2: Q4_0 0.82-0.88x at 50% and 1.2x at
+/// 70% on one thread, 0.93-1.0x and 1.3-1.5x on two; Q8_0 0.6-0.65x and 0.94-1.0x on one,
+/// 0.82-0.91x and 1.3x on two).
+const DENSE_FRACTION_SHORT_ROWS: f64 = 0.4;
+
+/// Whether `sparse_ffn` computes a selection of `selected` of the `n_ff` neurons as dense
+/// products (only where the model has the row-major down matrix), given the length of a
+/// `down_t` row in bytes.
+pub fn decodes_dense(
+    has_down: bool,
+    down_t_row_bytes: usize,
+    n_ff: usize,
+    selected: usize,
+) -> bool {
+    let from = match down_t_row_bytes < SHORT_ROW_BYTES {
+        true => DENSE_FRACTION_SHORT_ROWS,
+        false => DENSE_FRACTION,
+    };
+    has_down && selected as f64 >= from * n_ff as f64
+}
+
 /// y += a * row, at the given SIMD level; `next` (the rows read after this one, if any) is
 /// prefetched a line at a time over the row's blocks (see `matmul::dot_row`).
 #[inline]
@@ -145,25 +174,27 @@ const GROUP: usize = 64;
 /// kernel call as the dense decode takes (`dtype::TYPES`' decode rows: four quantized rows share
 /// the activations' loads and one horizontal sum, where a row alone pays that sum per block),
 /// each call with the next call's rows prefetched (see `matmul::dot_row`). Each value is the
-/// one the row gives alone.
+/// one the row gives alone. The last call prefetches `then`, the rows the caller reads next.
 pub(crate) fn dot_selected(
     w: &QMatrix,
     sel: &[u32],
     x: &Activations,
     level: SimdLevel,
     out: &mut [f32],
+    then: &[&[u8]],
 ) {
     let four = w.dtype.traits().decode_rows[level as usize] == 4;
     // SAFETY: levels above Scalar are only reported when the CPU has their features, and `x`
     // holds the activation forms of the level's kernels (`Activations::set_for`).
-    unsafe { kernels::selected(w.dtype, level)(w.as_rows(), sel, four, x.token(0), out) }
+    unsafe { kernels::selected(w.dtype, level)(w.as_rows(), sel, four, x.token(0), out, then) }
 }
 
 /// One token's FFN over the selected neurons only: out (n_embd) = sum over j in `neurons` of
 /// act(gate_j . x, up_j . x) * down_t[j]. `x` holds the one normed input token. `gate_values`
 /// (n_ff) are the gate pre-activations when the caller already computed them densely
 /// (threshold mode). Returns how many neurons reached the down projection (a neuron whose
-/// activation is exactly zero is dropped after its gate or up dot, never axpy'd).
+/// activation is exactly zero is dropped after its gate or up dot, never axpy'd). A selection
+/// dense enough for the dense kernels to be faster (`decodes_dense`) runs through them.
 pub fn sparse_ffn(
     m: &FfnMats,
     x: &Activations,
@@ -178,7 +209,7 @@ pub fn sparse_ffn(
     assert_eq!(m.up.rows, m.down_t.rows);
     debug_assert!(neurons.iter().all(|&j| (j as usize) < m.up.rows));
     if let Some(down) = m.down {
-        if neurons.len() as f64 >= DENSE_FRACTION * m.up.rows as f64 {
+        if decodes_dense(true, m.down_t.row_bytes(), m.up.rows, neurons.len()) {
             return dense_ffn(m, &down, x, neurons, gate_values, out, scratch);
         }
     }
@@ -186,9 +217,6 @@ pub fn sparse_ffn(
     let n_chunks = neurons.len().div_ceil(MIN_CHUNK).clamp(1, threads * CHUNKS_PER_THREAD);
     scratch.acc.resize(n_chunks * n_embd, 0.0);
     let level = simd_level();
-    // ReLU-type gates: a non-positive gate makes the neuron zero, so up is not even read.
-    let gate_decides = matches!(m.act, FfnActivation::ReGlu | FfnActivation::DReGlu);
-
     let used: usize = scratch
         .acc
         .par_chunks_mut(n_embd)
@@ -198,48 +226,25 @@ pub fn sparse_ffn(
             let chunk = &neurons[neurons.len() * k / n_chunks..neurons.len() * (k + 1) / n_chunks];
             let mut used = 0;
             // Per group of neurons, three passes that each stream one matrix: gate dots, up dots
-            // for the neurons still alive, then axpys four rows at a time. Consecutive neurons
-            // are dotted as one run of rows.
+            // for the neurons still alive, then axpys four rows at a time.
             let mut vals = [0.0f32; GROUP]; // gate values, then activations
             let mut alive = [0u32; GROUP];
-            for group in chunk.chunks(GROUP) {
-                // gate -> activation side
-                let t0 = mark();
-                let mut n_alive = 0;
-                match (gate_values, &m.gate) {
-                    (Some(gv), _) => {
-                        group.iter().enumerate().for_each(|(i, &j)| vals[i] = gv[j as usize])
-                    }
-                    (None, Some(gw)) => dot_selected(gw, group, x, level, &mut vals),
-                    (None, None) => {}
-                }
-                for (i, &j) in group.iter().enumerate() {
-                    if !(gate_decides && vals[i] <= 0.0) {
-                        vals[n_alive] = vals[i];
-                        alive[n_alive] = j;
-                        n_alive += 1;
-                    }
-                }
-                // up, then the activation
-                let t1 = mark();
-                let mut ups = [0.0f32; GROUP];
-                dot_selected(&m.up, &alive[..n_alive], x, level, &mut ups);
-                let t2 = mark();
-                let mut n_active = 0;
-                for i in 0..n_alive {
-                    let j = alive[i] as usize;
-                    let u = ups[i] + m.up_bias.map_or(0.0, |b| b[j]);
-                    let h = m.act.apply(vals[i], u);
-                    if h != 0.0 {
-                        vals[n_active] = h;
-                        alive[n_active] = j as u32;
-                        n_active += 1;
-                    }
-                }
+            for (g, group) in chunk.chunks(GROUP).enumerate() {
+                let (n_active, [t0, t1, t2]) =
+                    group_activations(m, x, group, gate_values, level, &mut vals, &mut alive);
                 // axpy of each active neuron's down_t row into this chunk's accumulator, four rows
-                // per pass over it, each pass with the next four rows prefetched
+                // per pass over it, each pass with the next four rows prefetched, the last with
+                // the first rows the next group reads
                 let dtype = m.down_t.dtype;
                 let row = |j: u32| m.down_t.row(j as usize);
+                let first_read = match (gate_values, &m.gate) {
+                    (None, Some(gw)) => gw,
+                    _ => &m.up,
+                };
+                let (then, n_then) =
+                    next_rows(chunk.get(GROUP * (g + 1)..).unwrap_or(&[]), |j: u32| {
+                        first_read.row(j as usize)
+                    });
                 for (q, quad) in alive[..n_active].chunks(4).enumerate() {
                     let (next, n) = next_rows(
                         alive[..n_active]
@@ -247,7 +252,7 @@ pub fn sparse_ffn(
                             .unwrap_or(&[]),
                         row,
                     );
-                    let next = &next[..n];
+                    let next = if n == 0 { &then[..n_then] } else { &next[..n] };
                     let a = &vals[4 * q..4 * q + quad.len()];
                     if let [j0, j1, j2, j3] = *quad {
                         let rows = [j0, j1, j2, j3].map(row);
@@ -282,6 +287,60 @@ pub fn sparse_ffn(
         out.par_chunks_mut(REDUCE_COLS).enumerate().for_each(reduce);
     }
     used
+}
+
+/// The activations of one group of selected neurons (at most `GROUP`): gate dots (or the
+/// given gate values), up dots for the neurons the gate leaves alive (a ReLU-type gate at or
+/// below zero zeroes the neuron, so its up row is not even read), then the activation. Leaves
+/// the neurons whose activation is nonzero in `alive` and their activations in `vals`, and
+/// returns how many there are, with the marks of the phases (gate, up, activation).
+#[inline(always)]
+fn group_activations(
+    m: &FfnMats,
+    x: &Activations,
+    group: &[u32],
+    gate_values: Option<&[f32]>,
+    level: SimdLevel,
+    vals: &mut [f32; GROUP],
+    alive: &mut [u32; GROUP],
+) -> (usize, [Mark; 3]) {
+    let gate_decides = matches!(m.act, FfnActivation::ReGlu | FfnActivation::DReGlu);
+    let t0 = mark();
+    let mut n_alive = 0;
+    match (gate_values, &m.gate) {
+        (Some(gv), _) => group.iter().enumerate().for_each(|(i, &j)| vals[i] = gv[j as usize]),
+        (None, Some(gw)) => {
+            // (the last call prefetches the first up rows: the gate rarely kills all four)
+            let (then, n) = next_rows(group, |j| m.up.row(j as usize));
+            dot_selected(gw, group, x, level, vals, &then[..n])
+        }
+        (None, None) => {}
+    }
+    for (i, &j) in group.iter().enumerate() {
+        if !(gate_decides && vals[i] <= 0.0) {
+            vals[n_alive] = vals[i];
+            alive[n_alive] = j;
+            n_alive += 1;
+        }
+    }
+    // up, then the activation
+    let t1 = mark();
+    let mut ups = [0.0f32; GROUP];
+    let (then, n) = next_rows(&alive[..n_alive], |j| m.down_t.row(j as usize));
+    dot_selected(&m.up, &alive[..n_alive], x, level, &mut ups, &then[..n]);
+    let t2 = mark();
+    let mut n_active = 0;
+    for i in 0..n_alive {
+        let j = alive[i] as usize;
+        let u = ups[i] + m.up_bias.map_or(0.0, |b| b[j]);
+        let h = m.act.apply(vals[i], u);
+        if h != 0.0 {
+            vals[n_active] = h;
+            alive[n_active] = j as u32;
+            n_active += 1;
+        }
+    }
+    (n_active, [t0, t1, t2])
 }
 
 /// `sparse_ffn` through the dense kernels: gate and up for every neuron, the activation kept
@@ -623,7 +682,7 @@ mod tests {
             let w = QMatrix { dtype, rows: n_rows, cols, data: &data };
             for &level in &levels {
                 let mut out = vec![f32::NAN; sel.len()];
-                dot_selected(&w, &sel, &x, level, &mut out);
+                dot_selected(&w, &sel, &x, level, &mut out, &[]);
                 for (k, &j) in sel.iter().enumerate() {
                     let alone = crate::matmul::dot_row(&w, j as usize, None, &x, [0], level)[0];
                     assert_eq!(

@@ -4,9 +4,9 @@
 //! recorder (`observe.rs`) takes the dense path, handing the recorder its values.
 
 use super::{
-    add_bias, down_t_matmul, matmul, matmul_many, matmul_selected, project, project_down,
-    sparse_ffn, Activations, FfnActivation, FfnMats, FfnStats, InputGroup, LayerWeights, Model,
-    PassState, QMatrix, Scratch, Sparsity, SparsityMode, DENSE_FRACTION,
+    add_bias, decodes_dense, down_t_matmul, matmul, matmul_many, matmul_selected, project,
+    project_down, sparse_ffn, Activations, FfnActivation, FfnMats, FfnStats, InputGroup,
+    LayerWeights, Model, PassState, QMatrix, Scratch, Sparsity, SparsityMode, DENSE_FRACTION,
 };
 use rayon::iter::IndexedParallelIterator;
 use rayon::iter::ParallelIterator;
@@ -67,8 +67,15 @@ pub(crate) fn ffn_rows(model: &Model, st: &mut PassState, s: &mut Scratch, l: us
     // and memory a dense pass does not need)
     let down_bytes = lw.ffn_down.map_or_else(|| model.down_t(l).data.len(), |d| d.data.len());
     let gate_bytes = lw.ffn_gate.map_or(0, |g| g.data.len());
+    let recording = st.recorder.is_some();
+    // one token whose selection is dense enough runs as dense products (`decodes_dense`)
+    let dense_decode = n == 1
+        && mode != SparsityMode::Dense
+        && !recording
+        && decodes_dense(lw.ffn_down.is_some(), model.down_t(l).row_bytes(), n_ff, selected);
     st.stats.weight_bytes += (n * (gate_bytes + lw.dense_up().data.len() + down_bytes)) as u64;
     st.stats.weight_bytes_read += match mode {
+        _ if dense_decode => gate_bytes + lw.dense_up().data.len() + down_bytes,
         SparsityMode::Dense => n * (gate_bytes + lw.dense_up().data.len() + down_bytes),
         _ => {
             let gate_read = if gate_ready {
@@ -81,7 +88,6 @@ pub(crate) fn ffn_rows(model: &Model, st: &mut PassState, s: &mut Scratch, l: us
     } as u64;
     let track_recall = sp.track_recall();
 
-    let recording = st.recorder.is_some();
     if n == 1 && (mode != SparsityMode::Dense || lw.ffn_down.is_none()) && !recording {
         // decode: fused sparse operator over the selected neurons only
         s.neurons.clear();

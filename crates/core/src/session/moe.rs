@@ -204,7 +204,7 @@ pub(crate) fn expert_rows(
                     }
                 }
                 let mut picked = [0.0f32; SPAN];
-                dot_selected(&ex.up, &sel[..n_sel], &acts[a], level, &mut picked[..n_sel]);
+                dot_selected(&ex.up, &sel[..n_sel], &acts[a], level, &mut picked[..n_sel], &[]);
                 u.fill(0.0);
                 for (&j, &v) in sel[..n_sel].iter().zip(&picked) {
                     u[j as usize - j0] = v;
@@ -232,7 +232,9 @@ pub(crate) fn expert_rows(
                 let mut picked = vec![0.0f32; rows * sel.len()];
                 match rows {
                     // one row (decode): its selected rows here, on this expert's thread
-                    1 => dot_selected(&experts[a].up, &sel, &acts[a], simd_level(), &mut picked),
+                    1 => {
+                        dot_selected(&experts[a].up, &sel, &acts[a], simd_level(), &mut picked, &[])
+                    }
                     _ => matmul_selected(
                         &[experts[a].up],
                         &sel,
