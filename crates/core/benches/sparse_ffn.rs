@@ -7,7 +7,8 @@
 //! on the same threads (the hardware limit the dense kernels can reach) and a plain read of just
 //! the selected rows, each with the next prefetched (the limit for the sparse operator). The
 //! operator is given the row-major down matrix too, as for models that have one, so selections
-//! of at least `DENSE_FRACTION` of the neurons (the 0% row) run through the dense kernels.
+//! dense enough for the dense kernels (`sparse::decodes_dense`: the 0% row, and SmolLM2-shape
+//! selections of at least 40%) run through them.
 //!
 //!     cargo bench -p powerinfer-core --bench sparse_ffn
 //!
