@@ -533,8 +533,10 @@ unsafe fn axpy_rows_k4<const R: usize, const Q5: bool>(
     let zero = _mm256_setzero_ps();
     for b in 0..n / 256 {
         // per row and chunk a[r] * d * scale; per chunk the sum over rows of a[r] * dmin * min
-        let mut scale = [[zero; 8]; R];
-        let mut offset = [zero; 8];
+        // (lane c of a vector is chunk c's; the loop below broadcasts them from memory)
+        let mut scale = [[0.0f32; 8]; R];
+        let mut offset = [0.0f32; 8];
+        let mut offsets = zero;
         let mut qs = [std::ptr::null::<u8>(); R];
         let mut qh = [std::ptr::null::<u8>(); R];
         for r in 0..R {
@@ -547,12 +549,12 @@ unsafe fn axpy_rows_k4<const R: usize, const Q5: bool>(
                 qs[r] = x.qs.as_ptr();
                 (x.d, x.dmin, &x.scales)
             };
-            for c in 0..8 {
-                let (sc, m) = super::chunks::scale_min_k4(scales, c);
-                scale[r][c] = _mm256_mul_ps(times(f16(d), sc as i32), ar[r]);
-                offset[c] = _mm256_fmadd_ps(times(f16(dmin), m as i32), ar[r], offset[c]);
-            }
+            let (sc, m) = scales_mins_k4(scales);
+            let row_scale = _mm256_mul_ps(_mm256_mul_ps(f16(d), sc), ar[r]);
+            _mm256_storeu_ps(scale[r].as_mut_ptr(), row_scale);
+            offsets = _mm256_fmadd_ps(_mm256_mul_ps(f16(dmin), m), ar[r], offsets);
         }
+        _mm256_storeu_ps(offset.as_mut_ptr(), offsets);
         for c in 0..8 {
             prefetch.step();
             let p = yp.add(256 * b + QK * c);
@@ -570,21 +572,68 @@ unsafe fn axpy_rows_k4<const R: usize, const Q5: bool>(
                     v = _mm256_or_si256(v, high);
                 }
                 let w = crate::avx2::i8x32_to_f32x4(v);
+                let s = _mm256_broadcast_ss(&scale[r][c]);
                 for j in 0..4 {
-                    acc[j] = _mm256_fmadd_ps(w[j], scale[r][c], acc[j]);
+                    acc[j] = _mm256_fmadd_ps(w[j], s, acc[j]);
                 }
             }
+            let o = _mm256_broadcast_ss(&offset[c]);
             for (j, v) in acc.into_iter().enumerate() {
-                _mm256_storeu_ps(p.add(8 * j), _mm256_sub_ps(v, offset[c]));
+                _mm256_storeu_ps(p.add(8 * j), _mm256_sub_ps(v, o));
             }
         }
     }
+}
+
+/// The eight 6-bit chunk scales and eight minima packed in a Q4_K or Q5_K super-block's 12
+/// scale bytes, as floats (lane c: chunk c), all at once: `chunks::scale_min_k4`'s values.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scales_mins_k4(scales: &[u8; 12]) -> (__m256, __m256) {
+    const LOW6: u32 = 0x3f3f_3f3f;
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const LOW2: u32 = 0x0303_0303;
+    let word = |i: usize| u32::from_le_bytes([0, 1, 2, 3].map(|k| scales[4 * i + k]));
+    let (w0, w1, w2) = (word(0), word(1), word(2));
+    // chunks 0-3: the low six bits of bytes 0-3 (scales) and 4-7 (minima); chunks 4-7: the
+    // nibbles of bytes 8-11 below the top two bits of bytes 0-3 (scales) and 4-7 (minima)
+    let sc = [w0 & LOW6, (w2 & LOW4) | (((w0 >> 6) & LOW2) << 4)];
+    let m = [w1 & LOW6, ((w2 >> 4) & LOW4) | (((w1 >> 6) & LOW2) << 4)];
+    let floats = |v: [u32; 2]| {
+        let bytes = _mm_set_epi32(0, 0, v[1] as i32, v[0] as i32);
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes))
+    };
+    (floats(sc), floats(m))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::quant::chunks::{chunk, tests::random_row, Chunk};
+
+    /// The vector decode of a super-block's scales and minima gives `scale_min_k4`'s.
+    #[test]
+    fn scales_mins_k4_equal_the_scalar_decode() {
+        if !crate::simd::detect().has_avx2() {
+            eprintln!("skipping: no AVX2 on this CPU");
+            return;
+        }
+        let mut rng = crate::sampler::Rng::new(12);
+        for _ in 0..1000 {
+            let bytes: [u8; 12] = std::array::from_fn(|_| (rng.next_f32() * 256.0) as u8);
+            // SAFETY: AVX2 checked above
+            let (sc, m) = unsafe { scales_mins_k4(&bytes) };
+            let (mut scv, mut mv) = ([0.0f32; 8], [0.0f32; 8]);
+            unsafe {
+                _mm256_storeu_ps(scv.as_mut_ptr(), sc);
+                _mm256_storeu_ps(mv.as_mut_ptr(), m);
+            }
+            for c in 0..8 {
+                let (want_sc, want_m) = crate::quant::chunks::scale_min_k4(&bytes, c);
+                assert_eq!((scv[c], mv[c]), (want_sc as f32, want_m as f32), "{bytes:?} chunk {c}");
+            }
+        }
+    }
 
     /// Q4_K's and Q5_K's own axpy loop gives the chunk decoders' loop's values, up to the
     /// rounding of its other order of operations (a few units in the last place of the
