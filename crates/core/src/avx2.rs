@@ -795,11 +795,15 @@ unsafe fn exp_poly_ps(x: __m256) -> __m256 {
     _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n))
 }
 
-/// gate[i] = silu(gate[i]) * up[i] (GELU's tanh approximation where `gelu`), 8 neurons at a
-/// time: `FfnActivation::apply`'s arithmetic (`activation::silu`, `activation::gelu`) to the bit. Safety:
-/// the CPU has AVX2; `gate` and `up` are as long.
+/// gate[i] = silu(gate[i]) * up[i] (GELU's tanh approximation where `gelu`; without `up`,
+/// silu(gate[i]) alone), 8 neurons at a time: `FfnActivation::apply`'s and `gate_part`'s
+/// arithmetic (`activation::silu`, `activation::gelu`) to the bit. Safety: the CPU has AVX2;
+/// `up`, if given, is as long as `gate`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn activate(gelu: bool, gate: &mut [f32], up: &[f32]) {
+pub unsafe fn activate(gelu: bool, gate: &mut [f32], up: Option<&[f32]>) {
+    let Some(up) = up else {
+        return activate_gate(gelu, gate);
+    };
     let n = gate.len().min(up.len());
     let (g, u) = (gate.as_mut_ptr(), up.as_ptr());
     let one = _mm256_set1_ps(1.0);
@@ -825,6 +829,32 @@ pub unsafe fn activate(gelu: bool, gate: &mut [f32], up: &[f32]) {
         let x = *g.add(i);
         *g.add(i) =
             if gelu { crate::activation::gelu(x) } else { crate::activation::silu(x) } * *u.add(i);
+    }
+}
+
+/// `activate` without `up`: gate[i] = silu(gate[i]) (or GELU).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn activate_gate(gelu: bool, gate: &mut [f32]) {
+    let n = gate.len();
+    let g = gate.as_mut_ptr();
+    let one = _mm256_set1_ps(1.0);
+    let body = n & !7;
+    for i in (0..body).step_by(8) {
+        let x = _mm256_loadu_ps(g.add(i));
+        let e = if gelu {
+            let cube = _mm256_mul_ps(
+                x,
+                _mm256_add_ps(one, _mm256_mul_ps(_mm256_set1_ps(0.044715), _mm256_mul_ps(x, x))),
+            );
+            _mm256_mul_ps(_mm256_set1_ps(crate::activation::MINUS_2_SQRT_2_OVER_PI), cube)
+        } else {
+            _mm256_xor_ps(x, _mm256_set1_ps(-0.0))
+        };
+        _mm256_storeu_ps(g.add(i), _mm256_div_ps(x, _mm256_add_ps(one, exp_poly_ps(e))));
+    }
+    for i in body..n {
+        let x = *g.add(i);
+        *g.add(i) = if gelu { crate::activation::gelu(x) } else { crate::activation::silu(x) };
     }
 }
 

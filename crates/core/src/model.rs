@@ -96,9 +96,23 @@ impl FfnActivation {
             && crate::simd::simd_level().has_avx2()
         {
             // SAFETY: has_avx2 means the CPU has avx2, fma and f16c; the lengths are equal.
-            return unsafe { crate::avx2::activate(self == FfnActivation::GeGlu, gate, up) };
+            return unsafe { crate::avx2::activate(self == FfnActivation::GeGlu, gate, Some(up)) };
         }
         gate.iter_mut().zip(up).for_each(|(g, &u)| *g = self.apply(*g, u));
+    }
+
+    /// x[i] = gate_part(x[i]) for every value (the same bits; SiLU and GELU in 8 lanes where
+    /// the CPU has AVX2).
+    pub fn gate_part_all(self, x: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if matches!(self, FfnActivation::SwiGlu | FfnActivation::GeGlu | FfnActivation::Gelu)
+            && crate::simd::simd_level().has_avx2()
+        {
+            let gelu = self != FfnActivation::SwiGlu;
+            // SAFETY: has_avx2 means the CPU has avx2, fma and f16c.
+            return unsafe { crate::avx2::activate(gelu, x, None) };
+        }
+        x.iter_mut().for_each(|v| *v = self.gate_part(*v));
     }
 
     /// The gate side alone, `act(gate)` (`act(up)` without a gate, called with the up value): threshold mode ranks
@@ -1559,8 +1573,8 @@ mod activation_tests {
     use super::*;
     use crate::activation::gelu_exponent;
 
-    /// SiLU and GELU over a batch (`apply_all`, 8 lanes where the CPU has AVX2) equal the
-    /// one-neuron `apply` bit for bit, tails, extremes, zeros, infinities and NaN included; and
+    /// SiLU and GELU over a batch (`apply_all` and `gate_part_all`, 8 lanes where the CPU has
+    /// AVX2) equal the one-neuron `apply` and `gate_part` bit for bit, tails, extremes, zeros, infinities and NaN included; and
     /// both stay close to the float64 definitions.
     #[test]
     fn batch_activation_equals_one_neuron_bit_for_bit() {
@@ -1583,8 +1597,17 @@ mod activation_tests {
             f32::NAN,
         ]);
         let up: Vec<f32> = (0..gate.len()).map(|_| rng.next_f32() * 2.0 - 1.0).collect();
-        for act in [FfnActivation::SwiGlu, FfnActivation::GeGlu] {
+        for act in [FfnActivation::SwiGlu, FfnActivation::GeGlu, FfnActivation::Gelu] {
             for len in [gate.len(), 7, 8, 9, 1] {
+                let mut parts = gate[..len].to_vec();
+                act.gate_part_all(&mut parts);
+                for i in 0..len {
+                    let one = act.gate_part(gate[i]);
+                    assert_eq!(parts[i].to_bits(), one.to_bits(), "{act:?} gate part [{i}]");
+                }
+                if act == FfnActivation::Gelu {
+                    continue;
+                }
                 let mut batch = gate[..len].to_vec();
                 act.apply_all(&mut batch, &up[..len]);
                 for i in 0..len {
@@ -1598,6 +1621,9 @@ mod activation_tests {
                         one
                     );
                 }
+            }
+            if act == FfnActivation::Gelu {
+                continue; // (gateless: apply reads only up; its gate part is checked above)
             }
             for (&g, &u) in gate.iter().zip(&up).filter(|(g, _)| g.abs() < 50.0) {
                 let x = g as f64;

@@ -329,14 +329,16 @@ fn group_activations(
     let (then, n) = next_rows(&alive[..n_alive], |j| m.down_t.row(j as usize));
     dot_selected(&m.up, &alive[..n_alive], x, level, &mut ups, &then[..n]);
     let t2 = mark();
+    if let Some(bias) = m.up_bias {
+        ups[..n_alive].iter_mut().zip(&alive[..n_alive]).for_each(|(u, &j)| *u += bias[j as usize]);
+    }
+    m.act.apply_all(&mut vals[..n_alive], &ups[..n_alive]);
     let mut n_active = 0;
     for i in 0..n_alive {
-        let j = alive[i] as usize;
-        let u = ups[i] + m.up_bias.map_or(0.0, |b| b[j]);
-        let h = m.act.apply(vals[i], u);
+        let (j, h) = (alive[i], vals[i]);
         if h != 0.0 {
             vals[n_active] = h;
-            alive[n_active] = j as u32;
+            alive[n_active] = j;
             n_active += 1;
         }
     }
@@ -368,16 +370,18 @@ fn dense_ffn(
         // gateless: the activation reads only up
         (None, None) => matmul(&m.up, x, up),
     }
-    // act(gate, up) for the selected neurons, zero elsewhere (the gate buffer becomes h)
+    // act(gate, up) for every neuron (in lanes), then zero where not selected (the gate buffer
+    // becomes h)
+    if let Some(bias) = m.up_bias {
+        up.iter_mut().zip(bias).for_each(|(u, b)| *u += b);
+    }
+    m.act.apply_all(gate, up);
     let mut used = 0;
     let mut next = 0;
     for &j in neurons {
         let j = j as usize;
         gate[next..j].fill(0.0);
-        let u = up[j] + m.up_bias.map_or(0.0, |b| b[j]);
-        let hj = m.act.apply(gate[j], u);
-        gate[j] = hj;
-        used += (hj != 0.0) as usize;
+        used += (gate[j] != 0.0) as usize;
         next = j + 1;
     }
     gate[next..].fill(0.0);

@@ -51,8 +51,11 @@ pub(crate) fn ffn_rows(model: &Model, st: &mut PassState, s: &mut Scratch, l: us
             gate_values(lw, &s.acts, &mut s.gate);
             gate_ready = true;
             let thr = gate_cutoffs[l];
+            // act(gate) in s.up, free until the products below write it
+            s.up[..n * n_ff].copy_from_slice(&s.gate[..n * n_ff]);
+            act.gate_part_all(&mut s.up[..n * n_ff]);
             s.keep.clear();
-            s.keep.extend(s.gate.iter().map(|&g| act.gate_part(g).abs() > thr));
+            s.keep.extend(s.up[..n * n_ff].iter().map(|&g| g.abs() > thr));
         }
         Sparsity::Inputs { .. } => unreachable!("input sparsity takes ffn_inputs"),
     }
