@@ -801,11 +801,8 @@ unsafe fn exp_poly_ps(x: __m256) -> __m256 {
 /// `up`, if given, is as long as `gate`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn activate(gelu: bool, gate: &mut [f32], up: Option<&[f32]>) {
-    let Some(up) = up else {
-        return activate_gate(gelu, gate);
-    };
-    let n = gate.len().min(up.len());
-    let (g, u) = (gate.as_mut_ptr(), up.as_ptr());
+    let n = up.map_or(gate.len(), |u| gate.len().min(u.len()));
+    let g = gate.as_mut_ptr();
     let one = _mm256_set1_ps(1.0);
     let lane = |x: __m256| {
         // the exponent: -x for SiLU, -2 sqrt(2 / pi) (x + 0.044715 x^3) for GELU
@@ -822,39 +819,16 @@ pub unsafe fn activate(gelu: bool, gate: &mut [f32], up: Option<&[f32]>) {
     };
     let body = n & !7;
     for i in (0..body).step_by(8) {
-        let h = _mm256_mul_ps(lane(_mm256_loadu_ps(g.add(i))), _mm256_loadu_ps(u.add(i)));
+        let mut h = lane(_mm256_loadu_ps(g.add(i)));
+        if let Some(u) = up {
+            h = _mm256_mul_ps(h, _mm256_loadu_ps(u.as_ptr().add(i)));
+        }
         _mm256_storeu_ps(g.add(i), h);
     }
     for i in body..n {
         let x = *g.add(i);
-        *g.add(i) =
-            if gelu { crate::activation::gelu(x) } else { crate::activation::silu(x) } * *u.add(i);
-    }
-}
-
-/// `activate` without `up`: gate[i] = silu(gate[i]) (or GELU).
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn activate_gate(gelu: bool, gate: &mut [f32]) {
-    let n = gate.len();
-    let g = gate.as_mut_ptr();
-    let one = _mm256_set1_ps(1.0);
-    let body = n & !7;
-    for i in (0..body).step_by(8) {
-        let x = _mm256_loadu_ps(g.add(i));
-        let e = if gelu {
-            let cube = _mm256_mul_ps(
-                x,
-                _mm256_add_ps(one, _mm256_mul_ps(_mm256_set1_ps(0.044715), _mm256_mul_ps(x, x))),
-            );
-            _mm256_mul_ps(_mm256_set1_ps(crate::activation::MINUS_2_SQRT_2_OVER_PI), cube)
-        } else {
-            _mm256_xor_ps(x, _mm256_set1_ps(-0.0))
-        };
-        _mm256_storeu_ps(g.add(i), _mm256_div_ps(x, _mm256_add_ps(one, exp_poly_ps(e))));
-    }
-    for i in body..n {
-        let x = *g.add(i);
-        *g.add(i) = if gelu { crate::activation::gelu(x) } else { crate::activation::silu(x) };
+        let h = if gelu { crate::activation::gelu(x) } else { crate::activation::silu(x) };
+        *g.add(i) = up.map_or(h, |u| h * u[i]);
     }
 }
 
