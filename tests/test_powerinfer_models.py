@@ -97,6 +97,13 @@ def test_sparse_equals_dense_equals_reference(tmp_path, case):
     # the predictor really skipped neurons (random ReLU weights: about half are inactive)
     assert 0.3 < st["skipped"] / st["neurons"] < 0.7
     assert st["truly_active_selected"] / st["truly_active"] > 0.99
+    # each neuron's rows read from its bundle or from the matrices apart: the same kernels on
+    # the same bytes in the same order, so the same bits
+    assert engine.neuron_bundles  # the default for a model this small
+    engine.set_sparsity("predictor", sparse_threshold=engine.sparse_threshold, neuron_bundles=False)
+    assert not engine.neuron_bundles
+    apart, _ = decode_logits(engine, ids)
+    np.testing.assert_array_equal(apart, sparse_decode)
 
 
 @pytest.mark.parametrize("arch", ["llama", "falcon"])
@@ -208,7 +215,14 @@ def test_threshold_sparse_prefill_equals_decode(tmp_path):
     assert 6 * (1 - engine.last_stats["ffn_sparsity"]) < 0.85
     decode, _ = decode_logits(engine, ids)
     assert rel(prefill, decode) < 1e-4
+    # the gate given (threshold mode computes it densely), the up rows read first: from the
+    # bundles (forced on, as the default is) or apart, the same bits
+    engine.set_sparsity("threshold", target_sparsity=0.9, neuron_bundles=False)
+    np.testing.assert_array_equal(decode_logits(engine, ids)[0], decode)
+    engine.set_sparsity("threshold", target_sparsity=0.9, neuron_bundles=True)
+    np.testing.assert_array_equal(decode_logits(engine, ids)[0], decode)
     engine.set_sparsity("dense")
+    assert not engine.neuron_bundles
     assert rel(prefill, engine.logits(ids)) > 1e-3
 
 
@@ -384,6 +398,9 @@ def test_bad_sparsity_arguments(tmp_path):
             Engine.load(pw, sparse_threshold=bad)
     with pytest.raises(ValueError, match="calibration text"):
         Engine.load(plain, sparsity="threshold", calibration_text="   ")
+    for bad in ("yes", 1, 0.0):
+        with pytest.raises(ValueError, match="neuron_bundles must be True, False or None"):
+            Engine.load(pw, neuron_bundles=bad)
     # the core checks too
     s = _core.Session(_core.Model(pw, 1), 16)
     with pytest.raises(ValueError, match="finite"):

@@ -70,6 +70,15 @@ def _copy_weights_into_memory(path: str, s: EngineSettings) -> bool:
     return s.device == "cpu"
 
 
+def _bundle_neurons(model: _core.Model, wanted: bool | None) -> bool:
+    """`neuron_bundles`: True or False as given; None bundles when the copy takes at most a
+    quarter of the memory available (it is built on the first sparse token)."""
+    if wanted is not None:
+        return wanted
+    available = _available_memory()
+    return available is not None and model.neuron_bundle_bytes() <= available // 4
+
+
 def _held_back(text: str, stops: Sequence[str]) -> int:
     """Length of the longest end of `text` that could still become one of the stop strings."""
     keep = 0
@@ -100,6 +109,7 @@ class Engine:
         self.gate_cutoffs: list[float] | None = None
         self.predictor_layer_cutoffs: list[float] | None = None
         self.predictor_recall = False
+        self.neuron_bundles = False
         self.predictor_recall_target: float | None = None
         self.max_ppl_increase: float | None = None
         self.input_cutoffs: list[list[float]] | None = None
@@ -332,6 +342,11 @@ class Engine:
         self.input_sparsity = plan
         self.predictor_layer_cutoffs = per_layer if sparsity == "predictor" else None
         self.predictor_recall = predictor_recall and sparsity == "predictor"
+        self.neuron_bundles = (
+            sparsity != "dense"
+            and plan is None
+            and _bundle_neurons(self._model, requested.neuron_bundles)
+        )
         self.settings = dataclasses.replace(
             self.settings, **{name: getattr(requested, name) for name in SPARSITY_OPTIONS}
         )
@@ -349,6 +364,7 @@ class Engine:
             self.predictor_layer_cutoffs,
             self.input_cutoffs,
         )
+        session.set_neuron_bundles(self.neuron_bundles)
         return session
 
     def _file_predictor_cutoffs(self) -> list[float] | None:

@@ -153,6 +153,15 @@ class EngineSettings:
         "--max-ppl-increase",
         default_text="off",
     )
+    neuron_bundles: bool | None = option(
+        None,
+        "sparse modes: one token's FFN reads each selected neuron's gate, up and down rows as "
+        "one run of a copy that holds them side by side (--neuron-bundles; faster from DRAM, "
+        "the FFN's bytes once more in memory) or from the matrices apart (--no-neuron-bundles)",
+        "--neuron-bundles",
+        action=argparse.BooleanOptionalAction,
+        default_text="bundled when the copy takes at most a quarter of the available memory",
+    )
     calibration_text: str | None = option(
         None,
         "text the threshold mode and predictor cut-offs are calibrated on (on the command line: "
@@ -217,6 +226,10 @@ class EngineSettings:
             raise ValueError(f"n_cpu_moe must be an int >= 0, got {self.n_cpu_moe!r}")
         if self.use_mmap is not None and not isinstance(self.use_mmap, bool):
             raise ValueError(f"use_mmap must be True, False or None, got {self.use_mmap!r}")
+        if self.neuron_bundles is not None and not isinstance(self.neuron_bundles, bool):
+            raise ValueError(
+                f"neuron_bundles must be True, False or None, got {self.neuron_bundles!r}"
+            )
         if self.kv_type not in ("f16", "f32"):
             raise ValueError(f"kv_type must be 'f16' or 'f32', got {self.kv_type!r}")
         if self.device not in DEVICES:
@@ -258,6 +271,7 @@ SPARSITY_OPTIONS = (
     "predictor_recall",
     "predictor_recall_target",
     "max_ppl_increase",
+    "neuron_bundles",
 )
 
 

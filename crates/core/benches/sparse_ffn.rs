@@ -25,8 +25,15 @@
 //! The weights are drawn so that every gate is positive: the only sparsity is the selection the
 //! operator is given, so "0%" really computes every neuron.
 //!
-//! With `--features phase-timers`, each sparse row is followed by the shares of the operator's
-//! time in its three passes (gate dots, up dots, down axpys), summed over threads.
+//! Each sparsity has two sparse rows, timed in the same alternating rounds: "apart" reads the
+//! selected neurons' rows from the three matrices, "bundle" from a copy holding each neuron's
+//! gate, up and down_t rows side by side (`matmul::interleave_rows`, what the engine builds
+//! as `Model::neuron_bundles`); each with its own scatter bound (a plain read of the same rows,
+//! laid out the same way).
+//!
+//! With `--features phase-timers`, each sparse row pair is followed by the shares of the
+//! operators' time in their three passes (gate dots, up dots, down axpys), summed over threads
+//! and both layouts.
 //!
 //! With `POWERINFER_BENCH_SELECTION=ranked` a selection is drawn with weights 1 / (j + 1) for
 //! neuron j, as when power-law neurons are stored hottest first: the measure of what storing
@@ -43,7 +50,7 @@ use memmap2::MmapMut;
 use rayon::prelude::*;
 
 use powerinfer_core::gguf::weight_buffer;
-use powerinfer_core::matmul::{matmul, matmul_many, Activations, QMatrix};
+use powerinfer_core::matmul::{interleave_rows, matmul, matmul_many, Activations, QMatrix};
 use powerinfer_core::model::FfnActivation;
 use powerinfer_core::quant::{quantize_row, DType};
 use powerinfer_core::sampler::Rng;
@@ -116,6 +123,26 @@ struct Block {
     up: MmapMut,     // (n_ff, n_embd)
     down: MmapMut,   // (n_embd, n_ff), the dense layout
     down_t: MmapMut, // (n_ff, n_embd), neuron-major
+}
+
+/// The block as the sparse operator reads it, with its rows bundled by neuron or not.
+fn ffn_mats<'a>(
+    dtype: DType,
+    b: &'a Block,
+    n_embd: usize,
+    n_ff: usize,
+    bundles: Option<&'a [u8]>,
+) -> FfnMats<'a> {
+    let q = |data: &'a [u8], rows: usize, cols: usize| QMatrix { dtype, rows, cols, data };
+    FfnMats {
+        gate: Some(q(&b.gate, n_ff, n_embd)),
+        up: q(&b.up, n_ff, n_embd),
+        up_bias: None,
+        down_t: q(&b.down_t, n_ff, n_embd),
+        down: Some(q(&b.down, n_embd, n_ff)),
+        act: FfnActivation::ReGlu,
+        bundles: bundles.map(|bb| &bb[..n_ff * 3 * dtype.row_bytes(n_embd)]),
+    }
 }
 
 /// `bytes` copied into memory held the way the engine holds weights.
@@ -245,10 +272,11 @@ fn main() {
     );
     println!("scatter: a plain read of the rows the sparse operator reads (the selected rows of gate, up, down_t)");
     println!(
-        "{:<5} {:>3} {:>6} {:>9} {:>10} {:>8} {:>6} {:>8} {:>8} {:>7} {:>7}",
+        "{:<5} {:>3} {:>6} {:<6} {:>9} {:>10} {:>8} {:>6} {:>8} {:>8} {:>7} {:>7}",
         "type",
         "thr",
         "sparse",
+        "layout",
         "dense ms",
         "sparse ms",
         "speedup",
@@ -287,22 +315,25 @@ fn main() {
                     down_t: weights(&first.down_t),
                 })
                 .collect();
-            let mats: Vec<FfnMats> = blocks
+            // the same rows bundled by neuron, as the engine holds them for one token's operator
+            let bundles: Vec<MmapMut> = blocks
                 .iter()
                 .map(|b| {
-                    fn q(dtype: DType, data: &[u8], rows: usize, cols: usize) -> QMatrix<'_> {
-                        QMatrix { dtype, rows, cols, data }
-                    }
-                    FfnMats {
-                        gate: Some(q(dtype, &b.gate, n_ff, n_embd)),
-                        up: q(dtype, &b.up, n_ff, n_embd),
-                        up_bias: None,
-                        down_t: q(dtype, &b.down_t, n_ff, n_embd),
-                        down: Some(q(dtype, &b.down, n_embd, n_ff)),
-                        act: FfnActivation::ReGlu,
-                    }
+                    let m = ffn_mats(dtype, b, n_embd, n_ff, None);
+                    let bytes = n_ff * m.bundle_bytes();
+                    let mut buf = weight_buffer(bytes).expect("anonymous memory");
+                    interleave_rows(&[m.gate.unwrap(), m.up, m.down_t], &mut buf[..bytes]);
+                    buf
                 })
                 .collect();
+            let mats: Vec<FfnMats> =
+                blocks.iter().map(|b| ffn_mats(dtype, b, n_embd, n_ff, None)).collect();
+            let bundled: Vec<FfnMats> = blocks
+                .iter()
+                .zip(&bundles)
+                .map(|(b, bb)| ffn_mats(dtype, b, n_embd, n_ff, Some(&bb[..])))
+                .collect();
+            let bundle_bufs: Vec<&[u8]> = bundles.iter().map(|b| &b[..]).collect();
             let dense_bufs: Vec<&[u8]> =
                 blocks.iter().flat_map(|b| [&b.gate[..], &b.up[..], &b.down[..]]).collect();
             let sparse_bufs: Vec<&[u8]> =
@@ -345,26 +376,30 @@ fn main() {
                             matmul(&m.down.unwrap(), &hx, &mut out);
                         }
                     };
-                    let mut sparse = || {
-                        for m in &mats {
+                    let mut sparse = |mats: &[FfnMats]| {
+                        for m in mats {
                             sx.set(&x_f, 1, n_embd);
                             sparse_ffn(m, &sx, &neurons, None, &mut sout, &mut scratch);
                         }
                     };
-                    let (mut td, mut ts) = (Vec::new(), Vec::new());
+                    let (mut td, mut ts, mut tb) = (Vec::new(), Vec::new(), Vec::new());
                     pool.install(|| {
                         dense();
-                        sparse();
+                        sparse(&mats);
+                        sparse(&bundled);
                         for _ in 0..rounds {
                             let t = Instant::now();
                             dense();
                             td.push(t.elapsed().as_secs_f64() / copies as f64);
                             let t = Instant::now();
-                            sparse();
+                            sparse(&mats);
                             ts.push(t.elapsed().as_secs_f64() / copies as f64);
+                            let t = Instant::now();
+                            sparse(&bundled);
+                            tb.push(t.elapsed().as_secs_f64() / copies as f64);
                         }
                     });
-                    let (d, s) = (median(&mut td), median(&mut ts));
+                    let (d, s, sb) = (median(&mut td), median(&mut ts), median(&mut tb));
                     #[cfg(feature = "phase-timers")]
                     let phases = {
                         use std::sync::atomic::Ordering::Relaxed;
@@ -374,30 +409,30 @@ fn main() {
                         let total = ns.iter().sum::<u64>().max(1) as f64;
                         ns.map(|n| 100.0 * n as f64 / total)
                     };
-                    let scatter = pool.install(|| {
-                        scatter_read_gbs(
-                            &sparse_bufs,
-                            dtype.row_bytes(n_embd),
-                            &neurons,
-                            &dense_bufs,
-                            rounds,
-                        )
-                    });
-                    let sparse_bytes = 3 * keep * dtype.row_bytes(n_embd);
-                    println!(
-                    "{:<5} {:>3} {:>5.0}% {:>9.2} {:>10.3} {:>7.2}x {:>5.1}x {:>10.1} {:>11.1} {:>7.1} {:>7.1}",
-                    dtype.name(),
-                    threads,
-                    sparsity * 100.0,
-                    d * 1e3,
-                    s * 1e3,
-                    d / s,
-                    1.0 / (1.0 - sparsity),
-                    block_bytes as f64 / d / 1e9,
-                    sparse_bytes as f64 / s / 1e9,
-                    stream,
-                    scatter
-                );
+                    let rb = dtype.row_bytes(n_embd);
+                    let sparse_bytes = 3 * keep * rb;
+                    for (layout, t, bufs, row_bytes) in
+                        [("apart", s, &sparse_bufs, rb), ("bundle", sb, &bundle_bufs, 3 * rb)]
+                    {
+                        let scatter = pool.install(|| {
+                            scatter_read_gbs(bufs, row_bytes, &neurons, &dense_bufs, rounds)
+                        });
+                        println!(
+                            "{:<5} {:>3} {:>5.0}% {:<6} {:>9.2} {:>10.3} {:>7.2}x {:>5.1}x {:>10.1} {:>11.1} {:>7.1} {:>7.1}",
+                            dtype.name(),
+                            threads,
+                            sparsity * 100.0,
+                            layout,
+                            d * 1e3,
+                            t * 1e3,
+                            d / t,
+                            1.0 / (1.0 - sparsity),
+                            block_bytes as f64 / d / 1e9,
+                            sparse_bytes as f64 / t / 1e9,
+                            stream,
+                            scatter
+                        );
+                    }
                     #[cfg(feature = "phase-timers")]
                     println!(
                         "      sparse passes: gate dots {:.0}%, up dots {:.0}%, down axpys {:.0}%",

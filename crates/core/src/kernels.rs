@@ -32,16 +32,20 @@ pub(crate) struct TokenActs<'a> {
     pub q8k: &'a [BlockQ8K],
 }
 
-/// The rows of a weight matrix as the loops read them: `data` holds rows of `row_bytes` bytes.
+/// The rows of a weight matrix as the loops read them: `data` holds rows of `row_bytes` bytes,
+/// `stride` bytes apart.
 #[derive(Clone, Copy)]
 pub(crate) struct Rows<'a> {
     pub data: &'a [u8],
     pub row_bytes: usize,
+    /// Bytes from one row's start to the next's: `row_bytes`, or more where each row lies in
+    /// a neuron's bundle (`sparse::bundle_neurons`).
+    pub stride: usize,
 }
 
 impl<'a> Rows<'a> {
-    fn row(&self, r: usize) -> &'a [u8] {
-        &self.data[r * self.row_bytes..(r + 1) * self.row_bytes]
+    pub(crate) fn row(&self, r: usize) -> &'a [u8] {
+        &self.data[r * self.stride..r * self.stride + self.row_bytes]
     }
 }
 
@@ -251,6 +255,7 @@ unsafe fn run_of<K: Dots, const N: usize>(
     out: &mut [[f32; N]],
 ) {
     let row_bytes = w.row_bytes;
+    debug_assert_eq!(w.stride, row_bytes, "a dense run reads consecutive rows");
     // the bytes of rows a..b (none past `limit`), for the prefetch
     let span = |a: usize, b: usize| -> &[u8] {
         match a < b.min(limit) {

@@ -19,6 +19,24 @@ use crate::quant::{self, ActQuad, BlockQ8Act, DType, QK, QK_K};
 pub(crate) use crate::simd::prefetch;
 pub use crate::simd::{avx_vnni, simd_level, SimdLevel};
 
+/// Row r of each of `mats` (matrices with the same number of rows, of any types and widths),
+/// one after another, for r = 0, 1, ...: `out` holds rows of the summed row bytes. An FFN's
+/// gate, up and down_t interleaved this way put all of a neuron's weights in one contiguous
+/// run (`Model::neuron_bundles`).
+pub fn interleave_rows(mats: &[QMatrix], out: &mut [u8]) {
+    let stride: usize = mats.iter().map(|m| m.row_bytes()).sum();
+    let rows = mats.first().map_or(0, |m| m.rows);
+    assert!(mats.iter().all(|m| m.rows == rows), "interleaved matrices have the same rows");
+    assert_eq!(out.len(), rows * stride, "out holds every row of every matrix");
+    for (r, dst) in out.chunks_exact_mut(stride.max(1)).enumerate() {
+        let mut at = 0;
+        for m in mats {
+            dst[at..at + m.row_bytes()].copy_from_slice(m.row(r));
+            at += m.row_bytes();
+        }
+    }
+}
+
 /// A weight matrix in its file format: `rows` rows of `cols` elements, row-major.
 #[derive(Clone, Copy)]
 pub struct QMatrix<'a> {
@@ -31,7 +49,8 @@ pub struct QMatrix<'a> {
 impl<'a> QMatrix<'a> {
     /// The rows as the kernels' loops read them.
     pub(crate) fn as_rows(&self) -> Rows<'a> {
-        Rows { data: self.data, row_bytes: self.row_bytes() }
+        let row_bytes = self.row_bytes();
+        Rows { data: self.data, row_bytes, stride: row_bytes }
     }
 
     pub fn row_bytes(&self) -> usize {

@@ -780,6 +780,8 @@ pub struct Model {
     pub weights: Weights<'static>,
     pub file: GgufFile,
     built_down_t: OnceLock<Transposed>,
+    /// Per layer, the FFN's rows bundled by neuron, built on first use (`neuron_bundles`).
+    built_bundles: OnceLock<Vec<memmap2::MmapMut>>,
     /// Input-major copies per `LayerMatrix`, built on first use by input sparsity.
     built_input_major: [OnceLock<Transposed>; 6],
     /// Per layer and `InputGroup`, the norm of each input's column across the group's
@@ -1413,6 +1415,7 @@ impl Model {
             weights,
             file,
             built_down_t: OnceLock::new(),
+            built_bundles: OnceLock::new(),
             built_input_major: Default::default(),
             input_norms: OnceLock::new(),
             pool,
@@ -1451,6 +1454,39 @@ impl Model {
         Self::view(built, l, self.config.n_ff, self.config.n_embd)
     }
 
+    /// Layer `l`'s FFN rows bundled by neuron: for neuron j in turn, its gate row (if the FFN
+    /// has a gate), up row and `down_t` row side by side (`matmul::interleave_rows`). One
+    /// token's sparse operator reads a selected neuron as one contiguous run of its bundle, not
+    /// three rows scattered over three matrices: DRAM serves runs faster than scattered rows
+    /// (`cargo bench --bench sparse_ffn`, the "bundle" rows). Built for all layers on the first
+    /// call; costs the FFN's bytes (with `down_t`'s) once more in memory.
+    pub fn neuron_bundles(&self, l: usize) -> &[u8] {
+        let built = self.built_bundles.get_or_init(|| {
+            self.down_t(0); // built first, outside the parallel loop
+            self.install(|| {
+                self.weights
+                    .layers
+                    .par_iter()
+                    .enumerate()
+                    .map(|(l, lw)| {
+                        let mats: Vec<QMatrix> = lw
+                            .ffn_gate
+                            .into_iter()
+                            .chain([lw.dense_up(), self.down_t(l)])
+                            .collect();
+                        let bytes =
+                            self.config.n_ff * mats.iter().map(|m| m.row_bytes()).sum::<usize>();
+                        let mut out = crate::gguf::weight_buffer(bytes)
+                            .expect("anonymous memory for the neuron bundles");
+                        crate::matmul::interleave_rows(&mats, &mut out[..bytes]);
+                        out
+                    })
+                    .collect()
+            })
+        });
+        &built[l]
+    }
+
     /// Layer `l`'s matrix `m` input-major, (cols, rows) of the original: row i is what input i
     /// adds to the output per unit. Built for all layers on the first call (see `transpose`);
     /// None for a gate the layer does not have.
@@ -1486,16 +1522,7 @@ impl Model {
         pick: impl Fn(&LayerWeights<'static>) -> Option<QMatrix<'static>> + Sync,
     ) -> Transposed {
         let source = self.weights.layers.iter().find_map(&pick);
-        let dtype = match source.map(|m| m.dtype) {
-            Some(DType::F32) => DType::F32,
-            Some(DType::F16 | DType::BF16) => DType::F16,
-            _ => DType::Q8_0,
-        };
-        // Q8_0 rows need whole blocks; the loader only accepts quantized files whose widths
-        // are multiples of 32, but a float file could have any width.
-        let out_width = source.map_or(0, |m| m.rows);
-        let dtype =
-            if dtype == DType::Q8_0 && out_width % quant::QK != 0 { DType::F32 } else { dtype };
+        let dtype = source.map_or(DType::Q8_0, Self::transposed_dtype);
         let layers = self.install(|| {
             self.weights
                 .layers
@@ -1511,6 +1538,37 @@ impl Model {
                 .collect()
         });
         Transposed { dtype, layers }
+    }
+
+    /// The type `transpose` stores a copy of `m` in (see there).
+    fn transposed_dtype(m: QMatrix) -> DType {
+        match m.dtype {
+            DType::F32 => DType::F32,
+            DType::F16 | DType::BF16 => DType::F16,
+            // Q8_0 rows need whole blocks; the loader only accepts quantized files whose
+            // widths are multiples of 32, but a float file could have any width.
+            _ if !m.rows.is_multiple_of(quant::QK) => DType::F32,
+            _ => DType::Q8_0,
+        }
+    }
+
+    /// Bytes `neuron_bundles` holds for the whole model (without building anything).
+    pub fn neuron_bundle_bytes(&self) -> usize {
+        let c = &self.config;
+        let down_t_row = |lw: &LayerWeights| match (lw.ffn_down_t, lw.ffn_down) {
+            (Some(m), _) => m.row_bytes(),
+            (None, Some(d)) => Self::transposed_dtype(d).row_bytes(d.rows),
+            (None, None) => 0,
+        };
+        self.weights
+            .layers
+            .iter()
+            .map(|lw| {
+                let gate = lw.ffn_gate.map_or(0, |g| g.row_bytes());
+                let up = lw.ffn_up.map_or(0, |u| u.row_bytes()); // (none: mixture of experts)
+                c.n_ff * (gate + up + down_t_row(lw))
+            })
+            .sum()
     }
 
     fn build_input_norms(&self) -> Vec<[Vec<f32>; 4]> {

@@ -72,6 +72,9 @@ pub(crate) struct PassState {
     pub(crate) stats: FfnStats,
     /// Calibration or capture, watching the pass (see `observe.rs`).
     pub(crate) recorder: Option<Recorder>,
+    /// Whether one token's sparse FFN reads the rows bundled by neuron
+    /// (`Model::neuron_bundles`) rather than the three matrices apart.
+    pub(crate) neuron_bundles: bool,
     /// Mixture-of-experts models: how many of the session's rows each layer routed to each
     /// expert since the last `take_expert_counts` (n_layer * n_expert; empty until counted).
     pub(crate) expert_counts: Vec<u64>,
@@ -83,6 +86,7 @@ impl PassState {
             sparsity,
             stats: FfnStats::default(),
             recorder: None,
+            neuron_bundles: false,
             expert_counts: Vec::new(),
         }
     }

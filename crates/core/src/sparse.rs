@@ -15,7 +15,7 @@
 
 use rayon::prelude::*;
 
-use crate::kernels;
+use crate::kernels::{self, Rows};
 use crate::matmul::{
     matmul, matmul_many, prefetch, simd_level, Activations, OutPtr, QMatrix, SimdLevel,
 };
@@ -33,6 +33,38 @@ pub struct FfnMats<'a> {
     /// enough that the dense kernels are faster (see `DENSE_FRACTION`).
     pub down: Option<QMatrix<'a>>,
     pub act: FfnActivation,
+    /// The same rows bundled by neuron, where the model built them (`Model::neuron_bundles`:
+    /// `interleave_rows` of gate, up and down_t): one token's operator then reads a selected
+    /// neuron's rows as one contiguous run instead of three scattered rows.
+    pub bundles: Option<&'a [u8]>,
+}
+
+impl<'a> FfnMats<'a> {
+    /// Bytes of one neuron's bundle: its gate (if any), up and down_t rows.
+    pub fn bundle_bytes(&self) -> usize {
+        self.gate.map_or(0, |g| g.row_bytes()) + self.up.row_bytes() + self.down_t.row_bytes()
+    }
+
+    /// The rows of `m` as one token's operator reads them: from the bundles, where `m`'s
+    /// rows lie at `offset` in each, or from `m` itself.
+    fn rows_of(&self, m: &QMatrix<'a>, offset: usize) -> Rows<'a> {
+        match self.bundles {
+            Some(b) => {
+                Rows { data: &b[offset..], row_bytes: m.row_bytes(), stride: self.bundle_bytes() }
+            }
+            None => m.as_rows(),
+        }
+    }
+
+    /// Gate (if any), up and down_t rows as one token's operator reads them.
+    fn decode_rows(&self) -> (Option<Rows<'a>>, Rows<'a>, Rows<'a>) {
+        let g = self.gate.map_or(0, |g| g.row_bytes());
+        (
+            self.gate.as_ref().map(|gw| self.rows_of(gw, 0)),
+            self.rows_of(&self.up, g),
+            self.rows_of(&self.down_t, g + self.up.row_bytes()),
+        )
+    }
 }
 
 /// Reusable buffers of the sparse operators (one set per session).
@@ -183,10 +215,23 @@ pub(crate) fn dot_selected(
     out: &mut [f32],
     then: &[&[u8]],
 ) {
-    let four = w.dtype.traits().decode_rows[level as usize] == 4;
+    dot_selected_rows(w.dtype, w.as_rows(), sel, x, level, out, then)
+}
+
+/// `dot_selected` over rows of `dtype` as `rows` lays them out (apart, or in bundles).
+fn dot_selected_rows(
+    dtype: DType,
+    rows: Rows,
+    sel: &[u32],
+    x: &Activations,
+    level: SimdLevel,
+    out: &mut [f32],
+    then: &[&[u8]],
+) {
+    let four = dtype.traits().decode_rows[level as usize] == 4;
     // SAFETY: levels above Scalar are only reported when the CPU has their features, and `x`
     // holds the activation forms of the level's kernels (`Activations::set_for`).
-    unsafe { kernels::selected(w.dtype, level)(w.as_rows(), sel, four, x.token(0), out, then) }
+    unsafe { kernels::selected(dtype, level)(rows, sel, four, x.token(0), out, then) }
 }
 
 /// One token's FFN over the selected neurons only: out (n_embd) = sum over j in `neurons` of
@@ -217,6 +262,7 @@ pub fn sparse_ffn(
     let n_chunks = neurons.len().div_ceil(MIN_CHUNK).clamp(1, threads * CHUNKS_PER_THREAD);
     scratch.acc.resize(n_chunks * n_embd, 0.0);
     let level = simd_level();
+    let rows = m.decode_rows();
     let used: usize = scratch
         .acc
         .par_chunks_mut(n_embd)
@@ -231,15 +277,16 @@ pub fn sparse_ffn(
             let mut alive = [0u32; GROUP];
             for (g, group) in chunk.chunks(GROUP).enumerate() {
                 let (n_active, [t0, t1, t2]) =
-                    group_activations(m, x, group, gate_values, level, &mut vals, &mut alive);
+                    group_activations(m, rows, x, group, gate_values, level, &mut vals, &mut alive);
                 // axpy of each active neuron's down_t row into this chunk's accumulator, four rows
                 // per pass over it, each pass with the next four rows prefetched, the last with
                 // the first rows the next group reads
                 let dtype = m.down_t.dtype;
-                let row = |j: u32| m.down_t.row(j as usize);
-                let first_read = match (gate_values, &m.gate) {
-                    (None, Some(gw)) => gw,
-                    _ => &m.up,
+                let (gate_rows, up_rows, down_rows) = rows;
+                let row = |j: u32| down_rows.row(j as usize);
+                let first_read = match (gate_values, gate_rows) {
+                    (None, Some(gr)) => gr,
+                    _ => up_rows,
                 };
                 let (then, n_then) =
                     next_rows(chunk.get(GROUP * (g + 1)..).unwrap_or(&[]), |j: u32| {
@@ -295,8 +342,10 @@ pub fn sparse_ffn(
 /// the neurons whose activation is nonzero in `alive` and their activations in `vals`, and
 /// returns how many there are, with the marks of the phases (gate, up, activation).
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn group_activations(
     m: &FfnMats,
+    (gate_rows, up_rows, down_rows): (Option<Rows>, Rows, Rows),
     x: &Activations,
     group: &[u32],
     gate_values: Option<&[f32]>,
@@ -307,14 +356,14 @@ fn group_activations(
     let gate_decides = matches!(m.act, FfnActivation::ReGlu | FfnActivation::DReGlu);
     let t0 = mark();
     let mut n_alive = 0;
-    match (gate_values, &m.gate) {
-        (Some(gv), _) => group.iter().enumerate().for_each(|(i, &j)| vals[i] = gv[j as usize]),
-        (None, Some(gw)) => {
+    match (gate_values, &m.gate, gate_rows) {
+        (Some(gv), _, _) => group.iter().enumerate().for_each(|(i, &j)| vals[i] = gv[j as usize]),
+        (None, Some(gw), Some(gr)) => {
             // (the last call prefetches the first up rows: the gate rarely kills all four)
-            let (then, n) = next_rows(group, |j| m.up.row(j as usize));
-            dot_selected(gw, group, x, level, vals, &then[..n])
+            let (then, n) = next_rows(group, |j| up_rows.row(j as usize));
+            dot_selected_rows(gw.dtype, gr, group, x, level, vals, &then[..n])
         }
-        (None, None) => {}
+        _ => {}
     }
     for (i, &j) in group.iter().enumerate() {
         if !(gate_decides && vals[i] <= 0.0) {
@@ -326,8 +375,8 @@ fn group_activations(
     // up, then the activation
     let t1 = mark();
     let mut ups = [0.0f32; GROUP];
-    let (then, n) = next_rows(&alive[..n_alive], |j| m.down_t.row(j as usize));
-    dot_selected(&m.up, &alive[..n_alive], x, level, &mut ups, &then[..n]);
+    let (then, n) = next_rows(&alive[..n_alive], |j| down_rows.row(j as usize));
+    dot_selected_rows(m.up.dtype, up_rows, &alive[..n_alive], x, level, &mut ups, &then[..n]);
     let t2 = mark();
     if let Some(bias) = m.up_bias {
         ups[..n_alive].iter_mut().zip(&alive[..n_alive]).for_each(|(u, &j)| *u += bias[j as usize]);
@@ -850,7 +899,13 @@ mod tests {
                         down_t,
                         down: None,
                         act,
+                        bundles: None,
                     };
+                    // the same rows bundled by neuron: the same bits
+                    let mut bundled = vec![0u8; n_ff * m.bundle_bytes()];
+                    let parts: Vec<QMatrix> = m.gate.into_iter().chain([up, down_t]).collect();
+                    crate::matmul::interleave_rows(&parts, &mut bundled);
+                    let mb = FfnMats { bundles: Some(&bundled), ..m };
                     for density in [0.0, 0.1, 0.5, 1.0] {
                         let mut rng = crate::sampler::Rng::new(7);
                         let neurons: Vec<u32> =
@@ -873,6 +928,10 @@ mod tests {
                             sparse_ffn(&m, &x, &neurons, None, &mut again, &mut scratch);
                         });
                         assert_eq!(got, again, "not deterministic: {dtype:?} {act:?}");
+                        pool.install(|| {
+                            sparse_ffn(&mb, &x, &neurons, None, &mut again, &mut scratch)
+                        });
+                        assert_eq!(got, again, "bundled: {dtype:?} {act:?}");
                         let scale = want.iter().map(|v| v.abs()).fold(1e-3, f64::max);
                         for i in 0..n_embd {
                             let err = (got[i] as f64 - want[i]).abs() / scale;
@@ -890,6 +949,10 @@ mod tests {
                                 sparse_ffn(&m, &x, &neurons, Some(&g), &mut pre, &mut scratch)
                             });
                             assert_eq!(pre, got);
+                            pool.install(|| {
+                                sparse_ffn(&mb, &x, &neurons, Some(&g), &mut pre, &mut scratch)
+                            });
+                            assert_eq!(pre, got, "bundled, gate given: {dtype:?} {act:?}");
                         }
                     }
                 }
@@ -922,8 +985,15 @@ mod tests {
             let (mut g, mut u) = (vec![0.0f32; n_ff], vec![0.0f32; n_ff]);
             pool.install(|| matmul_many(&[gate, up], &x, &mut [&mut g, &mut u]));
             for act in [FfnActivation::SwiGlu, FfnActivation::ReGlu] {
-                let m =
-                    FfnMats { gate: Some(gate), up, up_bias: None, down_t, down: Some(down), act };
+                let m = FfnMats {
+                    gate: Some(gate),
+                    up,
+                    up_bias: None,
+                    down_t,
+                    down: Some(down),
+                    act,
+                    bundles: None,
+                };
                 for skip_every in [0usize, 11] {
                     let neurons: Vec<u32> = (0..n_ff as u32)
                         .filter(|&j| skip_every == 0 || j as usize % skip_every != 3)

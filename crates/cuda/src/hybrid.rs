@@ -1031,6 +1031,7 @@ impl<'a, D: Device> HybridPass<'a, D> {
                 down_t,
                 down: lw.ffn_down,
                 act: c.ffn_activation,
+                bundles: None,
             };
             dev.acts.set(&dev.xb_h, 1, c.n_embd);
             if dev.neurons.is_empty() {
@@ -1596,7 +1597,15 @@ mod tests {
                 act,
             );
             let gpu_part = twin::down(&packed(DType::F32, &pd), &h);
-            let mats = FfnMats { gate: Some(gate), up, up_bias: None, down_t, down: None, act };
+            let mats = FfnMats {
+                gate: Some(gate),
+                up,
+                up_bias: None,
+                down_t,
+                down: None,
+                act,
+                bundles: None,
+            };
             let mut acts = Activations::default();
             acts.set(&x, 1, n_embd);
             let mut scratch = SparseScratch::default();

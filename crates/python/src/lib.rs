@@ -207,6 +207,12 @@ impl PyModel {
         magic_name(self.inner.file.magic)
     }
 
+    /// Bytes the FFN rows bundled by neuron take (built on first use by a session that reads
+    /// them, see `Session.set_neuron_bundles`).
+    fn neuron_bundle_bytes(&self) -> usize {
+        self.inner.neuron_bundle_bytes()
+    }
+
     /// Hyper-parameters as a dict.
     fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = &self.inner.config;
@@ -544,6 +550,15 @@ impl PySession {
             },
         };
         compute(py, || lock_core(&self.inner)?.set_sparsity(sp))
+    }
+
+    /// Whether one token's sparse FFN reads each neuron's rows from its bundle (the model's
+    /// FFN rows interleaved by neuron, built on first use) or from the matrices apart.
+    fn set_neuron_bundles(&self, py: Python<'_>, on: bool) -> PyResult<()> {
+        compute(py, || {
+            lock_core(&self.inner)?.cpu().set_neuron_bundles(on);
+            Ok(())
+        })
     }
 
     /// The sparsity mode in use.

@@ -105,6 +105,9 @@ pub(crate) fn ffn_rows(model: &Model, st: &mut PassState, s: &mut Scratch, l: us
             down_t: model.down_t(l),
             down: lw.ffn_down,
             act,
+            // (dense mode reads every gate row in order: apart, as stored)
+            bundles: (mode != SparsityMode::Dense && st.neuron_bundles)
+                .then(|| model.neuron_bundles(l)),
         };
         let precomputed = (gate_ready && act.has_gate()).then_some(&s.gate[..]);
         sparse_ffn(&mats, &s.acts, &s.neurons, precomputed, &mut s.ffn_out, &mut s.sparse);
