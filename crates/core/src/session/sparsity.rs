@@ -110,15 +110,12 @@ impl Sparsity {
 }
 
 impl Session {
-    /// Whether one token's sparse FFN reads each selected neuron's rows from its bundle
-    /// (`Model::neuron_bundles`: the FFN's bytes once more in memory, built now where the
-    /// session is in a sparse mode, else on its first sparse token) or from the three matrices
+    /// Whether one token's sparse FFN on the CPU reads each selected neuron's rows from its
+    /// bundle (`Model::neuron_bundles`: the FFN's bytes once more in memory, built on the first
+    /// token that reads them, so never where the FFNs run elsewhere) or from the three matrices
     /// apart. The same results either way.
     pub fn set_neuron_bundles(&mut self, on: bool) {
         self.state.neuron_bundles = on;
-        if on && self.state.sparsity.mode() != SparsityMode::Dense {
-            self.model.neuron_bundles(0);
-        }
     }
 
     /// Chooses how the FFNs are computed from now on. Predictor mode needs a predictor in every
