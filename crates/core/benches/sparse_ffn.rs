@@ -8,7 +8,7 @@
 //! the selected rows, each with the next prefetched (the limit for the sparse operator). The
 //! operator is given the row-major down matrix too, as for models that have one, so selections
 //! dense enough for the dense kernels (`sparse::decodes_dense`: the 0% row, and SmolLM2-shape
-//! selections of at least 40%) run through them.
+//! selections of at least 40%, or 60% with bundled rows on several threads) run through them.
 //!
 //!     cargo bench -p powerinfer-core --bench sparse_ffn
 //!

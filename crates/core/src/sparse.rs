@@ -108,18 +108,28 @@ const SHORT_ROW_BYTES: usize = 1024;
 /// 0.82-0.91x and 1.3x on two).
 const DENSE_FRACTION_SHORT_ROWS: f64 = 0.4;
 
+/// `DENSE_FRACTION_SHORT_ROWS` where the rows are bundled by neuron (`FfnMats::bundles`) and
+/// the operator runs on several threads: there the sparse operator beats the dense kernels at
+/// 50% skipped (SmolLM2's shape, 2 threads, 2-core AMD EPYC: Q4_0 1.06-1.29x, Q8_0 1.17-1.31x
+/// against 0.91-0.98x through the dense kernels, AVX2 and AVX-512); on one thread it does not
+/// (0.86-1.00x against 0.89-0.96x), and there the short-row fraction stays.
+const DENSE_FRACTION_SHORT_BUNDLED: f64 = 0.6;
+
 /// Whether `sparse_ffn` computes a selection of `selected` of the `n_ff` neurons as dense
 /// products (only where the model has the row-major down matrix), given the length of a
-/// `down_t` row in bytes.
+/// `down_t` row in bytes and whether the rows are read from bundles. (Called on the threads
+/// the operator runs on: their count is the pool's.)
 pub fn decodes_dense(
     has_down: bool,
     down_t_row_bytes: usize,
+    bundled: bool,
     n_ff: usize,
     selected: usize,
 ) -> bool {
-    let from = match down_t_row_bytes < SHORT_ROW_BYTES {
-        true => DENSE_FRACTION_SHORT_ROWS,
-        false => DENSE_FRACTION,
+    let from = match (down_t_row_bytes < SHORT_ROW_BYTES, bundled) {
+        (true, true) if rayon::current_num_threads() > 1 => DENSE_FRACTION_SHORT_BUNDLED,
+        (true, _) => DENSE_FRACTION_SHORT_ROWS,
+        (false, _) => DENSE_FRACTION,
     };
     has_down && selected as f64 >= from * n_ff as f64
 }
@@ -254,7 +264,8 @@ pub fn sparse_ffn(
     assert_eq!(m.up.rows, m.down_t.rows);
     debug_assert!(neurons.iter().all(|&j| (j as usize) < m.up.rows));
     if let Some(down) = m.down {
-        if decodes_dense(true, m.down_t.row_bytes(), m.up.rows, neurons.len()) {
+        if decodes_dense(true, m.down_t.row_bytes(), m.bundles.is_some(), m.up.rows, neurons.len())
+        {
             return dense_ffn(m, &down, x, neurons, gate_values, out, scratch);
         }
     }

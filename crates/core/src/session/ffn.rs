@@ -75,7 +75,13 @@ pub(crate) fn ffn_rows(model: &Model, st: &mut PassState, s: &mut Scratch, l: us
     let dense_decode = n == 1
         && mode != SparsityMode::Dense
         && !recording
-        && decodes_dense(lw.ffn_down.is_some(), model.down_t(l).row_bytes(), n_ff, selected);
+        && decodes_dense(
+            lw.ffn_down.is_some(),
+            model.down_t(l).row_bytes(),
+            st.neuron_bundles,
+            n_ff,
+            selected,
+        );
     st.stats.weight_bytes += (n * (gate_bytes + lw.dense_up().data.len() + down_bytes)) as u64;
     st.stats.weight_bytes_read += match mode {
         _ if dense_decode => gate_bytes + lw.dense_up().data.len() + down_bytes,
