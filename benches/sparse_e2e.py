@@ -4,13 +4,14 @@
         A ReGLU model with LLaMA-7B layer shape (n_embd 4096, n_ff 11008, 32 heads, Q4_0) and
         fewer layers, written twice with the same weights: in PowerInfer's layout (neuron-major
         `ffn_down_t`, predictors) and as a standard GGUF (row-major `ffn_down`, as llama.cpp
-        reads it). Decode tok/s of three runs:
+        reads it). Decode tok/s of these runs:
           standard dense   every FFN row is read (what a dense engine does with this file);
           dense            PowerInfer layout without predictors: exact, but a neuron whose ReLU
                            gate is <= 0 has its up and down rows skipped, so only the gate matrix
                            is read in full;
           predictor        the predictors choose the neurons; gate, up and down rows are read
-                           only for those.
+                           only for those, from the FFN bundled by neuron (`neuron_bundles`);
+                           "rows apart" reads them from the three matrices instead.
         Beside each ratio it prints the byte-count ideal: the weight bytes per token each side
         reads (attention, predictors, the FFN rows at the measured fractions), dense over sparse.
     python benches/sparse_e2e.py smollm2 [--threads 2]
@@ -136,8 +137,12 @@ def write_synthetic(path: str, n_layer: int, layout: str = "powerinfer", seed: i
 
 
 def paired(engines: dict, prompt_ids, n: int, repeats: int, prefill: dict | None = None) -> dict:
-    """Decode tok/s of each engine, alternating, `repeats` rounds; prefill tok/s into `prefill`."""
+    """Decode tok/s of each engine, alternating, `repeats` rounds; prefill tok/s into `prefill`.
+    An untimed round first: what an engine builds on first use (neuron-major copies, bundles) and
+    the first touch of its weights are load costs, not decode speed."""
     res = {k: [] for k in engines}
+    for e in engines.values():
+        e.generate(prompt_ids, max_tokens=4, ignore_eos=True)
     for _ in range(repeats):
         for k, e in engines.items():
             e.generate(prompt_ids, max_tokens=n, ignore_eos=True)
@@ -180,7 +185,8 @@ def cmd_synthetic(a) -> None:
     engines = {
         "standard dense": load("standard", "dense"),
         "dense": load("powerinfer", "dense"),
-        "predictor": load("powerinfer", "predictor"),
+        "predictor": load("powerinfer", "predictor", neuron_bundles=True),
+        "predictor, rows apart": load("powerinfer", "predictor", neuron_bundles=False),
     }
     # fractions of (token, layer, neuron) triples: truly firing, selected, and both
     check = load("powerinfer", "predictor", predictor_recall=True)
@@ -194,6 +200,7 @@ def cmd_synthetic(a) -> None:
         "dense": by["attention"] + by["ffn_matrix"] * (1 + 2 * active),
         "predictor": by["attention"] + by["predictor"] + by["ffn_matrix"] * (selected + 2 * caught),
     }
+    read["predictor, rows apart"] = read["predictor"]
     pre: dict = {}
     res = paired(engines, prompt, a.tokens, a.repeats, pre)
     tps = {k: statistics.median(v) for k, v in res.items()}
@@ -223,6 +230,11 @@ def cmd_synthetic(a) -> None:
         print(
             f"| {base} | **{m:.2f}x** ({min(ratios):.2f} to {max(ratios):.2f}) | {ideal:.2f}x | {m / ideal:.2f} |"
         )
+    ratios = [p / d for p, d in zip(res["predictor"], res["predictor, rows apart"])]
+    print(
+        f"\npredictor, rows bundled by neuron vs apart: {statistics.median(ratios):.2f}x "
+        f"({min(ratios):.2f} to {max(ratios):.2f})"
+    )
     print()
     for base in ("standard dense", "dense"):
         ratios = [p / d for p, d in zip(pre["predictor"], pre[base])]
