@@ -39,7 +39,7 @@ pub(crate) struct Rows<'a> {
     pub data: &'a [u8],
     pub row_bytes: usize,
     /// Bytes from one row's start to the next's: `row_bytes`, or more where each row lies in
-    /// a neuron's bundle (`sparse::bundle_neurons`).
+    /// a neuron's bundle (`Model::neuron_bundles`).
     pub stride: usize,
 }
 
