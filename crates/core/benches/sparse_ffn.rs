@@ -5,8 +5,8 @@
 //! and 2 threads. Prints the median time of each, their ratio, the ideal ratio 1/(1-s), and the
 //! GB/s of weight bytes each side actually read, beside a plain streaming read of the same bytes
 //! on the same threads (the hardware limit the dense kernels can reach) and a plain read of just
-//! the selected rows, each with the next prefetched (the limit for the sparse operator). The
-//! operator is given the row-major down matrix too, as for models that have one, so selections
+//! the selected rows, each with the next prefetched into L2 (the limit for the sparse operator).
+//! The operator is given the row-major down matrix too, as for models that have one, so selections
 //! dense enough for the dense kernels (`sparse::decodes_dense`: the 0% row, and SmolLM2-shape
 //! selections of at least 40%, or 60% with bundled rows on several threads) run through them.
 //!
@@ -158,11 +158,17 @@ fn stream_read_gbs(bufs: &[&[u8]], rounds: usize) -> f64 {
     stream_or_scatter_gbs(bufs, None, rounds.max(3))
 }
 
+/// How far ahead the scatter read prefetches, in bytes at least: the next row where rows are
+/// long, several rows ahead where they are short (a plain read of SmolLM2-shape bundles, 972
+/// bytes, at 90% skipped: 7-8 GB/s one row ahead, 11-12 four or eight rows ahead, one thread).
+const SCATTER_AHEAD_BYTES: usize = 4096;
+
 /// GB/s of a plain read of the rows `neurons` (sorted) of each matrix of `bufs` (rows of
-/// `row_bytes`), split over the pool's threads in runs of 64 rows, each row read with the next
-/// one prefetched a line at a time: the hardware limit for the sparse operator's reads. Before
-/// each round `evict` is read untimed, so the rows come from DRAM as in the timed operator
-/// (which alternates with the dense block), not from the last round's cache.
+/// `row_bytes`), split over the pool's threads in runs of 64 rows, each row read with the row
+/// `SCATTER_AHEAD_BYTES` ahead prefetched into L2 a line at a time: the hardware limit for the
+/// sparse operator's reads.
+/// Before each round `evict` is read untimed, so the rows come from DRAM as in the timed
+/// operator (which alternates with the dense block), not from the last round's cache.
 fn scatter_read_gbs(
     bufs: &[&[u8]],
     row_bytes: usize,
@@ -180,7 +186,9 @@ fn scatter_read_gbs(
 }
 
 /// The wrapping sum of `c`'s u64 words (so the loads cannot be skipped), with `next`, if any,
-/// prefetched a line per 64 bytes read.
+/// prefetched into L2 a line per 64 bytes read. (Into L2, not L1: on the 2-core AMD EPYC a plain
+/// read of 7B-shape bundles at 90% skipped ran at 11-12 GB/s on one thread and 20-21 on two when
+/// prefetching into L1, whose few outstanding misses stall it, and at 19-20 and 27-29 into L2.)
 fn sum_words(c: &[u8], next: Option<&[u8]>) -> u64 {
     // SAFETY: every bit pattern is a valid u64.
     let (_, words, _) = unsafe { c.align_to::<u64>() };
@@ -190,7 +198,7 @@ fn sum_words(c: &[u8], next: Option<&[u8]>) -> u64 {
         if let Some(n) = next {
             // SAFETY: prefetching is a hint that never faults.
             unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
                     n.as_ptr().wrapping_add(64 * i) as *const i8,
                 )
             };
@@ -223,8 +231,9 @@ fn stream_or_scatter_gbs(bufs: &[&[u8]], rows: Option<(usize, &[u32])>, rounds: 
                     .par_chunks(64)
                     .map(|run| {
                         let row = |j: u32| &b[j as usize * rb..(j as usize + 1) * rb];
+                        let ahead = SCATTER_AHEAD_BYTES.div_ceil(rb);
                         run.iter().enumerate().fold(0u64, |a, (k, &j)| {
-                            a.wrapping_add(sum_words(row(j), run.get(k + 1).map(|&n| row(n))))
+                            a.wrapping_add(sum_words(row(j), run.get(k + ahead).map(|&n| row(n))))
                         })
                     })
                     .reduce(|| 0, |a, b| a.wrapping_add(b)),
