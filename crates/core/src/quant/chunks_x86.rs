@@ -555,31 +555,44 @@ unsafe fn axpy_rows_k4<const R: usize, const Q5: bool>(
             offsets = _mm256_fmadd_ps(_mm256_mul_ps(f16(dmin), m), ar[r], offsets);
         }
         _mm256_storeu_ps(offset.as_mut_ptr(), offsets);
-        for c in 0..8 {
+        // chunks 2g and 2g + 1: the low and high nibbles of the same 32 bytes, each 8 of them
+        // widened to 32-bit lanes once (as they are loaded) for both chunks' 8 weights (a chunk
+        // at a time, each widened its bytes again and shuffled them into place: Q4_K sparse FFN,
+        // 7B shape, AVX2, AMD EPYC, 80% / 90% skipped: 1 thread 0.80-0.83 -> 0.75-0.76 ms at
+        // 90%, 2 threads 0.84 -> 0.77 ms and 0.43 -> 0.39-0.40 ms)
+        for g in 0..4 {
             prefetch.step();
-            let p = yp.add(256 * b + QK * c);
-            let mut acc = [
-                _mm256_loadu_ps(p),
-                _mm256_loadu_ps(p.add(8)),
-                _mm256_loadu_ps(p.add(16)),
-                _mm256_loadu_ps(p.add(24)),
-            ];
+            prefetch.step();
+            let p = yp.add(256 * b + 2 * QK * g);
+            let mut acc: [__m256; 8] = std::array::from_fn(|k| _mm256_loadu_ps(p.add(8 * k)));
             for r in 0..R {
-                let low = shr(load32(qs[r].add(32 * (c / 2))), 4 * (c % 2));
-                let mut v = _mm256_and_si256(low, _mm256_set1_epi8(LOW4));
-                if Q5 {
-                    let high = _mm256_and_si256(has_bit(load32(qh[r]), c), _mm256_set1_epi8(0x10));
-                    v = _mm256_or_si256(v, high);
-                }
-                let w = crate::avx2::i8x32_to_f32x4(v);
-                let s = _mm256_broadcast_ss(&scale[r][c]);
-                for j in 0..4 {
-                    acc[j] = _mm256_fmadd_ps(w[j], s, acc[j]);
+                let widened = |bytes: *const u8, k: usize| {
+                    _mm256_cvtepu8_epi32(_mm_loadl_epi64(bytes.add(8 * k) as *const __m128i))
+                };
+                let (s_lo, s_hi) = (
+                    _mm256_broadcast_ss(&scale[r][2 * g]),
+                    _mm256_broadcast_ss(&scale[r][2 * g + 1]),
+                );
+                for k in 0..4 {
+                    let q = widened(qs[r].add(32 * g), k);
+                    let mut lo = _mm256_and_si256(q, _mm256_set1_epi32(LOW4 as i32));
+                    let mut hi = _mm256_srli_epi32::<4>(q);
+                    if Q5 {
+                        // bit c of qh's byte i: the fifth bit of chunk c's weight i
+                        let h =
+                            _mm256_srl_epi32(widened(qh[r], k), _mm_cvtsi32_si128(2 * g as i32));
+                        let bit4 = _mm256_set1_epi32(0x10);
+                        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi32::<4>(h), bit4));
+                        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi32::<3>(h), bit4));
+                    }
+                    acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), s_lo, acc[k]);
+                    acc[4 + k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), s_hi, acc[4 + k]);
                 }
             }
-            let o = _mm256_broadcast_ss(&offset[c]);
-            for (j, v) in acc.into_iter().enumerate() {
-                _mm256_storeu_ps(p.add(8 * j), _mm256_sub_ps(v, o));
+            let (o_lo, o_hi) =
+                (_mm256_broadcast_ss(&offset[2 * g]), _mm256_broadcast_ss(&offset[2 * g + 1]));
+            for (k, v) in acc.into_iter().enumerate() {
+                _mm256_storeu_ps(p.add(8 * k), _mm256_sub_ps(v, if k < 4 { o_lo } else { o_hi }));
             }
         }
     }
