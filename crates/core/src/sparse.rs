@@ -450,7 +450,7 @@ fn dense_ffn(
         next = j + 1;
     }
     gate[next..].fill(0.0);
-    h.set(gate, 1, n_ff);
+    h.set_for(gate, 1, n_ff, &[*down]);
     matmul(down, h, out);
     used
 }

@@ -35,11 +35,11 @@ pub(crate) fn ffn_rows(model: &Model, st: &mut PassState, s: &mut Scratch, l: us
         Sparsity::Predictor { .. } => {
             // predictor: logits (n, n_ff) = fc2 @ relu(fc1 @ x); keep where logits >= threshold
             let p = lw.predictor.as_ref().expect("checked by set_sparsity");
-            s.pred_acts.set(&s.x, n, dim);
+            s.pred_acts.set_for(&s.x, n, dim, &[p.fc1]);
             s.pred_hidden.resize(n * p.fc1.rows, 0.0);
             matmul(&p.fc1, &s.pred_acts, &mut s.pred_hidden);
             s.pred_hidden.iter_mut().for_each(|v| *v = v.max(0.0));
-            s.pred_acts.set(&s.pred_hidden, n, p.fc1.rows);
+            s.pred_acts.set_for(&s.pred_hidden, n, p.fc1.rows, &[p.fc2]);
             s.pred_logits.resize(n * n_ff, 0.0);
             matmul(&p.fc2, &s.pred_acts, &mut s.pred_logits);
             let cutoff = sp.predictor_cutoff(l).expect("predictor mode");
