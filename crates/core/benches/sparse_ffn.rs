@@ -166,9 +166,9 @@ const SCATTER_AHEAD_BYTES: usize = 4096;
 /// GB/s of a plain read of the rows `neurons` (sorted) of each matrix of `bufs` (rows of
 /// `row_bytes`), split over the pool's threads in runs of 64 rows, each row read with the row
 /// `SCATTER_AHEAD_BYTES` ahead prefetched into L2 a line at a time: the hardware limit for the
-/// sparse operator's reads.
-/// Before each round `evict` is read untimed, so the rows come from DRAM as in the timed
-/// operator (which alternates with the dense block), not from the last round's cache.
+/// sparse operator's reads. Before each round `evict` is read untimed, so the rows come from
+/// DRAM as in the timed operator (which alternates with the dense block), not from the last
+/// round's cache.
 fn scatter_read_gbs(
     bufs: &[&[u8]],
     row_bytes: usize,

@@ -560,15 +560,15 @@ unsafe fn axpy_rows_k4<const R: usize, const Q5: bool>(
         // at a time, each widened its bytes again and shuffled them into place: Q4_K sparse FFN,
         // 7B shape, AVX2, AMD EPYC, 80% / 90% skipped: 1 thread 0.80-0.83 -> 0.75-0.76 ms at
         // 90%, 2 threads 0.84 -> 0.77 ms and 0.43 -> 0.39-0.40 ms)
+        let widened = |bytes: *const u8, k: usize| {
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(bytes.add(8 * k) as *const __m128i))
+        };
         for g in 0..4 {
             prefetch.step();
             prefetch.step();
             let p = yp.add(256 * b + 2 * QK * g);
             let mut acc: [__m256; 8] = std::array::from_fn(|k| _mm256_loadu_ps(p.add(8 * k)));
             for r in 0..R {
-                let widened = |bytes: *const u8, k: usize| {
-                    _mm256_cvtepu8_epi32(_mm_loadl_epi64(bytes.add(8 * k) as *const __m128i))
-                };
                 let (s_lo, s_hi) = (
                     _mm256_broadcast_ss(&scale[r][2 * g]),
                     _mm256_broadcast_ss(&scale[r][2 * g + 1]),
