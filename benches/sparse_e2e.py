@@ -1,8 +1,11 @@
 """End-to-end sparse decoding, both sides in one process, alternating runs, ratio of medians.
 
-    python benches/sparse_e2e.py synthetic [--layers 4] [--threads 2]
+    python benches/sparse_e2e.py synthetic [--layers 4] [--threads 2] [--shape 7b|smollm2]
         A ReGLU model with LLaMA-7B layer shape (n_embd 4096, n_ff 11008, 32 heads, Q4_0) and
-        fewer layers, written twice with the same weights: in PowerInfer's layout (neuron-major
+        fewer layers, or with `--shape smollm2` SmolLM2-135M's (n_embd 576, n_ff 1536, 9 query
+        and 3 key/value heads; 30 layers there are its own count), where the fixed costs of a
+        layer (the predictor's two small products, selection, fork/join) weigh as much as its
+        rows; written twice with the same weights: in PowerInfer's layout (neuron-major
         `ffn_down_t`, predictors) and as a standard GGUF (row-major `ffn_down`, as llama.cpp
         reads it). Decode tok/s of these runs:
           standard dense   every FFN row is read (what a dense engine does with this file);
@@ -41,16 +44,38 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
-N_EMBD, N_FF = 4096, 11008
 Q4_0_BYTES = 18 / 32  # bytes per weight
+
+
+@dataclass(frozen=True)
+class Shape:
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    rank: int  # dimension of the residual stream's subspace; the predictor's hidden is 2 (rank + 1)
+
+    @property
+    def n_kv(self) -> int:
+        return self.n_embd // self.n_head * self.n_head_kv
+
+
+SHAPES = {
+    "7b": Shape(4096, 11008, 32, 32, 255),
+    # (a predictor's hidden of 128: a sixth of the gate's rows' bytes, as 512 is at 7B)
+    "smollm2": Shape(576, 1536, 9, 3, 63),
+}
 #: Output scales of attention and FFN: small, so the residual stream keeps its scale.
 ATTN_OUT_SCALE, DOWN_SCALE = 0.001, 0.0005
 
 
-def write_synthetic(path: str, n_layer: int, layout: str = "powerinfer", seed: int = 0) -> None:
+def write_synthetic(
+    path: str, n_layer: int, layout: str = "powerinfer", seed: int = 0, shape: str = "7b"
+) -> None:
     """The synthetic model; `layout` "powerinfer" (ffn_down_t, predictors, PWRI magic) or
     "standard" (ffn_down, no predictors). The same seed gives the same weights in both."""
     from gguf import GGMLQuantizationType as Q
@@ -63,7 +88,8 @@ def write_synthetic(path: str, n_layer: int, layout: str = "powerinfer", seed: i
     from synth import add_tiny_tokenizer, tiny_vocab
 
     rng = np.random.default_rng(seed)
-    n_embd, n_ff, n_head, r, c = N_EMBD, N_FF, 32, 255, 4.0
+    sh = SHAPES[shape]
+    n_embd, n_ff, n_head, r, c = sh.n_embd, sh.n_ff, sh.n_head, sh.rank, 4.0
     powerinfer = layout == "powerinfer"
     hd = n_embd // n_head
     n_vocab = len(tiny_vocab()[0])
@@ -78,7 +104,7 @@ def write_synthetic(path: str, n_layer: int, layout: str = "powerinfer", seed: i
     w.add_embedding_length(n_embd)
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
-    w.add_head_count_kv(n_head)
+    w.add_head_count_kv(sh.n_head_kv)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(hd)
     if powerinfer:
@@ -101,8 +127,8 @@ def write_synthetic(path: str, n_layer: int, layout: str = "powerinfer", seed: i
     for l in range(n_layer):
         pre = f"blk.{l}."
         w.add_tensor(pre + "attn_norm.weight", np.ones(n_embd, np.float32))
-        for name in ("attn_q", "attn_k", "attn_v"):
-            q4(pre + name + ".weight", rng.standard_normal((n_embd, n_embd)) * 0.02)
+        for name, rows in (("attn_q", n_embd), ("attn_k", sh.n_kv), ("attn_v", sh.n_kv)):
+            q4(pre + name + ".weight", rng.standard_normal((rows, n_embd)) * 0.02)
         q4(pre + "attn_output.weight", B.T @ (rng.standard_normal((r, n_embd)) * ATTN_OUT_SCALE))
         w.add_tensor(pre + "ffn_norm.weight", np.ones(n_embd, np.float32))
         g = rng.standard_normal((n_ff, r)).astype(np.float32)
@@ -118,8 +144,10 @@ def write_synthetic(path: str, n_layer: int, layout: str = "powerinfer", seed: i
             q4(pre + "ffn_down_t.weight", down_t)
             e0 = np.zeros((1, n_embd), np.float32)
             e0[0, 0] = 1.0
-            fc1 = np.concatenate([B, e0, -B, -e0])  # (512, n_embd)
-            fc2 = np.concatenate([g, bias[:, None], -g, -bias[:, None]], axis=1)  # (n_ff, 512)
+            fc1 = np.concatenate([B, e0, -B, -e0])  # (2 (r + 1), n_embd)
+            fc2 = np.concatenate(
+                [g, bias[:, None], -g, -bias[:, None]], axis=1
+            )  # (n_ff, 2 (r + 1))
             q4(pre + "fc1.weight", fc1)
             q4(pre + "fc2.weight", fc2)
         else:
@@ -152,27 +180,30 @@ def paired(engines: dict, prompt_ids, n: int, repeats: int, prefill: dict | None
     return res
 
 
-def layer_bytes(n_layer: int) -> dict:
+def layer_bytes(n_layer: int, sh: Shape) -> dict:
     """Weight bytes per token of the synthetic model's parts (Q4_0)."""
-    mat = N_EMBD * N_EMBD * Q4_0_BYTES
+    hidden = 2 * (sh.rank + 1)
     return {
-        "attention": n_layer * 4 * mat,
-        "ffn_matrix": n_layer * N_FF * N_EMBD * Q4_0_BYTES,  # one of gate, up, down
-        "predictor": n_layer * (512 * N_EMBD + N_FF * 512) * Q4_0_BYTES,
+        "attention": n_layer * (2 * sh.n_embd + 2 * sh.n_kv) * sh.n_embd * Q4_0_BYTES,
+        "ffn_matrix": n_layer * sh.n_ff * sh.n_embd * Q4_0_BYTES,  # one of gate, up, down
+        "predictor": n_layer * (hidden * sh.n_embd + sh.n_ff * hidden) * Q4_0_BYTES,
     }
 
 
 def cmd_synthetic(a) -> None:
     from powerinfer_rs import Engine
 
+    if a.layers is None:
+        a.layers = 30 if a.shape == "smollm2" else 4
     paths = {}
     for layout in ("powerinfer", "standard"):
         path = os.path.join(
-            a.dir or tempfile.gettempdir(), f"powerinfer-synthetic-7b-{a.layers}l-{layout}-v2.gguf"
+            a.dir or tempfile.gettempdir(),
+            f"powerinfer-synthetic-{a.shape}-{a.layers}l-{layout}-v2.gguf",
         )
         if not os.path.exists(path):
             t = time.time()
-            write_synthetic(path + ".tmp", a.layers, layout)
+            write_synthetic(path + ".tmp", a.layers, layout, shape=a.shape)
             os.replace(path + ".tmp", path)
             print(
                 f"wrote {path} ({os.path.getsize(path) / 2**20:.0f} MiB) in {time.time() - t:.0f} s"
@@ -194,7 +225,7 @@ def cmd_synthetic(a) -> None:
     st = check.last_stats
     active, recall, selected = st["ffn_active"], st["predictor_recall"], 1.0 - st["ffn_sparsity"]
     caught = active * recall  # firing and selected: their up and down rows are read
-    by = layer_bytes(a.layers)
+    by = layer_bytes(a.layers, SHAPES[a.shape])
     read = {
         "standard dense": by["attention"] + 3 * by["ffn_matrix"],
         "dense": by["attention"] + by["ffn_matrix"] * (1 + 2 * active),
@@ -205,7 +236,7 @@ def cmd_synthetic(a) -> None:
     res = paired(engines, prompt, a.tokens, a.repeats, pre)
     tps = {k: statistics.median(v) for k, v in res.items()}
     print(
-        f"synthetic ReGLU, 7B layer shape, {a.layers} layers, Q4_0, {a.threads} threads, "
+        f"synthetic ReGLU, {a.shape} layer shape, {a.layers} layers, Q4_0, {a.threads} threads, "
         f"{a.tokens} decoded tokens after a {len(prompt)}-token prompt, {a.repeats} alternating rounds"
     )
     print(
@@ -315,7 +346,8 @@ def main() -> None:
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("synthetic")
-    s.add_argument("--layers", type=int, default=4)
+    s.add_argument("--layers", type=int, default=None, help="default: 4 (7b), 30 (smollm2)")
+    s.add_argument("--shape", choices=sorted(SHAPES), default="7b")
     s.add_argument(
         "--dir",
         default=None,

@@ -401,9 +401,15 @@ pub fn matmul_each(mats: &[QMatrix], xs: &[&Activations], outs: &mut [&mut [f32]
     // first group waits on memory, so fewer, longer tasks: 8 per thread (SmolLM2 Q4_1 128-token
     // prompt 95 -> 88 ms; with 4, 85 ms, but threshold-mode prompts, whose tasks cost unevenly,
     // 240 -> 264 ms).
-    // Decode tokens and row-group prompts take 8 per thread, short batches 16.
-    let target_chunks =
-        threads * if n == 1 || n >= group_min_tokens(simd_level()) { 8 } else { 16 };
+    // Row-group prompts take 8 per thread, short batches 16. A decode token takes 8 per thread
+    // of a large product, and one task per `DECODE_TASK_BYTES` of a small one (one per thread
+    // at least).
+    let target_chunks = if n == 1 {
+        let bytes: usize = mats.iter().map(|m| m.data.len()).sum();
+        (bytes / DECODE_TASK_BYTES).clamp(threads, threads * 8)
+    } else {
+        threads * if n >= group_min_tokens(simd_level()) { 8 } else { 16 }
+    };
     let chunk = (total_rows.div_ceil(target_chunks)).clamp(4, 4096).next_multiple_of(4);
     // Task k covers rows of one matrix; first_task[i] is matrix i's first task. Fixed-size
     // arrays up to MAX_MATS matrices, so that a decode step's projections allocate nothing.
@@ -452,6 +458,15 @@ unsafe fn copy_values(v: &[f32], dst: *mut f32) {
         len => std::ptr::copy_nonoverlapping(v.as_ptr(), dst, len),
     }
 }
+
+/// Fewest weight bytes per task of a one-token product. A task costs more than its rows: its
+/// split and steal, and the misses on its first rows before its prefetching runs ahead. In a
+/// small model's products (SmolLM2's 576 x 576 is 187 KB at Q4_0, its predictors' 41 and
+/// 110 KB) 8 tasks per thread were a few kilobytes each: 2-core AMD EPYC, AVX2, 2 threads, a
+/// 1536 x 576 Q4_0 product from cache 24.7 -> 18.8 us with 4 tasks; `sparse_e2e.py synthetic
+/// --shape smollm2`, alternating in one process, predictor mode 1.04-1.14x, dense 1.05-1.09x;
+/// the 7B shape's products (1 MB and more) keep 8 per thread.
+const DECODE_TASK_BYTES: usize = 32 << 10;
 
 /// Most matrices one `matmul_many` call takes (q, k, v and a few more).
 const MAX_MATS: usize = 8;

@@ -102,7 +102,7 @@ pub(crate) fn ffn_rows(model: &Model, st: &mut PassState, s: &mut Scratch, l: us
         s.neurons.clear();
         match mode {
             SparsityMode::Dense => s.neurons.extend(0..n_ff as u32),
-            _ => s.neurons.extend((0..n_ff as u32).filter(|&j| s.keep[j as usize])),
+            _ => indices_of_true(&s.keep[..n_ff], &mut s.neurons),
         }
         let mats = FfnMats {
             gate: lw.ffn_gate,
@@ -241,7 +241,34 @@ fn union_of_selections(
     for row in keep[..n * n_ff].chunks_exact(n_ff) {
         any.iter_mut().zip(row).for_each(|(a, &k)| *a |= k);
     }
-    union.extend((0..n_ff as u32).filter(|&j| any[j as usize]));
+    indices_of_true(any, union);
+}
+
+/// `out` = the indices of the true values of `keep`, in order. Eight flags are read as one
+/// word and their bits gathered: a selection is random, so a branch per neuron mispredicts on
+/// most selected ones (one-token decode of a SmolLM2-shape model, one thread, `perf`: the
+/// filter one neuron at a time held 1.8% of the samples, this 0.7%).
+fn indices_of_true(keep: &[bool], out: &mut Vec<u32>) {
+    out.clear();
+    out.resize(keep.len(), 0);
+    let mut n = 0;
+    let mut put = |base: usize, mut bits: u64| {
+        while bits != 0 {
+            out[n] = (base + bits.trailing_zeros() as usize) as u32;
+            n += 1;
+            bits &= bits - 1;
+        }
+    };
+    let mut words = keep.chunks_exact(8);
+    for (w, flags) in (&mut words).enumerate() {
+        // flags are bytes 0 or 1: bit 8k of the word is flag k; the multiply gathers them
+        // into the top byte, flag k at bit 56 + k
+        let word = u64::from_le_bytes(std::array::from_fn(|k| flags[k] as u8));
+        put(8 * w, word.wrapping_mul(0x0102_0408_1020_4080) >> 56);
+    }
+    let tail = words.remainder();
+    put(keep.len() - tail.len(), tail.iter().enumerate().fold(0, |b, (k, &f)| b | (f as u64) << k));
+    out.truncate(n);
 }
 
 /// Sparse prefill: the FFN of a batch over the union of its tokens' selections (s.neurons).
@@ -355,6 +382,27 @@ fn count_recall(stats: &mut FfnStats, h: &[f32], keep: &[bool]) {
         if v != 0.0 {
             stats.truly_active += 1;
             stats.truly_active_selected += k as u64;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::indices_of_true;
+
+    /// The gathered bits give the indices a plain filter gives, for any flags and lengths
+    /// (whole words, tails, none true, all true).
+    #[test]
+    fn indices_of_true_equals_the_filter() {
+        let mut rng = crate::sampler::Rng::new(3);
+        let mut out = vec![7];
+        for len in [0, 1, 7, 8, 9, 63, 64, 65, 1536, 11008] {
+            for p in [0.0, 0.1, 0.5, 1.0] {
+                let keep: Vec<bool> = (0..len).map(|_| rng.next_f32() < p).collect();
+                indices_of_true(&keep, &mut out);
+                let want: Vec<u32> = (0..len as u32).filter(|&j| keep[j as usize]).collect();
+                assert_eq!(out, want, "len {len}, p {p}");
+            }
         }
     }
 }
