@@ -144,10 +144,9 @@ def write_synthetic(
             q4(pre + "ffn_down_t.weight", down_t)
             e0 = np.zeros((1, n_embd), np.float32)
             e0[0, 0] = 1.0
-            fc1 = np.concatenate([B, e0, -B, -e0])  # (2 (r + 1), n_embd)
-            fc2 = np.concatenate(
-                [g, bias[:, None], -g, -bias[:, None]], axis=1
-            )  # (n_ff, 2 (r + 1))
+            # fc1 (2 (r + 1), n_embd), fc2 (n_ff, 2 (r + 1))
+            fc1 = np.concatenate([B, e0, -B, -e0])
+            fc2 = np.concatenate([g, bias[:, None], -g, -bias[:, None]], axis=1)
             q4(pre + "fc1.weight", fc1)
             q4(pre + "fc2.weight", fc2)
         else:
