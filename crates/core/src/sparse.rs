@@ -75,8 +75,9 @@ pub struct SparseScratch {
     up: Vec<f32>,    // (n_ff) dense up pre-activations (dense fallback)
     h: Activations,  // (1, n_ff) the masked activations as the down product reads them
     ht: Vec<f32>,    // (n_ff, n_tokens) activations transposed, for `down_t_matmul`
-    nz: Vec<u32>,    // neurons with a nonzero activation for some token (and not in `tiled`)
+    nz: Vec<u32>,    // one token's neurons with a nonzero activation
     tiled: Vec<u32>, // neurons enough tokens need to go through `tiled_axpy`
+    tiled_bits: Vec<u64>, // (n_ff / 64) the same neurons as bits
 }
 
 /// Fewest neurons per chunk: below this the per-task cost outweighs the balance it buys.
@@ -455,23 +456,12 @@ fn dense_ffn(
     used
 }
 
-fn f32_bytes(x: &[f32]) -> &[u8] {
-    // SAFETY: any f32 is four valid bytes; the length is scaled accordingly.
-    unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u8, std::mem::size_of_val(x)) }
-}
-
-/// From how many tokens a neuron's slice is dequantized once rather than decoded by the axpy
-/// kernels for each: `benches/sparse_e2e.py synthetic --layers 2` (a neuron in about 7 of 32
-/// tokens) gains with direct decoding (64-token dense-mode prompt 140 -> 113-120 ms), SmolLM2's
-/// threshold mode (a neuron in about half of 128 tokens) lost with it alone (245 -> 290 ms).
-const DEQUANTIZE_FROM: usize = 8;
-
-/// Neurons at least this share of a batch's tokens need (and `DEQUANTIZE_FROM`) go through
-/// `tiled_axpy` for all the tokens, zeros included: its register tiles do a fused multiply-add
-/// per value where the per-token axpy loads and stores the output row for each (64-token
-/// prompts of `sparse_e2e.py synthetic --layers 2`, down projection 40 -> 28 ms with the
-/// prefetching of the others' slices).
+/// Neurons at least this share of a batch's tokens need (and at least `TILED_MIN` tokens) go
+/// through `tiled_axpy` for all the tokens, zeros included: its register tiles do a fused
+/// multiply-add per value where the per-token axpy loads and stores the output row for each
+/// (64-token prompts of `sparse_e2e.py synthetic --layers 2`, down projection 40 -> 28 ms).
 const TILED_FROM: f64 = 0.25;
+const TILED_MIN: usize = 8;
 
 /// Neurons per pass of `tiled_axpy` (their dequantized slices stay in L2).
 const TILED_CHUNK: usize = 32;
@@ -581,12 +571,11 @@ unsafe fn tiled_axpy(
 
 /// The down projection of a batch from the neuron-major matrix: out (n, n_embd) =
 /// h (n, n_ff) @ down_t (n_ff, n_embd). (Any product read through an input-major copy has this
-/// shape: input sparsity uses it for every matrix.) Neurons that are zero for every token are
-/// skipped; each task owns a range of output columns for all tokens. Neurons a good share of
-/// the tokens need are dequantized a chunk at a time and added for every token in register
-/// tiles (`TILED_FROM`); of the rest, a slice that few tokens need goes to the axpy kernels as
-/// stored, once per token (as one token's does), one that more need is dequantized once and
-/// read as floats by each (`DEQUANTIZE_FROM`).
+/// shape: input sparsity uses it for every matrix.) Zero values are skipped. Neurons a good
+/// share of the tokens need are dequantized a chunk at a time and added for every token in
+/// register tiles (`TILED_FROM`), each task owning a range of output columns; the others go
+/// token by token, each task owning whole rows of the output, as one token's decode adds them:
+/// a token's nonzero neurons' rows as stored, four per pass over its row.
 pub fn down_t_matmul(
     down_t: &QMatrix,
     h: &[f32],
@@ -597,38 +586,21 @@ pub fn down_t_matmul(
     let (n_ff, n_embd) = (down_t.rows, down_t.cols);
     assert_eq!(h.len(), n * n_ff);
     assert_eq!(out.len(), n * n_embd);
-    // h transposed to (n_ff, n): one neuron's values for all tokens are contiguous.
-    scratch.ht.resize(n_ff * n, 0.0);
-    scratch.nz.clear();
-    scratch.tiled.clear();
-    let tiled_from = (TILED_FROM * n as f64).max(DEQUANTIZE_FROM as f64);
-    for j in 0..n_ff {
-        let mut count = 0;
-        for t in 0..n {
-            let v = h[t * n_ff + j];
-            scratch.ht[j * n + t] = v;
-            count += (v != 0.0) as usize;
-        }
-        if n > 1 && count as f64 >= tiled_from {
-            scratch.tiled.push(j as u32);
-        } else if count > 0 {
-            scratch.nz.push(j as u32);
-        }
-    }
     out.fill(0.0);
     let threads = rayon::current_num_threads().max(1);
-    let unit = down_t.dtype.block_len().max(32);
-    let width = (n_embd.div_ceil(threads * CHUNKS_PER_THREAD))
-        .next_multiple_of(unit)
-        .min(n_embd.next_multiple_of(unit));
-    let n_tasks = n_embd.div_ceil(width);
-    let (ht, nz, tiled) = (&scratch.ht, &scratch.nz, &scratch.tiled);
     let level = simd_level();
     let optr = OutPtr(out.as_mut_ptr());
     if n == 1 {
+        scratch.nz.clear();
+        scratch.nz.extend((0..n_ff as u32).filter(|&j| h[j as usize] != 0.0));
+        let nz = &scratch.nz;
+        let unit = down_t.dtype.block_len().max(32);
+        let width = (n_embd.div_ceil(threads * CHUNKS_PER_THREAD))
+            .next_multiple_of(unit)
+            .min(n_embd.next_multiple_of(unit));
         // one token: each kept row's slice goes to the axpy kernels as it is stored, four
         // rows per pass over the task's columns
-        (0..n_tasks).into_par_iter().for_each(|task| {
+        (0..n_embd.div_ceil(width)).into_par_iter().for_each(|task| {
             let c0 = task * width;
             let c1 = (c0 + width).min(n_embd);
             let (b0, b1) = (down_t.dtype.row_bytes(c0), down_t.dtype.row_bytes(c1));
@@ -643,67 +615,110 @@ pub fn down_t_matmul(
                     level,
                     down_t.dtype,
                     [0, 1, 2, 3].map(|k| slice(q[k])),
-                    [0, 1, 2, 3].map(|k| ht[q[k] as usize]),
+                    [0, 1, 2, 3].map(|k| h[q[k] as usize]),
                     y,
                     &next[..n],
                 );
             }
             for &j in quads.remainder() {
-                axpy(level, down_t.dtype, slice(j), ht[j as usize], y, &[]);
+                axpy(level, down_t.dtype, slice(j), h[j as usize], y, &[]);
             }
         });
         return;
     }
-    (0..n_tasks).into_par_iter().for_each(|task| {
-        let c0 = task * width;
-        let c1 = (c0 + width).min(n_embd);
-        let (b0, b1) = (down_t.dtype.row_bytes(c0), down_t.dtype.row_bytes(c1));
-        let mut w = vec![0.0f32; TILED_CHUNK.min(tiled.len()).max(1) * (c1 - c0)];
-        for (c, chunk) in tiled.chunks(TILED_CHUNK).enumerate() {
-            for (k, &j) in chunk.iter().enumerate() {
-                if let Some(&ahead) = tiled.get(c * TILED_CHUNK + k + 2) {
-                    prefetch(&down_t.row(ahead as usize)[b0..b1]);
+
+    // h transposed to (n_ff, n) (one neuron's values for all tokens contiguous, as the tiles
+    // read them), and the neurons that go through the tiles, as a list and as bits
+    scratch.ht.resize(n_ff * n, 0.0);
+    scratch.tiled.clear();
+    scratch.tiled_bits.clear();
+    scratch.tiled_bits.resize(n_ff.div_ceil(64), 0);
+    let tiled_from = (TILED_FROM * n as f64).max(TILED_MIN as f64);
+    for j in 0..n_ff {
+        let mut count = 0;
+        for t in 0..n {
+            let v = h[t * n_ff + j];
+            scratch.ht[j * n + t] = v;
+            count += (v != 0.0) as usize;
+        }
+        if count as f64 >= tiled_from {
+            scratch.tiled.push(j as u32);
+            scratch.tiled_bits[j / 64] |= 1 << (j % 64);
+        }
+    }
+    let (ht, tiled, tiled_bits) = (&scratch.ht, &scratch.tiled, &scratch.tiled_bits);
+    if !tiled.is_empty() {
+        let unit = down_t.dtype.block_len().max(32);
+        let width = (n_embd.div_ceil(threads * CHUNKS_PER_THREAD))
+            .next_multiple_of(unit)
+            .min(n_embd.next_multiple_of(unit));
+        (0..n_embd.div_ceil(width)).into_par_iter().for_each(|task| {
+            let c0 = task * width;
+            let c1 = (c0 + width).min(n_embd);
+            let (b0, b1) = (down_t.dtype.row_bytes(c0), down_t.dtype.row_bytes(c1));
+            let mut w = vec![0.0f32; TILED_CHUNK.min(tiled.len()) * (c1 - c0)];
+            for (c, chunk) in tiled.chunks(TILED_CHUNK).enumerate() {
+                for (k, &j) in chunk.iter().enumerate() {
+                    if let Some(&ahead) = tiled.get(c * TILED_CHUNK + k + 2) {
+                        prefetch(&down_t.row(ahead as usize)[b0..b1]);
+                    }
+                    quant::dequantize_row(
+                        down_t.dtype,
+                        &down_t.row(j as usize)[b0..b1],
+                        &mut w[k * (c1 - c0)..(k + 1) * (c1 - c0)],
+                    );
                 }
-                quant::dequantize_row(
+                // SAFETY: this task alone touches columns c0..c1 of every token's row (n rows
+                // of n_embd, asserted above)
+                unsafe { tiled_axpy(level, &w, c1 - c0, ht, n, chunk, optr.at(c0), n_embd) };
+            }
+        });
+    }
+    // the other neurons, token by token. (Split by columns, every task scanned every neuron's
+    // values for every token, a mispredicted branch per nonzero, and its axpys covered a few
+    // blocks each: `sparse_e2e.py synthetic --shape smollm2`'s PowerInfer-layout model, 128-token
+    // prompt, dense mode, 2-core AMD EPYC, 2 threads: 0.55x the standard layout's prompt speed
+    // -> 1.0x, with the dense products for the gate and up.)
+    let tasks = n.min(threads * CHUNKS_PER_THREAD);
+    (0..tasks).into_par_iter().for_each_init(Vec::new, |nz: &mut Vec<u32>, task| {
+        for t in n * task / tasks..n * (task + 1) / tasks {
+            let ht_row = &h[t * n_ff..(t + 1) * n_ff];
+            nonzero_untiled(ht_row, tiled_bits, nz);
+            // SAFETY: this task alone writes token t's row, within out (n * n_embd)
+            let y = unsafe { std::slice::from_raw_parts_mut(optr.at(t * n_embd), n_embd) };
+            let row = |j: u32| down_t.row(j as usize);
+            let mut quads = nz.chunks_exact(4);
+            for (i, q) in (&mut quads).enumerate() {
+                let (next, k) = next_rows(nz.get(4 * i + 4..4 * i + 8).unwrap_or(&[]), row);
+                axpy4(
+                    level,
                     down_t.dtype,
-                    &down_t.row(j as usize)[b0..b1],
-                    &mut w[k * (c1 - c0)..(k + 1) * (c1 - c0)],
+                    [0, 1, 2, 3].map(|k| row(q[k])),
+                    [0, 1, 2, 3].map(|k| ht_row[q[k] as usize]),
+                    y,
+                    &next[..k],
                 );
             }
-            // SAFETY: this task alone touches columns c0..c1 of every token's row (n rows of
-            // n_embd, asserted above)
-            unsafe { tiled_axpy(level, &w, c1 - c0, ht, n, chunk, optr.at(c0), n_embd) };
-        }
-        for (i, &j) in nz.iter().enumerate() {
-            // the slices two neurons on, on their way: the rows are scattered and a slice is
-            // a few lines, too short for the hardware prefetchers, and its first token's axpy
-            // waited on memory for each block
-            if let Some(&ahead) = nz.get(i + 2) {
-                prefetch(&down_t.row(ahead as usize)[b0..b1]);
-            }
-            let j = j as usize;
-            let hs = &ht[j * n..(j + 1) * n];
-            // a neuron that few tokens need: its slice to the axpy kernels as stored, once per
-            // token; else dequantized once and read as floats by each
-            let few = hs.iter().filter(|&&v| v != 0.0).count() < DEQUANTIZE_FROM;
-            let (dtype, slice) = if few {
-                (down_t.dtype, &down_t.row(j)[b0..b1])
-            } else {
-                quant::dequantize_row(down_t.dtype, &down_t.row(j)[b0..b1], &mut w[..c1 - c0]);
-                (DType::F32, f32_bytes(&w[..c1 - c0]))
-            };
-            for (t, &hv) in hs.iter().enumerate() {
-                if hv != 0.0 {
-                    // SAFETY: this task alone writes columns c0..c1 of every token's row, and
-                    // out.len() == n * n_embd was asserted above.
-                    let y = unsafe {
-                        std::slice::from_raw_parts_mut(optr.at(t * n_embd + c0), c1 - c0)
-                    };
-                    axpy(level, dtype, slice, hv, y, &[]);
-                }
+            for &j in quads.remainder() {
+                axpy(level, down_t.dtype, row(j), ht_row[j as usize], y, &[]);
             }
         }
     });
+}
+
+/// The neurons j of one token's values `h` (n_ff) with h[j] != 0 and bit j of `tiled` clear,
+/// in order, into `out`: 64 flags gathered into a word at a time, no branch per neuron.
+fn nonzero_untiled(h: &[f32], tiled: &[u64], out: &mut Vec<u32>) {
+    out.clear();
+    for (w, vals) in h.chunks(64).enumerate() {
+        let mut bits =
+            vals.iter().enumerate().fold(0u64, |b, (k, &v)| b | ((v != 0.0) as u64) << k);
+        bits &= !tiled[w];
+        while bits != 0 {
+            out.push((64 * w) as u32 + bits.trailing_zeros());
+            bits &= bits - 1;
+        }
+    }
 }
 
 #[cfg(test)]
