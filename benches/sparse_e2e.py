@@ -208,9 +208,13 @@ def cmd_synthetic(a) -> None:
                 f"wrote {path} ({os.path.getsize(path) / 2**20:.0f} MiB) in {time.time() - t:.0f} s"
             )
         paths[layout] = path
-    prompt = list(range(3, 35))
     load = lambda layout, mode, **kw: Engine.load(
-        paths[layout], threads=a.threads, n_ctx=512, sparsity=mode, device="cpu", **kw
+        paths[layout],
+        threads=a.threads,
+        n_ctx=max(512, a.prompt + a.tokens + 8),
+        sparsity=mode,
+        device="cpu",
+        **kw,
     )
     engines = {
         "standard dense": load("standard", "dense"),
@@ -218,6 +222,9 @@ def cmd_synthetic(a) -> None:
         "predictor": load("powerinfer", "predictor", neuron_bundles=True),
         "predictor, rows apart": load("powerinfer", "predictor", neuron_bundles=False),
     }
+    # token ids past the tiny vocabulary's specials, cycling through it for long prompts
+    n_vocab = engines["dense"].n_vocab
+    prompt = [3 + i % (n_vocab - 3) for i in range(a.prompt)]
     # fractions of (token, layer, neuron) triples: truly firing, selected, and both
     check = load("powerinfer", "predictor", predictor_recall=True)
     check.generate(prompt, max_tokens=a.tokens)
@@ -354,6 +361,7 @@ def main() -> None:
     )
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--tokens", type=int, default=32)
+    s.add_argument("--prompt", type=int, default=32, help="prompt tokens (prefill tok/s)")
     s.add_argument("--repeats", type=int, default=5)
     s.set_defaults(func=cmd_synthetic)
     m = sub.add_parser("smollm2")

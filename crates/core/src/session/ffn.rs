@@ -273,29 +273,41 @@ fn union_ffn(
         }
         (None, true) => {}
     }
-    // h (n, n_ff) in s.up: act(gate, up) where the token selected the neuron, else 0
+    // h (n, n_ff) in s.up: act(gate, up) where the token selected the neuron, else 0. Token by
+    // token in parallel: the selected rows' values in a row, the activation over all of them,
+    // then each kept or not (no branch on the selection, which is random; the cells left out
+    // hold stale, finite values).
     s.up.resize(n * n_ff, 0.0);
     s.up.fill(0.0);
-    let up_bias = lw.ffn_up_b.as_deref();
-    for t in 0..n {
-        let (keep, h) = (&s.keep[t * n_ff..(t + 1) * n_ff], &mut s.up[t * n_ff..(t + 1) * n_ff]);
-        for (k, &j) in sel.iter().enumerate() {
-            // every cell's value, then kept or not: no branch on the selection, which is
-            // random (the cells left out hold stale, finite values)
-            let j = j as usize;
-            let bias = up_bias.map_or(0.0, |b| b[j]);
-            let gate = if gate_ready {
-                s.gate[t * n_ff + j]
-            } else {
-                s.sel_gate[t * m + k] + if lw.ffn_gate.is_none() { bias } else { 0.0 }
-            };
-            let v = match lw.ffn_gate {
-                Some(_) => act.apply(gate, s.sel_up[t * m + k] + bias),
-                None => act.apply(0.0, gate),
-            };
-            h[j] = if keep[j] { v } else { 0.0 };
-        }
+    if m == 0 {
+        return down_t_matmul(down_t, &s.up, n, &mut s.ffn_out, &mut s.sparse);
     }
+    let (gated, up_bias) = (lw.ffn_gate.is_some(), lw.ffn_up_b.as_deref());
+    let (gate, keep) = (&s.gate, &s.keep);
+    s.up[..n * n_ff]
+        .par_chunks_mut(n_ff)
+        .zip(s.sel_gate.par_chunks_mut(m))
+        .zip(s.sel_up.par_chunks_mut(m))
+        .enumerate()
+        .for_each(|(t, ((h, sel_gate), sel_up))| {
+            // the values `apply_all` reads: gateless, sel_gate holds up, and sel_up is free
+            let (g, u) = if gated { (sel_gate, sel_up) } else { (sel_up, sel_gate) };
+            if gate_ready {
+                // the dense gate (gateless: up + bias) computed before
+                let dense = &gate[t * n_ff..(t + 1) * n_ff];
+                let into = if gated { &mut *g } else { &mut *u };
+                into.iter_mut().zip(sel).for_each(|(v, &j)| *v = dense[j as usize]);
+            }
+            if let Some(b) = up_bias.filter(|_| gated || !gate_ready) {
+                u.iter_mut().zip(sel).for_each(|(v, &j)| *v += b[j as usize]);
+            }
+            act.apply_all(g, u);
+            let keep = &keep[t * n_ff..(t + 1) * n_ff];
+            for (&v, &j) in g.iter().zip(sel) {
+                let j = j as usize;
+                h[j] = if keep[j] { v } else { 0.0 };
+            }
+        });
     down_t_matmul(down_t, &s.up, n, &mut s.ffn_out, &mut s.sparse);
 }
 
