@@ -98,7 +98,19 @@ impl FfnActivation {
             // SAFETY: has_avx2 means the CPU has avx2, fma and f16c; the lengths are equal.
             return unsafe { crate::avx2::activate(self == FfnActivation::GeGlu, gate, Some(up)) };
         }
-        gate.iter_mut().zip(up).for_each(|(g, &u)| *g = self.apply(*g, u));
+        // one loop per activation, so that each compiles to vector code (a match per neuron
+        // kept ReGLU's in scalars: 1536 neurons, 2-core AMD EPYC, several microseconds)
+        macro_rules! each {
+            ($act:expr) => {
+                gate.iter_mut().zip(up).for_each(|(g, &u)| *g = $act.apply(*g, u))
+            };
+        }
+        match self {
+            FfnActivation::ReGlu => each!(FfnActivation::ReGlu),
+            FfnActivation::DReGlu => each!(FfnActivation::DReGlu),
+            FfnActivation::Relu => each!(FfnActivation::Relu),
+            other => each!(other),
+        }
     }
 
     /// x[i] = gate_part(x[i]) for every value (the same bits; SiLU and GELU in 8 lanes where

@@ -436,22 +436,21 @@ fn dense_ffn(
         // gateless: the activation reads only up
         (None, None) => matmul(&m.up, x, up),
     }
-    // act(gate, up) for every neuron (in lanes), then zero where not selected (the gate buffer
-    // becomes h)
+    // act(gate, up) for every neuron (in lanes), then kept where selected
     if let Some(bias) = m.up_bias {
         up.iter_mut().zip(bias).for_each(|(u, b)| *u += b);
     }
     m.act.apply_all(gate, up);
+    // the selected neurons' activations into zeros (up's buffer): a fill per gap between
+    // selected neurons cost a call each
+    up.fill(0.0);
     let mut used = 0;
-    let mut next = 0;
     for &j in neurons {
         let j = j as usize;
-        gate[next..j].fill(0.0);
+        up[j] = gate[j];
         used += (gate[j] != 0.0) as usize;
-        next = j + 1;
     }
-    gate[next..].fill(0.0);
-    h.set_for(gate, 1, n_ff, &[*down]);
+    h.set_for(up, 1, n_ff, &[*down]);
     matmul(down, h, out);
     used
 }
