@@ -402,7 +402,7 @@ pub fn matmul_each(mats: &[QMatrix], xs: &[&Activations], outs: &mut [&mut [f32]
     // prompt 95 -> 88 ms; with 4, 85 ms, but threshold-mode prompts, whose tasks cost unevenly,
     // 240 -> 264 ms).
     // Row-group prompts take 8 per thread, short batches 16. A decode token takes 8 per thread
-    // of a large product, and one task per `DECODE_TASK_BYTES` of a small one (one per thread
+    // of a large product, and one task per `DECODE_TASK_BYTES` of a smaller one (one per thread
     // at least).
     let target_chunks = if n == 1 {
         let bytes: usize = mats.iter().map(|m| m.data.len()).sum();
@@ -460,13 +460,14 @@ unsafe fn copy_values(v: &[f32], dst: *mut f32) {
 }
 
 /// Fewest weight bytes per task of a one-token product. A task costs more than its rows: its
-/// split and steal, and the misses on its first rows before its prefetching runs ahead. In a
-/// small model's products (SmolLM2's 576 x 576 is 187 KB at Q4_0, its predictors' 41 and
-/// 110 KB) 8 tasks per thread were a few kilobytes each: 2-core AMD EPYC, AVX2, 2 threads, a
-/// 1536 x 576 Q4_0 product from cache 24.7 -> 18.8 us with 4 tasks; `sparse_e2e.py synthetic
-/// --shape smollm2`, alternating in one process, predictor mode 1.04-1.14x, dense 1.05-1.09x;
-/// the 7B shape's products (1 MB and more) keep 8 per thread.
-const DECODE_TASK_BYTES: usize = 32 << 10;
+/// split and steal, and the misses on its first rows before its prefetching runs ahead. So a
+/// small model's products run one task per thread: SmolLM2's are 41 KB to 0.5 MB at Q4_0, and
+/// were cut into 8 tasks per thread, then (a0e0ea3) into tasks of 32 KB, 2 to 15 of them. 2-core
+/// AMD EPYC, alternating in one process: SmolLM2-135M Q4_1 decode 231 -> 258 tok/s on 2 threads,
+/// 160 -> 177 on one; `sparse_e2e.py synthetic --shape smollm2` standard dense 1.12-1.17x,
+/// predictor mode 1.10-1.14x; a 1536 x 576 Q4_0 product from DRAM, 2 threads, 26 -> 21 us.
+/// The 7B shape's products (9 MB and more) keep their 16 tasks (the same within noise).
+const DECODE_TASK_BYTES: usize = 256 << 10;
 
 /// Most matrices one `matmul_many` call takes (q, k, v and a few more).
 const MAX_MATS: usize = 8;
