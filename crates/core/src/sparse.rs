@@ -589,14 +589,15 @@ pub fn down_t_matmul(
     let threads = rayon::current_num_threads().max(1);
     let level = simd_level();
     let optr = OutPtr(out.as_mut_ptr());
+    // the output columns of a task where tasks split them
+    let unit = down_t.dtype.block_len().max(32);
+    let width = (n_embd.div_ceil(threads * CHUNKS_PER_THREAD))
+        .next_multiple_of(unit)
+        .min(n_embd.next_multiple_of(unit));
     if n == 1 {
         scratch.nz.clear();
         scratch.nz.extend((0..n_ff as u32).filter(|&j| h[j as usize] != 0.0));
         let nz = &scratch.nz;
-        let unit = down_t.dtype.block_len().max(32);
-        let width = (n_embd.div_ceil(threads * CHUNKS_PER_THREAD))
-            .next_multiple_of(unit)
-            .min(n_embd.next_multiple_of(unit));
         // one token: each kept row's slice goes to the axpy kernels as it is stored, four
         // rows per pass over the task's columns
         (0..n_embd.div_ceil(width)).into_par_iter().for_each(|task| {
@@ -606,22 +607,7 @@ pub fn down_t_matmul(
             // SAFETY: this task alone writes columns c0..c1, and out.len() == n_embd.
             let y = unsafe { std::slice::from_raw_parts_mut(optr.at(c0), c1 - c0) };
             let slice = |j: u32| &down_t.row(j as usize)[b0..b1];
-            let mut quads = nz.chunks_exact(4);
-            for (i, q) in (&mut quads).enumerate() {
-                // the next quad's slices on their way (scattered rows, a few lines each)
-                let (next, n) = next_rows(nz.get(4 * i + 4..4 * i + 8).unwrap_or(&[]), slice);
-                axpy4(
-                    level,
-                    down_t.dtype,
-                    [0, 1, 2, 3].map(|k| slice(q[k])),
-                    [0, 1, 2, 3].map(|k| h[q[k] as usize]),
-                    y,
-                    &next[..n],
-                );
-            }
-            for &j in quads.remainder() {
-                axpy(level, down_t.dtype, slice(j), h[j as usize], y, &[]);
-            }
+            add_rows(level, down_t.dtype, nz, slice, |j| h[j as usize], y);
         });
         return;
     }
@@ -647,10 +633,6 @@ pub fn down_t_matmul(
     }
     let (ht, tiled, tiled_bits) = (&scratch.ht, &scratch.tiled, &scratch.tiled_bits);
     if !tiled.is_empty() {
-        let unit = down_t.dtype.block_len().max(32);
-        let width = (n_embd.div_ceil(threads * CHUNKS_PER_THREAD))
-            .next_multiple_of(unit)
-            .min(n_embd.next_multiple_of(unit));
         (0..n_embd.div_ceil(width)).into_par_iter().for_each(|task| {
             let c0 = task * width;
             let c1 = (c0 + width).min(n_embd);
@@ -686,23 +668,30 @@ pub fn down_t_matmul(
             // SAFETY: this task alone writes token t's row, within out (n * n_embd)
             let y = unsafe { std::slice::from_raw_parts_mut(optr.at(t * n_embd), n_embd) };
             let row = |j: u32| down_t.row(j as usize);
-            let mut quads = nz.chunks_exact(4);
-            for (i, q) in (&mut quads).enumerate() {
-                let (next, k) = next_rows(nz.get(4 * i + 4..4 * i + 8).unwrap_or(&[]), row);
-                axpy4(
-                    level,
-                    down_t.dtype,
-                    [0, 1, 2, 3].map(|k| row(q[k])),
-                    [0, 1, 2, 3].map(|k| ht_row[q[k] as usize]),
-                    y,
-                    &next[..k],
-                );
-            }
-            for &j in quads.remainder() {
-                axpy(level, down_t.dtype, row(j), ht_row[j as usize], y, &[]);
-            }
+            add_rows(level, down_t.dtype, nz, row, |j| ht_row[j as usize], y);
         }
     });
+}
+
+/// y += sum over j in `nz` of a(j) * row(j), in order: four rows per pass over y, each pass
+/// with the next four rows on their way (scattered rows, a few lines each).
+fn add_rows<'a>(
+    level: SimdLevel,
+    dtype: DType,
+    nz: &[u32],
+    row: impl Fn(u32) -> &'a [u8],
+    a: impl Fn(u32) -> f32,
+    y: &mut [f32],
+) {
+    let mut quads = nz.chunks_exact(4);
+    for (i, q) in (&mut quads).enumerate() {
+        let (next, n) = next_rows(nz.get(4 * i + 4..4 * i + 8).unwrap_or(&[]), &row);
+        let q = [q[0], q[1], q[2], q[3]];
+        axpy4(level, dtype, q.map(&row), q.map(&a), y, &next[..n]);
+    }
+    for &j in quads.remainder() {
+        axpy(level, dtype, row(j), a(j), y, &[]);
+    }
 }
 
 /// The neurons j of one token's values `h` (n_ff) with h[j] != 0 and bit j of `tiled` clear,
