@@ -50,7 +50,7 @@ def main() -> None:
         "date": a.date,
         "commands": {
             "build_here": "scripts/gpu_bundle.sh",
-            "stage_there": "scripts/gpu_suite.sh --stage   (carrying .gpu-model: SmolLM2's first part)",
+            "stage_there": "scripts/gpu_suite.sh --stage   (twice: carrying .gpu-model, then .gpu-model2: SmolLM2's first two parts, the kernel tests)",
             "suite_there": f"scripts/gpu_suite.sh {a.args}   (carrying .gpu: kernel tests, pytest -m gpu, benches/hybrid_13b.py, benches/moe_hybrid.py, benches/gpu_kquants.py, benches/gpu_smollm2.py)",
             "collect": f'python scripts/gpu_json.py RESULTS_DIR --args "{a.args}"',
         },

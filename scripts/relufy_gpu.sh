@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # A real relufy run on a GPU machine reached by short remote calls: SmolLM2-135M relufied on
 # the packed documentation corpus, then the offline pipeline on the result, in about 15 minutes
-# of GPU time. Here first: scripts/gpu_bundle.sh (wheel, SmolLM2 in two parts) and
+# of GPU time. Here first: scripts/gpu_bundle.sh (wheel, SmolLM2 in three parts) and
 # scripts/relufy_bundle.sh (the corpus). Then, on the GPU machine, one call after another (a
-# machine left idle goes back within a minute, and /tmp with it):
+# machine left idle goes back within half a minute, and /tmp with it):
 #
-#   1. carry .gpu-model:   scripts/relufy_gpu.sh stage                 SmolLM2's first part -> /tmp
-#   2. carry .gpu-corpus:  scripts/relufy_gpu.sh stage                 the corpus -> /tmp
+#   1. carry .gpu-model:                scripts/relufy_gpu.sh stage   SmolLM2's first part -> /tmp
+#   2. carry .gpu-model2 and .gpu-corpus: scripts/relufy_gpu.sh stage   its second part and the corpus
 #   3. carry .gpu:         scripts/relufy_gpu.sh start [relufy args]   installs, assembles SmolLM2, starts
 #                          training in the background (setsid; default: --minutes 7, reglu, Q4_0
 #                          out, quantization-aware)
@@ -18,8 +18,6 @@
 #
 # Where device time is short, 3-5 become two calls with nothing idle between training and the
 # pipeline (both run in one background job whose files land in /tmp/relufy/out):
-#   (.gpu with the working tree is just under a call's 64 MiB once .gpu/gpu_kernels, which only
-#   the GPU suite needs, is moved aside)
 #   3'. carry .gpu:        scripts/relufy_gpu.sh run SECONDS [relufy args]  starts both, waits up to
 #                          SECONDS, and brings the results back if they are done by then
 #   4'. scripts/relufy_gpu.sh collect SECONDS   waits for the rest and brings the results back
@@ -39,7 +37,7 @@ model_path() {
 
 case "${1:-}" in
 stage)
-    [ -f .gpu-model/part1 ] && cp .gpu-model/part1 /tmp/smollm2.part1 && echo "staged SmolLM2 part 1"
+    scripts/gpu_suite.sh --stage
     if [ -f .gpu-corpus/corpus.npz ]; then
         mkdir -p "$W/corpus" && cp -r .gpu-corpus/. "$W/corpus/" && echo "staged the corpus ($(du -sh "$W/corpus" | cut -f1))"
     fi

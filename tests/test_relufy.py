@@ -6,6 +6,7 @@ token shard, and bad input (each a clear error, the input model untouched)."""
 import hashlib
 import json
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -187,6 +188,30 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path, corpus):
         _run(
             src, corpus, tmp_path / "x.gguf", settings=_settings(l1=0.0), resume=part["checkpoint"]
         )
+
+
+def test_a_compiled_student_trains_as_the_eager_one(tmp_path, corpus):
+    """torch.compile (on CUDA by default, here asked for on the CPU) traces the student, in
+    float and training for a Q4_0 file, with no fallback to eager training. In float the
+    learning curve is the eager one to float32 rounding (the compiled kernels fuse and reorder
+    sums); for Q4_0 such a difference flips a few weights' 4-bit rounding, a whole step each,
+    so there the curve is held to a few percent."""
+    src = write_model(tmp_path / "m.gguf", n_embd=64, n_ff=96, seed=3)
+    for qat, rel in (("", 1e-3), ("q4_0", 0.1)):
+        settings = _settings(steps=4, l1=0.5, qat=qat)
+        outtype = qat or "f32"
+        eager = _run(src, corpus, tmp_path / "e.gguf", settings=settings, outtype=outtype)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled = _run(
+                src, corpus, tmp_path / "c.gguf", settings=settings, outtype=outtype, compile=True
+            )
+        assert not [w for w in caught if "torch.compile" in str(w.message)], [
+            str(w.message) for w in caught
+        ]
+        for a, b in zip(eager["curve"], compiled["curve"], strict=True):
+            for key in ("ppl", "kl", "zero_share"):
+                assert b[key] == pytest.approx(a[key], rel=rel), (qat, key, a, b)
 
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])

@@ -300,7 +300,9 @@ def relufy(
             )
         state = _restore(torch, resume, student, opt, settings, fingerprint)
     compiled = None
-    if cuda and (compile is None or compile):
+    # compiled on CUDA unless told not to; on the CPU only when asked (the compile takes longer
+    # than a short run there)
+    if compile or (compile is None and cuda):
         try:
             compiled = torch.compile(student)
         except Exception as e:  # pragma: no cover - depends on the CUDA toolchain
@@ -320,7 +322,8 @@ def relufy(
         b = torch.tensor(blend, dtype=torch.float32, device=dev)
         try:
             with autocast:
-                s_logits, l1, zeros = (compiled or student)(
+                # `compiled or student` would ask the compiled module's len()
+                s_logits, l1, zeros = (student if compiled is None else compiled)(
                     x, blend=b, activation=settings.activation, stats=True
                 )
         except Exception as e:  # pragma: no cover - torch.compile failing at its first call
