@@ -76,6 +76,12 @@ F16_FIELDS = {
 # MXFP4 (gpt-oss's experts): a one-byte power-of-two scale first
 RANDOM_BLOCK_TYPES = (*F16_FIELDS, Q.MXFP4)
 
+# Tensors of more values than this only benchmarks write (tests' models are tiny): their random
+# blocks are drawn without the floats other types draw, and scaled from the decoded deviation
+# of their first blocks, since drawing and decoding every value took minutes of a benchmark's
+# set-up (a Qwen3-30B-A3B-shape layer's experts: 600M values).
+BIG_TENSOR = 1 << 22
+
 
 def random_blocks(dtype: Q, rows: int, cols: int, scale: float, rng) -> np.ndarray:
     """(rows, row bytes) of valid `dtype` blocks with random integer fields and random-signed
@@ -103,7 +109,8 @@ def random_blocks(dtype: Q, rows: int, cols: int, scale: float, rng) -> np.ndarr
 
     state = rng.bit_generator.state
     set_scales(1.0)
-    std = float(dequantize(raw.reshape(rows, -1), dtype).std())
+    n_std = n_blocks if n_blocks * block_len <= BIG_TENSOR else BIG_TENSOR // block_len
+    std = float(dequantize(raw[:n_std], dtype).std())
     rng.bit_generator.state = state  # the same signs and magnitudes, rescaled
     set_scales(scale / std)
     return raw.reshape(rows, -1)
@@ -233,9 +240,11 @@ def write_model(
             return
         t = dtype if t is None else t
         lead = () if stack is None else (stack,)
+        big = (stack or 1) * rows * cols > BIG_TENSOR
         # (drawn for every type, the random-block ones too, so that each file's later tensors
-        # stay what they were)
-        a = (rng.standard_normal((*lead, rows, cols)) * scale * weight_scale).astype(np.float32)
+        # stay what they were; not for big random-block tensors, see BIG_TENSOR)
+        if not (big and t in RANDOM_BLOCK_TYPES):
+            a = (rng.standard_normal((*lead, rows, cols)) * scale * weight_scale).astype(np.float32)
         if t in RANDOM_BLOCK_TYPES:
             assert shift is None, "random blocks take no shift"
             blocks = random_blocks(t, (stack or 1) * rows, cols, scale * weight_scale, rng)
