@@ -5,16 +5,19 @@ Measures prefill tok/s (one batch of --prompt-tokens) and decode tok/s (--gen-to
 tokens after that prompt) and prints the ratios (powerinfer-rs / llama.cpp; > 1 means faster).
 
     python benches/e2e_vs_llamacpp.py --threads 2
+    python benches/e2e_vs_llamacpp.py --device cuda --out smollm2_cuda.json   # both wholly on the GPU
 
 llama-cpp-python must be built from source with flags this CPU supports, e.g. on AVX2 machines:
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF \
       -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF" pip install --no-binary llama-cpp-python llama-cpp-python
+and for --device cuda with GGML_CUDA=on (scripts/llamacpp_cuda.sh builds it on a GPU machine).
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import statistics
 import time
@@ -35,22 +38,34 @@ def prompt_text() -> str:
 class Ours:
     name = "powerinfer-rs"
 
-    def __init__(self, path: str, threads: int, n_ctx: int, mmap: bool = False):
-        from powerinfer_rs import _core
+    def __init__(
+        self, path: str, threads: int, n_ctx: int, mmap: bool = False, device: str = "cpu"
+    ):
+        from powerinfer_rs import Engine, _core
 
         self._core = _core
-        # as Engine.load on the CPU: the weights copied into memory unless `mmap`
-        self.model = _core.Model(path, threads, not mmap)
         self.n_ctx = n_ctx
+        self.engine = None
+        if device == "cpu":
+            # as Engine.load on the CPU: the weights copied into memory unless `mmap`
+            self.model = _core.Model(path, threads, not mmap)
+        else:
+            # no budget: every layer wholly on the device
+            self.engine = Engine.load(path, device=device, n_ctx=n_ctx, threads=threads)
+
+    def _session(self):
+        if self.engine is not None:
+            return self.engine._session(self.n_ctx)
+        return self._core.Session(self.model, self.n_ctx)
 
     def prefill(self, ids: list[int]) -> float:
-        s = self._core.Session(self.model, self.n_ctx)
+        s = self._session()
         t = time.perf_counter()
         s.eval(ids)
         return time.perf_counter() - t
 
     def decode(self, ids: list[int], n: int) -> tuple[float, list[int]]:
-        s = self._core.Session(self.model, self.n_ctx)
+        s = self._session()
         greedy = self._core.Sampler(temperature=0.0)
         tok = s.eval_and_sample(ids, greedy)
         out = [tok]
@@ -64,11 +79,14 @@ class Ours:
 class LlamaCpp:
     name = "llama.cpp"
 
-    def __init__(self, path: str, threads: int, n_ctx: int, n_batch: int, mmap: bool = False):
+    def __init__(
+        self, path: str, threads: int, n_ctx: int, n_batch: int, mmap: bool = False, gpu=False
+    ):
         from llama_cpp import Llama
 
         self.llm = Llama(
             model_path=path,
+            n_gpu_layers=-1 if gpu else 0,  # -1: every layer on the GPU
             use_mmap=mmap,
             n_ctx=n_ctx,
             n_batch=n_batch,
@@ -118,6 +136,14 @@ def main() -> None:
         help="both read the weights from the file's map (default: both copy them into memory at "
         "load, as powerinfer-rs does on the CPU and llama.cpp with --no-mmap)",
     )
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda: both engines hold the whole model on the GPU (llama.cpp built with "
+        "GGML_CUDA=on)",
+    )
+    ap.add_argument("--out", default=None, help="JSON file of the results")
     args = ap.parse_args()
 
     from powerinfer_rs import Engine, default_model_path
@@ -129,8 +155,8 @@ def main() -> None:
         raise SystemExit(f"prompt text has only {len(ids)} tokens")
 
     engines = [
-        Ours(path, args.threads, n_ctx, args.mmap),
-        LlamaCpp(path, args.threads, n_ctx, args.prompt_tokens, args.mmap),
+        Ours(path, args.threads, n_ctx, args.mmap, args.device),
+        LlamaCpp(path, args.threads, n_ctx, args.prompt_tokens, args.mmap, args.device == "cuda"),
     ]
     prefill = {e.name: [] for e in engines}
     decode = {e.name: [] for e in engines}
@@ -150,7 +176,8 @@ def main() -> None:
             break
         same += 1
     print(
-        f"model: {os.path.basename(path)}  threads: {args.threads}  repeats: {args.repeats} (median shown)"
+        f"model: {os.path.basename(path)}  device: {args.device}  threads: {args.threads}  "
+        f"repeats: {args.repeats} (median shown)"
     )
     print(
         f"| engine | prefill tok/s ({args.prompt_tokens} tokens) | decode tok/s ({args.gen_tokens} tokens) |"
@@ -170,6 +197,32 @@ def main() -> None:
     print(
         f"greedy decode: the first {same} of {len(tokens['llama.cpp'])} tokens are identical to llama.cpp's"
     )
+    if args.out:
+        rows = {}
+        for kind, runs in (("prefill_tok_s", prefill), ("decode_tok_s", decode)):
+            ours, theirs = runs["powerinfer-rs"], runs["llama.cpp"]
+            ratios = [a / b for a, b in zip(ours, theirs)]
+            rows[kind] = {
+                "ours": statistics.median(ours),
+                "theirs": statistics.median(theirs),
+                "ratio": statistics.median(ratios),
+                "ratio_range": [min(ratios), max(ratios)],
+            }
+        with open(args.out, "w") as fh:
+            json.dump(
+                {
+                    "model": os.path.basename(path),
+                    "device": args.device,
+                    "threads": args.threads,
+                    "prompt_tokens": args.prompt_tokens,
+                    "gen_tokens": args.gen_tokens,
+                    "repeats": args.repeats,
+                    **rows,
+                    "greedy_tokens_identical": same,
+                },
+                fh,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":
