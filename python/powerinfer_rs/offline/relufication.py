@@ -17,7 +17,8 @@ or dReLU (`relu(gate) * relu(up)`, TurboSparse's), and the model is trained to r
 Batches are windows of the packed training tokens at offsets drawn from a generator seeded by
 (seed, step), so a run is repeatable and a resumed run reads the batches an uninterrupted one
 would. On CUDA both models run under bf16 autocast (float32 weights, bf16 products) and the
-student is compiled (`torch.compile`) where that works; on the CPU everything is float32, and slow.
+student is compiled (`torch.compile`) where that works (on the CPU only with `compile=True`: the
+compile takes longer than a short run); on the CPU everything is float32, and slow.
 
 Output: a GGUF the engine reads (the source's metadata and tokenizer, `{arch}.ffn_activation`
 set, 2-D weights in F16 / Q8_0 / Q4_0 / F32, norms in F32) and a JSON report: per-layer share of
