@@ -33,7 +33,9 @@ pub(crate) fn ffn_rows(model: &Model, st: &mut PassState, s: &mut Scratch, l: us
     // layout) with a ReLU gate: the gate through the dense kernels, then up and down only for
     // the neurons it leaves positive, exactly as dense. (The fused operator over every neuron,
     // gate dots included, was 1.21x slower on one thread and 1.13x on two decoding the
-    // relufied SmolLM2 in Q4_0, 2-core AMD EPYC, alternating.)
+    // relufied SmolLM2 in Q4_0, 2-core AMD EPYC, alternating. With 80% or 50% of the neurons
+    // selected by a predictor the dense gate was no faster in `cargo bench --bench sparse_ffn`:
+    // 0.80-1.04x and 0.77-1.00x the selected-row dots' speed.)
     let exact_gate_skip = n == 1
         && matches!(sp, Sparsity::Dense)
         && lw.ffn_down.is_none()
