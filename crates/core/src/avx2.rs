@@ -519,8 +519,8 @@ pub unsafe fn dot_float<const N: usize>(
     let n8 = n / 8 * 8;
     // the next row (float rows go one per call) is prefetched a line per 64 bytes of this
     // row (see `matmul::dot_row`): a test per step, cheaper than `Prefetch`'s count in a loop
-    // of one load and N fused multiply-adds
-    debug_assert!(next.len() <= 1, "float rows prefetch one next row");
+    // of one load and N fused multiply-adds. Only the first of `next`: a selection's last
+    // call passes the up to four rows its caller reads next.
     let next = next.first().copied().unwrap_or(&[]);
     let eb = dtype.block_bytes();
     let mut k = 0;
