@@ -445,6 +445,26 @@ pub fn matmul_each(mats: &[QMatrix], xs: &[&Activations], outs: &mut [&mut [f32]
     });
 }
 
+/// out[r - rows.start] = w_r . x for the rows `rows` of `w` and one token, on this thread (a
+/// task's own product inside a parallel pass, `sparse::predicted_ffn`). The values `matmul`
+/// computes.
+pub(crate) fn matmul_serial(
+    w: &QMatrix,
+    rows: std::ops::Range<usize>,
+    x: &Activations,
+    out: &mut [f32],
+) {
+    assert_eq!(x.n, 1, "matmul_serial takes one token");
+    assert_eq!(w.cols, x.cols, "matmul: weight has {} columns, input has {}", w.cols, x.cols);
+    assert!(rows.end <= w.rows && out.len() == rows.len());
+    let r0 = rows.start;
+    let out = OutPtr(out.as_mut_ptr());
+    // SAFETY: put writes rows r0..rows.end at r - r0, inside `out`, asserted above
+    rows_for_all_tokens(w, rows, x, simd_level(), |_, r, v| unsafe {
+        copy_values(v, out.at(r - r0))
+    });
+}
+
 /// Copies `v` to `dst`: a whole row group's values (16 or 8) as one fixed-size move, which
 /// compiles to vector stores rather than a `memcpy` call.
 ///

@@ -78,6 +78,7 @@ pub struct SparseScratch {
     nz: Vec<u32>,    // one token's neurons with a nonzero activation
     tiled: Vec<u32>, // neurons enough tokens need to go through `tiled_axpy`
     tiled_bits: Vec<u64>, // (n_ff / 64) the same neurons as bits
+    tasks: Vec<PredictorTask>, // `predicted_ffn`'s, one per thread
 }
 
 /// Fewest neurons per chunk: below this the per-task cost outweighs the balance it buys.
@@ -279,64 +280,79 @@ pub fn sparse_ffn(
     let n_chunks = neurons.len().div_ceil(MIN_CHUNK).clamp(1, threads * DECODE_CHUNKS_PER_THREAD);
     scratch.acc.resize(n_chunks * n_embd, 0.0);
     let level = simd_level();
-    let rows = m.decode_rows();
     let used: usize = scratch
         .acc
         .par_chunks_mut(n_embd)
         .enumerate()
         .map(|(k, acc)| {
-            acc.fill(0.0);
             let chunk = &neurons[neurons.len() * k / n_chunks..neurons.len() * (k + 1) / n_chunks];
-            let mut used = 0;
-            // Per group of neurons, three passes that each stream one matrix: gate dots, up dots
-            // for the neurons still alive, then axpys four rows at a time.
-            let mut vals = [0.0f32; GROUP]; // gate values, then activations
-            let mut alive = [0u32; GROUP];
-            for (g, group) in chunk.chunks(GROUP).enumerate() {
-                let (n_active, [t0, t1, t2]) =
-                    group_activations(m, rows, x, group, gate_values, level, &mut vals, &mut alive);
-                // axpy of each active neuron's down_t row into this chunk's accumulator, four rows
-                // per pass over it, each pass with the next four rows prefetched, the last with
-                // the first rows the next group reads
-                let dtype = m.down_t.dtype;
-                let (gate_rows, up_rows, down_rows) = rows;
-                let row = |j: u32| down_rows.row(j as usize);
-                let first_read = match (gate_values, gate_rows) {
-                    (None, Some(gr)) => gr,
-                    _ => up_rows,
-                };
-                let (then, n_then) =
-                    next_rows(chunk.get(GROUP * (g + 1)..).unwrap_or(&[]), |j: u32| {
-                        first_read.row(j as usize)
-                    });
-                for (q, quad) in alive[..n_active].chunks(4).enumerate() {
-                    let (next, n) = next_rows(
-                        alive[..n_active]
-                            .get(4 * (q + 1)..(4 * (q + 2)).min(n_active))
-                            .unwrap_or(&[]),
-                        row,
-                    );
-                    let next = if n == 0 { &then[..n_then] } else { &next[..n] };
-                    let a = &vals[4 * q..4 * q + quad.len()];
-                    if let [j0, j1, j2, j3] = *quad {
-                        let rows = [j0, j1, j2, j3].map(row);
-                        axpy4(level, dtype, rows, [a[0], a[1], a[2], a[3]], acc, next);
-                    } else {
-                        for (&j, &aj) in quad.iter().zip(a) {
-                            axpy(level, dtype, row(j), aj, acc, next);
-                        }
-                    }
-                }
-                used += n_active;
-                add_phases([t0, t1, t2, mark()]);
-            }
-            used
+            chunk_ffn(m, x, chunk, gate_values, level, acc)
         })
         .sum();
+    sum_chunks(&scratch.acc, n_chunks, out);
+    used
+}
 
-    // Sum the chunk accumulators in chunk order: on this thread where that is a few
-    // microseconds (a fork/join costs as much), else by column ranges in parallel.
-    let acc = &scratch.acc;
+/// One chunk of `sparse_ffn`'s neurons into its own accumulator `acc` (n_embd), zeroed first:
+/// per group of neurons, three passes that each stream one matrix: gate dots, up dots for the
+/// neurons still alive, then axpys four rows at a time. Returns how many neurons reached the
+/// down projection.
+fn chunk_ffn(
+    m: &FfnMats,
+    x: &Activations,
+    chunk: &[u32],
+    gate_values: Option<&[f32]>,
+    level: SimdLevel,
+    acc: &mut [f32],
+) -> usize {
+    acc.fill(0.0);
+    let rows = m.decode_rows();
+    let mut used = 0;
+    let mut vals = [0.0f32; GROUP]; // gate values, then activations
+    let mut alive = [0u32; GROUP];
+    for (g, group) in chunk.chunks(GROUP).enumerate() {
+        let (n_active, [t0, t1, t2]) =
+            group_activations(m, rows, x, group, gate_values, level, &mut vals, &mut alive);
+        // axpy of each active neuron's down_t row into this chunk's accumulator, four rows
+        // per pass over it, each pass with the next four rows prefetched, the last with
+        // the first rows the next group reads
+        let dtype = m.down_t.dtype;
+        let (gate_rows, up_rows, down_rows) = rows;
+        let row = |j: u32| down_rows.row(j as usize);
+        let first_read = match (gate_values, gate_rows) {
+            (None, Some(gr)) => gr,
+            _ => up_rows,
+        };
+        let (then, n_then) = next_rows(chunk.get(GROUP * (g + 1)..).unwrap_or(&[]), |j: u32| {
+            first_read.row(j as usize)
+        });
+        for (q, quad) in alive[..n_active].chunks(4).enumerate() {
+            let (next, n) = next_rows(
+                alive[..n_active].get(4 * (q + 1)..(4 * (q + 2)).min(n_active)).unwrap_or(&[]),
+                row,
+            );
+            let next = if n == 0 { &then[..n_then] } else { &next[..n] };
+            let a = &vals[4 * q..4 * q + quad.len()];
+            if let [j0, j1, j2, j3] = *quad {
+                let rows = [j0, j1, j2, j3].map(row);
+                axpy4(level, dtype, rows, [a[0], a[1], a[2], a[3]], acc, next);
+            } else {
+                for (&j, &aj) in quad.iter().zip(a) {
+                    axpy(level, dtype, row(j), aj, acc, next);
+                }
+            }
+        }
+        used += n_active;
+        add_phases([t0, t1, t2, mark()]);
+    }
+    used
+}
+
+/// out = the sum of the n_chunks accumulators in `acc` (n_chunks, out.len()), in chunk order:
+/// on this thread where that is a few microseconds (a fork/join costs as much), else by column
+/// ranges in parallel.
+fn sum_chunks(acc: &[f32], n_chunks: usize, out: &mut [f32]) {
+    let n_embd = out.len();
     let reduce = |(c, o): (usize, &mut [f32])| {
         let c0 = c * REDUCE_COLS;
         o.copy_from_slice(&acc[c0..c0 + o.len()]);
@@ -350,7 +366,77 @@ pub fn sparse_ffn(
     } else {
         out.par_chunks_mut(REDUCE_COLS).enumerate().for_each(reduce);
     }
-    used
+}
+
+/// What one task of `predicted_ffn` keeps between tokens (so that a token allocates nothing).
+#[derive(Default)]
+pub struct PredictorTask {
+    hidden: Vec<f32>,         // (hidden) relu(fc1 . x)
+    hidden_acts: Activations, // the same as fc2 reads it
+    logits: Vec<f32>,         // (the task's neurons) fc2's rows of them . hidden
+    neurons: Vec<u32>,        // the task's selected neurons
+}
+
+/// Predictors whose first matrix is at most this many bytes run inside the sparse operator's
+/// parallel pass (`predicted_ffn`): computing fc1 once per thread costs no more than the task of
+/// `matmul`'s that would have held it (`matmul::DECODE_TASK_BYTES`).
+pub const FUSED_PREDICTOR_FC1_BYTES: usize = 256 << 10;
+
+/// One token's FFN in predictor mode, the predictor inside the operator's one parallel pass:
+/// each task (one per thread) computes the predictor's hidden layer relu(fc1 . xp) itself,
+/// fc2's logits for its own range of neurons, keeps those at or above `cutoff`
+/// (`Sparsity::predictor_selects`), and runs them through `sparse_ffn`'s passes into its own
+/// accumulator; the accumulators are summed in task order. Where the predictor's products and
+/// the selection between them took two parallel passes and a serial one of their own, on
+/// SmolLM2's shape each about as long as a pass over its rows. `xp` is the predictor's input
+/// (the residual stream), `x` the FFN's (the normed input). Returns how many neurons were
+/// selected and how many reached the down projection.
+#[allow(clippy::too_many_arguments)]
+pub fn predicted_ffn(
+    m: &FfnMats,
+    fc1: &QMatrix,
+    fc2: &QMatrix,
+    xp: &Activations,
+    x: &Activations,
+    cutoff: f32,
+    out: &mut [f32],
+    scratch: &mut SparseScratch,
+) -> (usize, usize) {
+    let (n_embd, n_ff) = (m.down_t.cols, m.up.rows);
+    assert_eq!(x.n, 1, "predicted_ffn takes one token");
+    assert_eq!(xp.n, 1, "predicted_ffn takes one token");
+    assert_eq!(out.len(), n_embd);
+    assert_eq!((fc1.cols, fc2.rows, fc2.cols), (xp.cols, n_ff, fc1.rows), "predictor shape");
+    let n_tasks = rayon::current_num_threads().max(1);
+    scratch.acc.resize(n_tasks * n_embd, 0.0);
+    scratch.tasks.resize_with(n_tasks, Default::default);
+    let level = simd_level();
+    let (selected, used) = scratch
+        .acc
+        .par_chunks_mut(n_embd)
+        .zip(scratch.tasks.par_iter_mut())
+        .enumerate()
+        .map(|(k, (acc, t))| {
+            t.hidden.resize(fc1.rows, 0.0);
+            crate::matmul::matmul_serial(fc1, 0..fc1.rows, xp, &mut t.hidden);
+            t.hidden.iter_mut().for_each(|v| *v = v.max(0.0));
+            t.hidden_acts.set_for(&t.hidden, 1, fc1.rows, &[*fc2]);
+            let range = n_ff * k / n_tasks..n_ff * (k + 1) / n_tasks;
+            t.logits.resize(range.len(), 0.0);
+            crate::matmul::matmul_serial(fc2, range.clone(), &t.hidden_acts, &mut t.logits);
+            // the selected neurons in order, without a branch on the (random) selection
+            t.neurons.resize(range.len(), 0);
+            let mut count = 0;
+            for (j, &v) in range.zip(&t.logits) {
+                t.neurons[count] = j as u32;
+                count += crate::session::Sparsity::predictor_selects(v, cutoff) as usize;
+            }
+            t.neurons.truncate(count);
+            (t.neurons.len(), chunk_ffn(m, x, &t.neurons, None, level, acc))
+        })
+        .reduce(|| (0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+    sum_chunks(&scratch.acc, n_tasks, out);
+    (selected, used)
 }
 
 /// The activations of one group of selected neurons (at most `GROUP`): gate dots (or the
@@ -715,6 +801,7 @@ mod tests {
     use crate::matmul::matmul_many;
     use crate::quant::tests::random_vec;
     use crate::quant::{dequantize_row, quantize_row};
+    use crate::session::Sparsity;
 
     /// The float types and those whose blocks the kernels read directly.
     const ALL: [DType; 6] =
@@ -885,6 +972,100 @@ mod tests {
     /// The fused sparse FFN equals the dense operator (dense gate/up products, the activation,
     /// the selection mask, then a float64 down projection) for every weight type, activation,
     /// selection density and thread count, and gives bit-identical results when repeated.
+    /// The predictor inside the operator's pass selects the neurons the two-step path selects
+    /// (fc1, relu, fc2 through `matmul`, the cut-off, then `sparse_ffn`) and gives its output up
+    /// to float summation order; the same bits from rows apart and bundled, and run to run.
+    #[test]
+    fn predicted_ffn_equals_the_predictor_then_the_operator() {
+        let (n_ff, n_embd, hidden) = (200, 96, 64);
+        for threads in [1, 3] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            for dtype in [DType::Q4_0, DType::Q8_0, DType::F16] {
+                let (gd, ud, dd) = (
+                    matrix(dtype, n_ff, n_embd, 1),
+                    matrix(dtype, n_ff, n_embd, 2),
+                    matrix(dtype, n_ff, n_embd, 3),
+                );
+                let (f1, f2) = (matrix(dtype, hidden, n_embd, 4), matrix(dtype, n_ff, hidden, 5));
+                let fc1 = QMatrix { dtype, rows: hidden, cols: n_embd, data: &f1 };
+                let fc2 = QMatrix { dtype, rows: n_ff, cols: hidden, data: &f2 };
+                let m = FfnMats {
+                    gate: Some(QMatrix { dtype, rows: n_ff, cols: n_embd, data: &gd }),
+                    up: QMatrix { dtype, rows: n_ff, cols: n_embd, data: &ud },
+                    up_bias: None,
+                    down_t: QMatrix { dtype, rows: n_ff, cols: n_embd, data: &dd },
+                    down: None,
+                    act: FfnActivation::ReGlu,
+                    bundles: None,
+                };
+                let mut bundled = vec![0u8; n_ff * m.bundle_bytes()];
+                crate::matmul::interleave_rows(&[m.gate.unwrap(), m.up, m.down_t], &mut bundled);
+                let mb = FfnMats { bundles: Some(&bundled), ..m };
+                let (mut x, mut xp) = (Activations::default(), Activations::default());
+                x.set_for(&random_vec(n_embd, 6), 1, n_embd, &[m.up]);
+                xp.set_for(&random_vec(n_embd, 7), 1, n_embd, &[fc1]);
+                // the two steps
+                let mut h = vec![0.0f32; hidden];
+                let mut logits = vec![0.0f32; n_ff];
+                let mut ha = Activations::default();
+                pool.install(|| {
+                    matmul(&fc1, &xp, &mut h);
+                    h.iter_mut().for_each(|v| *v = v.max(0.0));
+                    ha.set_for(&h, 1, hidden, &[fc2]);
+                    matmul(&fc2, &ha, &mut logits);
+                });
+                let mut sorted = logits.clone();
+                sorted.sort_by(|a, b| a.partial_cmp(b).unwrap());
+                for share in [0.0, 0.15, 0.6, 1.0] {
+                    // a cut-off between two logits, selecting about `share` of the neurons
+                    let i = ((1.0 - share) * n_ff as f64) as usize;
+                    let cutoff = if i == 0 {
+                        f32::MIN
+                    } else if i >= n_ff {
+                        f32::MAX
+                    } else {
+                        0.5 * (sorted[i - 1] + sorted[i])
+                    };
+                    let neurons: Vec<u32> = (0..n_ff as u32)
+                        .filter(|&j| Sparsity::predictor_selects(logits[j as usize], cutoff))
+                        .collect();
+                    let mut scratch = SparseScratch::default();
+                    let (mut want, mut got, mut again, mut from_bundles) = (
+                        vec![0.0f32; n_embd],
+                        vec![0.0f32; n_embd],
+                        vec![0.0; n_embd],
+                        vec![0.0; n_embd],
+                    );
+                    let (want_used, (selected, used)) = pool.install(|| {
+                        let want_used = sparse_ffn(&m, &x, &neurons, None, &mut want, &mut scratch);
+                        let r =
+                            predicted_ffn(&m, &fc1, &fc2, &xp, &x, cutoff, &mut got, &mut scratch);
+                        predicted_ffn(&m, &fc1, &fc2, &xp, &x, cutoff, &mut again, &mut scratch);
+                        predicted_ffn(
+                            &mb,
+                            &fc1,
+                            &fc2,
+                            &xp,
+                            &x,
+                            cutoff,
+                            &mut from_bundles,
+                            &mut scratch,
+                        );
+                        (want_used, r)
+                    });
+                    let what = format!("{dtype:?}, {threads} threads, {share} selected");
+                    assert_eq!((selected, used), (neurons.len(), want_used), "{what}");
+                    assert_eq!(got, again, "not deterministic: {what}");
+                    assert_eq!(got, from_bundles, "bundled differs: {what}");
+                    let scale = want.iter().fold(1e-3f32, |a, v| a.max(v.abs()));
+                    for (c, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert!((g - w).abs() <= 1e-5 * scale, "{what}, column {c}: {g} vs {w}");
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn sparse_ffn_matches_dense_operator() {
         let (n_ff, n_embd) = (200, 96);

@@ -4,9 +4,10 @@
 //! recorder (`observe.rs`) takes the dense path, handing the recorder its values.
 
 use super::{
-    add_bias, decodes_dense, down_t_matmul, matmul, matmul_many, matmul_selected, project,
-    project_down, sparse_ffn, Activations, FfnActivation, FfnMats, FfnStats, InputGroup,
+    add_bias, decodes_dense, down_t_matmul, matmul, matmul_many, matmul_selected, predicted_ffn,
+    project, project_down, sparse_ffn, Activations, FfnActivation, FfnMats, FfnStats, InputGroup,
     LayerWeights, Model, PassState, QMatrix, Scratch, Sparsity, SparsityMode, DENSE_FRACTION,
+    FUSED_PREDICTOR_FC1_BYTES,
 };
 use crate::matmul::indices_of_true;
 use rayon::iter::IndexedParallelIterator;
@@ -42,6 +43,43 @@ pub(crate) fn ffn_rows(model: &Model, st: &mut PassState, s: &mut Scratch, l: us
         && lw.ffn_gate.is_some()
         && matches!(act, FfnActivation::ReGlu | FfnActivation::DReGlu)
         && st.recorder.is_none();
+
+    // One token in predictor mode with a small predictor: its products inside the operator's
+    // parallel pass (`predicted_ffn`), unless recall is measured (which needs every logit).
+    if let (true, Some(p), Some(cutoff)) = (
+        n == 1 && !sp.track_recall() && st.recorder.is_none(),
+        lw.predictor.as_ref().filter(|p| p.fc1.data.len() <= FUSED_PREDICTOR_FC1_BYTES),
+        sp.predictor_cutoff(l),
+    ) {
+        s.pred_acts.set_for(&s.x, 1, dim, &[p.fc1]);
+        let mats = FfnMats {
+            gate: lw.ffn_gate,
+            up: lw.dense_up(),
+            up_bias: lw.ffn_up_b.as_deref(),
+            down_t: model.down_t(l),
+            down: lw.ffn_down,
+            act,
+            bundles: st.neuron_bundles.then(|| model.neuron_bundles(l)),
+        };
+        let (selected, _) = predicted_ffn(
+            &mats,
+            &p.fc1,
+            &p.fc2,
+            &s.pred_acts,
+            &s.acts,
+            cutoff,
+            &mut s.ffn_out,
+            &mut s.sparse,
+        );
+        let down_bytes = model.down_t(l).data.len();
+        let gate_bytes = lw.ffn_gate.map_or(0, |g| g.data.len());
+        st.stats.neurons += n_ff as u64;
+        st.stats.skipped += (n_ff - selected) as u64;
+        st.stats.weight_bytes += (gate_bytes + lw.dense_up().data.len() + down_bytes) as u64;
+        st.stats.weight_bytes_read += (selected * mats.bundle_bytes()) as u64;
+        add_bias(&mut s.ffn_out, lw.ffn_down_b.as_deref());
+        return;
+    }
 
     // which neurons each token keeps: s.keep (n, n_ff)
     let mut gate_ready = false; // s.gate holds gate pre-activations (up + bias when gateless)
