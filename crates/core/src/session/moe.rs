@@ -13,8 +13,7 @@ use super::{
 use crate::matmul::{dot_rows, simd_level};
 use crate::model::{Gating, RouterInput};
 use crate::sparse::dot_selected;
-use rayon::iter::{IndexedParallelIterator, IntoParallelIterator, ParallelIterator};
-use rayon::slice::{ParallelSlice, ParallelSliceMut};
+use rayon::iter::{IntoParallelIterator, ParallelIterator};
 
 /// Layer `l`'s routing of n rows: router logits (n, n_expert) = xb @ router^T (+ its bias; or
 /// x, the layer input, where the model routes on it), per row the probabilities (a softmax, or
@@ -129,153 +128,169 @@ pub(crate) fn expert_rows(
         (0..cfg.n_expert).filter(|&e| start[e + 1] > start[e] && here(e)).collect();
     let rows_of = |e: usize| start[e]..start[e + 1];
 
-    // each chosen expert's input rows, from xb quantized once
-    s.acts.set_for(&s.xb[..n * dim], n, dim, &[mw.gate_exps, mw.up_exps]);
-    s.expert_acts.resize_with(chosen.len(), Default::default);
-    for (a, &e) in chosen.iter().enumerate() {
-        let rows = s.expert_rows[rows_of(e)].iter().map(|&(t, _)| t as usize);
-        s.expert_acts[a].gather_rows(&s.acts, rows);
-    }
-    // gate and up (total, n_ff_exp) each, expert by expert; h = act(gate, up). A ReLU gate
-    // decides alone: up is read only for the neurons some routed row's gate made positive, and
-    // computed only for those rows (exact: the others' h is zero whatever up is), as the dense
-    // FFN skips them; the values computed are the dense product's, bit for bit.
-    // (a gate bias moves the gate after its product: biased experts take the dense path)
-    let gate_decides = mw.biases.is_none()
-        && matches!(c.ffn_activation, FfnActivation::ReGlu | FfnActivation::DReGlu);
-    s.gate.resize(total * ff, 0.0);
-    s.up.resize(total * ff, 0.0);
-    let experts: Vec<_> = chosen.iter().map(|&e| mw.expert(e)).collect();
-    // a decode step (one row per expert) with a ReLU gate: one parallel pass, below
-    let one_row_each = chosen.iter().all(|&e| rows_of(e).len() == 1);
-    if !(gate_decides && one_row_each) {
-        let mats: Vec<QMatrix> = match gate_decides {
-            false => experts.iter().flat_map(|ex| [ex.gate, ex.up]).collect(),
-            true => experts.iter().map(|ex| ex.gate).collect(),
-        };
-        let per_expert = if gate_decides { 1 } else { 2 };
-        let xs: Vec<&Activations> =
-            s.expert_acts.iter().flat_map(|a| [a, a].into_iter().take(per_expert)).collect();
-        let gates = chosen_blocks(&mut s.gate[..total * ff], start, &chosen, ff);
-        let mut outs: Vec<&mut [f32]> = match gate_decides {
-            true => gates,
-            false => {
-                let ups = chosen_blocks(&mut s.up[..total * ff], start, &chosen, ff);
-                gates.into_iter().zip(ups).flat_map(|(g, u)| [g, u]).collect()
-            }
-        };
-        matmul_each(&mats, &xs, &mut outs);
-    }
-    if let Some(b) = &mw.biases {
-        // each routed row's gate and up, plus its expert's biases
-        for &e in &chosen {
-            let (bg, bu) = (&b.gate[e * ff..(e + 1) * ff], &b.up[e * ff..(e + 1) * ff]);
-            let rows = start[e] * ff..start[e + 1] * ff;
-            add_to_rows(&mut s.gate[rows.clone()], bg);
-            add_to_rows(&mut s.up[rows], bu);
-        }
-    }
+    // nothing to compute here when every routed expert runs elsewhere (the hybrid executor's
+    // common case: its hot experts hold most routings)
     let mut up_rows_skipped = 0u64;
-    if gate_decides && one_row_each {
-        // per chosen expert and span of its neurons: the gate rows, then the up rows of the
-        // neurons whose gate is positive, as the sparse FFN operator orders them (one fork and
-        // join for the layer; the values are the dense products', bit for bit)
-        const SPAN: usize = 128;
-        let mut work: Vec<(usize, usize, &mut [f32], &mut [f32])> = Vec::new();
-        let gates = chosen_blocks(&mut s.gate[..total * ff], start, &chosen, ff);
-        let ups = chosen_blocks(&mut s.up[..total * ff], start, &chosen, ff);
-        for (a, (g, u)) in gates.into_iter().zip(ups).enumerate() {
-            for (k, (g, u)) in g.chunks_mut(SPAN).zip(u.chunks_mut(SPAN)).enumerate() {
-                work.push((a, k * SPAN, g, u));
+    s.expert_out.resize(total * dim, 0.0);
+    if !chosen.is_empty() {
+        // each chosen expert's input rows, from xb quantized once
+        s.acts.set_for(&s.xb[..n * dim], n, dim, &[mw.gate_exps, mw.up_exps]);
+        s.expert_acts.resize_with(chosen.len(), Default::default);
+        for (a, &e) in chosen.iter().enumerate() {
+            let rows = s.expert_rows[rows_of(e)].iter().map(|&(t, _)| t as usize);
+            s.expert_acts[a].gather_rows(&s.acts, rows);
+        }
+        // gate and up (total, n_ff_exp) each, expert by expert; h = act(gate, up). A ReLU gate
+        // decides alone: up is read only for the neurons some routed row's gate made positive, and
+        // computed only for those rows (exact: the others' h is zero whatever up is), as the dense
+        // FFN skips them; the values computed are the dense product's, bit for bit.
+        // (a gate bias moves the gate after its product: biased experts take the dense path)
+        let gate_decides = mw.biases.is_none()
+            && matches!(c.ffn_activation, FfnActivation::ReGlu | FfnActivation::DReGlu);
+        s.gate.resize(total * ff, 0.0);
+        s.up.resize(total * ff, 0.0);
+        let experts: Vec<_> = chosen.iter().map(|&e| mw.expert(e)).collect();
+        // a decode step (one row per expert) with a ReLU gate: one parallel pass, below
+        let one_row_each = chosen.iter().all(|&e| rows_of(e).len() == 1);
+        if !(gate_decides && one_row_each) {
+            let mats: Vec<QMatrix> = match gate_decides {
+                false => experts.iter().flat_map(|ex| [ex.gate, ex.up]).collect(),
+                true => experts.iter().map(|ex| ex.gate).collect(),
+            };
+            let per_expert = if gate_decides { 1 } else { 2 };
+            let xs: Vec<&Activations> =
+                s.expert_acts.iter().flat_map(|a| [a, a].into_iter().take(per_expert)).collect();
+            let gates = chosen_blocks(&mut s.gate[..total * ff], start, &chosen, ff);
+            let mut outs: Vec<&mut [f32]> = match gate_decides {
+                true => gates,
+                false => {
+                    let ups = chosen_blocks(&mut s.up[..total * ff], start, &chosen, ff);
+                    gates.into_iter().zip(ups).flat_map(|(g, u)| [g, u]).collect()
+                }
+            };
+            matmul_each(&mats, &xs, &mut outs);
+        }
+        if let Some(b) = &mw.biases {
+            // each routed row's gate and up, plus its expert's biases
+            for &e in &chosen {
+                let (bg, bu) = (&b.gate[e * ff..(e + 1) * ff], &b.up[e * ff..(e + 1) * ff]);
+                let rows = start[e] * ff..start[e + 1] * ff;
+                add_to_rows(&mut s.gate[rows.clone()], bg);
+                add_to_rows(&mut s.up[rows], bu);
             }
         }
-        let (acts, level) = (&s.expert_acts, simd_level());
-        up_rows_skipped = work
-            .into_par_iter()
-            .map(|(a, j0, g, u)| {
-                let ex = &experts[a];
-                dot_rows(&ex.gate, j0..j0 + g.len(), &acts[a], [0], level, |j, [v]| g[j - j0] = v);
-                let mut sel = [0u32; SPAN];
-                let mut n_sel = 0;
-                for (i, &v) in g.iter().enumerate() {
-                    if v > 0.0 {
-                        sel[n_sel] = (j0 + i) as u32;
-                        n_sel += 1;
-                    }
+        if gate_decides && one_row_each {
+            // per chosen expert and span of its neurons: the gate rows, then the up rows of the
+            // neurons whose gate is positive, as the sparse FFN operator orders them (one fork and
+            // join for the layer; the values are the dense products', bit for bit)
+            const SPAN: usize = 128;
+            let mut work: Vec<(usize, usize, &mut [f32], &mut [f32])> = Vec::new();
+            let gates = chosen_blocks(&mut s.gate[..total * ff], start, &chosen, ff);
+            let ups = chosen_blocks(&mut s.up[..total * ff], start, &chosen, ff);
+            for (a, (g, u)) in gates.into_iter().zip(ups).enumerate() {
+                for (k, (g, u)) in g.chunks_mut(SPAN).zip(u.chunks_mut(SPAN)).enumerate() {
+                    work.push((a, k * SPAN, g, u));
                 }
-                let mut picked = [0.0f32; SPAN];
-                dot_selected(&ex.up, &sel[..n_sel], &acts[a], level, &mut picked[..n_sel], &[]);
-                u.fill(0.0);
-                for (&j, &v) in sel[..n_sel].iter().zip(&picked) {
-                    u[j as usize - j0] = v;
-                }
-                (g.len() - n_sel) as u64
-            })
-            .sum();
-    } else if gate_decides {
-        // per chosen expert (its index in `chosen`): its rows of gate and of up
-        let gates = chosen_blocks(&mut s.gate[..total * ff], start, &chosen, ff);
-        let ups = chosen_blocks(&mut s.up[..total * ff], start, &chosen, ff);
-        let work: Vec<(usize, (&mut [f32], &mut [f32]))> =
-            gates.into_iter().zip(ups).enumerate().collect();
-        let acts = &s.expert_acts;
-        up_rows_skipped = work
-            .into_par_iter()
-            .map(|(a, (g, u))| {
-                let keep: Vec<bool> = g.iter().map(|&v| v > 0.0).collect();
-                let mut any = vec![false; ff];
-                keep.chunks_exact(ff).for_each(|row| {
-                    any.iter_mut().zip(row).for_each(|(a, &k)| *a |= k);
-                });
-                let sel: Vec<u32> = (0..ff as u32).filter(|&j| any[j as usize]).collect();
-                let rows = acts[a].n;
-                let mut picked = vec![0.0f32; rows * sel.len()];
-                match rows {
-                    // one row (decode): its selected rows here, on this expert's thread
-                    1 => {
-                        dot_selected(&experts[a].up, &sel, &acts[a], simd_level(), &mut picked, &[])
-                    }
-                    _ => matmul_selected(
-                        &[experts[a].up],
-                        &sel,
-                        Some(&keep),
-                        &acts[a],
-                        &mut [&mut picked],
-                    ),
-                }
-                u.fill(0.0);
-                for t in 0..rows {
-                    for (k, &j) in sel.iter().enumerate() {
-                        if keep[t * ff + j as usize] {
-                            u[t * ff + j as usize] = picked[t * sel.len() + k];
+            }
+            let (acts, level) = (&s.expert_acts, simd_level());
+            up_rows_skipped = work
+                .into_par_iter()
+                .map(|(a, j0, g, u)| {
+                    let ex = &experts[a];
+                    dot_rows(&ex.gate, j0..j0 + g.len(), &acts[a], [0], level, |j, [v]| {
+                        g[j - j0] = v
+                    });
+                    let mut sel = [0u32; SPAN];
+                    let mut n_sel = 0;
+                    for (i, &v) in g.iter().enumerate() {
+                        if v > 0.0 {
+                            sel[n_sel] = (j0 + i) as u32;
+                            n_sel += 1;
                         }
                     }
-                }
-                keep.iter().filter(|&&k| !k).count() as u64
-            })
-            .sum();
-    }
-    s.gate[..total * ff]
-        .par_chunks_mut(4096)
-        .zip(s.up[..total * ff].par_chunks(4096))
-        .for_each(|(g, u)| c.ffn_activation.apply_all(g, u));
-    // down (total, n_embd), each expert over its rows of h (quantized once)
-    s.h_acts.set_for(&s.gate[..total * ff], total, ff, &[mw.down_exps]);
-    s.down_acts.resize_with(chosen.len(), Default::default);
-    for (a, &e) in chosen.iter().enumerate() {
-        s.down_acts[a].gather_rows(&s.h_acts, rows_of(e));
-    }
-    s.expert_out.resize(total * dim, 0.0);
-    {
-        let mats: Vec<QMatrix> = chosen.iter().map(|&e| mw.expert(e).down).collect();
-        let xs: Vec<&Activations> = s.down_acts.iter().collect();
-        let mut outs = chosen_blocks(&mut s.expert_out[..total * dim], start, &chosen, dim);
-        matmul_each(&mats, &xs, &mut outs);
-    }
-    if let Some(b) = &mw.biases {
-        for &e in &chosen {
-            let rows = start[e] * dim..start[e + 1] * dim;
-            add_to_rows(&mut s.expert_out[rows], &b.down[e * dim..(e + 1) * dim]);
+                    let mut picked = [0.0f32; SPAN];
+                    dot_selected(&ex.up, &sel[..n_sel], &acts[a], level, &mut picked[..n_sel], &[]);
+                    u.fill(0.0);
+                    for (&j, &v) in sel[..n_sel].iter().zip(&picked) {
+                        u[j as usize - j0] = v;
+                    }
+                    (g.len() - n_sel) as u64
+                })
+                .sum();
+        } else if gate_decides {
+            // per chosen expert (its index in `chosen`): its rows of gate and of up
+            let gates = chosen_blocks(&mut s.gate[..total * ff], start, &chosen, ff);
+            let ups = chosen_blocks(&mut s.up[..total * ff], start, &chosen, ff);
+            let work: Vec<(usize, (&mut [f32], &mut [f32]))> =
+                gates.into_iter().zip(ups).enumerate().collect();
+            let acts = &s.expert_acts;
+            up_rows_skipped = work
+                .into_par_iter()
+                .map(|(a, (g, u))| {
+                    let keep: Vec<bool> = g.iter().map(|&v| v > 0.0).collect();
+                    let mut any = vec![false; ff];
+                    keep.chunks_exact(ff).for_each(|row| {
+                        any.iter_mut().zip(row).for_each(|(a, &k)| *a |= k);
+                    });
+                    let sel: Vec<u32> = (0..ff as u32).filter(|&j| any[j as usize]).collect();
+                    let rows = acts[a].n;
+                    let mut picked = vec![0.0f32; rows * sel.len()];
+                    match rows {
+                        // one row (decode): its selected rows here, on this expert's thread
+                        1 => dot_selected(
+                            &experts[a].up,
+                            &sel,
+                            &acts[a],
+                            simd_level(),
+                            &mut picked,
+                            &[],
+                        ),
+                        _ => matmul_selected(
+                            &[experts[a].up],
+                            &sel,
+                            Some(&keep),
+                            &acts[a],
+                            &mut [&mut picked],
+                        ),
+                    }
+                    u.fill(0.0);
+                    for t in 0..rows {
+                        for (k, &j) in sel.iter().enumerate() {
+                            if keep[t * ff + j as usize] {
+                                u[t * ff + j as usize] = picked[t * sel.len() + k];
+                            }
+                        }
+                    }
+                    keep.iter().filter(|&&k| !k).count() as u64
+                })
+                .sum();
+        }
+        // the activation over the chosen experts' rows only (the others' come from elsewhere)
+        let gates = chosen_blocks(&mut s.gate[..total * ff], start, &chosen, ff);
+        let ups = chosen_blocks(&mut s.up[..total * ff], start, &chosen, ff);
+        let pieces: Vec<(&mut [f32], &mut [f32])> = gates
+            .into_iter()
+            .zip(ups)
+            .flat_map(|(g, u)| g.chunks_mut(4096).zip(u.chunks_mut(4096)))
+            .collect();
+        pieces.into_par_iter().for_each(|(g, u)| c.ffn_activation.apply_all(g, u));
+        // down (total, n_embd), each expert over its rows of h (quantized once)
+        s.h_acts.set_for(&s.gate[..total * ff], total, ff, &[mw.down_exps]);
+        s.down_acts.resize_with(chosen.len(), Default::default);
+        for (a, &e) in chosen.iter().enumerate() {
+            s.down_acts[a].gather_rows(&s.h_acts, rows_of(e));
+        }
+        {
+            let mats: Vec<QMatrix> = chosen.iter().map(|&e| mw.expert(e).down).collect();
+            let xs: Vec<&Activations> = s.down_acts.iter().collect();
+            let mut outs = chosen_blocks(&mut s.expert_out[..total * dim], start, &chosen, dim);
+            matmul_each(&mats, &xs, &mut outs);
+        }
+        if let Some(b) = &mw.biases {
+            for &e in &chosen {
+                let rows = start[e] * dim..start[e + 1] * dim;
+                add_to_rows(&mut s.expert_out[rows], &b.down[e * dim..(e + 1) * dim]);
+            }
         }
     }
     // the other experts' outputs, from where they ran
