@@ -1254,19 +1254,16 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         if !on_device {
             return self.cpu.route(l);
         }
-        if moe.router_input == RouterInput::FfnInput {
-            // (the host reads it anyway: its experts and the shared expert's gate need it)
-            g.read(&self.dev.xb.f32s, self.cpu.normed_input())?;
-        }
         let experts = self.hm.layers[l].as_ref().and_then(|d| d.experts.as_ref());
         let router_bias = experts.and_then(|ex| ex.router_bias.as_ref());
         let Some(router) = experts.and_then(|ex| ex.router.as_ref()) else {
-            if moe.router_input == RouterInput::LayerInput {
-                g.read(&self.dev.x.f32s, self.cpu.residual_stream())?;
+            match moe.router_input {
+                RouterInput::FfnInput => g.read(&self.dev.xb.f32s, self.cpu.normed_input())?,
+                RouterInput::LayerInput => g.read(&self.dev.x.f32s, self.cpu.residual_stream())?,
             }
             return self.cpu.route(l);
         };
-        // the router's product on the device, its logits to the host
+        // the router's product on the device, queued
         let dev = &mut *self.dev;
         let x = match moe.router_input {
             RouterInput::FfnInput => &mut dev.xb,
@@ -1274,6 +1271,11 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         };
         g.quantize_for(&[router], x, router.cols)?;
         g.matvec(router, x, router_bias, &mut dev.router_logits, false, 1)?;
+        // then the FFN input and the logits to the host: one wait for both (the host reads the
+        // input anyway: its experts and the shared expert's gate need it)
+        if moe.router_input == RouterInput::FfnInput {
+            g.read(&dev.xb.f32s, self.cpu.normed_input())?;
+        }
         let mut logits = vec![0.0f32; moe.n_expert];
         g.read(&dev.router_logits, &mut logits)?;
         self.cpu.route_from(l, &logits)
