@@ -377,6 +377,15 @@ pub struct PredictorTask {
     neurons: Vec<u32>,        // the task's selected neurons
 }
 
+/// The predictor's rule, the one every executor applies (the CPU's selection, the hybrid
+/// executor's cold neurons, and the `ffn_hot` kernels' early exit, which reads
+/// `!(logit >= cutoff)` so that a NaN logit is never selected): a neuron is computed iff its
+/// logit is at least the cut-off.
+#[inline]
+pub fn predictor_selects(logit: f32, cutoff: f32) -> bool {
+    logit >= cutoff
+}
+
 /// Predictors whose first matrix is at most this many bytes run inside the sparse operator's
 /// parallel pass (`predicted_ffn`): computing fc1 once per thread costs no more than the task of
 /// `matmul`'s that would have held it (`matmul::DECODE_TASK_BYTES`).
@@ -385,7 +394,7 @@ pub const FUSED_PREDICTOR_FC1_BYTES: usize = 256 << 10;
 /// One token's FFN in predictor mode, the predictor inside the operator's one parallel pass:
 /// each task (one per thread) computes the predictor's hidden layer relu(fc1 . xp) itself,
 /// fc2's logits for its own range of neurons, keeps those at or above `cutoff`
-/// (`Sparsity::predictor_selects`), and runs them through `sparse_ffn`'s passes into its own
+/// (`predictor_selects`), and runs them through `sparse_ffn`'s passes into its own
 /// accumulator; the accumulators are summed in task order. Where the predictor's products and
 /// the selection between them took two parallel passes and a serial one of their own, on
 /// SmolLM2's shape each about as long as a pass over its rows. `xp` is the predictor's input
@@ -429,7 +438,7 @@ pub fn predicted_ffn(
             let mut count = 0;
             for (j, &v) in range.zip(&t.logits) {
                 t.neurons[count] = j as u32;
-                count += crate::session::Sparsity::predictor_selects(v, cutoff) as usize;
+                count += predictor_selects(v, cutoff) as usize;
             }
             t.neurons.truncate(count);
             (t.neurons.len(), chunk_ffn(m, x, &t.neurons, None, level, acc))
@@ -801,7 +810,6 @@ mod tests {
     use crate::matmul::matmul_many;
     use crate::quant::tests::random_vec;
     use crate::quant::{dequantize_row, quantize_row};
-    use crate::session::Sparsity;
 
     /// The float types and those whose blocks the kernels read directly.
     const ALL: [DType; 6] =
@@ -1027,7 +1035,7 @@ mod tests {
                         0.5 * (sorted[i - 1] + sorted[i])
                     };
                     let neurons: Vec<u32> = (0..n_ff as u32)
-                        .filter(|&j| Sparsity::predictor_selects(logits[j as usize], cutoff))
+                        .filter(|&j| predictor_selects(logits[j as usize], cutoff))
                         .collect();
                     let mut scratch = SparseScratch::default();
                     let (mut want, mut got, mut again, mut from_bundles) = (

@@ -52,15 +52,7 @@ pub(crate) fn ffn_rows(model: &Model, st: &mut PassState, s: &mut Scratch, l: us
         sp.predictor_cutoff(l),
     ) {
         s.pred_acts.set_for(&s.x, 1, dim, &[p.fc1]);
-        let mats = FfnMats {
-            gate: lw.ffn_gate,
-            up: lw.dense_up(),
-            up_bias: lw.ffn_up_b.as_deref(),
-            down_t: model.down_t(l),
-            down: lw.ffn_down,
-            act,
-            bundles: st.neuron_bundles.then(|| model.neuron_bundles(l)),
-        };
+        let mats = decode_mats(model, l, st.neuron_bundles);
         let (selected, _) = predicted_ffn(
             &mats,
             &p.fc1,
@@ -163,17 +155,8 @@ pub(crate) fn ffn_rows(model: &Model, st: &mut PassState, s: &mut Scratch, l: us
             SparsityMode::Dense if !exact_gate_skip => s.neurons.extend(0..n_ff as u32),
             _ => indices_of_true(&s.keep[..n_ff], &mut s.neurons),
         }
-        let mats = FfnMats {
-            gate: lw.ffn_gate,
-            up: lw.dense_up(),
-            up_bias: lw.ffn_up_b.as_deref(),
-            down_t: model.down_t(l),
-            down: lw.ffn_down,
-            act,
-            // (dense mode reads every gate row in order: apart, as stored)
-            bundles: (mode != SparsityMode::Dense && st.neuron_bundles)
-                .then(|| model.neuron_bundles(l)),
-        };
+        // (dense mode reads every gate row in order: apart, as stored)
+        let mats = decode_mats(model, l, mode != SparsityMode::Dense && st.neuron_bundles);
         let precomputed = (gate_ready && act.has_gate()).then_some(&s.gate[..]);
         sparse_ffn(&mats, &s.acts, &s.neurons, precomputed, &mut s.ffn_out, &mut s.sparse);
         if track_recall {
@@ -223,6 +206,21 @@ pub(crate) fn ffn_rows(model: &Model, st: &mut PassState, s: &mut Scratch, l: us
         }
     }
     add_bias(&mut s.ffn_out, lw.ffn_down_b.as_deref());
+}
+
+/// Layer `l`'s FFN as one token's sparse operator reads it, its rows from the neuron bundles
+/// where `bundled`.
+fn decode_mats(model: &Model, l: usize, bundled: bool) -> FfnMats<'_> {
+    let lw = &model.weights.layers[l];
+    FfnMats {
+        gate: lw.ffn_gate,
+        up: lw.dense_up(),
+        up_bias: lw.ffn_up_b.as_deref(),
+        down_t: model.down_t(l),
+        down: lw.ffn_down,
+        act: model.config.ffn_activation,
+        bundles: bundled.then(|| model.neuron_bundles(l)),
+    }
 }
 
 /// Threshold mode with input sparsity: the FFN of s.xb (n, n_embd) into s.ffn_out (n,

@@ -92,13 +92,10 @@ impl Sparsity {
         matches!(self, Sparsity::Inputs { .. })
     }
 
-    /// The predictor's rule, the one every executor applies (the CPU's selection, the hybrid
-    /// executor's cold neurons, and the `ffn_hot` kernels' early exit, which reads
-    /// `!(logit >= cutoff)` so that a NaN logit is never selected): a neuron is computed iff
-    /// its logit is at least the cut-off.
+    /// The predictor's rule, the one every executor applies (`sparse::predictor_selects`).
     #[inline]
     pub fn predictor_selects(logit: f32, cutoff: f32) -> bool {
-        logit >= cutoff
+        crate::sparse::predictor_selects(logit, cutoff)
     }
 
     /// Layer `l`'s cut-off for input group `g`, when that group skips inputs.
