@@ -392,6 +392,51 @@ def test_hybrid_runs_k_quant_files(tmp_path, dtype, device):
     _hybrid_matches_cpu(path, dtype, "f32", device)
 
 
+@pytest.mark.parametrize("dtype", [Q.F32, Q.Q8_0])
+@ON_DEVICES
+def test_a_layer_offload_runs_its_prompt_in_passes_as_token_by_token(tmp_path, dtype, device):
+    """A layer offload (llama.cpp's `-ngl`) evaluates a prompt in passes of several tokens, the
+    device layers' kernels over the pass's rows and the CPU layers as the CPU runs a prompt: a
+    40-token prompt (two passes) gives every position the logits it gets one token at a time on
+    the same placement, and the CPU's. A split placement (cold neurons on the CPU) still goes
+    a token at a time."""
+    path = write_model(
+        tmp_path / "m.gguf",
+        n_layer=4,
+        n_ff=256,
+        n_embd=128,
+        n_head=4,
+        n_head_kv=2,
+        dtype=dtype,
+        weight_scale=0.25,
+    )
+    cpu = Engine.load(path, device="cpu", n_ctx=128, kv_type="f32")
+    e = Engine.load(path, device=device, n_ctx=128, kv_type="f32", gpu_layers=2)
+    assert e.gpu_report()["prompt_rows"] == 32
+    rng = np.random.default_rng(7)
+    ids = [int(t) for t in rng.integers(0, cpu.config["n_vocab"], 40)]
+    passes = e.logits(ids).astype(np.float64)
+    s = e._session()
+    one = np.stack([np.atleast_2d(s.eval([t]))[-1] for t in ids]).astype(np.float64)
+    ref = cpu.logits(ids).astype(np.float64)
+    for got in (passes, one):
+        err = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
+        assert err.max() < 1e-3, err.max()
+    err = np.linalg.norm(passes - one, axis=1) / np.linalg.norm(one, axis=1)
+    assert err.max() < 1e-4, err.max()
+    mb = model_bytes(path, 128)
+    dense = int(sum(mb.layer_dense_bytes) + 2 * mb.kv_cache_bytes + mb.output_bytes)
+    split = Engine.load(
+        path,
+        device=device,
+        n_ctx=128,
+        kv_type="f32",
+        vram_budget=dense + int(100 * float(np.sum(mb.neuron_bytes))),
+    )
+    assert 0 < split.gpu_report()["hot_neurons"] < split.gpu_report()["total_neurons"]
+    assert split.gpu_report()["prompt_rows"] == 1
+
+
 def _hybrid_matches_cpu(path, dtype, kv_type, device):
     """Full, split and layer-offload placements against the CPU. A plain file with a quantized
     `ffn_down` is the exception: the hybrid executor reads exact (F16) copies of its columns

@@ -93,6 +93,9 @@ pub struct PlacementReport {
     pub hot_experts: usize,
     pub total_experts: usize,
     pub output_on_gpu: bool,
+    /// Prompt tokens a pass evaluates: `PROMPT_ROWS` where the placement allows passes of
+    /// several rows (see `HybridModel::batched`), else 1.
+    pub prompt_rows: usize,
 }
 
 struct DenseGpu<D: Device> {
@@ -185,8 +188,10 @@ pub struct HybridModel<D: Device> {
     /// the host between its embedding and its logits, so sessions record them once as a graph
     /// and replay it for every later token (one launch instead of ~17 per layer).
     graphable: bool,
-    /// Every layer wholly on the device with the file's own `ffn_down` (a plain file, no
-    /// predictor): prompts run on the device up to `PROMPT_ROWS` tokens per pass.
+    /// Every device layer holds its whole FFN with the file's own `ffn_down` (a plain file, no
+    /// predictor, no cold neurons, no experts): prompts run up to `PROMPT_ROWS` tokens per pass,
+    /// the device layers' kernels over the pass's rows and the CPU layers (a layer offload's)
+    /// as the CPU runs a prompt.
     batched: bool,
     /// Held by a session for each token: sessions share the device's one stream, and a
     /// recording must not take in another session's launches.
@@ -509,11 +514,12 @@ impl<D: Device> HybridModel<D> {
             && layers
                 .iter()
                 .all(|l| l.as_ref().is_some_and(|l| l.cold.is_empty() && l.experts.is_none()));
-        let batched = graphable
-            && layers
-                .iter()
-                .flatten()
-                .all(|l| matches!(l.hot.as_ref().map(|h| &h.down), Some(HotDown::Rows(_))));
+        let batched = layers.iter().flatten().all(|l| {
+            l.cold.is_empty()
+                && l.experts.is_none()
+                && matches!(l.hot.as_ref().map(|h| &h.down), Some(HotDown::Rows(_)))
+        });
+        report.prompt_rows = if batched { PROMPT_ROWS } else { 1 };
         Ok(HybridModel {
             model,
             gpu,

@@ -380,7 +380,8 @@ impl PyGpuModel {
     }
 
     /// What went where: gpu_name, gpu_total_memory, weight_bytes, neuron_bytes, layers_on_gpu,
-    /// n_layer, hot_neurons, total_neurons, output_on_gpu.
+    /// n_layer, hot_neurons, total_neurons, hot_experts, total_experts, output_on_gpu,
+    /// prompt_rows (prompt tokens per pass).
     #[getter]
     fn report<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let r = self.inner.report();
@@ -396,6 +397,7 @@ impl PyGpuModel {
         d.set_item("hot_experts", r.hot_experts)?;
         d.set_item("total_experts", r.total_experts)?;
         d.set_item("output_on_gpu", r.output_on_gpu)?;
+        d.set_item("prompt_rows", r.prompt_rows)?;
         Ok(d)
     }
 }
