@@ -91,6 +91,7 @@ def main() -> None:
             rep = e.gpu_report()
             r["hot_neuron_fraction"] = rep["hot_neuron_fraction"]
             r["layers_on_gpu"] = rep["layers_on_gpu"]
+            r["prompt_rows"] = rep["prompt_rows"]
             r["gpu_neuron_share"] = e.last_stats.get("gpu_neuron_share")
         results[name] = r
         print(name, json.dumps(r), flush=True)

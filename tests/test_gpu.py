@@ -392,49 +392,74 @@ def test_hybrid_runs_k_quant_files(tmp_path, dtype, device):
     _hybrid_matches_cpu(path, dtype, "f32", device)
 
 
+@pytest.mark.parametrize("kind", ["swiglu", "reglu"])
 @pytest.mark.parametrize("dtype", [Q.F32, Q.Q8_0])
 @ON_DEVICES
-def test_a_layer_offload_runs_its_prompt_in_passes_as_token_by_token(tmp_path, dtype, device):
-    """A layer offload (llama.cpp's `-ngl`) evaluates a prompt in passes of several tokens, the
-    device layers' kernels over the pass's rows and the CPU layers as the CPU runs a prompt: a
-    40-token prompt (two passes) gives every position the logits it gets one token at a time on
-    the same placement, and the CPU's. A split placement (cold neurons on the CPU) still goes
-    a token at a time."""
-    path = write_model(
-        tmp_path / "m.gguf",
-        n_layer=4,
-        n_ff=256,
-        n_embd=128,
-        n_head=4,
-        n_head_kv=2,
-        dtype=dtype,
-        weight_scale=0.25,
-    )
-    cpu = Engine.load(path, device="cpu", n_ctx=128, kv_type="f32")
-    e = Engine.load(path, device=device, n_ctx=128, kv_type="f32", gpu_layers=2)
-    assert e.gpu_report()["prompt_rows"] == 32
-    rng = np.random.default_rng(7)
-    ids = [int(t) for t in rng.integers(0, cpu.config["n_vocab"], 40)]
-    passes = e.logits(ids).astype(np.float64)
-    s = e._session()
-    one = np.stack([np.atleast_2d(s.eval([t]))[-1] for t in ids]).astype(np.float64)
-    ref = cpu.logits(ids).astype(np.float64)
-    for got in (passes, one):
-        err = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
-        assert err.max() < 1e-3, err.max()
-    err = np.linalg.norm(passes - one, axis=1) / np.linalg.norm(one, axis=1)
-    assert err.max() < 1e-4, err.max()
+def test_prompts_run_in_passes_as_token_by_token(tmp_path, kind, dtype, device):
+    """Every placement evaluates a prompt in passes of up to 32 tokens: the device layers'
+    kernels over the pass's rows (the predictor and the hot neurons too), the cold neurons'
+    cells of all rows in one CPU pass, the CPU layers as the CPU runs a prompt. A 40-token
+    prompt (a pass of 32, then 8) against the same tokens one at a time on the same placement,
+    whole, split and layer offload, a plain SwiGLU file and a ReGLU one with predictors in dense
+    and predictor mode: the same neurons counted on each side, and the logits equal up to the
+    CPU's float summation order. Two cases round differently by design and are held to what
+    they are: in predictor mode a summation-order difference can move a logit across the
+    cut-off in a later layer (a neuron more or less, ~1% at that position), so most positions
+    are held to 1e-4 and all to 3e-2; and a one-token split of a plain quantized file sends a
+    dense enough cold selection through the file's `ffn_down` with int8 activations where a
+    pass reads the exact F16 columns the GPU reads (see `_hybrid_matches_cpu`), so there both
+    are held to the CPU's distance from a float64 forward pass."""
+    from reference import forward, read_weights
+
+    path = _write(kind, tmp_path / "m.gguf", dtype)
     mb = model_bytes(path, 128)
     dense = int(sum(mb.layer_dense_bytes) + 2 * mb.kv_cache_bytes + mb.output_bytes)
-    split = Engine.load(
-        path,
-        device=device,
-        n_ctx=128,
-        kv_type="f32",
-        vram_budget=dense + int(100 * float(np.sum(mb.neuron_bytes))),
-    )
-    assert 0 < split.gpu_report()["hot_neurons"] < split.gpu_report()["total_neurons"]
-    assert split.gpu_report()["prompt_rows"] == 1
+    split = dense + int(100 * float(np.sum(mb.neuron_bytes)))
+    cpu = Engine.load(path, device="cpu", n_ctx=128, kv_type="f32")
+    n_ff, n_layer = cpu.config["n_ff"], cpu.config["n_layer"]
+    rng = np.random.default_rng(7)
+    ids = [int(t) for t in rng.integers(0, cpu.config["n_vocab"], 40)]
+
+    def rel(a, b):
+        return np.linalg.norm(a - b, axis=1) / np.linalg.norm(b, axis=1)
+
+    modes = ["dense", "predictor"] if kind == "reglu" else ["dense"]
+    for kwargs in (dict(), dict(vram_budget=split), dict(gpu_layers=2)):
+        e = Engine.load(path, device=device, n_ctx=128, kv_type="f32", **kwargs)
+        r = e.gpu_report()
+        assert r["prompt_rows"] == 32, kwargs
+        if "vram_budget" in kwargs:
+            assert 0 < r["hot_neurons"] < r["total_neurons"]
+        for mode in modes:
+            e.set_sparsity(mode)
+            cpu.set_sparsity(mode)
+            s = e._session()
+            passes = s.eval(ids, all_logits=True).astype(np.float64)
+            stats, split_counts = s.take_stats(), s.take_split()
+            s = e._session()
+            one = np.stack([np.atleast_2d(s.eval([t]))[-1] for t in ids]).astype(np.float64)
+            one_stats, one_split = s.take_stats(), s.take_split()
+            ref = cpu.logits(ids).astype(np.float64)
+            assert stats["neurons"] == one_stats["neurons"] == 40 * n_ff * n_layer, stats
+            if mode == "dense":
+                assert stats["skipped"] == one_stats["skipped"] == 0
+                assert split_counts == one_split, kwargs
+            else:
+                assert 0 < stats["skipped"] < stats["neurons"], stats
+                assert abs(stats["skipped"] - one_stats["skipped"]) <= 0.01 * stats["neurons"]
+            if kind == "swiglu" and dtype != Q.F32 and "vram_budget" in kwargs:
+                w, meta = read_weights(path)
+                f64 = forward(w, meta, ids)
+                cpu_err = rel(ref, f64).mean()
+                for got in (passes, one):
+                    assert rel(got, f64).mean() <= 1.25 * cpu_err, (rel(got, f64).mean(), cpu_err)
+                continue
+            err = rel(passes, one)
+            if mode == "predictor":
+                assert np.mean(err < 1e-4) >= 0.8 and err.max() < 3e-2, (kwargs, err)
+            else:
+                assert err.max() < 1e-4, (kwargs, mode, err.max())
+            assert rel(passes, ref).max() < 3e-2, (kwargs, mode)
 
 
 def _hybrid_matches_cpu(path, dtype, kv_type, device):

@@ -40,7 +40,7 @@ mod sparsity;
 pub use batch::{check_batch, decode_batch};
 use calibration::{mask_below, Calibration};
 pub use cpu::CpuPass;
-use ffn::ffn_rows;
+use ffn::{cells_ffn, ffn_rows};
 pub use math::softcap;
 use math::{add_bias, add_into, norm_rows, rmsnorm_in_place, rope_rows};
 pub use moe::ExpertSlot;

@@ -575,20 +575,21 @@ MATVEC3(matvec3_mxfp4, T_MXFP4)
 // The GPU holds n_hot rows of gate, up and down_t, packed; row i is neuron bucket[i] of the
 // layer. h[i] = act(gate_i . x + gate_bias[neuron], up_i . x + up_bias[neuron]) when the predictor selects the
 // neuron (pred_logits[neuron] >= threshold, or no predictor), else 0 without reading the row:
-// the predictor's early exit. One warp per row.
+// the predictor's early exit. One warp per row; grid.y the batch rows, whose predictor logits lie
+// pred_stride apart.
 
 template <int T>
 __device__ void ffn_hot(const u8* gate, const u8* up, unsigned long long row_bytes, const int* bucket,
                         const float* x, const Q8Act* xq, const float* gate_bias, const float* up_bias,
-                        const float* pred_logits,
-                        float threshold, unsigned int* selected, float* h, int n_hot, int cols, int act) {
+                        const float* pred_logits, float threshold, unsigned int* selected, float* h,
+                        int n_hot, int cols, int act, int pred_stride) {
     const int i = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (i >= n_hot) return;
-    // batch row t (rows only without a predictor: its logits are one token's)
     const int t = blockIdx.y;
     x += (size_t)t * cols;
     xq += (size_t)t * (cols / 32);
     h += (size_t)t * n_hot;
+    if (pred_logits) pred_logits += (size_t)t * pred_stride;
     const int j = bucket[i];
     if (pred_logits && !(pred_logits[j] >= threshold)) {
         if ((threadIdx.x & 31) == 0) h[i] = 0.0f;
@@ -608,9 +609,9 @@ __device__ void ffn_hot(const u8* gate, const u8* up, unsigned long long row_byt
                                     const int* bucket, const float* x, const Q8Act* xq,               \
                                     const float* gate_bias, const float* up_bias,                     \
                                     const float* pred_logits, float threshold, unsigned int* selected, \
-                                    float* h, int n_hot, int cols, int act) {                         \
+                                    float* h, int n_hot, int cols, int act, int pred_stride) {        \
         ffn_hot<T>(gate, up, row_bytes, bucket, x, xq, gate_bias, up_bias, pred_logits, threshold,    \
-                   selected, h, n_hot, cols, act);                                                    \
+                   selected, h, n_hot, cols, act, pred_stride);                                       \
     }
 FFN_HOT(ffn_hot_f32, T_F32)
 FFN_HOT(ffn_hot_f16, T_F16)
@@ -630,8 +631,9 @@ FFN_HOT(ffn_hot_mxfp4, T_MXFP4)
 
 // ---- sparse axpy of the down projection --------------------------------------------------------
 // partial[chunk, c] = sum over rows i of the chunk with h[i] != 0 of h[i] * down_t[i, c].
-// grid (ceil(cols / blockDim.x), n_chunks). Each output element has exactly one writer, so no
-// atomics and the same order of additions on every run; ffn_merge sums the chunks.
+// grid (ceil(cols / blockDim.x), n_chunks, batch rows): row t reads h[t] (n_hot) and writes
+// partial[t] (n_chunks, cols). Each output element has exactly one writer, so no atomics and the
+// same order of additions on every run; ffn_merge sums the chunks.
 
 template <int T>
 __device__ void down_partial(const u8* down_t, unsigned long long row_bytes, const float* h, int n_hot,
@@ -639,6 +641,8 @@ __device__ void down_partial(const u8* down_t, unsigned long long row_bytes, con
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     const int chunk = blockIdx.y;
     if (c >= cols) return;
+    h += (size_t)blockIdx.z * n_hot;
+    partial += (size_t)blockIdx.z * gridDim.y * cols;
     const int i0 = chunk * rows_per_chunk;
     const int i1 = min(n_hot, i0 + rows_per_chunk);
     float acc = 0.0f;
@@ -671,11 +675,16 @@ DOWN_PARTIAL(down_partial_iq4_xs, T_IQ4_XS)
 DOWN_PARTIAL(down_partial_mxfp4, T_MXFP4)
 
 // x[c] += sum_k partial[k, c] + cpu_part[c] + bias[c]: the GPU's hot-neuron chunks, the CPU's
-// cold neurons and the bias merged into the residual. cpu_part and bias may be null.
+// cold neurons and the bias merged into the residual. cpu_part and bias may be null. grid.y the
+// batch rows: row t's x, partial (n_chunks, cols) and cpu_part.
 extern "C" __global__ void ffn_merge(float* x, const float* partial, int n_chunks, const float* cpu_part,
                                      const float* bias, int cols) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= cols) return;
+    const size_t t = blockIdx.y;
+    x += t * cols;
+    partial += t * n_chunks * cols;
+    if (cpu_part) cpu_part += t * cols;
     float v = 0.0f;
     for (int k = 0; k < n_chunks; k++) v += partial[(size_t)k * cols + c];
     if (cpu_part) v += cpu_part[c];

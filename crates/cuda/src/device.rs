@@ -191,8 +191,10 @@ pub trait Device: Send + Sync + Sized + 'static {
         y: [&mut Self::Buf<f32>; 3],
         m: usize,
     ) -> Result<()>;
-    /// `ffn_hot_*`: h[i] for the packed hot row i (neuron bucket[i]), with `bias` [gate's,
-    /// up's] indexed by neuron; `selected` is a counter slot the selected rows are added to.
+    /// `ffn_hot_*`: h[t, i] for the packed hot row i (neuron bucket[i]) and each of m batch
+    /// rows t, with `bias` [gate's, up's] indexed by neuron; `pred_logits` (logits, stride): row
+    /// t's predictor logits from t * stride; `selected` is a counter slot the selected rows are
+    /// added to.
     #[allow(clippy::too_many_arguments)]
     fn ffn_hot(
         &self,
@@ -201,22 +203,26 @@ pub trait Device: Send + Sync + Sized + 'static {
         bucket: &Self::Buf<i32>,
         x: &DActs<Self>,
         bias: [Option<&Self::Buf<f32>>; 2],
-        pred_logits: Option<&Self::Buf<f32>>,
+        pred_logits: Option<(&Self::Buf<f32>, usize)>,
         threshold: f32,
         selected: Option<(&mut Self::Buf<u32>, usize)>,
         act: i32,
         h: &mut Self::Buf<f32>,
         m: usize,
     ) -> Result<()>;
-    /// `down_partial_*`: partial[k, c] = sum over the rows i of chunk k of h[i] * down_t[i, c].
+    /// `down_partial_*`: partial[t, k, c] = sum over the rows i of chunk k of h[t, i] *
+    /// down_t[i, c], for m batch rows t.
     fn down_partial(
         &self,
         down_t: &DMat<Self>,
         h: &Self::Buf<f32>,
         partial: &mut Self::Buf<f32>,
         rows_per_chunk: usize,
+        m: usize,
     ) -> Result<()>;
-    /// `ffn_merge`: x[c] += sum_k partial[k, c] + cpu_part[c] + bias[c].
+    /// `ffn_merge`: x[t, c] += sum_k partial[t, k, c] + cpu_part[t, c] + bias[c], for m batch
+    /// rows t.
+    #[allow(clippy::too_many_arguments)]
     fn ffn_merge(
         &self,
         x: &mut Self::Buf<f32>,
@@ -225,6 +231,7 @@ pub trait Device: Send + Sync + Sized + 'static {
         cpu_part: Option<&Self::Buf<f32>>,
         bias: Option<&Self::Buf<f32>>,
         cols: usize,
+        m: usize,
     ) -> Result<()>;
     /// `rmsnorm`, also rounding `out` to int8 blocks in `q8` when given.
     fn rmsnorm(

@@ -225,7 +225,8 @@ impl<D: Device> Gpu<D> {
     /// The hot neurons: h[i] = act(gate_i . x, up_i . x + up_bias[bucket[i]]) for the packed
     /// GPU rows, 0 where the predictor's logit for neuron bucket[i] is below `threshold`.
     /// `selected` (counters, slot) adds the number of rows the predictor selects to one counter.
-    /// With m > 1 rows of x (h: m rows of n_hot), only without a predictor.
+    /// With m > 1 rows of x, h holds m rows of n_hot and `pred_logits` (logits, n_ff) m rows of
+    /// the layer's n_ff logits.
     #[allow(clippy::too_many_arguments)]
     pub fn ffn_hot(
         &self,
@@ -234,15 +235,15 @@ impl<D: Device> Gpu<D> {
         bucket: &Buf<D, i32>,
         x: &DActs<D>,
         bias: [Option<&Buf<D, f32>>; 2],
-        pred_logits: Option<&Buf<D, f32>>,
+        pred_logits: Option<(&Buf<D, f32>, usize)>,
         threshold: f32,
         selected: Option<(&mut Buf<D, u32>, usize)>,
         act: FfnActivation,
         h: &mut Buf<D, f32>,
         m: usize,
     ) -> Result<()> {
-        if m > 1 && pred_logits.is_some() {
-            return Err(CudaError::Unsupported("a predictor over several rows at once".into()));
+        if let Some((logits, n_ff)) = pred_logits {
+            Self::holds("the predictor's logits", logits, m * n_ff)?;
         }
         if let Some(g) = gate {
             if g.dtype != up.dtype || g.rows != up.rows || g.cols != up.cols {
@@ -282,19 +283,22 @@ impl<D: Device> Gpu<D> {
         down_t: &DMat<D>,
         h: &Buf<D, f32>,
         partial: &mut Buf<D, f32>,
+        m: usize,
     ) -> Result<usize> {
         type_slot(down_t.dtype)?;
         let n_chunks = down_t.rows.div_ceil(ROWS_PER_CHUNK);
         if n_chunks == 0 {
             return Ok(0);
         }
-        Self::holds("the hot activations", h, down_t.rows)?;
-        Self::holds("the partial sums", partial, n_chunks * down_t.cols)?;
-        self.dev.down_partial(down_t, h, partial, ROWS_PER_CHUNK)?;
+        Self::holds("the hot activations", h, m * down_t.rows)?;
+        Self::holds("the partial sums", partial, m * n_chunks * down_t.cols)?;
+        self.dev.down_partial(down_t, h, partial, ROWS_PER_CHUNK, m)?;
         Ok(n_chunks)
     }
 
-    /// x[c] += sum of the first `n_chunks` partial vectors + cpu_part[c] + bias[c].
+    /// For each of m rows t: x[t, c] += the sum of row t's `n_chunks` partial vectors +
+    /// cpu_part[t, c] + bias[c].
+    #[allow(clippy::too_many_arguments)]
     pub fn ffn_merge(
         &self,
         x: &mut Buf<D, f32>,
@@ -303,12 +307,13 @@ impl<D: Device> Gpu<D> {
         cpu_part: Option<&Buf<D, f32>>,
         bias: Option<&Buf<D, f32>>,
         cols: usize,
+        m: usize,
     ) -> Result<()> {
-        Self::holds("the residual", x, cols)?;
-        Self::holds("the partial sums", partial, n_chunks * cols)?;
-        Self::holds_opt("the CPU part", cpu_part, cols)?;
+        Self::holds("the residual", x, m * cols)?;
+        Self::holds("the partial sums", partial, m * n_chunks * cols)?;
+        Self::holds_opt("the CPU part", cpu_part, m * cols)?;
         Self::holds_opt("the down bias", bias, cols)?;
-        self.dev.ffn_merge(x, partial, n_chunks, cpu_part, bias, cols)
+        self.dev.ffn_merge(x, partial, n_chunks, cpu_part, bias, cols, m)
     }
 
     /// out = RMSNorm(x) * w for each of m rows of n, rounded to int8 blocks in the same launch

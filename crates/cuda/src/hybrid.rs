@@ -188,9 +188,9 @@ pub struct HybridModel<D: Device> {
     /// the host between its embedding and its logits, so sessions record them once as a graph
     /// and replay it for every later token (one launch instead of ~17 per layer).
     graphable: bool,
-    /// Every device layer holds its whole FFN with the file's own `ffn_down` (a plain file, no
-    /// predictor, no cold neurons, no experts): prompts run up to `PROMPT_ROWS` tokens per pass,
-    /// the device layers' kernels over the pass's rows and the CPU layers (a layer offload's)
+    /// No device layer holds experts: prompts run up to `PROMPT_ROWS` tokens per pass, the
+    /// device layers' kernels over the pass's rows (the predictor and the hot neurons too), the
+    /// cold neurons' cells of all rows in one CPU pass, and the CPU layers (a layer offload's)
     /// as the CPU runs a prompt.
     batched: bool,
     /// Held by a session for each token: sessions share the device's one stream, and a
@@ -514,11 +514,7 @@ impl<D: Device> HybridModel<D> {
             && layers
                 .iter()
                 .all(|l| l.as_ref().is_some_and(|l| l.cold.is_empty() && l.experts.is_none()));
-        let batched = layers.iter().flatten().all(|l| {
-            l.cold.is_empty()
-                && l.experts.is_none()
-                && matches!(l.hot.as_ref().map(|h| &h.down), Some(HotDown::Rows(_)))
-        });
+        let batched = layers.iter().flatten().all(|l| l.experts.is_none());
         report.prompt_rows = if batched { PROMPT_ROWS } else { 1 };
         Ok(HybridModel {
             model,
@@ -566,9 +562,9 @@ struct DeviceState<D: Device> {
     att: DActs<D>, // (q_dim)
     attn_out: Buf<D, f32>, // (n_embd)
     scores: Buf<D, f32>, // (n_head, n_ctx)
-    pred_hidden: DActs<D>, // (max predictor hidden)
-    pred_logits: Buf<D, f32>, // (n_ff)
-    h: DActs<D>, // (max n_hot)
+    pred_hidden: DActs<D>, // (rows, max predictor hidden)
+    pred_logits: Buf<D, f32>, // (rows, n_ff)
+    h: DActs<D>, // (rows, max n_hot)
     expert_h: DActs<D>, // (n_ff_exp) one expert's activations
     shared_h: DActs<D>, // (n_ff_shared) the shared expert's activations
     shared_y: Buf<D, f32>, // (n_embd) the shared expert's output, before its gate
@@ -578,8 +574,8 @@ struct DeviceState<D: Device> {
     // expert's last, so that the host reads them in one copy
     expert_ys: Buf<D, f32>,
     ffn_out: Buf<D, f32>, // (n_embd) the FFN's output when its down projection is `HotDown::Rows`
-    partial: Buf<D, f32>, // (max chunks, n_embd)
-    cpu_part: Buf<D, f32>, // (n_embd)
+    partial: Buf<D, f32>, // (rows, max chunks, n_embd)
+    cpu_part: Buf<D, f32>, // (rows, n_embd)
     cos: Vec<Buf<D, f32>>, // per RoPE set (rope_dim / 2)
     sin: Vec<Buf<D, f32>>,
     logits: Buf<D, f32>,   // (n_vocab)
@@ -594,9 +590,10 @@ struct DeviceState<D: Device> {
     /// The norm (layer, which) a residual add already computed into `xb`, for the next `norm`.
     normed: Option<(usize, Norm)>,
     // host buffers
-    xb_h: Vec<f32>,
-    pred_h: Vec<f32>,
-    cpu_out_h: Vec<f32>,
+    xb_h: Vec<f32>,      // (rows, n_embd)
+    pred_h: Vec<f32>,    // (rows, n_ff)
+    cpu_out_h: Vec<f32>, // (rows, n_embd)
+    cells: Vec<bool>,    // (rows, n_ff) the cold cells the CPU computes over several rows
     expert_ys_h: Vec<f32>,
     acts: Activations,
     neurons: Vec<u32>,
@@ -667,8 +664,8 @@ impl<D: Device> HybridSession<D> {
             att: g.acts(rows * c.q_dim())?,
             attn_out: g.zeros(rows * c.n_embd)?,
             scores: g.zeros(rows * c.n_head * n_ctx)?,
-            pred_hidden: g.acts(max_hidden)?,
-            pred_logits: g.zeros(c.n_ff)?,
+            pred_hidden: g.acts(rows * max_hidden)?,
+            pred_logits: g.zeros(rows * c.n_ff)?,
             h: g.acts(rows * max_hot)?,
             expert_h: g.acts(c.moe.map_or(1, |m| m.n_ff_exp))?,
             shared_h: g.acts(c.moe.map_or(0, |m| m.n_ff_shared).max(1))?,
@@ -681,8 +678,8 @@ impl<D: Device> HybridSession<D> {
             expert_y: g.zeros(c.n_embd)?,
             expert_ys: g.zeros(c.moe.map_or(1, |m| (m.n_used + 1) * c.n_embd))?,
             ffn_out: g.zeros(rows * c.n_embd)?,
-            partial: g.zeros(max_chunks * c.n_embd)?,
-            cpu_part: g.zeros(c.n_embd)?,
+            partial: g.zeros(rows * max_chunks * c.n_embd)?,
+            cpu_part: g.zeros(rows * c.n_embd)?,
             cos: (0..c.rope_sets())
                 .map(|_| g.zeros(rows * c.rope_dim / 2))
                 .collect::<Result<_>>()?,
@@ -695,9 +692,10 @@ impl<D: Device> HybridSession<D> {
             ffn_has_cold: false,
             ffn_whole: false,
             normed: None,
-            xb_h: vec![0.0; c.n_embd],
-            pred_h: vec![0.0; c.n_ff],
-            cpu_out_h: vec![0.0; c.n_embd],
+            xb_h: vec![0.0; rows * c.n_embd],
+            pred_h: vec![0.0; rows * c.n_ff],
+            cpu_out_h: vec![0.0; rows * c.n_embd],
+            cells: Vec::new(),
             expert_ys_h: vec![0.0; c.moe.map_or(1, |m| (m.n_used + 1) * c.n_embd)],
             acts: Activations::default(),
             neurons: Vec::new(),
@@ -755,8 +753,9 @@ impl<D: Device> HybridSession<D> {
         std::mem::take(&mut self.dev.counts)
     }
 
-    /// Evaluates `tokens` one at a time (prompt tokens too) and returns the logits of every
-    /// token (n, n_vocab) when `all_logits`, else of the last.
+    /// Evaluates `tokens` (in passes of up to `PROMPT_ROWS` where the model is `batched`, else
+    /// one at a time) and returns the logits of every token (n, n_vocab) when `all_logits`,
+    /// else of the last.
     pub fn eval(&mut self, tokens: &[u32], all_logits: bool) -> CoreResult<Vec<f32>> {
         self.cpu.check_room(tokens)?;
         let n_vocab = self.hm.model.config.n_vocab;
@@ -778,12 +777,21 @@ impl<D: Device> HybridSession<D> {
     /// forward pass at once; the logits of every token, or of the last.
     fn eval_rows(&mut self, tokens: &[u32], all_logits: bool) -> CoreResult<Vec<f32>> {
         let hm = Arc::clone(&self.hm);
-        let _one_session_at_a_time = hm.step_lock.lock().unwrap_or_else(|e| e.into_inner());
         let model = &*hm.model;
         let mut out = Vec::new();
         let n_chunks = tokens.len().div_ceil(PROMPT_ROWS);
         for (i, chunk) in tokens.chunks(PROMPT_ROWS).enumerate() {
             let n_logits = if all_logits { chunk.len() } else { usize::from(i + 1 == n_chunks) };
+            if let [tok] = *chunk {
+                // a last single row is a decode step (its selection counted, its graph recorded)
+                let logits = self.step(tok)?;
+                self.cpu.tokens.push(tok);
+                if n_logits == 1 {
+                    out.extend_from_slice(&logits);
+                }
+                continue;
+            }
+            let _one_session_at_a_time = hm.step_lock.lock().unwrap_or_else(|e| e.into_inner());
             let pos = self.cpu.pos();
             let (cpu, dev) = (&mut self.cpu, &mut self.dev);
             let logits = model.install(|| {
@@ -925,7 +933,7 @@ impl<'a, D: Device> HybridPass<'a, D> {
         let dev = &mut *self.dev;
         let m = self.m;
 
-        // the predictor reads the residual x
+        // the predictor reads the residual x: logits (m, n_ff)
         let sp = self.cpu.session().sparsity();
         let predicted = sp.mode() == SparsityMode::Predictor;
         let threshold = sp.predictor_cutoff(l).unwrap_or(0.0);
@@ -934,33 +942,31 @@ impl<'a, D: Device> HybridPass<'a, D> {
                 .predictor
                 .as_ref()
                 .ok_or_else(|| CudaError::Plan(format!("layer {l} has no predictor")))?;
-            g.quantize_for(&[fc1], &mut dev.x, c.n_embd)?;
-            g.matvec(fc1, &dev.x, None, &mut dev.pred_hidden.f32s, true, 1)?;
-            g.quantize_for(&[fc2], &mut dev.pred_hidden, fc1.rows)?;
-            g.matvec(fc2, &dev.pred_hidden, None, &mut dev.pred_logits, false, 1)?;
+            g.quantize_for(&[fc1], &mut dev.x, m * c.n_embd)?;
+            g.matvec(fc1, &dev.x, None, &mut dev.pred_hidden.f32s, true, m)?;
+            g.quantize_for(&[fc2], &mut dev.pred_hidden, m * fc1.rows)?;
+            g.matvec(fc2, &dev.pred_hidden, None, &mut dev.pred_logits, false, m)?;
         }
 
-        // the CPU needs the FFN input (and the predictor's verdict) before the hot kernels are queued
+        // the CPU needs the FFN input (and the predictor's verdict) before the hot kernels are
+        // queued; over several rows the host counts the selection itself
         let has_cold = !layer.cold.is_empty();
-        if m > 1 && (predicted || has_cold) {
-            return Err(CudaError::Unsupported(
-                "several rows at once with a predictor or cold neurons".into(),
-            ));
-        }
+        let (xb_h, pred_h) = (&mut dev.xb_h[..m * c.n_embd], &mut dev.pred_h[..m * c.n_ff]);
         if has_cold {
-            g.read(&dev.xb.f32s, &mut dev.xb_h)?;
-            if predicted {
-                g.read(&dev.pred_logits, &mut dev.pred_h)?;
-            }
+            g.read(&dev.xb.f32s, xb_h)?;
+        }
+        if predicted && (has_cold || m > 1) {
+            g.read(&dev.pred_logits, pred_h)?;
         }
 
         // GPU: hot neurons, queued; they run while the CPU computes the cold ones
         dev.ffn_chunks = 0;
         dev.ffn_whole = false;
         if let Some(hot) = &layer.hot {
-            let pred = predicted.then_some(&dev.pred_logits);
-            // without cold neurons the host never sees the selection: the GPU counts it
-            let count = (predicted && !has_cold).then(|| {
+            let pred = predicted.then_some((&dev.pred_logits, c.n_ff));
+            // a single row without cold neurons: the host never sees the selection, the GPU
+            // counts it
+            let count = (predicted && !has_cold && m == 1).then(|| {
                 dev.counted_on_gpu.push(l);
                 (&mut dev.selected, l)
             });
@@ -979,13 +985,8 @@ impl<'a, D: Device> HybridPass<'a, D> {
                 m,
             )?;
             match &hot.down {
-                HotDown::Columns(_) if m > 1 => {
-                    return Err(CudaError::Unsupported(
-                        "several rows at once over neuron-major down rows".into(),
-                    ))
-                }
                 HotDown::Columns(down_t) => {
-                    dev.ffn_chunks = g.down_partial(down_t, &dev.h.f32s, &mut dev.partial)?
+                    dev.ffn_chunks = g.down_partial(down_t, &dev.h.f32s, &mut dev.partial, m)?
                 }
                 HotDown::Rows(down) => {
                     g.quantize_for(&[down], &mut dev.h, m * c.n_ff)?;
@@ -995,34 +996,33 @@ impl<'a, D: Device> HybridPass<'a, D> {
             }
         }
 
+        // the stats, and which cells the CPU computes: keep (m, n_ff), the cold neurons each
+        // row selects
+        let counted_on_gpu = predicted && !has_cold && m == 1;
+        let mut stats = FfnStats {
+            neurons: if counted_on_gpu { 0 } else { (m * c.n_ff) as u64 },
+            ..Default::default()
+        };
+        let cold_selected = |row: &[f32], j: u32| {
+            !predicted || Sparsity::predictor_selects(row[j as usize], threshold)
+        };
+        if predicted && (has_cold || m > 1) {
+            let selected =
+                pred_h.iter().filter(|&&v| Sparsity::predictor_selects(v, threshold)).count();
+            let cold: usize = pred_h
+                .chunks_exact(c.n_ff)
+                .map(|row| layer.cold.iter().filter(|&&j| cold_selected(row, j)).count())
+                .sum();
+            stats.skipped = (m * c.n_ff - selected) as u64;
+            dev.counts.cpu_neurons += cold as u64;
+            dev.counts.gpu_neurons += (selected - cold) as u64;
+        } else if !predicted {
+            dev.counts.cpu_neurons += (m * layer.cold.len()) as u64;
+            dev.counts.gpu_neurons += (m * layer.n_hot) as u64;
+        }
+
         // CPU: the selected cold neurons
-        let mut stats = FfnStats::default();
         if has_cold {
-            dev.neurons.clear();
-            if predicted {
-                let pred_h = &dev.pred_h;
-                dev.neurons.extend(
-                    layer
-                        .cold
-                        .iter()
-                        .copied()
-                        .filter(|&j| Sparsity::predictor_selects(pred_h[j as usize], threshold)),
-                );
-                let selected = dev
-                    .pred_h
-                    .iter()
-                    .filter(|&&v| Sparsity::predictor_selects(v, threshold))
-                    .count();
-                stats.neurons = c.n_ff as u64;
-                stats.skipped = (c.n_ff - selected) as u64;
-                dev.counts.cpu_neurons += dev.neurons.len() as u64;
-                dev.counts.gpu_neurons += (selected - dev.neurons.len()) as u64;
-            } else {
-                dev.neurons.extend_from_slice(&layer.cold);
-                stats.neurons = c.n_ff as u64;
-                dev.counts.cpu_neurons += layer.cold.len() as u64;
-                dev.counts.gpu_neurons += layer.n_hot as u64;
-            }
             let lw = &model.weights.layers[l];
             let down_t = match &layer.cold_down_t {
                 Some(rows) => {
@@ -1030,32 +1030,43 @@ impl<'a, D: Device> HybridPass<'a, D> {
                 }
                 None => model.down_t(l),
             };
-            let mats = FfnMats {
-                gate: lw.ffn_gate,
-                up: lw.dense_up(),
-                up_bias: lw.ffn_up_b.as_deref(),
-                down_t,
-                down: lw.ffn_down,
-                act: c.ffn_activation,
-                bundles: None,
-            };
-            dev.acts.set(&dev.xb_h, 1, c.n_embd);
-            if dev.neurons.is_empty() {
-                dev.cpu_out_h.iter_mut().for_each(|v| *v = 0.0);
+            let cpu_out = &mut dev.cpu_out_h[..m * c.n_embd];
+            if m == 1 {
+                dev.neurons.clear();
+                dev.neurons
+                    .extend(layer.cold.iter().copied().filter(|&j| cold_selected(pred_h, j)));
+                let mats = FfnMats {
+                    gate: lw.ffn_gate,
+                    up: lw.dense_up(),
+                    up_bias: lw.ffn_up_b.as_deref(),
+                    down_t,
+                    down: lw.ffn_down,
+                    act: c.ffn_activation,
+                    bundles: None,
+                };
+                dev.acts.set(xb_h, 1, c.n_embd);
+                if dev.neurons.is_empty() {
+                    cpu_out.iter_mut().for_each(|v| *v = 0.0);
+                } else {
+                    sparse_ffn(&mats, &dev.acts, &dev.neurons, None, cpu_out, &mut dev.scratch);
+                }
             } else {
-                sparse_ffn(
-                    &mats,
-                    &dev.acts,
-                    &dev.neurons,
-                    None,
-                    &mut dev.cpu_out_h,
-                    &mut dev.scratch,
-                );
+                // the rows' cold cells in one pass over the rows some row selected
+                dev.cells.clear();
+                dev.cells.resize(m * c.n_ff, false);
+                for (t, cells) in dev.cells.chunks_exact_mut(c.n_ff).enumerate() {
+                    let row = &pred_h[if predicted { t * c.n_ff..(t + 1) * c.n_ff } else { 0..0 }];
+                    for &j in layer.cold.iter().filter(|&&j| cold_selected(row, j)) {
+                        cells[j as usize] = true;
+                    }
+                }
+                self.cpu.normed_input().copy_from_slice(xb_h);
+                self.cpu
+                    .ffn_of_cells(l, &down_t, &dev.cells)
+                    .map_err(|e| CudaError::Plan(e.to_string()))?;
+                cpu_out.copy_from_slice(self.cpu.ffn_output());
             }
-            g.write(&dev.cpu_out_h, &mut dev.cpu_part)?;
-        } else if !predicted {
-            stats.neurons = (m * c.n_ff) as u64;
-            dev.counts.gpu_neurons += (m * layer.n_hot) as u64;
+            g.write(cpu_out, &mut dev.cpu_part)?;
         }
         dev.ffn_has_cold = has_cold;
         if matches!(dev.graph, Graph::Recording { .. }) {
@@ -1414,6 +1425,7 @@ impl<D: Device> Backend for HybridPass<'_, D> {
                 cold,
                 layer.down_bias.as_ref(),
                 c.n_embd,
+                self.m,
             )?;
             dev.ffn_whole = true;
         }
@@ -1456,6 +1468,7 @@ impl<D: Device> Backend for HybridPass<'_, D> {
                     cold,
                     layer.down_bias.as_ref(),
                     c.n_embd,
+                    m,
                 )?
             }
         }

@@ -271,7 +271,7 @@ fn ffn_hot_and_down_match_twin() {
             let bias = [0, 1].map(|i| biases.as_ref().map(|b| &b[i][..]));
             for pred in [true, false] {
                 let mut dh = poisoned(&g, bucket.len());
-                let p = pred.then_some(&dlogits);
+                let p = pred.then_some((&dlogits, n_ff));
                 let mut counts = g.upload(&[7u32, 0, 7]).unwrap();
                 g.ffn_hot(
                     Some(&dgate),
@@ -322,9 +322,9 @@ fn ffn_hot_and_down_match_twin() {
                     &g,
                     bucket.len().div_ceil(powerinfer_cuda::gpu::ROWS_PER_CHUNK) * n_embd,
                 );
-                let chunks = g.down_partial(&ddown, &dh, &mut partial).unwrap();
+                let chunks = g.down_partial(&ddown, &dh, &mut partial, 1).unwrap();
                 let (dcpu, dbias) = (g.upload(&cpu_part).unwrap(), g.upload(&bias).unwrap());
-                g.ffn_merge(&mut dx_res, &partial, chunks, Some(&dcpu), Some(&dbias), n_embd)
+                g.ffn_merge(&mut dx_res, &partial, chunks, Some(&dcpu), Some(&dbias), n_embd, 1)
                     .unwrap();
                 let mut got = vec![0.0; n_embd];
                 g.read(&dx_res, &mut got).unwrap();
@@ -605,7 +605,9 @@ fn a_recorded_token_replays_at_every_position() {
 
 /// Every kernel that takes batch rows computes, for m rows at once, bit for bit what it
 /// computes for each row alone: norms, q/k/v, RoPE at each row's angles, the KV store and
-/// attention at consecutive positions, the FFN's hot rows and its down rows.
+/// attention at consecutive positions, the FFN's hot rows (with each row's predictor logits
+/// too), its down rows, and a split's neuron-major down partial sums merged with each row's
+/// CPU part.
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test -- --ignored"]
 fn batch_rows_equal_rows_one_at_a_time() {
@@ -615,12 +617,13 @@ fn batch_rows_equal_rows_one_at_a_time() {
     let (q_dim, kv_dim, half) = (n_head * hd, n_head_kv * hd, hd / 2);
     for dtype in [DType::F32, DType::Q4_K, DType::Q8_0] {
         let mat = |rng: &mut Rng, rows, cols| matrix(rng, dtype, rows, cols);
-        let (wq, wk, wv, up, down) = (
+        let (wq, wk, wv, up, down, down_t) = (
             mat(&mut rng, q_dim, n_embd),
             mat(&mut rng, kv_dim, n_embd),
             mat(&mut rng, kv_dim, n_embd),
             mat(&mut rng, n_ff, n_embd),
             mat(&mut rng, n_embd, n_ff),
+            mat(&mut rng, n_ff, n_embd),
         );
         let qm = |rows, cols, data| QMatrix { dtype, rows, cols, data };
         let dwq = g.upload_rows(&qm(q_dim, n_embd, &wq), None).unwrap();
@@ -628,6 +631,15 @@ fn batch_rows_equal_rows_one_at_a_time() {
         let dwv = g.upload_rows(&qm(kv_dim, n_embd, &wv), None).unwrap();
         let dup = g.upload_rows(&qm(n_ff, n_embd, &up), None).unwrap();
         let ddown = g.upload_rows(&qm(n_embd, n_ff, &down), None).unwrap();
+        // a split's hot half: every other neuron, its down rows neuron-major
+        let half_ids: Vec<u32> = (0..n_ff as u32).step_by(2).collect();
+        let dup_half = g.upload_rows(&qm(n_ff, n_embd, &up), Some(&half_ids)).unwrap();
+        let ddown_t = g.upload_rows(&qm(n_ff, n_embd, &down_t), Some(&half_ids)).unwrap();
+        let half_bucket =
+            g.upload(&half_ids.iter().map(|&j| j as i32).collect::<Vec<_>>()).unwrap();
+        let logits = random(&mut rng, m * n_ff, 1.0);
+        let cpu_part = random(&mut rng, m * n_embd, 1.0);
+        let merge_bias = g.upload(&random(&mut rng, n_embd, 1.0)).unwrap();
         let bucket = g.upload(&(0..n_ff as i32).collect::<Vec<_>>()).unwrap();
         let norm_w = g.upload(&random(&mut rng, n_embd, 1.0)).unwrap();
         let x = random(&mut rng, m * n_embd, 1.0);
@@ -693,6 +705,32 @@ fn batch_rows_equal_rows_one_at_a_time() {
             g.quantize_for(&[&ddown], &mut h, rows * n_ff).unwrap();
             let mut y = g.zeros::<f32>(rows * n_embd).unwrap();
             g.matvec(&ddown, &h, None, &mut y, false, rows).unwrap();
+            // the split: hot rows gated by each row's predictor logits, their partial sums
+            // merged into each row's residual with its CPU part and the bias
+            let row_logits = g.upload(&logits[r0 * n_ff..(r0 + rows) * n_ff]).unwrap();
+            let n_hot = half_ids.len();
+            let mut hp = g.acts(rows * n_hot).unwrap();
+            g.ffn_hot(
+                None,
+                &dup_half,
+                &half_bucket,
+                &xb,
+                [None, None],
+                Some((&row_logits, n_ff)),
+                0.3,
+                None,
+                FfnActivation::Relu,
+                &mut hp.f32s,
+                rows,
+            )
+            .unwrap();
+            let per_row = n_hot.div_ceil(powerinfer_cuda::gpu::ROWS_PER_CHUNK) * n_embd;
+            let mut partial = poisoned(&g, rows * per_row);
+            let chunks = g.down_partial(&ddown_t, &hp.f32s, &mut partial, rows).unwrap();
+            let mut res = g.upload(&x[r0 * n_embd..(r0 + rows) * n_embd]).unwrap();
+            let cpu = g.upload(&cpu_part[r0 * n_embd..(r0 + rows) * n_embd]).unwrap();
+            g.ffn_merge(&mut res, &partial, chunks, Some(&cpu), Some(&merge_bias), n_embd, rows)
+                .unwrap();
             let read = |b: &cudarc::driver::CudaSlice<f32>, n: usize| {
                 let mut out = vec![0.0; n];
                 g.read(b, &mut out).unwrap();
@@ -705,6 +743,8 @@ fn batch_rows_equal_rows_one_at_a_time() {
                 read(&att.f32s, rows * q_dim),
                 read(&h.f32s, rows * n_ff),
                 read(&y, rows * n_embd),
+                read(&hp.f32s, rows * n_hot),
+                read(&res, rows * n_embd),
             ]
         };
         let prefix = random(&mut rng, first * kv_dim, 1.0);
@@ -718,7 +758,8 @@ fn batch_rows_equal_rows_one_at_a_time() {
         let all = run(0, m, &mut kc, &mut vc);
         let (mut kc1, mut vc1) = (fresh_cache(), fresh_cache());
         let one: Vec<Vec<Vec<f32>>> = (0..m).map(|r| run(r, 1, &mut kc1, &mut vc1)).collect();
-        for (i, name) in ["norm", "q", "k", "attention", "hot", "down"].iter().enumerate() {
+        let names = ["norm", "q", "k", "attention", "hot", "down", "predicted hot", "merged"];
+        for (i, name) in names.iter().enumerate() {
             let joined: Vec<f32> = one.iter().flat_map(|o| o[i].iter().copied()).collect();
             assert_eq!(all[i], joined, "{dtype:?} {name}");
         }

@@ -7,12 +7,13 @@
 //! `decode_batch` keep those sessions out), so only a one-session pass consults them.
 
 use super::{
-    add_bias, add_into, attend_block, attend_group, attend_group_partial, expert_rows, ffn_rows,
-    matmul, merge_partials, norm_rows, pick_routes, project, rmsnorm_in_place, rope_rows,
+    add_bias, add_into, attend_block, attend_group, attend_group_partial, cells_ffn, expert_rows,
+    ffn_rows, matmul, merge_partials, norm_rows, pick_routes, project, rmsnorm_in_place, rope_rows,
     route_rows, softcap, Arc, Error, ExpertSlot, FfnStats, InputGroup, Model, Partial, PassState,
     Result, Scoring, Scratch, Session, Sparsity,
 };
 use crate::forward::{Backend, Norm, Part};
+use crate::matmul::QMatrix;
 use rayon::iter::IndexedParallelIterator;
 use rayon::iter::IntoParallelIterator;
 use rayon::iter::IntoParallelRefMutIterator;
@@ -72,6 +73,26 @@ impl<'a> CpuPass<'a> {
     pub fn ffn_output(&self) -> &[f32] {
         let n = self.rows.len() * self.model.config.n_embd;
         &self.s.ffn_out[..n]
+    }
+
+    /// The FFN of layer l over the cells `keep` (n, n_ff) marks, from `normed_input` into
+    /// `ffn_output` (without the down bias): row t computes neuron j iff keep[t * n_ff + j],
+    /// its down rows read from the neuron-major `down_t` (n_ff, n_embd). For an executor that
+    /// computes the other cells elsewhere (the hybrid's cold neurons of a prompt's rows).
+    pub fn ffn_of_cells(&mut self, l: usize, down_t: &QMatrix, keep: &[bool]) -> Result<()> {
+        let (n, c) = (self.rows.len(), &self.model.config);
+        if keep.len() != n * c.n_ff || (down_t.rows, down_t.cols) != (c.n_ff, c.n_embd) {
+            return Err(Error::InvalidArgument(format!(
+                "{} cells and a down_t of {} x {} for {n} rows of {} neurons of {}",
+                keep.len(),
+                down_t.rows,
+                down_t.cols,
+                c.n_ff,
+                c.n_embd
+            )));
+        }
+        cells_ffn(&self.model, l, down_t, keep, n, &mut self.s);
+        Ok(())
     }
 
     /// Each row's experts and weights (n, n_used) from the last `route` step, most probable

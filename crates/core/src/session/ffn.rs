@@ -273,6 +273,27 @@ fn ffn_inputs(model: &Model, st: &mut PassState, s: &mut Scratch, l: usize, n: u
     add_bias(&mut s.ffn_out, lw.ffn_down_b.as_deref());
 }
 
+/// The FFN of s.xb (n, n_embd) over the cells `keep` (n, n_ff) marks into s.ffn_out (n,
+/// n_embd), without the down bias: row t computes neuron j iff keep[t * n_ff + j], with the
+/// neuron-major `down_t`. What an executor that computes the other cells elsewhere leaves to
+/// the CPU (the hybrid's cold neurons of a batch, see `CpuPass::ffn_of_cells`).
+pub(crate) fn cells_ffn(
+    model: &Model,
+    l: usize,
+    down_t: &QMatrix,
+    keep: &[bool],
+    n: usize,
+    s: &mut Scratch,
+) {
+    let lw = &model.weights.layers[l];
+    let (dim, n_ff) = (model.config.n_embd, model.config.n_ff);
+    s.acts.set_for(&s.xb, n, dim, &[lw.ffn_gate.unwrap_or(lw.dense_up()), lw.dense_up()]);
+    s.keep.clear();
+    s.keep.extend_from_slice(&keep[..n * n_ff]);
+    union_of_selections(&s.keep, n, n_ff, &mut s.picked, &mut s.neurons);
+    union_ffn(lw, model.config.ffn_activation, down_t, n, false, s);
+}
+
 /// The union of a batch's selections, keep (n, n_ff), into `union` (sorted neuron indices,
 /// through the mask `any`).
 fn union_of_selections(

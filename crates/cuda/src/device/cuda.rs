@@ -276,7 +276,7 @@ impl Device for Cuda {
         bucket: &CudaSlice<i32>,
         x: &DActs<Self>,
         bias: [Option<&CudaSlice<f32>>; 2],
-        pred_logits: Option<&CudaSlice<f32>>,
+        pred_logits: Option<(&CudaSlice<f32>, usize)>,
         threshold: f32,
         selected: Option<(&mut CudaSlice<u32>, usize)>,
         act: i32,
@@ -287,7 +287,8 @@ impl Device for Cuda {
         let gate_ptr = gate.map_or(0, |g| g.data.device_ptr(&self.stream).0);
         let (row_bytes, n_hot, cols) = (up.row_bytes as u64, up.rows as i32, up.cols as i32);
         let (gate_bias, up_bias) = (self.ptr(bias[0]), self.ptr(bias[1]));
-        let pred = self.ptr(pred_logits);
+        let pred = self.ptr(pred_logits.map(|(p, _)| p));
+        let pred_stride = pred_logits.map_or(0, |(_, stride)| stride as i32);
         let selected = match selected {
             Some((counts, slot)) => {
                 counts.device_ptr_mut(&self.stream).0 + (slot * std::mem::size_of::<u32>()) as u64
@@ -305,9 +306,10 @@ impl Device for Cuda {
             .arg(&up_bias)
             .arg(&pred)
             .arg(&threshold);
-        b.arg(&selected).arg(h).arg(&n_hot).arg(&cols).arg(&act);
-        // SAFETY: matches `ffn_hot_*`; bucket and h hold n_hot entries, the biases and
-        // pred_logits n_ff; `selected` is null or one u32 inside `counts` (checked by `Gpu`).
+        b.arg(&selected).arg(h).arg(&n_hot).arg(&cols).arg(&act).arg(&pred_stride);
+        // SAFETY: matches `ffn_hot_*`; bucket holds n_hot entries and h m * n_hot, the biases
+        // n_ff and pred_logits (m - 1) * pred_stride + n_ff; `selected` is null or one u32
+        // inside `counts` (checked by `Gpu`).
         unsafe { b.launch(cfg((blocks(up.rows, WARPS), m as u32), 32 * WARPS as u32)) }?;
         Ok(())
     }
@@ -318,6 +320,7 @@ impl Device for Cuda {
         h: &CudaSlice<f32>,
         partial: &mut CudaSlice<f32>,
         rows_per_chunk: usize,
+        m: usize,
     ) -> Result<()> {
         let f = &self.k.down_partial[type_slot(down_t.dtype)?];
         let n_chunks = down_t.rows.div_ceil(rows_per_chunk);
@@ -329,8 +332,12 @@ impl Device for Cuda {
         );
         let mut b = self.stream.launch_builder(f);
         b.arg(&down_t.data).arg(&row_bytes).arg(h).arg(&n_hot).arg(&cols).arg(&per).arg(partial);
-        // SAFETY: matches `down_partial_*`; partial holds n_chunks * cols floats.
-        unsafe { b.launch(cfg((blocks(down_t.cols, 256), n_chunks as u32), 256)) }?;
+        // SAFETY: matches `down_partial_*`; h holds m * n_hot floats, partial m * n_chunks *
+        // cols (checked by `Gpu`).
+        let grid = (blocks(down_t.cols, 256), n_chunks as u32, m as u32);
+        unsafe {
+            b.launch(LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: 0 })
+        }?;
         Ok(())
     }
 
@@ -342,13 +349,15 @@ impl Device for Cuda {
         cpu_part: Option<&CudaSlice<f32>>,
         bias: Option<&CudaSlice<f32>>,
         cols: usize,
+        m: usize,
     ) -> Result<()> {
         let (n_chunks_i, cols_i, cpu, bias) =
             (n_chunks as i32, cols as i32, self.ptr(cpu_part), self.ptr(bias));
         let mut b = self.stream.launch_builder(&self.k.ffn_merge);
         b.arg(x).arg(partial).arg(&n_chunks_i).arg(&cpu).arg(&bias).arg(&cols_i);
-        // SAFETY: matches `ffn_merge`.
-        unsafe { b.launch(cfg((blocks(cols, 256), 1), 256)) }?;
+        // SAFETY: matches `ffn_merge`; x and cpu_part hold m * cols floats, partial m *
+        // n_chunks * cols (checked by `Gpu`).
+        unsafe { b.launch(cfg((blocks(cols, 256), m as u32), 256)) }?;
         Ok(())
     }
 

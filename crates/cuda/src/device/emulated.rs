@@ -176,21 +176,18 @@ impl Device for Emulated {
         bucket: &Vec<i32>,
         x: &DActs<Self>,
         bias: [Option<&Vec<f32>>; 2],
-        pred_logits: Option<&Vec<f32>>,
+        pred_logits: Option<(&Vec<f32>, usize)>,
         threshold: f32,
-        selected: Option<(&mut Vec<u32>, usize)>,
+        mut selected: Option<(&mut Vec<u32>, usize)>,
         act: i32,
         h: &mut Vec<f32>,
         m: usize,
     ) -> Result<()> {
         let act = act_of_code(act).ok_or_else(|| fault(format!("activation code {act}")))?;
-        let n_ids = bias
-            .iter()
-            .flatten()
-            .chain(pred_logits.iter())
-            .map(|b| b.len())
-            .min()
-            .unwrap_or(usize::MAX);
+        // row t's logits: pred[t * stride..][..n_ids]
+        let pred_len = pred_logits.map(|(p, stride)| p.len().saturating_sub((m - 1) * stride));
+        let n_ids =
+            bias.iter().flatten().map(|b| b.len()).chain(pred_len).min().unwrap_or(usize::MAX);
         let ids: Vec<u32> = bucket[..up.rows]
             .iter()
             .map(|&j| {
@@ -201,17 +198,18 @@ impl Device for Emulated {
                 }
             })
             .collect::<Result<_>>()?;
-        let pred = pred_logits.map(|p| (&p[..], threshold));
-        if let Some((counts, slot)) = selected {
-            let n = match pred {
-                Some((p, t)) => {
-                    ids.iter().filter(|&&j| Sparsity::predictor_selects(p[j as usize], t)).count()
-                }
-                None => ids.len(),
-            };
-            counts[slot] += (n * m) as u32;
-        }
         for t in 0..m {
+            let pred = pred_logits.map(|(p, stride)| (&p[t * stride..], threshold));
+            if let Some((counts, slot)) = &mut selected {
+                let n = match pred {
+                    Some((p, cut)) => ids
+                        .iter()
+                        .filter(|&&j| Sparsity::predictor_selects(p[j as usize], cut))
+                        .count(),
+                    None => ids.len(),
+                };
+                counts[*slot] += n as u32;
+            }
             let out = twin::ffn_hot_seen(
                 gate.map(view).as_ref(),
                 &view(up),
@@ -232,17 +230,22 @@ impl Device for Emulated {
         h: &Vec<f32>,
         partial: &mut Vec<f32>,
         rows_per_chunk: usize,
+        m: usize,
     ) -> Result<()> {
-        let cols = down_t.cols;
-        for (k, i0) in (0..down_t.rows).step_by(rows_per_chunk).enumerate() {
-            let i1 = down_t.rows.min(i0 + rows_per_chunk);
-            let rows = QMatrix {
-                dtype: down_t.dtype,
-                rows: i1 - i0,
-                cols,
-                data: &down_t.data[i0 * down_t.row_bytes..i1 * down_t.row_bytes],
-            };
-            partial[k * cols..(k + 1) * cols].copy_from_slice(&twin::down(&rows, &h[i0..i1]));
+        let (cols, n_hot) = (down_t.cols, down_t.rows);
+        let n_chunks = n_hot.div_ceil(rows_per_chunk);
+        for t in 0..m {
+            let (h, part) = (&h[t * n_hot..], &mut partial[t * n_chunks * cols..]);
+            for (k, i0) in (0..n_hot).step_by(rows_per_chunk).enumerate() {
+                let i1 = n_hot.min(i0 + rows_per_chunk);
+                let rows = QMatrix {
+                    dtype: down_t.dtype,
+                    rows: i1 - i0,
+                    cols,
+                    data: &down_t.data[i0 * down_t.row_bytes..i1 * down_t.row_bytes],
+                };
+                part[k * cols..(k + 1) * cols].copy_from_slice(&twin::down(&rows, &h[i0..i1]));
+            }
         }
         Ok(())
     }
@@ -255,11 +258,15 @@ impl Device for Emulated {
         cpu_part: Option<&Vec<f32>>,
         bias: Option<&Vec<f32>>,
         cols: usize,
+        m: usize,
     ) -> Result<()> {
-        for (c, xc) in x[..cols].iter_mut().enumerate() {
-            let mut v: f32 = (0..n_chunks).map(|k| partial[k * cols + c]).sum();
-            v += cpu_part.map_or(0.0, |p| p[c]) + bias.map_or(0.0, |b| b[c]);
-            *xc += v;
+        for t in 0..m {
+            let part = &partial[t * n_chunks * cols..];
+            for (c, xc) in x[t * cols..(t + 1) * cols].iter_mut().enumerate() {
+                let mut v: f32 = (0..n_chunks).map(|k| part[k * cols + c]).sum();
+                v += cpu_part.map_or(0.0, |p| p[t * cols + c]) + bias.map_or(0.0, |b| b[c]);
+                *xc += v;
+            }
         }
         Ok(())
     }
