@@ -199,7 +199,9 @@ pub struct HybridModel<D: Device> {
 }
 
 /// Prompt tokens per pass of a `batched` model: the device buffers hold this many rows (the
-/// attention scores, PROMPT_ROWS * n_head * n_ctx floats, are the largest).
+/// largest are the attention scores, PROMPT_ROWS * n_head * n_ctx floats, and a split's hot
+/// partial sums, PROMPT_ROWS * n_hot / ROWS_PER_CHUNK * n_embd: 71 MB at 13B's shape with every
+/// neuron hot, outside the placement's budget as the other activations are).
 pub const PROMPT_ROWS: usize = 32;
 
 fn upload_opt<D: Device>(

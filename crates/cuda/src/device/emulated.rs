@@ -263,8 +263,14 @@ impl Device for Emulated {
         for t in 0..m {
             let part = &partial[t * n_chunks * cols..];
             for (c, xc) in x[t * cols..(t + 1) * cols].iter_mut().enumerate() {
+                // the kernel's order of additions
                 let mut v: f32 = (0..n_chunks).map(|k| part[k * cols + c]).sum();
-                v += cpu_part.map_or(0.0, |p| p[t * cols + c]) + bias.map_or(0.0, |b| b[c]);
+                if let Some(p) = cpu_part {
+                    v += p[t * cols + c];
+                }
+                if let Some(b) = bias {
+                    v += b[c];
+                }
                 *xc += v;
             }
         }
