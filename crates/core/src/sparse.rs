@@ -208,12 +208,15 @@ fn add_phases(marks: [Mark; 4]) {
 
 /// The rows of the (up to four) neurons `ids` that a kernel call prefetches for the call after
 /// it, and how many there are: `&rows[..n]` is the kernel's `next`.
-fn next_rows<'a>(ids: &[u32], row: impl Fn(u32) -> &'a [u8]) -> ([&'a [u8]; 4], usize) {
-    let mut rows = [&[][..]; 4];
+fn next_rows<'a, const N: usize>(
+    ids: &[u32],
+    row: impl Fn(u32) -> &'a [u8],
+) -> ([&'a [u8]; N], usize) {
+    let mut rows = [&[][..]; N];
     for (r, &j) in rows.iter_mut().zip(ids) {
         *r = row(j);
     }
-    (rows, ids.len().min(4))
+    (rows, ids.len().min(N))
 }
 
 /// Neurons per group in `sparse_ffn`'s passes.
@@ -313,35 +316,26 @@ fn chunk_ffn(
     for (g, group) in chunk.chunks(GROUP).enumerate() {
         let (n_active, [t0, t1, t2]) =
             group_activations(m, rows, x, group, gate_values, level, &mut vals, &mut alive);
-        // axpy of each active neuron's down_t row into this chunk's accumulator, four rows
-        // per pass over it, each pass with the next four rows prefetched, the last with
-        // the first rows the next group reads
-        let dtype = m.down_t.dtype;
+        // axpy of each active neuron's down_t row into this chunk's accumulator, the last
+        // call with the first rows the next group reads prefetched
         let (gate_rows, up_rows, down_rows) = rows;
-        let row = |j: u32| down_rows.row(j as usize);
         let first_read = match (gate_values, gate_rows) {
             (None, Some(gr)) => gr,
             _ => up_rows,
         };
-        let (then, n_then) = next_rows(chunk.get(GROUP * (g + 1)..).unwrap_or(&[]), |j: u32| {
-            first_read.row(j as usize)
-        });
-        for (q, quad) in alive[..n_active].chunks(4).enumerate() {
-            let (next, n) = next_rows(
-                alive[..n_active].get(4 * (q + 1)..(4 * (q + 2)).min(n_active)).unwrap_or(&[]),
-                row,
-            );
-            let next = if n == 0 { &then[..n_then] } else { &next[..n] };
-            let a = &vals[4 * q..4 * q + quad.len()];
-            if let [j0, j1, j2, j3] = *quad {
-                let rows = [j0, j1, j2, j3].map(row);
-                axpy4(level, dtype, rows, [a[0], a[1], a[2], a[3]], acc, next);
-            } else {
-                for (&j, &aj) in quad.iter().zip(a) {
-                    axpy(level, dtype, row(j), aj, acc, next);
-                }
-            }
-        }
+        let (then, n_then) =
+            next_rows::<4>(chunk.get(GROUP * (g + 1)..).unwrap_or(&[]), |j: u32| {
+                first_read.row(j as usize)
+            });
+        add_rows(
+            level,
+            m.down_t.dtype,
+            &alive[..n_active],
+            |j: u32| down_rows.row(j as usize),
+            |k, _| vals[k],
+            acc,
+            &then[..n_then],
+        );
         used += n_active;
         add_phases([t0, t1, t2, mark()]);
     }
@@ -472,7 +466,7 @@ fn group_activations(
         (Some(gv), _, _) => group.iter().enumerate().for_each(|(i, &j)| vals[i] = gv[j as usize]),
         (None, Some(gw), Some(gr)) => {
             // (the last call prefetches the first up rows: the gate rarely kills all four)
-            let (then, n) = next_rows(group, |j| up_rows.row(j as usize));
+            let (then, n) = next_rows::<4>(group, |j| up_rows.row(j as usize));
             dot_selected_rows(gw.dtype, gr, group, x, level, vals, &then[..n])
         }
         _ => {}
@@ -487,7 +481,7 @@ fn group_activations(
     // up, then the activation
     let t1 = mark();
     let mut ups = [0.0f32; GROUP];
-    let (then, n) = next_rows(&alive[..n_alive], |j| down_rows.row(j as usize));
+    let (then, n) = next_rows::<4>(&alive[..n_alive], |j| down_rows.row(j as usize));
     dot_selected_rows(m.up.dtype, up_rows, &alive[..n_alive], x, level, &mut ups, &then[..n]);
     let t2 = mark();
     if let Some(bias) = m.up_bias {
@@ -702,7 +696,7 @@ pub fn down_t_matmul(
             // SAFETY: this task alone writes columns c0..c1, and out.len() == n_embd.
             let y = unsafe { std::slice::from_raw_parts_mut(optr.at(c0), c1 - c0) };
             let slice = |j: u32| &down_t.row(j as usize)[b0..b1];
-            add_rows(level, down_t.dtype, nz, slice, |j| h[j as usize], y);
+            add_rows(level, down_t.dtype, nz, slice, |_, j| h[j as usize], y, &[]);
         });
         return;
     }
@@ -763,29 +757,49 @@ pub fn down_t_matmul(
             // SAFETY: this task alone writes token t's row, within out (n * n_embd)
             let y = unsafe { std::slice::from_raw_parts_mut(optr.at(t * n_embd), n_embd) };
             let row = |j: u32| down_t.row(j as usize);
-            add_rows(level, down_t.dtype, nz, row, |j| ht_row[j as usize], y);
+            add_rows(level, down_t.dtype, nz, row, |_, j| ht_row[j as usize], y, &[]);
         }
     });
 }
 
-/// y += sum over j in `nz` of a(j) * row(j), in order: four rows per pass over y, each pass
-/// with the next four rows on their way (scattered rows, a few lines each).
+/// y += sum over k of coef(k, ids[k]) * row(ids[k]), in order: the type's `axpy_rows` rows
+/// per pass over y (then four, then one, for the rest), each pass with the next pass's rows on
+/// their way (scattered rows, a few lines each), the last with `then` (what the caller reads
+/// next).
 fn add_rows<'a>(
     level: SimdLevel,
     dtype: DType,
-    nz: &[u32],
+    ids: &[u32],
     row: impl Fn(u32) -> &'a [u8],
-    a: impl Fn(u32) -> f32,
+    coef: impl Fn(usize, u32) -> f32,
     y: &mut [f32],
+    then: &[&'a [u8]],
 ) {
-    let mut quads = nz.chunks_exact(4);
-    for (i, q) in (&mut quads).enumerate() {
-        let (next, n) = next_rows(nz.get(4 * i + 4..4 * i + 8).unwrap_or(&[]), &row);
-        let q = [q[0], q[1], q[2], q[3]];
-        axpy4(level, dtype, q.map(&row), q.map(&a), y, &next[..n]);
-    }
-    for &j in quads.remainder() {
-        axpy(level, dtype, row(j), a(j), y, &[]);
+    let wide = dtype.traits().axpy_rows == 8;
+    let width = |left: usize| match left {
+        8.. if wide => 8,
+        4.. => 4,
+        _ => 1,
+    };
+    let mut k = 0;
+    while k < ids.len() {
+        let (w, after) = (width(ids.len() - k), k + width(ids.len() - k));
+        let next_ids = &ids[after..(after + width(ids.len() - after)).min(ids.len())];
+        let (next, n) = next_rows::<8>(next_ids, &row);
+        let next = if n == 0 { then } else { &next[..n] };
+        let a = |i: usize| coef(k + i, ids[k + i]);
+        match w {
+            8 => {
+                let rows: [u32; 8] = std::array::from_fn(|i| ids[k + i]);
+                axpy_rows::<8>(level, dtype, rows.map(&row), std::array::from_fn(a), y, next)
+            }
+            4 => {
+                let rows = [ids[k], ids[k + 1], ids[k + 2], ids[k + 3]];
+                axpy4(level, dtype, rows.map(&row), std::array::from_fn(a), y, next)
+            }
+            _ => axpy(level, dtype, row(ids[k]), a(0), y, next),
+        }
+        k = after;
     }
 }
 
@@ -891,31 +905,8 @@ mod tests {
                 }
             }
         }
-        // four rows at once
-        for dtype in DType::ALL {
-            for n in [32, 96, 4096] {
-                if n % dtype.block_len() != 0 {
-                    continue;
-                }
-                let rows: Vec<Vec<u8>> = (0..4).map(|r| any_row(dtype, n, 40 + r)).collect();
-                let a = [0.5, -1.25, 2.0, 0.125];
-                let y0 = random_vec(n, 98);
-                let (mut ys, mut yv) = (y0.clone(), y0.clone());
-                for r in 0..4 {
-                    quant::axpy_scalar(dtype, &rows[r], a[r], &mut ys);
-                }
-                let rr = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
-                axpy4(SimdLevel::Avx2, dtype, rr, a, &mut yv, &rr);
-                for i in 0..n {
-                    assert!(
-                        (ys[i] - yv[i]).abs() <= 1e-5,
-                        "x4 {dtype:?} n={n} i={i}: {} vs {}",
-                        ys[i],
-                        yv[i]
-                    );
-                }
-            }
-        }
+        rows_at_once_match_scalar::<4>(SimdLevel::Avx2);
+        rows_at_once_match_scalar::<8>(SimdLevel::Avx2);
         // float rows whose length is not a multiple of 8 use the scalar tail
         for dtype in [DType::F32, DType::F16, DType::BF16] {
             let row = quantize_row(dtype, &random_vec(13, 5));
@@ -923,6 +914,35 @@ mod tests {
             quant::axpy_scalar(dtype, &row, -2.0, &mut ys);
             unsafe { crate::avx2::axpy_rows::<1>(dtype, [&row[..]], [-2.0], &mut yv, &[]) };
             assert_eq!(ys, yv);
+        }
+    }
+
+    /// R rows in one axpy call at `level` against R calls of the scalar axpy, every type.
+    #[cfg(target_arch = "x86_64")]
+    fn rows_at_once_match_scalar<const R: usize>(level: SimdLevel) {
+        for dtype in DType::ALL {
+            for n in [32, 96, 4096] {
+                if n % dtype.block_len() != 0 {
+                    continue;
+                }
+                let rows: Vec<Vec<u8>> = (0..R).map(|r| any_row(dtype, n, 40 + r as u64)).collect();
+                let a: [f32; R] = std::array::from_fn(|r| [0.5, -1.25, 2.0, 0.125][r % 4]);
+                let y0 = random_vec(n, 98);
+                let (mut ys, mut yv) = (y0.clone(), y0.clone());
+                for r in 0..R {
+                    quant::axpy_scalar(dtype, &rows[r], a[r], &mut ys);
+                }
+                let rr: [&[u8]; R] = std::array::from_fn(|r| &rows[r][..]);
+                axpy_rows::<R>(level, dtype, rr, a, &mut yv, &rr);
+                for i in 0..n {
+                    assert!(
+                        (ys[i] - yv[i]).abs() <= 1e-5,
+                        "x{R} {level:?} {dtype:?} n={n} i={i}: {} vs {}",
+                        ys[i],
+                        yv[i]
+                    );
+                }
+            }
         }
     }
 
@@ -965,6 +985,7 @@ mod tests {
                 }
             }
         }
+        rows_at_once_match_scalar::<8>(SimdLevel::Avx512);
         // float rows whose length is not a multiple of 16 use the scalar tail
         for dtype in [DType::F32, DType::F16, DType::BF16] {
             let row = quantize_row(dtype, &random_vec(21, 5));
