@@ -1046,7 +1046,7 @@ impl<'a, D: Device> HybridPass<'a, D> {
                     act: c.ffn_activation,
                     bundles: None,
                 };
-                dev.acts.set(xb_h, 1, c.n_embd);
+                dev.acts.set_for(xb_h, 1, c.n_embd, &[mats.gate.unwrap_or(mats.up), mats.up]);
                 if dev.neurons.is_empty() {
                     cpu_out.iter_mut().for_each(|v| *v = 0.0);
                 } else {

@@ -185,7 +185,8 @@ impl Device for Emulated {
     ) -> Result<()> {
         let act = act_of_code(act).ok_or_else(|| fault(format!("activation code {act}")))?;
         // row t's logits: pred[t * stride..][..n_ids]
-        let pred_len = pred_logits.map(|(p, stride)| p.len().saturating_sub((m - 1) * stride));
+        let pred_len =
+            pred_logits.map(|(p, stride)| p.len().saturating_sub(m.saturating_sub(1) * stride));
         let n_ids =
             bias.iter().flatten().map(|b| b.len()).chain(pred_len).min().unwrap_or(usize::MAX);
         let ids: Vec<u32> = bucket[..up.rows]
