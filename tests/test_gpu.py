@@ -434,6 +434,7 @@ def test_prompts_run_in_passes_as_token_by_token(tmp_path, kind, dtype, device):
             e.set_sparsity(mode)
             cpu.set_sparsity(mode)
             s = e._session()
+            assert s.prompt_rows == 32
             passes = s.eval(ids, all_logits=True).astype(np.float64)
             stats, split_counts = s.take_stats(), s.take_split()
             s = e._session()
@@ -460,6 +461,24 @@ def test_prompts_run_in_passes_as_token_by_token(tmp_path, kind, dtype, device):
             else:
                 assert err.max() < 1e-4, (kwargs, mode, err.max())
             assert rel(passes, ref).max() < 3e-2, (kwargs, mode)
+
+
+def test_a_long_context_session_takes_fewer_prompt_rows(tmp_path):
+    """A session's batch rows hold the attention scores of every row over its whole context on
+    the device (n_head * n_ctx floats a row): at a long context it takes fewer rows a pass
+    (`session_rows`: at most 128 MiB of scores), and its prompt gives the logits it gives one
+    token at a time. The CPU's passes are 512 tokens."""
+    path = write_model(tmp_path / "m.gguf", n_layer=2, n_ff=128, n_embd=64, n_head=4, n_head_kv=2)
+    n_ctx = 1 << 22  # 64 MiB of scores a row at 4 heads
+    e = Engine.load(path, device="emulated", n_ctx=n_ctx, kv_type="f16", gpu_layers=1)
+    s = e._session()
+    assert s.prompt_rows == 2
+    ids = [int(t) for t in np.random.default_rng(3).integers(0, e.config["n_vocab"], 5)]
+    passes = s.eval(ids, all_logits=True)
+    s1 = e._session()
+    one = np.stack([np.atleast_2d(s1.eval([t]))[-1] for t in ids])
+    np.testing.assert_allclose(passes, one, rtol=1e-5, atol=1e-6)
+    assert Engine.load(path, device="cpu", n_ctx=256)._session().prompt_rows == 512
 
 
 def _hybrid_matches_cpu(path, dtype, kv_type, device):

@@ -211,14 +211,22 @@ impl Session {
     /// it ran in (the kernels keep one accumulator per token).
     pub const UBATCH: usize = 512;
 
+    /// The most tokens a pass of this session evaluates: `UBATCH`, or a ring's spare rows where
+    /// a sliding layer keeps a ring.
+    pub fn pass_rows(&self) -> usize {
+        if self.kv_ring.iter().any(Option::is_some) {
+            KvRing::PASS_ROWS
+        } else {
+            Self::UBATCH
+        }
+    }
+
     /// Evaluates `tokens` at the next positions and returns logits: (n, n_vocab) when
     /// `all_logits`, else only the last token's (n_vocab).
     pub fn eval(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
         self.check_room(tokens)?;
         let model = Arc::clone(&self.model);
-        // passes of at most UBATCH tokens (a ring's spare rows where a sliding layer keeps a ring)
-        let per_pass =
-            if self.kv_ring.iter().any(Option::is_some) { KvRing::PASS_ROWS } else { Self::UBATCH };
+        let per_pass = self.pass_rows();
         let mut logits = Vec::new();
         for (i, part) in tokens.chunks(per_pass).enumerate() {
             let last = (i + 1) * per_pass >= tokens.len();

@@ -117,6 +117,11 @@ impl Executor {
         exec.map_err(device_error)
     }
 
+    /// The most prompt tokens one forward pass evaluates.
+    pub fn prompt_rows(&self) -> usize {
+        on_device!(self, s => s.pass_rows(), h => h.prompt_rows())
+    }
+
     /// "cpu", "cuda" or "emulated".
     pub fn device(&self) -> &'static str {
         match self {

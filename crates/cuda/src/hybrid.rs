@@ -199,10 +199,21 @@ pub struct HybridModel<D: Device> {
 }
 
 /// Prompt tokens per pass of a `batched` model: the device buffers hold this many rows (the
-/// largest are the attention scores, PROMPT_ROWS * n_head * n_ctx floats, and a split's hot
-/// partial sums, PROMPT_ROWS * n_hot / ROWS_PER_CHUNK * n_embd: 71 MB at 13B's shape with every
-/// neuron hot, outside the placement's budget as the other activations are).
+/// largest are the attention scores, rows * n_head * n_ctx floats, and a split's hot partial
+/// sums, rows * n_hot / ROWS_PER_CHUNK * n_embd: 71 MB at 13B's shape with every neuron hot,
+/// outside the placement's budget as the other activations are). A session whose scores would
+/// take more than `PROMPT_SCORES_BYTES` takes fewer rows (`session_rows`).
 pub const PROMPT_ROWS: usize = 32;
+
+/// The most device memory a session's attention scores take over its batch rows: 16 rows at
+/// n_ctx 32768 with 32 heads, 2 at 131072 with 64.
+pub const PROMPT_SCORES_BYTES: usize = 128 << 20;
+
+/// Batch rows of a session of `batched` model with `n_head` heads and `n_ctx` positions:
+/// `PROMPT_ROWS`, fewer where their attention scores would outgrow `PROMPT_SCORES_BYTES`.
+pub fn session_rows(n_head: usize, n_ctx: usize) -> usize {
+    (PROMPT_SCORES_BYTES / (n_head * n_ctx * 4).max(1)).clamp(1, PROMPT_ROWS)
+}
 
 fn upload_opt<D: Device>(
     gpu: &Gpu<D>,
@@ -555,23 +566,25 @@ struct DeviceState<D: Device> {
     k_cache: Vec<Option<Buf<D, u8>>>, // per GPU layer (n_ctx, kv_dim) f16 or f32
     v_cache: Vec<Option<Buf<D, u8>>>,
     // device activations
-    x: DActs<D>, // (rows, n_embd) residual (the predictor's input); rows: 1, or PROMPT_ROWS
-    x_tail: Buf<D, f32>, // (rows, n_embd) the last rows of x, when only they need logits
-    xb: DActs<D>, // (n_embd) normed input
-    q: Buf<D, f32>, // (q_dim)
-    k: Buf<D, f32>, // (kv_dim)
-    v: Buf<D, f32>, // (kv_dim)
-    att: DActs<D>, // (q_dim)
-    attn_out: Buf<D, f32>, // (n_embd)
-    scores: Buf<D, f32>, // (n_head, n_ctx)
-    pred_hidden: DActs<D>, // (rows, max predictor hidden)
-    pred_logits: Buf<D, f32>, // (rows, n_ff)
-    h: DActs<D>, // (rows, max n_hot)
-    expert_h: DActs<D>, // (n_ff_exp) one expert's activations
-    shared_h: DActs<D>, // (n_ff_shared) the shared expert's activations
-    shared_y: Buf<D, f32>, // (n_embd) the shared expert's output, before its gate
+    /// Batch rows the buffers hold: 1, or `session_rows` of a `batched` model.
+    rows: usize,
+    x: DActs<D>,                // (rows, n_embd) residual (the predictor's input)
+    x_tail: Buf<D, f32>,        // (rows, n_embd) the last rows of x, when only they need logits
+    xb: DActs<D>,               // (n_embd) normed input
+    q: Buf<D, f32>,             // (q_dim)
+    k: Buf<D, f32>,             // (kv_dim)
+    v: Buf<D, f32>,             // (kv_dim)
+    att: DActs<D>,              // (q_dim)
+    attn_out: Buf<D, f32>,      // (n_embd)
+    scores: Buf<D, f32>,        // (n_head, n_ctx)
+    pred_hidden: DActs<D>,      // (rows, max predictor hidden)
+    pred_logits: Buf<D, f32>,   // (rows, n_ff)
+    h: DActs<D>,                // (rows, max n_hot)
+    expert_h: DActs<D>,         // (n_ff_exp) one expert's activations
+    shared_h: DActs<D>,         // (n_ff_shared) the shared expert's activations
+    shared_y: Buf<D, f32>,      // (n_embd) the shared expert's output, before its gate
     router_logits: Buf<D, f32>, // (n_expert) a GPU layer's router logits
-    expert_y: Buf<D, f32>, // (n_embd) one expert's output
+    expert_y: Buf<D, f32>,      // (n_embd) one expert's output
     // (n_used + 1, n_embd) the device's expert outputs gathered by routed slot, the shared
     // expert's last, so that the host reads them in one copy
     expert_ys: Buf<D, f32>,
@@ -655,8 +668,9 @@ impl<D: Device> HybridSession<D> {
             .unwrap_or(1);
         let max_hot = hm.layers.iter().flatten().map(|l| l.n_hot).max().unwrap_or(1);
         let max_chunks = max_hot.div_ceil(ROWS_PER_CHUNK).max(1);
-        let rows = if hm.batched { PROMPT_ROWS } else { 1 };
+        let rows = if hm.batched { session_rows(c.n_head, n_ctx) } else { 1 };
         let dev = DeviceState {
+            rows,
             x: g.acts(rows * c.n_embd)?,
             x_tail: g.zeros(rows * c.n_embd)?,
             xb: g.acts(rows * c.n_embd)?,
@@ -720,6 +734,11 @@ impl<D: Device> HybridSession<D> {
         Ok(HybridSession { dev, cpu, hm })
     }
 
+    /// Prompt tokens a pass of this session evaluates (see `session_rows`).
+    pub fn prompt_rows(&self) -> usize {
+        self.dev.rows
+    }
+
     /// KV cache bytes this session holds on the GPU.
     pub fn kv_bytes(&self) -> usize {
         self.dev.k_cache.iter().chain(&self.dev.v_cache).flatten().map(|b| D::len(b)).sum()
@@ -755,13 +774,12 @@ impl<D: Device> HybridSession<D> {
         std::mem::take(&mut self.dev.counts)
     }
 
-    /// Evaluates `tokens` (in passes of up to `PROMPT_ROWS` where the model is `batched`, else
-    /// one at a time) and returns the logits of every token (n, n_vocab) when `all_logits`,
-    /// else of the last.
+    /// Evaluates `tokens` (in passes of up to `prompt_rows` tokens) and returns the logits of
+    /// every token (n, n_vocab) when `all_logits`, else of the last.
     pub fn eval(&mut self, tokens: &[u32], all_logits: bool) -> CoreResult<Vec<f32>> {
         self.cpu.check_room(tokens)?;
         let n_vocab = self.hm.model.config.n_vocab;
-        if self.hm.batched && tokens.len() > 1 {
+        if self.dev.rows > 1 && tokens.len() > 1 {
             return self.eval_rows(tokens, all_logits);
         }
         let mut out = Vec::with_capacity(if all_logits { tokens.len() * n_vocab } else { n_vocab });
@@ -775,14 +793,15 @@ impl<D: Device> HybridSession<D> {
         Ok(out)
     }
 
-    /// A prompt of a `batched` model: passes of up to PROMPT_ROWS tokens, each through the
+    /// A prompt of a `batched` model: passes of up to `prompt_rows` tokens, each through the
     /// forward pass at once; the logits of every token, or of the last.
     fn eval_rows(&mut self, tokens: &[u32], all_logits: bool) -> CoreResult<Vec<f32>> {
         let hm = Arc::clone(&self.hm);
         let model = &*hm.model;
         let mut out = Vec::new();
-        let n_chunks = tokens.len().div_ceil(PROMPT_ROWS);
-        for (i, chunk) in tokens.chunks(PROMPT_ROWS).enumerate() {
+        let rows = self.dev.rows;
+        let n_chunks = tokens.len().div_ceil(rows);
+        for (i, chunk) in tokens.chunks(rows).enumerate() {
             let n_logits = if all_logits { chunk.len() } else { usize::from(i + 1 == n_chunks) };
             if let [tok] = *chunk {
                 // a last single row is a decode step (its selection counted, its graph recorded)
@@ -878,8 +897,8 @@ struct HybridPass<'a, D: Device> {
     dev: &'a mut DeviceState<D>,
     cpu: CpuPass<'a>,
     pos: usize,
-    /// Rows (tokens at positions pos, pos + 1, ...): 1, or up to PROMPT_ROWS prompt tokens of a
-    /// `batched` model.
+    /// Rows (tokens at positions pos, pos + 1, ...): 1, or up to the session's `prompt_rows`
+    /// prompt tokens.
     m: usize,
     /// Where the residual stream x lives now: the device's `x`, or the CPU pass's.
     on_gpu: bool,

@@ -471,6 +471,13 @@ impl PySession {
         Ok(lock(&self.inner)?.cpu_ref().n_ctx)
     }
 
+    /// The most prompt tokens one forward pass evaluates (512 on the CPU; on a GPU placement
+    /// up to 32, fewer at long contexts, 1 where experts are on the GPU).
+    #[getter]
+    fn prompt_rows(&self) -> PyResult<usize> {
+        Ok(lock(&self.inner)?.prompt_rows())
+    }
+
     #[getter]
     fn pos(&self) -> PyResult<usize> {
         Ok(lock(&self.inner)?.cpu_ref().pos())
