@@ -172,13 +172,15 @@ pub trait Device: Send + Sync + Sized + 'static {
         q8: &mut Self::Buf<u8>,
         n_blocks: usize,
     ) -> Result<()>;
-    /// `matvec_*`: y[r] = w[r] . x (+ bias[r]), relu'd when asked.
+    /// `matvec_*`: y[at + t * rows + r] = w[r] . x[t] (+ bias[r]), relu'd when asked.
+    #[allow(clippy::too_many_arguments)]
     fn matvec(
         &self,
         w: &DMat<Self>,
         x: &DActs<Self>,
         bias: Option<&Self::Buf<f32>>,
         y: &mut Self::Buf<f32>,
+        at: usize,
         relu: bool,
         m: usize,
     ) -> Result<()>;

@@ -190,11 +190,27 @@ impl<D: Device> Gpu<D> {
         relu: bool,
         m: usize,
     ) -> Result<()> {
+        self.matvec_at(w, x, bias, y, 0, relu, m)
+    }
+
+    /// `matvec` into y from element `at` (an expert's output into its slot of a gathered
+    /// buffer, without a copy).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matvec_at(
+        &self,
+        w: &DMat<D>,
+        x: &DActs<D>,
+        bias: Option<&Buf<D, f32>>,
+        y: &mut Buf<D, f32>,
+        at: usize,
+        relu: bool,
+        m: usize,
+    ) -> Result<()> {
         Self::check_input(w.dtype, w.cols, x, m)?;
         type_slot(w.dtype)?;
-        Self::holds("a matvec's output", y, m * w.rows)?;
+        Self::holds("a matvec's output", y, at + m * w.rows)?;
         Self::holds_opt("a matvec's bias", bias, w.rows)?;
-        self.dev.matvec(w, x, bias, y, relu, m)
+        self.dev.matvec(w, x, bias, y, at, relu, m)
     }
 
     /// y_i = w_i . x (+ bias_i) for three matrices on one input (q, k and v): one launch where

@@ -582,9 +582,7 @@ struct DeviceState<D: Device> {
     h: DActs<D>,                // (rows, max n_hot)
     expert_h: DActs<D>,         // (n_ff_exp) one expert's activations
     shared_h: DActs<D>,         // (n_ff_shared) the shared expert's activations
-    shared_y: Buf<D, f32>,      // (n_embd) the shared expert's output, before its gate
     router_logits: Buf<D, f32>, // (n_expert) a GPU layer's router logits
-    expert_y: Buf<D, f32>,      // (n_embd) one expert's output
     // (n_used + 1, n_embd) the device's expert outputs gathered by routed slot, the shared
     // expert's last, so that the host reads them in one copy
     expert_ys: Buf<D, f32>,
@@ -685,13 +683,7 @@ impl<D: Device> HybridSession<D> {
             h: g.acts(rows * max_hot)?,
             expert_h: g.acts(c.moe.map_or(1, |m| m.n_ff_exp))?,
             shared_h: g.acts(c.moe.map_or(0, |m| m.n_ff_shared).max(1))?,
-            shared_y: g.zeros(if c.moe.is_some_and(|m| m.n_ff_shared > 0) {
-                c.n_embd
-            } else {
-                1
-            })?,
             router_logits: g.zeros(c.moe.map_or(1, |m| m.n_expert))?,
-            expert_y: g.zeros(c.n_embd)?,
             expert_ys: g.zeros(c.moe.map_or(1, |m| (m.n_used + 1) * c.n_embd))?,
             ffn_out: g.zeros(rows * c.n_embd)?,
             partial: g.zeros(rows * max_chunks * c.n_embd)?,
@@ -1360,8 +1352,7 @@ impl<D: Device> Backend for HybridPass<'_, D> {
             )?;
             g.quantize_for(&[down], h, moe.n_ff_shared)?;
             // (not in the split counts, which are the routed experts')
-            g.matvec(down, h, None, &mut dev.shared_y, false, 1)?;
-            g.copy(&dev.shared_y, 0, &mut dev.expert_ys, moe.n_used * c.n_embd, c.n_embd)?;
+            g.matvec_at(down, h, None, &mut dev.expert_ys, moe.n_used * c.n_embd, false, 1)?;
         }
         // the device's chosen experts, queued: h = act(gate . xb, up . xb), y = down . h
         for (j, &(e, _)) in routes.iter().enumerate() {
@@ -1381,10 +1372,10 @@ impl<D: Device> Backend for HybridPass<'_, D> {
                 1,
             )?;
             g.quantize_for(&[down], &mut dev.expert_h, moe.n_ff_exp)?;
-            g.matvec(down, &dev.expert_h, bias.map(|b| &b[2]), &mut dev.expert_y, false, 1)?;
             // into its slot: one read brings every output back (a read waits for the queue:
             // one wait a layer, not one per expert)
-            g.copy(&dev.expert_y, 0, &mut dev.expert_ys, j * c.n_embd, c.n_embd)?;
+            let (ys, at) = (&mut dev.expert_ys, j * c.n_embd);
+            g.matvec_at(down, &dev.expert_h, bias.map(|b| &b[2]), ys, at, false, 1)?;
             dev.counts.gpu_neurons += moe.n_ff_exp as u64;
         }
         // the CPU's meanwhile; then the device's outputs into their slots, and the sums

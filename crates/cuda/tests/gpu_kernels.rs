@@ -181,6 +181,14 @@ fn matvec_matches_twin() {
                         ) < 1e-5
                     );
                 }
+                // into a slot of a larger buffer: the same values there, nothing else written
+                let at = 3 * rows;
+                let mut dslots = g.upload(&vec![7.0f32; 5 * rows]).unwrap();
+                g.matvec_at(&dm, &dx, Some(&db), &mut dslots, at, relu, 1).unwrap();
+                let mut slots = vec![0.0; 5 * rows];
+                g.read(&dslots, &mut slots).unwrap();
+                assert_eq!(&slots[at..at + rows], &y[..], "{dtype:?} {rows}x{cols} at {at}");
+                assert!(slots[..at].iter().chain(&slots[at + rows..]).all(|&v| v == 7.0));
             }
         }
     }

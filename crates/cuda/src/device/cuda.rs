@@ -211,24 +211,26 @@ impl Device for Cuda {
         x: &DActs<Self>,
         bias: Option<&CudaSlice<f32>>,
         y: &mut CudaSlice<f32>,
+        at: usize,
         relu: bool,
         m: usize,
     ) -> Result<()> {
         let f = &self.k.matvec[type_slot(w.dtype)?];
         let (row_bytes, rows, cols, relu, bias) =
             (w.row_bytes as u64, w.rows as i32, w.cols as i32, relu as i32, self.ptr(bias));
+        let y_at = y.device_ptr_mut(&self.stream).0 + (at * std::mem::size_of::<f32>()) as u64;
         let mut b = self.stream.launch_builder(f);
         b.arg(&w.data)
             .arg(&row_bytes)
             .arg(&x.f32s)
             .arg(&x.q8)
             .arg(&bias)
-            .arg(y)
+            .arg(&y_at)
             .arg(&rows)
             .arg(&cols)
             .arg(&relu);
         // SAFETY: argument types and order match `matvec_*` in powerinfer.cu; x is checked by
-        // `Gpu`, y and bias are sized by the callers.
+        // `Gpu`, y (from `at`, m * rows) and bias are sized by the callers (checked by `Gpu`).
         unsafe { b.launch(cfg((blocks(w.rows, WARPS), m as u32), 32 * WARPS as u32)) }?;
         Ok(())
     }

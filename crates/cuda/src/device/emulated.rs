@@ -144,13 +144,14 @@ impl Device for Emulated {
         x: &DActs<Self>,
         bias: Option<&Vec<f32>>,
         y: &mut Vec<f32>,
+        at: usize,
         relu: bool,
         m: usize,
     ) -> Result<()> {
         for t in 0..m {
             let out =
                 twin::matvec_seen(&view(w), &input(w, x, t), bias.map(|b| &b[..w.rows]), relu);
-            y[t * w.rows..(t + 1) * w.rows].copy_from_slice(&out);
+            y[at + t * w.rows..at + (t + 1) * w.rows].copy_from_slice(&out);
         }
         Ok(())
     }
@@ -164,7 +165,7 @@ impl Device for Emulated {
         m: usize,
     ) -> Result<()> {
         for ((w, b), y) in w.into_iter().zip(bias).zip(y) {
-            self.matvec(w, x, b, y, false, m)?;
+            self.matvec(w, x, b, y, 0, false, m)?;
         }
         Ok(())
     }
