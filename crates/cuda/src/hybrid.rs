@@ -188,10 +188,11 @@ pub struct HybridModel<D: Device> {
     /// the host between its embedding and its logits, so sessions record them once as a graph
     /// and replay it for every later token (one launch instead of ~17 per layer).
     graphable: bool,
-    /// No device layer holds experts: prompts run up to `PROMPT_ROWS` tokens per pass, the
-    /// device layers' kernels over the pass's rows (the predictor and the hot neurons too), the
-    /// cold neurons' cells of all rows in one CPU pass, and the CPU layers (a layer offload's)
-    /// as the CPU runs a prompt.
+    /// No device layer holds experts (routed or shared; its router may be there): prompts run
+    /// up to `PROMPT_ROWS` tokens per pass, the device layers' kernels over the pass's rows (the
+    /// predictor, the hot neurons and the router too), the cold neurons' cells of all rows in
+    /// one CPU pass, the experts of all rows as the CPU runs them in a prompt, and the CPU
+    /// layers (a layer offload's) as the CPU runs a prompt.
     batched: bool,
     /// Held by a session for each token: sessions share the device's one stream, and a
     /// recording must not take in another session's launches.
@@ -527,7 +528,9 @@ impl<D: Device> HybridModel<D> {
             && layers
                 .iter()
                 .all(|l| l.as_ref().is_some_and(|l| l.cold.is_empty() && l.experts.is_none()));
-        let batched = layers.iter().flatten().all(|l| l.experts.is_none());
+        let batched = layers.iter().flatten().all(|l| {
+            l.experts.as_ref().is_none_or(|ex| ex.shared.is_none() && !ex.on_gpu.contains(&true))
+        });
         report.prompt_rows = if batched { PROMPT_ROWS } else { 1 };
         Ok(HybridModel {
             model,
@@ -582,7 +585,7 @@ struct DeviceState<D: Device> {
     h: DActs<D>,                // (rows, max n_hot)
     expert_h: DActs<D>,         // (n_ff_exp) one expert's activations
     shared_h: DActs<D>,         // (n_ff_shared) the shared expert's activations
-    router_logits: Buf<D, f32>, // (n_expert) a GPU layer's router logits
+    router_logits: Buf<D, f32>, // (rows, n_expert) a GPU layer's router logits
     // (n_used + 1, n_embd) the device's expert outputs gathered by routed slot, the shared
     // expert's last, so that the host reads them in one copy
     expert_ys: Buf<D, f32>,
@@ -683,7 +686,7 @@ impl<D: Device> HybridSession<D> {
             h: g.acts(rows * max_hot)?,
             expert_h: g.acts(c.moe.map_or(1, |m| m.n_ff_exp))?,
             shared_h: g.acts(c.moe.map_or(0, |m| m.n_ff_shared).max(1))?,
-            router_logits: g.zeros(c.moe.map_or(1, |m| m.n_expert))?,
+            router_logits: g.zeros(rows * c.moe.map_or(1, |m| m.n_expert))?,
             expert_ys: g.zeros(c.moe.map_or(1, |m| (m.n_used + 1) * c.n_embd))?,
             ffn_out: g.zeros(rows * c.n_embd)?,
             partial: g.zeros(rows * max_chunks * c.n_embd)?,
@@ -1299,14 +1302,15 @@ impl<D: Device> Backend for HybridPass<'_, D> {
             RouterInput::FfnInput => &mut dev.xb,
             RouterInput::LayerInput => &mut dev.x,
         };
-        g.quantize_for(&[router], x, router.cols)?;
-        g.matvec(router, x, router_bias, &mut dev.router_logits, false, 1)?;
+        let m = self.m;
+        g.quantize_for(&[router], x, m * router.cols)?;
+        g.matvec(router, x, router_bias, &mut dev.router_logits, false, m)?;
         // then the FFN input and the logits to the host: one wait for both (the host reads the
         // input anyway: its experts and the shared expert's gate need it)
         if moe.router_input == RouterInput::FfnInput {
             g.read(&dev.xb.f32s, self.cpu.normed_input())?;
         }
-        let mut logits = vec![0.0f32; moe.n_expert];
+        let mut logits = vec![0.0f32; m * moe.n_expert];
         g.read(&dev.router_logits, &mut logits)?;
         self.cpu.route_from(l, &logits)
     }
@@ -1318,9 +1322,11 @@ impl<D: Device> Backend for HybridPass<'_, D> {
             return self.cpu.experts(l);
         };
         let ex = layer.experts.as_ref().expect("a GPU layer of a mixture of experts");
-        if self.m > 1 {
+        if self.m > 1 && (ex.shared.is_some() || ex.on_gpu.contains(&true)) {
             // (such models are not `batched`: their prompts run a token at a time)
-            return Err(CudaError::Unsupported("experts over several rows at once".into()).into());
+            return Err(
+                CudaError::Unsupported("device experts over several rows at once".into()).into()
+            );
         }
         if moe.router_input == RouterInput::LayerInput {
             // the CPU's experts read the normed FFN input, which the router did not
