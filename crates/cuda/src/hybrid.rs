@@ -93,8 +93,8 @@ pub struct PlacementReport {
     pub hot_experts: usize,
     pub total_experts: usize,
     pub output_on_gpu: bool,
-    /// Prompt tokens a pass evaluates: `PROMPT_ROWS` where the placement allows passes of
-    /// several rows (see `HybridModel::batched`), else 1.
+    /// The most prompt tokens a pass evaluates (`PROMPT_ROWS`; a session at a long context
+    /// takes fewer, see `session_rows`).
     pub prompt_rows: usize,
 }
 
@@ -151,12 +151,13 @@ struct GpuLayer<D: Device> {
     experts: Option<GpuExperts<D>>,
 }
 
-/// A mixture-of-experts layer on the device. The router runs on the CPU, which reads the
-/// device's normed FFN input (or its layer input): per token it picks the experts, the device
-/// runs the shared expert and the chosen ones it holds (queued), the CPU the others meanwhile,
-/// and the CPU sums every chosen expert's output in expert order (the device's read back into
-/// their slots) and the shared one's times its gate, as the CPU alone sums them; the sum joins
-/// the residual on the device as a cold part does.
+/// A mixture-of-experts layer on the device. The router's product runs on the device, the
+/// choice on the CPU, which reads the device's normed FFN input (or its layer input): per row
+/// it picks the experts, the device runs each row's shared expert and the chosen ones it holds
+/// (queued, a row at a time), the CPU the others meanwhile (all rows in one pass, each chosen
+/// expert's weights read once), and the CPU sums every chosen expert's output in expert order
+/// (the device's read back into their slots) and the shared one's times its gate, as the CPU
+/// alone sums them; the sum joins the residual on the device as a cold part does.
 struct GpuExperts<D: Device> {
     /// Per expert: whether the device holds it.
     on_gpu: Vec<bool>,
@@ -188,18 +189,12 @@ pub struct HybridModel<D: Device> {
     /// the host between its embedding and its logits, so sessions record them once as a graph
     /// and replay it for every later token (one launch instead of ~17 per layer).
     graphable: bool,
-    /// No device layer holds experts (routed or shared; its router may be there): prompts run
-    /// up to `PROMPT_ROWS` tokens per pass, the device layers' kernels over the pass's rows (the
-    /// predictor, the hot neurons and the router too), the cold neurons' cells of all rows in
-    /// one CPU pass, the experts of all rows as the CPU runs them in a prompt, and the CPU
-    /// layers (a layer offload's) as the CPU runs a prompt.
-    batched: bool,
     /// Held by a session for each token: sessions share the device's one stream, and a
     /// recording must not take in another session's launches.
     step_lock: Mutex<()>,
 }
 
-/// Prompt tokens per pass of a `batched` model: the device buffers hold this many rows (the
+/// Prompt tokens per pass: a session's device buffers hold this many rows (the
 /// largest are the attention scores, rows * n_head * n_ctx floats, and a split's hot partial
 /// sums, rows * n_hot / ROWS_PER_CHUNK * n_embd: 71 MB at 13B's shape with every neuron hot,
 /// outside the placement's budget as the other activations are). A session whose scores would
@@ -210,7 +205,7 @@ pub const PROMPT_ROWS: usize = 32;
 /// n_ctx 32768 with 32 heads, 2 at 131072 with 64.
 pub const PROMPT_SCORES_BYTES: usize = 128 << 20;
 
-/// Batch rows of a session of `batched` model with `n_head` heads and `n_ctx` positions:
+/// Batch rows of a session with `n_head` heads and `n_ctx` positions:
 /// `PROMPT_ROWS`, fewer where their attention scores would outgrow `PROMPT_SCORES_BYTES`.
 pub fn session_rows(n_head: usize, n_ctx: usize) -> usize {
     (PROMPT_SCORES_BYTES / (n_head * n_ctx * 4).max(1)).clamp(1, PROMPT_ROWS)
@@ -528,20 +523,8 @@ impl<D: Device> HybridModel<D> {
             && layers
                 .iter()
                 .all(|l| l.as_ref().is_some_and(|l| l.cold.is_empty() && l.experts.is_none()));
-        let batched = layers.iter().flatten().all(|l| {
-            l.experts.as_ref().is_none_or(|ex| ex.shared.is_none() && !ex.on_gpu.contains(&true))
-        });
-        report.prompt_rows = if batched { PROMPT_ROWS } else { 1 };
-        Ok(HybridModel {
-            model,
-            gpu,
-            layers,
-            output,
-            report,
-            graphable,
-            batched,
-            step_lock: Mutex::new(()),
-        })
+        report.prompt_rows = PROMPT_ROWS;
+        Ok(HybridModel { model, gpu, layers, output, report, graphable, step_lock: Mutex::new(()) })
     }
 }
 
@@ -561,15 +544,15 @@ pub struct HybridSession<D: Device> {
     dev: DeviceState<D>,
 }
 
-/// A hybrid session's device buffers (the GPU layers' KV cache, one row of activations) and
-/// the host buffers of the CPU's share of a GPU layer's FFN.
+/// A hybrid session's device buffers (the GPU layers' KV cache, a pass's rows of activations)
+/// and the host buffers of the CPU's share of a GPU layer's FFN.
 struct DeviceState<D: Device> {
     n_ctx: usize,
     kv_f16: bool,
     k_cache: Vec<Option<Buf<D, u8>>>, // per GPU layer (n_ctx, kv_dim) f16 or f32
     v_cache: Vec<Option<Buf<D, u8>>>,
     // device activations
-    /// Batch rows the buffers hold: 1, or `session_rows` of a `batched` model.
+    /// Batch rows the buffers hold (`session_rows`).
     rows: usize,
     x: DActs<D>,                // (rows, n_embd) residual (the predictor's input)
     x_tail: Buf<D, f32>,        // (rows, n_embd) the last rows of x, when only they need logits
@@ -586,8 +569,9 @@ struct DeviceState<D: Device> {
     expert_h: DActs<D>,         // (n_ff_exp) one expert's activations
     shared_h: DActs<D>,         // (n_ff_shared) the shared expert's activations
     router_logits: Buf<D, f32>, // (rows, n_expert) a GPU layer's router logits
-    // (n_used + 1, n_embd) the device's expert outputs gathered by routed slot, the shared
-    // expert's last, so that the host reads them in one copy
+    expert_x: DActs<D>,         // (n_embd) one row of a pass's FFN input, for its experts
+    // (rows, n_used + 1, n_embd) the device's expert outputs gathered by row and routed slot,
+    // each row's shared expert's last, so that the host reads them in one copy
     expert_ys: Buf<D, f32>,
     ffn_out: Buf<D, f32>, // (n_embd) the FFN's output when its down projection is `HotDown::Rows`
     partial: Buf<D, f32>, // (rows, max chunks, n_embd)
@@ -669,7 +653,7 @@ impl<D: Device> HybridSession<D> {
             .unwrap_or(1);
         let max_hot = hm.layers.iter().flatten().map(|l| l.n_hot).max().unwrap_or(1);
         let max_chunks = max_hot.div_ceil(ROWS_PER_CHUNK).max(1);
-        let rows = if hm.batched { session_rows(c.n_head, n_ctx) } else { 1 };
+        let rows = session_rows(c.n_head, n_ctx);
         let dev = DeviceState {
             rows,
             x: g.acts(rows * c.n_embd)?,
@@ -687,7 +671,8 @@ impl<D: Device> HybridSession<D> {
             expert_h: g.acts(c.moe.map_or(1, |m| m.n_ff_exp))?,
             shared_h: g.acts(c.moe.map_or(0, |m| m.n_ff_shared).max(1))?,
             router_logits: g.zeros(rows * c.moe.map_or(1, |m| m.n_expert))?,
-            expert_ys: g.zeros(c.moe.map_or(1, |m| (m.n_used + 1) * c.n_embd))?,
+            expert_x: g.acts(if c.moe.is_some() { c.n_embd } else { 1 })?,
+            expert_ys: g.zeros(rows * c.moe.map_or(1, |m| (m.n_used + 1) * c.n_embd))?,
             ffn_out: g.zeros(rows * c.n_embd)?,
             partial: g.zeros(rows * max_chunks * c.n_embd)?,
             cpu_part: g.zeros(rows * c.n_embd)?,
@@ -707,7 +692,7 @@ impl<D: Device> HybridSession<D> {
             pred_h: vec![0.0; rows * c.n_ff],
             cpu_out_h: vec![0.0; rows * c.n_embd],
             cells: Vec::new(),
-            expert_ys_h: vec![0.0; c.moe.map_or(1, |m| (m.n_used + 1) * c.n_embd)],
+            expert_ys_h: vec![0.0; rows * c.moe.map_or(1, |m| (m.n_used + 1) * c.n_embd)],
             acts: Activations::default(),
             neurons: Vec::new(),
             scratch: SparseScratch::default(),
@@ -788,7 +773,7 @@ impl<D: Device> HybridSession<D> {
         Ok(out)
     }
 
-    /// A prompt of a `batched` model: passes of up to `prompt_rows` tokens, each through the
+    /// A prompt: passes of up to `prompt_rows` tokens, each through the
     /// forward pass at once; the logits of every token, or of the last.
     fn eval_rows(&mut self, tokens: &[u32], all_logits: bool) -> CoreResult<Vec<f32>> {
         let hm = Arc::clone(&self.hm);
@@ -1322,88 +1307,99 @@ impl<D: Device> Backend for HybridPass<'_, D> {
             return self.cpu.experts(l);
         };
         let ex = layer.experts.as_ref().expect("a GPU layer of a mixture of experts");
-        if self.m > 1 && (ex.shared.is_some() || ex.on_gpu.contains(&true)) {
-            // (such models are not `batched`: their prompts run a token at a time)
-            return Err(
-                CudaError::Unsupported("device experts over several rows at once".into()).into()
-            );
-        }
         if moe.router_input == RouterInput::LayerInput {
             // the CPU's experts read the normed FFN input, which the router did not
             self.hm.gpu.read(&self.dev.xb.f32s, self.cpu.normed_input())?;
         }
-        let (c, g, dev) = (&self.hm.model.config, &self.hm.gpu, &mut *self.dev);
-        let routes: Vec<(u32, f32)> = self.cpu.routes().to_vec();
-        // the input rounded once for every matrix the device reads it with
-        let mut readers: Vec<&DMat<D>> = ex.shared.iter().map(|(m, _)| &m[1]).collect();
-        readers.extend(
-            routes.iter().filter_map(|&(e, _)| ex.mats[e as usize].as_ref()).map(|m| &m[1]),
-        );
-        g.quantize_for(&readers, &mut dev.xb, c.n_embd)?;
-        // the shared expert, queued: h = silu(gate . xb) * (up . xb), y = down . h
-        if let Some(([gate, up, down], bucket)) = &ex.shared {
-            let h = &mut dev.shared_h;
-            g.ffn_hot(
-                Some(gate),
-                up,
-                bucket,
-                &dev.xb,
-                [None, None],
-                None,
-                0.0,
-                None,
-                FfnActivation::SwiGlu,
-                &mut h.f32s,
-                1,
-            )?;
-            g.quantize_for(&[down], h, moe.n_ff_shared)?;
-            // (not in the split counts, which are the routed experts')
-            g.matvec_at(down, h, None, &mut dev.expert_ys, moe.n_used * c.n_embd, false, 1)?;
+        let (c, g, dev, m) = (&self.hm.model.config, &self.hm.gpu, &mut *self.dev, self.m);
+        let (dim, n_used) = (c.n_embd, moe.n_used);
+        // each row's outputs: its routed slots, then its shared expert's
+        let per_row = n_used + 1;
+        let routes: Vec<(u32, f32)> = self.cpu.routes().to_vec(); // (m, n_used)
+        for (t, row_routes) in routes.chunks_exact(n_used).enumerate() {
+            // the row's input, rounded once for every matrix the device reads it with; a
+            // pass's row alone at the start of its own buffer, as the kernels read one row
+            let x = if m == 1 {
+                &mut dev.xb
+            } else {
+                g.copy(&dev.xb.f32s, t * dim, &mut dev.expert_x.f32s, 0, dim)?;
+                &mut dev.expert_x
+            };
+            let mut readers: Vec<&DMat<D>> = ex.shared.iter().map(|(m, _)| &m[1]).collect();
+            readers.extend(
+                row_routes.iter().filter_map(|&(e, _)| ex.mats[e as usize].as_ref()).map(|m| &m[1]),
+            );
+            g.quantize_for(&readers, x, dim)?;
+            let x = &*x;
+            // the shared expert, queued: h = silu(gate . x) * (up . x), y = down . h
+            if let Some(([gate, up, down], bucket)) = &ex.shared {
+                let h = &mut dev.shared_h;
+                g.ffn_hot(
+                    Some(gate),
+                    up,
+                    bucket,
+                    x,
+                    [None, None],
+                    None,
+                    0.0,
+                    None,
+                    FfnActivation::SwiGlu,
+                    &mut h.f32s,
+                    1,
+                )?;
+                g.quantize_for(&[down], h, moe.n_ff_shared)?;
+                // (not in the split counts, which are the routed experts')
+                let at = (t * per_row + n_used) * dim;
+                g.matvec_at(down, h, None, &mut dev.expert_ys, at, false, 1)?;
+            }
+            // the device's chosen experts, queued: h = act(gate . x, up . x), y = down . h
+            for (j, &(e, _)) in row_routes.iter().enumerate() {
+                let Some([gate, up, down]) = &ex.mats[e as usize] else { continue };
+                let bias = ex.biases[e as usize].as_ref();
+                g.ffn_hot(
+                    Some(gate),
+                    up,
+                    &ex.rows,
+                    x,
+                    [bias.map(|b| &b[0]), bias.map(|b| &b[1])],
+                    None,
+                    0.0,
+                    None,
+                    c.ffn_activation,
+                    &mut dev.expert_h.f32s,
+                    1,
+                )?;
+                g.quantize_for(&[down], &mut dev.expert_h, moe.n_ff_exp)?;
+                // into its slot: one read brings every output back (a read waits for the
+                // queue: one wait a layer, not one per expert)
+                let (ys, at) = (&mut dev.expert_ys, (t * per_row + j) * dim);
+                g.matvec_at(down, &dev.expert_h, bias.map(|b| &b[2]), ys, at, false, 1)?;
+                dev.counts.gpu_neurons += moe.n_ff_exp as u64;
+            }
         }
-        // the device's chosen experts, queued: h = act(gate . xb, up . xb), y = down . h
-        for (j, &(e, _)) in routes.iter().enumerate() {
-            let Some([gate, up, down]) = &ex.mats[e as usize] else { continue };
-            let bias = ex.biases[e as usize].as_ref();
-            g.ffn_hot(
-                Some(gate),
-                up,
-                &ex.rows,
-                &dev.xb,
-                [bias.map(|b| &b[0]), bias.map(|b| &b[1])],
-                None,
-                0.0,
-                None,
-                c.ffn_activation,
-                &mut dev.expert_h.f32s,
-                1,
-            )?;
-            g.quantize_for(&[down], &mut dev.expert_h, moe.n_ff_exp)?;
-            // into its slot: one read brings every output back (a read waits for the queue:
-            // one wait a layer, not one per expert)
-            let (ys, at) = (&mut dev.expert_ys, j * c.n_embd);
-            g.matvec_at(down, &dev.expert_h, bias.map(|b| &b[2]), ys, at, false, 1)?;
-            dev.counts.gpu_neurons += moe.n_ff_exp as u64;
-        }
-        // the CPU's meanwhile; then the device's outputs into their slots, and the sums
+        // the CPU's meanwhile, every row's in one pass; then the device's outputs into their
+        // slots, and the sums
         let on_device = routes.iter().filter(|&&(e, _)| ex.on_gpu[e as usize]).count();
         dev.counts.cpu_neurons += ((routes.len() - on_device) * moe.n_ff_exp) as u64;
-        let dim = c.n_embd;
-        let (ys, ys_h, n_used) = (&dev.expert_ys, &mut dev.expert_ys_h, moe.n_used);
+        let (ys, ys_h) = (&dev.expert_ys, &mut dev.expert_ys_h[..m * per_row * dim]);
         self.cpu.experts_except(l, &ex.on_gpu, ex.shared.is_some(), |slots, out, shared| {
             if slots.is_empty() && shared.is_none() {
                 return Ok(());
             }
             g.read(ys, ys_h).map_err(powerinfer_core::Error::from)?;
             for s in slots {
-                let j = routes
+                let j = routes[s.row * n_used..(s.row + 1) * n_used]
                     .iter()
                     .position(|&(e, _)| e as usize == s.expert)
                     .expect("a slot of a routed expert");
-                out[s.slot * dim..(s.slot + 1) * dim]
-                    .copy_from_slice(&ys_h[j * dim..(j + 1) * dim]);
+                let at = (s.row * per_row + j) * dim;
+                out[s.slot * dim..(s.slot + 1) * dim].copy_from_slice(&ys_h[at..at + dim]);
             }
             if let Some(shared) = shared {
-                shared.copy_from_slice(&ys_h[n_used * dim..(n_used + 1) * dim]);
+                for (t, out) in shared.chunks_exact_mut(dim).enumerate() {
+                    let at = (t * per_row + n_used) * dim;
+                    out.copy_from_slice(&ys_h[at..at + dim]);
+                }
             }
             Ok(())
         })?;
