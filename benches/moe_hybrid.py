@@ -1,5 +1,6 @@
 """Hot experts on the GPU against llama.cpp's `--n-cpu-moe` split at the same VRAM budget, and
-against every expert on the CPU: decode tok/s of one synthetic mixture of experts in the shape of
+against every expert on the CPU: decode tok/s, and prefill tok/s of a 128-token prompt, of one
+synthetic mixture of experts in the shape of
 Qwen3-30B-A3B's layers (n_embd 2048, 32 query and 4 KV heads of 128, 128 experts of 768, 8 used;
 Q4_K experts), whose routers favour a few experts per layer as trained routers do (`skew` in
 tests/synth.py; random routers spread tokens almost evenly). `--arch gpt-oss`: gpt-oss-20b's
@@ -83,6 +84,15 @@ def decode_rate(engine, prompt: list[int], n: int) -> tuple[float, float | None]
     return rate, share
 
 
+def prefill_rate(engine, prompt: list[int]) -> float:
+    """Prompt tok/s of `prompt` evaluated from an empty context."""
+    s = engine._session(len(prompt) + 8)
+    s.truncate(0)
+    t = time.perf_counter()
+    s.eval(prompt)
+    return len(prompt) / (time.perf_counter() - t)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -157,7 +167,9 @@ def main() -> None:
         ),
     }
     prompt = rng.integers(3, 260, size=16).tolist()
+    long_prompt = rng.integers(3, 260, size=128).tolist()
     rates = {name: [] for name in engines}
+    prefill = {name: [] for name in engines}
     shares = {}
     for e in engines.values():
         decode_rate(e, prompt, 2)
@@ -166,20 +178,27 @@ def main() -> None:
             r, share = decode_rate(e, prompt, a.gen_tokens)
             rates[name].append(r)
             shares[name] = share
+            prefill[name].append(prefill_rate(e, long_prompt))
     med = {name: statistics.median(v) for name, v in rates.items()}
+    med_prefill = {name: statistics.median(v) for name, v in prefill.items()}
     reports = {n: e.gpu_report() for n, e in engines.items() if e.gpu_report() is not None}
     print(
         f"{path.name}: budget {budget / 2**20:.0f} MiB ({a.share:.0%} of the experts), "
         f"device {a.device}, {threads} CPU threads; the top {k} experts of a layer take "
         f"{routed_by_top:.0%} of its routings"
     )
-    print("| split | experts on the GPU | routed neurons on the GPU | decode tok/s |")
-    print("|---|---|---|---|")
+    print(
+        "| split | experts on the GPU | routed neurons on the GPU | decode tok/s | prefill tok/s |"
+    )
+    print("|---|---|---|---|---|")
     for name in engines:
         r = reports.get(name)
         placed = f"{r['hot_experts']} of {r['total_experts']}" if r else "0"
         sh = shares.get(name)
-        print(f"| {name} | {placed} | {'-' if sh is None else f'{sh:.0%}'} | {med[name]:.1f} |")
+        print(
+            f"| {name} | {placed} | {'-' if sh is None else f'{sh:.0%}'} | {med[name]:.1f} "
+            f"| {med_prefill[name]:.1f} |"
+        )
     ratio_split = [h / n for h, n in zip(rates["hot"], rates["n-cpu-moe"])]
     ratio_cpu = [h / c for h, c in zip(rates["hot"], rates["cpu"])]
     print(
@@ -196,6 +215,8 @@ def main() -> None:
                     "share": a.share,
                     "routed_by_top_share": routed_by_top,
                     "decode_tok_s": med,
+                    "prefill_tok_s": med_prefill,
+                    "prefill_tokens": len(long_prompt),
                     "gpu_neuron_share": shares,
                     "reports": reports,
                     "hot_over_n_cpu_moe": statistics.median(ratio_split),
