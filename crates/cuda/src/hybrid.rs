@@ -1317,6 +1317,9 @@ impl<D: Device> Backend for HybridPass<'_, D> {
         let per_row = n_used + 1;
         let routes: Vec<(u32, f32)> = self.cpu.routes().to_vec(); // (m, n_used)
         for (t, row_routes) in routes.chunks_exact(n_used).enumerate() {
+            if ex.shared.is_none() && !row_routes.iter().any(|&(e, _)| ex.on_gpu[e as usize]) {
+                continue; // nothing of this row's on the device
+            }
             // the row's input, rounded once for every matrix the device reads it with; a
             // pass's row alone at the start of its own buffer, as the kernels read one row
             let x = if m == 1 {
