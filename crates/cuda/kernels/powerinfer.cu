@@ -629,6 +629,64 @@ FFN_HOT(ffn_hot_iq4_nl, T_IQ4_NL)
 FFN_HOT(ffn_hot_iq4_xs, T_IQ4_XS)
 FFN_HOT(ffn_hot_mxfp4, T_MXFP4)
 
+// ---- a token's experts on the device, all in one launch each -----------------------------------
+// table: n_slots gate matrices' addresses, then n_slots up, then n_slots down (one expert a
+// slot, all of one type and shape), then each slot's first output element in y. experts_hot:
+// grid (n_rows / warps, n_slots), h[s, i] = act(gate_s[i] . x, up_s[i] . x) over one row x, as
+// ffn_hot computes an expert's row without a predictor or biases. experts_down: grid
+// (n_embd / warps, n_slots), y[at_s + r] = down_s[r] . h[s], as matvec computes it.
+
+template <int T>
+__device__ void experts_hot(const unsigned long long* table, int n_slots, unsigned long long row_bytes,
+                            const float* x, const Q8Act* xq, float* h, int n_rows, int cols, int act) {
+    const int i = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (i >= n_rows) return;
+    const int s = blockIdx.y;
+    const u8* gate = (const u8*)table[s];
+    const u8* up = (const u8*)table[n_slots + s];
+    float g = warp_dot<T>(gate + (size_t)i * row_bytes, x, xq, cols);
+    float u = warp_dot<T>(up + (size_t)i * row_bytes, x, xq, cols);
+    if ((threadIdx.x & 31) == 0) h[(size_t)s * n_rows + i] = activate(act, g, u);
+}
+
+template <int T>
+__device__ void experts_down(const unsigned long long* table, int n_slots, unsigned long long row_bytes,
+                             const float* h, const Q8Act* hq, float* y, int rows, int cols) {
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= rows) return;
+    const int s = blockIdx.y;
+    const u8* w = (const u8*)table[2 * n_slots + s];
+    float v = warp_dot<T>(w + (size_t)r * row_bytes, h + (size_t)s * cols, hq + (size_t)s * (cols / 32), cols);
+    if ((threadIdx.x & 31) == 0) y[table[3 * n_slots + s] + r] = v;
+}
+
+#define EXPERTS(HOT, DOWN, T)                                                                         \
+    extern "C" __global__ void HOT(const unsigned long long* table, int n_slots,                      \
+                                   unsigned long long row_bytes, const float* x, const Q8Act* xq,     \
+                                   float* h, int n_rows, int cols, int act) {                         \
+        experts_hot<T>(table, n_slots, row_bytes, x, xq, h, n_rows, cols, act);                       \
+    }                                                                                                 \
+    extern "C" __global__ void DOWN(const unsigned long long* table, int n_slots,                     \
+                                    unsigned long long row_bytes, const float* h, const Q8Act* hq,    \
+                                    float* y, int rows, int cols) {                                   \
+        experts_down<T>(table, n_slots, row_bytes, h, hq, y, rows, cols);                             \
+    }
+EXPERTS(experts_hot_f32, experts_down_f32, T_F32)
+EXPERTS(experts_hot_f16, experts_down_f16, T_F16)
+EXPERTS(experts_hot_q4_0, experts_down_q4_0, T_Q4_0)
+EXPERTS(experts_hot_q4_1, experts_down_q4_1, T_Q4_1)
+EXPERTS(experts_hot_q8_0, experts_down_q8_0, T_Q8_0)
+EXPERTS(experts_hot_q5_0, experts_down_q5_0, T_Q5_0)
+EXPERTS(experts_hot_q5_1, experts_down_q5_1, T_Q5_1)
+EXPERTS(experts_hot_q2_k, experts_down_q2_k, T_Q2_K)
+EXPERTS(experts_hot_q3_k, experts_down_q3_k, T_Q3_K)
+EXPERTS(experts_hot_q4_k, experts_down_q4_k, T_Q4_K)
+EXPERTS(experts_hot_q5_k, experts_down_q5_k, T_Q5_K)
+EXPERTS(experts_hot_q6_k, experts_down_q6_k, T_Q6_K)
+EXPERTS(experts_hot_iq4_nl, experts_down_iq4_nl, T_IQ4_NL)
+EXPERTS(experts_hot_iq4_xs, experts_down_iq4_xs, T_IQ4_XS)
+EXPERTS(experts_hot_mxfp4, experts_down_mxfp4, T_MXFP4)
+
 // ---- sparse axpy of the down projection --------------------------------------------------------
 // partial[chunk, c] = sum over rows i of the chunk with h[i] != 0 of h[i] * down_t[i, c].
 // grid (ceil(cols / blockDim.x), n_chunks, batch rows): row t reads h[t] (n_hot) and writes

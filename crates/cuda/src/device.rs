@@ -212,6 +212,24 @@ pub trait Device: Send + Sync + Sized + 'static {
         h: &mut Self::Buf<f32>,
         m: usize,
     ) -> Result<()>;
+    /// `experts_hot_*`: h[s, i] = act(gates[s][i] . x, ups[s][i] . x) for every row i of each
+    /// slot's expert (one of x's rows; all experts of one type and shape, no biases).
+    fn experts_hot(
+        &self,
+        gates: &[&DMat<Self>],
+        ups: &[&DMat<Self>],
+        x: &DActs<Self>,
+        act: i32,
+        h: &mut Self::Buf<f32>,
+    ) -> Result<()>;
+    /// `experts_down_*`: y[at[s] + r] = downs[s][r] . h[s] for each slot s (h: one row a slot).
+    fn experts_down(
+        &self,
+        downs: &[&DMat<Self>],
+        h: &DActs<Self>,
+        y: &mut Self::Buf<f32>,
+        at: &[usize],
+    ) -> Result<()>;
     /// `down_partial_*`: partial[t, k, c] = sum over the rows i of chunk k of h[t, i] *
     /// down_t[i, c], for m batch rows t.
     fn down_partial(

@@ -292,6 +292,71 @@ impl<D: Device> Gpu<D> {
         )
     }
 
+    /// A token's experts held on the device in one launch: h[s, i] = act(gates[s][i] . x,
+    /// ups[s][i] . x) for every row i of slot s's expert (x: one row). The slots' matrices must
+    /// share one type and shape; an expert's row is what `ffn_hot` computes for it.
+    pub fn experts_hot(
+        &self,
+        gates: &[&DMat<D>],
+        ups: &[&DMat<D>],
+        x: &DActs<D>,
+        act: FfnActivation,
+        h: &mut Buf<D, f32>,
+    ) -> Result<()> {
+        let Some(&up) = ups.first() else { return Ok(()) };
+        Self::same_shape(
+            "the experts' gate and up",
+            gates.iter().chain(ups),
+            gates.len() == ups.len(),
+        )?;
+        Self::check_input(up.dtype, up.cols, x, 1)?;
+        type_slot(up.dtype)?;
+        Self::holds("the experts' activations", h, ups.len() * up.rows)?;
+        self.dev.experts_hot(gates, ups, x, act_code(act)?, h)
+    }
+
+    /// The down products of a token's experts on the device in one launch: y[at[s] + r] =
+    /// downs[s][r] . h[s] (h: a row a slot, `quantize_for` the down type first); as `matvec_at`
+    /// computes each.
+    pub fn experts_down(
+        &self,
+        downs: &[&DMat<D>],
+        h: &DActs<D>,
+        y: &mut Buf<D, f32>,
+        at: &[usize],
+    ) -> Result<()> {
+        let Some(&down) = downs.first() else { return Ok(()) };
+        Self::same_shape("the experts' down", downs.iter(), downs.len() == at.len())?;
+        Self::check_input(down.dtype, down.cols, h, downs.len())?;
+        type_slot(down.dtype)?;
+        let end = at.iter().map(|&a| a + down.rows).max().unwrap_or(0);
+        Self::holds("the experts' outputs", y, end)?;
+        self.dev.experts_down(downs, h, y, at)
+    }
+
+    /// That the matrices `of` share the first's type and shape (and `counts_agree`).
+    fn same_shape<'m>(
+        what: &str,
+        mut of: impl Iterator<Item = &'m &'m DMat<D>>,
+        counts_agree: bool,
+    ) -> Result<()>
+    where
+        D: 'm,
+    {
+        let first = of.next().copied();
+        let agree = first.is_some_and(|f| {
+            of.all(|m| {
+                (m.dtype, m.rows, m.cols, m.row_bytes) == (f.dtype, f.rows, f.cols, f.row_bytes)
+            })
+        });
+        if !counts_agree || !agree {
+            return Err(CudaError::Unsupported(format!(
+                "{what} in one launch need one type and shape each and a matrix a slot"
+            )));
+        }
+        Ok(())
+    }
+
     /// partial[k, c] = sum over the rows i of chunk k of h[i] * down_t[i, c]; returns the
     /// number of chunks written.
     pub fn down_partial(

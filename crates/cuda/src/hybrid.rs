@@ -566,7 +566,7 @@ struct DeviceState<D: Device> {
     pred_hidden: DActs<D>,      // (rows, max predictor hidden)
     pred_logits: Buf<D, f32>,   // (rows, n_ff)
     h: DActs<D>,                // (rows, max n_hot)
-    expert_h: DActs<D>,         // (n_ff_exp) one expert's activations
+    expert_h: DActs<D>,         // (n_used, n_ff_exp) a row's device experts' activations
     shared_h: DActs<D>,         // (n_ff_shared) the shared expert's activations
     router_logits: Buf<D, f32>, // (rows, n_expert) a GPU layer's router logits
     expert_x: DActs<D>,         // (n_embd) one row of a pass's FFN input, for its experts
@@ -668,7 +668,7 @@ impl<D: Device> HybridSession<D> {
             pred_hidden: g.acts(rows * max_hidden)?,
             pred_logits: g.zeros(rows * c.n_ff)?,
             h: g.acts(rows * max_hot)?,
-            expert_h: g.acts(c.moe.map_or(1, |m| m.n_ff_exp))?,
+            expert_h: g.acts(c.moe.map_or(1, |m| m.n_used * m.n_ff_exp))?,
             shared_h: g.acts(c.moe.map_or(0, |m| m.n_ff_shared).max(1))?,
             router_logits: g.zeros(rows * c.moe.map_or(1, |m| m.n_expert))?,
             expert_x: g.acts(if c.moe.is_some() { c.n_embd } else { 1 })?,
@@ -1355,10 +1355,26 @@ impl<D: Device> Backend for HybridPass<'_, D> {
                 let at = (t * per_row + n_used) * dim;
                 g.matvec_at(down, h, None, &mut dev.expert_ys, at, false, 1)?;
             }
-            // the device's chosen experts, queued: h = act(gate . x, up . x), y = down . h
-            for (j, &(e, _)) in row_routes.iter().enumerate() {
-                let Some([gate, up, down]) = &ex.mats[e as usize] else { continue };
-                let bias = ex.biases[e as usize].as_ref();
+            // the device's chosen experts, queued: h = act(gate . x, up . x), y = down . h into
+            // each one's slot; without biases all of them in one launch each
+            let held: Vec<(usize, &[DMat<D>; 3])> = row_routes
+                .iter()
+                .enumerate()
+                .filter_map(|(j, &(e, _))| ex.mats[e as usize].as_ref().map(|m| (j, m)))
+                .collect();
+            dev.counts.gpu_neurons += (held.len() * moe.n_ff_exp) as u64;
+            if !held.is_empty() && ex.biases.iter().all(Option::is_none) {
+                let gates: Vec<&DMat<D>> = held.iter().map(|(_, m)| &m[0]).collect();
+                let ups: Vec<&DMat<D>> = held.iter().map(|(_, m)| &m[1]).collect();
+                let downs: Vec<&DMat<D>> = held.iter().map(|(_, m)| &m[2]).collect();
+                let at: Vec<usize> = held.iter().map(|&(j, _)| (t * per_row + j) * dim).collect();
+                g.experts_hot(&gates, &ups, x, c.ffn_activation, &mut dev.expert_h.f32s)?;
+                g.quantize_for(&downs[..1], &mut dev.expert_h, held.len() * moe.n_ff_exp)?;
+                g.experts_down(&downs, &dev.expert_h, &mut dev.expert_ys, &at)?;
+                continue;
+            }
+            for &(j, [gate, up, down]) in &held {
+                let bias = ex.biases[row_routes[j].0 as usize].as_ref();
                 g.ffn_hot(
                     Some(gate),
                     up,
@@ -1377,7 +1393,6 @@ impl<D: Device> Backend for HybridPass<'_, D> {
                 // queue: one wait a layer, not one per expert)
                 let (ys, at) = (&mut dev.expert_ys, (t * per_row + j) * dim);
                 g.matvec_at(down, &dev.expert_h, bias.map(|b| &b[2]), ys, at, false, 1)?;
-                dev.counts.gpu_neurons += moe.n_ff_exp as u64;
             }
         }
         // the CPU's meanwhile, every row's in one pass; then the device's outputs into their

@@ -773,3 +773,81 @@ fn batch_rows_equal_rows_one_at_a_time() {
         }
     }
 }
+
+/// A token's experts in one launch each (`experts_hot`, `experts_down`) compute bit for bit
+/// what each expert's own launches compute (`ffn_hot` over all its rows, `matvec_at` into its
+/// slot), and write nothing outside the slots.
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test -- --ignored"]
+fn experts_in_one_launch_equal_one_launch_each() {
+    let g = gpu();
+    let mut rng = Rng::new(21);
+    let (n_embd, n_ff, n_slots) = (256, 512, 3);
+    for dtype in [DType::Q4_K, DType::Q8_0, DType::F16, DType::MXFP4] {
+        let experts: Vec<[DMat<Cuda>; 3]> = (0..n_slots)
+            .map(|_| {
+                let (gd, ud, dd) = (
+                    matrix(&mut rng, dtype, n_ff, n_embd),
+                    matrix(&mut rng, dtype, n_ff, n_embd),
+                    matrix(&mut rng, dtype, n_embd, n_ff),
+                );
+                let qm = |rows, cols, data| QMatrix { dtype, rows, cols, data };
+                [
+                    g.upload_rows(&qm(n_ff, n_embd, &gd), None).unwrap(),
+                    g.upload_rows(&qm(n_ff, n_embd, &ud), None).unwrap(),
+                    g.upload_rows(&qm(n_embd, n_ff, &dd), None).unwrap(),
+                ]
+            })
+            .collect();
+        let x = random(&mut rng, n_embd, 1.0);
+        let dx = device_acts(&g, &x, &experts[0][1]);
+        // slots 2, 0 and 3 of a 5-slot output: outputs land where `at` says, in any order
+        let at: Vec<usize> = [2, 0, 3].iter().map(|s| s * n_embd).collect();
+        let act = FfnActivation::SwiGlu;
+
+        let mut h = g.acts(n_slots * n_ff).unwrap();
+        let (gates, ups, downs): (Vec<_>, Vec<_>, Vec<_>) = (
+            experts.iter().map(|e| &e[0]).collect(),
+            experts.iter().map(|e| &e[1]).collect(),
+            experts.iter().map(|e| &e[2]).collect(),
+        );
+        g.experts_hot(&gates, &ups, &dx, act, &mut h.f32s).unwrap();
+        g.quantize_for(&downs[..1], &mut h, n_slots * n_ff).unwrap();
+        let mut ys = g.upload(&vec![7.0f32; 5 * n_embd]).unwrap();
+        g.experts_down(&downs, &h, &mut ys, &at).unwrap();
+        let mut got_h = vec![0.0; n_slots * n_ff];
+        g.read(&h.f32s, &mut got_h).unwrap();
+        let mut got = vec![0.0; 5 * n_embd];
+        g.read(&ys, &mut got).unwrap();
+
+        let rows = g.upload(&(0..n_ff as i32).collect::<Vec<_>>()).unwrap();
+        let mut want = vec![7.0f32; 5 * n_embd];
+        for (s, e) in experts.iter().enumerate() {
+            let mut h1 = g.acts(n_ff).unwrap();
+            g.ffn_hot(
+                Some(&e[0]),
+                &e[1],
+                &rows,
+                &dx,
+                [None, None],
+                None,
+                0.0,
+                None,
+                act,
+                &mut h1.f32s,
+                1,
+            )
+            .unwrap();
+            let mut one_h = vec![0.0; n_ff];
+            g.read(&h1.f32s, &mut one_h).unwrap();
+            assert_eq!(&got_h[s * n_ff..(s + 1) * n_ff], &one_h[..], "{dtype:?} slot {s} h");
+            g.quantize_for(&[&e[2]], &mut h1, n_ff).unwrap();
+            let mut y1 = g.zeros::<f32>(5 * n_embd).unwrap();
+            g.matvec_at(&e[2], &h1, None, &mut y1, at[s], false, 1).unwrap();
+            let mut one = vec![0.0; 5 * n_embd];
+            g.read(&y1, &mut one).unwrap();
+            want[at[s]..at[s] + n_embd].copy_from_slice(&one[at[s]..at[s] + n_embd]);
+        }
+        assert_eq!(got, want, "{dtype:?}");
+    }
+}

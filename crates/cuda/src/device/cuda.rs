@@ -28,6 +28,8 @@ struct Kernels {
     matvec: Vec<CudaFunction>,
     matvec3: Vec<CudaFunction>,
     ffn_hot: Vec<CudaFunction>,
+    experts_hot: Vec<CudaFunction>,
+    experts_down: Vec<CudaFunction>,
     down_partial: Vec<CudaFunction>,
     ffn_merge: CudaFunction,
     rmsnorm: CudaFunction,
@@ -94,6 +96,8 @@ impl Cuda {
             matvec: per_type("matvec")?,
             matvec3: per_type("matvec3")?,
             ffn_hot: per_type("ffn_hot")?,
+            experts_hot: per_type("experts_hot")?,
+            experts_down: per_type("experts_down")?,
             down_partial: per_type("down_partial")?,
             ffn_merge: f("ffn_merge")?,
             rmsnorm: f("rmsnorm")?,
@@ -313,6 +317,59 @@ impl Device for Cuda {
         // n_ff and pred_logits (m - 1) * pred_stride + n_ff; `selected` is null or one u32
         // inside `counts` (checked by `Gpu`).
         unsafe { b.launch(cfg((blocks(up.rows, WARPS), m as u32), 32 * WARPS as u32)) }?;
+        Ok(())
+    }
+
+    fn experts_hot(
+        &self,
+        gates: &[&DMat<Self>],
+        ups: &[&DMat<Self>],
+        x: &DActs<Self>,
+        act: i32,
+        h: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let up = ups[0];
+        let f = &self.k.experts_hot[type_slot(up.dtype)?];
+        // the slots' gate and up addresses (the kernel reads the table's first 2 * n_slots)
+        let table: Vec<u64> =
+            gates.iter().chain(ups).map(|m| m.data.device_ptr(&self.stream).0).collect();
+        let table = self.stream.clone_htod(&table)?;
+        let (n_slots, row_bytes) = (ups.len() as i32, up.row_bytes as u64);
+        let (rows, cols) = (up.rows as i32, up.cols as i32);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&table).arg(&n_slots).arg(&row_bytes).arg(&x.f32s).arg(&x.q8).arg(h);
+        b.arg(&rows).arg(&cols).arg(&act);
+        // SAFETY: matches `experts_hot_*`; every slot's matrices share up's type and shape and
+        // h holds n_slots * rows floats (checked by `Gpu`); the table lives until the launch
+        // has run (its memory is freed in stream order).
+        unsafe { b.launch(cfg((blocks(up.rows, WARPS), ups.len() as u32), 32 * WARPS as u32)) }?;
+        Ok(())
+    }
+
+    fn experts_down(
+        &self,
+        downs: &[&DMat<Self>],
+        h: &DActs<Self>,
+        y: &mut CudaSlice<f32>,
+        at: &[usize],
+    ) -> Result<()> {
+        let down = downs[0];
+        let f = &self.k.experts_down[type_slot(down.dtype)?];
+        // the kernel reads the slots' down addresses at 2 * n_slots and their outputs' first
+        // elements at 3 * n_slots
+        let n = downs.len();
+        let mut table = vec![0u64; 2 * n];
+        table.extend(downs.iter().map(|m| m.data.device_ptr(&self.stream).0));
+        table.extend(at.iter().map(|&a| a as u64));
+        let table = self.stream.clone_htod(&table)?;
+        let (n_slots, row_bytes) = (n as i32, down.row_bytes as u64);
+        let (rows, cols) = (down.rows as i32, down.cols as i32);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&table).arg(&n_slots).arg(&row_bytes).arg(&h.f32s).arg(&h.q8).arg(y);
+        b.arg(&rows).arg(&cols);
+        // SAFETY: matches `experts_down_*`; every slot's matrix shares down's type and shape, h
+        // holds n_slots rows of cols and y at[s] + rows floats for each slot (checked by `Gpu`).
+        unsafe { b.launch(cfg((blocks(down.rows, WARPS), n as u32), 32 * WARPS as u32)) }?;
         Ok(())
     }
 

@@ -226,6 +226,45 @@ impl Device for Emulated {
         Ok(())
     }
 
+    fn experts_hot(
+        &self,
+        gates: &[&DMat<Self>],
+        ups: &[&DMat<Self>],
+        x: &DActs<Self>,
+        act: i32,
+        h: &mut Vec<f32>,
+    ) -> Result<()> {
+        let act = act_of_code(act).ok_or_else(|| fault(format!("activation code {act}")))?;
+        for (s, (gate, up)) in gates.iter().zip(ups).enumerate() {
+            let ids: Vec<u32> = (0..up.rows as u32).collect();
+            let out = twin::ffn_hot_seen(
+                Some(&view(gate)),
+                &view(up),
+                &ids,
+                &input(up, x, 0),
+                [None, None],
+                None,
+                act,
+            );
+            h[s * up.rows..(s + 1) * up.rows].copy_from_slice(&out);
+        }
+        Ok(())
+    }
+
+    fn experts_down(
+        &self,
+        downs: &[&DMat<Self>],
+        h: &DActs<Self>,
+        y: &mut Vec<f32>,
+        at: &[usize],
+    ) -> Result<()> {
+        for (s, (down, &at)) in downs.iter().zip(at).enumerate() {
+            let out = twin::matvec_seen(&view(down), &input(down, h, s), None, false);
+            y[at..at + down.rows].copy_from_slice(&out);
+        }
+        Ok(())
+    }
+
     fn down_partial(
         &self,
         down_t: &DMat<Self>,
