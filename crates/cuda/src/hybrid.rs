@@ -963,11 +963,11 @@ impl<'a, D: Device> HybridPass<'a, D> {
         // GPU: hot neurons, queued; they run while the CPU computes the cold ones
         dev.ffn_chunks = 0;
         dev.ffn_whole = false;
+        // a single row without cold neurons: the host never sees the selection, the GPU counts it
+        let counted_on_gpu = predicted && !has_cold && m == 1;
         if let Some(hot) = &layer.hot {
             let pred = predicted.then_some((&dev.pred_logits, c.n_ff));
-            // a single row without cold neurons: the host never sees the selection, the GPU
-            // counts it
-            let count = (predicted && !has_cold && m == 1).then(|| {
+            let count = counted_on_gpu.then(|| {
                 dev.counted_on_gpu.push(l);
                 (&mut dev.selected, l)
             });
@@ -997,29 +997,42 @@ impl<'a, D: Device> HybridPass<'a, D> {
             }
         }
 
-        // the stats, and which cells the CPU computes: keep (m, n_ff), the cold neurons each
-        // row selects
-        let counted_on_gpu = predicted && !has_cold && m == 1;
-        let mut stats = FfnStats {
-            neurons: if counted_on_gpu { 0 } else { (m * c.n_ff) as u64 },
-            ..Default::default()
-        };
+        // which cold neurons the CPU computes: one row's list, or the cells (m, n_ff) each of
+        // several rows selects
         let cold_selected = |row: &[f32], j: u32| {
             !predicted || Sparsity::predictor_selects(row[j as usize], threshold)
         };
-        if predicted && (has_cold || m > 1) {
-            let selected =
-                pred_h.iter().filter(|&&v| Sparsity::predictor_selects(v, threshold)).count();
-            let cold: usize = pred_h
-                .chunks_exact(c.n_ff)
-                .map(|row| layer.cold.iter().filter(|&&j| cold_selected(row, j)).count())
-                .sum();
-            stats.skipped = (m * c.n_ff - selected) as u64;
+        let mut cold = 0;
+        if has_cold && m == 1 {
+            dev.neurons.clear();
+            dev.neurons.extend(layer.cold.iter().copied().filter(|&j| cold_selected(pred_h, j)));
+            cold = dev.neurons.len();
+        } else if has_cold {
+            dev.cells.clear();
+            dev.cells.resize(m * c.n_ff, false);
+            for (t, cells) in dev.cells.chunks_exact_mut(c.n_ff).enumerate() {
+                let row = &pred_h[if predicted { t * c.n_ff..(t + 1) * c.n_ff } else { 0..0 }];
+                for &j in layer.cold.iter().filter(|&&j| cold_selected(row, j)) {
+                    cells[j as usize] = true;
+                    cold += 1;
+                }
+            }
+        }
+
+        // the stats (a selection the GPU counted becomes stats after the token)
+        let mut stats = FfnStats::default();
+        if !counted_on_gpu {
+            stats.neurons = (m * c.n_ff) as u64;
+            let gpu = if predicted {
+                let selected =
+                    pred_h.iter().filter(|&&v| Sparsity::predictor_selects(v, threshold)).count();
+                stats.skipped = (m * c.n_ff - selected) as u64;
+                selected - cold
+            } else {
+                m * layer.n_hot
+            };
             dev.counts.cpu_neurons += cold as u64;
-            dev.counts.gpu_neurons += (selected - cold) as u64;
-        } else if !predicted {
-            dev.counts.cpu_neurons += (m * layer.cold.len()) as u64;
-            dev.counts.gpu_neurons += (m * layer.n_hot) as u64;
+            dev.counts.gpu_neurons += gpu as u64;
         }
 
         // CPU: the selected cold neurons
@@ -1033,9 +1046,6 @@ impl<'a, D: Device> HybridPass<'a, D> {
             };
             let cpu_out = &mut dev.cpu_out_h[..m * c.n_embd];
             if m == 1 {
-                dev.neurons.clear();
-                dev.neurons
-                    .extend(layer.cold.iter().copied().filter(|&j| cold_selected(pred_h, j)));
                 let mats = FfnMats {
                     gate: lw.ffn_gate,
                     up: lw.dense_up(),
@@ -1053,14 +1063,6 @@ impl<'a, D: Device> HybridPass<'a, D> {
                 }
             } else {
                 // the rows' cold cells in one pass over the rows some row selected
-                dev.cells.clear();
-                dev.cells.resize(m * c.n_ff, false);
-                for (t, cells) in dev.cells.chunks_exact_mut(c.n_ff).enumerate() {
-                    let row = &pred_h[if predicted { t * c.n_ff..(t + 1) * c.n_ff } else { 0..0 }];
-                    for &j in layer.cold.iter().filter(|&&j| cold_selected(row, j)) {
-                        cells[j as usize] = true;
-                    }
-                }
                 self.cpu.normed_input().copy_from_slice(xb_h);
                 self.cpu
                     .ffn_of_cells(l, &down_t, &dev.cells)
