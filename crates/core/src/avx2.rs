@@ -211,6 +211,62 @@ pub(crate) unsafe fn unpack_nibbles(qs: &[u8; 16]) -> __m256i {
     _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F))
 }
 
+/// The 256-bit VNNI instructions in one of their encodings (`simd::Vnni256`), or none
+/// (`NoVnni`: AVX2's `vpmaddubsw`). A kernel that takes them is written once over this trait and
+/// compiled once per encoding, each copy behind a wrapper that enables that encoding's features
+/// (the instructions inline only into functions compiled for them).
+pub(crate) trait Dp256 {
+    /// Whether the kernel takes these instructions (false: `NoVnni`, never called).
+    const ON: bool = true;
+    /// src plus, in each 32-bit lane, the four products of u's unsigned bytes with a's signed
+    /// ones in that lane (exact: no saturation).
+    unsafe fn dpbusd(src: __m256i, u: __m256i, a: __m256i) -> __m256i;
+    /// src plus, in each 32-bit lane, the two products of a's and b's signed 16-bit halves.
+    unsafe fn dpwssd(src: __m256i, a: __m256i, b: __m256i) -> __m256i;
+}
+
+/// AVX-VNNI's VEX encoding.
+pub(crate) struct Vex;
+impl Dp256 for Vex {
+    #[inline]
+    #[target_feature(enable = "avx2,avxvnni")]
+    unsafe fn dpbusd(src: __m256i, u: __m256i, a: __m256i) -> __m256i {
+        _mm256_dpbusd_avx_epi32(src, u, a)
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,avxvnni")]
+    unsafe fn dpwssd(src: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        _mm256_dpwssd_avx_epi32(src, a, b)
+    }
+}
+
+/// AVX-512 VL's EVEX encoding of the same instructions.
+pub(crate) struct Evex;
+impl Dp256 for Evex {
+    #[inline]
+    #[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
+    unsafe fn dpbusd(src: __m256i, u: __m256i, a: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(src, u, a)
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
+    unsafe fn dpwssd(src: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        _mm256_dpwssd_epi32(src, a, b)
+    }
+}
+
+/// No VNNI: the kernels' `vpmaddubsw` path.
+pub(crate) struct NoVnni;
+impl Dp256 for NoVnni {
+    const ON: bool = false;
+    unsafe fn dpbusd(_: __m256i, _: __m256i, _: __m256i) -> __m256i {
+        unreachable!("NoVnni has no vpdpbusd")
+    }
+    unsafe fn dpwssd(_: __m256i, _: __m256i, _: __m256i) -> __m256i {
+        unreachable!("NoVnni has no vpdpwssd")
+    }
+}
+
 /// A 32-weight block format read by `dot_legacy` and the prompts' row groups
 /// (`q32_x86::legacy_rows_all_tokens`): signed weights v times one f16 scale (Q4_0's q - 8,
 /// Q5_0's q - 16, Q8_0, IQ4_NL's grid values), or with `MIN` unsigned q times the scale plus an
@@ -308,11 +364,80 @@ impl LegacyBlock for BlockQ4_1 {
 /// the activations' scaled sum), the result acc (+ min): the steps the prompts' row groups
 /// (`q32_x86::legacy_rows_all_tokens`) take in each lane, so that a token's dot is bit for
 /// bit the same in a prompt as alone.
-#[target_feature(enable = "avx2,fma,f16c")]
+///
+/// With 256-bit VNNI (`simd::vnni256`), four rows' block sums come from `vpdpbusd` straight
+/// into 32 bits (an offset format's c times the activations starting the lanes): fewer
+/// instructions for the same exact sums (7B-shape Q4_0 products on one thread of the AMD EPYC,
+/// in its EVEX form, about 10% faster), so the same results.
 pub(crate) unsafe fn dot_legacy<
     'n,
     B: LegacyBlock,
     P: LineFetch<'n>,
+    const R: usize,
+    const N: usize,
+>(
+    w: [&[B]; R],
+    a: [&[BlockQ8Act]; N],
+    next: &'n [&'n [u8]],
+) -> [[f32; N]; R] {
+    dot_legacy_in::<B, P, R, N>(crate::simd::vnni256(crate::simd::SimdLevel::Avx2), w, a, next)
+}
+
+/// `dot_legacy` with 256-bit VNNI in the given encoding, or without.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C, and the encoding's features.
+pub(crate) unsafe fn dot_legacy_in<
+    'n,
+    B: LegacyBlock,
+    P: LineFetch<'n>,
+    const R: usize,
+    const N: usize,
+>(
+    vnni: Option<crate::simd::Vnni256>,
+    w: [&[B]; R],
+    a: [&[BlockQ8Act]; N],
+    next: &'n [&'n [u8]],
+) -> [[f32; N]; R] {
+    use crate::simd::Vnni256;
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn plain<'n, B: LegacyBlock, P: LineFetch<'n>, const R: usize, const N: usize>(
+        w: [&[B]; R],
+        a: [&[BlockQ8Act]; N],
+        next: &'n [&'n [u8]],
+    ) -> [[f32; N]; R] {
+        legacy_rows_dot::<B, P, NoVnni, R, N>(w, a, next)
+    }
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    unsafe fn vex<'n, B: LegacyBlock, P: LineFetch<'n>, const R: usize, const N: usize>(
+        w: [&[B]; R],
+        a: [&[BlockQ8Act]; N],
+        next: &'n [&'n [u8]],
+    ) -> [[f32; N]; R] {
+        legacy_rows_dot::<B, P, Vex, R, N>(w, a, next)
+    }
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    unsafe fn evex<'n, B: LegacyBlock, P: LineFetch<'n>, const R: usize, const N: usize>(
+        w: [&[B]; R],
+        a: [&[BlockQ8Act]; N],
+        next: &'n [&'n [u8]],
+    ) -> [[f32; N]; R] {
+        legacy_rows_dot::<B, P, Evex, R, N>(w, a, next)
+    }
+    match vnni {
+        None => plain::<B, P, R, N>(w, a, next),
+        Some(Vnni256::Vex) => vex::<B, P, R, N>(w, a, next),
+        Some(Vnni256::Evex) => evex::<B, P, R, N>(w, a, next),
+    }
+}
+
+/// `dot_legacy`'s loop with the VNNI instructions of V (compiled into each wrapper).
+#[inline(always)]
+unsafe fn legacy_rows_dot<
+    'n,
+    B: LegacyBlock,
+    P: LineFetch<'n>,
+    V: Dp256,
     const R: usize,
     const N: usize,
 >(
@@ -374,6 +499,28 @@ pub(crate) unsafe fn dot_legacy<
         for j in 0..N {
             let ab = a[j].get_unchecked(i);
             let q = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
+            if V::ON && R == 4 {
+                // each row's block sum in 32-bit lanes by `vpdpbusd`: an offset format's lanes
+                // start at -c times the activations (c a summed by the same instruction)
+                let zero = _mm256_setzero_si256();
+                let start = if B::OFFSET > 0 {
+                    _mm256_sub_epi32(zero, V::dpbusd(zero, _mm256_set1_epi8(B::OFFSET as i8), q))
+                } else {
+                    zero
+                };
+                let mut p = [zero; 4];
+                for r in 0..4 {
+                    let x = if B::OFFSET > 0 || B::MIN { q } else { _mm256_sign_epi8(q, v[r]) };
+                    p[r] = V::dpbusd(start, u[r], x);
+                }
+                let sums = hsum4_i32(p);
+                acc4[j] =
+                    _mm_fmadd_ps(_mm_cvtepi32_ps(sums), _mm_mul_ps(d4, _mm_set1_ps(ab.d)), acc4[j]);
+                if B::MIN {
+                    mins4[j] = _mm_fmadd_ps(m4, _mm_set1_ps(ab.s), mins4[j]);
+                }
+                continue;
+            }
             // pair sums of |v| * a <= 2 * 16 * 127 (q * a <= 2 * 31 * 127): a row's 16 of them
             // sum in 16 bits by fours (`WIDE` formats' in 32 bits)
             let mut p = [_mm256_setzero_si256(); R];

@@ -497,8 +497,10 @@ const MAX_MATS: usize = 8;
 fn group_width(level: SimdLevel) -> GroupWidth {
     match level {
         SimdLevel::Avx512 => GroupWidth::Avx512,
-        _ if avx_vnni(level) => GroupWidth::AvxVnni,
-        _ => GroupWidth::Avx2,
+        _ => match crate::simd::vnni256(level) {
+            Some(e) => GroupWidth::AvxVnni(e),
+            None => GroupWidth::Avx2,
+        },
     }
 }
 
@@ -517,7 +519,7 @@ fn rows_for_all_tokens(
     #[cfg(target_arch = "x86_64")]
     if level.has_avx2() && w.dtype.reads_q8k() && n >= group_min_tokens(level) {
         // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c, Avx512
-        // when it has AVX-512 F/BW/VL/VNNI too, `avx_vnni` when it has AVX-VNNI; `q8k` holds n
+        // when it has AVX-512 F/BW/VL/VNNI too, `vnni256` in an encoding it has; `q8k` holds n
         // tokens (cols is a multiple of 256 for these types).
         unsafe {
             quant::q256_x86::rows_all_tokens(

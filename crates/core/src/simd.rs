@@ -58,20 +58,55 @@ pub fn simd_level() -> SimdLevel {
     })
 }
 
-/// Whether `level` takes AVX-VNNI (`vpdpbusd` without AVX-512: Alder Lake and later Intel
-/// cores, AMD Zen 5) for prompts (row groups): at the AVX2 level, where the CPU has it and
-/// `POWERINFER_SIMD` is not `avx2`. Its sums are the AVX2 kernels' exactly, so results do not
-/// change with it.
+/// How a CPU encodes the 256-bit VNNI instructions (`vpdpbusd`, `vpdpwssd`) the AVX2 level's
+/// kernels take where it has them: AVX-VNNI's VEX form (Alder Lake and later Intel cores, AMD
+/// Zen 5), or AVX-512 VL's EVEX form of the same instructions, the same operation on the same
+/// 256 bits (an AVX-512 machine runs the AVX-VNNI level that way when asked to, so that the
+/// level is measured and tested there too).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Vnni256 {
+    Vex,
+    Evex,
+}
+
+/// The 256-bit VNNI encodings this CPU runs, VEX first (whatever `POWERINFER_SIMD` says).
+pub fn vnni256_encodings() -> Vec<Vnni256> {
+    let mut found = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    {
+        if detect().has_avx2() && is_x86_feature_detected!("avxvnni") {
+            found.push(Vnni256::Vex);
+        }
+        if detect() == SimdLevel::Avx512 {
+            found.push(Vnni256::Evex);
+        }
+    }
+    found
+}
+
+/// Whether `level` takes 256-bit VNNI, and in which encoding: at the AVX2 level, AVX-VNNI where
+/// the CPU has it and `POWERINFER_SIMD` is not `avx2`; with `POWERINFER_SIMD=avxvnni` on a CPU
+/// with AVX-512 VNNI but no AVX-VNNI, the EVEX form. Its sums are the AVX2 kernels' exactly, so
+/// results do not change with it.
+pub fn vnni256(level: SimdLevel) -> Option<Vnni256> {
+    static VNNI: OnceLock<Option<Vnni256>> = OnceLock::new();
+    if level != SimdLevel::Avx2 {
+        return None;
+    }
+    *VNNI.get_or_init(|| {
+        let asked = std::env::var("POWERINFER_SIMD");
+        let found = vnni256_encodings();
+        match asked.as_deref() {
+            Ok("avx2") => None,
+            Ok("avxvnni") => found.first().copied(),
+            _ => found.contains(&Vnni256::Vex).then_some(Vnni256::Vex),
+        }
+    })
+}
+
+/// Whether `level` takes 256-bit VNNI (`vnni256`).
 pub fn avx_vnni(level: SimdLevel) -> bool {
-    static VNNI: OnceLock<bool> = OnceLock::new();
-    level == SimdLevel::Avx2
-        && *VNNI.get_or_init(|| {
-            #[cfg(target_arch = "x86_64")]
-            let has = is_x86_feature_detected!("avxvnni");
-            #[cfg(not(target_arch = "x86_64"))]
-            let has = false;
-            has && std::env::var("POWERINFER_SIMD").as_deref() != Ok("avx2")
-        })
+    vnni256(level).is_some()
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -30,7 +30,8 @@ use super::chunks_x86::{has_bit, load32, nibbles};
 use super::q256::block_step;
 use super::q256::BlockQ8K;
 use super::{cast_blocks, DType, QK_K};
-use crate::avx2::{hsum4_i32, hsum_i32, LineFetch, PrefetchRows};
+use crate::avx2::{hsum4_i32, hsum_i32, Dp256, Evex, LineFetch, PrefetchRows, Vex};
+use crate::simd::Vnni256;
 
 /// Chunk c (32 activations) of a token.
 #[inline]
@@ -1302,12 +1303,11 @@ unsafe fn group_dot_avx2<B: SuperBlock, const T: usize>(
     acc
 }
 
-/// A group of 8 unpacked rows against T tokens with AVX-VNNI (the VEX `vpdpbusd` of AVX2-only
-/// CPUs that have it): `group_dot`'s runs of `vpdpbusd` at 256 bits, the signs of a signed
-/// format moved onto the activations as `group_dot_avx2` does; the same exact sums.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-unsafe fn group_dot_vnni<B: SuperBlock, const T: usize>(
+/// A group of 8 unpacked rows against T tokens with 256-bit VNNI in V's encoding (AVX-VNNI's, or
+/// AVX-512 VL's): `group_dot`'s runs of `vpdpbusd` at 256 bits, the signs of a signed format
+/// moved onto the activations as `group_dot_avx2` does; the same exact sums.
+#[inline(always)]
+unsafe fn group_dot_vnni<B: SuperBlock, V: Dp256, const T: usize>(
     g: &[RowGroupBlock<8>],
     a: [&[BlockQ8K]; T],
 ) -> [__m256; T] {
@@ -1333,13 +1333,13 @@ unsafe fn group_dot_vnni<B: SuperBlock, const T: usize>(
                         if B::SIGNED {
                             act = _mm256_sign_epi8(act, v);
                         }
-                        part[t] = _mm256_dpbusd_avx_epi32(part[t], u, act);
+                        part[t] = V::dpbusd(part[t], u, act);
                     }
                 }
                 if by_16_bits {
                     let scale = _mm256_and_si256(scales, _mm256_set1_epi32(0xFFFF));
                     for t in 0..T {
-                        sums[t] = _mm256_dpwssd_avx_epi32(sums[t], part[t], scale);
+                        sums[t] = V::dpwssd(sums[t], part[t], scale);
                     }
                 } else {
                     let scale = _mm256_srai_epi32::<16>(scales);
@@ -1354,6 +1354,24 @@ unsafe fn group_dot_vnni<B: SuperBlock, const T: usize>(
     acc
 }
 
+/// `group_dot_vnni` in AVX-VNNI's VEX encoding.
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn group_dot_vex<B: SuperBlock, const T: usize>(
+    g: &[RowGroupBlock<8>],
+    a: [&[BlockQ8K]; T],
+) -> [__m256; T] {
+    group_dot_vnni::<B, Vex, T>(g, a)
+}
+
+/// `group_dot_vnni` in AVX-512 VL's EVEX encoding.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+unsafe fn group_dot_evex<B: SuperBlock, const T: usize>(
+    g: &[RowGroupBlock<8>],
+    a: [&[BlockQ8K]; T],
+) -> [__m256; T] {
+    group_dot_vnni::<B, Evex, T>(g, a)
+}
+
 /// A group's dots with T tokens, row r's in lane r of each token's array: `group_dot` for
 /// 16-row groups (AVX-512), `group_dot_avx2` for 8-row ones.
 #[inline]
@@ -1361,7 +1379,7 @@ unsafe fn group_dot_vnni<B: SuperBlock, const T: usize>(
 unsafe fn group_dots<B: SuperBlock, const G: usize, const T: usize>(
     g: &[RowGroupBlock<G>],
     a: [&[BlockQ8K]; T],
-    vnni: bool,
+    vnni: Option<Vnni256>,
 ) -> [[f32; G]; T] {
     let mut out = [[0.0f32; G]; T];
     if G == 16 {
@@ -1376,7 +1394,11 @@ unsafe fn group_dots<B: SuperBlock, const G: usize, const T: usize>(
         assert_eq!(G, 8);
         // SAFETY (the cast): G is 8, the same type
         let g8 = &*(g as *const [RowGroupBlock<G>] as *const [RowGroupBlock<8>]);
-        let v = if vnni { group_dot_vnni::<B, T>(g8, a) } else { group_dot_avx2::<B, T>(g8, a) };
+        let v = match vnni {
+            None => group_dot_avx2::<B, T>(g8, a),
+            Some(Vnni256::Vex) => group_dot_vex::<B, T>(g8, a),
+            Some(Vnni256::Evex) => group_dot_evex::<B, T>(g8, a),
+        };
         (0..T).for_each(|t| _mm256_storeu_ps(out[t].as_mut_ptr(), v[t]));
     }
     out
@@ -1393,7 +1415,7 @@ unsafe fn rows_tokens_grouped<'a, B: SuperBlock, const G: usize>(
     rows: std::ops::Range<usize>,
     q8k: &[BlockQ8K],
     n: usize,
-    vnni: bool,
+    vnni: Option<Vnni256>,
     put: impl Fn(usize, usize, &[f32]),
 ) {
     let nb = cols / super::QK_K;
@@ -1449,12 +1471,13 @@ unsafe fn rows_tokens_grouped<'a, B: SuperBlock, const G: usize>(
     }
 }
 
-/// How a prompt's row groups are dotted: 16 rows with AVX-512 VNNI, 8 with AVX-VNNI's 256-bit
-/// `vpdpbusd`, or 8 with AVX2's `vpmaddubsw` (all three the same exact sums).
+/// How a prompt's row groups are dotted: 16 rows with AVX-512 VNNI, 8 with 256-bit `vpdpbusd`
+/// (AVX-VNNI's, or the same instruction as AVX-512 VL encodes it), or 8 with AVX2's
+/// `vpmaddubsw` (all the same exact sums).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GroupWidth {
     Avx2,
-    AvxVnni,
+    AvxVnni(Vnni256),
     Avx512,
 }
 
@@ -1479,13 +1502,13 @@ pub unsafe fn rows_all_tokens<'a>(
         ($block:ty) => {
             match width {
                 GroupWidth::Avx512 => {
-                    rows_tokens_grouped::<$block, 16>(row, cols, rows, q8k, n, false, put)
+                    rows_tokens_grouped::<$block, 16>(row, cols, rows, q8k, n, None, put)
                 }
-                GroupWidth::AvxVnni => {
-                    rows_tokens_grouped::<$block, 8>(row, cols, rows, q8k, n, true, put)
+                GroupWidth::AvxVnni(e) => {
+                    rows_tokens_grouped::<$block, 8>(row, cols, rows, q8k, n, Some(e), put)
                 }
                 GroupWidth::Avx2 => {
-                    rows_tokens_grouped::<$block, 8>(row, cols, rows, q8k, n, false, put)
+                    rows_tokens_grouped::<$block, 8>(row, cols, rows, q8k, n, None, put)
                 }
             }
         };
@@ -1584,8 +1607,8 @@ mod tests {
             return;
         }
         let mut widths = vec![GroupWidth::Avx2];
-        if is_x86_feature_detected!("avxvnni") {
-            widths.push(GroupWidth::AvxVnni);
+        for e in crate::simd::vnni256_encodings() {
+            widths.push(GroupWidth::AvxVnni(e));
         }
         if crate::simd::detect() == crate::simd::SimdLevel::Avx512 {
             widths.push(GroupWidth::Avx512);

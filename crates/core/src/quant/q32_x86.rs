@@ -20,7 +20,8 @@ use super::chunks::{BlockIQ4NL, BlockMXFP4, BlockQ5_0, BlockQ5_1};
 use super::f16_to_f32;
 use super::q256_x86::{transpose_chunk, transpose_slot, GroupWidth};
 use super::{cast_blocks, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK};
-use crate::avx2::{LegacyBlock, PrefetchRows};
+use crate::avx2::{Dp256, Evex, LegacyBlock, PrefetchRows, Vex};
+use crate::simd::Vnni256;
 
 /// Eight rows' block of a `LegacyBlock` format for a prompt, rows across the lanes (as
 /// `q256_x86::RowGroupBlock`): step k holds weights 4k..4k + 4 of each row, row r's
@@ -168,11 +169,10 @@ unsafe fn legacy_group_dot<B: LegacyBlock, const T: usize>(
     legacy_result::<B, T>(&acc, &mins)
 }
 
-/// `legacy_group_dot` with AVX-VNNI: `vpdpbusd` sums each step into 32 bits; the same exact
-/// sums, the same float steps.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-unsafe fn legacy_group_dot_vnni<B: LegacyBlock, const T: usize>(
+/// `legacy_group_dot` with 256-bit VNNI in V's encoding: `vpdpbusd` sums each step into 32
+/// bits; the same exact sums, the same float steps.
+#[inline(always)]
+unsafe fn legacy_group_dot_vnni<B: LegacyBlock, V: Dp256, const T: usize>(
     g: &[LegacyGroup],
     a: [&[BlockQ8Act]; T],
 ) -> [[f32; 8]; T] {
@@ -186,12 +186,45 @@ unsafe fn legacy_group_dot_vnni<B: LegacyBlock, const T: usize>(
             for t in 0..T {
                 let act = _mm256_set1_epi32(word(a[t].get_unchecked(b).qs.as_ptr().add(4 * k)));
                 let act = if B::MIN { act } else { _mm256_sign_epi8(act, v) };
-                sums[t] = _mm256_dpbusd_avx_epi32(sums[t], u, act);
+                sums[t] = V::dpbusd(sums[t], u, act);
             }
         }
         legacy_block_end::<B, T>(x, a, b, &sums, &mut acc, &mut mins);
     }
     legacy_result::<B, T>(&acc, &mins)
+}
+
+/// `legacy_group_dot_vnni` in AVX-VNNI's VEX encoding.
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn legacy_group_dot_vex<B: LegacyBlock, const T: usize>(
+    g: &[LegacyGroup],
+    a: [&[BlockQ8Act]; T],
+) -> [[f32; 8]; T] {
+    legacy_group_dot_vnni::<B, Vex, T>(g, a)
+}
+
+/// `legacy_group_dot_vnni` in AVX-512 VL's EVEX encoding.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+unsafe fn legacy_group_dot_evex<B: LegacyBlock, const T: usize>(
+    g: &[LegacyGroup],
+    a: [&[BlockQ8Act]; T],
+) -> [[f32; 8]; T] {
+    legacy_group_dot_vnni::<B, Evex, T>(g, a)
+}
+
+/// A group's dots with T tokens: `legacy_group_dot`, or with 256-bit VNNI in `vnni`'s encoding.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn legacy_group_dots<B: LegacyBlock, const T: usize>(
+    g: &[LegacyGroup],
+    a: [&[BlockQ8Act]; T],
+    vnni: Option<Vnni256>,
+) -> [[f32; 8]; T] {
+    match vnni {
+        None => legacy_group_dot::<B, T>(g, a),
+        Some(Vnni256::Vex) => legacy_group_dot_vex::<B, T>(g, a),
+        Some(Vnni256::Evex) => legacy_group_dot_evex::<B, T>(g, a),
+    }
 }
 
 /// Sixteen rows' block of a `LegacyBlock` format for AVX-512 VNNI: as `LegacyGroup`, the
@@ -412,8 +445,10 @@ pub unsafe fn legacy_rows_all_tokens<'a>(
         ($block:ty) => {
             match width {
                 GroupWidth::Avx512 => legacy_rows_16::<$block>(row, cols, rows, q8, bias, n, put),
-                GroupWidth::AvxVnni => legacy_rows::<$block>(row, cols, rows, q8, n, true, put),
-                GroupWidth::Avx2 => legacy_rows::<$block>(row, cols, rows, q8, n, false, put),
+                GroupWidth::AvxVnni(e) => {
+                    legacy_rows::<$block>(row, cols, rows, q8, n, Some(e), put)
+                }
+                GroupWidth::Avx2 => legacy_rows::<$block>(row, cols, rows, q8, n, None, put),
             }
         };
     }
@@ -438,7 +473,7 @@ unsafe fn legacy_rows<'a, B: LegacyBlock>(
     rows: std::ops::Range<usize>,
     q8: &[BlockQ8Act],
     n: usize,
-    vnni: bool,
+    vnni: Option<Vnni256>,
     put: impl Fn(usize, usize, &[f32]),
 ) {
     let nb = cols / QK;
@@ -459,11 +494,7 @@ unsafe fn legacy_rows<'a, B: LegacyBlock>(
         while t + 4 <= n {
             prefetch.step();
             let four = [token(t), token(t + 1), token(t + 2), token(t + 3)];
-            let dots = if vnni {
-                legacy_group_dot_vnni::<B, 4>(&group, four)
-            } else {
-                legacy_group_dot::<B, 4>(&group, four)
-            };
+            let dots = legacy_group_dots::<B, 4>(&group, four, vnni);
             for (k, lanes) in dots.iter().enumerate() {
                 put(t + k, r0, &lanes[..r1 - r0]);
             }
@@ -471,11 +502,7 @@ unsafe fn legacy_rows<'a, B: LegacyBlock>(
         }
         for t in t..n {
             prefetch.step();
-            let one = if vnni {
-                legacy_group_dot_vnni::<B, 1>(&group, [token(t)])
-            } else {
-                legacy_group_dot::<B, 1>(&group, [token(t)])
-            };
+            let one = legacy_group_dots::<B, 1>(&group, [token(t)], vnni);
             put(t, r0, &one[0][..r1 - r0]);
         }
         r0 = r1;
@@ -587,8 +614,8 @@ mod tests {
                 let mut x = Activations::default();
                 x.set(&random_vec(n * cols, 5 + s as u64), n, cols);
                 let mut widths = vec![(GroupWidth::Avx2, SimdLevel::Avx2)];
-                if is_x86_feature_detected!("avxvnni") {
-                    widths.push((GroupWidth::AvxVnni, SimdLevel::Avx2));
+                for e in crate::simd::vnni256_encodings() {
+                    widths.push((GroupWidth::AvxVnni(e), SimdLevel::Avx2));
                 }
                 // (the activations hold the AVX-512 kernels' quads where that is the level)
                 if crate::simd::simd_level() == SimdLevel::Avx512 {
@@ -609,6 +636,75 @@ mod tests {
                             );
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// The one-token kernels with 256-bit VNNI, in every encoding this CPU runs, give bit for
+    /// bit the AVX2 kernels' dots (which are tested against the scalar twins): four rows and
+    /// one, one token and four, every 32-weight format.
+    #[test]
+    fn one_token_kernels_with_vnni_equal_avx2_bit_for_bit() {
+        let encodings = crate::simd::vnni256_encodings();
+        if encodings.is_empty() {
+            eprintln!("skipping: no 256-bit VNNI on this CPU");
+            return;
+        }
+        use crate::avx2::{dot_legacy_in, Prefetch};
+        /// Rows `w` of format B against `a`: without VNNI, then in each encoding.
+        fn compare<B: LegacyBlock, const R: usize, const N: usize>(
+            name: &str,
+            w: [&[u8]; R],
+            a: [&[BlockQ8Act]; N],
+            encodings: &[Vnni256],
+        ) {
+            let w = w.map(|row| cast_blocks::<B>(row));
+            // SAFETY: AVX2 and each encoding's features are on this CPU (vnni256_encodings)
+            let plain = unsafe { dot_legacy_in::<B, Prefetch, R, N>(None, w, a, &[]) };
+            for &e in encodings {
+                let got = unsafe { dot_legacy_in::<B, Prefetch, R, N>(Some(e), w, a, &[]) };
+                for r in 0..R {
+                    for t in 0..N {
+                        assert_eq!(
+                            got[r][t].to_bits(),
+                            plain[r][t].to_bits(),
+                            "{name} {e:?} rows {R} tokens {N}: row {r} token {t}"
+                        );
+                    }
+                }
+            }
+        }
+        for (s, dtype) in QUANTIZED.into_iter().enumerate() {
+            if !groups_rows(dtype) {
+                continue;
+            }
+            for cols in [32, 96, 576, 1536] {
+                let rows: Vec<Vec<u8>> = (0..4)
+                    .map(|r| random_quantized_row(dtype, cols, (50 * s + r) as u64))
+                    .collect();
+                let w4 = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
+                let mut x = Activations::default();
+                x.set(&random_vec(4 * cols, 9 + s as u64), 4, cols);
+                let nb = cols / QK;
+                let tok = |t: usize| &x.q8[t * nb..(t + 1) * nb];
+                let a4 = [tok(0), tok(1), tok(2), tok(3)];
+                macro_rules! each_shape {
+                    ($block:ty) => {{
+                        compare::<$block, 4, 1>(dtype.name(), w4, [tok(2)], &encodings);
+                        compare::<$block, 4, 4>(dtype.name(), w4, a4, &encodings);
+                        compare::<$block, 1, 1>(dtype.name(), [w4[3]], [tok(1)], &encodings);
+                    }};
+                }
+                match dtype {
+                    DType::Q4_0 => each_shape!(BlockQ4_0),
+                    DType::Q4_1 => each_shape!(BlockQ4_1),
+                    DType::Q5_0 => each_shape!(BlockQ5_0),
+                    DType::Q5_1 => each_shape!(BlockQ5_1),
+                    DType::Q8_0 => each_shape!(BlockQ8_0),
+                    DType::IQ4_NL => each_shape!(BlockIQ4NL),
+                    DType::MXFP4 => each_shape!(BlockMXFP4),
+                    _ => unreachable!("{} reads its activations per 32", dtype.name()),
                 }
             }
         }
