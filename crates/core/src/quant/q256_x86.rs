@@ -57,21 +57,27 @@ unsafe fn scaled(u: __m256i, a: __m256i, scales: __m256i) -> __m256i {
 }
 
 /// 16-bit lane k of a 128-bit lane (both lanes of `x` alike) in all 16 lanes: one scale per
-/// 32 weights.
+/// 32 weights. With `low`, in the low half of each 32-bit lane only, zero above (as `vpdpwssd`
+/// pairs a 32-bit lane's sum with it).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn lane16(x: __m256i, k: usize) -> __m256i {
-    _mm256_shuffle_epi8(x, _mm256_set1_epi16(((2 * k) | ((2 * k + 1) << 8)) as i16))
+unsafe fn lane16(x: __m256i, k: usize, low: bool) -> __m256i {
+    let word = ((2 * k) | ((2 * k + 1) << 8)) as u32;
+    let high = if low { 0x8080 } else { word };
+    _mm256_shuffle_epi8(x, _mm256_set1_epi32((word | high << 16) as i32))
 }
 
 /// 16-bit lanes 2k (to lanes 0..8) and 2k + 1 (to lanes 8..16) of a 128-bit lane (both lanes
-/// of `x` alike): one scale per 16 weights.
+/// of `x` alike): one scale per 16 weights. With `low`, as `lane16`'s.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn pair16(x: __m256i, k: usize) -> __m256i {
-    let first = _mm_set1_epi16(((4 * k) | ((4 * k + 1) << 8)) as i16);
-    let second = _mm_set1_epi16(((4 * k + 2) | ((4 * k + 3) << 8)) as i16);
-    _mm256_shuffle_epi8(x, _mm256_set_m128i(second, first))
+unsafe fn pair16(x: __m256i, k: usize, low: bool) -> __m256i {
+    let control = |j: usize| {
+        let word = ((2 * j) | ((2 * j + 1) << 8)) as u32;
+        let high = if low { 0x8080 } else { word };
+        _mm_set1_epi32((word | high << 16) as i32)
+    };
+    _mm256_shuffle_epi8(x, _mm256_set_m128i(control(2 * k + 1), control(2 * k)))
 }
 
 /// Sixteen 16-bit scales as two vectors holding scales 0..8 and 8..16 in both 128-bit lanes
@@ -124,8 +130,13 @@ trait SuperBlock {
     const SCALE_WEIGHTS: usize = 16;
     /// Calls `each(c, u, v, scales)` for the block's chunks c = 0..8 in order: u the unsigned
     /// operand of `vpmaddubsw`, v the signed weights (`SIGNED`; else u again), scales the
-    /// chunk's 16-bit scales as `scaled` takes them.
-    unsafe fn decode(&self, each: impl FnMut(usize, __m256i, __m256i, __m256i)) -> Block;
+    /// chunk's 16-bit scales as `scaled` takes them (a 32-bit lane's scale in both its halves),
+    /// or with `low_scales` as `vpdpwssd` takes them (in the low half, zero above).
+    unsafe fn decode(
+        &self,
+        low_scales: bool,
+        each: impl FnMut(usize, __m256i, __m256i, __m256i),
+    ) -> Block;
 }
 
 /// sums[t] += scale * v * a for chunk c of every token.
@@ -199,7 +210,11 @@ impl SuperBlock for BlockQ2K {
     /// u = 2 bits; per 16 weights a 4-bit scale (low nibble of `scales`) and minimum (high).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn decode(&self, mut each: impl FnMut(usize, __m256i, __m256i, __m256i)) -> Block {
+    unsafe fn decode(
+        &self,
+        low_scales: bool,
+        mut each: impl FnMut(usize, __m256i, __m256i, __m256i),
+    ) -> Block {
         let packed = _mm_loadu_si128(self.scales.as_ptr() as *const __m128i);
         let low4 = _mm_set1_epi8(0x0F);
         let scales = halves(_mm256_cvtepu8_epi16(_mm_and_si128(packed, low4)));
@@ -207,7 +222,7 @@ impl SuperBlock for BlockQ2K {
             let q = load32(self.qs.as_ptr().add(32 * g));
             for s in 0..4 {
                 let u = crumb(q, s);
-                each(4 * g + s, u, u, pair16(scales[g], s));
+                each(4 * g + s, u, u, pair16(scales[g], s, low_scales));
             }
         }
         let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(packed), low4));
@@ -223,7 +238,11 @@ impl SuperBlock for BlockQ3K {
     /// u = 2 low bits + 4 * the `hmask` bit = v + 4; a signed 6-bit scale per 16 weights.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn decode(&self, mut each: impl FnMut(usize, __m256i, __m256i, __m256i)) -> Block {
+    unsafe fn decode(
+        &self,
+        low_scales: bool,
+        mut each: impl FnMut(usize, __m256i, __m256i, __m256i),
+    ) -> Block {
         let packed = q3_k_scales(&self.scales);
         let signed =
             _mm_sub_epi8(_mm_loadu_si128(packed.as_ptr() as *const __m128i), _mm_set1_epi8(32));
@@ -236,7 +255,7 @@ impl SuperBlock for BlockQ3K {
             for s in 0..4 {
                 let c = 4 * g + s;
                 let u = _mm256_or_si256(crumb(q, s), _mm256_and_si256(has_bit(hmask, c), four));
-                each(c, u, u, pair16(scales[g], s));
+                each(c, u, u, pair16(scales[g], s, low_scales));
             }
         }
         Block { d: f16(self.d), dmin: 0.0, extra: all }
@@ -253,6 +272,7 @@ unsafe fn k4_decode(
     packed: &[u8; 12],
     qs: &[u8; 128],
     qh: Option<&[u8; 32]>,
+    low_scales: bool,
     mut each: impl FnMut(usize, __m256i, __m256i, __m256i),
 ) -> Block {
     let sm = k4_scales(packed);
@@ -269,7 +289,7 @@ unsafe fn k4_decode(
             if let Some(high) = high {
                 u = _mm256_or_si256(u, _mm256_and_si256(has_bit(high, c), _mm256_set1_epi8(0x10)));
             }
-            each(c, u, u, lane16(scales, c));
+            each(c, u, u, lane16(scales, c, low_scales));
         }
     }
     // minimum k for bsums 2k and 2k + 1
@@ -288,8 +308,12 @@ impl SuperBlock for BlockQ4K {
     const SIGNED: bool = false;
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn decode(&self, each: impl FnMut(usize, __m256i, __m256i, __m256i)) -> Block {
-        k4_decode(self.d, self.dmin, &self.scales, &self.qs, None, each)
+    unsafe fn decode(
+        &self,
+        low_scales: bool,
+        each: impl FnMut(usize, __m256i, __m256i, __m256i),
+    ) -> Block {
+        k4_decode(self.d, self.dmin, &self.scales, &self.qs, None, low_scales, each)
     }
 }
 
@@ -301,8 +325,12 @@ impl SuperBlock for BlockQ5K {
     const SIGNED: bool = false;
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn decode(&self, each: impl FnMut(usize, __m256i, __m256i, __m256i)) -> Block {
-        k4_decode(self.d, self.dmin, &self.scales, &self.qs, Some(&self.qh), each)
+    unsafe fn decode(
+        &self,
+        low_scales: bool,
+        each: impl FnMut(usize, __m256i, __m256i, __m256i),
+    ) -> Block {
+        k4_decode(self.d, self.dmin, &self.scales, &self.qs, Some(&self.qh), low_scales, each)
     }
 }
 
@@ -314,7 +342,11 @@ impl SuperBlock for BlockQ6K {
     /// weights. Chunk 4g + s: `ql` bytes 64g + 32 (s % 2), nibble s / 2; `qh` bytes 32g, bits 2s.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn decode(&self, mut each: impl FnMut(usize, __m256i, __m256i, __m256i)) -> Block {
+    unsafe fn decode(
+        &self,
+        low_scales: bool,
+        mut each: impl FnMut(usize, __m256i, __m256i, __m256i),
+    ) -> Block {
         let all = _mm256_cvtepi8_epi16(_mm_loadu_si128(self.scales.as_ptr() as *const __m128i));
         let scales = halves(all);
         let (low4, top2) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
@@ -332,7 +364,7 @@ impl SuperBlock for BlockQ6K {
                     _ => _mm256_srli_epi16::<2>(qh),
                 };
                 let u = _mm256_or_si256(_mm256_and_si256(low, low4), _mm256_and_si256(high, top2));
-                each(4 * g + s, u, u, pair16(scales[g], s));
+                each(4 * g + s, u, u, pair16(scales[g], s, low_scales));
             }
         }
         Block { d: f16(self.d), dmin: 0.0, extra: all }
@@ -378,7 +410,11 @@ impl SuperBlock for BlockIQ4XS {
     /// `group_dot`, whose weights go in as v + 128).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn decode(&self, mut each: impl FnMut(usize, __m256i, __m256i, __m256i)) -> Block {
+    unsafe fn decode(
+        &self,
+        low_scales: bool,
+        mut each: impl FnMut(usize, __m256i, __m256i, __m256i),
+    ) -> Block {
         let ls = iq4_xs_scales(self);
         // as 16-bit lanes 0..8, in both 128-bit lanes
         let scales = _mm256_permute4x64_epi64::<0b10_00_10_00>(_mm256_packs_epi32(ls, ls));
@@ -386,7 +422,7 @@ impl SuperBlock for BlockIQ4XS {
             _mm256_broadcastsi128_si256(_mm_loadu_si128(IQ4_VALUES.as_ptr() as *const __m128i));
         for c in 0..8 {
             let v = _mm256_shuffle_epi8(table, nibbles(self.qs.as_ptr().add(16 * c)));
-            each(c, _mm256_sign_epi8(v, v), v, lane16(scales, c));
+            each(c, _mm256_sign_epi8(v, v), v, lane16(scales, c, low_scales));
         }
         Block { d: f16(self.d), dmin: 0.0, extra: per_16(ls) }
     }
@@ -439,9 +475,69 @@ unsafe fn rows_dot<'n, B: SuperBlock, F: LineFetch<'n>, const R: usize, const N:
         next,
         |_| (),
         |x, _, at, sums| {
-            x.decode(|c, u, v, scales| add_chunk(B::SIGNED, sums, u, v, scales, at, c))
+            x.decode(false, |c, u, v, scales| add_chunk(B::SIGNED, sums, u, v, scales, at, c))
         },
     )
+}
+
+/// `rows_dot` with 256-bit VNNI in the encoding of V, for formats whose u < 64 (not `SIGNED`): a
+/// chunk's sums of u * a per 32-bit lane by `vpdpbusd` (4 * 63 * 128 fits 16 bits), times the
+/// lane's scale by `vpdpwssd` into the block's sums: two instructions where `scaled` and its
+/// addition take three, the same exact sums. (A macro, so that its closures are defined in the
+/// wrapper compiled for the encoding and inherit its features: the instructions then inline.)
+macro_rules! vnni_rows_dot {
+    ($V:ty, $rows:expr, $a:expr, $next:expr) => {
+        rows_dot_with::<B, F, (), R, N>(
+            $rows,
+            $a,
+            $next,
+            |_| (),
+            |x, _, at, sums| {
+                x.decode(true, |c, u, _, scales| {
+                    for t in 0..N {
+                        let part = <$V>::dpbusd(_mm256_setzero_si256(), u, acts(at[t], c));
+                        sums[t] = <$V>::dpwssd(sums[t], part, scales);
+                    }
+                })
+            },
+        )
+    };
+}
+
+/// `rows_dot` with 256-bit VNNI in AVX-VNNI's VEX encoding (`vnni_rows_dot`).
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn rows_dot_vex<'n, B: SuperBlock, F: LineFetch<'n>, const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    a: [&[BlockQ8K]; N],
+    next: &'n [&'n [u8]],
+) -> [[f32; N]; R] {
+    vnni_rows_dot!(Vex, rows, a, next)
+}
+
+/// `rows_dot` with 256-bit VNNI in AVX-512 VL's EVEX encoding (`vnni_rows_dot`).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+unsafe fn rows_dot_evex<'n, B: SuperBlock, F: LineFetch<'n>, const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    a: [&[BlockQ8K]; N],
+    next: &'n [&'n [u8]],
+) -> [[f32; N]; R] {
+    vnni_rows_dot!(Evex, rows, a, next)
+}
+
+/// `rows_dot`, or with 256-bit VNNI in `vnni`'s encoding where the format's u < 64.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_dot_in<'n, B: SuperBlock, F: LineFetch<'n>, const R: usize, const N: usize>(
+    vnni: Option<Vnni256>,
+    rows: [&[u8]; R],
+    a: [&[BlockQ8K]; N],
+    next: &'n [&'n [u8]],
+) -> [[f32; N]; R] {
+    match vnni {
+        Some(Vnni256::Vex) if !B::SIGNED => rows_dot_vex::<B, F, R, N>(rows, a, next),
+        Some(Vnni256::Evex) if !B::SIGNED => rows_dot_evex::<B, F, R, N>(rows, a, next),
+        _ => rows_dot::<B, F, R, N>(rows, a, next),
+    }
 }
 
 /// A super-block format decoded two chunks per 512-bit register, for the one-token dots with
@@ -861,11 +957,26 @@ impl<const R: usize, const N: usize> FloatSteps<R, N> {
 
 /// R rows of a type that reads per-256 activations against N tokens of Q8_K activations; `next`: the
 /// bytes read after these rows (prefetched, see `matmul::dot_row`); `wide`: with
-/// AVX-512 VNNI (only where the CPU has AVX-512 F/BW/VL/VNNI).
+/// AVX-512 VNNI (only where the CPU has AVX-512 F/BW/VL/VNNI); else with 256-bit VNNI where
+/// the AVX2 level takes it (`simd::vnni256`).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dot<'n, F: LineFetch<'n>, const R: usize, const N: usize>(
     dtype: DType,
     wide: bool,
+    rows: [&[u8]; R],
+    a: [&[BlockQ8K]; N],
+    next: &'n [&'n [u8]],
+) -> [[f32; N]; R] {
+    let vnni = if wide { None } else { crate::simd::vnni256(crate::simd::SimdLevel::Avx2) };
+    dot_in::<F, R, N>(dtype, wide, vnni, rows, a, next)
+}
+
+/// `dot` with the 256-bit VNNI encoding given (where `wide` is false).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_in<'n, F: LineFetch<'n>, const R: usize, const N: usize>(
+    dtype: DType,
+    wide: bool,
+    vnni: Option<Vnni256>,
     rows: [&[u8]; R],
     a: [&[BlockQ8K]; N],
     next: &'n [&'n [u8]],
@@ -877,11 +988,11 @@ pub(crate) unsafe fn dot<'n, F: LineFetch<'n>, const R: usize, const N: usize>(
         DType::Q4_K if wide => rows_dot_512::<BlockQ4K, F, R, N>(rows, a, next),
         DType::Q5_K if wide => rows_dot_512::<BlockQ5K, F, R, N>(rows, a, next),
         DType::Q6_K if wide => rows_dot_512::<BlockQ6K, F, R, N>(rows, a, next),
-        DType::Q2_K => rows_dot::<BlockQ2K, F, R, N>(rows, a, next),
-        DType::Q3_K => rows_dot::<BlockQ3K, F, R, N>(rows, a, next),
-        DType::Q4_K => rows_dot::<BlockQ4K, F, R, N>(rows, a, next),
-        DType::Q5_K => rows_dot::<BlockQ5K, F, R, N>(rows, a, next),
-        DType::Q6_K => rows_dot::<BlockQ6K, F, R, N>(rows, a, next),
+        DType::Q2_K => rows_dot_in::<BlockQ2K, F, R, N>(vnni, rows, a, next),
+        DType::Q3_K => rows_dot_in::<BlockQ3K, F, R, N>(vnni, rows, a, next),
+        DType::Q4_K => rows_dot_in::<BlockQ4K, F, R, N>(vnni, rows, a, next),
+        DType::Q5_K => rows_dot_in::<BlockQ5K, F, R, N>(vnni, rows, a, next),
+        DType::Q6_K => rows_dot_in::<BlockQ6K, F, R, N>(vnni, rows, a, next),
         DType::IQ4_XS => rows_dot::<BlockIQ4XS, F, R, N>(rows, a, next),
         _ => unreachable!("{} is not a super-block type", dtype.name()),
     }
@@ -987,7 +1098,7 @@ unsafe fn unpack_group<'a, B: SuperBlock, const G: usize>(
         }
         for r in 0..count {
             let slot = transpose_slot::<G>(r);
-            let blk = blocks[r].get_unchecked(b).decode(|c, u, v, scales| {
+            let blk = blocks[r].get_unchecked(b).decode(false, |c, u, v, scales| {
                 if B::SIGNED && G == 16 {
                     // `group_dot` takes signed weights as v + 128 in `u`
                     _mm256_storeu_si256(
@@ -1531,8 +1642,8 @@ mod tests {
     use crate::quant::q256::{dot_scalar, tests::q8k};
     use crate::quant::tests::random_vec;
 
-    /// Every format's AVX2 dot (and the AVX-512 one, where the CPU has it) equals the
-    /// scalar twin bit for bit (the same exact integer sums and the same float steps), for 1, 2
+    /// Every format's AVX2 dot (with 256-bit VNNI in each encoding the CPU runs, and the AVX-512
+    /// one, where the CPU has them) equals the scalar twin bit for bit (the same exact integer sums and the same float steps), for 1, 2
     /// and 4 tokens and 1 and 4 rows per call.
     #[test]
     fn dots_match_scalar() {
@@ -1540,11 +1651,12 @@ mod tests {
             eprintln!("skipping: no AVX2 on this CPU");
             return;
         }
-        let widths: &[bool] = if crate::simd::detect() == crate::simd::SimdLevel::Avx512 {
-            &[false, true]
-        } else {
-            &[false]
-        };
+        // (wide, 256-bit VNNI): AVX2, with VNNI in each encoding this CPU runs, AVX-512
+        let mut widths = vec![(false, None)];
+        widths.extend(crate::simd::vnni256_encodings().into_iter().map(|e| (false, Some(e))));
+        if crate::simd::detect() == crate::simd::SimdLevel::Avx512 {
+            widths.push((true, None));
+        }
         let n = 1024;
         let acts: Vec<Vec<BlockQ8K>> = (0..4).map(|t| q8k(&random_vec(n, 80 + t))).collect();
         let a4 = [&acts[0][..], &acts[1][..], &acts[2][..], &acts[3][..]];
@@ -1552,23 +1664,25 @@ mod tests {
             let rows: Vec<Vec<u8>> =
                 (0..4).map(|r| random_row(dtype, n, 90 + 10 * s as u64 + r)).collect();
             let rows4 = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
-            for &wide in widths {
-                // SAFETY: AVX2 checked above, AVX-512 where `wide`.
+            for &(wide, vnni) in &widths {
+                // SAFETY: AVX2 checked above, AVX-512 where `wide`, each VNNI encoding the CPU runs
                 unsafe {
-                    let all = dot::<crate::avx2::Prefetch, 4, 4>(dtype, wide, rows4, a4, &[]);
+                    let all =
+                        dot_in::<crate::avx2::Prefetch, 4, 4>(dtype, wide, vnni, rows4, a4, &[]);
                     for r in 0..4 {
                         let want = dot_scalar(dtype, rows4[r], a4);
                         for t in 0..4 {
                             assert_eq!(
                                 all[r][t].to_bits(),
                                 want[t].to_bits(),
-                                "{dtype:?} wide {wide} row {r} token {t}: {} vs {}",
+                                "{dtype:?} wide {wide} {vnni:?} row {r} token {t}: {} vs {}",
                                 all[r][t],
                                 want[t]
                             );
-                            let alone = dot::<crate::avx2::PrefetchApart, 1, 1>(
+                            let alone = dot_in::<crate::avx2::PrefetchApart, 1, 1>(
                                 dtype,
                                 wide,
+                                vnni,
                                 [rows4[r]],
                                 [a4[t]],
                                 &[],
@@ -1579,9 +1693,10 @@ mod tests {
                                 "{dtype:?} wide {wide} row {r} token {t}: alone vs in a group"
                             );
                         }
-                        let two = dot::<crate::avx2::Prefetch, 1, 2>(
+                        let two = dot_in::<crate::avx2::Prefetch, 1, 2>(
                             dtype,
                             wide,
+                            vnni,
                             [rows4[r]],
                             [a4[1], a4[3]],
                             &[],
