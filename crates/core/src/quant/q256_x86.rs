@@ -128,6 +128,12 @@ trait SuperBlock {
     const STEPS_IN_16_BITS: usize = 0;
     /// Weights per scale: 16, or 32 where both halves of a chunk share one (Q4_K, Q5_K, IQ4_XS).
     const SCALE_WEIGHTS: usize = 16;
+    /// Whether the one-token dots take 256-bit VNNI where the AVX2 level has it
+    /// (`vnni_rows_dot`): formats whose u < 64 and who gain by it. Measured in AVX-512's
+    /// encoding on the AMD EPYC (Zen 4), 4096 x 4096 from cache, one thread: Q3_K, Q4_K, Q5_K
+    /// and Q6_K 4-15% faster; Q2_K 7-9% slower (its 2-bit decode is cheap, so the chains of
+    /// `vpdpwssd` weigh more than the instructions they save), so not Q2_K.
+    const VNNI_DOTS: bool = true;
     /// Calls `each(c, u, v, scales)` for the block's chunks c = 0..8 in order: u the unsigned
     /// operand of `vpmaddubsw`, v the signed weights (`SIGNED`; else u again), scales the
     /// chunk's 16-bit scales as `scaled` takes them (a 32-bit lane's scale in both its halves),
@@ -204,6 +210,7 @@ unsafe fn f16(bits: u16) -> f32 {
 
 impl SuperBlock for BlockQ2K {
     const STEPS_IN_16_BITS: usize = 4;
+    const VNNI_DOTS: bool = false;
     const MIN: bool = true;
     const OFFSET_SHIFT: i32 = 0;
     const SIGNED: bool = false;
@@ -403,6 +410,8 @@ unsafe fn iq4_xs_scales(x: &BlockIQ4XS) -> __m256i {
 
 impl SuperBlock for BlockIQ4XS {
     const SCALE_WEIGHTS: usize = 32;
+    // (signed weights up to 127: four products do not fit 16 bits)
+    const VNNI_DOTS: bool = false;
     const MIN: bool = false;
     const OFFSET_SHIFT: i32 = 0;
     const SIGNED: bool = true;
@@ -480,10 +489,11 @@ unsafe fn rows_dot<'n, B: SuperBlock, F: LineFetch<'n>, const R: usize, const N:
     )
 }
 
-/// `rows_dot` with 256-bit VNNI in the encoding of V, for formats whose u < 64 (not `SIGNED`): a
-/// chunk's sums of u * a per 32-bit lane by `vpdpbusd` (4 * 63 * 128 fits 16 bits), times the
-/// lane's scale by `vpdpwssd` into the block's sums: two instructions where `scaled` and its
-/// addition take three, the same exact sums. (A macro, so that its closures are defined in the
+/// `rows_dot` with 256-bit VNNI in the encoding of V, for formats whose u < 64
+/// (`SuperBlock::VNNI_DOTS`): a chunk's sums of u * a per 32-bit lane by `vpdpbusd` (4 * 63 *
+/// 128 fits 16 bits), times the lane's scale by `vpdpwssd` into the block's sums (even and odd
+/// chunks apart, two dependency chains), two instructions where `scaled` and its addition take
+/// three; the same exact sums. (A macro, so that its closures are defined in the
 /// wrapper compiled for the encoding and inherit its features: the instructions then inline.)
 macro_rules! vnni_rows_dot {
     ($V:ty, $rows:expr, $a:expr, $next:expr) => {
@@ -493,12 +503,22 @@ macro_rules! vnni_rows_dot {
             $next,
             |_| (),
             |x, _, at, sums| {
-                x.decode(true, |c, u, _, scales| {
+                // odd chunks into sums of their own: two chains of `vpdpwssd` per token
+                let mut odd = [_mm256_setzero_si256(); N];
+                let blk = x.decode(true, |c, u, _, scales| {
                     for t in 0..N {
                         let part = <$V>::dpbusd(_mm256_setzero_si256(), u, acts(at[t], c));
-                        sums[t] = <$V>::dpwssd(sums[t], part, scales);
+                        if c % 2 == 0 {
+                            sums[t] = <$V>::dpwssd(sums[t], part, scales);
+                        } else {
+                            odd[t] = <$V>::dpwssd(odd[t], part, scales);
+                        }
                     }
-                })
+                });
+                for t in 0..N {
+                    sums[t] = _mm256_add_epi32(sums[t], odd[t]);
+                }
+                blk
             },
         )
     };
@@ -524,7 +544,8 @@ unsafe fn rows_dot_evex<'n, B: SuperBlock, F: LineFetch<'n>, const R: usize, con
     vnni_rows_dot!(Evex, rows, a, next)
 }
 
-/// `rows_dot`, or with 256-bit VNNI in `vnni`'s encoding where the format's u < 64.
+/// `rows_dot`, or with 256-bit VNNI in `vnni`'s encoding where the format takes it
+/// (`SuperBlock::VNNI_DOTS`).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn rows_dot_in<'n, B: SuperBlock, F: LineFetch<'n>, const R: usize, const N: usize>(
@@ -534,8 +555,8 @@ unsafe fn rows_dot_in<'n, B: SuperBlock, F: LineFetch<'n>, const R: usize, const
     next: &'n [&'n [u8]],
 ) -> [[f32; N]; R] {
     match vnni {
-        Some(Vnni256::Vex) if !B::SIGNED => rows_dot_vex::<B, F, R, N>(rows, a, next),
-        Some(Vnni256::Evex) if !B::SIGNED => rows_dot_evex::<B, F, R, N>(rows, a, next),
+        Some(Vnni256::Vex) if B::VNNI_DOTS => rows_dot_vex::<B, F, R, N>(rows, a, next),
+        Some(Vnni256::Evex) if B::VNNI_DOTS => rows_dot_evex::<B, F, R, N>(rows, a, next),
         _ => rows_dot::<B, F, R, N>(rows, a, next),
     }
 }
