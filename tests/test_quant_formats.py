@@ -3,6 +3,10 @@ MXFP4: the engine's decoding is bit-exact against the `gguf` package's numpy deq
 whole models in these formats match the float64 reference (which decodes the weights with
 `gguf`)."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -67,6 +71,65 @@ def test_model_logits_match_float64_reference(tmp_path, dtype):
     s = _core.Session(engine._model, 16, "f32")
     steps = np.stack([s.eval([t]) for t in ids])
     np.testing.assert_allclose(steps, got, rtol=0, atol=1e-4 * np.abs(got).max())
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+# Each level's logits for every file: a prompt (the row-group kernels) and then the same ids one
+# at a time (the one-token kernels), in a process of its own (the level is decided once).
+LEVEL_LOGITS = """
+import sys, numpy as np, powerinfer_rs
+from powerinfer_rs import Engine
+out = {"level": np.array(powerinfer_rs.simd_level())}
+for i, path in enumerate(sys.argv[2:]):
+    engine = Engine.load(path, threads=2, kv_type="f32")
+    ids = np.random.default_rng(3).integers(0, engine.n_vocab, size=9).tolist()
+    out[f"prompt{i}"] = engine.logits(ids)
+    out[f"steps{i}"] = np.stack([engine.logits([t])[0] for t in ids])
+np.savez(sys.argv[1], **out)
+"""
+
+
+@pytest.mark.skipif(
+    not _cpu_flags() & {"avx_vnni", "avx512_vnni"}, reason="no 256-bit VNNI on this CPU"
+)
+def test_the_avx_vnni_level_gives_the_avx2_levels_logits_bit_for_bit(tmp_path):
+    """Its kernels sum the same integers (`vpdpbusd` where AVX2 takes `vpmaddubsw`), so whole
+    models give the same bits at both levels: every format that has VNNI kernels, in prompts
+    and one token at a time (on an AVX-512 CPU without AVX-VNNI, in AVX-512's encoding)."""
+    dtypes = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.IQ4_NL, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K]
+    paths = [
+        write_model(
+            tmp_path / f"{t.name}.gguf", dtype=t, n_embd=256, n_ff=512, n_head=4, n_head_kv=2
+        )
+        for t in dtypes
+    ]
+    results = {}
+    for level in ("avx2", "avxvnni"):
+        out = tmp_path / f"{level}.npz"
+        env = {**os.environ, "POWERINFER_SIMD": level}
+        subprocess.run(
+            [sys.executable, "-c", LEVEL_LOGITS, str(out), *map(str, paths)],
+            env=env,
+            check=True,
+            timeout=300,
+        )
+        results[level] = np.load(out)
+    assert str(results["avx2"]["level"]) == "avx2"
+    assert str(results["avxvnni"]["level"]) == "avxvnni"
+    for i, t in enumerate(dtypes):
+        for kind in ("prompt", "steps"):
+            a, b = results["avx2"][f"{kind}{i}"], results["avxvnni"][f"{kind}{i}"]
+            assert np.isfinite(a).all(), f"{t.name} {kind}"
+            np.testing.assert_array_equal(
+                a.view(np.uint32), b.view(np.uint32), err_msg=f"{t.name} {kind}"
+            )
 
 
 def test_an_unsupported_format_still_names_itself(tmp_path):
