@@ -846,8 +846,8 @@ fn weight_types(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
     Ok(rows)
 }
 
-/// The SIMD level the kernels run at: "scalar", "avx2", "avxvnni" (AVX2 with AVX-VNNI) or
-/// "avx512".
+/// The SIMD level the kernels run at: "scalar", "avx2", "avxvnni" (AVX2 with 256-bit VNNI:
+/// AVX-VNNI's, or AVX-512's encoding of it when asked for on a CPU without AVX-VNNI) or "avx512".
 #[pyfunction]
 fn simd_level() -> &'static str {
     let level = powerinfer_core::matmul::simd_level();
