@@ -367,8 +367,8 @@ impl LegacyBlock for BlockQ4_1 {
 ///
 /// With 256-bit VNNI (`simd::vnni256`), four rows' block sums come from `vpdpbusd` straight
 /// into 32 bits (an offset format's c times the activations starting the lanes): fewer
-/// instructions for the same exact sums (7B-shape Q4_0 products on one thread of the AMD EPYC,
-/// in its EVEX form, about 10% faster), so the same results.
+/// instructions for the same exact sums, so the same results (4096 x 4096 Q4_0 products on one
+/// thread of the AMD EPYC, in the EVEX form, 0-10% faster; docs/performance.md).
 pub(crate) unsafe fn dot_legacy<
     'n,
     B: LegacyBlock,
