@@ -308,6 +308,15 @@ fn main() {
                 "BF16" => DType::BF16,
                 other => panic!("unknown type {other}"),
             };
+            if n_embd % dtype.block_len() != 0 {
+                // (llama.cpp's quantizer stores such rows in another type, as SmolLM2's Q4_K_M
+                // file does)
+                println!(
+                    "{name}: rows of {n_embd} are not whole {}-weight blocks, skipped",
+                    dtype.block_len()
+                );
+                continue;
+            }
             let first = Block {
                 gate: weights(&matrix(dtype, n_ff, n_embd, 1, true)),
                 up: weights(&matrix(dtype, n_ff, n_embd, 2, false)),
