@@ -71,16 +71,19 @@ unsafe fn unpack_legacy_group<B: LegacyBlock>(rows: &[&[u8]], out: &mut [LegacyG
                 o.m[r] = f16_to_f32(blk.min_bits());
             } else {
                 _mm256_storeu_si256(staged_v[r].as_mut_ptr() as *mut __m256i, v);
-                _mm256_storeu_si256(
-                    staged_u[r].as_mut_ptr() as *mut __m256i,
-                    _mm256_sign_epi8(v, v),
-                );
             }
             o.d[r] = blk.scale();
         }
-        transpose_chunk::<8>(&staged_u, &mut o.u);
-        if !B::MIN {
+        if B::MIN {
+            transpose_chunk::<8>(&staged_u, &mut o.u);
+        } else {
+            // |v| byte by byte after the transpose (the same bytes as transposing |v|: one
+            // transpose per block instead of two; -128 stays 0x80 either way)
             transpose_chunk::<8>(&staged_v, &mut o.v);
+            for (u, v) in o.u.iter_mut().zip(&o.v) {
+                let v = _mm256_loadu_si256(v.as_ptr() as *const __m256i);
+                _mm256_storeu_si256(u.as_mut_ptr() as *mut __m256i, _mm256_abs_epi8(v));
+            }
         }
     }
 }
