@@ -100,9 +100,9 @@ pub struct Activations {
     pub cols: usize,
     pub f32s: Vec<f32>,
     pub q8: Vec<BlockQ8Act>,
-    /// With AVX-512 and at least `group_min_tokens` tokens: -128 times each `q8` block's sum
+    /// With AVX2 and at least `group_min_tokens` tokens: -128 times each `q8` block's sum
     /// (n, cols / 32), where the prompts' 16-row groups of signed formats start their sums
-    /// (`q32_x86::activation_bias`); empty otherwise.
+    /// and the 8-row groups of Q4_0 theirs (`q32_x86::activation_bias`); empty otherwise.
     pub q8_bias: Vec<i32>,
     /// With AVX-512: `q8` again, in groups of four blocks as the 512-bit one-token dots read
     /// them (n, cols / 128).
@@ -177,9 +177,9 @@ impl Activations {
             }
             self.q8_bias.clear();
             #[cfg(target_arch = "x86_64")]
-            if level == SimdLevel::Avx512 && n >= group_min_tokens(level) && per_32 {
+            if level.has_avx2() && n >= group_min_tokens(level) && per_32 {
                 self.q8_bias.resize(n * nb, 0);
-                // SAFETY: Avx512 is only reported when the CPU has AVX2's features too.
+                // SAFETY: Avx2 and above are only reported when the CPU has avx2, fma and f16c.
                 self.q8_bias
                     .par_chunks_mut(nb * 16)
                     .zip(self.q8.par_chunks(nb * 16))

@@ -10,14 +10,15 @@
 //! minimum's step for Q4_1 and Q5_1), with AVX-512 `avx512::dot_steps`'s per-block products
 //! summed four blocks at a time. So a token's dot is bit for bit the same in a prompt as alone
 //! or in a small batch (the tests check it for every format). The activations are
-//! `Activations::q8`: a prompt needs no second copy.
+//! `Activations::q8`: a prompt needs no second copy. With AVX2 alone, Q4_0's groups hold q
+//! unsigned and take 8 times the activations' block sums off once per block (`groups_offset`),
+//! as the one-token kernel does: no sign change per step.
 
 #![allow(clippy::missing_safety_doc)]
 
 use std::arch::x86_64::*;
 
 use super::chunks::{BlockIQ4NL, BlockMXFP4, BlockQ5_0, BlockQ5_1};
-use super::f16_to_f32;
 use super::q256_x86::{transpose_chunk, transpose_slot, GroupWidth};
 use super::{cast_blocks, BlockQ4_0, BlockQ4_1, BlockQ8Act, BlockQ8_0, DType, QK};
 use crate::avx2::{Dp256, Evex, LegacyBlock, PrefetchRows, Vex};
@@ -52,34 +53,69 @@ unsafe fn prefetch_ahead<B>(rows: &[&[u8]], b: usize) {
     }
 }
 
-/// Decodes up to eight rows of a `LegacyBlock` format into `out`, a `LegacyGroup` per block;
-/// lanes past them are zero (no weights, no scales).
+/// The first eight f16 values of `bits` as f32: one `vcvtph2ps`, where a conversion per row
+/// would check the CPU's features each time.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn unpack_legacy_group<B: LegacyBlock>(rows: &[&[u8]], out: &mut [LegacyGroup]) {
+unsafe fn f16x8(bits: &[u16]) -> __m256 {
+    assert!(bits.len() >= 8);
+    _mm256_cvtph_ps(_mm_loadu_si128(bits.as_ptr() as *const __m128i))
+}
+
+/// Whether the AVX2 row groups (without VNNI) take a format with `LegacyBlock::OFFSET` c as its
+/// unsigned q, v = q - c, and each activation block's sum times -c once per block (from the
+/// batch's `Activations::q8_bias`), so a step is `vpmaddubsw` of q with the activations as
+/// they are, where v takes a sign change per token and step: where eight steps of q a pair
+/// sums fit in 16 bits (Q4_0: 16 products of 15 * 127 in a lane; Q5_0's q up to 31 would
+/// overflow) and c divides 128.
+const fn groups_offset<B: LegacyBlock>() -> bool {
+    B::OFFSET > 0 && 8 * 2 * 127 * (2 * B::OFFSET - 1) <= i16::MAX as i32 && 128 % B::OFFSET == 0
+}
+
+/// Decodes up to eight rows of a `LegacyBlock` format into `out`, a `LegacyGroup` per block;
+/// lanes past them are zero (no weights, no scales). With `offset` (`groups_offset`), `u`
+/// holds the unsigned q and `v` is not written.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn unpack_legacy_group<B: LegacyBlock>(
+    rows: &[&[u8]],
+    out: &mut [LegacyGroup],
+    offset: bool,
+) {
     if rows.len() < 8 {
         out.fill(LegacyGroup::default());
     }
-    let (mut staged_u, mut staged_v) = ([[0u32; 8]; 8], [[0u32; 8]; 8]);
+    let blocks: [&[B]; 8] =
+        std::array::from_fn(|r| rows.get(r).map_or(&[][..], |&w| cast_blocks(w)));
+    let mut staged = [[0u32; 8]; 8];
+    // the scales' (and minima's) f16 bits, converted eight at a time (lanes past the rows 0)
+    let (mut d_bits, mut m_bits) = ([0u16; 8], [0u16; 8]);
     for (b, o) in out.iter_mut().enumerate() {
         prefetch_ahead::<B>(rows, b);
-        for (r, row) in rows.iter().enumerate() {
-            let blk = cast_blocks::<B>(row).get_unchecked(b);
-            let v = blk.weights();
+        for r in 0..rows.len() {
+            let blk = blocks[r].get_unchecked(b);
+            let w = if offset { blk.unsigned() } else { blk.weights() };
+            _mm256_storeu_si256(staged[r].as_mut_ptr() as *mut __m256i, w);
             if B::MIN {
-                _mm256_storeu_si256(staged_u[r].as_mut_ptr() as *mut __m256i, v);
-                o.m[r] = f16_to_f32(blk.min_bits());
-            } else {
-                _mm256_storeu_si256(staged_v[r].as_mut_ptr() as *mut __m256i, v);
+                m_bits[r] = blk.min_bits();
             }
-            o.d[r] = blk.scale();
+            match B::F16_SCALE {
+                true => d_bits[r] = blk.scale_bits(),
+                false => o.d[r] = blk.scale(),
+            }
+        }
+        if B::F16_SCALE {
+            _mm256_storeu_ps(o.d.as_mut_ptr(), f16x8(&d_bits));
         }
         if B::MIN {
-            transpose_chunk::<8>(&staged_u, &mut o.u);
+            _mm256_storeu_ps(o.m.as_mut_ptr(), f16x8(&m_bits));
+        }
+        if B::MIN || offset {
+            transpose_chunk::<8>(&staged, &mut o.u);
         } else {
             // |v| byte by byte after the transpose (the same bytes as transposing |v|: one
             // transpose per block instead of two; -128 stays 0x80 either way)
-            transpose_chunk::<8>(&staged_v, &mut o.v);
+            transpose_chunk::<8>(&staged, &mut o.v);
             for (u, v) in o.u.iter_mut().zip(&o.v) {
                 let v = _mm256_loadu_si256(v.as_ptr() as *const __m256i);
                 _mm256_storeu_si256(u.as_mut_ptr() as *mut __m256i, _mm256_abs_epi8(v));
@@ -133,16 +169,19 @@ unsafe fn legacy_result<B: LegacyBlock, const T: usize>(
 
 /// A group of eight rows of a `LegacyBlock` format against T tokens: lane r is row r's dot, bit
 /// for bit `avx2::dot_legacy`'s: the same exact integer sum per block, the same float steps per
-/// lane.
+/// lane. With `groups_offset` formats, `starts[t]` holds token t's activation block sums times
+/// -128 (`activation_bias`) and the group its unsigned q.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn legacy_group_dot<B: LegacyBlock, const T: usize>(
     g: &[LegacyGroup],
     a: [&[BlockQ8Act]; T],
+    starts: [&[i32]; T],
 ) -> [[f32; 8]; T] {
     let (mut acc, mut mins) = ([_mm256_setzero_ps(); T], [_mm256_setzero_ps(); T]);
     let ones = _mm256_set1_epi16(1);
     let word = |p: *const i8| (p as *const i32).read_unaligned();
+    let offset = groups_offset::<B>();
     for (b, x) in g.iter().enumerate() {
         // pair sums of |v| * a <= 2 * 16 * 127 (Q4_1's q * a <= 2 * 15 * 127): a block's eight steps
         // sum in 16 bits (`LegacyBlock::WIDE`: |v| <= 127 or q <= 31, pairs widen to 32 bits at
@@ -150,10 +189,13 @@ unsafe fn legacy_group_dot<B: LegacyBlock, const T: usize>(
         let mut sums = [_mm256_setzero_si256(); T];
         for k in 0..8 {
             let u = _mm256_load_si256(x.u[k].as_ptr() as *const __m256i);
-            let v = _mm256_load_si256(x.v[k].as_ptr() as *const __m256i);
+            let v = match offset || B::MIN {
+                true => u,
+                false => _mm256_load_si256(x.v[k].as_ptr() as *const __m256i),
+            };
             for t in 0..T {
                 let act = _mm256_set1_epi32(word(a[t].get_unchecked(b).qs.as_ptr().add(4 * k)));
-                let act = if B::MIN { act } else { _mm256_sign_epi8(act, v) };
+                let act = if B::MIN || offset { act } else { _mm256_sign_epi8(act, v) };
                 let pairs = _mm256_maddubs_epi16(u, act);
                 sums[t] = if B::WIDE {
                     _mm256_add_epi32(sums[t], _mm256_madd_epi16(pairs, ones))
@@ -165,6 +207,14 @@ unsafe fn legacy_group_dot<B: LegacyBlock, const T: usize>(
         if !B::WIDE {
             for t in 0..T {
                 sums[t] = _mm256_madd_epi16(sums[t], ones);
+            }
+        }
+        if offset {
+            // (q - c) a summed = q a summed - c (a summed), exactly: the bias is -128 times
+            // the activations' sum, c divides 128
+            for t in 0..T {
+                let start = *starts[t].get_unchecked(b) / (128 / B::OFFSET);
+                sums[t] = _mm256_add_epi32(sums[t], _mm256_set1_epi32(start));
             }
         }
         legacy_block_end::<B, T>(x, a, b, &sums, &mut acc, &mut mins);
@@ -215,16 +265,18 @@ unsafe fn legacy_group_dot_evex<B: LegacyBlock, const T: usize>(
     legacy_group_dot_vnni::<B, Evex, T>(g, a)
 }
 
-/// A group's dots with T tokens: `legacy_group_dot`, or with 256-bit VNNI in `vnni`'s encoding.
+/// A group's dots with T tokens: `legacy_group_dot`, or with 256-bit VNNI in `vnni`'s encoding
+/// (which reads v's signs: its groups are never `groups_offset`'s).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn legacy_group_dots<B: LegacyBlock, const T: usize>(
     g: &[LegacyGroup],
     a: [&[BlockQ8Act]; T],
+    starts: [&[i32]; T],
     vnni: Option<Vnni256>,
 ) -> [[f32; 8]; T] {
     match vnni {
-        None => legacy_group_dot::<B, T>(g, a),
+        None => legacy_group_dot::<B, T>(g, a, starts),
         Some(Vnni256::Vex) => legacy_group_dot_vex::<B, T>(g, a),
         Some(Vnni256::Evex) => legacy_group_dot_evex::<B, T>(g, a),
     }
@@ -250,17 +302,31 @@ unsafe fn unpack_legacy_group16<B: LegacyBlock>(rows: &[&[u8]], out: &mut [Legac
     if rows.len() < 16 {
         out.fill(LegacyGroup16::default());
     }
+    let blocks: [&[B]; 16] =
+        std::array::from_fn(|r| rows.get(r).map_or(&[][..], |&w| cast_blocks(w)));
     let mut staged = [[0u32; 8]; 16];
+    let (mut d_bits, mut m_bits) = ([0u16; 16], [0u16; 16]);
     for (b, o) in out.iter_mut().enumerate() {
         prefetch_ahead::<B>(rows, b);
-        for (r, row) in rows.iter().enumerate() {
-            let blk = cast_blocks::<B>(row).get_unchecked(b);
+        for r in 0..rows.len() {
+            let blk = blocks[r].get_unchecked(b);
             let v = blk.weights();
             let u = if B::MIN { v } else { _mm256_xor_si256(v, _mm256_set1_epi8(-128)) };
             _mm256_storeu_si256(staged[transpose_slot::<16>(r)].as_mut_ptr() as *mut __m256i, u);
-            o.d[r] = blk.scale();
+            match B::F16_SCALE {
+                true => d_bits[r] = blk.scale_bits(),
+                false => o.d[r] = blk.scale(),
+            }
             if B::MIN {
-                o.m[r] = f16_to_f32(blk.min_bits());
+                m_bits[r] = blk.min_bits();
+            }
+        }
+        for h in 0..2 {
+            if B::F16_SCALE {
+                _mm256_storeu_ps(o.d.as_mut_ptr().add(8 * h), f16x8(&d_bits[8 * h..]));
+            }
+            if B::MIN {
+                _mm256_storeu_ps(o.m.as_mut_ptr().add(8 * h), f16x8(&m_bits[8 * h..]));
             }
         }
         transpose_chunk::<16>(&staged, &mut o.u);
@@ -337,9 +403,9 @@ unsafe fn legacy_group_dot_512<B: LegacyBlock, const T: usize>(
     }
 }
 
-/// Each activation block's sum times -128 (`legacy_group_dot_512`'s start for signed weights
-/// stored as v + 128) into `out` (one per block; `Activations::q8_bias`, computed once per
-/// batch).
+/// Each activation block's sum times -128 into `out` (one per block; `Activations::q8_bias`,
+/// computed once per batch): `legacy_group_dot_512`'s start for signed weights stored as
+/// v + 128, and divided by 128 / c `legacy_group_dot`'s for `groups_offset` formats.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn activation_bias(q8: &[BlockQ8Act], out: &mut [i32]) {
     let (flip, zero) = (_mm256_set1_epi8(-128), _mm256_setzero_si256());
@@ -449,9 +515,9 @@ pub unsafe fn legacy_rows_all_tokens<'a>(
             match width {
                 GroupWidth::Avx512 => legacy_rows_16::<$block>(row, cols, rows, q8, bias, n, put),
                 GroupWidth::AvxVnni(e) => {
-                    legacy_rows::<$block>(row, cols, rows, q8, n, Some(e), put)
+                    legacy_rows::<$block>(row, cols, rows, q8, bias, n, Some(e), put)
                 }
-                GroupWidth::Avx2 => legacy_rows::<$block>(row, cols, rows, q8, n, None, put),
+                GroupWidth::Avx2 => legacy_rows::<$block>(row, cols, rows, q8, bias, n, None, put),
             }
         };
     }
@@ -475,6 +541,7 @@ unsafe fn legacy_rows<'a, B: LegacyBlock>(
     cols: usize,
     rows: std::ops::Range<usize>,
     q8: &[BlockQ8Act],
+    bias: &[i32],
     n: usize,
     vnni: Option<Vnni256>,
     put: impl Fn(usize, usize, &[f32]),
@@ -482,6 +549,21 @@ unsafe fn legacy_rows<'a, B: LegacyBlock>(
     let nb = cols / QK;
     assert_eq!(q8.len(), n * nb, "activations: wrong size for {n} tokens of {cols}");
     let token = |t: usize| &q8[t * nb..(t + 1) * nb];
+    let offset = vnni.is_none() && groups_offset::<B>();
+    // (activations set at another level than the product's may come without the bias)
+    let own_bias: Vec<i32>;
+    let bias = match offset && bias.len() != n * nb {
+        true => {
+            own_bias = {
+                let mut b = vec![0; n * nb];
+                activation_bias(q8, &mut b);
+                b
+            };
+            &own_bias[..]
+        }
+        false => bias,
+    };
+    let start = |t: usize| if offset { &bias[t * nb..(t + 1) * nb] } else { &[][..] };
     let mut group = vec![LegacyGroup::default(); nb];
     let mut r0 = rows.start;
     while r0 < rows.end {
@@ -490,14 +572,15 @@ unsafe fn legacy_rows<'a, B: LegacyBlock>(
         for r in r0..r1 {
             bytes[r - r0] = row(r);
         }
-        unpack_legacy_group::<B>(&bytes[..r1 - r0], &mut group);
+        unpack_legacy_group::<B>(&bytes[..r1 - r0], &mut group, offset);
         let mut prefetch =
             PrefetchRows::<8>::new((r1..(r1 + 8).min(rows.end)).map(&row), n / 4 + n % 4);
         let mut t = 0;
         while t + 4 <= n {
             prefetch.step();
             let four = [token(t), token(t + 1), token(t + 2), token(t + 3)];
-            let dots = legacy_group_dots::<B, 4>(&group, four, vnni);
+            let four_starts = [start(t), start(t + 1), start(t + 2), start(t + 3)];
+            let dots = legacy_group_dots::<B, 4>(&group, four, four_starts, vnni);
             for (k, lanes) in dots.iter().enumerate() {
                 put(t + k, r0, &lanes[..r1 - r0]);
             }
@@ -505,7 +588,7 @@ unsafe fn legacy_rows<'a, B: LegacyBlock>(
         }
         for t in t..n {
             prefetch.step();
-            let one = legacy_group_dots::<B, 1>(&group, [token(t)], vnni);
+            let one = legacy_group_dots::<B, 1>(&group, [token(t)], [start(t)], vnni);
             put(t, r0, &one[0][..r1 - r0]);
         }
         r0 = r1;
@@ -587,6 +670,60 @@ mod tests {
                 for r in 0..rows {
                     let v = got[t * rows + r];
                     assert!(close(v, want(t, r)), "{width:?} group t{t} r{r}: {v}");
+                    assert!(close(alone[r], want(t, r)), "{level:?} alone t{t} r{r}: {}", alone[r]);
+                }
+            }
+        }
+    }
+
+    /// Q4_0's largest products (q = 15 or 0, v = 7 or -8, against |a| = 127, all of one sign)
+    /// sum without overflow in the 16-bit pair sums of q a the AVX2 row groups keep
+    /// (`groups_offset`): a prompt's row groups and a token alone give the exact dot, at every
+    /// level this CPU has.
+    #[test]
+    fn q4_0_extremes_sum_exactly() {
+        if !crate::simd::detect().has_avx2() {
+            eprintln!("skipping: no AVX2 on this CPU");
+            return;
+        }
+        let (rows, cols, n) = (9, 256, 8);
+        // d = 1 (f16 0x3C00); every nibble 15 (v = 7) or 0 (v = -8) by row
+        let v = |r: usize| if r.is_multiple_of(2) { 7.0f32 } else { -8.0 };
+        let mut data = Vec::new();
+        for r in 0..rows {
+            for _ in 0..cols / 32 {
+                data.extend(0x3C00u16.to_le_bytes());
+                data.extend([if r % 2 == 0 { 0xFFu8 } else { 0x00 }; 16]);
+            }
+        }
+        let w = QMatrix { dtype: DType::Q4_0, rows, cols, data: &data };
+        let sign = |t: usize| if t.is_multiple_of(2) { 1.0f32 } else { -1.0 };
+        let xs: Vec<f32> = (0..n * cols).map(|i| sign(i / cols)).collect();
+        let mut x = Activations::default();
+        x.set(&xs, n, cols);
+        // the same without the batch's bias, which the groups then work out themselves
+        let mut x_unbiased = Activations::default();
+        x_unbiased.set(&xs, n, cols);
+        x_unbiased.q8_bias.clear();
+        let want = |t: usize, r: usize| sign(t) * v(r) * cols as f32;
+        let close = |got: f32, want: f32| (got - want).abs() <= 1e-4 * want.abs();
+        let mut widths = vec![(GroupWidth::Avx2, SimdLevel::Avx2)];
+        if crate::simd::simd_level() == SimdLevel::Avx512 {
+            widths.push((GroupWidth::Avx512, SimdLevel::Avx512));
+        }
+        let mut runs = vec![(GroupWidth::Avx2, SimdLevel::Avx2, &x_unbiased)];
+        for (width, level) in widths {
+            runs.push((width, level, &x));
+        }
+        for (width, level, x) in runs {
+            // SAFETY: AVX2 checked above, AVX-512 where the CPU has it
+            let got = unsafe { group_dots(&w, width, 0..rows, x, n) };
+            for t in 0..n {
+                let mut alone = vec![f32::NAN; rows];
+                crate::matmul::dot_rows(&w, 0..rows, x, [t], level, |r, [v]| alone[r] = v);
+                for r in 0..rows {
+                    let g = got[t * rows + r];
+                    assert!(close(g, want(t, r)), "{width:?} group t{t} r{r}: {g}");
                     assert!(close(alone[r], want(t, r)), "{level:?} alone t{t} r{r}: {}", alone[r]);
                 }
             }
