@@ -831,16 +831,16 @@ mod tests {
             let mut x = Activations::default();
             x.set(&x_f, 4, cols);
             for dtype in ALL {
-                let w_f = random_vec(cols * 3, 7 + cols as u64);
+                let w_f = random_vec(cols * 4, 7 + cols as u64);
                 let data: Vec<u8> = w_f.chunks(cols).flat_map(|r| quantize_row(dtype, r)).collect();
-                let w = QMatrix { dtype, rows: 3, cols, data: &data };
+                let w = QMatrix { dtype, rows: 4, cols, data: &data };
                 // AVX-512 where this CPU has it (the activations hold its quads then)
                 let levels: &[SimdLevel] = if simd_level() == SimdLevel::Avx512 {
                     &[SimdLevel::Avx2, SimdLevel::Avx512]
                 } else {
                     &[SimdLevel::Avx2]
                 };
-                for r in 0..3 {
+                for r in 0..4 {
                     let s4 = dot_row(&w, r, None, &x, [0, 1, 2, 3], SimdLevel::Scalar);
                     // the scalar twin (every level reads the same activations)
                     let want = |_level: SimdLevel, t: usize| s4[t];
@@ -875,11 +875,14 @@ mod tests {
                         }
                     }
                 }
-                // decode's row groups: each row exactly as alone, at every level
+                // decode's row groups (three rows, and four, the kernels' own groups): each row
+                // exactly as alone, at every level
                 for &level in levels {
                     for t in 0..4 {
-                        let group = dot_row_group::<3, 1>(&w, [0, 1, 2], &[], &x, [t], level);
-                        for (r, v) in group.iter().enumerate() {
+                        let three = dot_row_group::<3, 1>(&w, [0, 1, 2], &[], &x, [t], level);
+                        let four = dot_row_group::<4, 1>(&w, [0, 1, 2, 3], &[], &x, [t], level);
+                        let rows = (0..3).chain(0..4);
+                        for (r, v) in rows.zip(three.iter().chain(&four)) {
                             let alone = dot_row(&w, r, None, &x, [t], level)[0];
                             assert_eq!(
                                 v[0].to_bits(),

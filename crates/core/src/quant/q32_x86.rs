@@ -213,7 +213,7 @@ unsafe fn legacy_group_dot<B: LegacyBlock, const T: usize>(
             // (q - c) a summed = q a summed - c (a summed), exactly: the bias is -128 times
             // the activations' sum, c divides 128
             for t in 0..T {
-                let start = *starts[t].get_unchecked(b) / (128 / B::OFFSET);
+                let start = *starts[t].get_unchecked(b) >> (128 / B::OFFSET).trailing_zeros();
                 sums[t] = _mm256_add_epi32(sums[t], _mm256_set1_epi32(start));
             }
         }
@@ -676,55 +676,62 @@ mod tests {
         }
     }
 
-    /// Q4_0's largest products (q = 15 or 0, v = 7 or -8, against |a| = 127, all of one sign)
-    /// sum without overflow in the 16-bit pair sums of q a the AVX2 row groups keep
-    /// (`groups_offset`): a prompt's row groups and a token alone give the exact dot, at every
-    /// level this CPU has.
+    /// The offset formats' largest products (Q4_0's q = 15 or 0, v = 7 or -8; Q5_0's q = 31 or
+    /// 0, v = 15 or -16; against |a| = 127, all of one sign) sum without overflow in the 16-bit
+    /// sums the AVX2 row groups (Q4_0's of q a, `groups_offset`) and the one-token dots keep:
+    /// a prompt's row groups and a token alone give the exact dot, at every level this CPU
+    /// has, with and without the batch's bias.
     #[test]
-    fn q4_0_extremes_sum_exactly() {
+    fn offset_extremes_sum_exactly() {
         if !crate::simd::detect().has_avx2() {
             eprintln!("skipping: no AVX2 on this CPU");
             return;
         }
         let (rows, cols, n) = (9, 256, 8);
-        // d = 1 (f16 0x3C00); every nibble 15 (v = 7) or 0 (v = -8) by row
-        let v = |r: usize| if r.is_multiple_of(2) { 7.0f32 } else { -8.0 };
-        let mut data = Vec::new();
-        for r in 0..rows {
-            for _ in 0..cols / 32 {
-                data.extend(0x3C00u16.to_le_bytes());
-                data.extend([if r % 2 == 0 { 0xFFu8 } else { 0x00 }; 16]);
+        // d = 1 (f16 0x3C00); every q at its largest or 0, by row
+        for (dtype, largest, v_hi, v_lo) in [
+            (DType::Q4_0, &[0xFFu8; 16][..], 7.0f32, -8.0f32),
+            (DType::Q5_0, &[0xFFu8; 20][..], 15.0, -16.0),
+        ] {
+            let v = |r: usize| if r.is_multiple_of(2) { v_hi } else { v_lo };
+            let mut data = Vec::new();
+            for r in 0..rows {
+                for _ in 0..cols / 32 {
+                    data.extend(0x3C00u16.to_le_bytes());
+                    data.extend(largest.iter().map(|&b| if r % 2 == 0 { b } else { 0 }));
+                }
             }
-        }
-        let w = QMatrix { dtype: DType::Q4_0, rows, cols, data: &data };
-        let sign = |t: usize| if t.is_multiple_of(2) { 1.0f32 } else { -1.0 };
-        let xs: Vec<f32> = (0..n * cols).map(|i| sign(i / cols)).collect();
-        let mut x = Activations::default();
-        x.set(&xs, n, cols);
-        // the same without the batch's bias, which the groups then work out themselves
-        let mut x_unbiased = Activations::default();
-        x_unbiased.set(&xs, n, cols);
-        x_unbiased.q8_bias.clear();
-        let want = |t: usize, r: usize| sign(t) * v(r) * cols as f32;
-        let close = |got: f32, want: f32| (got - want).abs() <= 1e-4 * want.abs();
-        let mut widths = vec![(GroupWidth::Avx2, SimdLevel::Avx2)];
-        if crate::simd::simd_level() == SimdLevel::Avx512 {
-            widths.push((GroupWidth::Avx512, SimdLevel::Avx512));
-        }
-        let mut runs = vec![(GroupWidth::Avx2, SimdLevel::Avx2, &x_unbiased)];
-        for (width, level) in widths {
-            runs.push((width, level, &x));
-        }
-        for (width, level, x) in runs {
-            // SAFETY: AVX2 checked above, AVX-512 where the CPU has it
-            let got = unsafe { group_dots(&w, width, 0..rows, x, n) };
-            for t in 0..n {
-                let mut alone = vec![f32::NAN; rows];
-                crate::matmul::dot_rows(&w, 0..rows, x, [t], level, |r, [v]| alone[r] = v);
-                for r in 0..rows {
-                    let g = got[t * rows + r];
-                    assert!(close(g, want(t, r)), "{width:?} group t{t} r{r}: {g}");
-                    assert!(close(alone[r], want(t, r)), "{level:?} alone t{t} r{r}: {}", alone[r]);
+            let w = QMatrix { dtype, rows, cols, data: &data };
+            let sign = |t: usize| if t.is_multiple_of(2) { 1.0f32 } else { -1.0 };
+            let xs: Vec<f32> = (0..n * cols).map(|i| sign(i / cols)).collect();
+            let mut x = Activations::default();
+            x.set(&xs, n, cols);
+            // the same without the batch's bias, which the groups then work out themselves
+            let mut x_unbiased = Activations::default();
+            x_unbiased.set(&xs, n, cols);
+            x_unbiased.q8_bias.clear();
+            let want = |t: usize, r: usize| sign(t) * v(r) * cols as f32;
+            let close = |got: f32, want: f32| (got - want).abs() <= 1e-4 * want.abs();
+            let mut runs = vec![
+                (GroupWidth::Avx2, SimdLevel::Avx2, &x_unbiased),
+                (GroupWidth::Avx2, SimdLevel::Avx2, &x),
+            ];
+            if crate::simd::simd_level() == SimdLevel::Avx512 {
+                runs.push((GroupWidth::Avx512, SimdLevel::Avx512, &x));
+            }
+            for (width, level, x) in runs {
+                // SAFETY: AVX2 checked above, AVX-512 where the CPU has it
+                let got = unsafe { group_dots(&w, width, 0..rows, x, n) };
+                for t in 0..n {
+                    // a token alone: four rows per kernel call, then one
+                    let mut alone = vec![f32::NAN; rows];
+                    crate::matmul::dot_rows(&w, 0..rows, x, [t], level, |r, [v]| alone[r] = v);
+                    for r in 0..rows {
+                        let g = got[t * rows + r];
+                        assert!(close(g, want(t, r)), "{dtype:?} {width:?} group t{t} r{r}: {g}");
+                        let a = alone[r];
+                        assert!(close(a, want(t, r)), "{dtype:?} {level:?} alone t{t} r{r}: {a}");
+                    }
                 }
             }
         }
