@@ -628,6 +628,54 @@ mod tests {
         got.into_inner()
     }
 
+    /// The rows of `w` against `n` tokens of activations `xs` (n, w.cols), through the row
+    /// groups at every width this CPU has and a token alone (four rows per kernel call, then
+    /// one) at their level, each close to `want(t, r)`; with `unbiased`, at AVX2 also from
+    /// activations without the batch's bias (which the groups then work out themselves).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2.
+    unsafe fn assert_dots_exact(
+        w: &QMatrix,
+        xs: &[f32],
+        n: usize,
+        unbiased: bool,
+        want: impl Fn(usize, usize) -> f32,
+    ) {
+        let mut x = Activations::default();
+        x.set(xs, n, w.cols);
+        let mut x_unbiased = Activations::default();
+        x_unbiased.set(xs, n, w.cols);
+        x_unbiased.q8_bias.clear();
+        let mut runs = vec![(GroupWidth::Avx2, SimdLevel::Avx2, &x)];
+        if unbiased {
+            runs.push((GroupWidth::Avx2, SimdLevel::Avx2, &x_unbiased));
+        }
+        if crate::simd::simd_level() == SimdLevel::Avx512 {
+            runs.push((GroupWidth::Avx512, SimdLevel::Avx512, &x));
+        }
+        let close = |got: f32, want: f32| (got - want).abs() <= 1e-4 * want.abs();
+        let dtype = w.dtype;
+        for (width, level, x) in runs {
+            // SAFETY: AVX2 by the caller, AVX-512 where the CPU has it
+            let got = unsafe { group_dots(w, width, 0..w.rows, x, n) };
+            for t in 0..n {
+                let mut alone = vec![f32::NAN; w.rows];
+                crate::matmul::dot_rows(w, 0..w.rows, x, [t], level, |r, [v]| alone[r] = v);
+                for r in 0..w.rows {
+                    let (g, a) = (got[t * w.rows + r], alone[r]);
+                    assert!(close(g, want(t, r)), "{dtype:?} {width:?} group t{t} r{r}: {g}");
+                    assert!(close(a, want(t, r)), "{dtype:?} {level:?} alone t{t} r{r}: {a}");
+                }
+            }
+        }
+    }
+
+    /// Activations of one sign per token (every int8 value +-127): +1 for even tokens.
+    fn signs(n: usize, cols: usize) -> Vec<f32> {
+        (0..n * cols).map(|i| if (i / cols).is_multiple_of(2) { 1.0 } else { -1.0 }).collect()
+    }
+
     /// MXFP4's largest products (|v| = 12 against |a| = 127, all of one sign) sum without
     /// overflow in the 16-bit pair sums its kernels keep (it is not `WIDE`): a prompt's row
     /// groups and a token alone give the exact dot, at every level this CPU has.
@@ -647,33 +695,11 @@ mod tests {
             }
         }
         let w = QMatrix { dtype: DType::MXFP4, rows, cols, data: &data };
-        // activations of one sign per token: every int8 value +-127
-        let xs: Vec<f32> =
-            (0..n * cols).map(|i| if (i / cols).is_multiple_of(2) { 1.0 } else { -1.0 }).collect();
-        let mut x = Activations::default();
-        x.set(&xs, n, cols);
         let want = |t: usize, r: usize| {
             (if (t + r).is_multiple_of(2) { 1.0 } else { -1.0 }) * 6.0 * cols as f32
         };
-        let close = |got: f32, want: f32| (got - want).abs() <= 1e-4 * want.abs();
-        let mut widths = vec![(GroupWidth::Avx2, SimdLevel::Avx2)];
-        if crate::simd::simd_level() == SimdLevel::Avx512 {
-            widths.push((GroupWidth::Avx512, SimdLevel::Avx512));
-        }
-        for (width, level) in widths {
-            // SAFETY: AVX2 checked above, AVX-512 where the CPU has it
-            let got = unsafe { group_dots(&w, width, 0..rows, &x, n) };
-            for t in 0..n {
-                // a token alone: four rows per kernel call, then one
-                let mut alone = vec![f32::NAN; rows];
-                crate::matmul::dot_rows(&w, 0..rows, &x, [t], level, |r, [v]| alone[r] = v);
-                for r in 0..rows {
-                    let v = got[t * rows + r];
-                    assert!(close(v, want(t, r)), "{width:?} group t{t} r{r}: {v}");
-                    assert!(close(alone[r], want(t, r)), "{level:?} alone t{t} r{r}: {}", alone[r]);
-                }
-            }
-        }
+        // SAFETY: AVX2 checked above
+        unsafe { assert_dots_exact(&w, &signs(n, cols), n, false, want) };
     }
 
     /// The offset formats' largest products (Q4_0's q = 15 or 0, v = 7 or -8; Q5_0's q = 31 or
@@ -693,7 +719,6 @@ mod tests {
             (DType::Q4_0, &[0xFFu8; 16][..], 7.0f32, -8.0f32),
             (DType::Q5_0, &[0xFFu8; 20][..], 15.0, -16.0),
         ] {
-            let v = |r: usize| if r.is_multiple_of(2) { v_hi } else { v_lo };
             let mut data = Vec::new();
             for r in 0..rows {
                 for _ in 0..cols / 32 {
@@ -702,38 +727,11 @@ mod tests {
                 }
             }
             let w = QMatrix { dtype, rows, cols, data: &data };
+            let v = |r: usize| if r.is_multiple_of(2) { v_hi } else { v_lo };
             let sign = |t: usize| if t.is_multiple_of(2) { 1.0f32 } else { -1.0 };
-            let xs: Vec<f32> = (0..n * cols).map(|i| sign(i / cols)).collect();
-            let mut x = Activations::default();
-            x.set(&xs, n, cols);
-            // the same without the batch's bias, which the groups then work out themselves
-            let mut x_unbiased = Activations::default();
-            x_unbiased.set(&xs, n, cols);
-            x_unbiased.q8_bias.clear();
             let want = |t: usize, r: usize| sign(t) * v(r) * cols as f32;
-            let close = |got: f32, want: f32| (got - want).abs() <= 1e-4 * want.abs();
-            let mut runs = vec![
-                (GroupWidth::Avx2, SimdLevel::Avx2, &x_unbiased),
-                (GroupWidth::Avx2, SimdLevel::Avx2, &x),
-            ];
-            if crate::simd::simd_level() == SimdLevel::Avx512 {
-                runs.push((GroupWidth::Avx512, SimdLevel::Avx512, &x));
-            }
-            for (width, level, x) in runs {
-                // SAFETY: AVX2 checked above, AVX-512 where the CPU has it
-                let got = unsafe { group_dots(&w, width, 0..rows, x, n) };
-                for t in 0..n {
-                    // a token alone: four rows per kernel call, then one
-                    let mut alone = vec![f32::NAN; rows];
-                    crate::matmul::dot_rows(&w, 0..rows, x, [t], level, |r, [v]| alone[r] = v);
-                    for r in 0..rows {
-                        let g = got[t * rows + r];
-                        assert!(close(g, want(t, r)), "{dtype:?} {width:?} group t{t} r{r}: {g}");
-                        let a = alone[r];
-                        assert!(close(a, want(t, r)), "{dtype:?} {level:?} alone t{t} r{r}: {a}");
-                    }
-                }
-            }
+            // SAFETY: AVX2 checked above
+            unsafe { assert_dots_exact(&w, &signs(n, cols), n, true, want) };
         }
     }
 
