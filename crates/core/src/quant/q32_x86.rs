@@ -551,18 +551,12 @@ unsafe fn legacy_rows<'a, B: LegacyBlock>(
     let token = |t: usize| &q8[t * nb..(t + 1) * nb];
     let offset = vnni.is_none() && groups_offset::<B>();
     // (activations set at another level than the product's may come without the bias)
-    let own_bias: Vec<i32>;
-    let bias = match offset && bias.len() != n * nb {
-        true => {
-            own_bias = {
-                let mut b = vec![0; n * nb];
-                activation_bias(q8, &mut b);
-                b
-            };
-            &own_bias[..]
-        }
-        false => bias,
-    };
+    let mut own_bias = Vec::new();
+    if offset && bias.len() != n * nb {
+        own_bias.resize(n * nb, 0);
+        activation_bias(q8, &mut own_bias);
+    }
+    let bias = if own_bias.is_empty() { bias } else { &own_bias[..] };
     let start = |t: usize| if offset { &bias[t * nb..(t + 1) * nb] } else { &[][..] };
     let mut group = vec![LegacyGroup::default(); nb];
     let mut r0 = rows.start;
