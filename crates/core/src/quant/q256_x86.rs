@@ -451,7 +451,7 @@ unsafe fn rows_dot_with<'n, B: SuperBlock, F: LineFetch<'n>, P, const R: usize, 
     prepare: impl Fn([&BlockQ8K; N]) -> P,
     row_block: impl Fn(&B, &P, [&BlockQ8K; N], &mut [__m256i; N]) -> Block,
 ) -> [[f32; N]; R] {
-    let w: [&[B]; R] = rows.map(|row| cast_blocks::<B>(row));
+    let w: [&[B]; R] = crate::quant::cast_rows::<B, R>(rows);
     let mut steps = FloatSteps::<R, N>::new();
     let mut prefetch = F::new(next, a[0].len());
     for b in 0..a[0].len() {
