@@ -112,38 +112,50 @@ impl<'a> LineFetch<'a> for Prefetch<'a> {
 /// of their rate when interleaved.)
 pub(crate) struct PrefetchApart<'a> {
     rows: &'a [&'a [u8]],
+    /// Lines asked for per step, against `steps` (as `Prefetch`'s); 0 once all are asked for.
     lines: usize,
-    /// Lines of the longest row: where the order ends.
-    row_lines: usize,
     steps: usize,
-    row: usize,
-    line: usize,
     due: usize,
+    /// The next line: row `row` at byte `offset`. The rows are a matrix's, so equally long:
+    /// each is taken as long as the longest (`end` bytes; a hint past a shorter row's end
+    /// cannot fault), which spares a bounds test per line (the test and the row's length
+    /// were two thirds of the sparse operator's prefetching, a fifth of its dots' instructions).
+    row: usize,
+    offset: usize,
+    end: usize,
 }
 
 impl<'a> LineFetch<'a> for PrefetchApart<'a> {
     fn new(next: &'a [&'a [u8]], steps: usize) -> Self {
-        let lines = next.iter().map(|r| r.len().div_ceil(64)).sum();
         let row_lines = next.iter().map(|r| r.len().div_ceil(64)).max().unwrap_or(0);
-        PrefetchApart { rows: next, lines, row_lines, steps: steps.max(1), row: 0, line: 0, due: 0 }
+        PrefetchApart {
+            rows: next,
+            lines: row_lines * next.len(),
+            steps: steps.max(1),
+            due: 0,
+            row: 0,
+            offset: 0,
+            end: 64 * row_lines,
+        }
     }
 
     #[inline(always)]
     fn step(&mut self) {
         self.due += self.lines;
-        while self.due >= self.steps && self.line < self.row_lines {
-            let cur = self.rows[self.row];
-            if 64 * self.line < cur.len() {
-                // SAFETY: 64 * line < cur.len(), so the address lies within the row
-                // (prefetches never fault)
-                unsafe {
-                    _mm_prefetch::<_MM_HINT_T0>(cur.as_ptr().add(64 * self.line) as *const i8)
-                };
-                self.due -= self.steps;
-            }
+        while self.due >= self.steps {
+            // SAFETY: row < rows.len() (it wraps to 0 below, and lines is 0 without rows); a
+            // prefetch never faults, wherever it points
+            unsafe {
+                let row = self.rows.get_unchecked(self.row);
+                _mm_prefetch::<_MM_HINT_T0>(row.as_ptr().wrapping_add(self.offset) as *const i8)
+            };
+            self.due -= self.steps;
             self.row += 1;
             if self.row == self.rows.len() {
-                (self.row, self.line) = (0, self.line + 1);
+                (self.row, self.offset) = (0, self.offset + 64);
+                if self.offset == self.end {
+                    (self.lines, self.due) = (0, 0);
+                }
             }
         }
     }
