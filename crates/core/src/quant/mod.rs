@@ -181,14 +181,8 @@ pub fn f32_to_f16(v: f32) -> u16 {
 /// Reinterprets raw tensor bytes as blocks. The GGUF reader guarantees the length is a whole
 /// number of blocks; alignment is checked here because the cast needs it.
 pub fn cast_blocks<T>(bytes: &[u8]) -> &[T] {
-    let size = std::mem::size_of::<T>();
-    assert!(bytes.len().is_multiple_of(size), "byte length is not a whole number of blocks");
-    assert!(
-        (bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()),
-        "misaligned block data"
-    );
-    // SAFETY: length and alignment checked above; every T here is plain old data (integers).
-    unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / size) }
+    let [blocks] = cast_rows::<T, 1>([bytes]);
+    blocks
 }
 
 /// `cast_blocks` of the R rows a decode kernel reads at once, which are rows of one matrix and
@@ -201,17 +195,13 @@ pub fn cast_rows<T, const R: usize>(rows: [&[u8]; R]) -> [&[T]; R] {
         same &= row.len() == len;
         addresses |= row.as_ptr() as usize;
     }
-    assert!(same && len.is_multiple_of(size), "rows are not whole blocks of one length");
+    assert!(same, "rows of unequal length");
+    assert!(len.is_multiple_of(size), "byte length is not a whole number of blocks");
     assert!(addresses.is_multiple_of(std::mem::align_of::<T>()), "misaligned block data");
     let n = len / size;
-    // (a loop, not `map`, which was not inlined)
-    let mut blocks: [&[T]; R] = [&[]; R];
-    for (b, row) in blocks.iter_mut().zip(rows) {
-        // SAFETY: every row is n whole blocks long and aligned (checked above); every T here
-        // is plain old data (integers).
-        *b = unsafe { std::slice::from_raw_parts(row.as_ptr() as *const T, n) };
-    }
-    blocks
+    // SAFETY: every row is n whole blocks long and aligned (checked above); every T here is
+    // plain old data (integers).
+    rows.map(|row| unsafe { std::slice::from_raw_parts(row.as_ptr() as *const T, n) })
 }
 
 // ---------------------------------------------------------------------------------------------
