@@ -45,8 +45,9 @@ pub(crate) unsafe fn splat_f16(bits: u16) -> __m256 {
 /// Prefetches every line of `next` (the rows a caller reads after this kernel, in turn), spread
 /// evenly over a kernel's `steps` (see `matmul::dot_row` for why): after step i, the first
 /// (i + 1) * lines / steps lines. Consecutive rows come as one slice; the scattered rows a
-/// sparse operator reads next as several.
-pub(crate) struct Prefetch<'a> {
+/// sparse operator reads next as several. Into L1, or into L2 where `INTO_L2` (see
+/// `PrefetchL2`).
+pub(crate) struct PrefetchInto<'a, const INTO_L2: bool> {
     /// The rows after `cur`.
     rest: &'a [&'a [u8]],
     /// The row being prefetched, from `line`.
@@ -57,11 +58,27 @@ pub(crate) struct Prefetch<'a> {
     due: usize,
 }
 
-impl<'a> Prefetch<'a> {
+/// `PrefetchInto` L1: what a kernel that is near its instruction limit takes, so that its loads
+/// find their lines in L1.
+pub(crate) type Prefetch<'a> = PrefetchInto<'a, false>;
+
+/// `PrefetchInto` L2, for the dense decode products whose loops read faster than one core's L1
+/// misses can bring lines from DRAM (each miss holds one of L1's few miss buffers until its line
+/// arrives; L2 has several times as many): the AVX-512 level's Q4_0, Q4_1, Q8_0 and k-quant
+/// dots, and the AVX2 level's Q4_1 and Q8_0. On the 2-core AMD EPYC (Zen 4), 16 copies of a
+/// 4096 x 4096 matrix from DRAM on huge pages, the two hints alternating in one process, medians
+/// of 15 rounds, L1 -> L2 on two threads: AVX-512 Q4_0 21.2-21.6 -> 26.6-26.7 GB/s, Q4_1
+/// 19.2-20.0 -> 22.7-23.2, Q8_0 21.1-21.5 -> 30.4-31.1; AVX2 Q4_1 15.2 -> 17.3-17.7, Q8_0
+/// 23.4-23.8 -> 29.4-30.1 (one thread: the same or better everywhere). AVX2's Q4_0, near its
+/// instruction limit, moved -12% to +5% between runs, and F16 did not move: they keep L1
+/// (docs/performance.md, "Dense decode's prefetch").
+pub(crate) type PrefetchL2<'a> = PrefetchInto<'a, true>;
+
+impl<'a, const INTO_L2: bool> PrefetchInto<'a, INTO_L2> {
     pub(crate) fn new(next: &'a [&'a [u8]], steps: usize) -> Self {
         let lines = next.iter().map(|r| r.len().div_ceil(64)).sum();
         let (cur, rest) = next.split_first().map_or((&[][..], &[][..]), |(c, r)| (*c, r));
-        Prefetch { rest, cur, lines, steps: steps.max(1), line: 0, due: 0 }
+        PrefetchInto { rest, cur, lines, steps: steps.max(1), line: 0, due: 0 }
     }
 
     /// The lines due by the end of this step.
@@ -73,7 +90,12 @@ impl<'a> Prefetch<'a> {
                 // SAFETY: 64 * line < cur.len(), so the address lies within the row
                 // (prefetches never fault)
                 unsafe {
-                    _mm_prefetch::<_MM_HINT_T0>(self.cur.as_ptr().add(64 * self.line) as *const i8)
+                    let line = self.cur.as_ptr().add(64 * self.line) as *const i8;
+                    if INTO_L2 {
+                        _mm_prefetch::<_MM_HINT_T1>(line)
+                    } else {
+                        _mm_prefetch::<_MM_HINT_T0>(line)
+                    }
                 };
                 self.line += 1;
                 self.due -= self.steps;
@@ -94,14 +116,14 @@ pub(crate) trait LineFetch<'a> {
     fn step(&mut self);
 }
 
-impl<'a> LineFetch<'a> for Prefetch<'a> {
+impl<'a, const INTO_L2: bool> LineFetch<'a> for PrefetchInto<'a, INTO_L2> {
     #[inline(always)]
     fn new(next: &'a [&'a [u8]], steps: usize) -> Self {
-        Prefetch::new(next, steps)
+        PrefetchInto::new(next, steps)
     }
     #[inline(always)]
     fn step(&mut self) {
-        Prefetch::step(self)
+        PrefetchInto::step(self)
     }
 }
 

@@ -132,16 +132,17 @@ impl<const R: usize, const N: usize> Table<R, N> {
                 dot: FloatScalar<{ i!($t) }>, FloatAvx2<{ i!($t) }>, FloatAvx2<{ i!($t) }>;
                 axpy: AxpyScalar<{ i!($t) }>, AxpyAvx2<{ i!($t) }>, AxpyAvx512<{ i!($t) }>) };
         }
-        // the 32-weight formats the kernels read as stored: int8 activations per 32
+        // the 32-weight formats the kernels read as stored: int8 activations per 32; `$l2`:
+        // whether AVX2's dense decode prefetches into L2 (`avx2::PrefetchL2`; AVX-512's does)
         macro_rules! direct {
-            ($t:ident, $block:ty) => { row!($t,
-                dot: DirectScalar<$block>, LegacyAvx2<$block>, QuadsAvx512<$block>;
+            ($t:ident, $block:ty, avx2_into_l2: $l2:literal) => { row!($t,
+                dot: DirectScalar<$block>, LegacyAvx2<$block, $l2>, QuadsAvx512<$block>;
                 axpy: AxpyScalar<{ i!($t) }>, AxpyAvx2<{ i!($t) }>, AxpyAvx512<{ i!($t) }>) };
         }
         // the other 32-weight formats, decoded into 32-weight chunks (`quant::chunks`)
         macro_rules! chunked {
             ($t:ident, $block:ty) => { row!($t,
-                dot: ChunkedScalar<{ i!($t) }>, LegacyAvx2<$block>, ChunkedAvx512<{ i!($t) }>;
+                dot: ChunkedScalar<{ i!($t) }>, LegacyAvx2<$block, false>, ChunkedAvx512<{ i!($t) }>;
                 axpy: AxpyScalar<{ i!($t) }>, AxpyChunks<{ i!($t) }>, AxpyChunks<{ i!($t) }>) };
         }
         // the 256-weight formats: int8 activations per 256 (`quant::q256`)
@@ -154,9 +155,9 @@ impl<const R: usize, const N: usize> Table<R, N> {
             float!(F32),
             float!(F16),
             float!(BF16),
-            direct!(Q4_0, BlockQ4_0),
-            direct!(Q4_1, BlockQ4_1),
-            direct!(Q8_0, BlockQ8_0),
+            direct!(Q4_0, BlockQ4_0, avx2_into_l2: false),
+            direct!(Q4_1, BlockQ4_1, avx2_into_l2: true),
+            direct!(Q8_0, BlockQ8_0, avx2_into_l2: true),
             chunked!(Q5_0, BlockQ5_0),
             chunked!(Q5_1, BlockQ5_1),
             super_block!(Q2_K),
@@ -405,7 +406,7 @@ mod x86_kernels {
     use std::marker::PhantomData;
 
     use super::*;
-    use crate::avx2::{LegacyBlock, Prefetch, PrefetchApart};
+    use crate::avx2::{LegacyBlock, Prefetch, PrefetchApart, PrefetchL2};
     use crate::avx512::QuadBlocks;
 
     pub(super) struct FloatAvx2<const T: usize>;
@@ -420,17 +421,23 @@ mod x86_kernels {
         }
     }
 
-    /// A family's `dot` and `dot_apart` from one body, `$P` its prefetch order (`Prefetch`,
-    /// `PrefetchApart`).
+    /// A family's `dot` and `dot_apart` from one body, `$P` its prefetch order (`Prefetch` or,
+    /// where `$l2`, `PrefetchL2` for the dense rows; `PrefetchApart` for rows apart).
     macro_rules! dots_in_both_orders {
-        (|$rows:ident, $x:ident, $next:ident, $P:ident| $body:expr) => {
+        (into_l2: $l2:expr, |$rows:ident, $x:ident, $next:ident, $P:ident| $body:expr) => {
             unsafe fn dot<const R: usize, const N: usize>(
                 $rows: [&[u8]; R],
                 $x: [TokenActs; N],
                 $next: &[&[u8]],
             ) -> [[f32; N]; R] {
-                type $P<'a> = Prefetch<'a>;
-                $body
+                // (a constant branch: an inner type alias cannot name the impl's parameters)
+                if $l2 {
+                    type $P<'a> = PrefetchL2<'a>;
+                    $body
+                } else {
+                    type $P<'a> = Prefetch<'a>;
+                    $body
+                }
             }
 
             unsafe fn dot_apart<const R: usize, const N: usize>(
@@ -444,9 +451,10 @@ mod x86_kernels {
         };
     }
 
-    pub(super) struct LegacyAvx2<B>(PhantomData<B>);
-    impl<B: LegacyBlock> Dots for LegacyAvx2<B> {
-        dots_in_both_orders!(|rows, x, next, P| {
+    /// `INTO_L2`: the dense rows prefetched into L2 (`avx2::PrefetchL2`).
+    pub(super) struct LegacyAvx2<B, const INTO_L2: bool>(PhantomData<B>);
+    impl<B: LegacyBlock, const INTO_L2: bool> Dots for LegacyAvx2<B, INTO_L2> {
+        dots_in_both_orders!(into_l2: INTO_L2, |rows, x, next, P| {
             let w = cast_rows::<B, R>(rows);
             crate::avx2::dot_legacy::<B, P, R, N>(w, x.map(|t| t.q8), next)
         });
@@ -455,7 +463,7 @@ mod x86_kernels {
     /// (the tokens' `ActQuad`s are filled at this level)
     pub(super) struct QuadsAvx512<B>(PhantomData<B>);
     impl<B: QuadBlocks> Dots for QuadsAvx512<B> {
-        dots_in_both_orders!(|rows, x, next, P| {
+        dots_in_both_orders!(into_l2: true, |rows, x, next, P| {
             let blocks = cast_rows::<B, R>(rows);
             crate::avx512::dot_quads::<B, P, R, N>(blocks, x.map(|t| t.quads), next)
         });
@@ -463,16 +471,17 @@ mod x86_kernels {
 
     pub(super) struct ChunkedAvx512<const T: usize>;
     impl<const T: usize> Dots for ChunkedAvx512<T> {
-        dots_in_both_orders!(|rows, x, next, P| {
+        dots_in_both_orders!(into_l2: false, |rows, x, next, P| {
             let quads = x.map(|t| t.quads);
             crate::avx512::dot_chunked::<P, R, N>(DType::ALL[T], rows, quads, next)
         });
     }
 
-    /// `WIDE`: the AVX-512 VNNI form (its column only).
+    /// `WIDE`: the AVX-512 VNNI form (its column only), whose dense rows are prefetched into
+    /// L2 (`avx2::PrefetchL2`).
     pub(super) struct Q256X86<const T: usize, const WIDE: bool>;
     impl<const T: usize, const WIDE: bool> Dots for Q256X86<T, WIDE> {
-        dots_in_both_orders!(|rows, x, next, P| {
+        dots_in_both_orders!(into_l2: WIDE, |rows, x, next, P| {
             let a = x.map(|t| t.q8k);
             crate::quant::q256_x86::dot::<P, R, N>(DType::ALL[T], WIDE, rows, a, next)
         });
