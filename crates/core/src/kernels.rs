@@ -471,7 +471,7 @@ mod x86_kernels {
 
     pub(super) struct ChunkedAvx512<const T: usize>;
     impl<const T: usize> Dots for ChunkedAvx512<T> {
-        dots_in_both_orders!(into_l2: false, |rows, x, next, P| {
+        dots_in_both_orders!(into_l2: true, |rows, x, next, P| {
             let quads = x.map(|t| t.quads);
             crate::avx512::dot_chunked::<P, R, N>(DType::ALL[T], rows, quads, next)
         });
