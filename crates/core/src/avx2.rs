@@ -65,7 +65,7 @@ pub(crate) type Prefetch<'a> = PrefetchInto<'a, false>;
 /// `PrefetchInto` L2, for the dense decode products whose loops read faster than one core's L1
 /// misses can bring lines from DRAM (each miss holds one of L1's few miss buffers until its line
 /// arrives; L2 has several times as many): the AVX-512 level's dots of every quantized type,
-/// and the AVX2 level's Q4_1 and Q8_0. On the 2-core AMD EPYC (Zen 4), 16 copies of a
+/// and the AVX2 level's (so AVX-VNNI's) Q4_1 and Q8_0. On the 2-core AMD EPYC (Zen 4), 16 copies of a
 /// 4096 x 4096 matrix from DRAM on huge pages, the two hints alternating in one process, medians
 /// of 15 rounds, L1 -> L2 on two threads: AVX-512 Q4_0 21.2-21.6 -> 26.6-26.7 GB/s, Q4_1
 /// 19.2-20.0 -> 22.7-23.2, Q8_0 21.1-21.5 -> 30.4-31.1; AVX2 Q4_1 15.2 -> 17.3-17.7, Q8_0
