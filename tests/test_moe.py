@@ -7,6 +7,9 @@ same tokens one at a time and a batch of sessions against each alone (bit for bi
 decode token reads, and the bad files and requests each refused with a message naming the
 problem."""
 
+import hashlib
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -186,6 +189,24 @@ def test_prompt_equals_token_by_token_and_a_batch_equals_each_alone(tmp_path, fa
         nxt = [ids[(7 * i + step) % len(ids)] for i in range(len(prompts))]
         want = np.stack([a.eval([t]) for a, t in zip(alone, nxt)])
         np.testing.assert_array_equal(_core.eval_batch(batched, nxt), want, err_msg=f"step {step}")
+
+
+def test_q4_0_experts_copied_into_memory_or_mapped_compute_the_same(tmp_path):
+    # with AVX-512 the CPU reads Q4_0 experts from an interleaved copy of its own, and copying
+    # the file into memory leaves them in the file's map for every other reader: the logits are
+    # the same bits either way, a prompt's the same as its tokens' one by one, the file as it was
+    path = write_moe(tmp_path / "m.gguf", "qwen3moe", Q.Q4_0)
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    mapped, copied = _core.Model(path, 2, False), _core.Model(path, 2, True)
+    assert (mapped.in_memory, copied.in_memory) == (False, True)
+    ids = np.random.default_rng(5).integers(0, mapped.config()["n_vocab"], size=20).tolist()
+    whole = _core.Session(copied, 64, "f32").eval(ids, all_logits=True)
+    np.testing.assert_array_equal(
+        _core.Session(mapped, 64, "f32").eval(ids, all_logits=True), whole
+    )
+    one = _core.Session(mapped, 64, "f32")
+    np.testing.assert_array_equal(np.stack([one.eval([t]) for t in ids]), whole)
+    assert hashlib.sha256(Path(path).read_bytes()).hexdigest() == digest
 
 
 def test_a_decode_token_reads_only_its_experts(tmp_path):

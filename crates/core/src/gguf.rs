@@ -120,6 +120,11 @@ impl TensorInfo {
 pub struct GgufFile {
     mmap: Mmap, // the file's map, or its copy in anonymous memory (`read_into_memory`)
     in_memory: bool,
+    /// The file's map, kept beside the copy for the tensors `read_into_memory` left out, which
+    /// are read from it (their bytes in the copy are never written, so take no memory).
+    file_map: Option<Mmap>,
+    /// Per tensor (as `tensors`), whether it is read from `file_map`.
+    left_in_file: Vec<bool>,
     pub magic: Magic,
     pub version: u32,
     pub metadata: Vec<(String, Value)>,
@@ -138,11 +143,40 @@ impl GgufFile {
     /// for huge pages (`advise_huge_pages`), the more the larger the model; what memory backs
     /// the page cache is the kernel's choice, not ours. Costs the file's size in memory that is
     /// no longer shared with other processes, and the copy's time at load.
-    pub fn read_into_memory(&mut self, path: &Path) -> Result<()> {
+    ///
+    /// The tensors `leave(t)` names stay in the file's map: the model reads them through a
+    /// copy of its own (`Model`'s interleaved experts), so copying them too would hold their
+    /// bytes twice.
+    pub fn read_into_memory(
+        &mut self,
+        path: &Path,
+        leave: impl Fn(&TensorInfo) -> bool,
+    ) -> Result<()> {
         let io = |source| Error::Io { path: path.to_path_buf(), source };
         let mut copy = weight_buffer(self.mmap.len()).map_err(io)?;
-        copy.copy_from_slice(&self.mmap);
-        self.mmap = copy.make_read_only().map_err(io)?;
+        let left: Vec<bool> = self.tensors.iter().map(&leave).collect();
+        // the byte ranges left out, in file order; everything between them is copied
+        let mut skip: Vec<(usize, usize)> = (self.tensors.iter().zip(&left))
+            .filter(|(_, &l)| l)
+            .map(|(t, _)| {
+                let start = (self.data_offset + t.offset) as usize;
+                (start, start + t.n_bytes as usize)
+            })
+            .collect();
+        skip.sort_unstable();
+        let mut at = 0;
+        for (start, end) in skip.into_iter().chain([(self.mmap.len(), self.mmap.len())]) {
+            if start > at {
+                copy[at..start].copy_from_slice(&self.mmap[at..start]);
+            }
+            at = at.max(end);
+        }
+        let copy = copy.make_read_only().map_err(io)?;
+        let file_map = std::mem::replace(&mut self.mmap, copy);
+        if left.iter().any(|&l| l) {
+            self.file_map = Some(file_map);
+            self.left_in_file = left;
+        }
         self.in_memory = true;
         Ok(())
     }
@@ -172,6 +206,8 @@ impl GgufFile {
         Ok(GgufFile {
             mmap,
             in_memory: false,
+            file_map: None,
+            left_in_file: Vec::new(),
             magic: header.magic,
             version: header.version,
             index: header.metadata.iter().enumerate().map(|(i, (k, _))| (k.clone(), i)).collect(),
@@ -199,7 +235,15 @@ impl GgufFile {
     /// The bytes of a tensor, inside the map (extents were checked at parse time).
     pub fn tensor_bytes(&self, t: &TensorInfo) -> &[u8] {
         let start = (self.data_offset + t.offset) as usize;
-        &self.mmap[start..start + t.n_bytes as usize]
+        let left = self
+            .tensor_index
+            .get(&t.name)
+            .is_some_and(|&i| self.left_in_file.get(i) == Some(&true));
+        let map = match (&self.file_map, left) {
+            (Some(file), true) => file,
+            _ => &self.mmap,
+        };
+        &map[start..start + t.n_bytes as usize]
     }
 
     pub fn file_size(&self) -> u64 {

@@ -9,6 +9,7 @@
 use rayon::prelude::*;
 
 use crate::kernels::{self, Rows, TokenActs};
+use crate::quant::interleaved::Interleaved;
 use crate::quant::q256::{self, BlockQ8K};
 #[cfg(target_arch = "x86_64")]
 use crate::quant::q256_x86::GroupWidth;
@@ -381,21 +382,139 @@ pub fn matmul_many(mats: &[QMatrix], x: &Activations, outs: &mut [&mut [f32]]) {
 /// chose, each over the rows routed to it): `outs[i]` (xs[i].n, mats[i].rows) = xs[i] @
 /// mats[i]^T. Each value is the one `matmul` computes for that matrix and input alone.
 pub fn matmul_each(mats: &[QMatrix], xs: &[&Activations], outs: &mut [&mut [f32]]) {
+    products_each(mats, xs, outs)
+}
+
+/// A matrix the CPU's products read: in its file's layout, or a Q4_0 matrix interleaved
+/// (`quant::interleaved`; a mixture of experts' experts at AVX-512, `Model::load`). The same
+/// values either way, bit for bit.
+#[derive(Clone, Copy)]
+pub enum Weight<'a> {
+    File(QMatrix<'a>),
+    Interleaved(Interleaved<'a>),
+}
+
+/// `matmul_each` of matrices in either layout.
+pub fn weights_each(mats: &[Weight], xs: &[&Activations], outs: &mut [&mut [f32]]) {
+    products_each(mats, xs, outs)
+}
+
+/// What a parallel pass of products asks of a matrix (`products_each`).
+trait Product: Sync {
+    fn shape(&self) -> (usize, usize);
+    fn dtype(&self) -> DType;
+    fn bytes(&self) -> usize;
+    /// Rows a task's range starts at a multiple of.
+    fn row_step(&self) -> usize;
+    /// Dots of rows `rows` with every token of `x`, as `rows_for_all_tokens`.
+    fn rows_for_all_tokens(
+        &self,
+        rows: std::ops::Range<usize>,
+        x: &Activations,
+        level: SimdLevel,
+        put: impl Fn(usize, usize, &[f32]),
+    );
+}
+
+impl Product for QMatrix<'_> {
+    fn shape(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+    fn bytes(&self) -> usize {
+        self.data.len()
+    }
+    fn row_step(&self) -> usize {
+        4
+    }
+    fn rows_for_all_tokens(
+        &self,
+        rows: std::ops::Range<usize>,
+        x: &Activations,
+        level: SimdLevel,
+        put: impl Fn(usize, usize, &[f32]),
+    ) {
+        rows_for_all_tokens(self, rows, x, level, put)
+    }
+}
+
+impl Product for Weight<'_> {
+    fn shape(&self) -> (usize, usize) {
+        match self {
+            Weight::File(m) => (m.rows, m.cols),
+            Weight::Interleaved(m) => (m.rows, m.cols),
+        }
+    }
+    fn dtype(&self) -> DType {
+        match self {
+            Weight::File(m) => m.dtype,
+            Weight::Interleaved(_) => DType::Q4_0,
+        }
+    }
+    fn bytes(&self) -> usize {
+        match self {
+            Weight::File(m) => m.data.len(),
+            Weight::Interleaved(m) => m.data.len(),
+        }
+    }
+    fn row_step(&self) -> usize {
+        match self {
+            Weight::File(_) => 4,
+            Weight::Interleaved(_) => quant::interleaved::GROUP_ROWS,
+        }
+    }
+    fn rows_for_all_tokens(
+        &self,
+        rows: std::ops::Range<usize>,
+        x: &Activations,
+        level: SimdLevel,
+        put: impl Fn(usize, usize, &[f32]),
+    ) {
+        match self {
+            Weight::File(m) => m.rows_for_all_tokens(rows, x, level, put),
+            #[cfg(target_arch = "x86_64")]
+            Weight::Interleaved(m) if level == SimdLevel::Avx512 => {
+                // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI, avx2,
+                // fma and f16c; `quads` holds the n tokens (asserted by `products_each`)
+                unsafe { quant::interleaved_x86::rows_all_tokens(m, rows, &x.quads, x.n, put) }
+            }
+            // (`Model::load` interleaves at AVX-512 only; the twin serves any other level)
+            Weight::Interleaved(m) => {
+                let nb = m.cols / QK;
+                for g in rows.start / 16..rows.end / 16 {
+                    for t in 0..x.n {
+                        let q8 = &x.q8[t * nb..(t + 1) * nb];
+                        put(t, 16 * g, &quant::interleaved::dot_group_scalar(m.group(g), q8));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `matmul_each` over any `Product`.
+fn products_each<M: Product>(mats: &[M], xs: &[&Activations], outs: &mut [&mut [f32]]) {
     assert_eq!(mats.len(), outs.len());
     assert_eq!(mats.len(), xs.len());
     for ((m, o), x) in mats.iter().zip(outs.iter()).zip(xs) {
-        assert_eq!(m.cols, x.cols, "matmul: weight has {} columns, input has {}", m.cols, x.cols);
-        assert_eq!(o.len(), x.n * m.rows, "matmul: output buffer has the wrong size");
-        if m.dtype.is_quantized() && !m.dtype.reads_q8k() {
+        let (rows, cols) = m.shape();
+        assert_eq!(cols, x.cols, "matmul: weight has {cols} columns, input has {}", x.cols);
+        assert_eq!(o.len(), x.n * rows, "matmul: output buffer has the wrong size");
+        if m.dtype().is_quantized() && !m.dtype().reads_q8k() {
             assert_eq!(x.q8.len(), x.n * x.cols / QK);
         }
-        if m.dtype.reads_q8k() {
+        if m.dtype().reads_q8k() {
             assert_eq!(x.q8k.len(), x.n * x.cols / QK_K);
+        }
+        if m.row_step() > 4 && simd_level() == SimdLevel::Avx512 {
+            assert_eq!(x.quads.len(), x.n * quant::act_quads(x.cols / QK));
         }
     }
     let n = xs.iter().map(|x| x.n).max().unwrap_or(0);
     let threads = rayon::current_num_threads().max(1);
-    let total_rows: usize = mats.iter().map(|m| m.rows).sum();
+    let total_rows: usize = mats.iter().map(|m| m.shape().0).sum();
     // Enough chunks for load balance, few enough that per-task overhead stays small. A prompt's
     // tasks go in row groups, each prefetching the next group's rows while it works; a task's
     // first group waits on memory, so fewer, longer tasks: 8 per thread (SmolLM2 Q4_1 128-token
@@ -405,12 +524,13 @@ pub fn matmul_each(mats: &[QMatrix], xs: &[&Activations], outs: &mut [&mut [f32]
     // of a large product, and one task per `DECODE_TASK_BYTES` of a smaller one (one per thread
     // at least).
     let target_chunks = if n == 1 {
-        let bytes: usize = mats.iter().map(|m| m.data.len()).sum();
+        let bytes: usize = mats.iter().map(|m| m.bytes()).sum();
         (bytes / DECODE_TASK_BYTES).clamp(threads, threads * 8)
     } else {
         threads * if n >= group_min_tokens(simd_level()) { 8 } else { 16 }
     };
-    let chunk = (total_rows.div_ceil(target_chunks)).clamp(4, 4096).next_multiple_of(4);
+    let step = mats.iter().map(|m| m.row_step()).max().unwrap_or(4);
+    let chunk = (total_rows.div_ceil(target_chunks)).clamp(4, 4096).next_multiple_of(step);
     // Task k covers rows of one matrix; first_task[i] is matrix i's first task. Fixed-size
     // arrays up to MAX_MATS matrices, so that a decode step's projections allocate nothing.
     let (mut first_task_fixed, mut ptrs_fixed) =
@@ -424,7 +544,7 @@ pub fn matmul_each(mats: &[QMatrix], xs: &[&Activations], outs: &mut [&mut [f32]
         (&mut first_task_grown[..], &mut ptrs_grown[..])
     };
     for (i, (m, o)) in mats.iter().zip(outs.iter_mut()).enumerate() {
-        first_task[i + 1] = first_task[i] + m.rows.div_ceil(chunk);
+        first_task[i + 1] = first_task[i] + m.shape().0.div_ceil(chunk);
         ptrs[i] = OutPtr(o.as_mut_ptr());
     }
     let (first_task, ptrs) = (&*first_task, &*ptrs);
@@ -434,12 +554,12 @@ pub fn matmul_each(mats: &[QMatrix], xs: &[&Activations], outs: &mut [&mut [f32]
         // no tasks)
         let i = first_task.partition_point(|&f| f <= task) - 1;
         let (w, x, out) = (&mats[i], xs[i], ptrs[i]);
+        let rows = w.shape().0;
         let r0 = (task - first_task[i]) * chunk;
-        let r1 = (r0 + chunk).min(w.rows);
-        let rows = w.rows;
+        let r1 = (r0 + chunk).min(rows);
         // SAFETY: this task alone writes rows r0..r1 of matrix i, for every token; the
         // buffer length n * rows was asserted above.
-        rows_for_all_tokens(w, r0..r1, x, level, |t, r, v| unsafe {
+        w.rows_for_all_tokens(r0..r1, x, level, |t, r, v| unsafe {
             copy_values(v, out.at(t * rows + r))
         });
     });

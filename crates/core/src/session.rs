@@ -16,7 +16,7 @@ use crate::attention::{
 };
 use crate::error::{Error, Result};
 use crate::forward::forward;
-use crate::matmul::{matmul, matmul_each, matmul_many, matmul_selected, Activations, QMatrix};
+use crate::matmul::{matmul, matmul_many, matmul_selected, Activations, QMatrix};
 use crate::model::{
     Config, Family, FfnActivation, InputGroup, LayerWeights, Model, RopeSet, RopeStyle, Weights,
     OPT_POSITION_OFFSET,

@@ -11,6 +11,9 @@ use half::{bf16, f16};
 pub mod chunks;
 #[cfg(target_arch = "x86_64")]
 pub mod chunks_x86;
+pub mod interleaved;
+#[cfg(target_arch = "x86_64")]
+pub mod interleaved_x86;
 pub mod q256;
 #[cfg(target_arch = "x86_64")]
 pub mod q256_x86;

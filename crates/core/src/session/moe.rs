@@ -7,10 +7,10 @@
 //! product is the one it would be alone.
 
 use super::{
-    matmul, matmul_each, matmul_many, matmul_selected, Activations, FfnActivation, FfnStats, Model,
-    QMatrix, Result, Scratch,
+    matmul, matmul_many, matmul_selected, Activations, FfnActivation, FfnStats, Model, Result,
+    Scratch,
 };
-use crate::matmul::{dot_rows, simd_level};
+use crate::matmul::{dot_rows, simd_level, weights_each, Weight};
 use crate::model::{Gating, RouterInput};
 use crate::sparse::dot_selected;
 use rayon::iter::{IntoParallelIterator, ParallelIterator};
@@ -153,9 +153,16 @@ pub(crate) fn expert_rows(
         // a decode step (one row per expert) with a ReLU gate: one parallel pass, below
         let one_row_each = chosen.iter().all(|&e| rows_of(e).len() == 1);
         if !(gate_decides && one_row_each) {
-            let mats: Vec<QMatrix> = match gate_decides {
-                false => experts.iter().flat_map(|ex| [ex.gate, ex.up]).collect(),
-                true => experts.iter().map(|ex| ex.gate).collect(),
+            // (interleaved where `Model::load` built that layout: never for a deciding gate)
+            let mats: Vec<Weight> = match gate_decides {
+                false => chosen
+                    .iter()
+                    .flat_map(|&e| {
+                        let [gate, up, _] = mw.expert_for_cpu(e);
+                        [gate, up]
+                    })
+                    .collect(),
+                true => experts.iter().map(|ex| Weight::File(ex.gate)).collect(),
             };
             let per_expert = if gate_decides { 1 } else { 2 };
             let xs: Vec<&Activations> =
@@ -168,7 +175,7 @@ pub(crate) fn expert_rows(
                     gates.into_iter().zip(ups).flat_map(|(g, u)| [g, u]).collect()
                 }
             };
-            matmul_each(&mats, &xs, &mut outs);
+            weights_each(&mats, &xs, &mut outs);
         }
         if let Some(b) = &mw.biases {
             // each routed row's gate and up, plus its expert's biases
@@ -281,10 +288,10 @@ pub(crate) fn expert_rows(
             s.down_acts[a].gather_rows(&s.h_acts, rows_of(e));
         }
         {
-            let mats: Vec<QMatrix> = chosen.iter().map(|&e| mw.expert(e).down).collect();
+            let mats: Vec<Weight> = chosen.iter().map(|&e| mw.expert_for_cpu(e)[2]).collect();
             let xs: Vec<&Activations> = s.down_acts.iter().collect();
             let mut outs = chosen_blocks(&mut s.expert_out[..total * dim], start, &chosen, dim);
-            matmul_each(&mats, &xs, &mut outs);
+            weights_each(&mats, &xs, &mut outs);
         }
         if let Some(b) = &mw.biases {
             for &e in &chosen {
