@@ -480,13 +480,27 @@ impl Product for Weight<'_> {
                 // fma and f16c; `quads` holds the n tokens (asserted by `products_each`)
                 unsafe { quant::interleaved_x86::rows_all_tokens(m, rows, &x.quads, x.n, put) }
             }
-            // (`Model::load` interleaves at AVX-512 only; the twin serves any other level)
+            #[cfg(target_arch = "x86_64")]
+            Weight::Interleaved(m) if level == SimdLevel::Avx2 => {
+                // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c, `vnni256`
+                // in an encoding it has; `q8` holds the n tokens (asserted by `products_each`)
+                let vnni = crate::simd::vnni256(level);
+                unsafe {
+                    quant::interleaved_x86::rows_all_tokens_256(vnni, m, rows, &x.q8, x.n, put)
+                }
+            }
+            // (`Model::load` interleaves where the SIMD kernels run; the twin serves the rest)
             Weight::Interleaved(m) => {
                 let nb = m.cols / QK;
+                let steps = quant::interleaved::FloatSteps::FmaPerBlock;
                 for g in rows.start / 16..rows.end / 16 {
                     for t in 0..x.n {
                         let q8 = &x.q8[t * nb..(t + 1) * nb];
-                        put(t, 16 * g, &quant::interleaved::dot_group_scalar(m.group(g), q8));
+                        put(
+                            t,
+                            16 * g,
+                            &quant::interleaved::dot_group_scalar(m.group(g), q8, steps),
+                        );
                     }
                 }
             }

@@ -1313,7 +1313,7 @@ fn moe_weights<'a>(file: &'a GgufFile, i: usize, c: &Config, moe: &Moe) -> Resul
 
 /// Whether the CPU reads tensor `t` of a model configured as `c` interleaved
 /// (`quant::interleaved`, built by `Model::load`): an expert tensor (gate, up or down) in Q4_0
-/// whose experts' shapes fit, where the AVX-512 VNNI kernels run, of a model whose experts run
+/// whose experts' shapes fit, where the layout's SIMD kernels run (AVX2 and up), of a model whose experts run
 /// densely (a ReLU-family gate has its experts read single up rows, which the layout does not
 /// keep together). On the 2-core AMD EPYC (Zen 4), a 4-layer Qwen3-30B-A3B-shape Q4_0 model
 /// (`benches/moe_vs_llamacpp.py`, two runs each): 128-token prefill 492-504 -> 657-775 tok/s,
@@ -1327,7 +1327,7 @@ pub fn interleaved_experts(c: &Config, t: &TensorInfo) -> bool {
         && c.moe.is_some()
         && !matches!(c.ffn_activation, FfnActivation::ReGlu | FfnActivation::DReGlu)
         && t.dtype == Some(DType::Q4_0)
-        && crate::simd::simd_level() == crate::simd::SimdLevel::Avx512
+        && crate::simd::simd_level().has_avx2()
         && shape.len() == 3
         && quant::interleaved::fits(shape[1] as usize, shape[2] as usize)
 }

@@ -1,5 +1,5 @@
 //! Q4_0 matrices with sixteen rows interleaved, a row per 32-bit lane: the layout the CPU's
-//! AVX-512 products read a mixture of experts' Q4_0 experts in (as llama.cpp's CPU backend
+//! products read a mixture of experts' Q4_0 experts in (as llama.cpp's CPU backend
 //! repacks them into `q4_0_8x8` at load). In the file's layout a one-token product reads four
 //! rows per kernel call, each block's 16 bytes after its 2-byte scale, and spends about a
 //! third of its instructions gathering the bytes out of the 18-byte blocks and summing each
@@ -14,10 +14,10 @@
 //! 1024 + 32c. The same bytes as the file's rows (18 per block), so the interleaved copy of a
 //! matrix takes its size, and a group's steps start on 64-byte lines.
 //!
-//! The arithmetic is the AVX-512 level's one-token kernel's (`avx512::dot_steps`) lane for lane:
-//! a block's products summed exactly in integers, p_c = sum_c * (d_c * d_a,c), then acc +=
-//! (p_0 + p_1) + (p_2 + p_3) per step; so a row's dot is bit for bit the one the file's layout
-//! gives, and the same in a prompt as alone.
+//! The arithmetic is the file layout's one-token kernels' at each level lane for lane
+//! (`FloatSteps`): a block's products summed exactly in integers, then the level's float steps;
+//! so a row's dot is bit for bit the one the file's layout gives at that level, and the same in
+//! a prompt as alone.
 
 use super::{f16_to_f32, BlockQ4_0, BlockQ8Act, QK};
 
@@ -114,9 +114,20 @@ pub fn block_of(step: &[u8], r: usize, c: usize) -> (u16, [u8; 16]) {
     (d, qs)
 }
 
+/// How a level's kernels take a row's float steps from its blocks' exact sums (those of the
+/// file layout's kernels at that level, so that both layouts give the same bits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FloatSteps {
+    /// AVX-512 (`avx512::dot_steps`): p_c = sum_c * (d_c * d_a,c), acc += (p_0 + p_1) +
+    /// (p_2 + p_3) per four blocks.
+    SumOfFour,
+    /// AVX2 and AVX-VNNI (`avx2::dot_legacy`): acc = fma(sum_c, d_c * d_a,c, acc) per block.
+    FmaPerBlock,
+}
+
 /// Scalar twin of the SIMD kernels: the sixteen rows of `group` against one token's activation
-/// blocks `x` (cols / 32), in `avx512::dot_steps`' order (see the module's comment).
-pub fn dot_group_scalar(group: &[u8], x: &[BlockQ8Act]) -> [f32; GROUP_ROWS] {
+/// blocks `x` (cols / 32), each block's products summed exactly, then `steps`.
+pub fn dot_group_scalar(group: &[u8], x: &[BlockQ8Act], steps: FloatSteps) -> [f32; GROUP_ROWS] {
     let mut out = [0.0f32; GROUP_ROWS];
     for (s, step) in group.chunks_exact(STEP_BYTES).enumerate() {
         for (r, acc) in out.iter_mut().enumerate() {
@@ -129,9 +140,15 @@ pub fn dot_group_scalar(group: &[u8], x: &[BlockQ8Act]) -> [f32; GROUP_ROWS] {
                     sum += ((q & 15) as i32 - 8) * a.qs[i] as i32;
                     sum += ((q >> 4) as i32 - 8) * a.qs[i + 16] as i32;
                 }
-                *p = sum as f32 * (f16_to_f32(d) * a.d);
+                let dd = f16_to_f32(d) * a.d;
+                match steps {
+                    FloatSteps::SumOfFour => *p = sum as f32 * dd,
+                    FloatSteps::FmaPerBlock => *acc = (sum as f32).mul_add(dd, *acc),
+                }
             }
-            *acc += (p[0] + p[1]) + (p[2] + p[3]);
+            if steps == FloatSteps::SumOfFour {
+                *acc += (p[0] + p[1]) + (p[2] + p[3]);
+            }
         }
     }
     out
@@ -180,19 +197,25 @@ mod tests {
         let x = random(cols, 3);
         let mut q8 = vec![BlockQ8Act::default(); cols / QK];
         quantize_act(&x, &mut q8);
-        let got = dot_group_scalar(&out, &q8);
-        for r in 0..rows {
-            let mut deq = vec![0.0f32; cols];
-            crate::quant::dequantize_row(
-                DType::Q4_0,
-                &src[r * cols / QK * 18..][..cols / QK * 18],
-                &mut deq,
-            );
-            let want: f64 = (0..cols)
-                .map(|i| deq[i] as f64 * (q8[i / QK].qs[i % QK] as f64 * q8[i / QK].d as f64))
-                .sum();
-            let scale: f64 = (0..cols).map(|i| (deq[i] as f64 * x[i] as f64).abs()).sum();
-            assert!((got[r] as f64 - want).abs() <= 1e-5 * scale, "row {r}: {} vs {want}", got[r]);
+        for steps in [FloatSteps::SumOfFour, FloatSteps::FmaPerBlock] {
+            let got = dot_group_scalar(&out, &q8, steps);
+            for r in 0..rows {
+                let mut deq = vec![0.0f32; cols];
+                crate::quant::dequantize_row(
+                    DType::Q4_0,
+                    &src[r * cols / QK * 18..][..cols / QK * 18],
+                    &mut deq,
+                );
+                let want: f64 = (0..cols)
+                    .map(|i| deq[i] as f64 * (q8[i / QK].qs[i % QK] as f64 * q8[i / QK].d as f64))
+                    .sum();
+                let scale: f64 = (0..cols).map(|i| (deq[i] as f64 * x[i] as f64).abs()).sum();
+                assert!(
+                    (got[r] as f64 - want).abs() <= 1e-5 * scale,
+                    "row {r}: {} vs {want}",
+                    got[r]
+                );
+            }
         }
     }
 }

@@ -11,8 +11,9 @@
 use std::arch::x86_64::*;
 
 use super::interleaved::{group_bytes, Interleaved, GROUP_ROWS, STEP_BLOCKS, STEP_BYTES};
-use super::ActQuad;
-use crate::avx2::PrefetchL2;
+use super::{ActQuad, BlockQ8Act};
+use crate::avx2::{Dp256, Evex, NoVnni, PrefetchL2, Vex};
+use crate::simd::Vnni256;
 
 /// The sixteen rows of `group` (one group of an interleaved matrix) against N tokens'
 /// activations (`Activations::quads`: cols / 128 each), `next` (the bytes read after these)
@@ -80,19 +81,137 @@ pub(crate) unsafe fn dot_group<const N: usize>(
     out
 }
 
-/// Rows `rows` (multiples of 16) of `w` against the n tokens of `quads` (n * cols / 128):
+/// The sum of a block's 32 activations: `vpsadbw` of them plus 128, less 32 * 128.
+#[inline(always)]
+unsafe fn block_sum(qs: &[i8; 32]) -> i32 {
+    let sad = _mm256_sad_epu8(
+        _mm256_xor_si256(_mm256_loadu_si256(qs.as_ptr() as *const __m256i), _mm256_set1_epi8(-128)),
+        _mm256_setzero_si256(),
+    );
+    let s = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256::<1>(sad));
+    let s = _mm_add_epi64(s, _mm_unpackhi_epi64(s, s));
+    _mm_cvtsi128_si32(s) - 32 * 128
+}
+
+/// `dot_group` at the AVX2 level, its float steps `avx2::dot_legacy`'s (acc = fma(sum, d *
+/// d_a, acc) per block, `FloatSteps::FmaPerBlock`), eight rows per 256-bit vector. A block's
+/// sums: with 256-bit VNNI (V), `vpdpbusd` from -8 times the activations' sum; without,
+/// `vpmaddubsw` pairs summed in 16 bits (eight pairs of 15 * 128 fit) and widened by
+/// `vpmaddwd`. Reads `Activations::q8` (cols / 32 per token).
+#[inline(always)]
+unsafe fn dot_group_256<V: Dp256, const N: usize>(
+    group: &[u8],
+    x: [&[BlockQ8Act]; N],
+    next: &[u8],
+) -> [[f32; GROUP_ROWS]; N] {
+    let steps = group.len() / STEP_BYTES;
+    debug_assert!(x.iter().all(|x| x.len() == steps * STEP_BLOCKS));
+    let nibble = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [[_mm256_setzero_ps(); 2]; N];
+    let next = [next];
+    let mut prefetch = PrefetchL2::new(&next, steps);
+    for s in 0..steps {
+        prefetch.step();
+        let step = group.as_ptr().add(s * STEP_BYTES);
+        for c in 0..STEP_BLOCKS {
+            let a: [&BlockQ8Act; N] =
+                std::array::from_fn(|t| x[t].get_unchecked(STEP_BLOCKS * s + c));
+            let bias: [i32; N] = std::array::from_fn(|t| -8 * block_sum(&a[t].qs));
+            for h in 0..2 {
+                let mut lo = [_mm256_setzero_si256(); 4];
+                let mut hi = [_mm256_setzero_si256(); 4];
+                for k in 0..4 {
+                    let w = _mm256_loadu_si256(step.add(64 * (4 * c + k) + 32 * h) as *const _);
+                    lo[k] = _mm256_and_si256(w, nibble);
+                    hi[k] = _mm256_and_si256(_mm256_srli_epi16::<4>(w), nibble);
+                }
+                let d =
+                    _mm256_cvtph_ps(_mm_loadu_si128(step.add(1024 + 32 * c + 16 * h) as *const _));
+                for t in 0..N {
+                    let four = |at: usize| {
+                        _mm256_set1_epi32((a[t].qs.as_ptr().add(at) as *const i32).read_unaligned())
+                    };
+                    let sum = if V::ON {
+                        let mut sum = _mm256_set1_epi32(bias[t]);
+                        for k in 0..4 {
+                            sum = V::dpbusd(sum, lo[k], four(4 * k));
+                            sum = V::dpbusd(sum, hi[k], four(16 + 4 * k));
+                        }
+                        sum
+                    } else {
+                        let mut pairs = _mm256_setzero_si256();
+                        for k in 0..4 {
+                            let (l, h) = (four(4 * k), four(16 + 4 * k));
+                            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(lo[k], l));
+                            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(hi[k], h));
+                        }
+                        _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), _mm256_set1_epi32(bias[t]))
+                    };
+                    let dd = _mm256_mul_ps(d, _mm256_set1_ps(a[t].d));
+                    acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), dd, acc[t][h]);
+                }
+            }
+        }
+    }
+    let mut out = [[0.0f32; GROUP_ROWS]; N];
+    for t in 0..N {
+        _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t][0]);
+        _mm256_storeu_ps(out[t].as_mut_ptr().add(8), acc[t][1]);
+    }
+    out
+}
+
+/// A level's dots of a group with N tokens' activations (`dot_group`, `dot_group_256`), as a
+/// type, so that `rows_all_tokens_with` is compiled once per level with its features.
+trait GroupDots {
+    type Acts;
+    unsafe fn dot<const N: usize>(
+        group: &[u8],
+        x: [&[Self::Acts]; N],
+        next: &[u8],
+    ) -> [[f32; GROUP_ROWS]; N];
+}
+
+struct Avx512Dots;
+impl GroupDots for Avx512Dots {
+    type Acts = ActQuad;
+    #[inline(always)]
+    unsafe fn dot<const N: usize>(
+        group: &[u8],
+        x: [&[ActQuad]; N],
+        next: &[u8],
+    ) -> [[f32; GROUP_ROWS]; N] {
+        dot_group::<N>(group, x, next)
+    }
+}
+
+struct Avx2Dots<V>(std::marker::PhantomData<V>);
+impl<V: Dp256> GroupDots for Avx2Dots<V> {
+    type Acts = BlockQ8Act;
+    #[inline(always)]
+    unsafe fn dot<const N: usize>(
+        group: &[u8],
+        x: [&[BlockQ8Act]; N],
+        next: &[u8],
+    ) -> [[f32; GROUP_ROWS]; N] {
+        dot_group_256::<V, N>(group, x, next)
+    }
+}
+
+/// Rows `rows` (multiples of 16) of `w` against n tokens (`acts`: theirs, one after another):
 /// put(token, first row, its sixteen values), four tokens per pass over a group, then two,
 /// then one; each call prefetches the next group (up to `rows.end`).
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn rows_all_tokens(
+#[inline(always)]
+unsafe fn rows_all_tokens_with<K: GroupDots>(
     w: &Interleaved,
     rows: std::ops::Range<usize>,
-    quads: &[ActQuad],
+    acts: &[K::Acts],
     n: usize,
     put: impl Fn(usize, usize, &[f32]),
 ) {
-    let per_token = quads.len() / n.max(1);
-    let token = |t: usize| &quads[t * per_token..(t + 1) * per_token];
+    let per_token = acts.len() / n.max(1);
+    let token = |t: usize| &acts[t * per_token..(t + 1) * per_token];
     let (g0, g1) = (rows.start / GROUP_ROWS, rows.end / GROUP_ROWS);
     let gb = group_bytes(w.cols);
     for g in g0..g1 {
@@ -104,19 +223,81 @@ pub(crate) unsafe fn rows_all_tokens(
         let r = g * GROUP_ROWS;
         let mut t = 0;
         while t + 4 <= n {
-            let v =
-                dot_group::<4>(group, [token(t), token(t + 1), token(t + 2), token(t + 3)], next);
+            let v = K::dot::<4>(group, [token(t), token(t + 1), token(t + 2), token(t + 3)], next);
             v.iter().enumerate().for_each(|(k, v)| put(t + k, r, v));
             t += 4;
         }
         if t + 2 <= n {
-            let v = dot_group::<2>(group, [token(t), token(t + 1)], next);
+            let v = K::dot::<2>(group, [token(t), token(t + 1)], next);
             v.iter().enumerate().for_each(|(k, v)| put(t + k, r, v));
             t += 2;
         }
         if t < n {
-            put(t, r, &dot_group::<1>(group, [token(t)], next)[0]);
+            put(t, r, &K::dot::<1>(group, [token(t)], next)[0]);
         }
+    }
+}
+
+/// `rows_all_tokens_with` at AVX-512 (`quads`: `Activations::quads`, n * cols / 128).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn rows_all_tokens(
+    w: &Interleaved,
+    rows: std::ops::Range<usize>,
+    quads: &[ActQuad],
+    n: usize,
+    put: impl Fn(usize, usize, &[f32]),
+) {
+    rows_all_tokens_with::<Avx512Dots>(w, rows, quads, n, put)
+}
+
+/// `rows_all_tokens_with` at AVX2, with 256-bit VNNI in the given encoding or without (`q8`:
+/// `Activations::q8`, n * cols / 32).
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C, and the encoding's features.
+pub(crate) unsafe fn rows_all_tokens_256(
+    vnni: Option<Vnni256>,
+    w: &Interleaved,
+    rows: std::ops::Range<usize>,
+    q8: &[BlockQ8Act],
+    n: usize,
+    put: impl Fn(usize, usize, &[f32]),
+) {
+    type Range = std::ops::Range<usize>;
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn plain(
+        w: &Interleaved,
+        rows: Range,
+        q8: &[BlockQ8Act],
+        n: usize,
+        put: impl Fn(usize, usize, &[f32]),
+    ) {
+        rows_all_tokens_with::<Avx2Dots<NoVnni>>(w, rows, q8, n, put)
+    }
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    unsafe fn vex(
+        w: &Interleaved,
+        rows: Range,
+        q8: &[BlockQ8Act],
+        n: usize,
+        put: impl Fn(usize, usize, &[f32]),
+    ) {
+        rows_all_tokens_with::<Avx2Dots<Vex>>(w, rows, q8, n, put)
+    }
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    unsafe fn evex(
+        w: &Interleaved,
+        rows: Range,
+        q8: &[BlockQ8Act],
+        n: usize,
+        put: impl Fn(usize, usize, &[f32]),
+    ) {
+        rows_all_tokens_with::<Avx2Dots<Evex>>(w, rows, q8, n, put)
+    }
+    match vnni {
+        None => plain(w, rows, q8, n, put),
+        Some(Vnni256::Vex) => vex(w, rows, q8, n, put),
+        Some(Vnni256::Evex) => evex(w, rows, q8, n, put),
     }
 }
 
@@ -124,25 +305,21 @@ pub(crate) unsafe fn rows_all_tokens(
 mod tests {
     use super::*;
     use crate::matmul::Activations;
-    use crate::quant::interleaved::{dot_group_scalar, interleave};
+    use crate::quant::interleaved::{dot_group_scalar, interleave, FloatSteps};
     use crate::quant::{quantize_row, DType, QK};
     use crate::sampler::Rng;
-    use crate::simd::{simd_level, SimdLevel};
+    use crate::simd::{simd_level, vnni256_encodings, SimdLevel};
 
     fn random(n: usize, seed: u64) -> Vec<f32> {
         let mut rng = Rng::new(seed);
         (0..n).map(|_| rng.next_f32() * 2.0 - 1.0).collect()
     }
 
-    #[test]
-    fn groups_equal_the_scalar_twin_and_the_file_layouts_kernel_bit_for_bit() {
-        if simd_level() != SimdLevel::Avx512 {
-            eprintln!("skipped: needs AVX-512 VNNI (this run's level: {:?})", simd_level());
-            return;
-        }
+    /// Random Q4_0 matrices (a row of the largest magnitudes, one of zeros) in both layouts,
+    /// and n tokens' activations (some large), for each shape and n = 1..=7.
+    fn cases(mut check: impl FnMut(&[u8], &Interleaved, &Activations)) {
         for (rows, cols) in [(16, 128), (32, 512), (48, 768), (16, 2048)] {
             let mut w = random(rows * cols, rows as u64);
-            // extremes: a row of the largest magnitudes, one of zeros
             w[..cols].iter_mut().for_each(|v| *v = if *v > 0.0 { 1.0 } else { -1.0 });
             w[cols..2 * cols].fill(0.0);
             let src: Vec<u8> = w.chunks(cols).flat_map(|r| quantize_row(DType::Q4_0, r)).collect();
@@ -154,36 +331,81 @@ mod tests {
                 x[..cols.min(64)].iter_mut().for_each(|v| *v *= 1e3);
                 let mut acts = Activations::default();
                 acts.set(&x, n, cols);
-                let got = std::cell::RefCell::new(vec![0.0f32; n * rows]);
-                unsafe {
-                    rows_all_tokens(&m, 0..rows, &acts.quads, n, |t, r, v| {
-                        got.borrow_mut()[t * rows + r..t * rows + r + 16].copy_from_slice(v)
-                    })
-                };
-                let got = got.into_inner();
-                let file = crate::matmul::QMatrix { dtype: DType::Q4_0, rows, cols, data: &src };
-                let mut want = vec![0.0f32; n * rows];
-                crate::matmul::matmul(&file, &acts, &mut want);
-                let nb = cols / QK;
+                check(&src, &m, &acts);
+            }
+        }
+    }
+
+    /// The interleaved product's values (n, rows) by `run(put)`.
+    fn collect(rows: usize, n: usize, run: impl FnOnce(&dyn Fn(usize, usize, &[f32]))) -> Vec<f32> {
+        let got = std::cell::RefCell::new(vec![0.0f32; n * rows]);
+        run(&|t, r, v| got.borrow_mut()[t * rows + r..t * rows + r + 16].copy_from_slice(v));
+        got.into_inner()
+    }
+
+    #[test]
+    fn avx512_groups_equal_the_scalar_twin_and_the_file_layouts_products_bit_for_bit() {
+        if simd_level() != SimdLevel::Avx512 {
+            eprintln!("skipped: needs AVX-512 VNNI (this run's level: {:?})", simd_level());
+            return;
+        }
+        cases(|src, m, acts| {
+            let (rows, cols, n) = (m.rows, m.cols, acts.n);
+            let got =
+                collect(rows, n, |put| unsafe { rows_all_tokens(m, 0..rows, &acts.quads, n, put) });
+            // the file layout's product at this level: its one-token kernels, or for five
+            // tokens and more its prompt row groups
+            let file = crate::matmul::QMatrix { dtype: DType::Q4_0, rows, cols, data: src };
+            let mut want = vec![0.0f32; n * rows];
+            crate::matmul::matmul(&file, acts, &mut want);
+            let nb = cols / QK;
+            for t in 0..n {
+                let q8 = &acts.q8[t * nb..(t + 1) * nb];
+                let twin: Vec<f32> = (0..rows / 16)
+                    .flat_map(|g| dot_group_scalar(m.group(g), q8, FloatSteps::SumOfFour))
+                    .collect();
+                for r in 0..rows {
+                    let (g, s, f) = (got[t * rows + r], twin[r], want[t * rows + r]);
+                    let at = format!("{rows}x{cols} n {n} token {t} row {r}");
+                    assert_eq!(g.to_bits(), s.to_bits(), "{at}: {g} vs twin {s}");
+                    assert_eq!(g.to_bits(), f.to_bits(), "{at}: {g} vs file layout {f}");
+                }
+            }
+        });
+    }
+
+    #[test]
+    fn avx2_groups_equal_the_scalar_twin_and_the_file_layouts_kernel_bit_for_bit() {
+        if !simd_level().has_avx2() {
+            eprintln!("skipped: needs AVX2 (this run's level: {:?})", simd_level());
+            return;
+        }
+        // without 256-bit VNNI and in each encoding this CPU has: the same exact sums
+        let vnnis: Vec<Option<Vnni256>> =
+            [None].into_iter().chain(vnni256_encodings().into_iter().map(Some)).collect();
+        let file_dot = crate::kernels::dot::<1, 1>(DType::Q4_0, SimdLevel::Avx2);
+        cases(|src, m, acts| {
+            let (rows, cols, n) = (m.rows, m.cols, acts.n);
+            let nb = cols / QK;
+            for &vnni in &vnnis {
+                let got = collect(rows, n, |put| unsafe {
+                    rows_all_tokens_256(vnni, m, 0..rows, &acts.q8, n, put)
+                });
                 for t in 0..n {
+                    let q8 = &acts.q8[t * nb..(t + 1) * nb];
                     let twin: Vec<f32> = (0..rows / 16)
-                        .flat_map(|g| dot_group_scalar(m.group(g), &acts.q8[t * nb..(t + 1) * nb]))
+                        .flat_map(|g| dot_group_scalar(m.group(g), q8, FloatSteps::FmaPerBlock))
                         .collect();
                     for r in 0..rows {
-                        let (g, s, f) = (got[t * rows + r], twin[r], want[t * rows + r]);
-                        assert_eq!(
-                            g.to_bits(),
-                            s.to_bits(),
-                            "{rows}x{cols} n {n} token {t} row {r}: {g} vs twin {s}"
-                        );
-                        assert_eq!(
-                            g.to_bits(),
-                            f.to_bits(),
-                            "{rows}x{cols} n {n} token {t} row {r}: {g} vs file layout {f}"
-                        );
+                        let row = &src[r * nb * 18..(r + 1) * nb * 18];
+                        let f = unsafe { file_dot([row], [acts.token(t)], &[]) }[0][0];
+                        let (g, s) = (got[t * rows + r], twin[r]);
+                        let at = format!("{vnni:?} {rows}x{cols} n {n} token {t} row {r}");
+                        assert_eq!(g.to_bits(), s.to_bits(), "{at}: {g} vs twin {s}");
+                        assert_eq!(g.to_bits(), f.to_bits(), "{at}: {g} vs file layout {f}");
                     }
                 }
             }
-        }
+        });
     }
 }
