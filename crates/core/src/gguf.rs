@@ -181,6 +181,30 @@ impl GgufFile {
         Ok(())
     }
 
+    /// Drops the pages of the tensors `read_into_memory` left in the file's map from this
+    /// process (once their interleaved copies are built): they are the page cache's to keep or
+    /// evict, and a later reader faults them in again from the file.
+    pub fn release_left_in_file(&self) {
+        let Some(map) = &self.file_map else { return };
+        for (t, _) in self.tensors.iter().zip(&self.left_in_file).filter(|(_, &l)| l) {
+            // whole pages inside the tensor's bytes (its neighbours' stay)
+            let start = (self.data_offset + t.offset) as usize;
+            let (first, end) =
+                (start.next_multiple_of(4096), (start + t.n_bytes as usize) / 4096 * 4096);
+            if first < end {
+                // SAFETY: the map is a read-only map of a file: dropped pages read back the
+                // file's bytes, so no reader sees anything else
+                let _ = unsafe {
+                    map.unchecked_advise_range(
+                        memmap2::UncheckedAdvice::DontNeed,
+                        first,
+                        end - first,
+                    )
+                };
+            }
+        }
+    }
+
     /// Whether `read_into_memory` replaced the file's map.
     pub fn in_memory(&self) -> bool {
         self.in_memory

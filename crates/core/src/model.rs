@@ -1312,7 +1312,8 @@ fn moe_weights<'a>(file: &'a GgufFile, i: usize, c: &Config, moe: &Moe) -> Resul
 }
 
 /// Whether the CPU reads tensor `t` of a model configured as `c` interleaved
-/// (`quant::interleaved`, built by `Model::load`): an expert tensor (gate, up or down) in Q4_0
+/// (`quant::interleaved`, built by `Model::load` when it copies the weights into memory; the
+/// copy leaves the file's layout in the file's map for every other reader): an expert tensor (gate, up or down) in Q4_0
 /// whose experts' shapes fit, where the layout's SIMD kernels run (AVX2 and up), of a model whose experts run
 /// densely (a ReLU-family gate has its experts read single up rows, which the layout does not
 /// keep together). On the 2-core AMD EPYC (Zen 4), a 4-layer Qwen3-30B-A3B-shape Q4_0 model
@@ -1505,7 +1506,13 @@ impl Model {
             .thread_name(|i| format!("powerinfer-{i}"))
             .build()
             .map_err(|e| Error::InvalidArgument(format!("cannot start {threads} threads: {e}")))?;
-        let interleaved = pool.install(|| interleave_experts(&file, &config, &mut weights))?;
+        // (with the file read in place, the weights stay its map's: a model larger than memory
+        // still loads)
+        let interleaved = match in_memory {
+            true => pool.install(|| interleave_experts(&file, &config, &mut weights))?,
+            false => Vec::new(),
+        };
+        file.release_left_in_file();
         // SAFETY: see the field comment on `Model::weights`: the slices point into the memory map
         // owned by `file` and into the maps of `_interleaved`, which live exactly as long as the
         // Model (kernel mappings: they never move).
