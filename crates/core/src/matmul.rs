@@ -486,7 +486,8 @@ impl Product for Weight<'_> {
                 // in an encoding it has; `q8` holds the n tokens (asserted by `products_each`)
                 let vnni = crate::simd::vnni256(level);
                 unsafe {
-                    quant::interleaved_x86::rows_all_tokens_256(vnni, m, rows, &x.q8, x.n, put)
+                    let acts = (&x.q8[..], &x.q8_bias[..]);
+                    quant::interleaved_x86::rows_all_tokens_256(vnni, m, rows, acts, x.n, put)
                 }
             }
             // (`Model::load` interleaves where the SIMD kernels run; the twin serves the rest)

@@ -97,11 +97,13 @@ unsafe fn block_sum(qs: &[i8; 32]) -> i32 {
 /// d_a, acc) per block, `FloatSteps::FmaPerBlock`), eight rows per 256-bit vector. A block's
 /// sums: with 256-bit VNNI (V), `vpdpbusd` from -8 times the activations' sum; without,
 /// `vpmaddubsw` pairs summed in 16 bits (eight pairs of 15 * 128 fit) and widened by
-/// `vpmaddwd`. Reads `Activations::q8` (cols / 32 per token).
+/// `vpmaddwd`. Reads `Activations::q8` (cols / 32 per token) and, where the batch has it,
+/// `Activations::q8_bias` (-128 times each block's sum: divided by 16, the -8 times it the
+/// sums start from, where a token alone sums its blocks here).
 #[inline(always)]
 unsafe fn dot_group_256<V: Dp256, const N: usize>(
     group: &[u8],
-    x: [&[BlockQ8Act]; N],
+    (x, q8_bias): ([&[BlockQ8Act]; N], [&[i32]; N]),
     next: &[u8],
 ) -> [[f32; GROUP_ROWS]; N] {
     let steps = group.len() / STEP_BYTES;
@@ -117,7 +119,10 @@ unsafe fn dot_group_256<V: Dp256, const N: usize>(
         for c in 0..STEP_BLOCKS {
             let a: [&BlockQ8Act; N] =
                 std::array::from_fn(|t| x[t].get_unchecked(STEP_BLOCKS * s + c));
-            let bias: [i32; N] = std::array::from_fn(|t| -8 * block_sum(&a[t].qs));
+            let bias: [i32; N] = std::array::from_fn(|t| match q8_bias[t] {
+                [] => -8 * block_sum(&a[t].qs),
+                b => b.get_unchecked(STEP_BLOCKS * s + c) / 16,
+            });
             for h in 0..2 {
                 let mut lo = [_mm256_setzero_si256(); 4];
                 let mut hi = [_mm256_setzero_si256(); 4];
@@ -165,17 +170,31 @@ unsafe fn dot_group_256<V: Dp256, const N: usize>(
 /// A level's dots of a group with N tokens' activations (`dot_group`, `dot_group_256`), as a
 /// type, so that `rows_all_tokens_with` is compiled once per level with its features.
 trait GroupDots {
-    type Acts;
+    /// The batch's activations in the form the level reads.
+    type Acts<'a>: Copy;
+    /// One token's.
+    type Token<'a>: Copy;
+    fn token<'a>(acts: Self::Acts<'a>, n: usize, t: usize) -> Self::Token<'a>;
     unsafe fn dot<const N: usize>(
         group: &[u8],
-        x: [&[Self::Acts]; N],
+        x: [Self::Token<'_>; N],
         next: &[u8],
     ) -> [[f32; GROUP_ROWS]; N];
 }
 
+/// Token t's share of a batch's `v` (n tokens' values one after another; empty: none).
+fn share<T>(v: &[T], n: usize, t: usize) -> &[T] {
+    let per = v.len() / n.max(1);
+    &v[t * per..(t + 1) * per]
+}
+
 struct Avx512Dots;
 impl GroupDots for Avx512Dots {
-    type Acts = ActQuad;
+    type Acts<'a> = &'a [ActQuad];
+    type Token<'a> = &'a [ActQuad];
+    fn token<'a>(acts: Self::Acts<'a>, n: usize, t: usize) -> Self::Token<'a> {
+        share(acts, n, t)
+    }
     #[inline(always)]
     unsafe fn dot<const N: usize>(
         group: &[u8],
@@ -188,14 +207,18 @@ impl GroupDots for Avx512Dots {
 
 struct Avx2Dots<V>(std::marker::PhantomData<V>);
 impl<V: Dp256> GroupDots for Avx2Dots<V> {
-    type Acts = BlockQ8Act;
+    type Acts<'a> = (&'a [BlockQ8Act], &'a [i32]);
+    type Token<'a> = (&'a [BlockQ8Act], &'a [i32]);
+    fn token<'a>((q8, bias): Self::Acts<'a>, n: usize, t: usize) -> Self::Token<'a> {
+        (share(q8, n, t), share(bias, n, t))
+    }
     #[inline(always)]
     unsafe fn dot<const N: usize>(
         group: &[u8],
-        x: [&[BlockQ8Act]; N],
+        x: [Self::Token<'_>; N],
         next: &[u8],
     ) -> [[f32; GROUP_ROWS]; N] {
-        dot_group_256::<V, N>(group, x, next)
+        dot_group_256::<V, N>(group, (x.map(|x| x.0), x.map(|x| x.1)), next)
     }
 }
 
@@ -206,12 +229,11 @@ impl<V: Dp256> GroupDots for Avx2Dots<V> {
 unsafe fn rows_all_tokens_with<K: GroupDots>(
     w: &Interleaved,
     rows: std::ops::Range<usize>,
-    acts: &[K::Acts],
+    acts: K::Acts<'_>,
     n: usize,
     put: impl Fn(usize, usize, &[f32]),
 ) {
-    let per_token = acts.len() / n.max(1);
-    let token = |t: usize| &acts[t * per_token..(t + 1) * per_token];
+    let token = |t: usize| K::token(acts, n, t);
     let (g0, g1) = (rows.start / GROUP_ROWS, rows.end / GROUP_ROWS);
     let gb = group_bytes(w.cols);
     for g in g0..g1 {
@@ -251,7 +273,8 @@ pub(crate) unsafe fn rows_all_tokens(
 }
 
 /// `rows_all_tokens_with` at AVX2, with 256-bit VNNI in the given encoding or without (`q8`:
-/// `Activations::q8`, n * cols / 32).
+/// `Activations::q8`, n * cols / 32; `q8_bias`: `Activations::q8_bias`, n * cols / 32 or
+/// empty).
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C, and the encoding's features.
@@ -259,45 +282,47 @@ pub(crate) unsafe fn rows_all_tokens_256(
     vnni: Option<Vnni256>,
     w: &Interleaved,
     rows: std::ops::Range<usize>,
-    q8: &[BlockQ8Act],
+    (q8, q8_bias): (&[BlockQ8Act], &[i32]),
     n: usize,
     put: impl Fn(usize, usize, &[f32]),
 ) {
     type Range = std::ops::Range<usize>;
+    type Acts<'a> = (&'a [BlockQ8Act], &'a [i32]);
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn plain(
         w: &Interleaved,
         rows: Range,
-        q8: &[BlockQ8Act],
+        x: Acts,
         n: usize,
         put: impl Fn(usize, usize, &[f32]),
     ) {
-        rows_all_tokens_with::<Avx2Dots<NoVnni>>(w, rows, q8, n, put)
+        rows_all_tokens_with::<Avx2Dots<NoVnni>>(w, rows, x, n, put)
     }
     #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
     unsafe fn vex(
         w: &Interleaved,
         rows: Range,
-        q8: &[BlockQ8Act],
+        x: Acts,
         n: usize,
         put: impl Fn(usize, usize, &[f32]),
     ) {
-        rows_all_tokens_with::<Avx2Dots<Vex>>(w, rows, q8, n, put)
+        rows_all_tokens_with::<Avx2Dots<Vex>>(w, rows, x, n, put)
     }
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
     unsafe fn evex(
         w: &Interleaved,
         rows: Range,
-        q8: &[BlockQ8Act],
+        x: Acts,
         n: usize,
         put: impl Fn(usize, usize, &[f32]),
     ) {
-        rows_all_tokens_with::<Avx2Dots<Evex>>(w, rows, q8, n, put)
+        rows_all_tokens_with::<Avx2Dots<Evex>>(w, rows, x, n, put)
     }
+    let x = (q8, q8_bias);
     match vnni {
-        None => plain(w, rows, q8, n, put),
-        Some(Vnni256::Vex) => vex(w, rows, q8, n, put),
-        Some(Vnni256::Evex) => evex(w, rows, q8, n, put),
+        None => plain(w, rows, x, n, put),
+        Some(Vnni256::Vex) => vex(w, rows, x, n, put),
+        Some(Vnni256::Evex) => evex(w, rows, x, n, put),
     }
 }
 
@@ -389,7 +414,7 @@ mod tests {
             let nb = cols / QK;
             for &vnni in &vnnis {
                 let got = collect(rows, n, |put| unsafe {
-                    rows_all_tokens_256(vnni, m, 0..rows, &acts.q8, n, put)
+                    rows_all_tokens_256(vnni, m, 0..rows, (&acts.q8, &acts.q8_bias), n, put)
                 });
                 for t in 0..n {
                     let q8 = &acts.q8[t * nb..(t + 1) * nb];
