@@ -1313,12 +1313,13 @@ fn moe_weights<'a>(file: &'a GgufFile, i: usize, c: &Config, moe: &Moe) -> Resul
 
 /// Whether the CPU reads tensor `t` of a model configured as `c` interleaved
 /// (`quant::interleaved`, built by `Model::load` when it copies the weights into memory; the
-/// copy leaves the file's layout in the file's map for every other reader): an expert tensor (gate, up or down) in Q4_0
-/// whose experts' shapes fit, where the layout's SIMD kernels run (AVX2 and up), of a model whose experts run
-/// densely (a ReLU-family gate has its experts read single up rows, which the layout does not
-/// keep together). On the 2-core AMD EPYC (Zen 4), a 4-layer Qwen3-30B-A3B-shape Q4_0 model
-/// (`benches/moe_vs_llamacpp.py`, two runs each): 128-token prefill 492-504 -> 657-775 tok/s,
-/// decode 170-183 -> 184-196; a pass over 8 experts' gate and up from DRAM 19-22 -> 25-32 GB/s.
+/// copy leaves the file's layout in the file's map for every other reader): an expert tensor
+/// (gate, up or down) in Q4_0 whose experts' shapes fit, where the layout's SIMD kernels run
+/// (AVX2 and up), of a model whose experts run densely (a ReLU-family gate has its experts read
+/// single up rows, which the layout does not keep together). On the 2-core AMD EPYC (Zen 4), a
+/// 4-layer Qwen3-30B-A3B-shape Q4_0 model against llama.cpp (`benches/moe_vs_llamacpp.py`,
+/// docs/performance.md): AVX-512 prefill 1.20-1.52x -> 1.68-2.00x, decode 1.06-1.12x ->
+/// 1.10-1.37x; a pass over 8 experts' gate and up from DRAM 19-22 -> 25-32 GB/s.
 pub fn interleaved_experts(c: &Config, t: &TensorInfo) -> bool {
     let is_expert = ["ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"]
         .iter()
