@@ -386,8 +386,8 @@ pub fn matmul_each(mats: &[QMatrix], xs: &[&Activations], outs: &mut [&mut [f32]
 }
 
 /// A matrix the CPU's products read: in its file's layout, or a Q4_0 matrix interleaved
-/// (`quant::interleaved`; a mixture of experts' experts at AVX-512, `Model::load`). The same
-/// values either way, bit for bit.
+/// (`quant::interleaved`; a mixture of experts' Q4_0 experts at AVX2 and up, where
+/// `Model::load` copies the weights into memory). The same values either way, bit for bit.
 #[derive(Clone, Copy)]
 pub enum Weight<'a> {
     File(QMatrix<'a>),
@@ -443,7 +443,7 @@ impl Product for QMatrix<'_> {
 impl Product for Weight<'_> {
     fn shape(&self) -> (usize, usize) {
         match self {
-            Weight::File(m) => (m.rows, m.cols),
+            Weight::File(m) => m.shape(),
             Weight::Interleaved(m) => (m.rows, m.cols),
         }
     }
@@ -455,13 +455,13 @@ impl Product for Weight<'_> {
     }
     fn bytes(&self) -> usize {
         match self {
-            Weight::File(m) => m.data.len(),
+            Weight::File(m) => m.bytes(),
             Weight::Interleaved(m) => m.data.len(),
         }
     }
     fn row_step(&self) -> usize {
         match self {
-            Weight::File(_) => 4,
+            Weight::File(m) => m.row_step(),
             Weight::Interleaved(_) => quant::interleaved::GROUP_ROWS,
         }
     }
@@ -494,14 +494,12 @@ impl Product for Weight<'_> {
             Weight::Interleaved(m) => {
                 let nb = m.cols / QK;
                 let steps = quant::interleaved::FloatSteps::FmaPerBlock;
-                for g in rows.start / 16..rows.end / 16 {
+                let group_rows = quant::interleaved::GROUP_ROWS;
+                for g in rows.start / group_rows..rows.end / group_rows {
                     for t in 0..x.n {
                         let q8 = &x.q8[t * nb..(t + 1) * nb];
-                        put(
-                            t,
-                            16 * g,
-                            &quant::interleaved::dot_group_scalar(m.group(g), q8, steps),
-                        );
+                        let v = quant::interleaved::dot_group_scalar(m.group(g), q8, steps);
+                        put(t, group_rows * g, &v);
                     }
                 }
             }
@@ -523,6 +521,7 @@ fn products_each<M: Product>(mats: &[M], xs: &[&Activations], outs: &mut [&mut [
         if m.dtype().reads_q8k() {
             assert_eq!(x.q8k.len(), x.n * x.cols / QK_K);
         }
+        // (the interleaved layout, whose AVX-512 kernel reads the quads)
         if m.row_step() > 4 && simd_level() == SimdLevel::Avx512 {
             assert_eq!(x.quads.len(), x.n * quant::act_quads(x.cols / QK));
         }
