@@ -385,8 +385,8 @@ pub fn matmul_each(mats: &[QMatrix], xs: &[&Activations], outs: &mut [&mut [f32]
     products_each(mats, xs, outs)
 }
 
-/// A matrix the CPU's products read: in its file's layout, or a Q4_0 matrix interleaved
-/// (`quant::interleaved`; a mixture of experts' Q4_0 experts at AVX2 and up, where
+/// A matrix the CPU's products read: in its file's layout, or a Q4_0 or Q4_K matrix interleaved
+/// (`quant::interleaved`; a mixture of experts' experts of those types at AVX2 and up, where
 /// `Model::load` copies the weights into memory). The same values either way, bit for bit.
 #[derive(Clone, Copy)]
 pub enum Weight<'a> {
@@ -450,7 +450,7 @@ impl Product for Weight<'_> {
     fn dtype(&self) -> DType {
         match self {
             Weight::File(m) => m.dtype,
-            Weight::Interleaved(_) => DType::Q4_0,
+            Weight::Interleaved(m) => m.dtype,
         }
     }
     fn bytes(&self) -> usize {
@@ -476,29 +476,51 @@ impl Product for Weight<'_> {
             Weight::File(m) => m.rows_for_all_tokens(rows, x, level, put),
             #[cfg(target_arch = "x86_64")]
             Weight::Interleaved(m) if level == SimdLevel::Avx512 => {
+                use quant::interleaved_x86::{rows_all_tokens, rows_all_tokens_k4};
                 // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI, avx2,
-                // fma and f16c; `quads` holds the n tokens (asserted by `products_each`)
-                unsafe { quant::interleaved_x86::rows_all_tokens(m, rows, &x.quads, x.n, put) }
+                // fma and f16c; `quads` (Q4_0) or `q8k` (Q4_K) holds the n tokens (asserted by
+                // `products_each`)
+                unsafe {
+                    match m.dtype {
+                        DType::Q4_0 => rows_all_tokens(m, rows, &x.quads, x.n, put),
+                        _ => rows_all_tokens_k4(m, rows, &x.q8k, x.n, put),
+                    }
+                }
             }
             #[cfg(target_arch = "x86_64")]
             Weight::Interleaved(m) if level == SimdLevel::Avx2 => {
+                use quant::interleaved_x86::{rows_all_tokens_256, Q4KDots256, Q4_0Dots256};
                 // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c, `vnni256`
-                // in an encoding it has; `q8` holds the n tokens (asserted by `products_each`)
+                // in an encoding it has; `q8` (Q4_0) or `q8k` (Q4_K) holds the n tokens
+                // (asserted by `products_each`)
                 let vnni = crate::simd::vnni256(level);
                 unsafe {
-                    let acts = (&x.q8[..], &x.q8_bias[..]);
-                    quant::interleaved_x86::rows_all_tokens_256(vnni, m, rows, acts, x.n, put)
+                    match m.dtype {
+                        DType::Q4_0 => {
+                            let acts = (&x.q8[..], &x.q8_bias[..]);
+                            rows_all_tokens_256::<Q4_0Dots256>(vnni, m, rows, acts, x.n, put)
+                        }
+                        _ => rows_all_tokens_256::<Q4KDots256>(vnni, m, rows, &x.q8k, x.n, put),
+                    }
                 }
             }
-            // (`Model::load` interleaves where the SIMD kernels run; the twin serves the rest)
+            // (`Model::load` interleaves where the SIMD kernels run; the twins serve the rest)
             Weight::Interleaved(m) => {
-                let nb = m.cols / QK;
-                let steps = quant::interleaved::FloatSteps::FmaPerBlock;
+                use quant::interleaved::{dot_group_k4_scalar, dot_group_scalar, FloatSteps};
                 let group_rows = quant::interleaved::GROUP_ROWS;
                 for g in rows.start / group_rows..rows.end / group_rows {
                     for t in 0..x.n {
-                        let q8 = &x.q8[t * nb..(t + 1) * nb];
-                        let v = quant::interleaved::dot_group_scalar(m.group(g), q8, steps);
+                        let v = match m.dtype {
+                            DType::Q4_0 => {
+                                let nb = m.cols / QK;
+                                let q8 = &x.q8[t * nb..(t + 1) * nb];
+                                dot_group_scalar(m.group(g), q8, FloatSteps::FmaPerBlock)
+                            }
+                            _ => {
+                                let nb = m.cols / QK_K;
+                                dot_group_k4_scalar(m.group(g), &x.q8k[t * nb..(t + 1) * nb])
+                            }
+                        };
                         put(t, group_rows * g, &v);
                     }
                 }
@@ -521,8 +543,8 @@ fn products_each<M: Product>(mats: &[M], xs: &[&Activations], outs: &mut [&mut [
         if m.dtype().reads_q8k() {
             assert_eq!(x.q8k.len(), x.n * x.cols / QK_K);
         }
-        // (the interleaved layout, whose AVX-512 kernel reads the quads)
-        if m.row_step() > 4 && simd_level() == SimdLevel::Avx512 {
+        // (Q4_0's interleaved layout, whose AVX-512 kernel reads the quads)
+        if m.dtype() == DType::Q4_0 && m.row_step() > 4 && simd_level() == SimdLevel::Avx512 {
             assert_eq!(x.quads.len(), x.n * quant::act_quads(x.cols / QK));
         }
     }

@@ -1314,12 +1314,14 @@ fn moe_weights<'a>(file: &'a GgufFile, i: usize, c: &Config, moe: &Moe) -> Resul
 /// Whether the CPU reads tensor `t` of a model configured as `c` interleaved
 /// (`quant::interleaved`, built by `Model::load` when it copies the weights into memory; the
 /// copy leaves the file's layout in the file's map for every other reader): an expert tensor
-/// (gate, up or down) in Q4_0 whose experts' shapes fit, where the layout's SIMD kernels run
-/// (AVX2 and up), of a model whose experts run densely (a ReLU-family gate has its experts read
-/// single up rows, which the layout does not keep together). On the 2-core AMD EPYC (Zen 4), a
-/// 4-layer Qwen3-30B-A3B-shape Q4_0 model against llama.cpp (`benches/moe_vs_llamacpp.py`,
-/// docs/performance.md): AVX-512 prefill 1.20-1.52x -> 1.68-2.00x, decode 1.06-1.12x ->
-/// 1.10-1.37x; a pass over 8 experts' gate and up from DRAM 19-22 -> 25-32 GB/s.
+/// (gate, up or down) in a type with an interleaved layout (Q4_0, Q4_K) whose experts' shapes
+/// fit, where the layout's SIMD kernels run (AVX2 and up), of a model whose experts run densely
+/// (a ReLU-family gate has its experts read single up rows, which the layout does not keep
+/// together). A 4-layer Qwen3-30B-A3B-shape model against llama.cpp
+/// (`benches/moe_vs_llamacpp.py`, docs/performance.md): Q4_0 on the 2-core AMD EPYC (Zen 4),
+/// AVX-512 prefill 1.20-1.52x -> 1.68-2.00x, decode 1.06-1.12x -> 1.10-1.37x; Q4_K_M (its
+/// gate and up Q4_K) on a 2-core Intel Xeon, prefill 1.44-1.49x -> 1.91-1.93x at AVX-512,
+/// 1.45-1.47x -> 1.63-1.69x at AVX-VNNI, 1.23x -> 1.39x at AVX2.
 pub fn interleaved_experts(c: &Config, t: &TensorInfo) -> bool {
     let is_expert = ["ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"]
         .iter()
@@ -1328,10 +1330,10 @@ pub fn interleaved_experts(c: &Config, t: &TensorInfo) -> bool {
     is_expert
         && c.moe.is_some()
         && !matches!(c.ffn_activation, FfnActivation::ReGlu | FfnActivation::DReGlu)
-        && t.dtype == Some(DType::Q4_0)
         && crate::simd::simd_level().has_avx2()
         && shape.len() == 3
-        && quant::interleaved::fits(shape[1] as usize, shape[2] as usize)
+        && t.dtype
+            .is_some_and(|d| quant::interleaved::fits(d, shape[1] as usize, shape[2] as usize))
 }
 
 impl Weights<'_> {
@@ -1468,17 +1470,17 @@ fn interleave_experts(
             }
             let rows = m.rows / n_expert;
             let io = |source| Error::Io { path: name.clone().into(), source };
-            let mut buf = crate::gguf::weight_buffer(m.data.len()).map_err(io)?;
-            let per_expert = m.data.len() / n_expert;
-            buf[..m.data.len()]
-                .par_chunks_mut(per_expert)
-                .zip(m.data.par_chunks(per_expert))
-                .for_each(|(out, src)| quant::interleaved::interleave(src, rows, m.cols, out));
+            let bytes = quant::interleaved::matrix_bytes(m.dtype, m.rows, m.cols);
+            let mut buf = crate::gguf::weight_buffer(bytes).map_err(io)?;
+            let (per_expert, per_out) = (m.data.len() / n_expert, bytes / n_expert);
+            buf[..bytes].par_chunks_mut(per_out).zip(m.data.par_chunks(per_expert)).for_each(
+                |(out, src)| quant::interleaved::interleave(m.dtype, src, rows, m.cols, out),
+            );
             let buf = buf.make_read_only().map_err(io)?;
             // SAFETY: the map is moved into the Model with `weights`, never written and never
             // moves (a kernel mapping), so the view lives as long as the weights that hold it.
-            let data: &[u8] = unsafe { std::slice::from_raw_parts(buf.as_ptr(), m.data.len()) };
-            mw.cpu_layout[i] = Some(Interleaved::new(m.rows, m.cols, data));
+            let data: &[u8] = unsafe { std::slice::from_raw_parts(buf.as_ptr(), bytes) };
+            mw.cpu_layout[i] = Some(Interleaved::new(m.dtype, m.rows, m.cols, data));
             buffers.push(buf);
         }
     }

@@ -1,59 +1,109 @@
-//! Q4_0 matrices with sixteen rows interleaved, a row per 32-bit lane: the layout the CPU's
-//! products read a mixture of experts' Q4_0 experts in (as llama.cpp's CPU backend
-//! repacks them into `q4_0_8x8` at load). In the file's layout a one-token product reads four
-//! rows per kernel call, each block's 16 bytes after its 2-byte scale, and spends about a
-//! third of its instructions gathering the bytes out of the 18-byte blocks and summing each
-//! row's lanes; here sixteen rows' bytes lie side by side, so one 512-bit load holds four bytes
-//! of every row, one `vpdpbusd` with four activations broadcast serves the sixteen rows, and a
-//! block's float step is one vector. A product reads one stream instead of four.
+//! Matrices with sixteen rows interleaved, a row per 32-bit lane: the layout the CPU's products
+//! read a mixture of experts' Q4_0 and Q4_K experts in (as llama.cpp's CPU backend repacks them
+//! into `q4_0_8x8` and `q4_K_8x8` at load). In the file's layout a one-token product reads four
+//! rows per kernel call, each block's bytes after its scales, and spends about a third of its
+//! instructions gathering the bytes out of the blocks and summing each row's lanes; here
+//! sixteen rows' bytes lie side by side, so one 512-bit load holds four bytes of every row, one
+//! `vpdpbusd` with four activations broadcast serves the sixteen rows, and a block's float step
+//! is one vector. A product reads one stream instead of four.
 //!
-//! Layout of a matrix (rows a multiple of 16, blocks per row a multiple of 4): group g holds
-//! rows 16g..16g + 16, step by step; step s holds blocks 4s..4s + 4 of the sixteen rows, 1152
-//! bytes: for block c and chunk k (bytes 4k..4k + 4 of a block's 16), sixteen u32 (row r's
-//! four bytes in lane r) at 64 (4c + k), then the blocks' f16 scales, sixteen per block, at
-//! 1024 + 32c. The same bytes as the file's rows (18 per block), so the interleaved copy of a
-//! matrix takes its size, and a group's steps start on 64-byte lines.
+//! A matrix (rows a multiple of 16, columns a multiple of the type's `step_cols`) is held group
+//! by group: group g holds rows 16g..16g + 16, step by step, each step a type's `step_cols`
+//! columns of the sixteen rows, starting on a 64-byte line.
 //!
-//! The arithmetic is the file layout's one-token kernels' at each level lane for lane
-//! (`FloatSteps`): a block's products summed exactly in integers, then the level's float steps;
-//! so a row's dot is bit for bit the one the file's layout gives at that level, and the same in
-//! a prompt as alone.
+//! Q4_0, a step of four blocks, 1152 bytes, the file's size: for block c and chunk k (bytes
+//! 4k..4k + 4 of a block's 16), sixteen u32 (row r's four bytes in lane r) at 64 (4c + k), then
+//! the blocks' f16 scales, sixteen per block, at 1024 + 32c.
+//!
+//! Q4_K, a step of one super-block, 2368 bytes (the file's 2304 and the 6-bit scales and minima
+//! unpacked): line l (bytes 4l..4l + 4 of each row's 128 bytes of quants: low nibbles of
+//! sub-block 2 (l / 8), high ones of the next) at 64l; sub-block j's scales, a byte per row, at
+//! 2048 + 16j; the minima of sub-blocks 2k and 2k + 1, a byte pair per row, at 2176 + 32k; the
+//! rows' f16 d at 2304 and dmin at 2336.
+//!
+//! The arithmetic is the file layout's kernels' at each level lane for lane: a block's products
+//! summed exactly in integers, then the level's float steps (`FloatSteps` for Q4_0,
+//! `q256::block_step` for Q4_K); so a row's dot is bit for bit the one the file's layout gives at
+//! that level, and the same in a prompt as alone.
 
-use super::{f16_to_f32, BlockQ4_0, BlockQ8Act, QK};
+use super::chunks::{k4_scales, BlockQ4K};
+use super::q256::{block_step, BlockQ8K};
+use super::{f16_to_f32, BlockQ4_0, BlockQ8Act, DType, QK, QK_K};
 
 /// Rows per group.
 pub const GROUP_ROWS: usize = 16;
-/// Blocks per step.
+/// Q4_0's blocks per step.
 pub const STEP_BLOCKS: usize = 4;
-/// Bytes per step: four blocks of sixteen rows, their quants then their scales.
+/// Q4_0's bytes per step: four blocks of sixteen rows, their quants then their scales.
 pub const STEP_BYTES: usize = STEP_BLOCKS * GROUP_ROWS * std::mem::size_of::<BlockQ4_0>();
 const SCALES_AT: usize = STEP_BLOCKS * GROUP_ROWS * QK / 2;
 const _: () = assert!(STEP_BYTES == 1152 && SCALES_AT == 1024);
 
-/// Whether a (rows, cols) Q4_0 matrix has the interleaved layout's shape: whole groups of rows
-/// and whole steps of blocks.
-pub fn fits(rows: usize, cols: usize) -> bool {
-    rows.is_multiple_of(GROUP_ROWS) && cols.is_multiple_of(QK * STEP_BLOCKS) && cols > 0
+/// Where a Q4_K step holds its parts (module comment).
+pub const K4_SCALES_AT: usize = GROUP_ROWS * QK_K / 2;
+pub const K4_MINS_AT: usize = K4_SCALES_AT + 8 * GROUP_ROWS;
+pub const K4_D_AT: usize = K4_MINS_AT + 8 * GROUP_ROWS;
+pub const K4_DMIN_AT: usize = K4_D_AT + 2 * GROUP_ROWS;
+/// Q4_K's bytes per step.
+pub const K4_STEP_BYTES: usize = K4_DMIN_AT + 2 * GROUP_ROWS;
+const _: () = assert!(K4_SCALES_AT == 2048 && K4_STEP_BYTES == 2368);
+const _: () = assert!(std::mem::size_of::<BlockQ4K>() * GROUP_ROWS == K4_STEP_BYTES - 64);
+
+/// A type's interleaved layout: its columns and bytes per step of sixteen rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    pub dtype: DType,
+    pub step_cols: usize,
+    pub step_bytes: usize,
 }
 
-/// Bytes of one group of a matrix of `cols` columns.
-pub fn group_bytes(cols: usize) -> usize {
-    cols / (QK * STEP_BLOCKS) * STEP_BYTES
+/// The types with an interleaved layout.
+pub const LAYOUTS: [Layout; 2] = [
+    Layout { dtype: DType::Q4_0, step_cols: QK * STEP_BLOCKS, step_bytes: STEP_BYTES },
+    Layout { dtype: DType::Q4_K, step_cols: QK_K, step_bytes: K4_STEP_BYTES },
+];
+
+/// `dtype`'s interleaved layout, if it has one.
+pub fn layout(dtype: DType) -> Option<Layout> {
+    LAYOUTS.into_iter().find(|l| l.dtype == dtype)
 }
 
-/// A Q4_0 matrix (rows, cols) in the interleaved layout.
+/// Whether a (rows, cols) matrix of `dtype` has an interleaved layout: a type that has one,
+/// whole groups of rows and whole steps of columns.
+pub fn fits(dtype: DType, rows: usize, cols: usize) -> bool {
+    layout(dtype).is_some_and(|l| {
+        rows.is_multiple_of(GROUP_ROWS) && cols.is_multiple_of(l.step_cols) && cols > 0
+    })
+}
+
+/// Bytes of one group of a matrix of `cols` columns (`fits`).
+pub fn group_bytes(dtype: DType, cols: usize) -> usize {
+    let l = layout(dtype).expect("a type with an interleaved layout");
+    cols / l.step_cols * l.step_bytes
+}
+
+/// Bytes of a (rows, cols) matrix of `dtype` interleaved (`fits`).
+pub fn matrix_bytes(dtype: DType, rows: usize, cols: usize) -> usize {
+    rows / GROUP_ROWS * group_bytes(dtype, cols)
+}
+
+/// A matrix (rows, cols) of `dtype` in its interleaved layout.
 #[derive(Clone, Copy)]
 pub struct Interleaved<'a> {
+    pub dtype: DType,
     pub rows: usize,
     pub cols: usize,
     pub data: &'a [u8],
 }
 
 impl<'a> Interleaved<'a> {
-    pub fn new(rows: usize, cols: usize, data: &'a [u8]) -> Interleaved<'a> {
-        assert!(fits(rows, cols), "a {rows} x {cols} matrix has no interleaved layout");
-        assert_eq!(data.len(), rows / GROUP_ROWS * group_bytes(cols), "interleaved matrix size");
-        Interleaved { rows, cols, data }
+    pub fn new(dtype: DType, rows: usize, cols: usize, data: &'a [u8]) -> Interleaved<'a> {
+        assert!(
+            fits(dtype, rows, cols),
+            "a {rows} x {cols} {dtype:?} matrix has no interleaved layout"
+        );
+        assert_eq!(data.len(), matrix_bytes(dtype, rows, cols), "interleaved matrix size");
+        Interleaved { dtype, rows, cols, data }
     }
 
     pub fn groups(&self) -> usize {
@@ -62,43 +112,70 @@ impl<'a> Interleaved<'a> {
 
     /// Group g's bytes (rows 16g..16g + 16).
     pub fn group(&self, g: usize) -> &'a [u8] {
-        let b = group_bytes(self.cols);
+        let b = group_bytes(self.dtype, self.cols);
         &self.data[g * b..(g + 1) * b]
     }
 
     /// Rows r0..r1 (multiples of 16) as a matrix of their own.
     pub fn rows_range(&self, r0: usize, r1: usize) -> Interleaved<'a> {
         assert!(r0.is_multiple_of(GROUP_ROWS) && r1.is_multiple_of(GROUP_ROWS) && r0 <= r1);
-        let b = group_bytes(self.cols);
-        Interleaved::new(r1 - r0, self.cols, &self.data[r0 / GROUP_ROWS * b..r1 / GROUP_ROWS * b])
+        let b = group_bytes(self.dtype, self.cols);
+        let data = &self.data[r0 / GROUP_ROWS * b..r1 / GROUP_ROWS * b];
+        Interleaved::new(self.dtype, r1 - r0, self.cols, data)
     }
 }
 
-/// Writes the Q4_0 rows `src` (rows, cols; `fits`) into `out` (the same length) interleaved.
-pub fn interleave(src: &[u8], rows: usize, cols: usize, out: &mut [u8]) {
-    assert!(fits(rows, cols), "a {rows} x {cols} matrix has no interleaved layout");
-    let nb = cols / QK;
-    let row_bytes = nb * std::mem::size_of::<BlockQ4_0>();
-    assert_eq!(src.len(), rows * row_bytes, "Q4_0 matrix size");
-    assert_eq!(out.len(), src.len(), "interleaved matrix size");
-    let gb = group_bytes(cols);
-    for (g, group) in out.chunks_exact_mut(gb).enumerate() {
-        for (s, step) in group.chunks_exact_mut(STEP_BYTES).enumerate() {
+/// Writes the rows `src` (rows, cols of `dtype`; `fits`) into `out` (`matrix_bytes`)
+/// interleaved.
+pub fn interleave(dtype: DType, src: &[u8], rows: usize, cols: usize, out: &mut [u8]) {
+    assert!(
+        fits(dtype, rows, cols),
+        "a {rows} x {cols} {dtype:?} matrix has no interleaved layout"
+    );
+    assert_eq!(src.len(), rows * dtype.row_bytes(cols), "{dtype:?} matrix size");
+    assert_eq!(out.len(), matrix_bytes(dtype, rows, cols), "interleaved matrix size");
+    let row_bytes = dtype.row_bytes(cols);
+    let l = layout(dtype).expect("fits");
+    for (g, group) in out.chunks_exact_mut(group_bytes(dtype, cols)).enumerate() {
+        for (s, step) in group.chunks_exact_mut(l.step_bytes).enumerate() {
             for r in 0..GROUP_ROWS {
                 let row = &src[(GROUP_ROWS * g + r) * row_bytes..][..row_bytes];
-                for c in 0..STEP_BLOCKS {
-                    let blk = &row[(STEP_BLOCKS * s + c) * 18..][..18];
-                    let (d, qs) = blk.split_at(2);
-                    for k in 0..4 {
-                        let at = 64 * (4 * c + k) + 4 * r;
-                        step[at..at + 4].copy_from_slice(&qs[4 * k..4 * k + 4]);
-                    }
-                    let at = SCALES_AT + 32 * c + 2 * r;
-                    step[at..at + 2].copy_from_slice(d);
+                match dtype {
+                    DType::Q4_0 => interleave_q4_0(row, s, r, step),
+                    _ => interleave_q4_k(row, s, r, step),
                 }
             }
         }
     }
+}
+
+/// Row r's blocks of Q4_0 step s into `step`.
+fn interleave_q4_0(row: &[u8], s: usize, r: usize, step: &mut [u8]) {
+    for c in 0..STEP_BLOCKS {
+        let blk = &row[(STEP_BLOCKS * s + c) * 18..][..18];
+        let (d, qs) = blk.split_at(2);
+        for k in 0..4 {
+            let at = 64 * (4 * c + k) + 4 * r;
+            step[at..at + 4].copy_from_slice(&qs[4 * k..4 * k + 4]);
+        }
+        let at = SCALES_AT + 32 * c + 2 * r;
+        step[at..at + 2].copy_from_slice(d);
+    }
+}
+
+/// Row r's super-block s (Q4_K) into `step`.
+fn interleave_q4_k(row: &[u8], s: usize, r: usize, step: &mut [u8]) {
+    let blk = &super::cast_blocks::<BlockQ4K>(row)[s];
+    for l in 0..QK_K / 8 {
+        step[64 * l + 4 * r..][..4].copy_from_slice(&blk.qs[4 * l..4 * l + 4]);
+    }
+    let sm: Vec<u8> = k4_scales(&blk.scales).iter().flat_map(|w| w.to_le_bytes()).collect();
+    for j in 0..8 {
+        step[K4_SCALES_AT + 16 * j + r] = sm[j];
+        step[K4_MINS_AT + 32 * (j / 2) + 2 * r + j % 2] = sm[8 + j];
+    }
+    step[K4_D_AT + 2 * r..][..2].copy_from_slice(&blk.d.to_le_bytes());
+    step[K4_DMIN_AT + 2 * r..][..2].copy_from_slice(&blk.dmin.to_le_bytes());
 }
 
 /// Row r of a group's step: block c's scale bits and its 16 bytes of quants, as the file holds
@@ -154,8 +231,45 @@ pub fn dot_group_scalar(group: &[u8], x: &[BlockQ8Act], steps: FloatSteps) -> [f
     out
 }
 
+/// Row r of a Q4_K step as the file's block holds it, its scales and minima unpacked
+/// (`interleave`'s inverse, for the scalar twin and the tests): (d, dmin, scales, minima, qs).
+pub fn k4_block_of(step: &[u8], r: usize) -> (u16, u16, [u8; 8], [u8; 8], [u8; QK_K / 2]) {
+    let f16_at = |at: usize| u16::from_le_bytes([step[at + 2 * r], step[at + 2 * r + 1]]);
+    let scales = std::array::from_fn(|j| step[K4_SCALES_AT + 16 * j + r]);
+    let mins = std::array::from_fn(|j| step[K4_MINS_AT + 32 * (j / 2) + 2 * r + j % 2]);
+    let qs = std::array::from_fn(|i| step[64 * (i / 4) + 4 * r + i % 4]);
+    (f16_at(K4_D_AT), f16_at(K4_DMIN_AT), scales, mins, qs)
+}
+
+/// Scalar twin of the Q4_K kernels: the sixteen rows of `group` against one token's activations
+/// `x` (cols / 256), per super-block the exact sums of scale * q * a and of min * a (from
+/// `bsums32`), then `q256::block_step`, as `q256::dot_scalar`.
+pub fn dot_group_k4_scalar(group: &[u8], x: &[BlockQ8K]) -> [f32; GROUP_ROWS] {
+    let mut out = [0.0f32; GROUP_ROWS];
+    for (step, a) in group.chunks_exact(K4_STEP_BYTES).zip(x) {
+        for (r, acc) in out.iter_mut().enumerate() {
+            let (d, dmin, scales, mins, qs) = k4_block_of(step, r);
+            let (mut sums, mut min_sums) = (0i32, 0i32);
+            for j in 0..8 {
+                // sub-block j: the low (j even) or high nibbles of bytes 32 (j / 2)..+32
+                let dot: i32 = (0..32)
+                    .map(|i| {
+                        let q = qs[32 * (j / 2) + i];
+                        let q = if j % 2 == 0 { q & 15 } else { q >> 4 };
+                        q as i32 * a.qs[32 * j + i] as i32
+                    })
+                    .sum();
+                sums += scales[j] as i32 * dot;
+                min_sums += mins[j] as i32 * a.bsums32[j] as i32;
+            }
+            *acc = block_step(true, *acc, sums, min_sums, f16_to_f32(d), f16_to_f32(dmin), a.d);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::quant::{quantize_act, quantize_row, DType};
     use crate::sampler::Rng;
@@ -173,8 +287,8 @@ mod tests {
             .flat_map(|r| quantize_row(DType::Q4_0, r))
             .collect();
         let mut out = vec![0u8; src.len()];
-        interleave(&src, rows, cols, &mut out);
-        let m = Interleaved::new(rows, cols, &out);
+        interleave(DType::Q4_0, &src, rows, cols, &mut out);
+        let m = Interleaved::new(DType::Q4_0, rows, cols, &out);
         for r in 0..rows {
             for b in 0..cols / QK {
                 let step = &m.group(r / 16)[b / 4 * STEP_BYTES..][..STEP_BYTES];
@@ -193,7 +307,7 @@ mod tests {
         let w = random(rows * cols, 2);
         let src: Vec<u8> = w.chunks(cols).flat_map(|r| quantize_row(DType::Q4_0, r)).collect();
         let mut out = vec![0u8; src.len()];
-        interleave(&src, rows, cols, &mut out);
+        interleave(DType::Q4_0, &src, rows, cols, &mut out);
         let x = random(cols, 3);
         let mut q8 = vec![BlockQ8Act::default(); cols / QK];
         quantize_act(&x, &mut q8);
@@ -215,6 +329,72 @@ mod tests {
                     "row {r}: {} vs {want}",
                     got[r]
                 );
+            }
+        }
+    }
+
+    /// Random Q4_K rows (rows, cols) (`chunks::tests::random_row`), the first with every quant,
+    /// scale and minimum at its largest.
+    pub(crate) fn q4_k_rows(rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        let mut src: Vec<u8> = (0..rows)
+            .flat_map(|r| {
+                crate::quant::chunks::tests::random_row(DType::Q4_K, cols, seed + r as u64)
+            })
+            .collect();
+        for blk in src[..DType::Q4_K.row_bytes(cols)].chunks_exact_mut(144) {
+            blk[4..].fill(0xFF);
+        }
+        src
+    }
+
+    #[test]
+    fn q4_k_interleaving_moves_every_quant_scale_and_minimum_once() {
+        let (rows, cols) = (32, 512);
+        let src = q4_k_rows(rows, cols, 4);
+        let mut out = vec![0u8; matrix_bytes(DType::Q4_K, rows, cols)];
+        interleave(DType::Q4_K, &src, rows, cols, &mut out);
+        let m = Interleaved::new(DType::Q4_K, rows, cols, &out);
+        let blocks = crate::quant::cast_blocks::<BlockQ4K>(&src);
+        for r in 0..rows {
+            for b in 0..cols / QK_K {
+                let step = &m.group(r / 16)[b * K4_STEP_BYTES..][..K4_STEP_BYTES];
+                let (d, dmin, scales, mins, qs) = k4_block_of(step, r % 16);
+                let blk = &blocks[r * cols / QK_K + b];
+                let sm: Vec<u8> =
+                    k4_scales(&blk.scales).iter().flat_map(|w| w.to_le_bytes()).collect();
+                assert_eq!((d, dmin), (blk.d, blk.dmin), "row {r} block {b}: d, dmin");
+                assert_eq!(scales[..], sm[..8], "row {r} block {b}: scales");
+                assert_eq!(mins[..], sm[8..], "row {r} block {b}: minima");
+                assert_eq!(qs, blk.qs, "row {r} block {b}: quants");
+            }
+        }
+    }
+
+    #[test]
+    fn the_q4_k_twin_is_the_file_layouts_scalar_dot_bit_for_bit() {
+        // `q256::dot_scalar` is held to the float64 dot of the dequantized rows (its tests)
+        for (rows, cols) in [(16, 256), (32, 2048), (16, 768)] {
+            let src = q4_k_rows(rows, cols, rows as u64 + cols as u64);
+            let mut out = vec![0u8; matrix_bytes(DType::Q4_K, rows, cols)];
+            interleave(DType::Q4_K, &src, rows, cols, &mut out);
+            let m = Interleaved::new(DType::Q4_K, rows, cols, &out);
+            let mut x = random(cols, 7);
+            x[..64].iter_mut().for_each(|v| *v *= 1e3);
+            let mut q8k = vec![BlockQ8K::default(); cols / QK_K];
+            crate::quant::q256::quantize_act_k(&x, &mut q8k);
+            let row_bytes = DType::Q4_K.row_bytes(cols);
+            for g in 0..rows / GROUP_ROWS {
+                let got = dot_group_k4_scalar(m.group(g), &q8k);
+                for (i, got) in got.into_iter().enumerate() {
+                    let r = GROUP_ROWS * g + i;
+                    let row = &src[r * row_bytes..(r + 1) * row_bytes];
+                    let [want] = crate::quant::q256::dot_scalar(DType::Q4_K, row, [&q8k]);
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "{rows}x{cols} row {r}: {got} vs {want}"
+                    );
+                }
             }
         }
     }

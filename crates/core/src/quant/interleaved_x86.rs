@@ -1,5 +1,5 @@
-//! The AVX-512 VNNI products of interleaved Q4_0 matrices (`quant::interleaved`; its
-//! `dot_group_scalar` is the twin).
+//! The products of interleaved Q4_0 and Q4_K matrices at AVX-512 VNNI and the 256-bit levels
+//! (`quant::interleaved`; its `dot_group_scalar` and `dot_group_k4_scalar` are the twins).
 //!
 //! Prototyped against the file's layout on the 2-core AMD EPYC (Zen 4), one token, medians of
 //! one-second rounds: from L2 on one thread 29 -> 42 GB/s of weights; the Qwen3-30B-A3B
@@ -10,7 +10,11 @@
 
 use std::arch::x86_64::*;
 
-use super::interleaved::{group_bytes, Interleaved, GROUP_ROWS, STEP_BLOCKS, STEP_BYTES};
+use super::interleaved::{
+    group_bytes, Interleaved, GROUP_ROWS, K4_DMIN_AT, K4_D_AT, K4_MINS_AT, K4_SCALES_AT,
+    K4_STEP_BYTES, STEP_BLOCKS, STEP_BYTES,
+};
+use super::q256::BlockQ8K;
 use super::{ActQuad, BlockQ8Act};
 use crate::avx2::{Dp256, Evex, NoVnni, PrefetchL2, Vex};
 use crate::simd::Vnni256;
@@ -167,6 +171,212 @@ unsafe fn dot_group_256<V: Dp256, const N: usize>(
     out
 }
 
+/// Four activations of a token from byte `at` of its block, in every 32-bit lane.
+#[inline(always)]
+unsafe fn four_512(a: &BlockQ8K, at: usize) -> __m512i {
+    _mm512_set1_epi32((a.qs.as_ptr().add(at) as *const i32).read_unaligned())
+}
+
+/// The sixteen rows of a Q4_K `group` against N tokens' activations (cols / 256 each), as
+/// `dot_group_k4_scalar`: per super-block and sub-block j, `vpdpbusd` sums q * a exactly in each
+/// row's lane (the low or high nibbles of eight lines), `vpmulld` by the rows' scales; the
+/// minima's sums by `vpdpwssd` of the rows' minimum pairs with the activations' sums per 32;
+/// then `q256::block_step` in every lane. For one token the four pairs of sub-blocks' chains run
+/// side by side (eight dependency chains); for two, two pairs; for more, one.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_group_k4<const N: usize>(
+    group: &[u8],
+    x: [&[BlockQ8K]; N],
+    next: &[u8],
+) -> [[f32; GROUP_ROWS]; N] {
+    let steps = group.len() / K4_STEP_BYTES;
+    debug_assert!(group.len() == steps * K4_STEP_BYTES && x.iter().all(|x| x.len() == steps));
+    let nibble = _mm512_set1_epi8(0x0F);
+    let zero = _mm512_setzero_si512();
+    let side_by_side = match N {
+        1 => 4,
+        2 => 2,
+        _ => 1,
+    };
+    let mut acc = [_mm512_setzero_ps(); N];
+    let next = [next];
+    let mut prefetch = PrefetchL2::new(&next, steps);
+    for s in 0..steps {
+        prefetch.step();
+        let step = group.as_ptr().add(s * K4_STEP_BYTES);
+        let a: [&BlockQ8K; N] = std::array::from_fn(|t| x[t].get_unchecked(s));
+        let mut sums = [zero; N];
+        for g0 in (0..4).step_by(side_by_side) {
+            // sub-blocks 2g (low nibbles) and 2g + 1 (high) of chunks g0..g0 + side_by_side
+            let (mut lo, mut hi) = ([[zero; N]; 4], [[zero; N]; 4]);
+            for i in 0..8 {
+                for g in g0..g0 + side_by_side {
+                    let w = _mm512_loadu_si512(step.add(64 * (8 * g + i)) as *const _);
+                    let wl = _mm512_and_si512(w, nibble);
+                    let wh = _mm512_and_si512(_mm512_srli_epi16::<4>(w), nibble);
+                    for t in 0..N {
+                        let k = g - g0;
+                        lo[k][t] =
+                            _mm512_dpbusd_epi32(lo[k][t], wl, four_512(a[t], 64 * g + 4 * i));
+                        hi[k][t] =
+                            _mm512_dpbusd_epi32(hi[k][t], wh, four_512(a[t], 64 * g + 32 + 4 * i));
+                    }
+                }
+            }
+            for g in g0..g0 + side_by_side {
+                let scale = |j: usize| {
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                        step.add(K4_SCALES_AT + 16 * j) as *const _
+                    ))
+                };
+                let (sl, sh) = (scale(2 * g), scale(2 * g + 1));
+                for t in 0..N {
+                    let k = g - g0;
+                    let both = _mm512_add_epi32(
+                        _mm512_mullo_epi32(lo[k][t], sl),
+                        _mm512_mullo_epi32(hi[k][t], sh),
+                    );
+                    sums[t] = _mm512_add_epi32(sums[t], both);
+                }
+            }
+        }
+        let mut mins = [zero; N];
+        for k in 0..4 {
+            let pairs =
+                _mm512_cvtepu8_epi16(_mm256_loadu_si256(step.add(K4_MINS_AT + 32 * k) as *const _));
+            for t in 0..N {
+                let b = (a[t].bsums32.as_ptr().add(2 * k) as *const i32).read_unaligned();
+                mins[t] = _mm512_dpwssd_epi32(mins[t], pairs, _mm512_set1_epi32(b));
+            }
+        }
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(step.add(K4_D_AT) as *const _));
+        let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(step.add(K4_DMIN_AT) as *const _));
+        for t in 0..N {
+            let da = _mm512_set1_ps(a[t].d);
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t]), _mm512_mul_ps(d, da), acc[t]);
+            acc[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[t]), _mm512_mul_ps(dmin, da), acc[t]);
+        }
+    }
+    let mut out = [[0.0f32; GROUP_ROWS]; N];
+    for t in 0..N {
+        _mm512_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+    }
+    out
+}
+
+/// `dot_group_k4` at the 256-bit levels, eight rows per vector (half h of each line). With
+/// 256-bit VNNI (V) as there; without, `vpmaddubsw` pairs of a sub-block's eight lines summed in
+/// 16 bits (16 products of 15 * 127 fit) and `vpmaddwd` by the rows' scales, and the minima by
+/// `vpmaddwd`. The same exact sums, so the same bits.
+#[inline(always)]
+unsafe fn dot_group_k4_256<V: Dp256, const N: usize>(
+    group: &[u8],
+    x: [&[BlockQ8K]; N],
+    next: &[u8],
+) -> [[f32; GROUP_ROWS]; N] {
+    let steps = group.len() / K4_STEP_BYTES;
+    debug_assert!(group.len() == steps * K4_STEP_BYTES && x.iter().all(|x| x.len() == steps));
+    let nibble = _mm256_set1_epi8(0x0F);
+    let zero = _mm256_setzero_si256();
+    let side_by_side = match N {
+        1 => 4,
+        2 => 2,
+        _ => 1,
+    };
+    let mut acc = [[_mm256_setzero_ps(); 2]; N];
+    let next = [next];
+    let mut prefetch = PrefetchL2::new(&next, steps);
+    for s in 0..steps {
+        prefetch.step();
+        let step = group.as_ptr().add(s * K4_STEP_BYTES);
+        let a: [&BlockQ8K; N] = std::array::from_fn(|t| x[t].get_unchecked(s));
+        let four = |t: usize, at: usize| {
+            _mm256_set1_epi32((a[t].qs.as_ptr().add(at) as *const i32).read_unaligned())
+        };
+        for h in 0..2 {
+            let mut sums = [zero; N];
+            for g0 in (0..4).step_by(side_by_side) {
+                let (mut lo, mut hi) = ([[zero; N]; 4], [[zero; N]; 4]);
+                for i in 0..8 {
+                    for g in g0..g0 + side_by_side {
+                        let at = step.add(64 * (8 * g + i) + 32 * h);
+                        let w = _mm256_loadu_si256(at as *const _);
+                        let wl = _mm256_and_si256(w, nibble);
+                        let wh = _mm256_and_si256(_mm256_srli_epi16::<4>(w), nibble);
+                        for t in 0..N {
+                            let (k, al, ah) =
+                                (g - g0, four(t, 64 * g + 4 * i), four(t, 64 * g + 32 + 4 * i));
+                            if V::ON {
+                                lo[k][t] = V::dpbusd(lo[k][t], wl, al);
+                                hi[k][t] = V::dpbusd(hi[k][t], wh, ah);
+                            } else {
+                                lo[k][t] = _mm256_add_epi16(lo[k][t], _mm256_maddubs_epi16(wl, al));
+                                hi[k][t] = _mm256_add_epi16(hi[k][t], _mm256_maddubs_epi16(wh, ah));
+                            }
+                        }
+                    }
+                }
+                for g in g0..g0 + side_by_side {
+                    let scale = |j: usize| {
+                        let at = step.add(K4_SCALES_AT + 16 * j + 8 * h);
+                        _mm256_cvtepu8_epi32(_mm_loadl_epi64(at as *const _))
+                    };
+                    let (sl, sh) = (scale(2 * g), scale(2 * g + 1));
+                    for t in 0..N {
+                        let k = g - g0;
+                        let both = if V::ON {
+                            _mm256_add_epi32(
+                                _mm256_mullo_epi32(lo[k][t], sl),
+                                _mm256_mullo_epi32(hi[k][t], sh),
+                            )
+                        } else {
+                            // the scale in both 16-bit halves of its lane
+                            let (sl, sh) = (
+                                _mm256_or_si256(sl, _mm256_slli_epi32::<16>(sl)),
+                                _mm256_or_si256(sh, _mm256_slli_epi32::<16>(sh)),
+                            );
+                            _mm256_add_epi32(
+                                _mm256_madd_epi16(lo[k][t], sl),
+                                _mm256_madd_epi16(hi[k][t], sh),
+                            )
+                        };
+                        sums[t] = _mm256_add_epi32(sums[t], both);
+                    }
+                }
+            }
+            let mut mins = [zero; N];
+            for k in 0..4 {
+                let at = step.add(K4_MINS_AT + 32 * k + 16 * h);
+                let pairs = _mm256_cvtepu8_epi16(_mm_loadu_si128(at as *const _));
+                for t in 0..N {
+                    let b = (a[t].bsums32.as_ptr().add(2 * k) as *const i32).read_unaligned();
+                    let b = _mm256_set1_epi32(b);
+                    mins[t] = match V::ON {
+                        true => V::dpwssd(mins[t], pairs, b),
+                        false => _mm256_add_epi32(mins[t], _mm256_madd_epi16(pairs, b)),
+                    };
+                }
+            }
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(step.add(K4_D_AT + 16 * h) as *const _));
+            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(step.add(K4_DMIN_AT + 16 * h) as *const _));
+            for t in 0..N {
+                let da = _mm256_set1_ps(a[t].d);
+                let sums = _mm256_cvtepi32_ps(sums[t]);
+                acc[t][h] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, da), acc[t][h]);
+                let mins = _mm256_cvtepi32_ps(mins[t]);
+                acc[t][h] = _mm256_fnmadd_ps(mins, _mm256_mul_ps(dmin, da), acc[t][h]);
+            }
+        }
+    }
+    let mut out = [[0.0f32; GROUP_ROWS]; N];
+    for t in 0..N {
+        _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t][0]);
+        _mm256_storeu_ps(out[t].as_mut_ptr().add(8), acc[t][1]);
+    }
+    out
+}
+
 /// A level's dots of a group with N tokens' activations (`dot_group`, `dot_group_256`), as a
 /// type, so that `rows_all_tokens_with` is compiled once per level with its features.
 trait GroupDots {
@@ -205,12 +415,75 @@ impl GroupDots for Avx512Dots {
     }
 }
 
-struct Avx2Dots<V>(std::marker::PhantomData<V>);
-impl<V: Dp256> GroupDots for Avx2Dots<V> {
+/// Q4_K's dots at AVX-512.
+struct K4Avx512Dots;
+impl GroupDots for K4Avx512Dots {
+    type Acts<'a> = &'a [BlockQ8K];
+    type Token<'a> = &'a [BlockQ8K];
+    fn token<'a>(acts: Self::Acts<'a>, n: usize, t: usize) -> Self::Token<'a> {
+        share(acts, n, t)
+    }
+    #[inline(always)]
+    unsafe fn dot<const N: usize>(
+        group: &[u8],
+        x: [&[BlockQ8K]; N],
+        next: &[u8],
+    ) -> [[f32; GROUP_ROWS]; N] {
+        dot_group_k4::<N>(group, x, next)
+    }
+}
+
+/// A type's dots at the 256-bit levels, in any 256-bit VNNI encoding or none.
+pub(crate) trait Dots256 {
+    type Acts<'a>: Copy;
+    fn token<'a>(acts: Self::Acts<'a>, n: usize, t: usize) -> Self::Acts<'a>;
+    unsafe fn dot<V: Dp256, const N: usize>(
+        group: &[u8],
+        x: [Self::Acts<'_>; N],
+        next: &[u8],
+    ) -> [[f32; GROUP_ROWS]; N];
+}
+
+/// Q4_0 at the 256-bit levels: `Activations::q8` and `Activations::q8_bias`.
+pub(crate) struct Q4_0Dots256;
+impl Dots256 for Q4_0Dots256 {
     type Acts<'a> = (&'a [BlockQ8Act], &'a [i32]);
-    type Token<'a> = (&'a [BlockQ8Act], &'a [i32]);
-    fn token<'a>((q8, bias): Self::Acts<'a>, n: usize, t: usize) -> Self::Token<'a> {
+    fn token<'a>((q8, bias): Self::Acts<'a>, n: usize, t: usize) -> Self::Acts<'a> {
         (share(q8, n, t), share(bias, n, t))
+    }
+    #[inline(always)]
+    unsafe fn dot<V: Dp256, const N: usize>(
+        group: &[u8],
+        x: [Self::Acts<'_>; N],
+        next: &[u8],
+    ) -> [[f32; GROUP_ROWS]; N] {
+        dot_group_256::<V, N>(group, (x.map(|x| x.0), x.map(|x| x.1)), next)
+    }
+}
+
+/// Q4_K at the 256-bit levels: `Activations::q8k`.
+pub(crate) struct Q4KDots256;
+impl Dots256 for Q4KDots256 {
+    type Acts<'a> = &'a [BlockQ8K];
+    fn token<'a>(acts: Self::Acts<'a>, n: usize, t: usize) -> Self::Acts<'a> {
+        share(acts, n, t)
+    }
+    #[inline(always)]
+    unsafe fn dot<V: Dp256, const N: usize>(
+        group: &[u8],
+        x: [Self::Acts<'_>; N],
+        next: &[u8],
+    ) -> [[f32; GROUP_ROWS]; N] {
+        dot_group_k4_256::<V, N>(group, x, next)
+    }
+}
+
+struct Avx2Dots<V, F>(std::marker::PhantomData<(V, F)>);
+impl<V: Dp256, F: Dots256> GroupDots for Avx2Dots<V, F> {
+    type Acts<'a> = F::Acts<'a>;
+    type Token<'a> = F::Acts<'a>;
+    fn token<'a>(acts: Self::Acts<'a>, n: usize, t: usize) -> Self::Token<'a> {
+        F::token(acts, n, t)
     }
     #[inline(always)]
     unsafe fn dot<const N: usize>(
@@ -218,7 +491,7 @@ impl<V: Dp256> GroupDots for Avx2Dots<V> {
         x: [Self::Token<'_>; N],
         next: &[u8],
     ) -> [[f32; GROUP_ROWS]; N] {
-        dot_group_256::<V, N>(group, (x.map(|x| x.0), x.map(|x| x.1)), next)
+        F::dot::<V, N>(group, x, next)
     }
 }
 
@@ -235,7 +508,7 @@ unsafe fn rows_all_tokens_with<K: GroupDots>(
 ) {
     let token = |t: usize| K::token(acts, n, t);
     let (g0, g1) = (rows.start / GROUP_ROWS, rows.end / GROUP_ROWS);
-    let gb = group_bytes(w.cols);
+    let gb = group_bytes(w.dtype, w.cols);
     for g in g0..g1 {
         let group = w.group(g);
         let next = match g + 1 < g1 {
@@ -260,7 +533,8 @@ unsafe fn rows_all_tokens_with<K: GroupDots>(
     }
 }
 
-/// `rows_all_tokens_with` at AVX-512 (`quads`: `Activations::quads`, n * cols / 128).
+/// `rows_all_tokens_with` of a Q4_0 matrix at AVX-512 (`quads`: `Activations::quads`,
+/// n * cols / 128).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn rows_all_tokens(
     w: &Interleaved,
@@ -272,57 +546,67 @@ pub(crate) unsafe fn rows_all_tokens(
     rows_all_tokens_with::<Avx512Dots>(w, rows, quads, n, put)
 }
 
-/// `rows_all_tokens_with` at AVX2, with 256-bit VNNI in the given encoding or without (`q8`:
-/// `Activations::q8`, n * cols / 32; `q8_bias`: `Activations::q8_bias`, n * cols / 32 or
-/// empty).
+/// `rows_all_tokens_with` of a Q4_K matrix at AVX-512 (`q8k`: `Activations::q8k`,
+/// n * cols / 256).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn rows_all_tokens_k4(
+    w: &Interleaved,
+    rows: std::ops::Range<usize>,
+    q8k: &[BlockQ8K],
+    n: usize,
+    put: impl Fn(usize, usize, &[f32]),
+) {
+    rows_all_tokens_with::<K4Avx512Dots>(w, rows, q8k, n, put)
+}
+
+/// `rows_all_tokens_with` at AVX2 of a matrix whose type F reads (`Q4_0Dots256`,
+/// `Q4KDots256`), with 256-bit VNNI in the given encoding or without.
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C, and the encoding's features.
-pub(crate) unsafe fn rows_all_tokens_256(
+pub(crate) unsafe fn rows_all_tokens_256<F: Dots256>(
     vnni: Option<Vnni256>,
     w: &Interleaved,
     rows: std::ops::Range<usize>,
-    (q8, q8_bias): (&[BlockQ8Act], &[i32]),
+    x: F::Acts<'_>,
     n: usize,
     put: impl Fn(usize, usize, &[f32]),
 ) {
     type Range = std::ops::Range<usize>;
-    type Acts<'a> = (&'a [BlockQ8Act], &'a [i32]);
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn plain(
+    unsafe fn plain<F: Dots256>(
         w: &Interleaved,
         rows: Range,
-        x: Acts,
+        x: F::Acts<'_>,
         n: usize,
         put: impl Fn(usize, usize, &[f32]),
     ) {
-        rows_all_tokens_with::<Avx2Dots<NoVnni>>(w, rows, x, n, put)
+        rows_all_tokens_with::<Avx2Dots<NoVnni, F>>(w, rows, x, n, put)
     }
     #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    unsafe fn vex(
+    unsafe fn vex<F: Dots256>(
         w: &Interleaved,
         rows: Range,
-        x: Acts,
+        x: F::Acts<'_>,
         n: usize,
         put: impl Fn(usize, usize, &[f32]),
     ) {
-        rows_all_tokens_with::<Avx2Dots<Vex>>(w, rows, x, n, put)
+        rows_all_tokens_with::<Avx2Dots<Vex, F>>(w, rows, x, n, put)
     }
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    unsafe fn evex(
+    unsafe fn evex<F: Dots256>(
         w: &Interleaved,
         rows: Range,
-        x: Acts,
+        x: F::Acts<'_>,
         n: usize,
         put: impl Fn(usize, usize, &[f32]),
     ) {
-        rows_all_tokens_with::<Avx2Dots<Evex>>(w, rows, x, n, put)
+        rows_all_tokens_with::<Avx2Dots<Evex, F>>(w, rows, x, n, put)
     }
-    let x = (q8, q8_bias);
     match vnni {
-        None => plain(w, rows, x, n, put),
-        Some(Vnni256::Vex) => vex(w, rows, x, n, put),
-        Some(Vnni256::Evex) => evex(w, rows, x, n, put),
+        None => plain::<F>(w, rows, x, n, put),
+        Some(Vnni256::Vex) => vex::<F>(w, rows, x, n, put),
+        Some(Vnni256::Evex) => evex::<F>(w, rows, x, n, put),
     }
 }
 
@@ -330,8 +614,10 @@ pub(crate) unsafe fn rows_all_tokens_256(
 mod tests {
     use super::*;
     use crate::matmul::Activations;
-    use crate::quant::interleaved::{dot_group_scalar, interleave, FloatSteps};
-    use crate::quant::{quantize_row, DType, QK};
+    use crate::quant::interleaved::{
+        dot_group_k4_scalar, dot_group_scalar, interleave, matrix_bytes, FloatSteps,
+    };
+    use crate::quant::{quantize_row, DType, QK, QK_K};
     use crate::sampler::Rng;
     use crate::simd::{simd_level, vnni256_encodings, SimdLevel};
 
@@ -340,17 +626,26 @@ mod tests {
         (0..n).map(|_| rng.next_f32() * 2.0 - 1.0).collect()
     }
 
-    /// Random Q4_0 matrices (a row of the largest magnitudes, one of zeros) in both layouts,
-    /// and n tokens' activations (some large), for each shape and n from 1 to 16.
-    fn cases(mut check: impl FnMut(&[u8], &Interleaved, &Activations)) {
-        for (rows, cols) in [(16, 128), (32, 512), (48, 768), (16, 2048)] {
-            let mut w = random(rows * cols, rows as u64);
-            w[..cols].iter_mut().for_each(|v| *v = if *v > 0.0 { 1.0 } else { -1.0 });
-            w[cols..2 * cols].fill(0.0);
-            let src: Vec<u8> = w.chunks(cols).flat_map(|r| quantize_row(DType::Q4_0, r)).collect();
-            let mut packed = vec![0u8; src.len()];
-            interleave(&src, rows, cols, &mut packed);
-            let m = Interleaved::new(rows, cols, &packed);
+    /// Random matrices of `dtype` (a row of the largest magnitudes, one of zeros) in both
+    /// layouts, and n tokens' activations (some large), for each shape and n from 1 to 16.
+    fn cases_of(dtype: DType, mut check: impl FnMut(&[u8], &Interleaved, &Activations)) {
+        let shapes = match dtype {
+            DType::Q4_0 => [(16, 128), (32, 512), (48, 768), (16, 2048)],
+            _ => [(16, 256), (32, 512), (48, 768), (16, 2048)],
+        };
+        for (rows, cols) in shapes {
+            let src: Vec<u8> = match dtype {
+                DType::Q4_0 => {
+                    let mut w = random(rows * cols, rows as u64);
+                    w[..cols].iter_mut().for_each(|v| *v = if *v > 0.0 { 1.0 } else { -1.0 });
+                    w[cols..2 * cols].fill(0.0);
+                    w.chunks(cols).flat_map(|r| quantize_row(dtype, r)).collect()
+                }
+                _ => crate::quant::interleaved::tests::q4_k_rows(rows, cols, rows as u64),
+            };
+            let mut packed = vec![0u8; matrix_bytes(dtype, rows, cols)];
+            interleave(dtype, &src, rows, cols, &mut packed);
+            let m = Interleaved::new(dtype, rows, cols, &packed);
             for n in [1, 2, 3, 4, 5, 6, 7, 8, 11, 16] {
                 let mut x = random(n * cols, 100 + n as u64);
                 x[..cols.min(64)].iter_mut().for_each(|v| *v *= 1e3);
@@ -359,6 +654,10 @@ mod tests {
                 check(&src, &m, &acts);
             }
         }
+    }
+
+    fn cases(check: impl FnMut(&[u8], &Interleaved, &Activations)) {
+        cases_of(DType::Q4_0, check)
     }
 
     /// The interleaved product's values (n, rows) by `run(put)`.
@@ -414,7 +713,8 @@ mod tests {
             let nb = cols / QK;
             for &vnni in &vnnis {
                 let got = collect(rows, n, |put| unsafe {
-                    rows_all_tokens_256(vnni, m, 0..rows, (&acts.q8, &acts.q8_bias), n, put)
+                    let x = (&acts.q8[..], &acts.q8_bias[..]);
+                    rows_all_tokens_256::<Q4_0Dots256>(vnni, m, 0..rows, x, n, put)
                 });
                 for t in 0..n {
                     let q8 = &acts.q8[t * nb..(t + 1) * nb];
@@ -432,5 +732,64 @@ mod tests {
                 }
             }
         });
+    }
+
+    /// The Q4_K layout at `level` (AVX-512, or AVX2 with each 256-bit VNNI encoding and none)
+    /// against the scalar twin, the file layout's scalar dot and its product at this run's level,
+    /// bit for bit (the file layout's super-block kernels give the same bits at every level).
+    fn q4_k_equals_twin_and_file_layout(level: SimdLevel) {
+        let vnnis: Vec<Option<Vnni256>> = match level {
+            SimdLevel::Avx512 => vec![None],
+            _ => [None].into_iter().chain(vnni256_encodings().into_iter().map(Some)).collect(),
+        };
+        cases_of(DType::Q4_K, |src, m, acts| {
+            let (rows, cols, n) = (m.rows, m.cols, acts.n);
+            let nb = cols / QK_K;
+            let file = crate::matmul::QMatrix { dtype: DType::Q4_K, rows, cols, data: src };
+            let mut want = vec![0.0f32; n * rows];
+            crate::matmul::matmul(&file, acts, &mut want);
+            let row_bytes = DType::Q4_K.row_bytes(cols);
+            for &vnni in &vnnis {
+                let got = collect(rows, n, |put| unsafe {
+                    match level {
+                        SimdLevel::Avx512 => rows_all_tokens_k4(m, 0..rows, &acts.q8k, n, put),
+                        _ => rows_all_tokens_256::<Q4KDots256>(vnni, m, 0..rows, &acts.q8k, n, put),
+                    }
+                });
+                for t in 0..n {
+                    let q8k = &acts.q8k[t * nb..(t + 1) * nb];
+                    let twin: Vec<f32> =
+                        (0..rows / 16).flat_map(|g| dot_group_k4_scalar(m.group(g), q8k)).collect();
+                    for r in 0..rows {
+                        let row = &src[r * row_bytes..(r + 1) * row_bytes];
+                        let [d] = crate::quant::q256::dot_scalar(DType::Q4_K, row, [q8k]);
+                        let (g, s, f) = (got[t * rows + r], twin[r], want[t * rows + r]);
+                        let at =
+                            format!("{level:?} {vnni:?} {rows}x{cols} n {n} token {t} row {r}");
+                        assert_eq!(g.to_bits(), s.to_bits(), "{at}: {g} vs twin {s}");
+                        assert_eq!(g.to_bits(), d.to_bits(), "{at}: {g} vs file layout's dot {d}");
+                        assert_eq!(g.to_bits(), f.to_bits(), "{at}: {g} vs file layout {f}");
+                    }
+                }
+            }
+        });
+    }
+
+    #[test]
+    fn q4_k_avx512_groups_equal_the_scalar_twin_and_the_file_layouts_products_bit_for_bit() {
+        if simd_level() != SimdLevel::Avx512 {
+            eprintln!("skipped: needs AVX-512 VNNI (this run's level: {:?})", simd_level());
+            return;
+        }
+        q4_k_equals_twin_and_file_layout(SimdLevel::Avx512);
+    }
+
+    #[test]
+    fn q4_k_avx2_groups_equal_the_scalar_twin_and_the_file_layouts_products_bit_for_bit() {
+        if !simd_level().has_avx2() {
+            eprintln!("skipped: needs AVX2 (this run's level: {:?})", simd_level());
+            return;
+        }
+        q4_k_equals_twin_and_file_layout(SimdLevel::Avx2);
     }
 }
