@@ -118,12 +118,20 @@ unsafe fn dot_group_256<V: Dp256, const N: usize>(
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); 2]; N];
     let next = [next];
-    // (the next group's lines asked for once a block, a few at a time, `dot_group_k4`)
-    let mut prefetch = PrefetchL2::new(&next, STEP_BLOCKS * steps);
+    // (for one token the next group's lines asked for once a block, `dot_group_k4`: decode of
+    // a 4-layer Qwen3-30B-A3B-shape Q4_0 model at AVX-VNNI on a 2-core Intel Xeon 137-141 ->
+    // 148-156 tok/s)
+    let spread = N == 1;
+    let mut prefetch = PrefetchL2::new(&next, if spread { STEP_BLOCKS * steps } else { steps });
     for s in 0..steps {
+        if !spread {
+            prefetch.step();
+        }
         let step = group.as_ptr().add(s * STEP_BYTES);
         for c in 0..STEP_BLOCKS {
-            prefetch.step();
+            if spread {
+                prefetch.step();
+            }
             let a: [&BlockQ8Act; N] =
                 std::array::from_fn(|t| x[t].get_unchecked(STEP_BLOCKS * s + c));
             let bias: [i32; N] = std::array::from_fn(|t| match q8_bias[t] {
@@ -204,9 +212,17 @@ pub(crate) unsafe fn dot_group_k4<const N: usize>(
     };
     let mut acc = [_mm512_setzero_ps(); N];
     let next = [next];
-    // (the next group's lines asked for eight times a step, a few at a time)
-    let mut prefetch = PrefetchL2::new(&next, 8 * steps);
+    // One token's pass waits on memory: the next group's lines asked for eight times a step, a
+    // few at a time, not all at the step's start, which stalls at the prefetches once the
+    // misses in flight fill L2's queue (a 4-layer Qwen3-30B-A3B-shape Q4_K_M model's decode on
+    // a 2-core Intel Xeon 140 -> 156-166 tok/s). Several tokens' passes are bound by their
+    // instructions, and asking in the loop costs them a quarter (prefill 640-680 -> 480-520).
+    let spread = N == 1;
+    let mut prefetch = PrefetchL2::new(&next, if spread { 8 * steps } else { steps });
     for s in 0..steps {
+        if !spread {
+            prefetch.step();
+        }
         let step = group.as_ptr().add(s * K4_STEP_BYTES);
         let a: [&BlockQ8K; N] = std::array::from_fn(|t| x[t].get_unchecked(s));
         let mut sums = [zero; N];
@@ -214,7 +230,7 @@ pub(crate) unsafe fn dot_group_k4<const N: usize>(
             // sub-blocks 2g (low nibbles) and 2g + 1 (high) of chunks g0..g0 + side_by_side
             let (mut lo, mut hi) = ([[zero; N]; 4], [[zero; N]; 4]);
             for i in 0..8 {
-                if g0 == 0 {
+                if spread {
                     prefetch.step();
                 }
                 for g in g0..g0 + side_by_side {
@@ -292,9 +308,13 @@ unsafe fn dot_group_k4_256<V: Dp256, const N: usize>(
     };
     let mut acc = [[_mm256_setzero_ps(); 2]; N];
     let next = [next];
-    // (the next group's lines asked for eight times a half step, `dot_group_k4`)
-    let mut prefetch = PrefetchL2::new(&next, 16 * steps);
+    // (for one token the next group's lines asked for eight times a half step, `dot_group_k4`)
+    let spread = N == 1;
+    let mut prefetch = PrefetchL2::new(&next, if spread { 16 * steps } else { steps });
     for s in 0..steps {
+        if !spread {
+            prefetch.step();
+        }
         let step = group.as_ptr().add(s * K4_STEP_BYTES);
         let a: [&BlockQ8K; N] = std::array::from_fn(|t| x[t].get_unchecked(s));
         let four = |t: usize, at: usize| {
@@ -305,7 +325,7 @@ unsafe fn dot_group_k4_256<V: Dp256, const N: usize>(
             for g0 in (0..4).step_by(side_by_side) {
                 let (mut lo, mut hi) = ([[zero; N]; 4], [[zero; N]; 4]);
                 for i in 0..8 {
-                    if g0 == 0 {
+                    if spread {
                         prefetch.step();
                     }
                     for g in g0..g0 + side_by_side {
