@@ -370,7 +370,8 @@ def test_an_expert_count_of_zero_is_named(tmp_path):
 def test_gpt_oss_mxfp4_experts_match_float64_reference(tmp_path):
     """gpt-oss as its files come: MXFP4 experts (the rest Q8_0 here), each token alone against
     the reference that rounds activations to int8; a prompt equals the same tokens one at a
-    time, bit for bit."""
+    time, bit for bit, and the experts interleaved in a copy in memory (AVX2 and up) equal the
+    file's mapped layout."""
     path = write_moe(tmp_path / "m.gguf", "gpt-oss", Q.Q8_0, experts=dict(dtype=Q.MXFP4))
     types = {t["name"]: t["type"] for t in _core.GgufFile(path).tensors()}
     assert types["blk.0.ffn_down_exps.weight"] == "MXFP4"
@@ -387,6 +388,11 @@ def test_gpt_oss_mxfp4_experts_match_float64_reference(tmp_path):
     whole = _core.Session(model, 64, "f32").eval(ids, all_logits=True)
     one = _core.Session(model, 64, "f32")
     np.testing.assert_array_equal(np.stack([one.eval([t]) for t in ids]), whole)
+    for in_memory in (False, True):
+        other = _core.Model(path, 2, in_memory)
+        np.testing.assert_array_equal(
+            _core.Session(other, 64, "f32").eval(ids, all_logits=True), whole
+        )
 
 
 def test_each_of_gpt_oss_differences_is_in_the_logits(tmp_path):

@@ -385,8 +385,8 @@ pub fn matmul_each(mats: &[QMatrix], xs: &[&Activations], outs: &mut [&mut [f32]
     products_each(mats, xs, outs)
 }
 
-/// A matrix the CPU's products read: in its file's layout, or a Q4_0, Q4_K or Q6_K matrix
-/// interleaved (`quant::interleaved`; a mixture of experts' experts of those types at AVX2 and
+/// A matrix the CPU's products read: in its file's layout, or a Q4_0, Q4_K, Q6_K or MXFP4
+/// matrix interleaved (`quant::interleaved`; a mixture of experts' experts of those types at AVX2 and
 /// up, where `Model::load` copies the weights into memory). The same values either way, bit for
 /// bit.
 #[derive(Clone, Copy)]
@@ -479,11 +479,11 @@ impl Product for Weight<'_> {
             Weight::Interleaved(m) if level == SimdLevel::Avx512 => {
                 use quant::interleaved_x86::{rows_all_tokens, rows_all_tokens_k};
                 // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI, avx2,
-                // fma and f16c; `quads` (Q4_0) or `q8k` (Q4_K, Q6_K) holds the n tokens (asserted
-                // by `products_each`)
+                // fma and f16c; `quads` (Q4_0, MXFP4) or `q8k` (Q4_K, Q6_K) holds the n tokens
+                // (asserted by `products_each`)
                 unsafe {
                     match m.dtype {
-                        DType::Q4_0 => rows_all_tokens(m, rows, &x.quads, x.n, put),
+                        DType::Q4_0 | DType::MXFP4 => rows_all_tokens(m, rows, &x.quads, x.n, put),
                         _ => rows_all_tokens_k(m, rows, &x.q8k, x.n, put),
                     }
                 }
@@ -491,7 +491,7 @@ impl Product for Weight<'_> {
             #[cfg(target_arch = "x86_64")]
             Weight::Interleaved(m) if level == SimdLevel::Avx2 => {
                 use quant::interleaved_x86::{
-                    rows_all_tokens_256, Q4KDots256, Q4_0Dots256, Q6KDots256,
+                    rows_all_tokens_256, MxDots256, Q4KDots256, Q4_0Dots256, Q6KDots256,
                 };
                 // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c, `vnni256`
                 // in an encoding it has; `q8` (Q4_0) or `q8k` (Q4_K) holds the n tokens
@@ -503,6 +503,9 @@ impl Product for Weight<'_> {
                             let acts = (&x.q8[..], &x.q8_bias[..]);
                             rows_all_tokens_256::<Q4_0Dots256>(vnni, m, rows, acts, x.n, put)
                         }
+                        DType::MXFP4 => {
+                            rows_all_tokens_256::<MxDots256>(vnni, m, rows, &x.q8, x.n, put)
+                        }
                         DType::Q4_K => {
                             rows_all_tokens_256::<Q4KDots256>(vnni, m, rows, &x.q8k, x.n, put)
                         }
@@ -513,7 +516,8 @@ impl Product for Weight<'_> {
             // (`Model::load` interleaves where the SIMD kernels run; the twins serve the rest)
             Weight::Interleaved(m) => {
                 use quant::interleaved::{
-                    dot_group_k4_scalar, dot_group_k6_scalar, dot_group_scalar, FloatSteps,
+                    dot_group_k4_scalar, dot_group_k6_scalar, dot_group_mx_scalar,
+                    dot_group_scalar, FloatSteps,
                 };
                 let group_rows = quant::interleaved::GROUP_ROWS;
                 for g in rows.start / group_rows..rows.end / group_rows {
@@ -523,6 +527,11 @@ impl Product for Weight<'_> {
                                 let nb = m.cols / QK;
                                 let q8 = &x.q8[t * nb..(t + 1) * nb];
                                 dot_group_scalar(m.group(g), q8, FloatSteps::FmaPerBlock)
+                            }
+                            DType::MXFP4 => {
+                                let nb = m.cols / QK;
+                                let q8 = &x.q8[t * nb..(t + 1) * nb];
+                                dot_group_mx_scalar(m.group(g), q8, FloatSteps::FmaPerBlock)
                             }
                             DType::Q4_K => {
                                 let nb = m.cols / QK_K;
@@ -555,8 +564,9 @@ fn products_each<M: Product>(mats: &[M], xs: &[&Activations], outs: &mut [&mut [
         if m.dtype().reads_q8k() {
             assert_eq!(x.q8k.len(), x.n * x.cols / QK_K);
         }
-        // (Q4_0's interleaved layout, whose AVX-512 kernel reads the quads)
-        if m.dtype() == DType::Q4_0 && m.row_step() > 4 && simd_level() == SimdLevel::Avx512 {
+        // (Q4_0's and MXFP4's interleaved layouts, whose AVX-512 kernels read the quads)
+        let reads_quads = matches!(m.dtype(), DType::Q4_0 | DType::MXFP4);
+        if reads_quads && m.row_step() > 4 && simd_level() == SimdLevel::Avx512 {
             assert_eq!(x.quads.len(), x.n * quant::act_quads(x.cols / QK));
         }
     }

@@ -1314,10 +1314,10 @@ fn moe_weights<'a>(file: &'a GgufFile, i: usize, c: &Config, moe: &Moe) -> Resul
 /// Whether the CPU reads tensor `t` of a model configured as `c` interleaved
 /// (`quant::interleaved`, built by `Model::load` when it copies the weights into memory; the
 /// copy leaves the file's layout in the file's map for every other reader): an expert tensor
-/// (gate, up or down) in a type with an interleaved layout (Q4_0, Q4_K, Q6_K) whose experts'
-/// shapes fit, where the layout's SIMD kernels run (AVX2 and up), of a model whose experts run
-/// densely (a ReLU-family gate has its experts read single up rows, which the layout does not
-/// keep together). A 4-layer Qwen3-30B-A3B-shape model against llama.cpp
+/// (gate, up or down) in a type with an interleaved layout (Q4_0, Q4_K, Q6_K, MXFP4) whose
+/// experts' shapes fit, where the layout's SIMD kernels run (AVX2 and up), of a model whose
+/// experts run densely (a ReLU-family gate has its experts read single up rows, which the
+/// layout does not keep together). A 4-layer Qwen3-30B-A3B-shape model against llama.cpp
 /// (`benches/moe_vs_llamacpp.py`, docs/performance.md): Q4_0 on the 2-core AMD EPYC (Zen 4),
 /// AVX-512 prefill 1.20-1.52x -> 1.68-2.00x, decode 1.06-1.12x -> 1.10-1.37x; Q4_K_M (its
 /// gate and up Q4_K) on a 2-core Intel Xeon, prefill 1.44-1.49x -> 1.91-1.93x at AVX-512,

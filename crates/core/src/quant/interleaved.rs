@@ -1,6 +1,6 @@
 //! Matrices with sixteen rows interleaved, a row per 32-bit lane: the layout the CPU's products
-//! read a mixture of experts' Q4_0 and Q4_K experts in (as llama.cpp's CPU backend repacks them
-//! into `q4_0_8x8` and `q4_K_8x8` at load). In the file's layout a one-token product reads four
+//! read a mixture of experts' Q4_0, Q4_K, Q6_K and MXFP4 experts in (as llama.cpp's CPU backend
+//! repacks Q4_0 and Q4_K into `q4_0_8x8` and `q4_K_8x8` at load). In the file's layout a one-token product reads four
 //! rows per kernel call, each block's bytes after its scales, and spends about a third of its
 //! instructions gathering the bytes out of the blocks and summing each row's lanes; here
 //! sixteen rows' bytes lie side by side, so one 512-bit load holds four bytes of every row, one
@@ -26,12 +26,17 @@
 //! scale of sub-block k (16 weights, signed), a byte per row, at 3072 + 16k; the rows' f16 d at
 //! 3328.
 //!
+//! MXFP4, as Q4_0 with its blocks' E8M0 exponents for scales (a byte per row and block, block
+//! c's at 1024 + 16c), the file's size; a row of an odd number of block pairs ends in a half
+//! step of two blocks (544 bytes: quants at 64 (4c + k), exponents at 512 + 16c), as gpt-oss's
+//! 2880 columns (90 blocks) do.
+//!
 //! The arithmetic is the file layout's kernels' at each level lane for lane: a block's products
-//! summed exactly in integers, then the level's float steps (`FloatSteps` for Q4_0,
+//! summed exactly in integers, then the level's float steps (`FloatSteps` for Q4_0 and MXFP4,
 //! `q256::block_step` for Q4_K and Q6_K); so a row's dot is bit for bit the one the file's layout gives at
 //! that level, and the same in a prompt as alone.
 
-use super::chunks::{k4_scales, BlockQ4K, BlockQ6K};
+use super::chunks::{e8m0_half, k4_scales, BlockMXFP4, BlockQ4K, BlockQ6K, MXFP4_VALUES};
 use super::q256::{block_step, BlockQ8K};
 use super::{f16_to_f32, BlockQ4_0, BlockQ8Act, DType, QK, QK_K};
 
@@ -63,19 +68,37 @@ pub const K6_STEP_BYTES: usize = K6_D_AT + 2 * GROUP_ROWS;
 const _: () = assert!(K6_STEP_BYTES == 3360);
 const _: () = assert!(std::mem::size_of::<BlockQ6K>() * GROUP_ROWS == K6_STEP_BYTES);
 
-/// A type's interleaved layout: its columns and bytes per step of sixteen rows.
+/// MXFP4's bytes per step of four blocks (a half step, the last of a row of an odd number of
+/// block pairs, takes half).
+pub const MX_STEP_BYTES: usize = STEP_BLOCKS * GROUP_ROWS * std::mem::size_of::<BlockMXFP4>();
+const _: () = assert!(MX_STEP_BYTES == 1088);
+
+/// A type's interleaved layout: its columns and bytes per step of sixteen rows, and what the
+/// columns must be a multiple of (a step's, or half of it where the last step may be a half).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Layout {
     pub dtype: DType,
     pub step_cols: usize,
     pub step_bytes: usize,
+    pub cols_multiple: usize,
 }
 
 /// The types with an interleaved layout.
-pub const LAYOUTS: [Layout; 3] = [
-    Layout { dtype: DType::Q4_0, step_cols: QK * STEP_BLOCKS, step_bytes: STEP_BYTES },
-    Layout { dtype: DType::Q4_K, step_cols: QK_K, step_bytes: K4_STEP_BYTES },
-    Layout { dtype: DType::Q6_K, step_cols: QK_K, step_bytes: K6_STEP_BYTES },
+pub const LAYOUTS: [Layout; 4] = [
+    Layout {
+        dtype: DType::Q4_0,
+        step_cols: QK * STEP_BLOCKS,
+        step_bytes: STEP_BYTES,
+        cols_multiple: QK * STEP_BLOCKS,
+    },
+    Layout { dtype: DType::Q4_K, step_cols: QK_K, step_bytes: K4_STEP_BYTES, cols_multiple: QK_K },
+    Layout { dtype: DType::Q6_K, step_cols: QK_K, step_bytes: K6_STEP_BYTES, cols_multiple: QK_K },
+    Layout {
+        dtype: DType::MXFP4,
+        step_cols: QK * STEP_BLOCKS,
+        step_bytes: MX_STEP_BYTES,
+        cols_multiple: 2 * QK,
+    },
 ];
 
 /// `dtype`'s interleaved layout, if it has one.
@@ -87,14 +110,20 @@ pub fn layout(dtype: DType) -> Option<Layout> {
 /// whole groups of rows and whole steps of columns.
 pub fn fits(dtype: DType, rows: usize, cols: usize) -> bool {
     layout(dtype).is_some_and(|l| {
-        rows.is_multiple_of(GROUP_ROWS) && cols.is_multiple_of(l.step_cols) && cols > 0
+        rows.is_multiple_of(GROUP_ROWS) && cols.is_multiple_of(l.cols_multiple) && cols > 0
     })
 }
 
 /// Bytes of one group of a matrix of `cols` columns (`fits`).
 pub fn group_bytes(dtype: DType, cols: usize) -> usize {
     let l = layout(dtype).expect("a type with an interleaved layout");
-    cols / l.step_cols * l.step_bytes
+    // (a half step last where the columns are an odd number of half steps)
+    cols / l.step_cols * l.step_bytes + cols % l.step_cols * l.step_bytes / l.step_cols
+}
+
+/// The blocks of MXFP4 step s of a row of `blocks` blocks: four, or two in a last half step.
+pub fn mx_step_blocks(blocks: usize, s: usize) -> usize {
+    (blocks - STEP_BLOCKS * s).min(STEP_BLOCKS)
 }
 
 /// Bytes of a (rows, cols) matrix of `dtype` interleaved (`fits`).
@@ -152,6 +181,13 @@ pub fn interleave(dtype: DType, src: &[u8], rows: usize, cols: usize, out: &mut 
     let row_bytes = dtype.row_bytes(cols);
     let l = layout(dtype).expect("fits");
     for (g, group) in out.chunks_exact_mut(group_bytes(dtype, cols)).enumerate() {
+        if dtype == DType::MXFP4 {
+            for r in 0..GROUP_ROWS {
+                let row = &src[(GROUP_ROWS * g + r) * row_bytes..][..row_bytes];
+                interleave_mxfp4(row, r, group);
+            }
+            continue;
+        }
         for (s, step) in group.chunks_exact_mut(l.step_bytes).enumerate() {
             for r in 0..GROUP_ROWS {
                 let row = &src[(GROUP_ROWS * g + r) * row_bytes..][..row_bytes];
@@ -176,6 +212,19 @@ fn interleave_q4_0(row: &[u8], s: usize, r: usize, step: &mut [u8]) {
         }
         let at = SCALES_AT + 32 * c + 2 * r;
         step[at..at + 2].copy_from_slice(d);
+    }
+}
+
+/// Row r's blocks (MXFP4) into its group.
+fn interleave_mxfp4(row: &[u8], r: usize, group: &mut [u8]) {
+    let blocks = super::cast_blocks::<BlockMXFP4>(row);
+    for (b, blk) in blocks.iter().enumerate() {
+        let (s, c) = (b / STEP_BLOCKS, b % STEP_BLOCKS);
+        let step = &mut group[s * MX_STEP_BYTES..];
+        for k in 0..4 {
+            step[64 * (4 * c + k) + 4 * r..][..4].copy_from_slice(&blk.qs[4 * k..4 * k + 4]);
+        }
+        step[256 * mx_step_blocks(blocks.len(), s) + 16 * c + r] = blk.e;
     }
 }
 
@@ -249,6 +298,48 @@ pub fn dot_group_scalar(group: &[u8], x: &[BlockQ8Act], steps: FloatSteps) -> [f
                     sum += ((q >> 4) as i32 - 8) * a.qs[i + 16] as i32;
                 }
                 let dd = f16_to_f32(d) * a.d;
+                match steps {
+                    FloatSteps::SumOfFour => *p = sum as f32 * dd,
+                    FloatSteps::FmaPerBlock => *acc = (sum as f32).mul_add(dd, *acc),
+                }
+            }
+            if steps == FloatSteps::SumOfFour {
+                *acc += (p[0] + p[1]) + (p[2] + p[3]);
+            }
+        }
+    }
+    out
+}
+
+/// Row r's block c of MXFP4 step s of a group of `blocks` blocks per row, as the file holds
+/// it (`interleave`'s inverse).
+pub fn mx_block_of(group: &[u8], blocks: usize, s: usize, r: usize, c: usize) -> BlockMXFP4 {
+    let step = &group[s * MX_STEP_BYTES..];
+    BlockMXFP4 {
+        e: step[256 * mx_step_blocks(blocks, s) + 16 * c + r],
+        qs: std::array::from_fn(|i| step[64 * (4 * c + i / 4) + 4 * r + i % 4]),
+    }
+}
+
+/// Scalar twin of the MXFP4 kernels: the sixteen rows of `group` against one token's activation
+/// blocks `x` (cols / 32), each block's products summed exactly, then `steps` (a half step's
+/// two blocks summed as a pair, what a zero-padded step of four gives).
+pub fn dot_group_mx_scalar(group: &[u8], x: &[BlockQ8Act], steps: FloatSteps) -> [f32; GROUP_ROWS] {
+    let blocks = x.len();
+    let mut out = [0.0f32; GROUP_ROWS];
+    for s in 0..blocks.div_ceil(STEP_BLOCKS) {
+        let n = mx_step_blocks(blocks, s);
+        for (r, acc) in out.iter_mut().enumerate() {
+            let mut p = [0.0f32; STEP_BLOCKS];
+            for (c, p) in p.iter_mut().enumerate().take(n) {
+                let blk = mx_block_of(group, blocks, s, r, c);
+                let a = &x[STEP_BLOCKS * s + c];
+                let mut sum = 0i32;
+                for (i, &q) in blk.qs.iter().enumerate() {
+                    sum += MXFP4_VALUES[(q & 15) as usize] as i32 * a.qs[i] as i32;
+                    sum += MXFP4_VALUES[(q >> 4) as usize] as i32 * a.qs[i + 16] as i32;
+                }
+                let dd = e8m0_half(blk.e) * a.d;
                 match steps {
                     FloatSteps::SumOfFour => *p = sum as f32 * dd,
                     FloatSteps::FmaPerBlock => *acc = (sum as f32).mul_add(dd, *acc),
@@ -507,6 +598,55 @@ pub(crate) mod tests {
                         want.to_bits(),
                         "{rows}x{cols} row {r}: {got} vs {want}"
                     );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn mxfp4_interleaving_moves_every_block_once_and_its_twin_is_the_file_layouts_dot() {
+        // 90 blocks a row (gpt-oss's 2880 columns) end in a half step
+        for (rows, cols) in [(16, 128), (32, 2880), (16, 64)] {
+            let src: Vec<u8> = (0..rows)
+                .flat_map(|r| crate::quant::chunks::tests::random_row(DType::MXFP4, cols, r as u64))
+                .collect();
+            let mut out = vec![0u8; matrix_bytes(DType::MXFP4, rows, cols)];
+            assert_eq!(out.len(), src.len(), "the file's size");
+            interleave(DType::MXFP4, &src, rows, cols, &mut out);
+            let m = Interleaved::new(DType::MXFP4, rows, cols, &out);
+            let nb = cols / QK;
+            let blocks = crate::quant::cast_blocks::<BlockMXFP4>(&src);
+            for r in 0..rows {
+                for b in 0..nb {
+                    let got = mx_block_of(m.group(r / 16), nb, b / 4, r % 16, b % 4);
+                    let want = &blocks[r * nb + b];
+                    assert_eq!(
+                        (got.e, got.qs),
+                        (want.e, want.qs),
+                        "{rows}x{cols} row {r} block {b}"
+                    );
+                }
+            }
+            let mut x = random(cols, 12);
+            x[..32].iter_mut().for_each(|v| *v *= 1e3);
+            let mut q8 = vec![BlockQ8Act::default(); nb];
+            crate::quant::quantize_act(&x, &mut q8);
+            // against the dequantized rows times the activations' values in f64
+            let row_bytes = DType::MXFP4.row_bytes(cols);
+            for steps in [FloatSteps::SumOfFour, FloatSteps::FmaPerBlock] {
+                for g in 0..rows / GROUP_ROWS {
+                    let got = dot_group_mx_scalar(m.group(g), &q8, steps);
+                    for (i, got) in got.into_iter().enumerate() {
+                        let r = GROUP_ROWS * g + i;
+                        let mut deq = vec![0.0f32; cols];
+                        let row = &src[r * row_bytes..(r + 1) * row_bytes];
+                        crate::quant::dequantize_row(DType::MXFP4, row, &mut deq);
+                        let act = |i: usize| q8[i / QK].qs[i % QK] as f64 * q8[i / QK].d as f64;
+                        let want: f64 = (0..cols).map(|i| deq[i] as f64 * act(i)).sum();
+                        let scale: f64 = (0..cols).map(|i| (deq[i] as f64 * act(i)).abs()).sum();
+                        let at = format!("{steps:?} {rows}x{cols} row {r}");
+                        assert!((got as f64 - want).abs() <= 1e-5 * scale, "{at}: {got} vs {want}");
+                    }
                 }
             }
         }

@@ -10,9 +10,12 @@
 
 use std::arch::x86_64::*;
 
+use super::chunks::{BlockMXFP4, MXFP4_VALUES};
+use super::interleaved::mx_step_blocks;
 use super::interleaved::{
     group_bytes, Interleaved, GROUP_ROWS, K4_DMIN_AT, K4_D_AT, K4_MINS_AT, K4_SCALES_AT,
-    K4_STEP_BYTES, K6_D_AT, K6_QH_AT, K6_SCALES_AT, K6_STEP_BYTES, STEP_BLOCKS, STEP_BYTES,
+    K4_STEP_BYTES, K6_D_AT, K6_QH_AT, K6_SCALES_AT, K6_STEP_BYTES, MX_STEP_BYTES, STEP_BLOCKS,
+    STEP_BYTES,
 };
 use super::q256::BlockQ8K;
 use super::DType;
@@ -596,6 +599,177 @@ unsafe fn dot_group_k6_256<V: Dp256, const N: usize>(
     out
 }
 
+/// Sixteen rows' E8M0 exponents `e` (a lane each) as `chunks::e8m0_half`'s f32s.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn e8m0_half_512(e: __m128i) -> __m512 {
+    let e = _mm512_cvtepu8_epi32(e);
+    let normal = _mm512_slli_epi32::<23>(_mm512_sub_epi32(e, _mm512_set1_epi32(1)));
+    let subnormal = _mm512_sllv_epi32(_mm512_set1_epi32(0x0020_0000), e);
+    let small = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+    _mm512_castsi512_ps(_mm512_mask_blend_epi32(small, normal, subnormal))
+}
+
+/// Eight rows' E8M0 exponents (the low 8 bytes of `e`) as `chunks::e8m0_half`'s f32s.
+#[inline(always)]
+unsafe fn e8m0_half_256(e: __m128i) -> __m256 {
+    let e = _mm256_cvtepu8_epi32(e);
+    let normal = _mm256_slli_epi32::<23>(_mm256_sub_epi32(e, _mm256_set1_epi32(1)));
+    let subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x0020_0000), e);
+    let small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, small))
+}
+
+/// The sixteen rows of an MXFP4 `group` against N tokens' activations (`Activations::quads`),
+/// as `dot_group` does Q4_0's: a nibble's doubled E2M1 value plus 128 by `vpshufb`, the sums
+/// started from -128 times the block's activations (16 times the quad's Q4_0 bias), the
+/// blocks' halved power-of-two scales for d, `FloatSteps::SumOfFour` (a last half step's pair
+/// alone, what its zero-padded quad adds).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_group_mx<const N: usize>(
+    group: &[u8],
+    x: [&[ActQuad]; N],
+    next: &[u8],
+) -> [[f32; GROUP_ROWS]; N] {
+    let blocks = group.len() / (GROUP_ROWS * std::mem::size_of::<BlockMXFP4>());
+    let steps = blocks.div_ceil(STEP_BLOCKS);
+    debug_assert!(x.iter().all(|x| x.len() == steps));
+    let nibble = _mm512_set1_epi8(0x0F);
+    let plus_128: [u8; 16] = std::array::from_fn(|i| (MXFP4_VALUES[i] as u8) ^ 0x80);
+    let table = _mm512_broadcast_i32x4(_mm_loadu_si128(plus_128.as_ptr() as *const _));
+    let mut acc = [_mm512_setzero_ps(); N];
+    let next = [next];
+    let mut prefetch = PrefetchL2::new(&next, steps);
+    for s in 0..steps {
+        prefetch.step();
+        let n = mx_step_blocks(blocks, s);
+        let step = group.as_ptr().add(s * MX_STEP_BYTES);
+        let q: [&ActQuad; N] = std::array::from_fn(|t| x[t].get_unchecked(s));
+        let mut pair = [[_mm512_setzero_ps(); 2]; N];
+        for c in 0..n {
+            let mut lo = [_mm512_setzero_si512(); 4];
+            let mut hi = [_mm512_setzero_si512(); 4];
+            for k in 0..4 {
+                let w = _mm512_loadu_si512(step.add(64 * (4 * c + k)) as *const _);
+                lo[k] = _mm512_shuffle_epi8(table, _mm512_and_si512(w, nibble));
+                let high = _mm512_and_si512(_mm512_srli_epi16::<4>(w), nibble);
+                hi[k] = _mm512_shuffle_epi8(table, high);
+            }
+            let d = e8m0_half_512(_mm_loadu_si128(step.add(256 * n + 16 * c) as *const _));
+            for t in 0..N {
+                let a = q[t];
+                let bias =
+                    a.bias[4 * c] + a.bias[4 * c + 1] + a.bias[4 * c + 2] + a.bias[4 * c + 3];
+                let mut sum = _mm512_set1_epi32(16 * bias);
+                let four = |bytes: &[i8; 64], k: usize| {
+                    _mm512_set1_epi32(
+                        (bytes.as_ptr().add(16 * c + 4 * k) as *const i32).read_unaligned(),
+                    )
+                };
+                for k in 0..4 {
+                    sum = _mm512_dpbusd_epi32(sum, lo[k], four(&a.lo, k));
+                    sum = _mm512_dpbusd_epi32(sum, hi[k], four(&a.hi, k));
+                }
+                let dd = _mm512_mul_ps(d, _mm512_set1_ps(a.d[4 * c]));
+                let p = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), dd);
+                pair[t][c / 2] = match c % 2 {
+                    0 => p,
+                    _ => _mm512_add_ps(pair[t][c / 2], p),
+                };
+            }
+        }
+        for t in 0..N {
+            let total = match n {
+                STEP_BLOCKS => _mm512_add_ps(pair[t][0], pair[t][1]),
+                _ => pair[t][0],
+            };
+            acc[t] = _mm512_add_ps(acc[t], total);
+        }
+    }
+    let mut out = [[0.0f32; GROUP_ROWS]; N];
+    for t in 0..N {
+        _mm512_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+    }
+    out
+}
+
+/// `dot_group_mx` at the AVX2 level, its float steps `avx2::dot_legacy`'s
+/// (`FloatSteps::FmaPerBlock`), eight rows per vector: |v| times the activations with v's
+/// sign (`vpsignb`), summed by `vpdpbusd` with 256-bit VNNI (V), else by `vpmaddubsw` pairs in
+/// 16 bits (eight pairs of 2 * 12 * 127 fit) widened by `vpmaddwd`. Reads `Activations::q8`.
+#[inline(always)]
+unsafe fn dot_group_mx_256<V: Dp256, const N: usize>(
+    group: &[u8],
+    x: [&[BlockQ8Act]; N],
+    next: &[u8],
+) -> [[f32; GROUP_ROWS]; N] {
+    let blocks = group.len() / (GROUP_ROWS * std::mem::size_of::<BlockMXFP4>());
+    let steps = blocks.div_ceil(STEP_BLOCKS);
+    debug_assert!(x.iter().all(|x| x.len() == blocks));
+    let nibble = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(MXFP4_VALUES.as_ptr() as *const _));
+    let mut acc = [[_mm256_setzero_ps(); 2]; N];
+    let next = [next];
+    // (for one token the next group's lines asked for once a block, as Q4_0's `dot_group_256`)
+    let spread = N == 1;
+    let mut prefetch = PrefetchL2::new(&next, if spread { STEP_BLOCKS * steps } else { steps });
+    for s in 0..steps {
+        if !spread {
+            prefetch.step();
+        }
+        let n = mx_step_blocks(blocks, s);
+        let step = group.as_ptr().add(s * MX_STEP_BYTES);
+        for c in 0..n {
+            if spread {
+                prefetch.step();
+            }
+            let a: [&BlockQ8Act; N] =
+                std::array::from_fn(|t| x[t].get_unchecked(STEP_BLOCKS * s + c));
+            for h in 0..2 {
+                let mut lo = [_mm256_setzero_si256(); 4];
+                let mut hi = [_mm256_setzero_si256(); 4];
+                for k in 0..4 {
+                    let w = _mm256_loadu_si256(step.add(64 * (4 * c + k) + 32 * h) as *const _);
+                    lo[k] = _mm256_shuffle_epi8(table, _mm256_and_si256(w, nibble));
+                    let high = _mm256_and_si256(_mm256_srli_epi16::<4>(w), nibble);
+                    hi[k] = _mm256_shuffle_epi8(table, high);
+                }
+                let e = _mm_loadl_epi64(step.add(256 * n + 16 * c + 8 * h) as *const _);
+                let d = e8m0_half_256(e);
+                for t in 0..N {
+                    let four = |at: usize| {
+                        _mm256_set1_epi32((a[t].qs.as_ptr().add(at) as *const i32).read_unaligned())
+                    };
+                    let (mut sum, mut pairs) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                    for k in 0..4 {
+                        for (v, a) in [(lo[k], four(4 * k)), (hi[k], four(16 + 4 * k))] {
+                            let (u, signed) = (_mm256_abs_epi8(v), _mm256_sign_epi8(a, v));
+                            if V::ON {
+                                sum = V::dpbusd(sum, u, signed);
+                            } else {
+                                pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u, signed));
+                            }
+                        }
+                    }
+                    if !V::ON {
+                        sum = _mm256_madd_epi16(pairs, ones);
+                    }
+                    let dd = _mm256_mul_ps(d, _mm256_set1_ps(a[t].d));
+                    acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), dd, acc[t][h]);
+                }
+            }
+        }
+    }
+    let mut out = [[0.0f32; GROUP_ROWS]; N];
+    for t in 0..N {
+        _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t][0]);
+        _mm256_storeu_ps(out[t].as_mut_ptr().add(8), acc[t][1]);
+    }
+    out
+}
+
 /// A level's dots of a group with N tokens' activations (`dot_group`, `dot_group_256`), as a
 /// type, so that `rows_all_tokens_with` is compiled once per level with its features.
 trait GroupDots {
@@ -631,6 +805,24 @@ impl GroupDots for Avx512Dots {
         next: &[u8],
     ) -> [[f32; GROUP_ROWS]; N] {
         dot_group::<N>(group, x, next)
+    }
+}
+
+/// MXFP4's dots at AVX-512.
+struct MxAvx512Dots;
+impl GroupDots for MxAvx512Dots {
+    type Acts<'a> = &'a [ActQuad];
+    type Token<'a> = &'a [ActQuad];
+    fn token<'a>(acts: Self::Acts<'a>, n: usize, t: usize) -> Self::Token<'a> {
+        share(acts, n, t)
+    }
+    #[inline(always)]
+    unsafe fn dot<const N: usize>(
+        group: &[u8],
+        x: [&[ActQuad]; N],
+        next: &[u8],
+    ) -> [[f32; GROUP_ROWS]; N] {
+        dot_group_mx::<N>(group, x, next)
     }
 }
 
@@ -695,6 +887,23 @@ impl Dots256 for Q4_0Dots256 {
         next: &[u8],
     ) -> [[f32; GROUP_ROWS]; N] {
         dot_group_256::<V, N>(group, (x.map(|x| x.0), x.map(|x| x.1)), next)
+    }
+}
+
+/// MXFP4 at the 256-bit levels: `Activations::q8`.
+pub(crate) struct MxDots256;
+impl Dots256 for MxDots256 {
+    type Acts<'a> = &'a [BlockQ8Act];
+    fn token<'a>(acts: Self::Acts<'a>, n: usize, t: usize) -> Self::Acts<'a> {
+        share(acts, n, t)
+    }
+    #[inline(always)]
+    unsafe fn dot<V: Dp256, const N: usize>(
+        group: &[u8],
+        x: [Self::Acts<'_>; N],
+        next: &[u8],
+    ) -> [[f32; GROUP_ROWS]; N] {
+        dot_group_mx_256::<V, N>(group, x, next)
     }
 }
 
@@ -787,7 +996,7 @@ unsafe fn rows_all_tokens_with<K: GroupDots>(
     }
 }
 
-/// `rows_all_tokens_with` of a Q4_0 matrix at AVX-512 (`quads`: `Activations::quads`,
+/// `rows_all_tokens_with` of a Q4_0 or MXFP4 matrix at AVX-512 (`quads`: `Activations::quads`,
 /// n * cols / 128).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn rows_all_tokens(
@@ -797,7 +1006,10 @@ pub(crate) unsafe fn rows_all_tokens(
     n: usize,
     put: impl Fn(usize, usize, &[f32]),
 ) {
-    rows_all_tokens_with::<Avx512Dots>(w, rows, quads, n, put)
+    match w.dtype {
+        DType::Q4_0 => rows_all_tokens_with::<Avx512Dots>(w, rows, quads, n, put),
+        _ => rows_all_tokens_with::<MxAvx512Dots>(w, rows, quads, n, put),
+    }
 }
 
 /// `rows_all_tokens_with` of a Q4_K or Q6_K matrix at AVX-512 (`q8k`: `Activations::q8k`,
@@ -872,8 +1084,8 @@ mod tests {
     use super::*;
     use crate::matmul::Activations;
     use crate::quant::interleaved::{
-        dot_group_k4_scalar, dot_group_k6_scalar, dot_group_scalar, interleave, matrix_bytes,
-        FloatSteps,
+        dot_group_k4_scalar, dot_group_k6_scalar, dot_group_mx_scalar, dot_group_scalar,
+        interleave, matrix_bytes, FloatSteps,
     };
     use crate::quant::{quantize_row, DType, QK, QK_K};
     use crate::sampler::Rng;
@@ -889,6 +1101,8 @@ mod tests {
     fn cases_of(dtype: DType, mut check: impl FnMut(&[u8], &Interleaved, &Activations)) {
         let shapes = match dtype {
             DType::Q4_0 => [(16, 128), (32, 512), (48, 768), (16, 2048)],
+            // gpt-oss's 2880 columns and 64 end in a half step
+            DType::MXFP4 => [(16, 64), (32, 512), (48, 320), (16, 2880)],
             _ => [(16, 256), (32, 512), (48, 768), (16, 2048)],
         };
         for (rows, cols) in shapes {
@@ -898,6 +1112,16 @@ mod tests {
                     w[..cols].iter_mut().for_each(|v| *v = if *v > 0.0 { 1.0 } else { -1.0 });
                     w[cols..2 * cols].fill(0.0);
                     w.chunks(cols).flat_map(|r| quantize_row(dtype, r)).collect()
+                }
+                DType::MXFP4 => {
+                    let mut src: Vec<u8> = (0..rows as u64)
+                        .flat_map(|r| crate::quant::chunks::tests::random_row(dtype, cols, r))
+                        .collect();
+                    // a row of the largest magnitudes (12 in every weight)
+                    for blk in src[..dtype.row_bytes(cols)].chunks_exact_mut(17) {
+                        blk[1..].fill(0x77);
+                    }
+                    src
                 }
                 _ => crate::quant::interleaved::tests::k_rows(dtype, rows, cols, rows as u64),
             };
@@ -914,10 +1138,6 @@ mod tests {
         }
     }
 
-    fn cases(check: impl FnMut(&[u8], &Interleaved, &Activations)) {
-        cases_of(DType::Q4_0, check)
-    }
-
     /// The interleaved product's values (n, rows) by `run(put)`.
     fn collect(rows: usize, n: usize, run: impl FnOnce(&dyn Fn(usize, usize, &[f32]))) -> Vec<f32> {
         let got = std::cell::RefCell::new(vec![0.0f32; n * rows]);
@@ -931,24 +1151,32 @@ mod tests {
             eprintln!("skipped: needs AVX-512 VNNI (this run's level: {:?})", simd_level());
             return;
         }
-        cases(|src, m, acts| {
+        for dtype in [DType::Q4_0, DType::MXFP4] {
+            avx512_equals_twin_and_file_layout(dtype);
+        }
+    }
+
+    fn avx512_equals_twin_and_file_layout(dtype: DType) {
+        let twin = |group: &[u8], q8: &[BlockQ8Act]| match dtype {
+            DType::Q4_0 => dot_group_scalar(group, q8, FloatSteps::SumOfFour),
+            _ => dot_group_mx_scalar(group, q8, FloatSteps::SumOfFour),
+        };
+        cases_of(dtype, |src, m, acts| {
             let (rows, cols, n) = (m.rows, m.cols, acts.n);
             let got =
                 collect(rows, n, |put| unsafe { rows_all_tokens(m, 0..rows, &acts.quads, n, put) });
             // the file layout's product at this level: its one-token kernels, or for five
             // tokens and more its prompt row groups
-            let file = crate::matmul::QMatrix { dtype: DType::Q4_0, rows, cols, data: src };
+            let file = crate::matmul::QMatrix { dtype, rows, cols, data: src };
             let mut want = vec![0.0f32; n * rows];
             crate::matmul::matmul(&file, acts, &mut want);
             let nb = cols / QK;
             for t in 0..n {
                 let q8 = &acts.q8[t * nb..(t + 1) * nb];
-                let twin: Vec<f32> = (0..rows / 16)
-                    .flat_map(|g| dot_group_scalar(m.group(g), q8, FloatSteps::SumOfFour))
-                    .collect();
+                let twin: Vec<f32> = (0..rows / 16).flat_map(|g| twin(m.group(g), q8)).collect();
                 for r in 0..rows {
                     let (g, s, f) = (got[t * rows + r], twin[r], want[t * rows + r]);
-                    let at = format!("{rows}x{cols} n {n} token {t} row {r}");
+                    let at = format!("{dtype:?} {rows}x{cols} n {n} token {t} row {r}");
                     assert_eq!(g.to_bits(), s.to_bits(), "{at}: {g} vs twin {s}");
                     assert_eq!(g.to_bits(), f.to_bits(), "{at}: {g} vs file layout {f}");
                 }
@@ -962,28 +1190,44 @@ mod tests {
             eprintln!("skipped: needs AVX2 (this run's level: {:?})", simd_level());
             return;
         }
+        for dtype in [DType::Q4_0, DType::MXFP4] {
+            avx2_equals_twin_and_file_layout(dtype);
+        }
+    }
+
+    fn avx2_equals_twin_and_file_layout(dtype: DType) {
         // without 256-bit VNNI and in each encoding this CPU has: the same exact sums
         let vnnis: Vec<Option<Vnni256>> =
             [None].into_iter().chain(vnni256_encodings().into_iter().map(Some)).collect();
-        let file_dot = crate::kernels::dot::<1, 1>(DType::Q4_0, SimdLevel::Avx2);
-        cases(|src, m, acts| {
+        let file_dot = crate::kernels::dot::<1, 1>(dtype, SimdLevel::Avx2);
+        let twin = |group: &[u8], q8: &[BlockQ8Act]| match dtype {
+            DType::Q4_0 => dot_group_scalar(group, q8, FloatSteps::FmaPerBlock),
+            _ => dot_group_mx_scalar(group, q8, FloatSteps::FmaPerBlock),
+        };
+        cases_of(dtype, |src, m, acts| {
             let (rows, cols, n) = (m.rows, m.cols, acts.n);
             let nb = cols / QK;
+            let row_bytes = dtype.row_bytes(cols);
             for &vnni in &vnnis {
                 let got = collect(rows, n, |put| unsafe {
-                    let x = (&acts.q8[..], &acts.q8_bias[..]);
-                    rows_all_tokens_256::<Q4_0Dots256>(vnni, m, 0..rows, x, n, put)
+                    match dtype {
+                        DType::Q4_0 => {
+                            let x = (&acts.q8[..], &acts.q8_bias[..]);
+                            rows_all_tokens_256::<Q4_0Dots256>(vnni, m, 0..rows, x, n, put)
+                        }
+                        _ => rows_all_tokens_256::<MxDots256>(vnni, m, 0..rows, &acts.q8, n, put),
+                    }
                 });
                 for t in 0..n {
                     let q8 = &acts.q8[t * nb..(t + 1) * nb];
-                    let twin: Vec<f32> = (0..rows / 16)
-                        .flat_map(|g| dot_group_scalar(m.group(g), q8, FloatSteps::FmaPerBlock))
-                        .collect();
+                    let twin: Vec<f32> =
+                        (0..rows / 16).flat_map(|g| twin(m.group(g), q8)).collect();
                     for r in 0..rows {
-                        let row = &src[r * nb * 18..(r + 1) * nb * 18];
+                        let row = &src[r * row_bytes..(r + 1) * row_bytes];
                         let f = unsafe { file_dot([row], [acts.token(t)], &[]) }[0][0];
                         let (g, s) = (got[t * rows + r], twin[r]);
-                        let at = format!("{vnni:?} {rows}x{cols} n {n} token {t} row {r}");
+                        let at =
+                            format!("{dtype:?} {vnni:?} {rows}x{cols} n {n} token {t} row {r}");
                         assert_eq!(g.to_bits(), s.to_bits(), "{at}: {g} vs twin {s}");
                         assert_eq!(g.to_bits(), f.to_bits(), "{at}: {g} vs file layout {f}");
                     }
