@@ -385,7 +385,7 @@ pub fn matmul_each(mats: &[QMatrix], xs: &[&Activations], outs: &mut [&mut [f32]
     products_each(mats, xs, outs)
 }
 
-/// A matrix the CPU's products read: in its file's layout, or a Q4_0, Q4_K, Q6_K or MXFP4
+/// A matrix the CPU's products read: in its file's layout, or a Q4_0, Q4_K or MXFP4
 /// matrix interleaved (`quant::interleaved`; a mixture of experts' experts of those types at AVX2 and
 /// up, where `Model::load` copies the weights into memory). The same values either way, bit for
 /// bit.
@@ -477,21 +477,21 @@ impl Product for Weight<'_> {
             Weight::File(m) => m.rows_for_all_tokens(rows, x, level, put),
             #[cfg(target_arch = "x86_64")]
             Weight::Interleaved(m) if level == SimdLevel::Avx512 => {
-                use quant::interleaved_x86::{rows_all_tokens, rows_all_tokens_k};
+                use quant::interleaved_x86::{rows_all_tokens, rows_all_tokens_k4};
                 // SAFETY: Avx512 is only reported when the CPU has AVX-512 F/BW/VL/VNNI, avx2,
-                // fma and f16c; `quads` (Q4_0, MXFP4) or `q8k` (Q4_K, Q6_K) holds the n tokens
+                // fma and f16c; `quads` (Q4_0, MXFP4) or `q8k` (Q4_K) holds the n tokens
                 // (asserted by `products_each`)
                 unsafe {
                     match m.dtype {
                         DType::Q4_0 | DType::MXFP4 => rows_all_tokens(m, rows, &x.quads, x.n, put),
-                        _ => rows_all_tokens_k(m, rows, &x.q8k, x.n, put),
+                        _ => rows_all_tokens_k4(m, rows, &x.q8k, x.n, put),
                     }
                 }
             }
             #[cfg(target_arch = "x86_64")]
             Weight::Interleaved(m) if level == SimdLevel::Avx2 => {
                 use quant::interleaved_x86::{
-                    rows_all_tokens_256, MxDots256, Q4KDots256, Q4_0Dots256, Q6KDots256,
+                    rows_all_tokens_256, MxDots256, Q4KDots256, Q4_0Dots256,
                 };
                 // SAFETY: Avx2 is only reported when the CPU has avx2, fma and f16c, `vnni256`
                 // in an encoding it has; `q8` (Q4_0) or `q8k` (Q4_K) holds the n tokens
@@ -506,18 +506,14 @@ impl Product for Weight<'_> {
                         DType::MXFP4 => {
                             rows_all_tokens_256::<MxDots256>(vnni, m, rows, &x.q8, x.n, put)
                         }
-                        DType::Q4_K => {
-                            rows_all_tokens_256::<Q4KDots256>(vnni, m, rows, &x.q8k, x.n, put)
-                        }
-                        _ => rows_all_tokens_256::<Q6KDots256>(vnni, m, rows, &x.q8k, x.n, put),
+                        _ => rows_all_tokens_256::<Q4KDots256>(vnni, m, rows, &x.q8k, x.n, put),
                     }
                 }
             }
             // (`Model::load` interleaves where the SIMD kernels run; the twins serve the rest)
             Weight::Interleaved(m) => {
                 use quant::interleaved::{
-                    dot_group_k4_scalar, dot_group_k6_scalar, dot_group_mx_scalar,
-                    dot_group_scalar, FloatSteps,
+                    dot_group_k4_scalar, dot_group_mx_scalar, dot_group_scalar, FloatSteps,
                 };
                 let group_rows = quant::interleaved::GROUP_ROWS;
                 for g in rows.start / group_rows..rows.end / group_rows {
@@ -533,13 +529,9 @@ impl Product for Weight<'_> {
                                 let q8 = &x.q8[t * nb..(t + 1) * nb];
                                 dot_group_mx_scalar(m.group(g), q8, FloatSteps::FmaPerBlock)
                             }
-                            DType::Q4_K => {
-                                let nb = m.cols / QK_K;
-                                dot_group_k4_scalar(m.group(g), &x.q8k[t * nb..(t + 1) * nb])
-                            }
                             _ => {
                                 let nb = m.cols / QK_K;
-                                dot_group_k6_scalar(m.group(g), &x.q8k[t * nb..(t + 1) * nb])
+                                dot_group_k4_scalar(m.group(g), &x.q8k[t * nb..(t + 1) * nb])
                             }
                         };
                         put(t, group_rows * g, &v);

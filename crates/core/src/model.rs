@@ -1314,7 +1314,7 @@ fn moe_weights<'a>(file: &'a GgufFile, i: usize, c: &Config, moe: &Moe) -> Resul
 /// Whether the CPU reads tensor `t` of a model configured as `c` interleaved
 /// (`quant::interleaved`, built by `Model::load` when it copies the weights into memory; the
 /// copy leaves the file's layout in the file's map for every other reader): an expert tensor
-/// (gate, up or down) in a type with an interleaved layout (Q4_0, Q4_K, Q6_K, MXFP4) whose
+/// (gate, up or down) in a type with an interleaved layout (Q4_0, Q4_K, MXFP4) whose
 /// experts' shapes fit, where the layout's SIMD kernels run (AVX2 and up), of a model whose
 /// experts run densely (a ReLU-family gate has its experts read single up rows, which the
 /// layout does not keep together). A 4-layer Qwen3-30B-A3B-shape model against llama.cpp

@@ -1,5 +1,5 @@
 //! Matrices with sixteen rows interleaved, a row per 32-bit lane: the layout the CPU's products
-//! read a mixture of experts' Q4_0, Q4_K, Q6_K and MXFP4 experts in (as llama.cpp's CPU backend
+//! read a mixture of experts' Q4_0, Q4_K and MXFP4 experts in (as llama.cpp's CPU backend
 //! repacks Q4_0 and Q4_K into `q4_0_8x8` and `q4_K_8x8` at load). In the file's layout a one-token product reads four
 //! rows per kernel call, each block's bytes after its scales, and spends about a third of its
 //! instructions gathering the bytes out of the blocks and summing each row's lanes; here
@@ -21,11 +21,6 @@
 //! 2048 + 16j; the minima of sub-blocks 2k and 2k + 1, a byte pair per row, at 2176 + 32k; the
 //! rows' f16 d at 2304 and dmin at 2336.
 //!
-//! Q6_K, a step of one super-block, 3360 bytes, the file's size: line l of `ql` (bytes 4l..4l + 4
-//! of each row's 128) at 64l; line m of `qh` (bytes 4m..4m + 4 of 64) at 2048 + 64m; the
-//! scale of sub-block k (16 weights, signed), a byte per row, at 3072 + 16k; the rows' f16 d at
-//! 3328.
-//!
 //! MXFP4, as Q4_0 with its blocks' E8M0 exponents for scales (a byte per row and block, block
 //! c's at 1024 + 16c), the file's size; a row of an odd number of block pairs ends in a half
 //! step of two blocks (544 bytes: quants at 64 (4c + k), exponents at 512 + 16c), as gpt-oss's
@@ -33,10 +28,10 @@
 //!
 //! The arithmetic is the file layout's kernels' at each level lane for lane: a block's products
 //! summed exactly in integers, then the level's float steps (`FloatSteps` for Q4_0 and MXFP4,
-//! `q256::block_step` for Q4_K and Q6_K); so a row's dot is bit for bit the one the file's layout gives at
+//! `q256::block_step` for Q4_K); so a row's dot is bit for bit the one the file's layout gives at
 //! that level, and the same in a prompt as alone.
 
-use super::chunks::{e8m0_half, k4_scales, BlockMXFP4, BlockQ4K, BlockQ6K, MXFP4_VALUES};
+use super::chunks::{e8m0_half, k4_scales, BlockMXFP4, BlockQ4K, MXFP4_VALUES};
 use super::q256::{block_step, BlockQ8K};
 use super::{f16_to_f32, BlockQ4_0, BlockQ8Act, DType, QK, QK_K};
 
@@ -59,15 +54,6 @@ pub const K4_STEP_BYTES: usize = K4_DMIN_AT + 2 * GROUP_ROWS;
 const _: () = assert!(K4_SCALES_AT == 2048 && K4_STEP_BYTES == 2368);
 const _: () = assert!(std::mem::size_of::<BlockQ4K>() * GROUP_ROWS == K4_STEP_BYTES - 64);
 
-/// Where a Q6_K step holds its parts (module comment).
-pub const K6_QH_AT: usize = GROUP_ROWS * QK_K / 2;
-pub const K6_SCALES_AT: usize = K6_QH_AT + GROUP_ROWS * QK_K / 4;
-pub const K6_D_AT: usize = K6_SCALES_AT + 16 * GROUP_ROWS;
-/// Q6_K's bytes per step.
-pub const K6_STEP_BYTES: usize = K6_D_AT + 2 * GROUP_ROWS;
-const _: () = assert!(K6_STEP_BYTES == 3360);
-const _: () = assert!(std::mem::size_of::<BlockQ6K>() * GROUP_ROWS == K6_STEP_BYTES);
-
 /// MXFP4's bytes per step of four blocks (a half step, the last of a row of an odd number of
 /// block pairs, takes half).
 pub const MX_STEP_BYTES: usize = STEP_BLOCKS * GROUP_ROWS * std::mem::size_of::<BlockMXFP4>();
@@ -84,7 +70,7 @@ pub struct Layout {
 }
 
 /// The types with an interleaved layout.
-pub const LAYOUTS: [Layout; 4] = [
+pub const LAYOUTS: [Layout; 3] = [
     Layout {
         dtype: DType::Q4_0,
         step_cols: QK * STEP_BLOCKS,
@@ -92,7 +78,6 @@ pub const LAYOUTS: [Layout; 4] = [
         cols_multiple: QK * STEP_BLOCKS,
     },
     Layout { dtype: DType::Q4_K, step_cols: QK_K, step_bytes: K4_STEP_BYTES, cols_multiple: QK_K },
-    Layout { dtype: DType::Q6_K, step_cols: QK_K, step_bytes: K6_STEP_BYTES, cols_multiple: QK_K },
     Layout {
         dtype: DType::MXFP4,
         step_cols: QK * STEP_BLOCKS,
@@ -193,8 +178,7 @@ pub fn interleave(dtype: DType, src: &[u8], rows: usize, cols: usize, out: &mut 
                 let row = &src[(GROUP_ROWS * g + r) * row_bytes..][..row_bytes];
                 match dtype {
                     DType::Q4_0 => interleave_q4_0(row, s, r, step),
-                    DType::Q4_K => interleave_q4_k(row, s, r, step),
-                    _ => interleave_q6_k(row, s, r, step),
+                    _ => interleave_q4_k(row, s, r, step),
                 }
             }
         }
@@ -241,21 +225,6 @@ fn interleave_q4_k(row: &[u8], s: usize, r: usize, step: &mut [u8]) {
     }
     step[K4_D_AT + 2 * r..][..2].copy_from_slice(&blk.d.to_le_bytes());
     step[K4_DMIN_AT + 2 * r..][..2].copy_from_slice(&blk.dmin.to_le_bytes());
-}
-
-/// Row r's super-block s (Q6_K) into `step`.
-fn interleave_q6_k(row: &[u8], s: usize, r: usize, step: &mut [u8]) {
-    let blk = &super::cast_blocks::<BlockQ6K>(row)[s];
-    for l in 0..QK_K / 8 {
-        step[64 * l + 4 * r..][..4].copy_from_slice(&blk.ql[4 * l..4 * l + 4]);
-    }
-    for m in 0..QK_K / 16 {
-        step[K6_QH_AT + 64 * m + 4 * r..][..4].copy_from_slice(&blk.qh[4 * m..4 * m + 4]);
-    }
-    for (k, &sc) in blk.scales.iter().enumerate() {
-        step[K6_SCALES_AT + 16 * k + r] = sc as u8;
-    }
-    step[K6_D_AT + 2 * r..][..2].copy_from_slice(&blk.d.to_le_bytes());
 }
 
 /// Row r of a group's step: block c's scale bits and its 16 bytes of quants, as the file holds
@@ -390,45 +359,6 @@ pub fn dot_group_k4_scalar(group: &[u8], x: &[BlockQ8K]) -> [f32; GROUP_ROWS] {
     out
 }
 
-/// Row r of a Q6_K step as the file's block holds it (`interleave`'s inverse).
-pub fn k6_block_of(step: &[u8], r: usize) -> BlockQ6K {
-    BlockQ6K {
-        ql: std::array::from_fn(|i| step[64 * (i / 4) + 4 * r + i % 4]),
-        qh: std::array::from_fn(|i| step[K6_QH_AT + 64 * (i / 4) + 4 * r + i % 4]),
-        scales: std::array::from_fn(|k| step[K6_SCALES_AT + 16 * k + r] as i8),
-        d: u16::from_le_bytes([step[K6_D_AT + 2 * r], step[K6_D_AT + 2 * r + 1]]),
-    }
-}
-
-/// Scalar twin of the Q6_K kernels: the sixteen rows of `group` against one token's activations
-/// `x` (cols / 256), per super-block the exact sum of scale * (u - 32) * a (u = a weight's four
-/// low bits from `ql` and two high ones from `qh`), then `q256::block_step`, as
-/// `q256::dot_scalar`.
-pub fn dot_group_k6_scalar(group: &[u8], x: &[BlockQ8K]) -> [f32; GROUP_ROWS] {
-    let mut out = [0.0f32; GROUP_ROWS];
-    for (step, a) in group.chunks_exact(K6_STEP_BYTES).zip(x) {
-        for (r, acc) in out.iter_mut().enumerate() {
-            let b = k6_block_of(step, r);
-            let mut sums = 0i32;
-            for (k, &sc) in b.scales.iter().enumerate() {
-                // weight f = 16k + i: chunk c = f / 32 in half g = c / 4, at s = c % 4
-                let dot: i32 = (16 * k..16 * k + 16)
-                    .map(|f| {
-                        let (c, i) = (f / 32, f % 32);
-                        let (g, s) = (c / 4, c % 4);
-                        let low = (b.ql[64 * g + 32 * (s % 2) + i] >> (4 * (s / 2))) & 0x0F;
-                        let high = (b.qh[32 * g + i] >> (2 * s)) & 3;
-                        ((low | high << 4) as i32 - 32) * a.qs[f] as i32
-                    })
-                    .sum();
-                sums += sc as i32 * dot;
-            }
-            *acc = block_step(false, *acc, sums, 0, f16_to_f32(b.d), 0.0, a.d);
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -494,21 +424,14 @@ pub(crate) mod tests {
         }
     }
 
-    /// Random rows (rows, cols) of a super-block type (`chunks::tests::random_row`), the first
-    /// with every quant, scale and minimum at its largest (Q6_K: its scales at -128, the
-    /// products' largest magnitude).
+    /// Random rows (rows, cols) of Q4_K (`chunks::tests::random_row`), the first with every
+    /// quant, scale and minimum at its largest.
     pub(crate) fn k_rows(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
         let mut src: Vec<u8> = (0..rows)
             .flat_map(|r| crate::quant::chunks::tests::random_row(dtype, cols, seed + r as u64))
             .collect();
         for blk in src[..dtype.row_bytes(cols)].chunks_exact_mut(dtype.block_bytes()) {
-            match dtype {
-                DType::Q4_K => blk[4..].fill(0xFF),
-                _ => {
-                    blk[..192].fill(0xFF);
-                    blk[192..208].fill(0x80);
-                }
-            }
+            blk[4..].fill(0xFF);
         }
         src
     }
@@ -555,44 +478,6 @@ pub(crate) mod tests {
                     let r = GROUP_ROWS * g + i;
                     let row = &src[r * row_bytes..(r + 1) * row_bytes];
                     let [want] = crate::quant::q256::dot_scalar(DType::Q4_K, row, [&q8k]);
-                    assert_eq!(
-                        got.to_bits(),
-                        want.to_bits(),
-                        "{rows}x{cols} row {r}: {got} vs {want}"
-                    );
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn q6_k_interleaving_moves_every_block_once_and_its_twin_is_the_file_layouts_dot() {
-        for (rows, cols) in [(16, 256), (32, 2048), (16, 768)] {
-            let src = k_rows(DType::Q6_K, rows, cols, 9 + cols as u64);
-            let mut out = vec![0u8; matrix_bytes(DType::Q6_K, rows, cols)];
-            interleave(DType::Q6_K, &src, rows, cols, &mut out);
-            let m = Interleaved::new(DType::Q6_K, rows, cols, &out);
-            let blocks = crate::quant::cast_blocks::<BlockQ6K>(&src);
-            for r in 0..rows {
-                for b in 0..cols / QK_K {
-                    let step = &m.group(r / 16)[b * K6_STEP_BYTES..][..K6_STEP_BYTES];
-                    let got = k6_block_of(step, r % 16);
-                    let want = &blocks[r * cols / QK_K + b];
-                    let at = format!("{rows}x{cols} row {r} block {b}");
-                    assert_eq!((got.ql, got.qh), (want.ql, want.qh), "{at}: quants");
-                    assert_eq!((got.scales, got.d), (want.scales, want.d), "{at}: scales");
-                }
-            }
-            let mut x = random(cols, 8);
-            x[..64].iter_mut().for_each(|v| *v *= 1e3);
-            let mut q8k = vec![BlockQ8K::default(); cols / QK_K];
-            crate::quant::q256::quantize_act_k(&x, &mut q8k);
-            let row_bytes = DType::Q6_K.row_bytes(cols);
-            for g in 0..rows / GROUP_ROWS {
-                for (i, got) in dot_group_k6_scalar(m.group(g), &q8k).into_iter().enumerate() {
-                    let r = GROUP_ROWS * g + i;
-                    let row = &src[r * row_bytes..(r + 1) * row_bytes];
-                    let [want] = crate::quant::q256::dot_scalar(DType::Q6_K, row, [&q8k]);
                     assert_eq!(
                         got.to_bits(),
                         want.to_bits(),

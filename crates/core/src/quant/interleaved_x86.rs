@@ -14,8 +14,7 @@ use super::chunks::{BlockMXFP4, MXFP4_VALUES};
 use super::interleaved::mx_step_blocks;
 use super::interleaved::{
     group_bytes, Interleaved, GROUP_ROWS, K4_DMIN_AT, K4_D_AT, K4_MINS_AT, K4_SCALES_AT,
-    K4_STEP_BYTES, K6_D_AT, K6_QH_AT, K6_SCALES_AT, K6_STEP_BYTES, MX_STEP_BYTES, STEP_BLOCKS,
-    STEP_BYTES,
+    K4_STEP_BYTES, MX_STEP_BYTES, STEP_BLOCKS, STEP_BYTES,
 };
 use super::q256::BlockQ8K;
 use super::DType;
@@ -410,195 +409,6 @@ unsafe fn dot_group_k4_256<V: Dp256, const N: usize>(
     out
 }
 
-/// The sixteen rows of a Q6_K `group` against N tokens' activations (cols / 256 each), as
-/// `dot_group_k6_scalar`: per super-block, half g (128 weights) and sub-block half j (lines
-/// 4j..4j + 4 of the half's 32 positions), a `ql` line of each 32-weight chunk pair and the
-/// `qh` line give the four chunks' u (0..64); `vpdpbusd` sums u * a exactly from -32 times the
-/// sub-block's activation sum (so the sums are of (u - 32) * a), `vpmulld` by the rows' scales,
-/// then `q256::block_step` in every lane (no minima).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn dot_group_k6<const N: usize>(
-    group: &[u8],
-    x: [&[BlockQ8K]; N],
-    next: &[u8],
-) -> [[f32; GROUP_ROWS]; N] {
-    let steps = group.len() / K6_STEP_BYTES;
-    debug_assert!(group.len() == steps * K6_STEP_BYTES && x.iter().all(|x| x.len() == steps));
-    let (low4, top2) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x30));
-    let zero = _mm512_setzero_si512();
-    let mut acc = [_mm512_setzero_ps(); N];
-    let next = [next];
-    // (for one token the next group's lines asked for four times a step, `dot_group_k4`)
-    let spread = N == 1;
-    let mut prefetch = PrefetchL2::new(&next, if spread { 4 * steps } else { steps });
-    for s in 0..steps {
-        if !spread {
-            prefetch.step();
-        }
-        let step = group.as_ptr().add(s * K6_STEP_BYTES);
-        let a: [&BlockQ8K; N] = std::array::from_fn(|t| x[t].get_unchecked(s));
-        let mut sums = [zero; N];
-        for g in 0..2 {
-            for j in 0..2 {
-                if spread {
-                    prefetch.step();
-                }
-                // chunk 4g + c's sub-block 2 (4g + c) + j, from -32 times its activations' sum
-                let mut part: [[__m512i; N]; 4] = std::array::from_fn(|c| {
-                    std::array::from_fn(|t| {
-                        _mm512_set1_epi32(-32 * a[t].bsums[2 * (4 * g + c) + j] as i32)
-                    })
-                });
-                for p in 4 * j..4 * j + 4 {
-                    let line = |at: usize| _mm512_loadu_si512(step.add(at) as *const _);
-                    let (ql0, ql1) = (line(64 * (16 * g + p)), line(64 * (16 * g + 8 + p)));
-                    let qh = line(K6_QH_AT + 64 * (8 * g + p));
-                    let u = [
-                        _mm512_or_si512(
-                            _mm512_and_si512(ql0, low4),
-                            _mm512_and_si512(_mm512_slli_epi16::<4>(qh), top2),
-                        ),
-                        _mm512_or_si512(
-                            _mm512_and_si512(ql1, low4),
-                            _mm512_and_si512(_mm512_slli_epi16::<2>(qh), top2),
-                        ),
-                        _mm512_or_si512(
-                            _mm512_and_si512(_mm512_srli_epi16::<4>(ql0), low4),
-                            _mm512_and_si512(qh, top2),
-                        ),
-                        _mm512_or_si512(
-                            _mm512_and_si512(_mm512_srli_epi16::<4>(ql1), low4),
-                            _mm512_and_si512(_mm512_srli_epi16::<2>(qh), top2),
-                        ),
-                    ];
-                    for (c, u) in u.into_iter().enumerate() {
-                        for t in 0..N {
-                            let at = 32 * (4 * g + c) + 4 * p;
-                            part[c][t] = _mm512_dpbusd_epi32(part[c][t], u, four_512(a[t], at));
-                        }
-                    }
-                }
-                for (c, part) in part.iter().enumerate() {
-                    let k = 2 * (4 * g + c) + j;
-                    let at = step.add(K6_SCALES_AT + 16 * k);
-                    let scale = _mm512_cvtepi8_epi32(_mm_loadu_si128(at as *const _));
-                    for t in 0..N {
-                        sums[t] = _mm512_add_epi32(sums[t], _mm512_mullo_epi32(part[t], scale));
-                    }
-                }
-            }
-        }
-        let d = _mm512_cvtph_ps(_mm256_loadu_si256(step.add(K6_D_AT) as *const _));
-        for t in 0..N {
-            let da = _mm512_set1_ps(a[t].d);
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t]), _mm512_mul_ps(d, da), acc[t]);
-        }
-    }
-    let mut out = [[0.0f32; GROUP_ROWS]; N];
-    for t in 0..N {
-        _mm512_storeu_ps(out[t].as_mut_ptr(), acc[t]);
-    }
-    out
-}
-
-/// `dot_group_k6` at the 256-bit levels, eight rows per vector (half h of each line). Without
-/// 256-bit VNNI a `vpdpbusd` is `vpmaddubsw` (a pair of u * a is at most 16002) and `vpmaddwd`
-/// by ones. The same exact sums, so the same bits.
-#[inline(always)]
-unsafe fn dot_group_k6_256<V: Dp256, const N: usize>(
-    group: &[u8],
-    x: [&[BlockQ8K]; N],
-    next: &[u8],
-) -> [[f32; GROUP_ROWS]; N] {
-    let steps = group.len() / K6_STEP_BYTES;
-    debug_assert!(group.len() == steps * K6_STEP_BYTES && x.iter().all(|x| x.len() == steps));
-    let (low4, top2) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
-    let ones = _mm256_set1_epi16(1);
-    let dp = |acc: __m256i, u: __m256i, a: __m256i| match V::ON {
-        true => V::dpbusd(acc, u, a),
-        false => _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), ones)),
-    };
-    let mut acc = [[_mm256_setzero_ps(); 2]; N];
-    let next = [next];
-    let spread = N == 1;
-    let mut prefetch = PrefetchL2::new(&next, if spread { 8 * steps } else { steps });
-    for s in 0..steps {
-        if !spread {
-            prefetch.step();
-        }
-        let step = group.as_ptr().add(s * K6_STEP_BYTES);
-        let a: [&BlockQ8K; N] = std::array::from_fn(|t| x[t].get_unchecked(s));
-        for h in 0..2 {
-            let mut sums = [_mm256_setzero_si256(); N];
-            for g in 0..2 {
-                for j in 0..2 {
-                    if spread {
-                        prefetch.step();
-                    }
-                    let mut part: [[__m256i; N]; 4] = std::array::from_fn(|c| {
-                        std::array::from_fn(|t| {
-                            _mm256_set1_epi32(-32 * a[t].bsums[2 * (4 * g + c) + j] as i32)
-                        })
-                    });
-                    for p in 4 * j..4 * j + 4 {
-                        let line =
-                            |at: usize| _mm256_loadu_si256(step.add(at + 32 * h) as *const _);
-                        let (ql0, ql1) = (line(64 * (16 * g + p)), line(64 * (16 * g + 8 + p)));
-                        let qh = line(K6_QH_AT + 64 * (8 * g + p));
-                        let u = [
-                            _mm256_or_si256(
-                                _mm256_and_si256(ql0, low4),
-                                _mm256_and_si256(_mm256_slli_epi16::<4>(qh), top2),
-                            ),
-                            _mm256_or_si256(
-                                _mm256_and_si256(ql1, low4),
-                                _mm256_and_si256(_mm256_slli_epi16::<2>(qh), top2),
-                            ),
-                            _mm256_or_si256(
-                                _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), low4),
-                                _mm256_and_si256(qh, top2),
-                            ),
-                            _mm256_or_si256(
-                                _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), low4),
-                                _mm256_and_si256(_mm256_srli_epi16::<2>(qh), top2),
-                            ),
-                        ];
-                        for (c, u) in u.into_iter().enumerate() {
-                            for t in 0..N {
-                                let at = 32 * (4 * g + c) + 4 * p;
-                                let four =
-                                    (a[t].qs.as_ptr().add(at) as *const i32).read_unaligned();
-                                part[c][t] = dp(part[c][t], u, _mm256_set1_epi32(four));
-                            }
-                        }
-                    }
-                    for (c, part) in part.iter().enumerate() {
-                        let k = 2 * (4 * g + c) + j;
-                        let at = step.add(K6_SCALES_AT + 16 * k + 8 * h);
-                        let scale = _mm256_cvtepi8_epi32(_mm_loadl_epi64(at as *const _));
-                        for t in 0..N {
-                            sums[t] = _mm256_add_epi32(sums[t], _mm256_mullo_epi32(part[t], scale));
-                        }
-                    }
-                }
-            }
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(step.add(K6_D_AT + 16 * h) as *const _));
-            for t in 0..N {
-                let da = _mm256_set1_ps(a[t].d);
-                let sums = _mm256_cvtepi32_ps(sums[t]);
-                acc[t][h] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, da), acc[t][h]);
-            }
-        }
-    }
-    let mut out = [[0.0f32; GROUP_ROWS]; N];
-    for t in 0..N {
-        _mm256_storeu_ps(out[t].as_mut_ptr(), acc[t][0]);
-        _mm256_storeu_ps(out[t].as_mut_ptr().add(8), acc[t][1]);
-    }
-    out
-}
-
 /// Sixteen rows' E8M0 exponents `e` (a lane each) as `chunks::e8m0_half`'s f32s.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -844,24 +654,6 @@ impl GroupDots for K4Avx512Dots {
     }
 }
 
-/// Q6_K's dots at AVX-512.
-struct K6Avx512Dots;
-impl GroupDots for K6Avx512Dots {
-    type Acts<'a> = &'a [BlockQ8K];
-    type Token<'a> = &'a [BlockQ8K];
-    fn token<'a>(acts: Self::Acts<'a>, n: usize, t: usize) -> Self::Token<'a> {
-        share(acts, n, t)
-    }
-    #[inline(always)]
-    unsafe fn dot<const N: usize>(
-        group: &[u8],
-        x: [&[BlockQ8K]; N],
-        next: &[u8],
-    ) -> [[f32; GROUP_ROWS]; N] {
-        dot_group_k6::<N>(group, x, next)
-    }
-}
-
 /// A type's dots at the 256-bit levels, in any 256-bit VNNI encoding or none.
 pub(crate) trait Dots256 {
     type Acts<'a>: Copy;
@@ -921,23 +713,6 @@ impl Dots256 for Q4KDots256 {
         next: &[u8],
     ) -> [[f32; GROUP_ROWS]; N] {
         dot_group_k4_256::<V, N>(group, x, next)
-    }
-}
-
-/// Q6_K at the 256-bit levels: `Activations::q8k`.
-pub(crate) struct Q6KDots256;
-impl Dots256 for Q6KDots256 {
-    type Acts<'a> = &'a [BlockQ8K];
-    fn token<'a>(acts: Self::Acts<'a>, n: usize, t: usize) -> Self::Acts<'a> {
-        share(acts, n, t)
-    }
-    #[inline(always)]
-    unsafe fn dot<V: Dp256, const N: usize>(
-        group: &[u8],
-        x: [Self::Acts<'_>; N],
-        next: &[u8],
-    ) -> [[f32; GROUP_ROWS]; N] {
-        dot_group_k6_256::<V, N>(group, x, next)
     }
 }
 
@@ -1012,24 +787,21 @@ pub(crate) unsafe fn rows_all_tokens(
     }
 }
 
-/// `rows_all_tokens_with` of a Q4_K or Q6_K matrix at AVX-512 (`q8k`: `Activations::q8k`,
+/// `rows_all_tokens_with` of a Q4_K matrix at AVX-512 (`q8k`: `Activations::q8k`,
 /// n * cols / 256).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn rows_all_tokens_k(
+pub(crate) unsafe fn rows_all_tokens_k4(
     w: &Interleaved,
     rows: std::ops::Range<usize>,
     q8k: &[BlockQ8K],
     n: usize,
     put: impl Fn(usize, usize, &[f32]),
 ) {
-    match w.dtype {
-        DType::Q4_K => rows_all_tokens_with::<K4Avx512Dots>(w, rows, q8k, n, put),
-        _ => rows_all_tokens_with::<K6Avx512Dots>(w, rows, q8k, n, put),
-    }
+    rows_all_tokens_with::<K4Avx512Dots>(w, rows, q8k, n, put)
 }
 
 /// `rows_all_tokens_with` at AVX2 of a matrix whose type F reads (`Q4_0Dots256`,
-/// `Q4KDots256`, `Q6KDots256`), with 256-bit VNNI in the given encoding or without.
+/// `Q4KDots256`, `MxDots256`), with 256-bit VNNI in the given encoding or without.
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C, and the encoding's features.
@@ -1084,8 +856,8 @@ mod tests {
     use super::*;
     use crate::matmul::Activations;
     use crate::quant::interleaved::{
-        dot_group_k4_scalar, dot_group_k6_scalar, dot_group_mx_scalar, dot_group_scalar,
-        interleave, matrix_bytes, FloatSteps,
+        dot_group_k4_scalar, dot_group_mx_scalar, dot_group_scalar, interleave, matrix_bytes,
+        FloatSteps,
     };
     use crate::quant::{quantize_row, DType, QK, QK_K};
     use crate::sampler::Rng;
@@ -1236,10 +1008,11 @@ mod tests {
         });
     }
 
-    /// The Q4_K or Q6_K layout at `level` (AVX-512, or AVX2 with each 256-bit VNNI encoding and none)
+    /// The Q4_K layout at `level` (AVX-512, or AVX2 with each 256-bit VNNI encoding and none)
     /// against the scalar twin, the file layout's scalar dot and its product at this run's level,
     /// bit for bit (the file layout's super-block kernels give the same bits at every level).
-    fn k_equals_twin_and_file_layout(dtype: DType, level: SimdLevel) {
+    fn q4_k_equals_twin_and_file_layout(level: SimdLevel) {
+        let dtype = DType::Q4_K;
         let vnnis: Vec<Option<Vnni256>> = match level {
             SimdLevel::Avx512 => vec![None],
             _ => [None].into_iter().chain(vnni256_encodings().into_iter().map(Some)).collect(),
@@ -1254,21 +1027,14 @@ mod tests {
             for &vnni in &vnnis {
                 let got = collect(rows, n, |put| unsafe {
                     match level {
-                        SimdLevel::Avx512 => rows_all_tokens_k(m, 0..rows, &acts.q8k, n, put),
-                        _ if dtype == DType::Q4_K => {
-                            rows_all_tokens_256::<Q4KDots256>(vnni, m, 0..rows, &acts.q8k, n, put)
-                        }
-                        _ => rows_all_tokens_256::<Q6KDots256>(vnni, m, 0..rows, &acts.q8k, n, put),
+                        SimdLevel::Avx512 => rows_all_tokens_k4(m, 0..rows, &acts.q8k, n, put),
+                        _ => rows_all_tokens_256::<Q4KDots256>(vnni, m, 0..rows, &acts.q8k, n, put),
                     }
                 });
                 for t in 0..n {
                     let q8k = &acts.q8k[t * nb..(t + 1) * nb];
-                    let twin: Vec<f32> = (0..rows / 16)
-                        .flat_map(|g| match dtype {
-                            DType::Q4_K => dot_group_k4_scalar(m.group(g), q8k),
-                            _ => dot_group_k6_scalar(m.group(g), q8k),
-                        })
-                        .collect();
+                    let twin: Vec<f32> =
+                        (0..rows / 16).flat_map(|g| dot_group_k4_scalar(m.group(g), q8k)).collect();
                     for r in 0..rows {
                         let row = &src[r * row_bytes..(r + 1) * row_bytes];
                         let [d] = crate::quant::q256::dot_scalar(dtype, row, [q8k]);
@@ -1285,23 +1051,20 @@ mod tests {
     }
 
     #[test]
-    fn q4_k_and_q6_k_avx512_groups_equal_the_scalar_twin_and_the_file_layouts_products_bit_for_bit()
-    {
+    fn q4_k_avx512_groups_equal_the_scalar_twin_and_the_file_layouts_products_bit_for_bit() {
         if simd_level() != SimdLevel::Avx512 {
             eprintln!("skipped: needs AVX-512 VNNI (this run's level: {:?})", simd_level());
             return;
         }
-        k_equals_twin_and_file_layout(DType::Q4_K, SimdLevel::Avx512);
-        k_equals_twin_and_file_layout(DType::Q6_K, SimdLevel::Avx512);
+        q4_k_equals_twin_and_file_layout(SimdLevel::Avx512);
     }
 
     #[test]
-    fn q4_k_and_q6_k_avx2_groups_equal_the_scalar_twin_and_the_file_layouts_products_bit_for_bit() {
+    fn q4_k_avx2_groups_equal_the_scalar_twin_and_the_file_layouts_products_bit_for_bit() {
         if !simd_level().has_avx2() {
             eprintln!("skipped: needs AVX2 (this run's level: {:?})", simd_level());
             return;
         }
-        k_equals_twin_and_file_layout(DType::Q4_K, SimdLevel::Avx2);
-        k_equals_twin_and_file_layout(DType::Q6_K, SimdLevel::Avx2);
+        q4_k_equals_twin_and_file_layout(SimdLevel::Avx2);
     }
 }
