@@ -504,7 +504,8 @@ impl Product for Weight<'_> {
                             rows_all_tokens_256::<Q4_0Dots256>(vnni, m, rows, acts, x.n, put)
                         }
                         DType::MXFP4 => {
-                            rows_all_tokens_256::<MxDots256>(vnni, m, rows, &x.q8, x.n, put)
+                            let acts = (&x.q8[..], &x.q8_bias[..]);
+                            rows_all_tokens_256::<MxDots256>(vnni, m, rows, acts, x.n, put)
                         }
                         _ => rows_all_tokens_256::<Q4KDots256>(vnni, m, rows, &x.q8k, x.n, put),
                     }

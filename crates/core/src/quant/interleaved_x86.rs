@@ -505,13 +505,15 @@ pub(crate) unsafe fn dot_group_mx<const N: usize>(
 }
 
 /// `dot_group_mx` at the AVX2 level, its float steps `avx2::dot_legacy`'s
-/// (`FloatSteps::FmaPerBlock`), eight rows per vector: |v| times the activations with v's
-/// sign (`vpsignb`), summed by `vpdpbusd` with 256-bit VNNI (V), else by `vpmaddubsw` pairs in
-/// 16 bits (eight pairs of 2 * 12 * 127 fit) widened by `vpmaddwd`. Reads `Activations::q8`.
+/// (`FloatSteps::FmaPerBlock`), eight rows per vector. With 256-bit VNNI (V) as at AVX-512: v +
+/// 128 by `vpshufb`, `vpdpbusd` from -128 times the block's activations (`Activations::q8_bias`
+/// where the batch has it); without, |v| times the activations with v's sign (`vpsignb`) by
+/// `vpmaddubsw`, pairs summed in 16 bits (eight pairs of 2 * 12 * 127 fit) and widened by
+/// `vpmaddwd` (v + 128 would overflow a pair). Reads `Activations::q8`.
 #[inline(always)]
 unsafe fn dot_group_mx_256<V: Dp256, const N: usize>(
     group: &[u8],
-    x: [&[BlockQ8Act]; N],
+    (x, q8_bias): ([&[BlockQ8Act]; N], [&[i32]; N]),
     next: &[u8],
 ) -> [[f32; GROUP_ROWS]; N] {
     let blocks = group.len() / (GROUP_ROWS * std::mem::size_of::<BlockMXFP4>());
@@ -519,7 +521,9 @@ unsafe fn dot_group_mx_256<V: Dp256, const N: usize>(
     debug_assert!(x.iter().all(|x| x.len() == blocks));
     let nibble = _mm256_set1_epi8(0x0F);
     let ones = _mm256_set1_epi16(1);
-    let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(MXFP4_VALUES.as_ptr() as *const _));
+    let plus_128: [u8; 16] = std::array::from_fn(|i| (MXFP4_VALUES[i] as u8) ^ 0x80);
+    let values = if V::ON { plus_128.as_ptr() } else { MXFP4_VALUES.as_ptr() as *const u8 };
+    let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(values as *const _));
     let mut acc = [[_mm256_setzero_ps(); 2]; N];
     let next = [next];
     // (for one token the next group's lines asked for once a block, as Q4_0's `dot_group_256`)
@@ -535,8 +539,14 @@ unsafe fn dot_group_mx_256<V: Dp256, const N: usize>(
             if spread {
                 prefetch.step();
             }
-            let a: [&BlockQ8Act; N] =
-                std::array::from_fn(|t| x[t].get_unchecked(STEP_BLOCKS * s + c));
+            let b = STEP_BLOCKS * s + c;
+            let a: [&BlockQ8Act; N] = std::array::from_fn(|t| x[t].get_unchecked(b));
+            // -128 times the block's activations, where V's sums start
+            let bias: [i32; N] = std::array::from_fn(|t| match (V::ON, q8_bias[t]) {
+                (false, _) => 0,
+                (true, []) => -128 * block_sum(&a[t].qs),
+                (true, q8_bias) => *q8_bias.get_unchecked(b),
+            });
             for h in 0..2 {
                 let mut lo = [_mm256_setzero_si256(); 4];
                 let mut hi = [_mm256_setzero_si256(); 4];
@@ -552,20 +562,23 @@ unsafe fn dot_group_mx_256<V: Dp256, const N: usize>(
                     let four = |at: usize| {
                         _mm256_set1_epi32((a[t].qs.as_ptr().add(at) as *const i32).read_unaligned())
                     };
-                    let (mut sum, mut pairs) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                    for k in 0..4 {
-                        for (v, a) in [(lo[k], four(4 * k)), (hi[k], four(16 + 4 * k))] {
-                            let (u, signed) = (_mm256_abs_epi8(v), _mm256_sign_epi8(a, v));
-                            if V::ON {
-                                sum = V::dpbusd(sum, u, signed);
-                            } else {
+                    let sum = if V::ON {
+                        let mut sum = _mm256_set1_epi32(bias[t]);
+                        for k in 0..4 {
+                            sum = V::dpbusd(sum, lo[k], four(4 * k));
+                            sum = V::dpbusd(sum, hi[k], four(16 + 4 * k));
+                        }
+                        sum
+                    } else {
+                        let mut pairs = _mm256_setzero_si256();
+                        for k in 0..4 {
+                            for (v, a) in [(lo[k], four(4 * k)), (hi[k], four(16 + 4 * k))] {
+                                let (u, signed) = (_mm256_abs_epi8(v), _mm256_sign_epi8(a, v));
                                 pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u, signed));
                             }
                         }
-                    }
-                    if !V::ON {
-                        sum = _mm256_madd_epi16(pairs, ones);
-                    }
+                        _mm256_madd_epi16(pairs, ones)
+                    };
                     let dd = _mm256_mul_ps(d, _mm256_set1_ps(a[t].d));
                     acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), dd, acc[t][h]);
                 }
@@ -682,12 +695,12 @@ impl Dots256 for Q4_0Dots256 {
     }
 }
 
-/// MXFP4 at the 256-bit levels: `Activations::q8`.
+/// MXFP4 at the 256-bit levels: `Activations::q8` and `Activations::q8_bias`.
 pub(crate) struct MxDots256;
 impl Dots256 for MxDots256 {
-    type Acts<'a> = &'a [BlockQ8Act];
-    fn token<'a>(acts: Self::Acts<'a>, n: usize, t: usize) -> Self::Acts<'a> {
-        share(acts, n, t)
+    type Acts<'a> = (&'a [BlockQ8Act], &'a [i32]);
+    fn token<'a>((q8, bias): Self::Acts<'a>, n: usize, t: usize) -> Self::Acts<'a> {
+        (share(q8, n, t), share(bias, n, t))
     }
     #[inline(always)]
     unsafe fn dot<V: Dp256, const N: usize>(
@@ -695,7 +708,7 @@ impl Dots256 for MxDots256 {
         x: [Self::Acts<'_>; N],
         next: &[u8],
     ) -> [[f32; GROUP_ROWS]; N] {
-        dot_group_mx_256::<V, N>(group, x, next)
+        dot_group_mx_256::<V, N>(group, (x.map(|x| x.0), x.map(|x| x.1)), next)
     }
 }
 
@@ -987,7 +1000,10 @@ mod tests {
                             let x = (&acts.q8[..], &acts.q8_bias[..]);
                             rows_all_tokens_256::<Q4_0Dots256>(vnni, m, 0..rows, x, n, put)
                         }
-                        _ => rows_all_tokens_256::<MxDots256>(vnni, m, 0..rows, &acts.q8, n, put),
+                        _ => {
+                            let x = (&acts.q8[..], &acts.q8_bias[..]);
+                            rows_all_tokens_256::<MxDots256>(vnni, m, 0..rows, x, n, put)
+                        }
                     }
                 });
                 for t in 0..n {
