@@ -593,6 +593,82 @@ unsafe fn dot_group_mx_256<V: Dp256, const N: usize>(
     out
 }
 
+/// `dot_group_mx_256` for all n tokens of a batch at once, each block decoded once for them
+/// all (`GroupDots::ALL_TOKENS`): out[16t + r] = row r . token t, the same steps in the same
+/// order as `dot_group_mx_256`, each token's sums in `out` between blocks. `q8`, `q8_bias`:
+/// `Activations::q8` and `q8_bias` (n * cols / 32 each, or `q8_bias` empty).
+#[inline(always)]
+unsafe fn dot_group_mx_256_all<V: Dp256>(
+    group: &[u8],
+    (q8, q8_bias): (&[BlockQ8Act], &[i32]),
+    n: usize,
+    next: &[u8],
+    out: &mut [f32],
+) {
+    let blocks = group.len() / (GROUP_ROWS * std::mem::size_of::<BlockMXFP4>());
+    let steps = blocks.div_ceil(STEP_BLOCKS);
+    debug_assert!(q8.len() == n * blocks && out.len() == n * GROUP_ROWS);
+    out.fill(0.0);
+    let nibble = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let plus_128: [u8; 16] = std::array::from_fn(|i| (MXFP4_VALUES[i] as u8) ^ 0x80);
+    let values = if V::ON { plus_128.as_ptr() } else { MXFP4_VALUES.as_ptr() as *const u8 };
+    let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(values as *const _));
+    let next = [next];
+    let mut prefetch = PrefetchL2::new(&next, steps);
+    for s in 0..steps {
+        prefetch.step();
+        let nb = mx_step_blocks(blocks, s);
+        let step = group.as_ptr().add(s * MX_STEP_BYTES);
+        for c in 0..nb {
+            let b = STEP_BLOCKS * s + c;
+            for h in 0..2 {
+                let mut lo = [_mm256_setzero_si256(); 4];
+                let mut hi = [_mm256_setzero_si256(); 4];
+                for k in 0..4 {
+                    let w = _mm256_loadu_si256(step.add(64 * (4 * c + k) + 32 * h) as *const _);
+                    lo[k] = _mm256_shuffle_epi8(table, _mm256_and_si256(w, nibble));
+                    let high = _mm256_and_si256(_mm256_srli_epi16::<4>(w), nibble);
+                    hi[k] = _mm256_shuffle_epi8(table, high);
+                }
+                let e = _mm_loadl_epi64(step.add(256 * nb + 16 * c + 8 * h) as *const _);
+                let d = e8m0_half_256(e);
+                for t in 0..n {
+                    let a = q8.get_unchecked(t * blocks + b);
+                    let four = |at: usize| {
+                        _mm256_set1_epi32((a.qs.as_ptr().add(at) as *const i32).read_unaligned())
+                    };
+                    let sum = if V::ON {
+                        let bias = match q8_bias {
+                            [] => -128 * block_sum(&a.qs),
+                            q8_bias => *q8_bias.get_unchecked(t * blocks + b),
+                        };
+                        let mut sum = _mm256_set1_epi32(bias);
+                        for k in 0..4 {
+                            sum = V::dpbusd(sum, lo[k], four(4 * k));
+                            sum = V::dpbusd(sum, hi[k], four(16 + 4 * k));
+                        }
+                        sum
+                    } else {
+                        let mut pairs = _mm256_setzero_si256();
+                        for k in 0..4 {
+                            for (v, a) in [(lo[k], four(4 * k)), (hi[k], four(16 + 4 * k))] {
+                                let (u, signed) = (_mm256_abs_epi8(v), _mm256_sign_epi8(a, v));
+                                pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u, signed));
+                            }
+                        }
+                        _mm256_madd_epi16(pairs, ones)
+                    };
+                    let dd = _mm256_mul_ps(d, _mm256_set1_ps(a.d));
+                    let acc = out.as_mut_ptr().add(GROUP_ROWS * t + 8 * h);
+                    let sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), dd, _mm256_loadu_ps(acc));
+                    _mm256_storeu_ps(acc, sum);
+                }
+            }
+        }
+    }
+}
+
 /// A level's dots of a group with N tokens' activations (`dot_group`, `dot_group_256`), as a
 /// type, so that `rows_all_tokens_with` is compiled once per level with its features.
 trait GroupDots {
@@ -606,6 +682,20 @@ trait GroupDots {
         x: [Self::Token<'_>; N],
         next: &[u8],
     ) -> [[f32; GROUP_ROWS]; N];
+    /// Whether a batch of several tokens reads a group once for them all (`dot_all`) rather
+    /// than in passes of four: where decoding the weights weighs against sixteen registers'
+    /// sums (MXFP4's table lookups at the 256-bit levels).
+    const ALL_TOKENS: bool = false;
+    /// The group against all n tokens, out[16t + r] (`ALL_TOKENS`).
+    unsafe fn dot_all(
+        _group: &[u8],
+        _x: Self::Acts<'_>,
+        _n: usize,
+        _next: &[u8],
+        _out: &mut [f32],
+    ) {
+        unreachable!("only where ALL_TOKENS")
+    }
 }
 
 /// Token t's share of a batch's `v` (n tokens' values one after another; empty: none).
@@ -676,6 +766,17 @@ pub(crate) trait Dots256 {
         x: [Self::Acts<'_>; N],
         next: &[u8],
     ) -> [[f32; GROUP_ROWS]; N];
+    /// As `GroupDots::ALL_TOKENS` and `dot_all`.
+    const ALL_TOKENS: bool = false;
+    unsafe fn dot_all<V: Dp256>(
+        _group: &[u8],
+        _x: Self::Acts<'_>,
+        _n: usize,
+        _next: &[u8],
+        _out: &mut [f32],
+    ) {
+        unreachable!("only where ALL_TOKENS")
+    }
 }
 
 /// Q4_0 at the 256-bit levels: `Activations::q8` and `Activations::q8_bias`.
@@ -709,6 +810,17 @@ impl Dots256 for MxDots256 {
         next: &[u8],
     ) -> [[f32; GROUP_ROWS]; N] {
         dot_group_mx_256::<V, N>(group, (x.map(|x| x.0), x.map(|x| x.1)), next)
+    }
+    const ALL_TOKENS: bool = true;
+    #[inline(always)]
+    unsafe fn dot_all<V: Dp256>(
+        group: &[u8],
+        x: Self::Acts<'_>,
+        n: usize,
+        next: &[u8],
+        out: &mut [f32],
+    ) {
+        dot_group_mx_256_all::<V>(group, x, n, next, out)
     }
 }
 
@@ -744,11 +856,17 @@ impl<V: Dp256, F: Dots256> GroupDots for Avx2Dots<V, F> {
     ) -> [[f32; GROUP_ROWS]; N] {
         F::dot::<V, N>(group, x, next)
     }
+    const ALL_TOKENS: bool = F::ALL_TOKENS;
+    #[inline(always)]
+    unsafe fn dot_all(group: &[u8], x: Self::Acts<'_>, n: usize, next: &[u8], out: &mut [f32]) {
+        F::dot_all::<V>(group, x, n, next, out)
+    }
 }
 
 /// Rows `rows` (multiples of 16) of `w` against n tokens (`acts`: theirs, one after another):
 /// put(token, first row, its sixteen values), four tokens per pass over a group, then two,
-/// then one; each call prefetches the next group (up to `rows.end`).
+/// then one (or all at once, `GroupDots::ALL_TOKENS`); each call prefetches the next group (up
+/// to `rows.end`).
 #[inline(always)]
 unsafe fn rows_all_tokens_with<K: GroupDots>(
     w: &Interleaved,
@@ -760,6 +878,8 @@ unsafe fn rows_all_tokens_with<K: GroupDots>(
     let token = |t: usize| K::token(acts, n, t);
     let (g0, g1) = (rows.start / GROUP_ROWS, rows.end / GROUP_ROWS);
     let gb = group_bytes(w.dtype, w.cols);
+    let all_tokens = K::ALL_TOKENS && n > 1;
+    let mut out = vec![0.0f32; if all_tokens { n * GROUP_ROWS } else { 0 }];
     for g in g0..g1 {
         let group = w.group(g);
         let next = match g + 1 < g1 {
@@ -767,6 +887,11 @@ unsafe fn rows_all_tokens_with<K: GroupDots>(
             false => &[][..],
         };
         let r = g * GROUP_ROWS;
+        if all_tokens {
+            K::dot_all(group, acts, n, next, &mut out);
+            out.chunks_exact(GROUP_ROWS).enumerate().for_each(|(t, v)| put(t, r, v));
+            continue;
+        }
         let mut t = 0;
         while t + 4 <= n {
             let v = K::dot::<4>(group, [token(t), token(t + 1), token(t + 2), token(t + 3)], next);
