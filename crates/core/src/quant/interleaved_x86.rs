@@ -24,17 +24,34 @@ use crate::simd::Vnni256;
 
 /// The sixteen rows of `group` (one group of an interleaved matrix) against N tokens'
 /// activations (`Activations::quads`: cols / 128 each), `next` (the bytes read after these)
-/// prefetched into L2 over the steps. out[t][r] = row r . token t, as `dot_group_scalar`.
+/// prefetched into L2 over the steps. out[t][r] = row r . token t, as `dot_group_scalar`
+/// (Q4_0) or `dot_group_mx_scalar` (MX: MXFP4).
+///
+/// Q4_0's nibbles are q = v + 8 and its sums start from the quad's bias (-8 times the block's
+/// activations); MXFP4's nibbles give their doubled E2M1 value plus 128 by `vpshufb`, its sums
+/// start from 16 times that bias, and its blocks' scales are their halved powers of two, a
+/// last half step's pair alone (what its zero-padded quad adds). Then `FloatSteps::SumOfFour`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn dot_group<const N: usize>(
+pub(crate) unsafe fn dot_group<const MX: bool, const N: usize>(
     group: &[u8],
     x: [&[ActQuad]; N],
     next: &[u8],
 ) -> [[f32; GROUP_ROWS]; N] {
-    let steps = group.len() / STEP_BYTES;
-    debug_assert!(group.len() == steps * STEP_BYTES && x.iter().all(|x| x.len() == steps));
+    let (step_bytes, block_bytes) = match MX {
+        false => (STEP_BYTES, std::mem::size_of::<super::BlockQ4_0>()),
+        true => (MX_STEP_BYTES, std::mem::size_of::<BlockMXFP4>()),
+    };
+    let blocks = group.len() / (GROUP_ROWS * block_bytes);
+    let steps = blocks.div_ceil(STEP_BLOCKS);
+    debug_assert!(x.iter().all(|x| x.len() == steps));
     let nibble = _mm512_set1_epi8(0x0F);
+    let plus_128: [u8; 16] = std::array::from_fn(|i| (MXFP4_VALUES[i] as u8) ^ 0x80);
+    let table = _mm512_broadcast_i32x4(_mm_loadu_si128(plus_128.as_ptr() as *const _));
+    let weights = |nibbles: __m512i| match MX {
+        false => nibbles,
+        true => _mm512_shuffle_epi8(table, nibbles),
+    };
     let mut acc = [_mm512_setzero_ps(); N];
     let next = [next];
     // (once a step: asked for once a block, as `dot_group_k4` does, a 4-layer Qwen3-30B-A3B-shape
@@ -42,26 +59,30 @@ pub(crate) unsafe fn dot_group<const N: usize>(
     let mut prefetch = PrefetchL2::new(&next, steps);
     for s in 0..steps {
         prefetch.step();
-        let step = group.as_ptr().add(s * STEP_BYTES);
+        let n = mx_step_blocks(blocks, s);
+        let step = group.as_ptr().add(s * step_bytes);
         let q: [&ActQuad; N] = std::array::from_fn(|t| x[t].get_unchecked(s));
         // per token: (p_0 + p_1), then (p_2 + p_3)
         let mut pair = [[_mm512_setzero_ps(); 2]; N];
-        for c in 0..STEP_BLOCKS {
+        for c in 0..n {
             // the sixteen rows' block c: four chunks of four bytes per row, low and high nibbles
             let mut lo = [_mm512_setzero_si512(); 4];
             let mut hi = [_mm512_setzero_si512(); 4];
             for k in 0..4 {
                 let w = _mm512_loadu_si512(step.add(64 * (4 * c + k)) as *const _);
-                lo[k] = _mm512_and_si512(w, nibble);
-                hi[k] = _mm512_and_si512(_mm512_srli_epi16::<4>(w), nibble);
+                lo[k] = weights(_mm512_and_si512(w, nibble));
+                hi[k] = weights(_mm512_and_si512(_mm512_srli_epi16::<4>(w), nibble));
             }
-            let d = _mm512_cvtph_ps(_mm256_loadu_si256(step.add(1024 + 32 * c) as *const _));
+            let d = match MX {
+                false => _mm512_cvtph_ps(_mm256_loadu_si256(step.add(1024 + 32 * c) as *const _)),
+                true => e8m0_half_512(_mm_loadu_si128(step.add(256 * n + 16 * c) as *const _)),
+            };
             for t in 0..N {
                 let a = q[t];
                 // sum(q * x) - 8 * sum(x): the activations' lane biases of block c, summed
                 let bias =
                     a.bias[4 * c] + a.bias[4 * c + 1] + a.bias[4 * c + 2] + a.bias[4 * c + 3];
-                let mut sum = _mm512_set1_epi32(bias);
+                let mut sum = _mm512_set1_epi32(if MX { 16 * bias } else { bias });
                 let four = |bytes: &[i8; 64], k: usize| {
                     _mm512_set1_epi32(
                         (bytes.as_ptr().add(16 * c + 4 * k) as *const i32).read_unaligned(),
@@ -80,7 +101,11 @@ pub(crate) unsafe fn dot_group<const N: usize>(
             }
         }
         for t in 0..N {
-            acc[t] = _mm512_add_ps(acc[t], _mm512_add_ps(pair[t][0], pair[t][1]));
+            let total = match n {
+                STEP_BLOCKS => _mm512_add_ps(pair[t][0], pair[t][1]),
+                _ => pair[t][0],
+            };
+            acc[t] = _mm512_add_ps(acc[t], total);
         }
     }
     let mut out = [[0.0f32; GROUP_ROWS]; N];
@@ -430,86 +455,82 @@ unsafe fn e8m0_half_256(e: __m128i) -> __m256 {
     _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, small))
 }
 
-/// The sixteen rows of an MXFP4 `group` against N tokens' activations (`Activations::quads`),
-/// as `dot_group` does Q4_0's: a nibble's doubled E2M1 value plus 128 by `vpshufb`, the sums
-/// started from -128 times the block's activations (16 times the quad's Q4_0 bias), the
-/// blocks' halved power-of-two scales for d, `FloatSteps::SumOfFour` (a last half step's pair
-/// alone, what its zero-padded quad adds).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn dot_group_mx<const N: usize>(
-    group: &[u8],
-    x: [&[ActQuad]; N],
-    next: &[u8],
-) -> [[f32; GROUP_ROWS]; N] {
-    let blocks = group.len() / (GROUP_ROWS * std::mem::size_of::<BlockMXFP4>());
-    let steps = blocks.div_ceil(STEP_BLOCKS);
-    debug_assert!(x.iter().all(|x| x.len() == steps));
-    let nibble = _mm512_set1_epi8(0x0F);
-    let plus_128: [u8; 16] = std::array::from_fn(|i| (MXFP4_VALUES[i] as u8) ^ 0x80);
-    let table = _mm512_broadcast_i32x4(_mm_loadu_si128(plus_128.as_ptr() as *const _));
-    let mut acc = [_mm512_setzero_ps(); N];
-    let next = [next];
-    let mut prefetch = PrefetchL2::new(&next, steps);
-    for s in 0..steps {
-        prefetch.step();
-        let n = mx_step_blocks(blocks, s);
-        let step = group.as_ptr().add(s * MX_STEP_BYTES);
-        let q: [&ActQuad; N] = std::array::from_fn(|t| x[t].get_unchecked(s));
-        let mut pair = [[_mm512_setzero_ps(); 2]; N];
-        for c in 0..n {
-            let mut lo = [_mm512_setzero_si512(); 4];
-            let mut hi = [_mm512_setzero_si512(); 4];
-            for k in 0..4 {
-                let w = _mm512_loadu_si512(step.add(64 * (4 * c + k)) as *const _);
-                lo[k] = _mm512_shuffle_epi8(table, _mm512_and_si512(w, nibble));
-                let high = _mm512_and_si512(_mm512_srli_epi16::<4>(w), nibble);
-                hi[k] = _mm512_shuffle_epi8(table, high);
-            }
-            let d = e8m0_half_512(_mm_loadu_si128(step.add(256 * n + 16 * c) as *const _));
-            for t in 0..N {
-                let a = q[t];
-                let bias =
-                    a.bias[4 * c] + a.bias[4 * c + 1] + a.bias[4 * c + 2] + a.bias[4 * c + 3];
-                let mut sum = _mm512_set1_epi32(16 * bias);
-                let four = |bytes: &[i8; 64], k: usize| {
-                    _mm512_set1_epi32(
-                        (bytes.as_ptr().add(16 * c + 4 * k) as *const i32).read_unaligned(),
-                    )
-                };
-                for k in 0..4 {
-                    sum = _mm512_dpbusd_epi32(sum, lo[k], four(&a.lo, k));
-                    sum = _mm512_dpbusd_epi32(sum, hi[k], four(&a.hi, k));
-                }
-                let dd = _mm512_mul_ps(d, _mm512_set1_ps(a.d[4 * c]));
-                let p = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), dd);
-                pair[t][c / 2] = match c % 2 {
-                    0 => p,
-                    _ => _mm512_add_ps(pair[t][c / 2], p),
-                };
-            }
-        }
-        for t in 0..N {
-            let total = match n {
-                STEP_BLOCKS => _mm512_add_ps(pair[t][0], pair[t][1]),
-                _ => pair[t][0],
-            };
-            acc[t] = _mm512_add_ps(acc[t], total);
-        }
+/// Half h (eight rows) of MXFP4 block c of a step of n blocks at `step`: its weights as `table`
+/// gives them (v + 128, or v) by `vpshufb`, low and high nibbles, and the rows' scales.
+#[inline(always)]
+unsafe fn mx_half_256(
+    step: *const u8,
+    n: usize,
+    c: usize,
+    h: usize,
+    table: __m256i,
+) -> ([__m256i; 4], [__m256i; 4], __m256) {
+    let nibble = _mm256_set1_epi8(0x0F);
+    let mut lo = [_mm256_setzero_si256(); 4];
+    let mut hi = [_mm256_setzero_si256(); 4];
+    for k in 0..4 {
+        let w = _mm256_loadu_si256(step.add(64 * (4 * c + k) + 32 * h) as *const _);
+        lo[k] = _mm256_shuffle_epi8(table, _mm256_and_si256(w, nibble));
+        let high = _mm256_and_si256(_mm256_srli_epi16::<4>(w), nibble);
+        hi[k] = _mm256_shuffle_epi8(table, high);
     }
-    let mut out = [[0.0f32; GROUP_ROWS]; N];
-    for t in 0..N {
-        _mm512_storeu_ps(out[t].as_mut_ptr(), acc[t]);
-    }
-    out
+    let e = _mm_loadl_epi64(step.add(256 * n + 16 * c + 8 * h) as *const _);
+    (lo, hi, e8m0_half_256(e))
 }
 
-/// `dot_group_mx` at the AVX2 level, its float steps `avx2::dot_legacy`'s
-/// (`FloatSteps::FmaPerBlock`), eight rows per vector. With 256-bit VNNI (V) as at AVX-512: v +
-/// 128 by `vpshufb`, `vpdpbusd` from -128 times the block's activations (`Activations::q8_bias`
-/// where the batch has it); without, |v| times the activations with v's sign (`vpsignb`) by
-/// `vpmaddubsw`, pairs summed in 16 bits (eight pairs of 2 * 12 * 127 fit) and widened by
-/// `vpmaddwd` (v + 128 would overflow a pair). Reads `Activations::q8`.
+/// The table `mx_half_256` reads at V's level: v + 128 where `vpdpbusd` sums it, else v.
+#[inline(always)]
+unsafe fn mx_table_256<V: Dp256>() -> __m256i {
+    let plus_128: [u8; 16] = std::array::from_fn(|i| (MXFP4_VALUES[i] as u8) ^ 0x80);
+    let values = if V::ON { plus_128.as_ptr() } else { MXFP4_VALUES.as_ptr() as *const u8 };
+    _mm256_broadcastsi128_si256(_mm_loadu_si128(values as *const _))
+}
+
+/// Where V's sums of block b of a token start: -128 times its activations (from `q8_bias`, b's
+/// entry, where the batch has it); without VNNI 0.
+#[inline(always)]
+unsafe fn mx_bias_256<V: Dp256>(a: &BlockQ8Act, q8_bias: &[i32], b: usize) -> i32 {
+    match (V::ON, q8_bias) {
+        (false, _) => 0,
+        (true, []) => -128 * block_sum(&a.qs),
+        (true, q8_bias) => *q8_bias.get_unchecked(b),
+    }
+}
+
+/// A block's exact sums of v * a in each row's lane from `mx_half_256`'s weights: with 256-bit
+/// VNNI (V) `vpdpbusd` of v + 128 from `bias`; without, |v| times the activations with v's sign
+/// (`vpsignb`) by `vpmaddubsw`, pairs summed in 16 bits (eight pairs of 2 * 12 * 127 fit) and
+/// widened by `vpmaddwd` (v + 128 would overflow a pair).
+#[inline(always)]
+unsafe fn mx_block_sums_256<V: Dp256>(
+    (lo, hi): ([__m256i; 4], [__m256i; 4]),
+    a: &BlockQ8Act,
+    bias: i32,
+) -> __m256i {
+    let four =
+        |at: usize| _mm256_set1_epi32((a.qs.as_ptr().add(at) as *const i32).read_unaligned());
+    if V::ON {
+        let mut sum = _mm256_set1_epi32(bias);
+        for k in 0..4 {
+            sum = V::dpbusd(sum, lo[k], four(4 * k));
+            sum = V::dpbusd(sum, hi[k], four(16 + 4 * k));
+        }
+        sum
+    } else {
+        let mut pairs = _mm256_setzero_si256();
+        for k in 0..4 {
+            for (v, a) in [(lo[k], four(4 * k)), (hi[k], four(16 + 4 * k))] {
+                let (u, signed) = (_mm256_abs_epi8(v), _mm256_sign_epi8(a, v));
+                pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u, signed));
+            }
+        }
+        _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
+    }
+}
+
+/// MXFP4's `dot_group` at the AVX2 level, its float steps `avx2::dot_legacy`'s
+/// (`FloatSteps::FmaPerBlock`), eight rows per vector (`mx_half_256`, `mx_block_sums_256`).
+/// Reads `Activations::q8` and `q8_bias`.
 #[inline(always)]
 unsafe fn dot_group_mx_256<V: Dp256, const N: usize>(
     group: &[u8],
@@ -519,11 +540,7 @@ unsafe fn dot_group_mx_256<V: Dp256, const N: usize>(
     let blocks = group.len() / (GROUP_ROWS * std::mem::size_of::<BlockMXFP4>());
     let steps = blocks.div_ceil(STEP_BLOCKS);
     debug_assert!(x.iter().all(|x| x.len() == blocks));
-    let nibble = _mm256_set1_epi8(0x0F);
-    let ones = _mm256_set1_epi16(1);
-    let plus_128: [u8; 16] = std::array::from_fn(|i| (MXFP4_VALUES[i] as u8) ^ 0x80);
-    let values = if V::ON { plus_128.as_ptr() } else { MXFP4_VALUES.as_ptr() as *const u8 };
-    let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(values as *const _));
+    let table = mx_table_256::<V>();
     let mut acc = [[_mm256_setzero_ps(); 2]; N];
     let next = [next];
     // (for one token the next group's lines asked for once a block, as Q4_0's `dot_group_256`)
@@ -541,44 +558,11 @@ unsafe fn dot_group_mx_256<V: Dp256, const N: usize>(
             }
             let b = STEP_BLOCKS * s + c;
             let a: [&BlockQ8Act; N] = std::array::from_fn(|t| x[t].get_unchecked(b));
-            // -128 times the block's activations, where V's sums start
-            let bias: [i32; N] = std::array::from_fn(|t| match (V::ON, q8_bias[t]) {
-                (false, _) => 0,
-                (true, []) => -128 * block_sum(&a[t].qs),
-                (true, q8_bias) => *q8_bias.get_unchecked(b),
-            });
+            let bias: [i32; N] = std::array::from_fn(|t| mx_bias_256::<V>(a[t], q8_bias[t], b));
             for h in 0..2 {
-                let mut lo = [_mm256_setzero_si256(); 4];
-                let mut hi = [_mm256_setzero_si256(); 4];
-                for k in 0..4 {
-                    let w = _mm256_loadu_si256(step.add(64 * (4 * c + k) + 32 * h) as *const _);
-                    lo[k] = _mm256_shuffle_epi8(table, _mm256_and_si256(w, nibble));
-                    let high = _mm256_and_si256(_mm256_srli_epi16::<4>(w), nibble);
-                    hi[k] = _mm256_shuffle_epi8(table, high);
-                }
-                let e = _mm_loadl_epi64(step.add(256 * n + 16 * c + 8 * h) as *const _);
-                let d = e8m0_half_256(e);
+                let (lo, hi, d) = mx_half_256(step, n, c, h, table);
                 for t in 0..N {
-                    let four = |at: usize| {
-                        _mm256_set1_epi32((a[t].qs.as_ptr().add(at) as *const i32).read_unaligned())
-                    };
-                    let sum = if V::ON {
-                        let mut sum = _mm256_set1_epi32(bias[t]);
-                        for k in 0..4 {
-                            sum = V::dpbusd(sum, lo[k], four(4 * k));
-                            sum = V::dpbusd(sum, hi[k], four(16 + 4 * k));
-                        }
-                        sum
-                    } else {
-                        let mut pairs = _mm256_setzero_si256();
-                        for k in 0..4 {
-                            for (v, a) in [(lo[k], four(4 * k)), (hi[k], four(16 + 4 * k))] {
-                                let (u, signed) = (_mm256_abs_epi8(v), _mm256_sign_epi8(a, v));
-                                pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u, signed));
-                            }
-                        }
-                        _mm256_madd_epi16(pairs, ones)
-                    };
+                    let sum = mx_block_sums_256::<V>((lo, hi), a[t], bias[t]);
                     let dd = _mm256_mul_ps(d, _mm256_set1_ps(a[t].d));
                     acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), dd, acc[t][h]);
                 }
@@ -595,8 +579,8 @@ unsafe fn dot_group_mx_256<V: Dp256, const N: usize>(
 
 /// `dot_group_mx_256` for all n tokens of a batch at once, each block decoded once for them
 /// all (`GroupDots::ALL_TOKENS`): out[16t + r] = row r . token t, the same steps in the same
-/// order as `dot_group_mx_256`, each token's sums in `out` between blocks. `q8`, `q8_bias`:
-/// `Activations::q8` and `q8_bias` (n * cols / 32 each, or `q8_bias` empty).
+/// order, each token's sums in `out` between blocks. `q8`, `q8_bias`: `Activations::q8` and
+/// `q8_bias` (n * cols / 32 each, or `q8_bias` empty).
 #[inline(always)]
 unsafe fn dot_group_mx_256_all<V: Dp256>(
     group: &[u8],
@@ -609,11 +593,7 @@ unsafe fn dot_group_mx_256_all<V: Dp256>(
     let steps = blocks.div_ceil(STEP_BLOCKS);
     debug_assert!(q8.len() == n * blocks && out.len() == n * GROUP_ROWS);
     out.fill(0.0);
-    let nibble = _mm256_set1_epi8(0x0F);
-    let ones = _mm256_set1_epi16(1);
-    let plus_128: [u8; 16] = std::array::from_fn(|i| (MXFP4_VALUES[i] as u8) ^ 0x80);
-    let values = if V::ON { plus_128.as_ptr() } else { MXFP4_VALUES.as_ptr() as *const u8 };
-    let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(values as *const _));
+    let table = mx_table_256::<V>();
     let next = [next];
     let mut prefetch = PrefetchL2::new(&next, steps);
     for s in 0..steps {
@@ -623,42 +603,11 @@ unsafe fn dot_group_mx_256_all<V: Dp256>(
         for c in 0..nb {
             let b = STEP_BLOCKS * s + c;
             for h in 0..2 {
-                let mut lo = [_mm256_setzero_si256(); 4];
-                let mut hi = [_mm256_setzero_si256(); 4];
-                for k in 0..4 {
-                    let w = _mm256_loadu_si256(step.add(64 * (4 * c + k) + 32 * h) as *const _);
-                    lo[k] = _mm256_shuffle_epi8(table, _mm256_and_si256(w, nibble));
-                    let high = _mm256_and_si256(_mm256_srli_epi16::<4>(w), nibble);
-                    hi[k] = _mm256_shuffle_epi8(table, high);
-                }
-                let e = _mm_loadl_epi64(step.add(256 * nb + 16 * c + 8 * h) as *const _);
-                let d = e8m0_half_256(e);
+                let (lo, hi, d) = mx_half_256(step, nb, c, h, table);
                 for t in 0..n {
                     let a = q8.get_unchecked(t * blocks + b);
-                    let four = |at: usize| {
-                        _mm256_set1_epi32((a.qs.as_ptr().add(at) as *const i32).read_unaligned())
-                    };
-                    let sum = if V::ON {
-                        let bias = match q8_bias {
-                            [] => -128 * block_sum(&a.qs),
-                            q8_bias => *q8_bias.get_unchecked(t * blocks + b),
-                        };
-                        let mut sum = _mm256_set1_epi32(bias);
-                        for k in 0..4 {
-                            sum = V::dpbusd(sum, lo[k], four(4 * k));
-                            sum = V::dpbusd(sum, hi[k], four(16 + 4 * k));
-                        }
-                        sum
-                    } else {
-                        let mut pairs = _mm256_setzero_si256();
-                        for k in 0..4 {
-                            for (v, a) in [(lo[k], four(4 * k)), (hi[k], four(16 + 4 * k))] {
-                                let (u, signed) = (_mm256_abs_epi8(v), _mm256_sign_epi8(a, v));
-                                pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u, signed));
-                            }
-                        }
-                        _mm256_madd_epi16(pairs, ones)
-                    };
+                    let bias = mx_bias_256::<V>(a, q8_bias, t * blocks + b);
+                    let sum = mx_block_sums_256::<V>((lo, hi), a, bias);
                     let dd = _mm256_mul_ps(d, _mm256_set1_ps(a.d));
                     let acc = out.as_mut_ptr().add(GROUP_ROWS * t + 8 * h);
                     let sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), dd, _mm256_loadu_ps(acc));
@@ -704,8 +653,9 @@ fn share<T>(v: &[T], n: usize, t: usize) -> &[T] {
     &v[t * per..(t + 1) * per]
 }
 
-struct Avx512Dots;
-impl GroupDots for Avx512Dots {
+/// Q4_0's (MX false) or MXFP4's (MX true) dots at AVX-512.
+struct Avx512Dots<const MX: bool>;
+impl<const MX: bool> GroupDots for Avx512Dots<MX> {
     type Acts<'a> = &'a [ActQuad];
     type Token<'a> = &'a [ActQuad];
     fn token<'a>(acts: Self::Acts<'a>, n: usize, t: usize) -> Self::Token<'a> {
@@ -717,25 +667,7 @@ impl GroupDots for Avx512Dots {
         x: [&[ActQuad]; N],
         next: &[u8],
     ) -> [[f32; GROUP_ROWS]; N] {
-        dot_group::<N>(group, x, next)
-    }
-}
-
-/// MXFP4's dots at AVX-512.
-struct MxAvx512Dots;
-impl GroupDots for MxAvx512Dots {
-    type Acts<'a> = &'a [ActQuad];
-    type Token<'a> = &'a [ActQuad];
-    fn token<'a>(acts: Self::Acts<'a>, n: usize, t: usize) -> Self::Token<'a> {
-        share(acts, n, t)
-    }
-    #[inline(always)]
-    unsafe fn dot<const N: usize>(
-        group: &[u8],
-        x: [&[ActQuad]; N],
-        next: &[u8],
-    ) -> [[f32; GROUP_ROWS]; N] {
-        dot_group_mx::<N>(group, x, next)
+        dot_group::<MX, N>(group, x, next)
     }
 }
 
@@ -920,8 +852,8 @@ pub(crate) unsafe fn rows_all_tokens(
     put: impl Fn(usize, usize, &[f32]),
 ) {
     match w.dtype {
-        DType::Q4_0 => rows_all_tokens_with::<Avx512Dots>(w, rows, quads, n, put),
-        _ => rows_all_tokens_with::<MxAvx512Dots>(w, rows, quads, n, put),
+        DType::Q4_0 => rows_all_tokens_with::<Avx512Dots<false>>(w, rows, quads, n, put),
+        _ => rows_all_tokens_with::<Avx512Dots<true>>(w, rows, quads, n, put),
     }
 }
 
