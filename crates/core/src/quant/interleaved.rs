@@ -218,7 +218,9 @@ fn interleave_q4_k(row: &[u8], s: usize, r: usize, step: &mut [u8]) {
     for l in 0..QK_K / 8 {
         step[64 * l + 4 * r..][..4].copy_from_slice(&blk.qs[4 * l..4 * l + 4]);
     }
-    let sm: Vec<u8> = k4_scales(&blk.scales).iter().flat_map(|w| w.to_le_bytes()).collect();
+    // (an array: this runs for every row and super-block of every expert at load)
+    let words = k4_scales(&blk.scales);
+    let sm: [u8; 16] = std::array::from_fn(|i| words[i / 4].to_le_bytes()[i % 4]);
     for j in 0..8 {
         step[K4_SCALES_AT + 16 * j + r] = sm[j];
         step[K4_MINS_AT + 32 * (j / 2) + 2 * r + j % 2] = sm[8 + j];
