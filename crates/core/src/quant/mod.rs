@@ -351,14 +351,14 @@ pub fn dot_q4_0_scalar<const N: usize>(w: &[BlockQ4_0], a: [&[BlockQ8Act]; N]) -
     for (j, aj) in a.iter().enumerate() {
         let mut sum = 0.0f32;
         for (b, ab) in w.iter().zip(aj.iter()) {
+            // the weights q - 8 in integers, as the SIMD kernels take them: the offset taken
+            // off in floats (8 d s) cancelled most of the sum's digits
             let mut isum = 0i32;
             for k in 0..QK / 2 {
-                isum += (b.qs[k] & 0x0F) as i32 * ab.qs[k] as i32;
-                isum += (b.qs[k] >> 4) as i32 * ab.qs[k + QK / 2] as i32;
+                isum += ((b.qs[k] & 0x0F) as i32 - 8) * ab.qs[k] as i32;
+                isum += ((b.qs[k] >> 4) as i32 - 8) * ab.qs[k + QK / 2] as i32;
             }
-            let d = f16_to_f32(b.d);
-            // sum((q - 8) * a) = sum(q * a) - 8 * sum(a)
-            sum += d * (ab.d * isum as f32) - 8.0 * d * ab.s;
+            sum += f16_to_f32(b.d) * (ab.d * isum as f32);
         }
         out[j] = sum;
     }
@@ -395,16 +395,30 @@ pub fn dot_q8_0_scalar<const N: usize>(w: &[BlockQ8_0], a: [&[BlockQ8Act]; N]) -
     out
 }
 
-/// Float weight rows (F32/F16/BF16 as raw little-endian bytes) against f32 activations.
+/// Float weight rows (F32/F16/BF16 as raw little-endian bytes) against f32 activations, in
+/// eight lanes (element k into lane k % 8) summed as `avx2::dot_float`'s `hsum` sums its
+/// lanes: a 4096-long sum in one chain carried several times the rounding error of eight
+/// chains of 512, which the tests' f32 tolerances are set by.
 pub fn dot_float_scalar<const N: usize>(dtype: DType, w: &[u8], a: [&[f32]; N]) -> [f32; N] {
-    let mut out = [0.0f32; N];
+    const LANES: usize = 8;
     let n = a[0].len();
-    let mut row = vec![0.0f32; n];
-    dequantize_row(dtype, w, &mut row);
-    for (j, aj) in a.iter().enumerate() {
-        out[j] = row.iter().zip(aj.iter()).map(|(x, y)| x * y).sum();
+    let eb = dtype.block_bytes();
+    let mut acc = [[0.0f32; LANES]; N];
+    let mut wk = [0.0f32; QK];
+    for (c, bytes) in w[..n * eb].chunks(QK * eb).enumerate() {
+        let wk = &mut wk[..bytes.len() / eb];
+        dequantize_row(dtype, bytes, wk);
+        for (j, aj) in a.iter().enumerate() {
+            for (i, (x, y)) in wk.iter().zip(&aj[c * QK..]).enumerate() {
+                acc[j][i % LANES] += x * y;
+            }
+        }
     }
-    out
+    acc.map(|l| {
+        let s = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
+        let s = [s[0] + s[2], s[1] + s[3]];
+        s[0] + s[1]
+    })
 }
 
 // ---------------------------------------------------------------------------------------------
