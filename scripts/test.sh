@@ -44,11 +44,15 @@ cargo test --release -p powerinfer-core -p powerinfer-cuda
 # skip with its reason; the slowest tests are listed last.
 $PY -m pytest -q -ra --durations=25 "$@" tests
 # Kernels of different SIMD levels round differently: on a machine with AVX-512, the whole-model
-# numerics tests run again at the AVX2 level that most users' CPUs have.
+# numerics tests run again at the AVX2 level that most users' CPUs have; on any machine the
+# synthetic models' ones at the scalar level (the kernels of CPUs without AVX2 and of other
+# architectures; ~4 minutes on 2 cores).
 if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
     POWERINFER_SIMD=avx2 $PY -m pytest -q -ra --durations=25 -p no:cacheprovider "$@" tests/test_smollm2.py tests/test_gpu.py \
-        tests/test_synthetic_models.py tests/test_architectures.py
+        tests/test_synthetic_models.py tests/test_architectures.py tests/test_moe.py
 fi
+POWERINFER_SIMD=scalar $PY -m pytest -q -ra --durations=10 -p no:cacheprovider "$@" tests/test_gpu.py tests/test_moe.py \
+    tests/test_synthetic_models.py tests/test_architectures.py tests/test_powerinfer_models.py
 # A minute of coverage-guided fuzzing: the GGUF reader, the model build and the tokenizers
 # (scripts/fuzz.sh; longer runs: scripts/fuzz.sh SECONDS).
 scripts/fuzz.sh 60

@@ -402,13 +402,15 @@ def test_prompts_run_in_passes_as_token_by_token(tmp_path, kind, dtype, device):
     prompt (a pass of 32, then 8) against the same tokens one at a time on the same placement,
     whole, split and layer offload, a plain SwiGLU file and a ReGLU one with predictors in dense
     and predictor mode: the same neurons counted on each side, and the logits equal up to the
-    CPU's float summation order. Two cases round differently by design and are held to what
+    CPU's float summation order. Three cases round differently by design and are held to what
     they are: in predictor mode a summation-order difference can move a logit across the
     cut-off in a later layer (a neuron more or less, ~1% at that position), so most positions
-    are held to 1e-4 and all to 3e-2; and a one-token split of a plain quantized file sends a
-    dense enough cold selection through the file's `ffn_down` with int8 activations where a
-    pass reads the exact F16 columns the GPU reads (see `_hybrid_matches_cpu`), so there both
-    are held to the CPU's distance from a float64 forward pass."""
+    are held to 1e-4 and all to 3e-2, and in a quantized file's split it can round an int8
+    input to the other side of a tie, which later positions inherit, so there all positions
+    are held to 3e-2 and the neurons counted; and a one-token split of a plain quantized file
+    sends a dense enough cold selection through the file's `ffn_down` with int8 activations
+    where a pass reads the exact F16 columns the GPU reads (see `_hybrid_matches_cpu`), so
+    there both are held to the CPU's distance from a float64 forward pass."""
     from reference import forward, read_weights
 
     path = _write(kind, tmp_path / "m.gguf", dtype)
@@ -456,7 +458,15 @@ def test_prompts_run_in_passes_as_token_by_token(tmp_path, kind, dtype, device):
                     assert rel(got, f64).mean() <= 1.25 * cpu_err, (rel(got, f64).mean(), cpu_err)
                 continue
             err = rel(passes, one)
-            if mode == "predictor":
+            if dtype != Q.F32 and "vram_budget" in kwargs:
+                # a split's cold part sums in another order one token at a time (the operator's
+                # per-thread chunks) than in a pass (neuron order), ~2e-7 apart, and its int8
+                # inputs round at a tie the other way about once per run (20k roundings, each
+                # 2 x 127 x 2e-7 likely); a tie in a middle layer reaches every later position
+                # that attends to its token (scalar kernels: one at layer 2 moved 14 of 40
+                # positions by 5e-3 to 1.1e-2, the others 1e-7; AVX2 and AVX-512 met none)
+                assert err.max() < 3e-2, (kwargs, mode, err)
+            elif mode == "predictor":
                 assert np.mean(err < 1e-4) >= 0.8 and err.max() < 3e-2, (kwargs, err)
             else:
                 assert err.max() < 1e-4, (kwargs, mode, err.max())

@@ -998,6 +998,42 @@ mod tests {
         }
     }
 
+    /// One row's axpy at every SIMD level this CPU has is the scalar axpy's bits for the float
+    /// rows, Q8_0 and the chunked types the chunk decoders add one row at a time: a token's
+    /// decode adds its neurons' rows through these kernels and a prompt pass through the tiles'
+    /// fused multiply-adds (`tiled_axpy`), and a last-bit difference there moves an int8
+    /// rounding of a later layer's input. (Q4_0 and Q4_1 fold their offset or table in per
+    /// level, Q4_K and Q5_K their minima over the rows; those are held to 1e-5 above.)
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn one_row_axpy_is_the_scalar_bits_at_every_level() {
+        let same_bits = |d: DType| {
+            !d.is_quantized()
+                || d == DType::Q8_0
+                || (d.is_chunked() && !matches!(d, DType::Q4_K | DType::Q5_K))
+        };
+        let levels: Vec<SimdLevel> = [SimdLevel::Avx2, SimdLevel::Avx512]
+            .into_iter()
+            .filter(|&l| l <= simd_level())
+            .collect();
+        for &level in &levels {
+            for dtype in DType::ALL.into_iter().filter(|&d| same_bits(d)) {
+                for n in [32, 96, 256, 576, 4096] {
+                    if n % dtype.block_len() != 0 {
+                        continue;
+                    }
+                    let row = any_row(dtype, n, 7 + n as u64);
+                    let y0 = random_vec(n, 11);
+                    let (mut ys, mut yv) = (y0.clone(), y0.clone());
+                    quant::axpy_scalar(dtype, &row, 0.37, &mut ys);
+                    axpy(level, dtype, &row, 0.37, &mut yv, &[]);
+                    let differ = (0..n).filter(|&i| ys[i].to_bits() != yv[i].to_bits()).count();
+                    assert_eq!(differ, 0, "{dtype:?} at {level:?}, n={n}: {differ} values differ");
+                }
+            }
+        }
+    }
+
     /// The fused sparse FFN equals the dense operator (dense gate/up products, the activation,
     /// the selection mask, then a float64 down projection) for every weight type, activation,
     /// selection density and thread count, and gives bit-identical results when repeated.

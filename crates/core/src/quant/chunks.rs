@@ -393,13 +393,14 @@ pub fn dot_scalar<const N: usize>(dtype: DType, row: &[u8], a: [&[BlockQ8Act]; N
     acc
 }
 
-/// y += a * row, for a row of a chunked type.
+/// y += a * row, for a row of a chunked type: each weight decoded as the chunk kernels decode
+/// it, then one fused multiply-add, as they add it (`chunks_x86::axpy_rows`).
 pub fn axpy_scalar(dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
     let mut ch = Chunk::default();
     for (k, yk) in y.chunks_exact_mut(QK).enumerate() {
         chunk(dtype, row, k, &mut ch);
         for (i, yi) in yk.iter_mut().enumerate() {
-            *yi += a * (ch.scale[i / 16] * ch.v[i] as f32 - ch.min[i / 16]);
+            *yi = (ch.scale[i / 16] * ch.v[i] as f32 - ch.min[i / 16]).mul_add(a, *yi);
         }
     }
 }

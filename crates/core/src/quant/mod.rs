@@ -425,9 +425,39 @@ pub fn dot_float_scalar<const N: usize>(dtype: DType, w: &[u8], a: [&[f32]; N]) 
 // Scalar reference axpy: y += a * row, the column-sparse half of the FFN (one neuron's row of
 // `down_t` scaled by its activation). `row` holds `y.len()` elements of type `dtype`.
 
+//
+// Float rows and Q8_0 round as the AVX2 and AVX-512 kernels do, one fused multiply-add per
+// weight (a float weight times a; a Q8_0 weight q times a * d, that product rounded once per
+// block): the one-token decode adds a neuron's row here and a prompt pass adds it through the
+// tiles' fused multiply-adds, so at the scalar level too a token's FFN output is the same bits
+// either way (a random ReGLU model's int8 activation rounding moved a logit 1e-2 when these
+// products were rounded twice).
 pub fn axpy_scalar(dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
     if dtype.is_chunked() {
         return chunks::axpy_scalar(dtype, row, a, y);
+    }
+    if dtype == DType::Q8_0 {
+        for (b, yc) in cast_blocks::<BlockQ8_0>(&row[..dtype.row_bytes(y.len())])
+            .iter()
+            .zip(y.chunks_exact_mut(QK))
+        {
+            let s = a * f16_to_f32(b.d);
+            for (yi, &q) in yc.iter_mut().zip(&b.qs) {
+                *yi = (q as f32).mul_add(s, *yi);
+            }
+        }
+        return;
+    }
+    if !dtype.is_quantized() {
+        let mut w = [0.0f32; QK];
+        for (yc, wc) in y.chunks_mut(QK).zip(row.chunks(QK * dtype.block_bytes())) {
+            let w = &mut w[..yc.len()];
+            dequantize_row(dtype, wc, w);
+            for (yi, wi) in yc.iter_mut().zip(w.iter()) {
+                *yi = wi.mul_add(a, *yi);
+            }
+        }
+        return;
     }
     let mut w = [0.0f32; QK];
     let (bl, bb) = (dtype.block_len(), dtype.block_bytes());
