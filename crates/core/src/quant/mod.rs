@@ -424,14 +424,13 @@ pub fn dot_float_scalar<const N: usize>(dtype: DType, w: &[u8], a: [&[f32]; N]) 
 // ---------------------------------------------------------------------------------------------
 // Scalar reference axpy: y += a * row, the column-sparse half of the FFN (one neuron's row of
 // `down_t` scaled by its activation). `row` holds `y.len()` elements of type `dtype`.
-
 //
 // Float rows and Q8_0 round as the AVX2 and AVX-512 kernels do, one fused multiply-add per
 // weight (a float weight times a; a Q8_0 weight q times a * d, that product rounded once per
-// block): the one-token decode adds a neuron's row here and a prompt pass adds it through the
-// tiles' fused multiply-adds, so at the scalar level too a token's FFN output is the same bits
-// either way (a random ReGLU model's int8 activation rounding moved a logit 1e-2 when these
-// products were rounded twice).
+// block), and as the prompt tiles do (`sparse::tiled_axpy_scalar`): the same bits at every
+// level. Rounded twice (`y += a * w`), the scalar level's FFN outputs sat a last bit away from
+// the SIMD levels' and its prompts' own, and a random model's int8 activations round such
+// differences apart at a tie about once per 20k values.
 pub fn axpy_scalar(dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
     if dtype.is_chunked() {
         return chunks::axpy_scalar(dtype, row, a, y);
