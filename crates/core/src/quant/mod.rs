@@ -447,17 +447,7 @@ pub fn axpy_scalar(dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
         }
         return;
     }
-    if !dtype.is_quantized() {
-        let mut w = [0.0f32; QK];
-        for (yc, wc) in y.chunks_mut(QK).zip(row.chunks(QK * dtype.block_bytes())) {
-            let w = &mut w[..yc.len()];
-            dequantize_row(dtype, wc, w);
-            for (yi, wi) in yc.iter_mut().zip(w.iter()) {
-                *yi = wi.mul_add(a, *yi);
-            }
-        }
-        return;
-    }
+    let fused = !dtype.is_quantized();
     let mut w = [0.0f32; QK];
     let (bl, bb) = (dtype.block_len(), dtype.block_bytes());
     // Decode a few blocks at a time (QK elements) so float and quantized types share the loop.
@@ -466,7 +456,7 @@ pub fn axpy_scalar(dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
         let w = &mut w[..yc.len()];
         dequantize_row(dtype, wc, w);
         for (yi, wi) in yc.iter_mut().zip(w.iter()) {
-            *yi += a * wi;
+            *yi = if fused { wi.mul_add(a, *yi) } else { *yi + a * wi };
         }
     }
 }
