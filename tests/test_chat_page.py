@@ -68,7 +68,9 @@ def browser():
 
 @pytest.fixture(scope="module")
 def smol():
-    s = Server(SMOLLM, "--parallel", "2", n_ctx=4096)
+    # -n: a sampled answer ends at an end token or at the context's 4096, a story of thousands of
+    # tokens (~100 s on a slow 2-core machine) now and then; these tests need a few hundred.
+    s = Server(SMOLLM, "--parallel", "2", "-n", "400", n_ctx=4096)
     yield s
     s.stop()
 
@@ -150,7 +152,7 @@ def test_stop_ends_a_long_answer_and_frees_its_slot(browser, smol):
 
 
 def test_the_api_key_is_asked_for_and_then_used(browser):
-    s = Server(SMOLLM, "--api-key", "secret-key", n_ctx=2048)
+    s = Server(SMOLLM, "--api-key", "secret-key", "-n", "400", n_ctx=2048)
     try:
         page = browser.new_page()
         page.goto(s.url + "/")

@@ -387,9 +387,28 @@ def test_a_repeated_prompt_reuses_the_cached_session(tiny, tiny_path):
     assert 0 < tiny.health()["cached_sessions"] <= 2
 
 
+def test_n_predict_caps_every_answer(tiny_path):
+    """`-n N` as llama.cpp's server: a request naming no limit, or a larger one, gets N tokens
+    (finish "length"); a smaller limit is the request's."""
+    s = Server(tiny_path, "-n", "6", "--parallel", "1")
+    try:
+        client = s.client()
+        engine = Engine.load(tiny_path, n_ctx=N_CTX, device="cpu")
+        for asked, got in [(None, 6), (100, 6), (3, 3)]:
+            extra = {} if asked is None else {"max_tokens": asked}
+            r = client.completions.create(model="tiny", prompt="in an", temperature=0, **extra)
+            assert r.choices[0].text == engine.generate("in an", max_tokens=got, temperature=0)
+            assert r.usage.completion_tokens == got == engine.last_stats["generated_tokens"]
+            assert r.choices[0].finish_reason == "length"
+    finally:
+        s.stop()
+
+
 def test_serve_rejects_bad_arguments(tiny_path):
     for args, msg in [
         (["--port", "70000"], "--port"),
+        (["-n", "0"], "--n-predict"),
+        (["--n-predict", "-2"], "--n-predict"),
         (["--parallel", "0"], "--parallel"),
         (["--prompt-cache", "-1"], "--prompt-cache"),
         (["--replicas", "2"], "need --ray"),

@@ -391,6 +391,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ValueError(f"--parallel must be >= 1, got {a.parallel}")
     if a.prompt_cache is not None and a.prompt_cache < 0:
         raise ValueError(f"--prompt-cache must be >= 0, got {a.prompt_cache}")
+    if a.n_predict == 0 or a.n_predict < -1:
+        raise ValueError(f"--n-predict must be >= 1, or -1 for no limit, got {a.n_predict}")
+    n_predict = None if a.n_predict == -1 else a.n_predict
     if a.replicas != "auto" and not (a.replicas.isdigit() and int(a.replicas) >= 1):
         raise ValueError(f"--replicas must be a positive number or 'auto', got {a.replicas!r}")
     if not a.ray and (a.replicas != "1" or a.address or a.max_replicas):
@@ -411,6 +414,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
                 slots=a.parallel,
                 batch=not a.no_batch,
                 prompt_cache=a.prompt_cache,
+                n_predict=n_predict,
             ),
             host=a.host,
             port=a.port,
@@ -429,6 +433,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         slots=a.parallel,
         batch=not a.no_batch,
         prompt_cache=a.prompt_cache,
+        n_predict=n_predict,
     )
     return 0
 
@@ -498,6 +503,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="finished sessions kept so a prompt with the same beginning (next chat turn) is not evaluated again (default: --parallel; 0: off)",
+    )
+    sv.add_argument(
+        "-n",
+        "--n-predict",
+        type=int,
+        default=-1,
+        metavar="N",
+        help="the most tokens one answer has, when a request names no max_tokens or a larger one (default -1: no limit, an answer runs to an end token or a full context)",
     )
     sv.add_argument(
         "-a",

@@ -31,12 +31,16 @@ def create_app(
     slots: int = 4,
     batch: bool = True,
     prompt_cache: int | None = None,
+    n_predict: int | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine` as model `model_id` (default: the file name without
     .gguf). `api_key`: require `Authorization: Bearer <api_key>` on /v1/*. `slots`: generations
     run at once (round-robin); later requests wait their turn in arrival order. `batch=False`
     evaluates each client's token separately (for comparison). `prompt_cache`: finished sessions
-    kept so a later prompt with the same beginning skips evaluating it (default: `slots`; 0: none)."""
+    kept so a later prompt with the same beginning skips evaluating it (default: `slots`; 0: none).
+    `n_predict`: the most tokens one answer has, for a request that names none and one that names
+    more (as llama.cpp's server's `-n`; default None: OpenAI's rule, until an end token or a full
+    context)."""
     if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
         raise ValueError(f"slots must be a positive int, got {slots!r}")
     if api_key is not None and not api_key:
@@ -45,12 +49,17 @@ def create_app(
         not isinstance(prompt_cache, int) or isinstance(prompt_cache, bool) or prompt_cache < 0
     ):
         raise ValueError(f"prompt_cache must be an int >= 0 or None, got {prompt_cache!r}")
+    if n_predict is not None and (
+        not isinstance(n_predict, int) or isinstance(n_predict, bool) or n_predict < 1
+    ):
+        raise ValueError(f"n_predict must be an int >= 1 or None, got {n_predict!r}")
     state = ServerState(
         engine=engine,
         model_id=model_id or model_id_of(engine),
         api_key=api_key,
         created=int(os.path.getmtime(engine.path)),
         fingerprint=f"powerinfer-rs-{__version__}-{engine.sparsity}-{engine.device}",
+        n_predict=n_predict,
     )
 
     @contextlib.asynccontextmanager
@@ -121,6 +130,7 @@ def serve(
     slots: int = 4,
     batch: bool = True,
     prompt_cache: int | None = None,
+    n_predict: int | None = None,
     log_level: str = "info",
 ) -> None:
     """Serves `engine` until interrupted. Binds first, then prints the address it listens on
@@ -129,7 +139,7 @@ def serve(
 
     import uvicorn
 
-    app = create_app(engine, model_id, api_key, slots, batch, prompt_cache)
+    app = create_app(engine, model_id, api_key, slots, batch, prompt_cache, n_predict)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

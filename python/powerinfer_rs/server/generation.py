@@ -67,7 +67,8 @@ def open_generation(
 ) -> Generation:
     """Checks the prompt and the token limit against the context and opens a generation (no
     compute yet). `max_tokens` None: until an end token or a full context; `explicit`: the
-    client asked for that many, so a prompt leaving less room is refused, as OpenAI does."""
+    client asked for that many, so a prompt leaving less room is refused, as OpenAI does. The
+    server's `n_predict` caps both."""
     engine = state.engine
     n_prompt, n_ctx = len(prompt_ids), engine.n_ctx
     if n_prompt == 0:
@@ -88,6 +89,8 @@ def open_generation(
             param="max_tokens",
             code="context_length_exceeded",
         )
+    if state.n_predict is not None and (max_tokens is None or max_tokens > state.n_predict):
+        max_tokens = state.n_predict  # the server's -n: an answer ends there, finish "length"
     try:
         sampling = sampling_for(body, defaults, n_ctx if max_tokens is None else max_tokens)
         gen = engine.stream(prompt_ids, **sampling.as_kwargs())

@@ -41,6 +41,7 @@ class ServeOptions:
     slots: int = 4
     batch: bool = True
     prompt_cache: int | None = None
+    n_predict: int | None = None
 
 
 class _ReplicaHeader:

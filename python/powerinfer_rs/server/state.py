@@ -28,6 +28,7 @@ class ServerState:
     api_key: str | None
     created: int  # the model file's time, as /v1/models reports it
     fingerprint: str  # system_fingerprint: what answers depend on besides the model
+    n_predict: int | None = None  # the most tokens of one answer (None: up to a full context)
     scheduler: Scheduler | None = None  # started and closed by the app's lifespan
     metrics: Metrics | None = None  # /metrics' counters, fed by the request log
 
