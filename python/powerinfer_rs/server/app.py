@@ -24,6 +24,12 @@ from .state import ServerState, model_id_of
 log = logging.getLogger("powerinfer_rs.server")
 
 
+def _check_int(name: str, value, least: int, what: str) -> None:
+    """ValueError naming `name` unless `value` is an int (not a bool) of at least `least`."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
 def create_app(
     engine: Engine,
     model_id: str | None = None,
@@ -41,18 +47,13 @@ def create_app(
     `n_predict`: the most tokens one answer has, for a request that names none and one that names
     more (as llama.cpp's server's `-n`; default None: OpenAI's rule, until an end token or a full
     context)."""
-    if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
-        raise ValueError(f"slots must be a positive int, got {slots!r}")
+    _check_int("slots", slots, 1, "a positive int")
     if api_key is not None and not api_key:
         raise ValueError("api_key must be a non-empty string or None")
-    if prompt_cache is not None and (
-        not isinstance(prompt_cache, int) or isinstance(prompt_cache, bool) or prompt_cache < 0
-    ):
-        raise ValueError(f"prompt_cache must be an int >= 0 or None, got {prompt_cache!r}")
-    if n_predict is not None and (
-        not isinstance(n_predict, int) or isinstance(n_predict, bool) or n_predict < 1
-    ):
-        raise ValueError(f"n_predict must be an int >= 1 or None, got {n_predict!r}")
+    if prompt_cache is not None:
+        _check_int("prompt_cache", prompt_cache, 0, "an int >= 0 or None")
+    if n_predict is not None:
+        _check_int("n_predict", n_predict, 1, "an int >= 1 or None")
     state = ServerState(
         engine=engine,
         model_id=model_id or model_id_of(engine),
