@@ -128,12 +128,13 @@ impl<'a, const INTO_L2: bool> LineFetch<'a> for PrefetchInto<'a, INTO_L2> {
     }
 }
 
-/// `Prefetch` for rows that lie apart (a sparse operator's next selected rows): a line of each
-/// row in turn, so that their first misses overlap instead of each row's waiting for the one
-/// before. (The sparse FFN bench, Q4_0 7B shape, AVX2, 2 threads: the selected gate and up rows
-/// read 10% faster; the dense products keep `Prefetch`'s order, one stream, which lost a quarter
-/// of their rate when interleaved.)
-pub(crate) struct PrefetchApart<'a> {
+/// `PrefetchInto` for rows that lie apart (a sparse operator's next selected rows): a line of
+/// each row in turn, so that their first misses overlap instead of each row's waiting for the
+/// one before. (The sparse FFN bench, Q4_0 7B shape, AVX2, 2 threads: the selected gate and up
+/// rows read 10% faster; the dense products keep `Prefetch`'s order, one stream, which lost a
+/// quarter of their rate when interleaved.) Into L1, or into L2 where `INTO_L2`: for long rows,
+/// the kernels whose dense rows go into L2 (`PrefetchL2`) take `PrefetchApartL2`.
+pub(crate) struct PrefetchApartInto<'a, const INTO_L2: bool> {
     rows: &'a [&'a [u8]],
     /// Lines asked for per step, against `steps` (as `Prefetch`'s); 0 once all are asked for.
     lines: usize,
@@ -148,10 +149,18 @@ pub(crate) struct PrefetchApart<'a> {
     end: usize,
 }
 
-impl<'a> LineFetch<'a> for PrefetchApart<'a> {
+/// `PrefetchApartInto` L1, for the kernels near their instruction limit (as `Prefetch`).
+pub(crate) type PrefetchApart<'a> = PrefetchApartInto<'a, false>;
+
+/// `PrefetchApartInto` L2, for the long rows (`kernels::APART_L2_ROW_BYTES`) of the kernels
+/// whose dense rows go into L2 (`PrefetchL2`): where one core's few L1 miss buffers limit what
+/// it can have in flight.
+pub(crate) type PrefetchApartL2<'a> = PrefetchApartInto<'a, true>;
+
+impl<'a, const INTO_L2: bool> LineFetch<'a> for PrefetchApartInto<'a, INTO_L2> {
     fn new(next: &'a [&'a [u8]], steps: usize) -> Self {
         let row_lines = next.iter().map(|r| r.len().div_ceil(64)).max().unwrap_or(0);
-        PrefetchApart {
+        PrefetchApartInto {
             rows: next,
             lines: row_lines * next.len(),
             steps: steps.max(1),
@@ -169,8 +178,12 @@ impl<'a> LineFetch<'a> for PrefetchApart<'a> {
             // SAFETY: row < rows.len() (it wraps to 0 below, and lines is 0 without rows); a
             // prefetch never faults, wherever it points
             unsafe {
-                let row = self.rows.get_unchecked(self.row);
-                _mm_prefetch::<_MM_HINT_T0>(row.as_ptr().wrapping_add(self.offset) as *const i8)
+                let line = self.rows.get_unchecked(self.row).as_ptr().wrapping_add(self.offset);
+                if INTO_L2 {
+                    _mm_prefetch::<_MM_HINT_T1>(line as *const i8)
+                } else {
+                    _mm_prefetch::<_MM_HINT_T0>(line as *const i8)
+                }
             };
             self.due -= self.steps;
             self.row += 1;

@@ -232,6 +232,19 @@ pub(crate) trait Dots {
     ) -> [[f32; N]; R] {
         Self::dot::<R, N>(rows, x, next)
     }
+
+    /// `dot_apart` for rows of at least `APART_L2_ROW_BYTES`: a kernel whose dense rows are
+    /// prefetched into L2 asks for these there too (`avx2::PrefetchApartL2`).
+    ///
+    /// # Safety
+    /// As `DotFn`'s.
+    unsafe fn dot_apart_long<const R: usize, const N: usize>(
+        rows: [&[u8]; R],
+        x: [TokenActs; N],
+        next: &[&[u8]],
+    ) -> [[f32; N]; R] {
+        Self::dot_apart::<R, N>(rows, x, next)
+    }
 }
 
 /// A family's axpy kernel at one level as a type (see `AxpyFn`).
@@ -298,6 +311,29 @@ fn next_rows<'a>(w: Rows<'a>, ids: &[u32]) -> ([&'a [u8]; 4], usize) {
     (rows, ids.len().min(4))
 }
 
+/// Rows apart at least this long go through `Dots::dot_apart_long`. The sparse FFN bench on
+/// the 2-core AMD EPYC (Zen 4), bundled rows from DRAM, alternating runs, L1 -> L2 at 90%
+/// skipped: the 7B shape's rows (2304 bytes in Q4_0, 4352 in Q8_0) read faster into L2 (AVX-512
+/// Q4_0 4.7x -> 5.5-5.6x dense on one thread, Q4_1 4.2-4.6x -> 4.9-5.1x, Q8_0 5.1-5.3x ->
+/// 6.0-6.1x; AVX2 Q8_0 4.9-5.1x -> 5.9-6.7x), SmolLM2's (324 and 612 bytes) slower (AVX-512
+/// Q4_0 3.6-3.7x -> 3.4-3.5x, AVX2 Q8_0 on two threads 6.1-6.5x -> 5.0-5.2x): a short row's
+/// lines are few, and its kernel is bound by instructions, not by L1's miss buffers.
+const APART_L2_ROW_BYTES: usize = 1024;
+
+/// One call of K's dot over rows apart, by their length (see `APART_L2_ROW_BYTES`).
+#[inline(always)]
+unsafe fn dot_apart_of<K: Dots, const R: usize>(
+    long: bool,
+    rows: [&[u8]; R],
+    x: TokenActs,
+    next: &[&[u8]],
+) -> [[f32; 1]; R] {
+    match long {
+        true => K::dot_apart_long::<R, 1>(rows, [x], next),
+        false => K::dot_apart::<R, 1>(rows, [x], next),
+    }
+}
+
 /// `SelectedFn`, over kernel K.
 unsafe fn selected_of<K: Dots>(
     w: Rows,
@@ -308,13 +344,14 @@ unsafe fn selected_of<K: Dots>(
     then: &[&[u8]],
 ) {
     let ahead = |from: usize, n: usize| sel.get(from..(from + n).min(sel.len())).unwrap_or(&[]);
+    let long = w.row_bytes >= APART_L2_ROW_BYTES;
     let mut k = 0;
     if four {
         while k + 4 <= sel.len() {
             let (next, n) = next_rows(w, ahead(k + 4, 4));
             let next = if n == 0 { then } else { &next[..n] };
             let rows = std::array::from_fn(|i| w.row(sel[k + i] as usize));
-            for (i, [v]) in K::dot_apart::<4, 1>(rows, [x], next).into_iter().enumerate() {
+            for (i, [v]) in dot_apart_of::<K, 4>(long, rows, x, next).into_iter().enumerate() {
                 out[k + i] = v;
             }
             k += 4;
@@ -323,7 +360,7 @@ unsafe fn selected_of<K: Dots>(
     for k in k..sel.len() {
         let (next, n) = next_rows(w, ahead(k + 1, 1));
         let next = if n == 0 { then } else { &next[..n] };
-        out[k] = K::dot_apart::<1, 1>([w.row(sel[k] as usize)], [x], next)[0][0];
+        out[k] = dot_apart_of::<K, 1>(long, [w.row(sel[k] as usize)], x, next)[0][0];
     }
 }
 
@@ -406,7 +443,7 @@ mod x86_kernels {
     use std::marker::PhantomData;
 
     use super::*;
-    use crate::avx2::{LegacyBlock, Prefetch, PrefetchApart, PrefetchL2};
+    use crate::avx2::{LegacyBlock, Prefetch, PrefetchApart, PrefetchApartL2, PrefetchL2};
     use crate::avx512::QuadBlocks;
 
     pub(super) struct FloatAvx2<const T: usize>;
@@ -422,7 +459,8 @@ mod x86_kernels {
     }
 
     /// A family's `dot` and `dot_apart` from one body, `$P` its prefetch order (`Prefetch` or,
-    /// where `$l2`, `PrefetchL2` for the dense rows; `PrefetchApart` for rows apart).
+    /// where `$l2`, `PrefetchL2` for the dense rows; `PrefetchApart` for rows apart, and for
+    /// long ones `PrefetchApartL2` where `$l2`).
     macro_rules! dots_in_both_orders {
         (into_l2: $l2:expr, |$rows:ident, $x:ident, $next:ident, $P:ident| $body:expr) => {
             unsafe fn dot<const R: usize, const N: usize>(
@@ -447,6 +485,20 @@ mod x86_kernels {
             ) -> [[f32; N]; R] {
                 type $P<'a> = PrefetchApart<'a>;
                 $body
+            }
+
+            unsafe fn dot_apart_long<const R: usize, const N: usize>(
+                $rows: [&[u8]; R],
+                $x: [TokenActs; N],
+                $next: &[&[u8]],
+            ) -> [[f32; N]; R] {
+                if $l2 {
+                    type $P<'a> = PrefetchApartL2<'a>;
+                    $body
+                } else {
+                    type $P<'a> = PrefetchApart<'a>;
+                    $body
+                }
             }
         };
     }

@@ -844,10 +844,16 @@ mod tests {
 
     /// The sparse dots go four scattered rows per kernel call (`dot_selected`): each value must
     /// be bit for bit the row's dot alone, for every type at every level this CPU has, with a
-    /// selection whose length leaves a remainder of rows done one at a time.
+    /// selection whose length leaves a remainder of rows done one at a time, in rows short and
+    /// long (`kernels::APART_L2_ROW_BYTES`: the long ones are prefetched by other kernels).
     #[test]
     fn selected_rows_in_groups_equal_each_row_alone() {
-        let cols = 512;
+        for cols in [512, 2048] {
+            selected_rows_in_groups_equal_each_row_alone_at(cols);
+        }
+    }
+
+    fn selected_rows_in_groups_equal_each_row_alone_at(cols: usize) {
         let n_rows = 42;
         let sel: Vec<u32> = (0..n_rows as u32).filter(|j| j % 3 != 1 || *j == 4).collect();
         assert!(!sel.len().is_multiple_of(4));
@@ -869,7 +875,7 @@ mod tests {
                     assert_eq!(
                         out[k].to_bits(),
                         alone.to_bits(),
-                        "{} at {level:?}, row {j}: {} in a group, {alone} alone",
+                        "{} at {level:?}, {cols} columns, row {j}: {} in a group, {alone} alone",
                         dtype.name(),
                         out[k]
                     );
