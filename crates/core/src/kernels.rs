@@ -458,48 +458,48 @@ mod x86_kernels {
         }
     }
 
+    /// One of a family's dots from its body, `$P` naming `$far` where `$into_l2` (a constant)
+    /// and `$near` elsewhere. (A constant branch: an inner type alias cannot name the impl's
+    /// parameters.)
+    macro_rules! dot_prefetching {
+        ($name:ident, $into_l2:expr, $far:ident, $near:ident,
+         |$rows:ident, $x:ident, $next:ident, $P:ident| $body:expr) => {
+            unsafe fn $name<const R: usize, const N: usize>(
+                $rows: [&[u8]; R],
+                $x: [TokenActs; N],
+                $next: &[&[u8]],
+            ) -> [[f32; N]; R] {
+                if $into_l2 {
+                    type $P<'a> = $far<'a>;
+                    $body
+                } else {
+                    type $P<'a> = $near<'a>;
+                    $body
+                }
+            }
+        };
+    }
+
     /// A family's `dot` and `dot_apart` from one body, `$P` its prefetch order (`Prefetch` or,
     /// where `$l2`, `PrefetchL2` for the dense rows; `PrefetchApart` for rows apart, and for
     /// long ones `PrefetchApartL2` where `$l2`).
     macro_rules! dots_in_both_orders {
         (into_l2: $l2:expr, |$rows:ident, $x:ident, $next:ident, $P:ident| $body:expr) => {
-            unsafe fn dot<const R: usize, const N: usize>(
-                $rows: [&[u8]; R],
-                $x: [TokenActs; N],
-                $next: &[&[u8]],
-            ) -> [[f32; N]; R] {
-                // (a constant branch: an inner type alias cannot name the impl's parameters)
-                if $l2 {
-                    type $P<'a> = PrefetchL2<'a>;
-                    $body
-                } else {
-                    type $P<'a> = Prefetch<'a>;
-                    $body
-                }
-            }
-
-            unsafe fn dot_apart<const R: usize, const N: usize>(
-                $rows: [&[u8]; R],
-                $x: [TokenActs; N],
-                $next: &[&[u8]],
-            ) -> [[f32; N]; R] {
-                type $P<'a> = PrefetchApart<'a>;
-                $body
-            }
-
-            unsafe fn dot_apart_long<const R: usize, const N: usize>(
-                $rows: [&[u8]; R],
-                $x: [TokenActs; N],
-                $next: &[&[u8]],
-            ) -> [[f32; N]; R] {
-                if $l2 {
-                    type $P<'a> = PrefetchApartL2<'a>;
-                    $body
-                } else {
-                    type $P<'a> = PrefetchApart<'a>;
-                    $body
-                }
-            }
+            dot_prefetching!(dot, $l2, PrefetchL2, Prefetch, |$rows, $x, $next, $P| $body);
+            dot_prefetching!(
+                dot_apart,
+                false,
+                PrefetchApart,
+                PrefetchApart,
+                |$rows, $x, $next, $P| $body
+            );
+            dot_prefetching!(
+                dot_apart_long,
+                $l2,
+                PrefetchApartL2,
+                PrefetchApart,
+                |$rows, $x, $next, $P| $body
+            );
         };
     }
 
