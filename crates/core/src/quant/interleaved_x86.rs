@@ -22,6 +22,92 @@ use super::{ActQuad, BlockQ8Act};
 use crate::avx2::{Dp256, Evex, NoVnni, PrefetchL2, Vex};
 use crate::simd::Vnni256;
 
+/// Bytes of a step and of a block of Q4_0 (MX false) or MXFP4 (MX true).
+const fn step_and_block_bytes<const MX: bool>() -> (usize, usize) {
+    match MX {
+        false => (STEP_BYTES, std::mem::size_of::<super::BlockQ4_0>()),
+        true => (MX_STEP_BYTES, std::mem::size_of::<BlockMXFP4>()),
+    }
+}
+
+/// Block c of the sixteen rows of a step of n blocks at `step`, as `dot_group`'s sums read it:
+/// four chunks of four bytes per row, low and high nibbles (Q4_0's as they are, MXFP4's through
+/// `table`, its doubled E2M1 values plus 128), and the rows' scales.
+#[inline(always)]
+unsafe fn block_512<const MX: bool>(
+    step: *const u8,
+    n: usize,
+    c: usize,
+    table: __m512i,
+) -> ([__m512i; 4], [__m512i; 4], __m512) {
+    let nibble = _mm512_set1_epi8(0x0F);
+    let weights = |nibbles: __m512i| match MX {
+        false => nibbles,
+        true => _mm512_shuffle_epi8(table, nibbles),
+    };
+    let mut lo = [_mm512_setzero_si512(); 4];
+    let mut hi = [_mm512_setzero_si512(); 4];
+    for k in 0..4 {
+        let w = _mm512_loadu_si512(step.add(64 * (4 * c + k)) as *const _);
+        lo[k] = weights(_mm512_and_si512(w, nibble));
+        hi[k] = weights(_mm512_and_si512(_mm512_srli_epi16::<4>(w), nibble));
+    }
+    let d = match MX {
+        false => _mm512_cvtph_ps(_mm256_loadu_si256(step.add(1024 + 32 * c) as *const _)),
+        true => e8m0_half_512(_mm_loadu_si128(step.add(256 * n + 16 * c) as *const _)),
+    };
+    (lo, hi, d)
+}
+
+/// `vpshufb`'s table of MXFP4's nibbles: their doubled E2M1 values plus 128.
+#[inline(always)]
+unsafe fn mx_table_512() -> __m512i {
+    let plus_128: [u8; 16] = std::array::from_fn(|i| (MXFP4_VALUES[i] as u8) ^ 0x80);
+    _mm512_broadcast_i32x4(_mm_loadu_si128(plus_128.as_ptr() as *const _))
+}
+
+/// The sixteen rows' products of block c (`block_512`'s weights and scales) with one token's
+/// quad `a`: sum(q * x) from the quad's bias (for Q4_0 -8 times the block's activations, for
+/// MXFP4 16 times that), times the scales.
+#[inline(always)]
+unsafe fn block_product_512<const MX: bool>(
+    (lo, hi, d): &([__m512i; 4], [__m512i; 4], __m512),
+    c: usize,
+    a: &ActQuad,
+) -> __m512 {
+    // the activations' lane biases of block c, summed
+    let bias = a.bias[4 * c] + a.bias[4 * c + 1] + a.bias[4 * c + 2] + a.bias[4 * c + 3];
+    let mut sum = _mm512_set1_epi32(if MX { 16 * bias } else { bias });
+    let four = |bytes: &[i8; 64], k: usize| {
+        _mm512_set1_epi32((bytes.as_ptr().add(16 * c + 4 * k) as *const i32).read_unaligned())
+    };
+    for k in 0..4 {
+        sum = _mm512_dpbusd_epi32(sum, lo[k], four(&a.lo, k));
+        sum = _mm512_dpbusd_epi32(sum, hi[k], four(&a.hi, k));
+    }
+    let dd = _mm512_mul_ps(*d, _mm512_set1_ps(a.d[4 * c]));
+    _mm512_mul_ps(_mm512_cvtepi32_ps(sum), dd)
+}
+
+/// Block c's product p into a step's pairs: (p_0 + p_1), (p_2 + p_3).
+#[inline(always)]
+unsafe fn add_to_pair(pair: &mut [__m512; 2], c: usize, p: __m512) {
+    pair[c / 2] = match c % 2 {
+        0 => p,
+        _ => _mm512_add_ps(pair[c / 2], p),
+    };
+}
+
+/// A step of n blocks' sum from its pairs (`FloatSteps::SumOfFour`): a last half step's pair
+/// alone.
+#[inline(always)]
+unsafe fn step_total(pair: &[__m512; 2], n: usize) -> __m512 {
+    match n {
+        STEP_BLOCKS => _mm512_add_ps(pair[0], pair[1]),
+        _ => pair[0],
+    }
+}
+
 /// The sixteen rows of `group` (one group of an interleaved matrix) against N tokens'
 /// activations (`Activations::quads`: cols / 128 each), `next` (the bytes read after these)
 /// prefetched into L2 over the steps. out[t][r] = row r . token t, as `dot_group_scalar`
@@ -38,20 +124,11 @@ pub(crate) unsafe fn dot_group<const MX: bool, const N: usize>(
     x: [&[ActQuad]; N],
     next: &[u8],
 ) -> [[f32; GROUP_ROWS]; N] {
-    let (step_bytes, block_bytes) = match MX {
-        false => (STEP_BYTES, std::mem::size_of::<super::BlockQ4_0>()),
-        true => (MX_STEP_BYTES, std::mem::size_of::<BlockMXFP4>()),
-    };
+    let (step_bytes, block_bytes) = step_and_block_bytes::<MX>();
     let blocks = group.len() / (GROUP_ROWS * block_bytes);
     let steps = blocks.div_ceil(STEP_BLOCKS);
     debug_assert!(x.iter().all(|x| x.len() == steps));
-    let nibble = _mm512_set1_epi8(0x0F);
-    let plus_128: [u8; 16] = std::array::from_fn(|i| (MXFP4_VALUES[i] as u8) ^ 0x80);
-    let table = _mm512_broadcast_i32x4(_mm_loadu_si128(plus_128.as_ptr() as *const _));
-    let weights = |nibbles: __m512i| match MX {
-        false => nibbles,
-        true => _mm512_shuffle_epi8(table, nibbles),
-    };
+    let table = mx_table_512();
     let mut acc = [_mm512_setzero_ps(); N];
     let next = [next];
     // (once a step: asked for once a block, as `dot_group_k4` does, a 4-layer Qwen3-30B-A3B-shape
@@ -65,47 +142,13 @@ pub(crate) unsafe fn dot_group<const MX: bool, const N: usize>(
         // per token: (p_0 + p_1), then (p_2 + p_3)
         let mut pair = [[_mm512_setzero_ps(); 2]; N];
         for c in 0..n {
-            // the sixteen rows' block c: four chunks of four bytes per row, low and high nibbles
-            let mut lo = [_mm512_setzero_si512(); 4];
-            let mut hi = [_mm512_setzero_si512(); 4];
-            for k in 0..4 {
-                let w = _mm512_loadu_si512(step.add(64 * (4 * c + k)) as *const _);
-                lo[k] = weights(_mm512_and_si512(w, nibble));
-                hi[k] = weights(_mm512_and_si512(_mm512_srli_epi16::<4>(w), nibble));
-            }
-            let d = match MX {
-                false => _mm512_cvtph_ps(_mm256_loadu_si256(step.add(1024 + 32 * c) as *const _)),
-                true => e8m0_half_512(_mm_loadu_si128(step.add(256 * n + 16 * c) as *const _)),
-            };
+            let block = block_512::<MX>(step, n, c, table);
             for t in 0..N {
-                let a = q[t];
-                // sum(q * x) - 8 * sum(x): the activations' lane biases of block c, summed
-                let bias =
-                    a.bias[4 * c] + a.bias[4 * c + 1] + a.bias[4 * c + 2] + a.bias[4 * c + 3];
-                let mut sum = _mm512_set1_epi32(if MX { 16 * bias } else { bias });
-                let four = |bytes: &[i8; 64], k: usize| {
-                    _mm512_set1_epi32(
-                        (bytes.as_ptr().add(16 * c + 4 * k) as *const i32).read_unaligned(),
-                    )
-                };
-                for k in 0..4 {
-                    sum = _mm512_dpbusd_epi32(sum, lo[k], four(&a.lo, k));
-                    sum = _mm512_dpbusd_epi32(sum, hi[k], four(&a.hi, k));
-                }
-                let dd = _mm512_mul_ps(d, _mm512_set1_ps(a.d[4 * c]));
-                let p = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), dd);
-                pair[t][c / 2] = match c % 2 {
-                    0 => p,
-                    _ => _mm512_add_ps(pair[t][c / 2], p),
-                };
+                add_to_pair(&mut pair[t], c, block_product_512::<MX>(&block, c, q[t]));
             }
         }
         for t in 0..N {
-            let total = match n {
-                STEP_BLOCKS => _mm512_add_ps(pair[t][0], pair[t][1]),
-                _ => pair[t][0],
-            };
-            acc[t] = _mm512_add_ps(acc[t], total);
+            acc[t] = _mm512_add_ps(acc[t], step_total(&pair[t], n));
         }
     }
     let mut out = [[0.0f32; GROUP_ROWS]; N];
@@ -113,6 +156,48 @@ pub(crate) unsafe fn dot_group<const MX: bool, const N: usize>(
         _mm512_storeu_ps(out[t].as_mut_ptr(), acc[t]);
     }
     out
+}
+
+/// `dot_group` for all n tokens of a batch at once (`GroupDots::ALL_TOKENS`), each step's
+/// blocks decoded once for them all: out[16t + r] = row r . token t, each token's the same
+/// steps in the same order, its sums in `out` between steps. `quads`: `Activations::quads`
+/// (n * cols / 128).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn dot_group_all<const MX: bool>(
+    group: &[u8],
+    quads: &[ActQuad],
+    n_tokens: usize,
+    next: &[u8],
+    out: &mut [f32],
+) {
+    let (step_bytes, block_bytes) = step_and_block_bytes::<MX>();
+    let blocks = group.len() / (GROUP_ROWS * block_bytes);
+    let steps = blocks.div_ceil(STEP_BLOCKS);
+    debug_assert!(quads.len() == n_tokens * steps && out.len() == n_tokens * GROUP_ROWS);
+    out.fill(0.0);
+    let table = mx_table_512();
+    let next = [next];
+    let mut prefetch = PrefetchL2::new(&next, steps);
+    let zero = (_mm512_setzero_si512(), _mm512_setzero_ps());
+    let mut decoded = [([zero.0; 4], [zero.0; 4], zero.1); STEP_BLOCKS];
+    for s in 0..steps {
+        prefetch.step();
+        let n = mx_step_blocks(blocks, s);
+        let step = group.as_ptr().add(s * step_bytes);
+        for (c, b) in decoded.iter_mut().enumerate().take(n) {
+            *b = block_512::<MX>(step, n, c, table);
+        }
+        for t in 0..n_tokens {
+            let a = quads.get_unchecked(t * steps + s);
+            let mut pair = [_mm512_setzero_ps(); 2];
+            for (c, block) in decoded.iter().enumerate().take(n) {
+                add_to_pair(&mut pair, c, block_product_512::<MX>(block, c, a));
+            }
+            let acc = out.as_mut_ptr().add(GROUP_ROWS * t);
+            _mm512_storeu_ps(acc, _mm512_add_ps(_mm512_loadu_ps(acc), step_total(&pair, n)));
+        }
+    }
 }
 
 /// The sum of a block's 32 activations: `vpsadbw` of them plus 128, less 32 * 128.
@@ -632,8 +717,8 @@ trait GroupDots {
         next: &[u8],
     ) -> [[f32; GROUP_ROWS]; N];
     /// Whether a batch of several tokens reads a group once for them all (`dot_all`) rather
-    /// than in passes of four: where decoding the weights weighs against sixteen registers'
-    /// sums (MXFP4's table lookups at the 256-bit levels).
+    /// than in passes of four: where decoding the weights weighs against the sums (MXFP4's
+    /// table lookups at the 256-bit levels; Q4_0's and MXFP4's 512-bit blocks at AVX-512).
     const ALL_TOKENS: bool = false;
     /// The group against all n tokens, out[16t + r] (`ALL_TOKENS`).
     unsafe fn dot_all(
@@ -668,6 +753,15 @@ impl<const MX: bool> GroupDots for Avx512Dots<MX> {
         next: &[u8],
     ) -> [[f32; GROUP_ROWS]; N] {
         dot_group::<MX, N>(group, x, next)
+    }
+    /// (A prompt of 128 tokens on the 2-core Zen 4, 2 threads, alternating runs: gpt-oss-20b's
+    /// shape, 2 layers, MXFP4 experts, 524-688 -> 625-826 tok/s; Qwen3-30B-A3B's, 4 layers,
+    /// Q4_0, 600-632 -> 671-707 tok/s: a batch's tokens per expert are few, 4-16, and each
+    /// pass of four decoded the weights again.)
+    const ALL_TOKENS: bool = true;
+    #[inline(always)]
+    unsafe fn dot_all(group: &[u8], x: &[ActQuad], n: usize, next: &[u8], out: &mut [f32]) {
+        dot_group_all::<MX>(group, x, n, next, out)
     }
 }
 
