@@ -17,8 +17,8 @@ use crate::quant::q256_x86::GroupWidth;
 use crate::quant::q32_x86;
 use crate::quant::{self, ActQuad, BlockQ8Act, DType, QK, QK_K};
 
+pub(crate) use crate::simd::prefetch;
 pub use crate::simd::{avx_vnni, simd_level, SimdLevel};
-pub(crate) use crate::simd::{prefetch, prefetch_l2};
 
 /// Row r of each of `mats` (matrices with the same number of rows, of any types and widths),
 /// one after another, for r = 0, 1, ...: `out` holds rows of the summed row bytes. An FFN's

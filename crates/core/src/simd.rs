@@ -43,20 +43,6 @@ pub(crate) fn prefetch(bytes: &[u8]) {
     }
 }
 
-/// `prefetch` into L2 (a whole group of short rows a sparse operator reads after the ones it
-/// reads now: more than L1 holds).
-#[inline]
-pub(crate) fn prefetch_l2(bytes: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-        for off in (0..bytes.len()).step_by(64) {
-            // SAFETY: prefetching is a hint that never faults; the address is inside the slice.
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(bytes.as_ptr().add(off) as *const i8) };
-        }
-    }
-}
-
 /// Best instruction set on this CPU, decided once. `POWERINFER_SIMD=scalar`, `avx2` or
 /// `avxvnni` (AVX2 with AVX-VNNI where the CPU has it) caps it (for checking results and
 /// measuring what each level buys).

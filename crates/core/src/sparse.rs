@@ -17,7 +17,7 @@ use rayon::prelude::*;
 
 use crate::kernels::{self, Rows};
 use crate::matmul::{
-    matmul, matmul_many, prefetch, prefetch_l2, simd_level, Activations, OutPtr, QMatrix, SimdLevel,
+    matmul, matmul_many, prefetch, simd_level, Activations, OutPtr, QMatrix, SimdLevel,
 };
 use crate::model::FfnActivation;
 use crate::quant::{self, DType};
@@ -222,16 +222,6 @@ fn next_rows<'a, const N: usize>(
 /// Neurons per group in `sparse_ffn`'s passes.
 const GROUP: usize = 64;
 
-/// Bundles up to this long (SmolLM2's 576 weights: 972 bytes at Q4_0, 1836 at Q8_0) are
-/// prefetched whole into L2 a group ahead: the kernels' prefetch of the next call's rows reaches
-/// a few rows ahead, a kilobyte or two, less than a memory latency's worth at the rate they read.
-/// (The sparse FFN bench, SmolLM2's shape from DRAM, 2-core Zen 4, four alternating runs,
-/// speedup over dense at 80 / 90 / 95% skipped: AVX-512 Q4_0 one thread 1.98-2.18 / 3.44-4.09 /
-/// 6.13-7.22x -> 2.25-2.40 / 4.19-4.58 / 7.52-7.63x, two threads 2.09-2.18 / 3.18-3.87 /
-/// 4.96-6.04x -> 2.29-2.34 / 3.89-4.97 / 6.22-7.04x; AVX2 the same or a little faster. Without
-/// the kernels' own prefetch beside it, slower: that one brings the next rows into L1.)
-const SHORT_BUNDLE_BYTES: usize = 4096;
-
 /// Dots of the rows `sel` of `w` with token 0 of `x` into `out[..sel.len()]`, as many rows per
 /// kernel call as the dense decode takes (`dtype::TYPES`' decode rows: four quantized rows share
 /// the activations' loads and one horizontal sum, where a row alone pays that sum per block),
@@ -320,22 +310,10 @@ fn chunk_ffn(
 ) -> usize {
     acc.fill(0.0);
     let rows = m.decode_rows();
-    // short bundles: each group's whole bundles into L2 while the group before it is computed
-    let short_bundles = m.bundles.filter(|_| m.bundle_bytes() <= SHORT_BUNDLE_BYTES);
-    let prefetch_group = |g: usize| {
-        if let Some(b) = short_bundles {
-            let bb = m.bundle_bytes();
-            for &j in chunk.chunks(GROUP).nth(g).unwrap_or(&[]) {
-                prefetch_l2(&b[j as usize * bb..(j as usize + 1) * bb]);
-            }
-        }
-    };
-    prefetch_group(0);
     let mut used = 0;
     let mut vals = [0.0f32; GROUP]; // gate values, then activations
     let mut alive = [0u32; GROUP];
     for (g, group) in chunk.chunks(GROUP).enumerate() {
-        prefetch_group(g + 1);
         let (n_active, [t0, t1, t2]) =
             group_activations(m, rows, x, group, gate_values, level, &mut vals, &mut alive);
         // axpy of each active neuron's down_t row into this chunk's accumulator, the last
