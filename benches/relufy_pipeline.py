@@ -77,6 +77,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default all)")
     ap.add_argument(
+        "--thread-sweep",
+        default="16,8,4,2,1",
+        help="thread counts (those up to the CPU count) at which the three CPU decodes are "
+        "timed again, 3 alternating rounds each: on many cores a small model's decode is bound "
+        "by fork/joins, and the sweep shows where (default 16,8,4,2,1; '' for none)",
+    )
+    ap.add_argument(
         "--gpu-share",
         type=float,
         default=0.5,
@@ -247,6 +254,33 @@ def main() -> None:
         f"cut-off {c:.1f} ({statistics.median(cut_ratios):.2f}x every row)",
         flush=True,
     )
+
+    # the same three at each thread count of the sweep
+    by_threads = {}
+    cpus = os.cpu_count() or 1
+    for t in sorted({int(v) for v in a.thread_sweep.split(",") if v.strip()}, reverse=True):
+        if not 1 <= t <= cpus:
+            continue
+        three = [
+            Engine.load(path, n_ctx=512, device="cpu", sparsity=mode, threads=t)
+            for path, mode in ((a.model, "dense"), (pw_path, "dense"), (pw_path, "predictor"))
+        ]
+        (r_t, d_t, s_t), (_, skip_t, pred_t) = alternating(three, prompt, a.decode_tokens, 3)
+        by_threads[str(t)] = {
+            "all_rows": r_t,
+            "dense": d_t,
+            "predictor": s_t,
+            "predictor_over_dense": statistics.median(
+                [y / x for x, y in zip(skip_t, pred_t)]
+            ),
+        }
+        print(
+            f"  {t} threads: every row {r_t:.1f}, exact ReLU skip {d_t:.1f}, predictor {s_t:.1f} "
+            f"tok/s ({by_threads[str(t)]['predictor_over_dense']:.2f}x dense)",
+            flush=True,
+        )
+        del three
+    decode["cpu_by_threads"] = by_threads
 
     gpu_name = None
     try:
