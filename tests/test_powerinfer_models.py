@@ -209,6 +209,34 @@ def test_sparse_prefill_equals_sparse_decode(tmp_path, case):
     assert rel(prefill, dense) > 1e-3  # the skipped neurons mattered
 
 
+@pytest.mark.parametrize("case", CASES[:4], ids=[c[0] for c in CASES[:4]])
+def test_sparse_prefill_over_most_rows_equals_sparse_decode(tmp_path, case):
+    """A prompt whose tokens together select most neurons of short rows computes them through
+    the dense products, the cells its tokens did not select zeroed after
+    (`sparse::batch_union_reads_dense`): still, per token, what token-by-token decode computes."""
+    _, arch, dtype, opts = case
+    path = write_powerinfer_model(
+        tmp_path / "m.gguf", arch=arch, dtype=dtype, predictor="random", **opts
+    )
+    engine = Engine.load(path, threads=2, kv_type="f32")
+    ids = np.random.default_rng(3).integers(0, engine.n_vocab, size=12).tolist()
+    engine.set_sparsity("dense")
+    dense = engine.logits(ids)
+    # a cut-off that skips 30-70% per token: 12 tokens' union is then nearly every neuron
+    for t in [0.5 * 2**k for k in range(12)] + [-(0.5 * 2**k) for k in range(12)]:
+        engine.set_sparsity("predictor", sparse_threshold=t)
+        prefill = engine.logits(ids)
+        if 0.3 <= engine.last_stats["ffn_sparsity"] <= 0.7:
+            break
+    else:
+        raise AssertionError("no cut-off in the list skips 30-70%")
+    skipped = engine.last_stats["ffn_sparsity"]
+    decode, st = decode_logits(engine, ids)
+    assert st["skipped"] / st["neurons"] == pytest.approx(skipped)  # the same selections
+    assert rel(prefill, decode) < 1e-4
+    assert rel(prefill, dense) > 1e-3  # the skipped neurons mattered
+
+
 def test_threshold_sparse_prefill_equals_decode(tmp_path):
     """Threshold mode at 90%: prefill of a few tokens reads only the union's up and down rows and
     equals token-by-token decode."""

@@ -22,8 +22,8 @@ use crate::model::{
     OPT_POSITION_OFFSET,
 };
 use crate::sparse::{
-    decodes_dense, down_t_matmul, predicted_ffn, sparse_ffn, FfnMats, SparseScratch,
-    DENSE_FRACTION, FUSED_PREDICTOR_FC1_BYTES,
+    batch_union_reads_dense, decodes_dense, down_t_matmul, predicted_ffn, sparse_ffn, FfnMats,
+    SparseScratch, DENSE_FRACTION, FUSED_PREDICTOR_FC1_BYTES,
 };
 
 mod batch;

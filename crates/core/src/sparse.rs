@@ -122,6 +122,27 @@ const DENSE_FRACTION_SHORT_ROWS: f64 = 0.4;
 /// (0.86-1.00x against 0.89-0.96x), and there the short-row fraction stays.
 const DENSE_FRACTION_SHORT_BUNDLED: f64 = 0.6;
 
+/// The share of the FFN's neurons from which a batch (a prompt) whose rows are shorter than
+/// `SHORT_ROW_BYTES` computes the neurons any of its tokens selected through the dense
+/// products, every row for every token, the cells no token of them selected zeroed after:
+/// there the selected-row products (`matmul_selected`, hot rows for all tokens, the others
+/// cell by cell) cost more than the dense kernels' pass over every row. SmolLM2's shape in
+/// predictor mode (`benches/sparse_e2e.py synthetic --shape smollm2`'s model, 12% of the
+/// neurons selected per token, 2-core AMD EPYC at AVX-512, 2 threads, alternating): a
+/// 128-token prompt, whose union is about 90% of the neurons, 929 -> 1099 tok/s through the
+/// dense products; a 32-token one (about 70%) even (853 and 833). On the 7B shape's longer
+/// rows the selected-row products stay faster at both lengths (359 against 301 and 287 against
+/// 247 tok/s), so long rows keep them.
+pub const UNION_DENSE_FRACTION_SHORT_ROWS: f64 = 0.8;
+
+/// Whether a batch computes the union of its tokens' selections, `union` of the `n_ff`
+/// neurons, through the dense products (`UNION_DENSE_FRACTION_SHORT_ROWS`), given the length
+/// of a `down_t` row in bytes.
+pub fn batch_union_reads_dense(down_t_row_bytes: usize, n_ff: usize, union: usize) -> bool {
+    down_t_row_bytes < SHORT_ROW_BYTES
+        && union as f64 >= UNION_DENSE_FRACTION_SHORT_ROWS * n_ff as f64
+}
+
 /// Whether `sparse_ffn` computes a selection of `selected` of the `n_ff` neurons as dense
 /// products (only where the model has the row-major down matrix), given the length of a
 /// `down_t` row in bytes and whether the rows are read from bundles. (Called on the threads

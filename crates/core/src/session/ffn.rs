@@ -4,10 +4,10 @@
 //! recorder (`observe.rs`) takes the dense path, handing the recorder its values.
 
 use super::{
-    add_bias, decodes_dense, down_t_matmul, matmul, matmul_many, matmul_selected, predicted_ffn,
-    project, project_down, sparse_ffn, Activations, FfnActivation, FfnMats, FfnStats, InputGroup,
-    LayerWeights, Model, PassState, QMatrix, Scratch, Sparsity, SparsityMode, DENSE_FRACTION,
-    FUSED_PREDICTOR_FC1_BYTES,
+    add_bias, batch_union_reads_dense, decodes_dense, down_t_matmul, matmul, matmul_many,
+    matmul_selected, predicted_ffn, project, project_down, sparse_ffn, Activations, FfnActivation,
+    FfnMats, FfnStats, InputGroup, LayerWeights, Model, PassState, QMatrix, Scratch, Sparsity,
+    SparsityMode, DENSE_FRACTION, FUSED_PREDICTOR_FC1_BYTES,
 };
 use crate::matmul::indices_of_true;
 use rayon::iter::IndexedParallelIterator;
@@ -165,13 +165,19 @@ pub(crate) fn ffn_rows(model: &Model, st: &mut PassState, s: &mut Scratch, l: us
             activate(lw, act, &mut s.gate, &s.up);
             count_recall(&mut st.stats, &s.gate, &s.keep);
         }
-    } else if mode != SparsityMode::Dense
+        return add_bias(&mut s.ffn_out, lw.ffn_down_b.as_deref());
+    }
+    // batch, sparse: only the rows of the neurons some token selected, unless they are most
+    // of the rows and the rows are short (`batch_union_reads_dense`)
+    let union_only = mode != SparsityMode::Dense
         && !recording
         && !track_recall
         && (selected as f64) < DENSE_FRACTION * (n * n_ff) as f64
-    {
-        // batch, sparse: only the rows of the neurons some token selected
-        union_of_selections(&s.keep, n, n_ff, &mut s.picked, &mut s.neurons);
+        && {
+            union_of_selections(&s.keep, n, n_ff, &mut s.picked, &mut s.neurons);
+            !batch_union_reads_dense(model.down_t(l).row_bytes(), n_ff, s.neurons.len())
+        };
+    if union_only {
         union_ffn(lw, act, &model.down_t(l), n, gate_ready, s);
     } else {
         // batch: gate and up densely, the activation, zero what was left out, then down.
