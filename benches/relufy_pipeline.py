@@ -270,9 +270,7 @@ def main() -> None:
             "all_rows": r_t,
             "dense": d_t,
             "predictor": s_t,
-            "predictor_over_dense": statistics.median(
-                [y / x for x, y in zip(skip_t, pred_t)]
-            ),
+            "predictor_over_dense": statistics.median([y / x for x, y in zip(skip_t, pred_t)]),
         }
         print(
             f"  {t} threads: every row {r_t:.1f}, exact ReLU skip {d_t:.1f}, predictor {s_t:.1f} "
