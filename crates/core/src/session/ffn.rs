@@ -197,11 +197,8 @@ pub(crate) fn ffn_rows(model: &Model, st: &mut PassState, s: &mut Scratch, l: us
             count_recall(&mut st.stats, &s.gate, &s.keep);
         }
         if mode != SparsityMode::Dense {
-            s.gate.iter_mut().zip(&s.keep).for_each(|(h, &k)| {
-                if !k {
-                    *h = 0.0
-                }
-            });
+            // (a select, not a branch on the random selection: vectorized, no mispredictions)
+            s.gate.iter_mut().zip(&s.keep).for_each(|(h, &k)| *h = if k { *h } else { 0.0 });
         }
         match &lw.ffn_down {
             Some(down) => {
