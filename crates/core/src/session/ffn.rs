@@ -169,14 +169,15 @@ pub(crate) fn ffn_rows(model: &Model, st: &mut PassState, s: &mut Scratch, l: us
     }
     // batch, sparse: only the rows of the neurons some token selected, unless they are most
     // of the rows and the rows are short (`batch_union_reads_dense`)
-    let union_only = mode != SparsityMode::Dense
+    let sparse_batch = mode != SparsityMode::Dense
         && !recording
         && !track_recall
-        && (selected as f64) < DENSE_FRACTION * (n * n_ff) as f64
-        && {
-            union_of_selections(&s.keep, n, n_ff, &mut s.picked, &mut s.neurons);
-            !batch_union_reads_dense(model.down_t(l).row_bytes(), n_ff, s.neurons.len())
-        };
+        && (selected as f64) < DENSE_FRACTION * (n * n_ff) as f64;
+    if sparse_batch {
+        union_of_selections(&s.keep, n, n_ff, &mut s.picked, &mut s.neurons);
+    }
+    let union_only = sparse_batch
+        && !batch_union_reads_dense(model.down_t(l).row_bytes(), n_ff, s.neurons.len());
     if union_only {
         union_ffn(lw, act, &model.down_t(l), n, gate_ready, s);
     } else {
