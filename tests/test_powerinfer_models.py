@@ -176,65 +176,50 @@ def test_predictor_cutoffs_calibrated_for_recall(tmp_path, arch):
             Engine.load(path, predictor_recall_target=bad)
 
 
-def sparse_enough(engine, ids, thresholds):
-    """The first predictor cut-off of `thresholds` that skips at least 95% (but not all) of the
-    neurons of `ids`: then prefill takes the row-sparse path (selected (token, neuron) pairs
-    under DENSE_FRACTION), and the union of 12 tokens' selections holds at most 60% of the rows."""
-    for t in thresholds:
-        engine.set_sparsity("predictor", sparse_threshold=t)
-        engine.logits(ids)
-        if 0.95 <= engine.last_stats["ffn_sparsity"] < 1.0:
-            return t
-    raise AssertionError("no cut-off in the list gives 95-100% sparsity")
-
-
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_sparse_prefill_equals_sparse_decode(tmp_path, case):
-    """Prefill over the union of the tokens' selections computes, per token, what token-by-token
-    sparse decode computes, with a predictor that is far from exact (so both differ from dense)."""
+def check_sparse_prefill_equals_decode(tmp_path, case, seed, thresholds, skips):
+    """Prefill of 12 tokens in predictor mode, at the first cut-off of `thresholds` whose share
+    of neurons skipped satisfies `skips`, computes per token what token-by-token sparse decode
+    computes, with a predictor far from exact (so both differ from dense)."""
     _, arch, dtype, opts = case
     path = write_powerinfer_model(
         tmp_path / "m.gguf", arch=arch, dtype=dtype, predictor="random", **opts
     )
     engine = Engine.load(path, threads=2, kv_type="f32")
-    ids = np.random.default_rng(2).integers(0, engine.n_vocab, size=12).tolist()
+    ids = np.random.default_rng(seed).integers(0, engine.n_vocab, size=12).tolist()
     engine.set_sparsity("dense")
     dense = engine.logits(ids)
-    sparse_enough(engine, ids, [0.5 * 2**k for k in range(12)])
-    prefill = engine.logits(ids)
+    for t in thresholds:
+        engine.set_sparsity("predictor", sparse_threshold=t)
+        prefill = engine.logits(ids)
+        if skips(engine.last_stats["ffn_sparsity"]):
+            break
+    else:
+        raise AssertionError("no cut-off in the list skips the share asked for")
     skipped = engine.last_stats["ffn_sparsity"]
     decode, st = decode_logits(engine, ids)
     assert st["skipped"] / st["neurons"] == pytest.approx(skipped)  # the same selections
     assert rel(prefill, decode) < 1e-4
     assert rel(prefill, dense) > 1e-3  # the skipped neurons mattered
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_sparse_prefill_equals_sparse_decode(tmp_path, case):
+    """Prefill over the union of the tokens' selections: at 95% (but not all) of the neurons
+    skipped, the selected (token, neuron) pairs are under DENSE_FRACTION and the union of 12
+    tokens' selections holds at most 60% of the rows, so prefill takes the row-sparse path."""
+    check_sparse_prefill_equals_decode(
+        tmp_path, case, 2, [0.5 * 2**k for k in range(12)], lambda s: 0.95 <= s < 1.0
+    )
 
 
 @pytest.mark.parametrize("case", CASES[:4], ids=[c[0] for c in CASES[:4]])
 def test_sparse_prefill_over_most_rows_equals_sparse_decode(tmp_path, case):
     """A prompt whose tokens together select most neurons of short rows computes them through
     the dense products, the cells its tokens did not select zeroed after
-    (`sparse::batch_union_reads_dense`): still, per token, what token-by-token decode computes."""
-    _, arch, dtype, opts = case
-    path = write_powerinfer_model(
-        tmp_path / "m.gguf", arch=arch, dtype=dtype, predictor="random", **opts
-    )
-    engine = Engine.load(path, threads=2, kv_type="f32")
-    ids = np.random.default_rng(3).integers(0, engine.n_vocab, size=12).tolist()
-    engine.set_sparsity("dense")
-    dense = engine.logits(ids)
-    # a cut-off that skips 30-70% per token: 12 tokens' union is then nearly every neuron
-    for t in [0.5 * 2**k for k in range(12)] + [-(0.5 * 2**k) for k in range(12)]:
-        engine.set_sparsity("predictor", sparse_threshold=t)
-        prefill = engine.logits(ids)
-        if 0.3 <= engine.last_stats["ffn_sparsity"] <= 0.7:
-            break
-    else:
-        raise AssertionError("no cut-off in the list skips 30-70%")
-    skipped = engine.last_stats["ffn_sparsity"]
-    decode, st = decode_logits(engine, ids)
-    assert st["skipped"] / st["neurons"] == pytest.approx(skipped)  # the same selections
-    assert rel(prefill, decode) < 1e-4
-    assert rel(prefill, dense) > 1e-3  # the skipped neurons mattered
+    (`sparse::batch_union_reads_dense`): at 30-70% skipped per token, 12 tokens' union is
+    nearly every neuron."""
+    cutoffs = [0.5 * 2**k for k in range(12)] + [-(0.5 * 2**k) for k in range(12)]
+    check_sparse_prefill_equals_decode(tmp_path, case, 3, cutoffs, lambda s: 0.3 <= s <= 0.7)
 
 
 def test_threshold_sparse_prefill_equals_decode(tmp_path):
