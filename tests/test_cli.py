@@ -42,6 +42,19 @@ def test_run_streams_text_and_prints_timing(model):
     assert r.stdout == Engine.load(model).generate("the then", max_tokens=8) + "\n"
 
 
+def test_run_step_times_prints_where_the_time_went(model):
+    """`--step-times` adds a line per phase naming the forward pass's steps, the text unchanged."""
+    r = run_cli("run", "-m", model, "-n", "8", "-t", "2", "--step-times", "the then")
+    assert r.returncode == 0, r.stderr
+    lines = {ln.split(" steps (")[0]: ln for ln in r.stderr.splitlines() if " steps (" in ln}
+    assert set(lines) == {"prompt", "decode"}, r.stderr
+    for step in ("qkv", "attend", "attn_out", "ffn", "logits"):
+        assert f" {step} " in lines["decode"], lines["decode"]
+    from powerinfer_rs import Engine
+
+    assert r.stdout == Engine.load(model).generate("the then", max_tokens=8) + "\n"
+
+
 def test_run_on_the_emulated_device(tmp_path):
     """`--device emulated` runs the hybrid executor (here with a layer offloaded, the other on
     the CPU), says so, and prints the CPU's greedy text."""

@@ -260,6 +260,46 @@ def test_predictor_recall_measures_misses(tmp_path):
     assert rel(sparse, engine.logits(ids)) > 0.05
 
 
+def test_step_times_cover_the_pass_and_change_nothing(tmp_path):
+    """`step_times=True` reports the seconds of each forward-pass step, the sparse FFN's among
+    them, for the prompt and for decode; the steps lie inside the measured evaluation, and the
+    timed passes give the untimed passes' logits bit for bit."""
+    path = write_powerinfer_model(tmp_path / "m.gguf", dtype=Q.Q4_0)
+    timed = Engine.load(path, threads=2, step_times=True)
+    plain = Engine.load(path, threads=2)
+    ids = list(range(3, 20))
+    assert np.array_equal(timed.logits(ids), plain.logits(ids))
+    assert timed.generate(ids, max_tokens=6) == plain.generate(ids, max_tokens=6)
+    st = timed.last_stats
+    assert timed.sparsity == "predictor" and st["ffn_sparsity"] > 0
+    for phase, seconds in (("prefill_steps_s", "prefill_s"), ("decode_steps_s", "decode_s")):
+        steps = st[phase]
+        assert {"embed", "norm", "qkv", "attend", "attn_out", "ffn", "residual", "logits"} <= set(
+            steps
+        ), steps
+        assert all(v > 0 for v in steps.values()), steps
+        assert sum(steps.values()) <= st[seconds], (steps, st[seconds])
+    assert "decode_steps_s" not in plain.last_stats
+    assert "prefill_steps_s" not in plain.last_stats
+    # the core: one pass per evaluation, nothing while off
+    s = _core.Session(_core.Model(path, 1), 16)
+    assert s.take_step_times() is None
+    s.set_step_times(True)
+    s.eval([3, 4, 5])
+    s.eval([6])
+    times = s.take_step_times()
+    assert times["passes"] == 2 and times["ffn"] > 0
+    assert s.take_step_times()["passes"] == 0
+    s.set_step_times(False)
+    assert s.take_step_times() is None
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="step_times must be True or False"):
+            Engine.load(path, step_times=bad)
+    # a GPU's steps return before their kernels finish: refused by name
+    with pytest.raises(ValueError, match="step_times times the CPU's passes"):
+        Engine.load(path, device="emulated", step_times=True)
+
+
 def test_threshold_from_file_and_override(tmp_path, monkeypatch):
     path = write_powerinfer_model(tmp_path / "m.gguf", predictor="random", threshold=0.0)
     ids = list(range(3, 30))

@@ -82,6 +82,15 @@ def _sparsity_line(engine, s: dict) -> str:
     return line
 
 
+def _steps_line(what: str, steps: dict[str, float]) -> str:
+    """Where a phase's time went (`--step-times`): each step's milliseconds and share."""
+    total = sum(steps.values())
+    parts = sorted(steps.items(), key=lambda kv: -kv[1])
+    return f"{what} steps ({total * 1e3:.1f} ms): " + ", ".join(
+        f"{name} {sec * 1e3:.1f} ms ({sec / total:.0%})" for name, sec in parts
+    )
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     from .engine import Engine
 
@@ -117,6 +126,9 @@ def cmd_run(a: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     print(_sparsity_line(engine, s), file=sys.stderr)
+    for key, what in (("prefill_steps_s", "prompt"), ("decode_steps_s", "decode")):
+        if s.get(key):
+            print(_steps_line(what, s[key]), file=sys.stderr)
     line = _device_line(engine)
     if "gpu_neuron_share" in s:
         line += f"; {s['gpu_neuron_share']:.1%} of computed neurons ran on the GPU"

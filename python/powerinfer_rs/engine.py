@@ -365,7 +365,27 @@ class Engine:
             self.input_cutoffs,
         )
         session.set_neuron_bundles(self.neuron_bundles)
+        if self.settings.step_times:
+            if self._gpu_model is not None:
+                raise ValueError(
+                    f"step_times times the CPU's passes, and this engine runs on the "
+                    f"{self.device} device (Engine.load(..., device='cpu') times them on the CPU)"
+                )
+            session.set_step_times(True)
         return session
+
+    @staticmethod
+    def _add_step_times(session: _core.Session, into: dict, key: str) -> None:
+        """Adds the session's step times since the last call to `into[key]` (step name ->
+        seconds), where the session times its steps."""
+        times = session.take_step_times()
+        if times is None:
+            return
+        times.pop("passes")
+        total = into.setdefault(key, {})
+        for step, seconds in times.items():
+            if seconds > 0:
+                total[step] = total.get(step, 0.0) + seconds
 
     def _file_predictor_cutoffs(self) -> list[float] | None:
         """The per-layer predictor cut-offs a converted file carries, if any."""
@@ -841,6 +861,7 @@ class Generation:
             stats["prefill_tps"] = (self._prefilled - stats["cached_tokens"]) / stats["prefill_s"]
             # FFN counters cover decode only (prefill computes the whole batch anyway)
             session.take_stats()
+            Engine._add_step_times(session, stats, "prefill_steps_s")
             if rest:
                 return ""
             return self._accept(token)
@@ -862,6 +883,7 @@ class Generation:
         stats["decode_s"] += seconds
         stats["decode_tps"] = self._decode_evals / stats["decode_s"]
         Engine._ffn_stats(self._session, stats, self._ffn_totals)
+        Engine._add_step_times(self._session, stats, "decode_steps_s")
 
     def _accept(self, token: int) -> str:
         """Takes the newly sampled `token`: end-of-generation, stop strings, limits; returns the

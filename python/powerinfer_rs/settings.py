@@ -177,6 +177,12 @@ class EngineSettings:
         "neurons the predictor caught",
         "--predictor-recall",
     )
+    step_times: bool = option(
+        False,
+        "report in last_stats the seconds each step of the forward pass took (prefill_steps_s, "
+        "decode_steps_s: qkv, attend, ffn, logits...; CPU only)",
+        "--step-times",
+    )
     device: str = option(
         "auto",
         "auto: the GPU when a CUDA driver and device are there and the model can run on it, else "
@@ -230,6 +236,8 @@ class EngineSettings:
             raise ValueError(
                 f"neuron_bundles must be True, False or None, got {self.neuron_bundles!r}"
             )
+        if not isinstance(self.step_times, bool):
+            raise ValueError(f"step_times must be True or False, got {self.step_times!r}")
         if self.kv_type not in ("f16", "f32"):
             raise ValueError(f"kv_type must be 'f16' or 'f32', got {self.kv_type!r}")
         if self.device not in DEVICES:

@@ -1,6 +1,6 @@
 //! powerinfer-core: the engine without Python. GGUF loading (`gguf`), tensor formats and
 //! reference kernels (`quant`), SIMD kernels (`avx2`, `avx512`), the level this CPU runs (`simd`) and the kernels' table per type and level (`kernels`), threaded matrix products (`matmul`),
-//! LLaMA-family models (`model`) and their activations (`activation`), the forward pass written once over a backend seam (`forward`), the CPU backend, KV cache and sessions (`session`) and sampling
+//! LLaMA-family models (`model`) and their activations (`activation`), the forward pass written once over a backend seam (`forward`) and its steps' times (`step_times`), the CPU backend, KV cache and sessions (`session`) and sampling
 //! (`sampler`).
 
 pub mod activation;
@@ -18,6 +18,7 @@ pub mod sampler;
 pub mod session;
 pub mod simd;
 pub mod sparse;
+pub mod step_times;
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;

@@ -25,6 +25,7 @@ use crate::sparse::{
     batch_union_reads_dense, decodes_dense, down_t_matmul, predicted_ffn, sparse_ffn, FfnMats,
     SparseScratch, DENSE_FRACTION, FUSED_PREDICTOR_FC1_BYTES,
 };
+use crate::step_times::{StepTimes, Timed};
 
 mod batch;
 mod calibration;
@@ -79,6 +80,8 @@ pub(crate) struct PassState {
     /// Mixture-of-experts models: how many of the session's rows each layer routed to each
     /// expert since the last `take_expert_counts` (n_layer * n_expert; empty until counted).
     pub(crate) expert_counts: Vec<u64>,
+    /// Where the passes' time went, step by step, while timing is on (`set_step_times`).
+    pub(crate) step_times: Option<StepTimes>,
 }
 
 impl PassState {
@@ -89,6 +92,7 @@ impl PassState {
             recorder: None,
             neuron_bundles: false,
             expert_counts: Vec::new(),
+            step_times: None,
         }
     }
 }
@@ -194,6 +198,18 @@ impl Session {
         Some(counts)
     }
 
+    /// Starts (or stops, discarding what was timed) timing each step of this session's passes
+    /// (`step_times::Timed`).
+    pub fn set_step_times(&mut self, on: bool) {
+        self.state.step_times = on.then(StepTimes::default);
+    }
+
+    /// The steps' times since timing started or since the last call (then reset); None when not
+    /// timing.
+    pub fn take_step_times(&mut self) -> Option<StepTimes> {
+        self.state.step_times.as_mut().map(std::mem::take)
+    }
+
     /// FFN counters since the last `take_stats`, left in place.
     pub fn stats(&self) -> FfnStats {
         self.state.stats
@@ -231,9 +247,21 @@ impl Session {
         for (i, part) in tokens.chunks(per_pass).enumerate() {
             let last = (i + 1) * per_pass >= tokens.len();
             let n_logits = if all_logits { part.len() } else { usize::from(last) };
-            logits.extend(model.install(|| {
-                forward(&mut CpuPass::new(self, part.len()), &model, part, n_logits)
-            })?);
+            // the times live outside the session while the pass borrows it
+            let logits_of_part = match self.state.step_times.take() {
+                Some(mut times) => {
+                    let r = model.install(|| {
+                        let pass = CpuPass::new(self, part.len());
+                        forward(&mut Timed::new(pass, &mut times), &model, part, n_logits)
+                    });
+                    self.state.step_times = Some(times);
+                    r
+                }
+                None => model.install(|| {
+                    forward(&mut CpuPass::new(self, part.len()), &model, part, n_logits)
+                }),
+            };
+            logits.extend(logits_of_part?);
             self.tokens.extend_from_slice(part);
         }
         Ok(logits)

@@ -591,6 +591,30 @@ impl PySession {
         Ok(d)
     }
 
+    /// Starts (or stops) timing each step of this session's passes (CPU sessions only: a GPU's
+    /// steps return before their kernels finish).
+    fn set_step_times(&self, py: Python<'_>, on: bool) -> PyResult<()> {
+        compute(py, || {
+            lock_core(&self.inner)?.cpu_only("timing each step")?.set_step_times(on);
+            Ok(())
+        })
+    }
+
+    /// Seconds spent in each step of the forward pass (embed, norm, qkv, ..., ffn, ...,
+    /// logits: the CPU backend's steps) since timing started or since the last call (then
+    /// reset), and "passes", the forward passes they cover; None when not timing.
+    fn take_step_times<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(times) = lock(&self.inner)?.cpu().take_step_times() else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        for (name, seconds) in times.seconds() {
+            d.set_item(name, seconds)?;
+        }
+        d.set_item("passes", times.passes)?;
+        Ok(Some(d))
+    }
+
     /// Mixture-of-experts models: per layer and expert, the tokens routed to it since the last
     /// call, (n_layer, n_expert) uint64; None for a dense model.
     fn take_expert_counts<'py>(
