@@ -38,6 +38,20 @@ def alternating(
     return [statistics.median(r) for r in runs], ratios
 
 
+def decode_steps_ms(engine: Engine, prompt: list[int], n: int) -> dict[str, float]:
+    """Milliseconds per decoded token in each step of the forward pass (`step_times`), from
+    one greedy decode of `n` tokens timed apart from the tok/s rounds."""
+    s = engine._session()
+    s.set_step_times(True)
+    tok = int(np.atleast_2d(s.eval(prompt))[-1].argmax())
+    s.take_step_times()  # the prompt's
+    for _ in range(n):
+        tok = int(np.atleast_2d(s.eval([tok]))[-1].argmax())
+    times = s.take_step_times()
+    times.pop("passes")
+    return {step: round(sec * 1e3 / n, 4) for step, sec in times.items() if sec > 0}
+
+
 def commit() -> str:
     try:
         return subprocess.run(
@@ -266,17 +280,30 @@ def main() -> None:
             for path, mode in ((a.model, "dense"), (pw_path, "dense"), (pw_path, "predictor"))
         ]
         (r_t, d_t, s_t), (_, skip_t, pred_t) = alternating(three, prompt, a.decode_tokens, 3)
+        # where each way's token goes at this thread count
+        steps = {
+            name: decode_steps_ms(e, prompt, a.decode_tokens)
+            for name, e in zip(("all_rows", "dense", "predictor"), three)
+        }
         by_threads[str(t)] = {
             "all_rows": r_t,
             "dense": d_t,
             "predictor": s_t,
             "predictor_over_dense": statistics.median([y / x for x, y in zip(skip_t, pred_t)]),
+            "steps_ms_per_token": steps,
         }
         print(
             f"  {t} threads: every row {r_t:.1f}, exact ReLU skip {d_t:.1f}, predictor {s_t:.1f} "
             f"tok/s ({by_threads[str(t)]['predictor_over_dense']:.2f}x dense)",
             flush=True,
         )
+        for name, ms in steps.items():
+            top = sorted(ms.items(), key=lambda kv: -kv[1])[:4]
+            print(
+                f"    {name}: {sum(ms.values()):.3f} ms per token, "
+                + ", ".join(f"{k} {v:.3f}" for k, v in top),
+                flush=True,
+            )
         del three
     decode["cpu_by_threads"] = by_threads
 
