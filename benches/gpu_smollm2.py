@@ -37,6 +37,20 @@ def decode_tps(engine: Engine, prompt: list[int], n: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def decode_steps_ms(engine: Engine, prompt: list[int], n: int) -> dict[str, float]:
+    """Milliseconds per decoded token in each step of the forward pass (`step_times`), from
+    one greedy decode of `n` tokens timed apart from the tok/s rounds."""
+    s = engine._session()
+    s.set_step_times(True)
+    tok = int(np.atleast_2d(s.eval(prompt))[-1].argmax())
+    s.take_step_times()  # the prompt's
+    for _ in range(n):
+        tok = int(np.atleast_2d(s.eval([tok]))[-1].argmax())
+    times = s.take_step_times()
+    times.pop("passes")
+    return {step: round(sec * 1e3 / n, 4) for step, sec in times.items() if sec > 0}
+
+
 def prefill_tps(engine: Engine, ids: list[int], repeats: int = 3) -> float:
     best = float("inf")
     for _ in range(repeats):

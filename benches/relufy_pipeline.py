@@ -19,7 +19,10 @@ import subprocess
 import time
 
 import numpy as np
-from gpu_smollm2 import decode_tps  # benches/ is the script's folder: the same greedy decode timing
+from gpu_smollm2 import (  # benches/ is the script's folder: the same greedy decode timing
+    decode_steps_ms,
+    decode_tps,
+)
 from powerinfer_rs import Engine, _core, offline
 from powerinfer_rs.offline.profiling import read_corpus
 from powerinfer_rs.placement import model_bytes
@@ -36,20 +39,6 @@ def alternating(
             r.append(decode_tps(e, prompt, n))
     ratios = [[y / x for x, y in zip(runs[0], r)] for r in runs]
     return [statistics.median(r) for r in runs], ratios
-
-
-def decode_steps_ms(engine: Engine, prompt: list[int], n: int) -> dict[str, float]:
-    """Milliseconds per decoded token in each step of the forward pass (`step_times`), from
-    one greedy decode of `n` tokens timed apart from the tok/s rounds."""
-    s = engine._session()
-    s.set_step_times(True)
-    tok = int(np.atleast_2d(s.eval(prompt))[-1].argmax())
-    s.take_step_times()  # the prompt's
-    for _ in range(n):
-        tok = int(np.atleast_2d(s.eval([tok]))[-1].argmax())
-    times = s.take_step_times()
-    times.pop("passes")
-    return {step: round(sec * 1e3 / n, 4) for step, sec in times.items() if sec > 0}
 
 
 def commit() -> str:

@@ -16,7 +16,9 @@
                            only for those, from the FFN bundled by neuron (`neuron_bundles`);
                            "rows apart" reads them from the three matrices instead.
         Beside each ratio it prints the byte-count ideal: the weight bytes per token each side
-        reads (attention, predictors, the FFN rows at the measured fractions), dense over sparse.
+        reads (attention, predictors, the FFN rows at the measured fractions), dense over sparse;
+        then where a decoded token's time goes in standard dense and predictor mode, step by
+        step (`step_times`: qkv, attend, attn_out, ffn...).
     python benches/sparse_e2e.py smollm2 [--threads 2]
         SmolLM2-135M (SwiGLU, no predictors) in `threshold` mode, the frontier of weight bytes
         skipped against perplexity on unseen python3.11-doc text: the neuron rule at 30/50/70%
@@ -278,6 +280,19 @@ def cmd_synthetic(a) -> None:
         print(
             f"prefill, predictor vs {base}: {statistics.median(ratios):.2f}x ({min(ratios):.2f} to {max(ratios):.2f})"
         )
+    # where a decoded token's time goes in each (`step_times`), apart from the rounds above
+    from gpu_smollm2 import decode_steps_ms  # benches/ is the script's folder
+
+    sides = ("standard dense", "predictor")
+    steps = {k: decode_steps_ms(engines[k], prompt, a.tokens) for k in sides}
+    names = [n for n in steps["standard dense"] if n in steps["predictor"]]
+    print("\n| step: ms per decoded token | standard dense | predictor |")
+    print("|---|---|---|")
+    for n in sorted(names, key=lambda n: -steps["standard dense"][n]):
+        print(f"| {n} | {steps['standard dense'][n]:.3f} | {steps['predictor'][n]:.3f} |")
+    print(
+        f"| all | {sum(steps['standard dense'].values()):.3f} | {sum(steps['predictor'].values()):.3f} |"
+    )
 
 
 def doc_text(max_chars: int) -> str:
