@@ -102,7 +102,7 @@ class Engine:
         self.config: dict[str, Any] = model.config()
         self.n_ctx = n_ctx
         self.kv_type = kv_type
-        self.last_stats: dict[str, float] = {}
+        self.last_stats: dict[str, Any] = {}
         self.sparsity = "dense"
         self.sparse_threshold = float(self.config["sparse_threshold"])
         self.target_sparsity: float | None = None
