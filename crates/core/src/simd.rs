@@ -46,6 +46,18 @@ pub(crate) fn prefetch(bytes: &[u8]) {
 /// Best instruction set on this CPU, decided once. `POWERINFER_SIMD=scalar`, `avx2` or
 /// `avxvnni` (AVX2 with AVX-VNNI where the CPU has it) caps it (for checking results and
 /// measuring what each level buys).
+/// `prefetch` into L2 only (for rows long enough to crowd L1).
+#[inline]
+pub(crate) fn prefetch_l2(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        for off in (0..bytes.len()).step_by(64) {
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(bytes.as_ptr().add(off) as *const i8) };
+        }
+    }
+}
+
 pub fn simd_level() -> SimdLevel {
     static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
     *LEVEL.get_or_init(|| {
@@ -107,6 +119,20 @@ pub fn vnni256(level: SimdLevel) -> Option<Vnni256> {
 /// Whether `level` takes 256-bit VNNI (`vnni256`).
 pub fn avx_vnni(level: SimdLevel) -> bool {
     vnni256(level).is_some()
+}
+
+/// Whether `level` may take the kernels that also need AVX-512 VBMI's byte permutes (Ice Lake,
+/// Zen 4 and later have it; Skylake-X's AVX-512 does not): the integer down pass of the sparse
+/// operator (`avx512::axpy_group_q4_0`).
+pub fn avx512_vbmi(level: SimdLevel) -> bool {
+    static VBMI: OnceLock<bool> = OnceLock::new();
+    level == SimdLevel::Avx512
+        && *VBMI.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            return is_x86_feature_detected!("avx512vbmi");
+            #[cfg(not(target_arch = "x86_64"))]
+            false
+        })
 }
 
 #[cfg(target_arch = "x86_64")]

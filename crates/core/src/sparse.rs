@@ -240,6 +240,13 @@ fn next_rows<'a, const N: usize>(
     (rows, ids.len().min(N))
 }
 
+/// Rows of `down_t` at least this long (the 7B shape's 2304-byte Q4_0 rows; not SmolLM2's 324)
+/// take the integer down pass (`avx512::axpy_group_q4_0`) where the CPU has it. Measured on a
+/// Zen 4 (one process alternating the two, rows from DRAM): the 7B shape's operator 1.07-1.13x
+/// faster; SmolLM2's short rows 0.93x from memory (its 32-row groups read 32 short rows at
+/// once, where the float axpys stream four), so they keep the float axpys.
+const INTEGER_DOWN_ROW_BYTES: usize = 1024;
+
 /// Neurons per group in `sparse_ffn`'s passes.
 const GROUP: usize = 64;
 
@@ -796,6 +803,29 @@ fn add_rows<'a>(
     y: &mut [f32],
     then: &[&'a [u8]],
 ) {
+    let long = ids.first().is_some_and(|&j| row(j).len() >= INTEGER_DOWN_ROW_BYTES);
+    if dtype == DType::Q4_0 && long && crate::simd::avx512_vbmi(level) {
+        // in integers, up to 32 rows a call (`quant::axpy_group_q4_0_scalar`), each call
+        // prefetching the next call's rows into L2 over its blocks; the first call's up front
+        for &j in ids.iter().take(quant::AXPY_GROUP_ROWS) {
+            crate::simd::prefetch_l2(row(j))
+        }
+        for (g, group) in ids.chunks(quant::AXPY_GROUP_ROWS).enumerate() {
+            let first = g * quant::AXPY_GROUP_ROWS;
+            let mut rows = [&[][..]; quant::AXPY_GROUP_ROWS];
+            let mut a = [0.0f32; quant::AXPY_GROUP_ROWS];
+            for (i, &j) in group.iter().enumerate() {
+                (rows[i], a[i]) = (row(j), coef(first + i, j));
+            }
+            let after = first + group.len();
+            let (next, n) = next_rows::<{ quant::AXPY_GROUP_ROWS }>(&ids[after..], &row);
+            let next = if n == 0 { then } else { &next[..n] };
+            let (rows, a) = (&rows[..group.len()], &a[..group.len()]);
+            // SAFETY: `avx512_vbmi` holds only where the CPU has AVX-512 with VBMI
+            unsafe { crate::avx512::axpy_group_q4_0::<true>(rows, a, y, next) }
+        }
+        return;
+    }
     let wide = dtype.traits().axpy_rows == 8;
     let width = |left: usize| match left {
         8.. if wide => 8,
@@ -967,6 +997,185 @@ mod tests {
                         "x{R} {level:?} {dtype:?} n={n} i={i}: {} vs {}",
                         ys[i],
                         yv[i]
+                    );
+                }
+            }
+        }
+    }
+
+    /// Rows of random Q4_0 blocks whose scales spread over three orders of magnitude (so the
+    /// int8 coefficients of a block use their whole range and round the small ones hard).
+    fn spread_q4_0_rows(n_rows: usize, cols: usize, seed: u64) -> Vec<Vec<u8>> {
+        let mut rng = crate::sampler::Rng::new(seed);
+        (0..n_rows)
+            .map(|_| {
+                let v: Vec<f32> = (0..cols)
+                    .map(|_| (rng.next_f32() * 2.0 - 1.0) * 10f32.powf(rng.next_f32() * 3.0 - 2.0))
+                    .collect();
+                quantize_row(DType::Q4_0, &v)
+            })
+            .collect()
+    }
+
+    /// The integer down pass against float64: each block's int8 coefficients are off by at most
+    /// half a step (its peak / 254) each, times |q - 8| <= 8, so a column is off by at most
+    /// 4 * step * rows, plus float rounding. Every group size from 1 to 32 rows, widths whose
+    /// last step of blocks is short, zero and tiny coefficients.
+    #[test]
+    fn integer_down_pass_is_within_its_rounding_of_float64() {
+        for cols in [32, 96, 576, 4096] {
+            let nb = cols / 32;
+            for n_rows in [1, 3, 4, 7, 16, 31, 32] {
+                let rows = spread_q4_0_rows(n_rows, cols, (cols + n_rows) as u64);
+                let mut a = random_vec(n_rows, n_rows as u64);
+                a[0] = 0.0;
+                if n_rows > 2 {
+                    a[2] = 1e-30;
+                }
+                let y0 = random_vec(cols, 3);
+                let mut y = y0.clone();
+                let rr: Vec<&[u8]> = rows.iter().map(|r| &r[..]).collect();
+                quant::axpy_group_q4_0_scalar(&rr, &a, &mut y);
+                let mut dq = vec![vec![0.0f32; cols]; n_rows];
+                for (r, d) in dq.iter_mut().enumerate() {
+                    dequantize_row(DType::Q4_0, &rows[r], d);
+                }
+                for b in 0..nb {
+                    let peak = (0..n_rows)
+                        .map(|r| {
+                            let d = cast_q4_0(&rows[r])[b].d;
+                            (a[r] as f64 * quant::f16_to_f32(d) as f64).abs()
+                        })
+                        .fold(0.0, f64::max);
+                    for j in 32 * b..32 * (b + 1) {
+                        let want = y0[j] as f64
+                            + (0..n_rows).map(|r| a[r] as f64 * dq[r][j] as f64).sum::<f64>();
+                        let bound = 4.0 * peak / 127.0 * n_rows as f64 + 1e-6 * want.abs().max(1.0);
+                        let err = (y[j] as f64 - want).abs();
+                        assert!(
+                            err <= bound,
+                            "{cols} cols, {n_rows} rows, [{j}]: off by {err} > {bound}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The operator with rows long enough for the integer down pass (2048 Q4_0 columns: 1152
+    /// bytes): within that pass's rounding of float64 (each selected neuron's coefficient off
+    /// by at most half a step of its block's peak / 127, times |q - 8| <= 8), the same bits
+    /// bundled and apart and from run to run; where the CPU takes the pass, its rounding shows
+    /// (the float axpys land within 1e-5 of float64).
+    #[test]
+    fn long_rows_take_the_integer_down_pass_within_its_rounding() {
+        let (n_ff, n_embd, dtype) = (150, 2048, DType::Q4_0);
+        assert!(dtype.row_bytes(n_embd) >= INTEGER_DOWN_ROW_BYTES);
+        let (gd, ud) = (matrix(dtype, n_ff, n_embd, 1), matrix(dtype, n_ff, n_embd, 2));
+        let dd: Vec<u8> = spread_q4_0_rows(n_ff, n_embd, 3).concat();
+        let q = |data| QMatrix { dtype, rows: n_ff, cols: n_embd, data };
+        let m = FfnMats {
+            gate: Some(q(&gd)),
+            up: q(&ud),
+            up_bias: None,
+            down_t: q(&dd),
+            down: None,
+            act: FfnActivation::ReGlu,
+            bundles: None,
+        };
+        let mut bundled = vec![0u8; n_ff * m.bundle_bytes()];
+        crate::matmul::interleave_rows(&[q(&gd), q(&ud), q(&dd)], &mut bundled);
+        let mb = FfnMats { bundles: Some(&bundled), ..m };
+        let mut x = Activations::default();
+        x.set(&random_vec(n_embd, 5), 1, n_embd);
+        let (mut g, mut u) = (vec![0.0; n_ff], vec![0.0; n_ff]);
+        matmul_many(&[q(&gd), q(&ud)], &x, &mut [&mut g, &mut u]);
+        let integer = crate::simd::avx512_vbmi(simd_level());
+        for threads in [1, 3] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            for density in [0.1, 0.5, 1.0] {
+                let mut rng = crate::sampler::Rng::new(9);
+                let neurons: Vec<u32> =
+                    (0..n_ff as u32).filter(|_| rng.next_f32() < density).collect();
+                let (mut want, mut peak) = (vec![0.0f64; n_embd], vec![0.0f64; n_embd / 32]);
+                let mut row = vec![0.0f32; n_embd];
+                let mut used = 0;
+                for &j in &neurons {
+                    let h = FfnActivation::ReGlu.apply(g[j as usize], u[j as usize]) as f64;
+                    used += (h != 0.0) as usize;
+                    dequantize_row(dtype, q(&dd).row(j as usize), &mut row);
+                    want.iter_mut().zip(&row).for_each(|(w, r)| *w += h * *r as f64);
+                    for (b, p) in peak.iter_mut().enumerate() {
+                        let d = cast_q4_0(q(&dd).row(j as usize))[b].d;
+                        *p = p.max((h * quant::f16_to_f32(d) as f64).abs());
+                    }
+                }
+                let mut scratch = SparseScratch::default();
+                let (mut got, mut again, mut apart) =
+                    (vec![0.0f32; n_embd], vec![0.0f32; n_embd], vec![0.0f32; n_embd]);
+                pool.install(|| {
+                    sparse_ffn(&mb, &x, &neurons, None, &mut got, &mut scratch);
+                    sparse_ffn(&mb, &x, &neurons, None, &mut again, &mut scratch);
+                    sparse_ffn(&m, &x, &neurons, None, &mut apart, &mut scratch);
+                });
+                let what = format!("{threads} threads, density {density}");
+                assert_eq!(got, again, "not deterministic: {what}");
+                assert_eq!(got, apart, "bundled differs: {what}");
+                let scale = want.iter().map(|v| v.abs()).fold(1e-3, f64::max);
+                let mut worst = 0.0f64;
+                for (i, (&gi, &wi)) in got.iter().zip(&want).enumerate() {
+                    let err = (gi as f64 - wi).abs();
+                    let bound = 4.0 * peak[i / 32] / 127.0 * used as f64 + 1e-5 * scale;
+                    assert!(err <= bound, "{what} [{i}]: {gi} vs {wi}, off by {err} > {bound}");
+                    worst = worst.max(err / scale);
+                }
+                if integer {
+                    assert!(worst > 1e-5, "{what}: no int8 rounding, so no integer pass");
+                } else {
+                    assert!(worst <= 1e-5, "{what}: float axpys off by {worst}");
+                }
+            }
+        }
+    }
+
+    fn cast_q4_0(row: &[u8]) -> &[quant::BlockQ4_0] {
+        quant::cast_blocks(row)
+    }
+
+    /// The AVX-512 VBMI integer down pass is its scalar twin bit for bit: group sizes 1 to 32,
+    /// widths with a short last step of blocks, zero coefficients, and a non-finite coefficient
+    /// (one step of blocks through the float axpy, the others in integers, as the twin).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn integer_down_pass_is_its_scalar_twin() {
+        if !crate::simd::avx512_vbmi(crate::simd::detect()) {
+            eprintln!("skipping: no AVX-512 VBMI on this CPU");
+            return;
+        }
+        for cols in [32, 96, 512, 576, 608, 4096] {
+            for n_rows in [1, 2, 3, 4, 5, 8, 13, 17, 29, 32] {
+                let mut rows = spread_q4_0_rows(n_rows, cols, (7 * cols + n_rows) as u64);
+                let mut a = random_vec(n_rows, 11 + n_rows as u64);
+                if n_rows > 1 {
+                    a[1] = 0.0;
+                }
+                if n_rows == 5 && cols > 512 {
+                    // an infinite scale in block 17 (the second step of blocks)
+                    rows[3][17 * 18 + 1] = 0x7c;
+                    rows[3][17 * 18] = 0;
+                }
+                let y0 = random_vec(cols, 5);
+                let (mut ys, mut yv) = (y0.clone(), y0.clone());
+                let rr: Vec<&[u8]> = rows.iter().map(|r| &r[..]).collect();
+                quant::axpy_group_q4_0_scalar(&rr, &a, &mut ys);
+                unsafe { crate::avx512::axpy_group_q4_0::<false>(&rr, &a, &mut yv, &rr) };
+                for j in 0..cols {
+                    assert_eq!(
+                        ys[j].to_bits(),
+                        yv[j].to_bits(),
+                        "{cols} cols, {n_rows} rows, [{j}]: {} scalar, {} AVX-512",
+                        ys[j],
+                        yv[j]
                     );
                 }
             }
