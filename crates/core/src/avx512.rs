@@ -94,8 +94,9 @@ pub unsafe fn tiled_axpy<const T: usize>(
     }
 }
 
-/// Byte 4j + t of a quad of rows transposed: element j of row t, where row t's 16 bytes fill
-/// lane t (so `vpdpbusd` sums element j of four rows times their four coefficients).
+/// Byte 4m + t of a quad of rows transposed: byte m of row t, where row t's 16 bytes fill lane
+/// t (so that, split into nibbles, `vpdpbusd` sums an element of four rows times their four
+/// coefficients).
 const QUAD_TRANSPOSE: [u8; 64] = {
     let mut idx = [0u8; 64];
     let mut i = 0;
@@ -255,11 +256,10 @@ pub unsafe fn axpy_group_q4_0<const INTO_L2: bool>(
                 let v = _mm512_inserti32x4::<1>(_mm512_castsi128_si512(nibbles(0)), nibbles(1));
                 let v = _mm512_inserti32x4::<3>(_mm512_inserti32x4::<2>(v, nibbles(2)), nibbles(3));
                 let kk = _mm512_set1_epi32(coefs[q][b]);
-                let low = _mm512_permutexvar_epi8(transpose, _mm512_and_si512(v, low4));
-                let high = _mm512_permutexvar_epi8(
-                    transpose,
-                    _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4),
-                );
+                // transposed whole, then split: byte m of a row holds elements m and m + 16
+                let t = _mm512_permutexvar_epi8(transpose, v);
+                let low = _mm512_and_si512(t, low4);
+                let high = _mm512_and_si512(_mm512_srli_epi16::<4>(t), low4);
                 lo = _mm512_dpbusd_epi32(lo, low, kk);
                 hi = _mm512_dpbusd_epi32(hi, high, kk);
             }
