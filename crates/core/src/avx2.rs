@@ -1287,3 +1287,194 @@ pub unsafe fn axpy_rows<const R: usize>(
         }
     }
 }
+
+/// The f16 scales of up to 8 consecutive Q4_0 blocks from `row` (`n` of them, the rest 0) as
+/// f32 lanes. Block k's scale lies at byte 18k: in the 32-byte load at 32i, blocks 2i and 2i + 1
+/// put theirs in the low half of dword i and the high half of dword i + 4, so three dword blends
+/// and one word blend of the two lanes line them up. Loads past the n blocks are masked (dwords
+/// wholly inside them only: every scale's dword is).
+#[inline(always)]
+unsafe fn q4_0_scales8(row: *const u8, n: usize) -> __m256 {
+    let bytes = 18 * n as i32;
+    let load = |at: i32| {
+        let p = row.add(at as usize);
+        if at + 32 <= bytes {
+            _mm256_loadu_si256(p as *const __m256i)
+        } else {
+            // dword j is read iff it lies wholly within the bytes: at + 4j + 4 <= bytes
+            let fits = _mm256_cmpgt_epi32(
+                _mm256_set1_epi32(bytes - at - 3),
+                _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28),
+            );
+            _mm256_maskload_epi32(p as *const i32, fits)
+        }
+    };
+    let r = _mm256_blend_epi32::<0b0010_0010>(load(0), load(32));
+    let r = _mm256_blend_epi32::<0b0100_0100>(r, load(64));
+    let r = _mm256_blend_epi32::<0b1000_1000>(r, load(96));
+    let words =
+        _mm_blend_epi16::<0b1010_1010>(_mm256_castsi256_si128(r), _mm256_extracti128_si256::<1>(r));
+    _mm256_cvtph_ps(words)
+}
+
+/// `quant::axpy_group_q4_0_scalar` at the 256-bit levels (see there, and
+/// `avx512::axpy_group_q4_0`): per step of 8 blocks, each row's coefficients and their peak per
+/// block, the int8 coefficients of four rows to a word (bytes in the order rows 0, 2, 1, 3, the
+/// order the transpose below leaves them in); then per block and quad of rows, the four rows'
+/// 16 nibble bytes transposed by byte and word unpacks (dword m: byte m of each row), split into
+/// nibbles, and summed with the coefficients by `vpdpbusd` (V), or without VNNI by `vpmaddubsw`
+/// in 16 bits (eight quads' pairs of 2 * 15 * 127 fit) widened once per block by `vpmaddwd`.
+/// `next` is prefetched over the blocks.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C, and the encoding's features.
+pub(crate) unsafe fn axpy_group_q4_0(
+    vnni: Option<crate::simd::Vnni256>,
+    rows: &[&[u8]],
+    a: &[f32],
+    y: &mut [f32],
+    next: &[&[u8]],
+) {
+    use crate::simd::Vnni256;
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn plain(rows: &[&[u8]], a: &[f32], y: &mut [f32], next: &[&[u8]]) {
+        group_q4_0::<NoVnni>(rows, a, y, next)
+    }
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    unsafe fn vex(rows: &[&[u8]], a: &[f32], y: &mut [f32], next: &[&[u8]]) {
+        group_q4_0::<Vex>(rows, a, y, next)
+    }
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    unsafe fn evex(rows: &[&[u8]], a: &[f32], y: &mut [f32], next: &[&[u8]]) {
+        group_q4_0::<Evex>(rows, a, y, next)
+    }
+    match vnni {
+        None => plain(rows, a, y, next),
+        Some(Vnni256::Vex) => vex(rows, a, y, next),
+        Some(Vnni256::Evex) => evex(rows, a, y, next),
+    }
+}
+
+#[inline(always)]
+unsafe fn group_q4_0<V: Dp256>(rows: &[&[u8]], a: &[f32], y: &mut [f32], next: &[&[u8]]) {
+    use crate::quant::AXPY_GROUP_ROWS;
+    let n_rows = rows.len();
+    assert!((1..=AXPY_GROUP_ROWS).contains(&n_rows) && a.len() == n_rows);
+    let nb = y.len() / 32;
+    let bb = DType::Q4_0.block_bytes();
+    assert!(rows.iter().all(|r| r.len() >= nb * bb));
+    let n_quads = n_rows.div_ceil(4);
+    let yp = y.as_mut_ptr();
+    let low4 = _mm256_set1_epi8(0x0f);
+    let byte = _mm256_set1_epi32(0xff);
+    let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MAX));
+    let mut prefetch = PrefetchL2::new(next, nb);
+    let mut first = 0;
+    while first < nb {
+        let n = (nb - first).min(8);
+        // each row's coefficients a[r] * d, and their peak magnitude per block
+        let mut c = [_mm256_setzero_ps(); AXPY_GROUP_ROWS];
+        let mut peak = _mm256_setzero_ps();
+        let mut finite = 0xff;
+        for r in 0..n_rows {
+            let d = q4_0_scales8(rows[r].as_ptr().add(first * bb), n);
+            c[r] = _mm256_mul_ps(d, _mm256_set1_ps(a[r]));
+            let mag = _mm256_and_ps(c[r], magnitude);
+            let below = _mm256_cmp_ps::<_CMP_LT_OQ>(mag, _mm256_set1_ps(f32::INFINITY));
+            finite &= _mm256_movemask_ps(below);
+            peak = _mm256_max_ps(peak, mag);
+        }
+        let mut step = [0.0f32; 8];
+        _mm256_storeu_ps(step.as_mut_ptr(), _mm256_div_ps(peak, _mm256_set1_ps(127.0)));
+        let positive = _mm256_cmp_ps::<_CMP_GT_OQ>(peak, _mm256_setzero_ps());
+        let inv = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(127.0), peak), positive);
+        // int8 coefficients, quad q's four in word [q][block] (rows 0, 2, 1, 3); their sum
+        let mut coefs = [[0i32; 8]; AXPY_GROUP_ROWS / 4];
+        let mut ksum = _mm256_setzero_si256();
+        for q in 0..n_quads {
+            let k: [__m256i; 4] = std::array::from_fn(|t| match 4 * q + t {
+                r if r < n_rows => _mm256_cvtps_epi32(_mm256_mul_ps(c[r], inv)),
+                _ => _mm256_setzero_si256(),
+            });
+            ksum = _mm256_add_epi32(
+                ksum,
+                _mm256_add_epi32(_mm256_add_epi32(k[0], k[1]), _mm256_add_epi32(k[2], k[3])),
+            );
+            let word = _mm256_or_si256(
+                _mm256_or_si256(
+                    _mm256_and_si256(k[0], byte),
+                    _mm256_slli_epi32::<8>(_mm256_and_si256(k[2], byte)),
+                ),
+                _mm256_or_si256(
+                    _mm256_slli_epi32::<16>(_mm256_and_si256(k[1], byte)),
+                    _mm256_slli_epi32::<24>(k[3]),
+                ),
+            );
+            _mm256_storeu_si256(coefs[q].as_mut_ptr() as *mut __m256i, word);
+        }
+        // Q4_0's -8 in integers: 8 * the sum of the block's coefficients
+        let mut bias = [0i32; 8];
+        _mm256_storeu_si256(bias.as_mut_ptr() as *mut __m256i, _mm256_slli_epi32::<3>(ksum));
+        for b in 0..n {
+            prefetch.step();
+            if finite >> b & 1 == 0 {
+                // a coefficient not finite: the block through the float axpy, as the twin
+                let cols = std::slice::from_raw_parts_mut(yp.add(32 * (first + b)), 32);
+                for (row, &ar) in rows.iter().zip(a) {
+                    let w = &row[(first + b) * bb..(first + b + 1) * bb];
+                    crate::quant::axpy_scalar(DType::Q4_0, w, ar, cols);
+                }
+                continue;
+            }
+            let at = (first + b) * bb + 2; // the block's nibbles
+                                           // elements 0-3 and 8-11, 4-7 and 12-15, 16-19 and 24-27, 20-23 and 28-31
+            let mut acc = [_mm256_setzero_si256(); 4];
+            for q in 0..n_quads {
+                // rows past the group repeat its last row, times a coefficient of 0
+                let nibbles = |t: usize| {
+                    _mm_loadu_si128(
+                        rows[(4 * q + t).min(n_rows - 1)].as_ptr().add(at) as *const __m128i
+                    )
+                };
+                let r01 =
+                    _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(nibbles(0)), nibbles(1));
+                let r23 =
+                    _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(nibbles(2)), nibbles(3));
+                // words m of rows (0, 2), and of rows (1, 3), then dword m of all four
+                let (x, z) = (_mm256_unpacklo_epi8(r01, r23), _mm256_unpackhi_epi8(r01, r23));
+                let p02 = _mm256_permute2x128_si256::<0x20>(x, z);
+                let p13 = _mm256_permute2x128_si256::<0x31>(x, z);
+                let t = [_mm256_unpacklo_epi16(p02, p13), _mm256_unpackhi_epi16(p02, p13)];
+                let kk = _mm256_set1_epi32(coefs[q][b]);
+                for h in 0..2 {
+                    let low = _mm256_and_si256(t[h], low4);
+                    let high = _mm256_and_si256(_mm256_srli_epi16::<4>(t[h]), low4);
+                    if V::ON {
+                        acc[h] = V::dpbusd(acc[h], low, kk);
+                        acc[2 + h] = V::dpbusd(acc[2 + h], high, kk);
+                    } else {
+                        acc[h] = _mm256_add_epi16(acc[h], _mm256_maddubs_epi16(low, kk));
+                        acc[2 + h] = _mm256_add_epi16(acc[2 + h], _mm256_maddubs_epi16(high, kk));
+                    }
+                }
+            }
+            if !V::ON {
+                acc = acc.map(|v| _mm256_madd_epi16(v, _mm256_set1_epi16(1)));
+            }
+            let (s, off) = (_mm256_set1_ps(step[b]), _mm256_set1_epi32(bias[b]));
+            let p = yp.add(32 * (first + b));
+            let sums = [
+                _mm256_permute2x128_si256::<0x20>(acc[0], acc[1]),
+                _mm256_permute2x128_si256::<0x31>(acc[0], acc[1]),
+                _mm256_permute2x128_si256::<0x20>(acc[2], acc[3]),
+                _mm256_permute2x128_si256::<0x31>(acc[2], acc[3]),
+            ];
+            for (k, sum) in sums.into_iter().enumerate() {
+                let v = _mm256_cvtepi32_ps(_mm256_sub_epi32(sum, off));
+                let yk = p.add(8 * k);
+                _mm256_storeu_ps(yk, _mm256_fmadd_ps(v, s, _mm256_loadu_ps(yk)));
+            }
+        }
+        first += n;
+    }
+}

@@ -180,7 +180,7 @@ pub unsafe fn axpy_group_q4_0<const INTO_L2: bool>(
     y: &mut [f32],
     next: &[&[u8]],
 ) {
-    use crate::quant::{AXPY_GROUP_BLOCKS, AXPY_GROUP_ROWS};
+    use crate::quant::AXPY_GROUP_ROWS;
     let n_rows = rows.len();
     assert!((1..=AXPY_GROUP_ROWS).contains(&n_rows) && a.len() == n_rows);
     let nb = y.len() / 32;
@@ -193,7 +193,7 @@ pub unsafe fn axpy_group_q4_0<const INTO_L2: bool>(
     let mut prefetch = crate::avx2::PrefetchInto::<INTO_L2>::new(next, nb);
     let mut first = 0;
     while first < nb {
-        let n = (nb - first).min(AXPY_GROUP_BLOCKS);
+        let n = (nb - first).min(16);
         // each row's coefficients a[r] * d, and their peak magnitude per block
         let mut c = [_mm512_setzero_ps(); AXPY_GROUP_ROWS];
         let mut peak = _mm512_setzero_ps();
@@ -204,15 +204,6 @@ pub unsafe fn axpy_group_q4_0<const INTO_L2: bool>(
             let mag = _mm512_abs_ps(c[r]);
             finite &= _mm512_cmp_ps_mask::<_CMP_LT_OQ>(mag, _mm512_set1_ps(f32::INFINITY));
             peak = _mm512_max_ps(peak, mag);
-        }
-        if finite != u16::MAX {
-            // (lanes past n hold 0: finite) as the twin, through the float axpy
-            for (row, &ar) in rows.iter().zip(a) {
-                let w = &row[first * bb..(first + n) * bb];
-                crate::quant::axpy_scalar(DType::Q4_0, w, ar, &mut y[first * 32..(first + n) * 32]);
-            }
-            first += n;
-            continue;
         }
         let mut step = [0.0f32; 16];
         _mm512_storeu_ps(step.as_mut_ptr(), _mm512_div_ps(peak, _mm512_set1_ps(127.0)));
@@ -244,6 +235,15 @@ pub unsafe fn axpy_group_q4_0<const INTO_L2: bool>(
         _mm512_storeu_si512(bias.as_mut_ptr() as *mut _, _mm512_slli_epi32::<3>(ksum));
         for b in 0..n {
             prefetch.step();
+            if finite >> b & 1 == 0 {
+                // a coefficient not finite: the block through the float axpy, as the twin
+                let cols = std::slice::from_raw_parts_mut(yp.add(32 * (first + b)), 32);
+                for (row, &ar) in rows.iter().zip(a) {
+                    let w = &row[(first + b) * bb..(first + b + 1) * bb];
+                    crate::quant::axpy_scalar(DType::Q4_0, w, ar, cols);
+                }
+                continue;
+            }
             let at = (first + b) * bb + 2; // the block's nibbles
             let (mut lo, mut hi) = (_mm512_setzero_si512(), _mm512_setzero_si512());
             for q in 0..n_quads {

@@ -804,7 +804,7 @@ fn add_rows<'a>(
     then: &[&'a [u8]],
 ) {
     let long = ids.first().is_some_and(|&j| row(j).len() >= INTEGER_DOWN_ROW_BYTES);
-    if dtype == DType::Q4_0 && long && crate::simd::avx512_vbmi(level) {
+    if dtype == DType::Q4_0 && long && level != SimdLevel::Scalar {
         // in integers, up to 32 rows a call (`quant::axpy_group_q4_0_scalar`), each call
         // prefetching the next call's rows into L2 over its blocks; the first call's up front
         for &j in ids.iter().take(quant::AXPY_GROUP_ROWS) {
@@ -820,9 +820,7 @@ fn add_rows<'a>(
             let after = first + group.len();
             let (next, n) = next_rows::<{ quant::AXPY_GROUP_ROWS }>(&ids[after..], &row);
             let next = if n == 0 { then } else { &next[..n] };
-            let (rows, a) = (&rows[..group.len()], &a[..group.len()]);
-            // SAFETY: `avx512_vbmi` holds only where the CPU has AVX-512 with VBMI
-            unsafe { crate::avx512::axpy_group_q4_0::<true>(rows, a, y, next) }
+            integer_down_pass(level, &rows[..group.len()], &a[..group.len()], y, next);
         }
         return;
     }
@@ -852,6 +850,32 @@ fn add_rows<'a>(
         }
         k = after;
     }
+}
+
+/// `quant::axpy_group_q4_0_scalar` at `level` (above Scalar): AVX-512 with VBMI's kernel, else
+/// the 256-bit one in the level's VNNI encoding (AVX-512 without VBMI: its EVEX encoding).
+#[cfg(target_arch = "x86_64")]
+fn integer_down_pass(level: SimdLevel, rows: &[&[u8]], a: &[f32], y: &mut [f32], next: &[&[u8]]) {
+    use crate::simd::{avx512_vbmi, vnni256, Vnni256};
+    // SAFETY: levels above Scalar are only reported when the CPU has their features, VBMI and
+    // the 256-bit VNNI encodings only where it has them too
+    unsafe {
+        match level {
+            SimdLevel::Avx512 if avx512_vbmi(level) => {
+                crate::avx512::axpy_group_q4_0::<true>(rows, a, y, next)
+            }
+            SimdLevel::Avx512 => {
+                crate::avx2::axpy_group_q4_0(Some(Vnni256::Evex), rows, a, y, next)
+            }
+            _ => crate::avx2::axpy_group_q4_0(vnni256(level), rows, a, y, next),
+        }
+    }
+}
+
+/// Other architectures run the Scalar level, which keeps the float axpys.
+#[cfg(not(target_arch = "x86_64"))]
+fn integer_down_pass(_: SimdLevel, rows: &[&[u8]], a: &[f32], y: &mut [f32], _: &[&[u8]]) {
+    quant::axpy_group_q4_0_scalar(rows, a, y)
 }
 
 /// The neurons j of one token's values `h` (n_ff) with h[j] != 0 and bit j of `tiled` clear,
@@ -1090,7 +1114,7 @@ mod tests {
         x.set(&random_vec(n_embd, 5), 1, n_embd);
         let (mut g, mut u) = (vec![0.0; n_ff], vec![0.0; n_ff]);
         matmul_many(&[q(&gd), q(&ud)], &x, &mut [&mut g, &mut u]);
-        let integer = crate::simd::avx512_vbmi(simd_level());
+        let integer = simd_level() != SimdLevel::Scalar;
         for threads in [1, 3] {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
             for density in [0.1, 0.5, 1.0] {
@@ -1142,17 +1166,38 @@ mod tests {
         quant::cast_blocks(row)
     }
 
-    /// The AVX-512 VBMI integer down pass is its scalar twin bit for bit: group sizes 1 to 32,
-    /// widths with a short last step of blocks, zero coefficients, and a non-finite coefficient
-    /// (one step of blocks through the float axpy, the others in integers, as the twin).
+    /// The integer down pass's kernels are its scalar twin bit for bit (AVX-512 VBMI's, and the
+    /// 256-bit one without VNNI and in each VNNI encoding this CPU has): group sizes 1 to 32,
+    /// widths with a short last step of blocks, zero coefficients, an infinite scale (its block
+    /// through the float axpy, the others in integers, as the twin) and a NaN coefficient.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn integer_down_pass_is_its_scalar_twin() {
-        if !crate::simd::avx512_vbmi(crate::simd::detect()) {
-            eprintln!("skipping: no AVX-512 VBMI on this CPU");
+        use crate::simd::{avx512_vbmi, detect, vnni256_encodings};
+        if !detect().has_avx2() {
+            eprintln!("skipping: no AVX2 on this CPU");
             return;
         }
-        for cols in [32, 96, 512, 576, 608, 4096] {
+        type Kernel = Box<dyn Fn(&[&[u8]], &[f32], &mut [f32])>;
+        let mut kernels: Vec<(String, Kernel)> = vec![(
+            "AVX2".into(),
+            Box::new(|r, a, y| unsafe { crate::avx2::axpy_group_q4_0(None, r, a, y, r) }),
+        )];
+        for v in vnni256_encodings() {
+            kernels.push((
+                format!("256-bit {v:?}"),
+                Box::new(move |r, a, y| unsafe {
+                    crate::avx2::axpy_group_q4_0(Some(v), r, a, y, r)
+                }),
+            ));
+        }
+        if avx512_vbmi(detect()) {
+            kernels.push((
+                "AVX-512 VBMI".into(),
+                Box::new(|r, a, y| unsafe { crate::avx512::axpy_group_q4_0::<false>(r, a, y, r) }),
+            ));
+        }
+        for cols in [32, 96, 256, 512, 576, 608, 4096] {
             for n_rows in [1, 2, 3, 4, 5, 8, 13, 17, 29, 32] {
                 let mut rows = spread_q4_0_rows(n_rows, cols, (7 * cols + n_rows) as u64);
                 let mut a = random_vec(n_rows, 11 + n_rows as u64);
@@ -1160,23 +1205,29 @@ mod tests {
                     a[1] = 0.0;
                 }
                 if n_rows == 5 && cols > 512 {
-                    // an infinite scale in block 17 (the second step of blocks)
+                    // an infinite scale in block 17
                     rows[3][17 * 18 + 1] = 0x7c;
                     rows[3][17 * 18] = 0;
                 }
+                if n_rows == 13 && cols == 96 {
+                    a[7] = f32::NAN;
+                }
                 let y0 = random_vec(cols, 5);
-                let (mut ys, mut yv) = (y0.clone(), y0.clone());
+                let mut want = y0.clone();
                 let rr: Vec<&[u8]> = rows.iter().map(|r| &r[..]).collect();
-                quant::axpy_group_q4_0_scalar(&rr, &a, &mut ys);
-                unsafe { crate::avx512::axpy_group_q4_0::<false>(&rr, &a, &mut yv, &rr) };
-                for j in 0..cols {
-                    assert_eq!(
-                        ys[j].to_bits(),
-                        yv[j].to_bits(),
-                        "{cols} cols, {n_rows} rows, [{j}]: {} scalar, {} AVX-512",
-                        ys[j],
-                        yv[j]
-                    );
+                quant::axpy_group_q4_0_scalar(&rr, &a, &mut want);
+                for (name, kernel) in &kernels {
+                    let mut got = y0.clone();
+                    kernel(&rr, &a, &mut got);
+                    for j in 0..cols {
+                        assert_eq!(
+                            want[j].to_bits(),
+                            got[j].to_bits(),
+                            "{name}: {cols} cols, {n_rows} rows, [{j}]: {} scalar, {}",
+                            want[j],
+                            got[j]
+                        );
+                    }
                 }
             }
         }

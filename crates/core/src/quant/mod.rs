@@ -465,54 +465,42 @@ pub fn axpy_scalar(dtype: DType, row: &[u8], a: f32, y: &mut [f32]) {
 /// one int8 scale per 32-column block, as the dense down product's 32 activations of a block do.
 pub const AXPY_GROUP_ROWS: usize = 32;
 
-/// Columns' blocks per step of the integer down pass: the SIMD kernel holds a step's scales in
-/// 16 lanes.
-pub const AXPY_GROUP_BLOCKS: usize = 16;
-
 /// y += sum over r of a[r] * rows[r] for up to `AXPY_GROUP_ROWS` Q4_0 rows, in integers: per
 /// 32-column block, each row's coefficient a[r] * d (its block scale) is rounded to int8 on the
 /// block's one scale (the largest magnitude / 127), the nibbles times those int8 coefficients
 /// sum exactly in integers, and the sum takes one float step into y. So the down pass rounds
 /// its coefficients as the dense down product rounds its activations (to int8 per 32), instead
-/// of decoding every weight to float. A step of blocks (`AXPY_GROUP_BLOCKS`) whose coefficients
-/// are not all finite (a NaN or infinite activation, a corrupt scale) goes through `axpy_scalar`
-/// instead, so they reach y as they would there. Scalar twin of `avx512::axpy_group_q4_0`.
+/// of decoding every weight to float. A block whose coefficients are not all finite (a NaN or
+/// infinite activation, a corrupt scale) goes through `axpy_scalar` instead, so they reach y as
+/// they would there. Scalar twin of `avx512::axpy_group_q4_0` and `avx2::axpy_group_q4_0`.
 pub fn axpy_group_q4_0_scalar(rows: &[&[u8]], a: &[f32], y: &mut [f32]) {
     assert!(!rows.is_empty() && rows.len() <= AXPY_GROUP_ROWS && a.len() == rows.len());
-    let nb = y.len() / QK;
     let bb = DType::Q4_0.block_bytes();
     let block = |r: usize, b: usize| &cast_blocks::<BlockQ4_0>(&rows[r][b * bb..])[0];
-    for first in (0..nb).step_by(AXPY_GROUP_BLOCKS) {
-        let blocks = first..nb.min(first + AXPY_GROUP_BLOCKS);
-        let finite = blocks.clone().all(|b| {
-            (0..rows.len()).all(|r| (a[r] * f16_to_f32(block(r, b).d)).abs() < f32::INFINITY)
-        });
-        if !finite {
+    for b in 0..y.len() / QK {
+        let mut c = [0.0f32; AXPY_GROUP_ROWS];
+        for (r, cr) in c.iter_mut().enumerate().take(rows.len()) {
+            *cr = a[r] * f16_to_f32(block(r, b).d);
+        }
+        if !c.iter().all(|v| v.abs() < f32::INFINITY) {
             for (row, &ar) in rows.iter().zip(a) {
-                let (w, cols) = (&row[first * bb..blocks.end * bb], first * QK..blocks.end * QK);
-                axpy_scalar(DType::Q4_0, w, ar, &mut y[cols]);
+                axpy_scalar(DType::Q4_0, &row[b * bb..(b + 1) * bb], ar, &mut y[b * QK..][..QK]);
             }
             continue;
         }
-        for b in blocks {
-            let mut c = [0.0f32; AXPY_GROUP_ROWS];
-            for (r, cr) in c.iter_mut().enumerate().take(rows.len()) {
-                *cr = a[r] * f16_to_f32(block(r, b).d);
-            }
-            let peak = c.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let (step, inv) = (peak / 127.0, if peak > 0.0 { 127.0 / peak } else { 0.0 });
-            let k = c.map(|v| (v * inv).round_ties_even() as i32);
-            let bias = 8 * k.iter().sum::<i32>();
-            for j in 0..QK {
-                let sum: i32 = (0..rows.len())
-                    .map(|r| {
-                        let q = block(r, b).qs[j % 16];
-                        k[r] * if j < 16 { q & 15 } else { q >> 4 } as i32
-                    })
-                    .sum();
-                let yj = &mut y[b * QK + j];
-                *yj = ((sum - bias) as f32).mul_add(step, *yj);
-            }
+        let peak = c.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let (step, inv) = (peak / 127.0, if peak > 0.0 { 127.0 / peak } else { 0.0 });
+        let k = c.map(|v| (v * inv).round_ties_even() as i32);
+        let bias = 8 * k.iter().sum::<i32>();
+        for j in 0..QK {
+            let sum: i32 = (0..rows.len())
+                .map(|r| {
+                    let q = block(r, b).qs[j % 16];
+                    k[r] * if j < 16 { q & 15 } else { q >> 4 } as i32
+                })
+                .sum();
+            let yj = &mut y[b * QK + j];
+            *yj = ((sum - bias) as f32).mul_add(step, *yj);
         }
     }
 }
