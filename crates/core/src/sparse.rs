@@ -803,10 +803,13 @@ fn add_rows<'a>(
     y: &mut [f32],
     then: &[&'a [u8]],
 ) {
-    let long = ids.first().is_some_and(|&j| row(j).len() >= INTEGER_DOWN_ROW_BYTES);
-    if dtype == DType::Q4_0 && long && level != SimdLevel::Scalar {
-        // in integers, up to 32 rows a call (`quant::axpy_group_q4_0_scalar`), each call
-        // prefetching the next call's rows into L2 over its blocks; the first call's up front
+    // long Q4_0 rows in integers, up to 32 a call (`quant::axpy_group_q4_0_scalar`), each
+    // call prefetching the next call's rows into L2 over its blocks; the first call's up front
+    #[cfg(target_arch = "x86_64")]
+    if dtype == DType::Q4_0
+        && ids.first().is_some_and(|&j| row(j).len() >= INTEGER_DOWN_ROW_BYTES)
+        && crate::simd::avx512_vbmi(level)
+    {
         for &j in ids.iter().take(quant::AXPY_GROUP_ROWS) {
             crate::simd::prefetch_l2(row(j))
         }
@@ -820,7 +823,9 @@ fn add_rows<'a>(
             let after = first + group.len();
             let (next, n) = next_rows::<{ quant::AXPY_GROUP_ROWS }>(&ids[after..], &row);
             let next = if n == 0 { then } else { &next[..n] };
-            integer_down_pass(level, &rows[..group.len()], &a[..group.len()], y, next);
+            let (rows, a) = (&rows[..group.len()], &a[..group.len()]);
+            // SAFETY: `avx512_vbmi` holds only where the CPU has AVX-512 with VBMI
+            unsafe { crate::avx512::axpy_group_q4_0::<true>(rows, a, y, next) }
         }
         return;
     }
@@ -850,32 +855,6 @@ fn add_rows<'a>(
         }
         k = after;
     }
-}
-
-/// `quant::axpy_group_q4_0_scalar` at `level` (above Scalar): AVX-512 with VBMI's kernel, else
-/// the 256-bit one in the level's VNNI encoding (AVX-512 without VBMI: its EVEX encoding).
-#[cfg(target_arch = "x86_64")]
-fn integer_down_pass(level: SimdLevel, rows: &[&[u8]], a: &[f32], y: &mut [f32], next: &[&[u8]]) {
-    use crate::simd::{avx512_vbmi, vnni256, Vnni256};
-    // SAFETY: levels above Scalar are only reported when the CPU has their features, VBMI and
-    // the 256-bit VNNI encodings only where it has them too
-    unsafe {
-        match level {
-            SimdLevel::Avx512 if avx512_vbmi(level) => {
-                crate::avx512::axpy_group_q4_0::<true>(rows, a, y, next)
-            }
-            SimdLevel::Avx512 => {
-                crate::avx2::axpy_group_q4_0(Some(Vnni256::Evex), rows, a, y, next)
-            }
-            _ => crate::avx2::axpy_group_q4_0(vnni256(level), rows, a, y, next),
-        }
-    }
-}
-
-/// Other architectures run the Scalar level, which keeps the float axpys.
-#[cfg(not(target_arch = "x86_64"))]
-fn integer_down_pass(_: SimdLevel, rows: &[&[u8]], a: &[f32], y: &mut [f32], _: &[&[u8]]) {
-    quant::axpy_group_q4_0_scalar(rows, a, y)
 }
 
 /// The neurons j of one token's values `h` (n_ff) with h[j] != 0 and bit j of `tiled` clear,
@@ -1114,7 +1093,7 @@ mod tests {
         x.set(&random_vec(n_embd, 5), 1, n_embd);
         let (mut g, mut u) = (vec![0.0; n_ff], vec![0.0; n_ff]);
         matmul_many(&[q(&gd), q(&ud)], &x, &mut [&mut g, &mut u]);
-        let integer = simd_level() != SimdLevel::Scalar;
+        let integer = crate::simd::avx512_vbmi(simd_level());
         for threads in [1, 3] {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
             for density in [0.1, 0.5, 1.0] {
@@ -1166,36 +1145,15 @@ mod tests {
         quant::cast_blocks(row)
     }
 
-    /// The integer down pass's kernels are its scalar twin bit for bit (AVX-512 VBMI's, and the
-    /// 256-bit one without VNNI and in each VNNI encoding this CPU has): group sizes 1 to 32,
-    /// widths with a short last step of blocks, zero coefficients, an infinite scale (its block
-    /// through the float axpy, the others in integers, as the twin) and a NaN coefficient.
+    /// The integer down pass's AVX-512 VBMI kernel is its scalar twin bit for bit: group sizes 1
+    /// to 32, widths with a short last step of blocks, zero coefficients, an infinite scale (its
+    /// block through the float axpy, the others in integers, as the twin) and a NaN coefficient.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn integer_down_pass_is_its_scalar_twin() {
-        use crate::simd::{avx512_vbmi, detect, vnni256_encodings};
-        if !detect().has_avx2() {
-            eprintln!("skipping: no AVX2 on this CPU");
+        if !crate::simd::avx512_vbmi(crate::simd::detect()) {
+            eprintln!("skipping: no AVX-512 VBMI on this CPU");
             return;
-        }
-        type Kernel = Box<dyn Fn(&[&[u8]], &[f32], &mut [f32])>;
-        let mut kernels: Vec<(String, Kernel)> = vec![(
-            "AVX2".into(),
-            Box::new(|r, a, y| unsafe { crate::avx2::axpy_group_q4_0(None, r, a, y, r) }),
-        )];
-        for v in vnni256_encodings() {
-            kernels.push((
-                format!("256-bit {v:?}"),
-                Box::new(move |r, a, y| unsafe {
-                    crate::avx2::axpy_group_q4_0(Some(v), r, a, y, r)
-                }),
-            ));
-        }
-        if avx512_vbmi(detect()) {
-            kernels.push((
-                "AVX-512 VBMI".into(),
-                Box::new(|r, a, y| unsafe { crate::avx512::axpy_group_q4_0::<false>(r, a, y, r) }),
-            ));
         }
         for cols in [32, 96, 256, 512, 576, 608, 4096] {
             for n_rows in [1, 2, 3, 4, 5, 8, 13, 17, 29, 32] {
@@ -1213,21 +1171,18 @@ mod tests {
                     a[7] = f32::NAN;
                 }
                 let y0 = random_vec(cols, 5);
-                let mut want = y0.clone();
+                let (mut want, mut got) = (y0.clone(), y0.clone());
                 let rr: Vec<&[u8]> = rows.iter().map(|r| &r[..]).collect();
                 quant::axpy_group_q4_0_scalar(&rr, &a, &mut want);
-                for (name, kernel) in &kernels {
-                    let mut got = y0.clone();
-                    kernel(&rr, &a, &mut got);
-                    for j in 0..cols {
-                        assert_eq!(
-                            want[j].to_bits(),
-                            got[j].to_bits(),
-                            "{name}: {cols} cols, {n_rows} rows, [{j}]: {} scalar, {}",
-                            want[j],
-                            got[j]
-                        );
-                    }
+                unsafe { crate::avx512::axpy_group_q4_0::<false>(&rr, &a, &mut got, &rr) };
+                for j in 0..cols {
+                    assert_eq!(
+                        want[j].to_bits(),
+                        got[j].to_bits(),
+                        "{cols} cols, {n_rows} rows, [{j}]: {} scalar, {} AVX-512",
+                        want[j],
+                        got[j]
+                    );
                 }
             }
         }

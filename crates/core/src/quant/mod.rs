@@ -472,7 +472,7 @@ pub const AXPY_GROUP_ROWS: usize = 32;
 /// its coefficients as the dense down product rounds its activations (to int8 per 32), instead
 /// of decoding every weight to float. A block whose coefficients are not all finite (a NaN or
 /// infinite activation, a corrupt scale) goes through `axpy_scalar` instead, so they reach y as
-/// they would there. Scalar twin of `avx512::axpy_group_q4_0` and `avx2::axpy_group_q4_0`.
+/// they would there. Scalar twin of `avx512::axpy_group_q4_0`.
 pub fn axpy_group_q4_0_scalar(rows: &[&[u8]], a: &[f32], y: &mut [f32]) {
     assert!(!rows.is_empty() && rows.len() <= AXPY_GROUP_ROWS && a.len() == rows.len());
     let bb = DType::Q4_0.block_bytes();
