@@ -119,7 +119,8 @@ unsafe fn q4_0_scales16(row: *const u8, n: usize) -> __m512 {
             64.. => u64::MAX,
             left => (1u64 << left) - 1,
         };
-        _mm512_maskz_loadu_epi8(mask, row.add(at) as *const i8)
+        // (wrapping: past the n blocks the mask is 0 and the address is never read)
+        _mm512_maskz_loadu_epi8(mask, row.wrapping_add(at) as *const i8)
     };
     // words 0, 9, 18, ..., 63 of a 128-byte window: the scales of its 8 blocks
     let first = _mm512_setr_epi32(
@@ -183,6 +184,7 @@ pub unsafe fn axpy_group_q4_0<const INTO_L2: bool>(
     use crate::quant::AXPY_GROUP_ROWS;
     let n_rows = rows.len();
     assert!((1..=AXPY_GROUP_ROWS).contains(&n_rows) && a.len() == n_rows);
+    assert!(y.len().is_multiple_of(32), "Q4_0 rows are whole blocks");
     let nb = y.len() / 32;
     let bb = DType::Q4_0.block_bytes();
     assert!(rows.iter().all(|r| r.len() >= nb * bb));

@@ -475,6 +475,7 @@ pub const AXPY_GROUP_ROWS: usize = 32;
 /// they would there. Scalar twin of `avx512::axpy_group_q4_0`.
 pub fn axpy_group_q4_0_scalar(rows: &[&[u8]], a: &[f32], y: &mut [f32]) {
     assert!(!rows.is_empty() && rows.len() <= AXPY_GROUP_ROWS && a.len() == rows.len());
+    assert!(y.len().is_multiple_of(QK), "Q4_0 rows are whole blocks");
     let bb = DType::Q4_0.block_bytes();
     let block = |r: usize, b: usize| &cast_blocks::<BlockQ4_0>(&rows[r][b * bb..])[0];
     for b in 0..y.len() / QK {
