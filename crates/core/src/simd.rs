@@ -34,30 +34,28 @@ impl SimdLevel {
 #[inline]
 pub(crate) fn prefetch(bytes: &[u8]) {
     #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        for off in (0..bytes.len()).step_by(64) {
-            // SAFETY: prefetching is a hint that never faults; the address is inside the slice.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().add(off) as *const i8) };
-        }
+    prefetch_lines::<{ std::arch::x86_64::_MM_HINT_T0 }>(bytes)
+}
+
+/// `prefetch` into L2 only (for rows long enough to crowd L1).
+#[inline]
+pub(crate) fn prefetch_l2(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    prefetch_lines::<{ std::arch::x86_64::_MM_HINT_T1 }>(bytes)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn prefetch_lines<const HINT: i32>(bytes: &[u8]) {
+    for off in (0..bytes.len()).step_by(64) {
+        // SAFETY: prefetching is a hint that never faults; the address is inside the slice.
+        unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(bytes.as_ptr().add(off) as *const i8) };
     }
 }
 
 /// Best instruction set on this CPU, decided once. `POWERINFER_SIMD=scalar`, `avx2` or
 /// `avxvnni` (AVX2 with AVX-VNNI where the CPU has it) caps it (for checking results and
 /// measuring what each level buys).
-/// `prefetch` into L2 only (for rows long enough to crowd L1).
-#[inline]
-pub(crate) fn prefetch_l2(bytes: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-        for off in (0..bytes.len()).step_by(64) {
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(bytes.as_ptr().add(off) as *const i8) };
-        }
-    }
-}
-
 pub fn simd_level() -> SimdLevel {
     static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
     *LEVEL.get_or_init(|| {
